@@ -1,0 +1,32 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Both create .venv and install when
+# needed; the stamp file makes a second run skip the install.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Test workers: CI machines have 2 cores.
+WORKERS ?= 2
+
+.PHONY: demo test test-fast bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/supernode preview --stack dev
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n $(WORKERS) -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n $(WORKERS) -q -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/supernode bench preview
+
+clean:
+	rm -rf $(VENV) .pytest_cache out

@@ -1,0 +1,264 @@
+"""Capacity planner: parameters, per-rank memory, FLOPs, step time, checkpoint I/O and cost.
+
+Pure arithmetic over the config and the catalog (no torch), so every figure can be checked by hand
+(tests/supernode/test_capacity.py does). Conventions, chosen to match how the trainer lays things
+out (ARCHITECTURE.md §5):
+- FSDP2 mixed precision keeps fp32 sharded master parameters, fp32 gradients and two fp32 Adam
+  moments: 16 bytes per *sharded* parameter. Compute copies are all-gathered in the compute dtype.
+- Non-expert weights are split by tp (norms and the router are replicated), then by pp (layers),
+  then sharded by FSDP over dp_shard. Expert weights are split by ep and FSDP-sharded over
+  dp_shard*tp/ep, so each rank holds experts/(dp_shard*tp) of them.
+- Activations are itemised per token per layer (see `activation_terms`); no sequence parallel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Optional
+
+from pydantic import BaseModel
+
+from .catalog import GIB, InstanceType
+from .config import Fsx, Model, Parallel, Training, layout_rules
+
+ADAM_STATE_BYTES = 16  # fp32 master + fp32 grad + 2 fp32 moments, per sharded parameter
+CHECKPOINT_BYTES = 12  # fp32 master + 2 moments (gradients are not saved)
+RUNTIME_RESERVE_BYTES = int(1.5 * GIB)  # CUDA context, NCCL/EFA buffers, allocator slack
+MATMUL_EFFICIENCY = 0.55  # fraction of dense peak a well-tuned bf16 GEMM mix reaches
+FSX_INCREMENT_GIB = 2400
+
+
+class ParamCounts(BaseModel):
+    embedding: int
+    head: int
+    attention: int  # all layers: q, k, v, o projections
+    norms: int  # all RMSNorm weights incl. the final one
+    router: int
+    experts: int  # routed experts, all layers
+    shared_experts: int
+    dense_ffn: int
+    total: int
+    active: int  # per token: everything but the embedding lookup and the unused experts
+
+
+def param_counts(m: Model) -> ParamCounts:
+    d, hd = m.dim, m.head_dim
+    q_dim, kv_dim = m.heads * hd, m.kv_heads * hd
+    moe, dense = m.moe_layers, m.layers - m.moe_layers
+    embedding = m.vocab * d
+    head = 0 if m.tie_embeddings else m.vocab * d
+    attention = m.layers * (d * q_dim + 2 * d * kv_dim + q_dim * d)
+    norms = m.layers * 2 * d + d
+    router = moe * d * m.experts
+    experts = moe * m.experts * 3 * d * m.expert_hidden
+    shared = moe * m.shared_experts * 3 * d * m.expert_hidden
+    dense_ffn = dense * 3 * d * m.dense_hidden
+    total = embedding + head + attention + norms + router + experts + shared + dense_ffn
+    unused = moe * (m.experts - m.top_k) * 3 * d * m.expert_hidden
+    active = total - embedding - unused + (embedding if m.tie_embeddings else 0)
+    return ParamCounts(embedding=embedding, head=head, attention=attention, norms=norms, router=router,
+                       experts=experts, shared_experts=shared, dense_ffn=dense_ffn, total=total, active=active)
+
+
+def flops_per_token(m: Model) -> float:
+    """Training FLOPs per token: 6 x active params + causal attention (6 * seq * q_dim per layer)."""
+    return 6 * param_counts(m).active + 6 * m.layers * m.seq_len * m.heads * m.head_dim
+
+
+class Memory(BaseModel):
+    """Bytes per rank on the busiest pipeline stage."""
+
+    params_per_rank: int  # sharded parameter count held by one rank
+    model_states: int  # 16 B per sharded parameter
+    fsdp_buffers: int  # unsharded compute copies of two layers (current + prefetch) + one layer's grads
+    activations: int
+    logits: int
+    runtime_reserve: int
+    total: int
+
+    @property
+    def total_gib(self) -> float:
+        return self.total / GIB
+
+
+def activation_terms(m: Model, p: Parallel, tokens: int) -> dict[str, int]:
+    """Saved activation bytes for `tokens` tokens through one layer of each kind, by AC mode."""
+    a = 2 if p.mixed_precision == "bf16" else 4
+    d, tp = m.dim, p.tp
+    q_dim, kv_dim = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    # attention: norm input, normed input, q/k/v after RoPE, SDPA output (+ fp32 log-sum-exp)
+    attn = a * tokens * (2 * d + (2 * q_dim + 2 * kv_dim) // tp) + 4 * tokens * m.heads // tp
+    ffn_inputs = a * tokens * 2 * d  # norm input, normed input
+    # routed experts see top_k copies of each token: input, gate, up, silu(gate)*up; fp32 router scores
+    moe_ffn = (ffn_inputs + a * tokens * m.top_k * (d + 3 * m.expert_hidden)
+               + a * tokens * 3 * m.shared_experts * m.expert_hidden // tp + 4 * tokens * m.experts)
+    dense_ffn = ffn_inputs + a * tokens * 3 * m.dense_hidden // tp
+    layer_input = a * tokens * d
+    return {"attention": attn, "moe_ffn": moe_ffn, "dense_ffn": dense_ffn, "layer_input": layer_input}
+
+
+def memory(m: Model, p: Parallel, t: Training) -> Memory:
+    pc = param_counts(m)
+    compute_bytes = 2 if p.mixed_precision == "bf16" else 4
+    layers_per_stage = m.layers // p.pp
+    stage = layers_per_stage / m.layers
+    outer = pc.embedding + pc.head if p.pp == 1 else max(pc.embedding, pc.head)  # first/last stage
+    tp_split = (pc.attention + pc.shared_experts + pc.dense_ffn) * stage / p.tp + outer / p.tp
+    replicated = (pc.norms + pc.router) * stage
+    nonexpert_rank = (tp_split + replicated) / p.dp_shard
+    expert_rank = pc.experts * stage / (p.dp_shard * p.tp)
+    params_rank = math.ceil(nonexpert_rank + expert_rank)
+
+    # Largest layer as one rank computes it (after tp/ep split, before FSDP sharding).
+    d, hd = m.dim, m.head_dim
+    attn_layer = (d * m.heads * hd * 2 + 2 * d * m.kv_heads * hd) / p.tp
+    moe_layer = (m.experts // p.ep + m.shared_experts / p.tp) * 3 * d * m.expert_hidden if m.moe_layers else 0
+    dense_layer = 3 * d * m.dense_hidden / p.tp if m.moe_layers < m.layers else 0
+    layer = attn_layer + max(moe_layer, dense_layer)
+    fsdp_buffers = int(layer * (2 * compute_bytes + 4)) if p.dp_shard * p.tp > 1 else 0
+
+    tokens = t.micro_batch * m.seq_len
+    act = activation_terms(m, p, tokens)
+    moe_frac = m.moe_layers / m.layers
+    ffn = moe_frac * act["moe_ffn"] + (1 - moe_frac) * act["dense_ffn"]
+    full_layer = act["attention"] + ffn
+    if p.activation_checkpointing == "none":
+        per_mb = layers_per_stage * full_layer
+    elif p.activation_checkpointing == "selective":  # keep attention, recompute the FFN/experts
+        per_mb = layers_per_stage * (act["attention"] + a_ffn_inputs(m, p, tokens)) + (full_layer - act["attention"])
+    else:  # full: keep each layer's input, recompute one layer at a time
+        per_mb = layers_per_stage * act["layer_input"] + full_layer
+    in_flight = min(p.pp, max(1, t.global_batch // (t.micro_batch * p.dp))) if p.pp > 1 else 1
+    activations = int(per_mb * in_flight)
+    logits = 2 * 4 * tokens * m.vocab // p.tp  # fp32 logits and their gradient
+    model_states = params_rank * ADAM_STATE_BYTES
+    total = model_states + fsdp_buffers + activations + logits + RUNTIME_RESERVE_BYTES
+    return Memory(params_per_rank=params_rank, model_states=model_states, fsdp_buffers=fsdp_buffers,
+                  activations=activations, logits=logits, runtime_reserve=RUNTIME_RESERVE_BYTES, total=total)
+
+
+def a_ffn_inputs(m: Model, p: Parallel, tokens: int) -> int:
+    return (2 if p.mixed_precision == "bf16" else 4) * tokens * 2 * m.dim
+
+
+class StepTime(BaseModel):
+    compute_s: float
+    all_to_all_s: float
+    fsdp_s: float
+    replicate_s: float
+    tensor_parallel_s: float
+    step_s: float
+    mfu: float
+    all_to_all_bytes_per_rank: int  # per step, both directions, fwd + bwd
+
+
+def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType) -> StepTime:
+    world = p.world_size
+    gpn = hw.accelerators
+    a = 2 if p.mixed_precision == "bf16" else 4
+    tokens_step = t.global_batch * m.seq_len
+    flops_rank = tokens_step * flops_per_token(m) / world
+    compute = flops_rank / (hw.peak_flops * MATMUL_EFFICIENCY)
+    nvlink = hw.nvlink_gbytes_s * 1e9 / 2  # one direction
+    efa = hw.efa_gbytes_s * 1e9 / gpn  # per GPU
+
+    def bw(group: int, stride: int) -> float:
+        return nvlink if group * stride <= gpn else efa
+
+    tokens_rank = tokens_step / p.dp  # tp ranks process the same tokens
+    a2a_bytes = int(4 * tokens_rank * m.top_k * m.dim * a * (p.ep - 1) / p.ep * m.moe_layers / p.pp)
+    a2a = a2a_bytes / bw(p.ep, 1) if p.ep > 1 else 0.0
+    pc = param_counts(m)
+    stage = 1 / p.pp
+    nonexpert = (pc.total - pc.experts) * stage / p.tp  # gathered by each rank over dp_shard
+    experts = pc.experts * stage / p.ep  # gathered over dp_shard*tp/ep
+    fsdp = 0.0
+    for gathered, n in ((nonexpert, p.dp_shard), (experts, p.dp_shard * p.tp // p.ep)):
+        if n > 1:  # all-gather fwd + bwd in compute dtype, reduce-scatter grads in fp32
+            fsdp += gathered * (2 * a + 4) * (n - 1) / n / bw(n, p.tp if n == p.dp_shard else p.ep)
+    replicate = 0.0
+    if p.dp_replicate > 1:
+        shard_bytes = 4 * pc.total * stage / (p.tp * p.dp_shard)
+        replicate = 2 * shard_bytes * (p.dp_replicate - 1) / p.dp_replicate / efa
+    tpc = 0.0
+    if p.tp > 1:
+        tpc = 4 * (m.layers / p.pp) * 2 * (p.tp - 1) / p.tp * tokens_rank * m.dim * a / nvlink
+    comm = a2a + fsdp + replicate + tpc
+    step = max(compute, comm) if p.overlap else compute + comm
+    mfu = flops_rank / (step * hw.peak_flops)
+    return StepTime(compute_s=compute, all_to_all_s=a2a, fsdp_s=fsdp, replicate_s=replicate,
+                    tensor_parallel_s=tpc, step_s=step, mfu=mfu, all_to_all_bytes_per_rank=a2a_bytes)
+
+
+class CheckpointIO(BaseModel):
+    checkpoint_bytes: int
+    required_mb_s: float
+    fsx_capacity_gib: int  # configured, or sized by the planner
+    fsx_throughput_mb_s: float
+    write_seconds: float
+    within_budget: bool
+    sized_by_planner: bool
+
+
+def fsx_capacity_for(mb_s: float, per_unit: int, min_bytes: int) -> int:
+    need_tib = max(mb_s / per_unit, min_bytes / 1024**4)
+    gib = math.ceil(need_tib * 1024)
+    return 1200 if gib <= 1200 else math.ceil(gib / FSX_INCREMENT_GIB) * FSX_INCREMENT_GIB
+
+
+def checkpoint_io(m: Model, t: Training, fsx: Fsx) -> CheckpointIO:
+    size = CHECKPOINT_BYTES * param_counts(m).total
+    required = size / 1e6 / fsx.checkpoint_write_budget_s
+    hold = size * (t.keep_checkpoints + 1)  # kept checkpoints + one being written
+    capacity = fsx.capacity_gib or fsx_capacity_for(required, fsx.per_unit_throughput, hold)
+    throughput = capacity / 1024 * fsx.per_unit_throughput
+    seconds = size / 1e6 / throughput
+    return CheckpointIO(checkpoint_bytes=size, required_mb_s=required, fsx_capacity_gib=capacity,
+                        fsx_throughput_mb_s=throughput, write_seconds=seconds,
+                        within_budget=seconds <= fsx.checkpoint_write_budget_s and capacity * GIB >= hold,
+                        sized_by_planner=fsx.capacity_gib is None)
+
+
+class Suggestion(BaseModel):
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ep: int
+    pp: int
+    activation_checkpointing: str
+    memory_gib: float
+    step_s: float
+
+
+def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3) -> list[Suggestion]:
+    """Layouts with the same world size that fit, fastest first."""
+    world, out = p.world_size, []
+    divisors = [n for n in range(1, world + 1) if world % n == 0]
+    for tp, pp, rep, ac in itertools.product([d for d in divisors if d <= hw.accelerators], divisors, divisors,
+                                             ("none", "selective", "full")):
+        if world % (tp * pp * rep):
+            continue
+        shard = world // (tp * pp * rep)
+        for ep in [d for d in divisors if m.experts % d == 0 and (shard * tp) % d == 0]:
+            cand = p.model_copy(update=dict(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=pp,
+                                            activation_checkpointing=ac))
+            if layout_rules(m, cand, t, world, hw.accelerators):
+                continue
+            mem = memory(m, cand, t)
+            if mem.total <= hw.hbm_mib * 2**20:
+                st = step_time(m, cand, t, hw)
+                out.append(Suggestion(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=pp,
+                                      activation_checkpointing=ac, memory_gib=round(mem.total_gib, 2),
+                                      step_s=round(st.step_s, 4)))
+    out.sort(key=lambda s: (s.step_s, s.memory_gib))
+    return out[:limit]
+
+
+def hours_cost(nodes_by_type: dict[str, int], catalog: dict[str, InstanceType], hours: float) -> tuple[float, float]:
+    per_hour = sum(n * catalog[name].price_per_hour for name, n in nodes_by_type.items())
+    return per_hour, per_hour * hours
+
+
+def optional_round(x: Optional[float], n: int = 3) -> Optional[float]:
+    return None if x is None else round(x, n)

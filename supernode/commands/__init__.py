@@ -1,0 +1,1 @@
+"""Subcommands of `supernode`; each module defines `register(subparsers)`."""

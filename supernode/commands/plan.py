@@ -1,0 +1,84 @@
+"""`supernode plan`: the parallel plan and capacity figures."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from ..cli import EXIT_FAILED, add_stack_args, stack_from_args
+from ..plan import Plan, build_plan
+
+GIB = 2**30
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="the parallel plan and capacity figures of a stack")
+    add_stack_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--full", action="store_true", help="with --json: the whole serialised plan")
+    p.set_defaults(func=run)
+
+
+def plan_json(plan: Plan) -> dict:
+    out = plan.summary()
+    out.update(json.loads(plan.model_dump_json(include={
+        "instance_type", "nodes", "accelerators_per_node", "params", "flops_per_token", "memory", "over_by_gib",
+        "suggestions", "step", "checkpoint", "cost_per_hour_usd", "run_hours", "run_cost_usd"})))
+    return out
+
+
+def render(plan: Plan, console: Console) -> None:
+    d = plan.degrees
+    t = Table(title=f"supernode plan: {plan.stack}", show_header=True, header_style="bold")
+    t.add_column("item")
+    t.add_column("value", justify="right")
+    t.add_column("detail")
+    hw = plan.hardware
+    t.add_row("hardware", f"{plan.nodes} x {plan.instance_type}", f"{plan.world_size} x {hw.accelerator} "
+              f"{plan.hbm_gib:.0f} GiB, {hw.efa_interfaces} EFA x {hw.efa_gbps} Gb/s")
+    t.add_row("layout", f"world {plan.world_size}", f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x "
+              f"tp {d.tp} x pp {d.pp}; ep {d.ep}; AC {plan.parallel.activation_checkpointing}; "
+              f"{plan.parallel.mixed_precision}; overlap {'on' if plan.parallel.overlap else 'off'}")
+    t.add_row("parameters", f"{plan.params.total / 1e9:.2f} B", f"{plan.params.active / 1e9:.2f} B active per token; "
+              f"experts {plan.params.experts / 1e9:.2f} B")
+    m = plan.memory
+    t.add_row("memory / rank", f"{plan.memory_per_rank_gib:.1f} GiB",
+              f"states {m.model_states / GIB:.1f}, FSDP buffers {m.fsdp_buffers / GIB:.1f}, activations "
+              f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}, reserve {m.runtime_reserve / GIB:.1f} GiB")
+    fit = "[green]fits[/]" if plan.fits else f"[red]does not fit: over by {plan.over_by_gib:.1f} GiB[/]"
+    t.add_row("HBM / rank", f"{plan.hbm_gib:.1f} GiB", fit)
+    s = plan.step
+    t.add_row("step time (est.)", f"{s.step_s:.3f} s", f"compute {s.compute_s:.3f}, all-to-all {s.all_to_all_s:.3f}, "
+              f"FSDP {s.fsdp_s:.3f}, replicate {s.replicate_s:.3f}, TP {s.tensor_parallel_s:.3f} s")
+    t.add_row("MFU (est.)", f"{s.mfu:.1%}", f"{plan.flops_per_token / 1e9:.2f} GFLOP/token")
+    c = plan.checkpoint
+    t.add_row("checkpoint", f"{c.checkpoint_bytes / 1e9:.1f} GB", f"needs {c.required_mb_s:.0f} MB/s; FSx "
+              f"{c.fsx_capacity_gib} GiB -> {c.fsx_throughput_mb_s:.0f} MB/s, writes in {c.write_seconds:.0f} s"
+              f"{' (sized by planner)' if c.sized_by_planner else ''}")
+    t.add_row("cost", f"${plan.cost_per_hour_usd:,.2f}/h", f"{plan.training.steps} steps ~ {plan.run_hours:.1f} h "
+              f"~ ${plan.run_cost_usd:,.0f} on demand")
+    console.print(t)
+    if not plan.fits:
+        console.print(f"[red]The plan needs {plan.memory_per_rank_gib:.1f} GiB per rank but the GPU has "
+                      f"{plan.hbm_gib:.1f} GiB.[/]")
+        if plan.suggestions:
+            console.print("Layouts with the same world size that fit (fastest first):")
+            for sug in plan.suggestions:
+                console.print(f"  dpReplicate {sug.dp_replicate}, dpShard {sug.dp_shard}, tp {sug.tp}, ep {sug.ep}, "
+                              f"pp {sug.pp}, activationCheckpointing {sug.activation_checkpointing}: "
+                              f"{sug.memory_gib} GiB, ~{sug.step_s} s/step", markup=False)
+        else:
+            console.print("No layout of this world size fits: add nodes, use larger-memory GPUs, "
+                          "or shrink micro batch / sequence length.")
+
+
+def run(args) -> int:
+    stack, cfg = stack_from_args(args)
+    plan = build_plan(stack, cfg)
+    if args.json:
+        print(plan.to_json() if args.full else json.dumps(plan_json(plan), indent=2))
+    else:
+        render(plan, Console())
+    return 0 if plan.fits else EXIT_FAILED

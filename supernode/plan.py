@@ -1,0 +1,116 @@
+"""The Plan: the one object that sizes the hardware, configures the job and is checked by policy.
+
+Built once from a StackConfig (`build_plan`), serialised once (`Plan.to_json`); the Kubernetes
+ConfigMap, the trainer and the policy pack all read that JSON. Nothing re-derives the layout.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from . import capacity as cap
+from .catalog import CATALOG, InstanceType
+from .config import Model, Parallel, StackConfig, Training
+
+
+class Degrees(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ep: int
+    pp: int
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    stack: str
+    local: bool  # True: the CPU layout from the stack's `local` section
+    instance_type: str
+    nodes: int
+    accelerators_per_node: int
+    world_size: int
+    degrees: Degrees
+    model: Model
+    parallel: Parallel
+    training: Training
+    # capacity figures
+    params: cap.ParamCounts
+    flops_per_token: float
+    memory: cap.Memory
+    memory_per_rank_gib: float
+    hbm_gib: float
+    fits: bool
+    over_by_gib: float  # how far over HBM the estimate is (0 when it fits)
+    suggestions: list[cap.Suggestion]
+    step: cap.StepTime
+    checkpoint: cap.CheckpointIO
+    cost_per_hour_usd: float
+    run_hours: float
+    run_cost_usd: float
+
+    @property
+    def hardware(self) -> InstanceType:
+        return CATALOG[self.instance_type]
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.model_validate_json(text)
+
+    @classmethod
+    def read(cls, path: str | Path) -> "Plan":
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+
+    def summary(self) -> dict:
+        """The contract keys (ARCHITECTURE.md §6) plus the headline figures."""
+        return {
+            "stack": self.stack, "world_size": self.world_size, "degrees": self.degrees.model_dump(),
+            "memory_per_rank_gib": round(self.memory_per_rank_gib, 3), "hbm_gib": round(self.hbm_gib, 3),
+            "fits": self.fits,
+        }
+
+
+def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
+    # Mixed instance types are allowed; the plan is sized for the smallest GPU memory among them.
+    hw = min((CATALOG[g.instance_type] for g in cfg.accelerator_node_groups), key=lambda t: t.hbm_mib)
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    world = cfg.local.nproc if local else cfg.accelerators
+    mem = cap.memory(m, p, t)
+    hbm = hw.hbm_mib * 2**20
+    fits = mem.total <= hbm
+    st = cap.step_time(m, p, t, hw)
+    ckpt = cap.checkpoint_io(m, t, cfg.storage.fsx)
+    hours = t.steps * st.step_s / 3600
+    per_hour, total = cap.hours_cost(_nodes(cfg), CATALOG, hours)
+    return Plan(
+        stack=stack, local=local, instance_type=hw.name, nodes=cfg.nodes, accelerators_per_node=hw.accelerators,
+        world_size=world, degrees=Degrees(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep, pp=p.pp),
+        model=m, parallel=p, training=t, params=cap.param_counts(m), flops_per_token=cap.flops_per_token(m),
+        memory=mem, memory_per_rank_gib=mem.total_gib, hbm_gib=hbm / 2**30, fits=fits,
+        over_by_gib=max(0.0, (mem.total - hbm) / 2**30),
+        suggestions=[] if fits or local else cap.suggest(m, p, t, hw),
+        step=st, checkpoint=ckpt, cost_per_hour_usd=per_hour, run_hours=hours, run_cost_usd=total,
+    )
+
+
+def _nodes(cfg: StackConfig) -> Counter:
+    c: Counter = Counter()
+    for g in cfg.accelerator_node_groups:
+        c[g.instance_type] += g.nodes
+    return c
+
+
+def build_plan(stack: str, cfg: StackConfig) -> Plan:
+    return _plan(stack, cfg, local=False)
+
+
+def build_local_plan(stack: str, cfg: StackConfig) -> Plan:
+    """The same plan scaled down by the stack's `local` section, for a CPU run with nproc ranks."""
+    return _plan(stack, cfg.local_config(), local=True)

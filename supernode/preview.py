@@ -1,0 +1,182 @@
+"""Offline preview: run `__main__.py` in-process under Pulumi's mock engine (ARCHITECTURE.md §3).
+
+Pulumi's `MockMonitor` stands in for the engine and the cloud. `RecordingMonitor` keeps every
+registration (URN, type, name, parent, inputs, dependencies) — that list *is* the preview — and
+`CloudMocks` returns plausible computed state and answers provider invokes from the catalog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import runpy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pulumi
+from pulumi.runtime import mocks as pmocks
+from pulumi.runtime import settings as psettings
+from pulumi.runtime.config import set_all_config
+from pulumi.runtime.stack import run_pulumi_func
+
+from .catalog import CATALOG
+from .config import NAMESPACE, StackConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = ROOT / "__main__.py"
+ACCOUNT = "123456789012"
+
+
+@dataclass
+class Resource:
+    urn: str
+    type: str
+    name: str
+    parent: str
+    inputs: dict[str, Any]
+    dependencies: list[str] = field(default_factory=list)
+    custom: bool = True
+    id: str = ""
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"urn": self.urn, "type": self.type, "name": self.name, "parent": self.parent,
+                "inputs": self.inputs, "dependencies": self.dependencies, "custom": self.custom}
+
+
+def _plain(value: Any) -> Any:
+    """Engine values as JSON: unknowns become None, resource references their URN."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, pulumi.Resource):
+        return getattr(value, "_urn_str", None)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+class CloudMocks(pmocks.Mocks):
+    """Computed state for new resources; invokes answered from the catalog."""
+
+    def __init__(self, region: str):
+        self.region = region
+
+    def new_resource(self, args: pmocks.MockResourceArgs):
+        typ, name = args.typ, args.name
+        rid = f"{name}-{hashlib.sha1(f'{typ}/{name}'.encode()).hexdigest()[:8]}"
+        service = typ.split(":")[1].split("/")[0] if typ.startswith("aws:") else ""
+        state = dict(args.inputs)
+        state.setdefault("arn", f"arn:aws:{service or 'mock'}:{self.region}:{ACCOUNT}:{typ.rsplit(':', 1)[-1].lower()}/{rid}")
+        state.setdefault("name", args.inputs.get("name", rid))
+        state.update(_computed(typ, rid, args.inputs, self.region))
+        return rid, state
+
+    def call(self, args: pmocks.MockCallArgs):
+        token, a = args.token, args.args
+        if token == "aws:index/getAvailabilityZones:getAvailabilityZones":
+            from .catalog import REGION_AZS
+            names = [self.region + s for s in REGION_AZS.get(self.region, ("a", "b", "c"))]
+            return {"names": names, "zoneIds": [f"use1-az{i + 1}" for i in range(len(names))], "id": self.region}
+        if token == "aws:index/getCallerIdentity:getCallerIdentity":
+            return {"accountId": ACCOUNT, "arn": f"arn:aws:iam::{ACCOUNT}:user/ci", "userId": "AIDAMOCK", "id": ACCOUNT}
+        if token == "aws:index/getPartition:getPartition":
+            return {"partition": "aws", "dnsSuffix": "amazonaws.com", "id": "aws"}
+        if token in ("aws:index/getRegion:getRegion",):
+            return {"name": self.region, "region": self.region, "id": self.region, "endpoint": f"ec2.{self.region}.amazonaws.com"}
+        if token == "aws:ec2/getInstanceType:getInstanceType":
+            t = CATALOG[a["instanceType"]]
+            return {"instanceType": t.name, "defaultVcpus": t.vcpus, "memorySize": t.memory_gib * 1024,
+                    "maximumNetworkCards": t.efa_interfaces, "efaSupported": True,
+                    "maximumEfaInterfaces": t.efa_interfaces,
+                    "gpuses": [{"count": t.accelerators, "manufacturer": "NVIDIA", "name": t.accelerator,
+                                "memorySize": t.hbm_mib}], "id": t.name}
+        if token == "aws:ssm/getParameter:getParameter":
+            return {"name": a["name"], "value": "ami-0abc1234def567890", "type": "String", "id": a["name"]}
+        return {}
+
+
+def _computed(typ: str, rid: str, inputs: dict, region: str) -> dict[str, Any]:
+    """Plausible computed outputs so dependent resources resolve."""
+    if typ == "aws:eks/cluster:Cluster":
+        return {"endpoint": f"https://{rid}.gr7.{region}.eks.amazonaws.com",
+                "certificateAuthority": {"data": "bW9jay1jYQ=="},
+                "identities": [{"oidcs": [{"issuer": f"https://oidc.eks.{region}.amazonaws.com/id/{rid.upper()}"}]}],
+                "status": "ACTIVE", "clusterSecurityGroupId": f"sg-{rid[-8:]}cl"}
+    if typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
+        return {"dnsName": f"fs-{rid[-8:]}.fsx.{region}.amazonaws.com", "mountName": rid[-8:]}
+    if typ == "aws:kms/key:Key":
+        return {"keyId": f"{rid[-8:]}-0000-4000-8000-000000000000"}
+    if typ == "aws:s3/bucket:Bucket" or typ == "aws:s3/bucketV2:BucketV2":
+        bucket = inputs.get("bucket") or rid
+        return {"bucket": bucket, "arn": f"arn:aws:s3:::{bucket}", "bucketRegionalDomainName": f"{bucket}.s3.{region}.amazonaws.com"}
+    if typ == "aws:ec2/launchTemplate:LaunchTemplate":
+        return {"latestVersion": 1}
+    return {}
+
+
+class RecordingMonitor(pmocks.MockMonitor):
+    """Pulumi's MockMonitor, keeping each registration with its parent and dependencies."""
+
+    def __init__(self, mocks: pmocks.Mocks):
+        super().__init__(mocks)
+        self.recorded: list[Resource] = []
+
+    def RegisterResource(self, request):
+        response = super().RegisterResource(request)
+        if request.type != "pulumi:pulumi:Stack":
+            reg = self.resources.get(response.urn)
+            inputs = pulumi.runtime.rpc.deserialize_properties(request.object)
+            self.recorded.append(Resource(
+                urn=response.urn, type=request.type, name=request.name, parent=request.parent,
+                inputs=_plain(inputs), dependencies=sorted(set(request.dependencies)), custom=request.custom,
+                id=response.id, outputs=_plain(reg.state) if reg else {}))
+        return response
+
+
+@dataclass
+class PreviewResult:
+    stack: str
+    resources: list[Resource]
+    outputs: dict[str, Any]
+
+    def by_type(self, typ: str) -> list[Resource]:
+        return [r for r in self.resources if r.type == typ]
+
+
+def config_for_engine(stack: str, cfg: StackConfig) -> dict[str, str]:
+    """What `pulumi up` hands the program: structured values as JSON, strings as they are."""
+    out = {"aws:region": cfg.region}
+    for key, value in cfg.to_mapping().items():
+        out[f"{NAMESPACE}:{key}"] = value if isinstance(value, str) else json.dumps(value)
+    return out
+
+
+def run_program(stack: str, cfg: StackConfig, program: Path = PROGRAM) -> PreviewResult:
+    """Run the Pulumi program under the mock engine and return every registered resource."""
+    psettings.reset_options()
+    psettings.set_root_resource(None)  # type: ignore[arg-type]
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    set_all_config(config_for_engine(stack, cfg))
+    mocks = CloudMocks(cfg.region)
+    monitor = RecordingMonitor(mocks)
+    pmocks.set_mocks(mocks, project="supernode", stack=stack, preview=False, monitor=monitor)
+    outputs: dict[str, Any] = {}
+
+    async def program_run() -> None:
+        runpy.run_path(str(program), run_name="__main__")
+        root = psettings.get_root_resource()
+        exported = getattr(root, "outputs", {})
+        values = await asyncio.gather(*(pulumi.Output.from_input(v).future() for v in exported.values()))
+        outputs.update({k: _plain(v) for k, v in zip(exported, values)})
+
+    try:
+        loop.run_until_complete(run_pulumi_func(program_run))
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)
+    return PreviewResult(stack=stack, resources=monitor.recorded, outputs=outputs)
