@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Optional
-
 from pydantic import BaseModel
 
 from .catalog import GIB, InstanceType
@@ -95,7 +93,8 @@ def activation_terms(m: Model, p: Parallel, tokens: int) -> dict[str, int]:
                + a * tokens * 3 * m.shared_experts * m.expert_hidden // tp + 4 * tokens * m.experts)
     dense_ffn = ffn_inputs + a * tokens * 3 * m.dense_hidden // tp
     layer_input = a * tokens * d
-    return {"attention": attn, "moe_ffn": moe_ffn, "dense_ffn": dense_ffn, "layer_input": layer_input}
+    return {"attention": attn, "moe_ffn": moe_ffn, "dense_ffn": dense_ffn, "ffn_inputs": ffn_inputs,
+            "layer_input": layer_input}
 
 
 def memory(m: Model, p: Parallel, t: Training) -> Memory:
@@ -125,8 +124,8 @@ def memory(m: Model, p: Parallel, t: Training) -> Memory:
     full_layer = act["attention"] + ffn
     if p.activation_checkpointing == "none":
         per_mb = layers_per_stage * full_layer
-    elif p.activation_checkpointing == "selective":  # keep attention, recompute the FFN/experts
-        per_mb = layers_per_stage * (act["attention"] + a_ffn_inputs(m, p, tokens)) + (full_layer - act["attention"])
+    elif p.activation_checkpointing == "selective":  # keep attention and FFN inputs, recompute FFN internals
+        per_mb = layers_per_stage * (act["attention"] + act["ffn_inputs"]) + (ffn - act["ffn_inputs"])
     else:  # full: keep each layer's input, recompute one layer at a time
         per_mb = layers_per_stage * act["layer_input"] + full_layer
     in_flight = min(p.pp, max(1, t.global_batch // (t.micro_batch * p.dp))) if p.pp > 1 else 1
@@ -136,10 +135,6 @@ def memory(m: Model, p: Parallel, t: Training) -> Memory:
     total = model_states + fsdp_buffers + activations + logits + RUNTIME_RESERVE_BYTES
     return Memory(params_per_rank=params_rank, model_states=model_states, fsdp_buffers=fsdp_buffers,
                   activations=activations, logits=logits, runtime_reserve=RUNTIME_RESERVE_BYTES, total=total)
-
-
-def a_ffn_inputs(m: Model, p: Parallel, tokens: int) -> int:
-    return (2 if p.mixed_precision == "bf16" else 4) * tokens * 2 * m.dim
 
 
 class StepTime(BaseModel):
@@ -258,7 +253,3 @@ def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3
 def hours_cost(nodes_by_type: dict[str, int], catalog: dict[str, InstanceType], hours: float) -> tuple[float, float]:
     per_hour = sum(n * catalog[name].price_per_hour for name, n in nodes_by_type.items())
     return per_hour, per_hour * hours
-
-
-def optional_round(x: Optional[float], n: int = 3) -> Optional[float]:
-    return None if x is None else round(x, n)

@@ -44,7 +44,7 @@ def stack_from_args(args: argparse.Namespace) -> tuple[str, StackConfig]:
 def print_config_error(e: ConfigError) -> None:
     err.print(f"[bold red]invalid configuration[/] {e.source}: {len(e.issues)} problem(s)", markup=True)
     for issue in e.issues:
-        err.print(f"  {issue.path}: {issue.message} (got {issue.value!r})", markup=False)
+        err.print(f"  {issue}", markup=False)
 
 
 def build_parser() -> argparse.ArgumentParser:

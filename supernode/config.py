@@ -9,7 +9,6 @@ there is one schema. Keys are camelCase as in Pulumi config; every error names i
 from __future__ import annotations
 
 import ipaddress
-import math
 import re
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -31,9 +30,11 @@ class Issue(BaseModel):
     path: str
     value: Any = None
     message: str
+    missing: bool = False  # no value was given at all
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.message} (got {self.value!r})"
+        got = "" if self.missing else f" (got {self.value!r})"
+        return f"{self.path}: {self.message}{got}"
 
 
 class ConfigError(Exception):
@@ -468,8 +469,6 @@ def layout_rules(m: Model, p: Parallel, t: Training, world_size: int, max_tp: in
                                     f"e.g. {max(per_step, t.global_batch // per_step * per_step)}"))
     if t.warmup_steps >= t.steps and t.steps > 1:
         issues.append(Issue(path=tp_ + "warmupSteps", value=t.warmup_steps, message=f"must be below steps ({t.steps})"))
-    if t.weights_uri and not t.weights_sha256:
-        pass  # advisory, reported by the policy pack
     return issues
 
 
@@ -519,10 +518,12 @@ def _issues(err: ValidationError, prefix: str, data: Any) -> list[Issue]:
             msg = "unknown key (typo?); remove it or use a documented key"
         elif e["type"] == "missing":
             msg = "required key is missing"
-        elif e["type"] == "literal_error":
-            msg = e["msg"]
-        value = e.get("input") if e["type"] != "missing" else None
-        out.append(Issue(path=_path(prefix, loc), value=value if value is not None else _value_at(data, loc), message=msg))
+        elif e["type"] == "string_type" and isinstance(e.get("input"), (int, float)):
+            msg += f'; quote it in YAML: "{e["input"]}"'
+        missing = e["type"] == "missing"
+        value = None if missing else e.get("input")
+        out.append(Issue(path=_path(prefix, loc), value=value if value is not None else _value_at(data, loc),
+                         message=msg, missing=missing))
     return out
 
 
@@ -582,11 +583,3 @@ def load_stack(stack: str, root: Path = Path(".")) -> StackConfig:
 
 def load_file(path: Path) -> StackConfig:
     return from_mapping(read_stack_file(Path(path)), str(path))
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-__all__ = ["StackConfig", "ConfigError", "Issue", "load_stack", "load_file", "from_mapping", "read_stack_file",
-           "Model", "Parallel", "Training", "math"]

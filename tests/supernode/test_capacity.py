@@ -1,0 +1,138 @@
+"""Planner figures against values computed by hand for a tiny model (see the arithmetic inline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supernode import capacity as cap
+from supernode.catalog import CATALOG, GIB
+from supernode.config import Fsx, Model, Parallel, Training, load_stack
+from supernode.plan import Plan, build_local_plan, build_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# 2 layers (layer 0 dense, layer 1 MoE), d=64, 4 heads of 16, 2 kv heads, 4 experts top-2, 1 shared.
+TINY = Model(layers=2, dim=64, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=32,
+             dense_hidden=128, first_dense_layers=1, vocab=100, seq_len=16)
+FP32_EP2 = Parallel(dp_shard=2, ep=2, mixed_precision="fp32")
+TRAIN = Training(global_batch=4, micro_batch=2, steps=10, lr=1e-3, checkpoint_interval=5)
+
+
+def test_parameter_counts_by_hand():
+    pc = cap.param_counts(TINY)
+    assert pc.embedding == 100 * 64 == 6400
+    assert pc.head == 6400
+    assert pc.attention == 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64) == 24576
+    assert pc.norms == 2 * 2 * 64 + 64 == 320
+    assert pc.router == 64 * 4 == 256
+    assert pc.experts == 4 * 3 * 64 * 32 == 24576
+    assert pc.shared_experts == 3 * 64 * 32 == 6144
+    assert pc.dense_ffn == 3 * 64 * 128 == 24576
+    assert pc.total == 93248
+    # active: no embedding lookup, only top-2 of 4 experts (2 unused x 6144)
+    assert pc.active == 93248 - 6400 - 2 * 6144 == 74560
+
+
+def test_flops_per_token_by_hand():
+    # 6 x active + 6 x layers x seq x q_dim (causal attention, fwd + bwd)
+    assert cap.flops_per_token(TINY) == 6 * 74560 + 6 * 2 * 16 * 64 == 459648
+
+
+def test_memory_terms_by_hand():
+    mem = cap.memory(TINY, FP32_EP2, TRAIN)
+    # non-expert: (attn 24576 + shared 6144 + dense 24576 + emb 6400 + head 6400) / tp 1 + norms/router 576,
+    # FSDP over dp_shard 2 -> 34336; experts 24576 / (dp_shard 2 * tp 1) -> 12288
+    assert mem.params_per_rank == 34336 + 12288 == 46624
+    assert mem.model_states == 46624 * 16
+    # largest layer unsharded: attention 12288 + dense FFN 24576 (> MoE: (4/2 + 1) * 6144 = 18432),
+    # fp32: two gathered copies (2 x 4 B) + one fp32 gradient (4 B)
+    assert mem.fsdp_buffers == (12288 + 24576) * 12 == 442368
+    # activations for 32 tokens, 4 B: attention 4*32*(128 + 192) + 4*32*4 = 41472;
+    # MoE FFN 16384 + 4*32*2*(64+96) + 4*32*3*32 + 4*32*4 = 70144; dense FFN 16384 + 4*32*384 = 65536
+    # two layers, half of them MoE: 2 * (41472 + (70144 + 65536) / 2)
+    assert mem.activations == 2 * (41472 + 67840) == 218624
+    assert mem.logits == 2 * 4 * 32 * 100 == 25600
+    assert mem.total == 745984 + 442368 + 218624 + 25600 + cap.RUNTIME_RESERVE_BYTES
+
+
+def test_activation_checkpointing_modes_by_hand():
+    full = cap.memory(TINY, FP32_EP2.model_copy(update={"activation_checkpointing": "full"}), TRAIN)
+    # each layer keeps its input (4*32*64 = 8192) + one layer is recomputed at a time (109312)
+    assert full.activations == 2 * 8192 + 109312
+    sel = cap.memory(TINY, FP32_EP2.model_copy(update={"activation_checkpointing": "selective"}), TRAIN)
+    # attention + FFN inputs kept per layer; one FFN's internals (67840 - 16384) recomputed
+    assert sel.activations == 2 * (41472 + 16384) + (67840 - 16384)
+    none = cap.memory(TINY, FP32_EP2, TRAIN)
+    assert full.activations < sel.activations < none.activations
+
+
+def test_bf16_halves_activations_and_tp_splits_weights():
+    bf16 = cap.memory(TINY, FP32_EP2.model_copy(update={"mixed_precision": "bf16"}), TRAIN)
+    fp32 = cap.memory(TINY, FP32_EP2, TRAIN)
+    assert bf16.model_states == fp32.model_states  # fp32 master/grads/moments either way
+    assert bf16.activations < fp32.activations
+    tp2 = cap.memory(TINY, Parallel(dp_shard=1, tp=2, ep=2, mixed_precision="fp32"), TRAIN)
+    # (attention + shared + dense + embedding + head = 68096) / tp 2 + 576 replicated; experts 24576 / (1 * 2)
+    assert tp2.params_per_rank == 68096 // 2 + 576 + 12288
+
+
+def test_checkpoint_size_and_fsx_sizing():
+    ck = cap.checkpoint_io(TINY, TRAIN, Fsx(checkpoint_write_budget_s=60))
+    assert ck.checkpoint_bytes == 12 * 93248
+    assert ck.fsx_capacity_gib == 1200 and ck.within_budget
+    # 10 TB checkpoint in 300 s needs 33,333 MB/s: at 500 MB/s/TiB that is 66.7 TiB -> 69,600 GiB (x 2400)
+    assert cap.fsx_capacity_for(10e12 / 1e6 / 300, 500, 0) == 69600
+    small = cap.checkpoint_io(TINY, TRAIN, Fsx(capacity_gib=1200, per_unit_throughput=125, checkpoint_write_budget_s=10))
+    assert small.fsx_throughput_mb_s == pytest.approx(1200 / 1024 * 125)
+
+
+def test_all_to_all_volume_by_hand():
+    hw = CATALOG["p5.48xlarge"]
+    st = cap.step_time(TINY, Parallel(dp_shard=2, ep=2, mixed_precision="fp32"), TRAIN, hw)
+    # tokens per rank 4*16/2 = 32; 4 passes (dispatch+combine, fwd+bwd) x 32 x top-2 x 64 x 4 B x 1/2 x 1 MoE layer
+    assert st.all_to_all_bytes_per_rank == 4 * 32 * 2 * 64 * 4 // 2
+    assert 0 < st.mfu <= cap.MATMUL_EFFICIENCY
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_stacks_fit(stack):
+    plan = build_plan(stack, load_stack(stack, ROOT))
+    assert plan.fits and plan.memory_per_rank_gib < plan.hbm_gib
+    assert plan.world_size == plan.degrees.dp_replicate * plan.degrees.dp_shard * plan.degrees.tp * plan.degrees.pp
+
+
+def test_prod_is_a_50_to_200b_moe_on_128_h100():
+    plan = build_plan("prod", load_stack("prod", ROOT))
+    assert 50e9 <= plan.params.total <= 200e9
+    assert plan.world_size >= 128 and plan.hardware.accelerator == "H100"
+
+
+def test_plan_that_does_not_fit_says_by_how_much_and_suggests_layouts():
+    cfg = load_stack("prod", ROOT)
+    cfg = cfg.model_copy(update={
+        "parallel": cfg.parallel.model_copy(update={"dp_replicate": 16, "dp_shard": 8, "ep": 8,
+                                                    "activation_checkpointing": "none"}),
+        "training": cfg.training.model_copy(update={"micro_batch": 4, "global_batch": 1024})})
+    plan = build_plan("prod", cfg)
+    assert not plan.fits and plan.over_by_gib > 0
+    assert plan.over_by_gib == pytest.approx(plan.memory_per_rank_gib - plan.hbm_gib)
+    assert plan.suggestions
+    for s in plan.suggestions:
+        assert s.dp_replicate * s.dp_shard * s.tp * s.pp == plan.world_size and s.memory_gib <= plan.hbm_gib
+
+
+def test_plan_json_round_trip():
+    plan = build_plan("dev", load_stack("dev", ROOT))
+    assert Plan.from_json(plan.to_json()) == plan
+    summary = plan.summary()
+    assert {"world_size", "degrees", "memory_per_rank_gib", "hbm_gib", "fits"} <= summary.keys()
+
+
+def test_local_plan_world_size_is_nproc():
+    cfg = load_stack("dev", ROOT)
+    local = build_local_plan("dev", cfg)
+    assert local.local and local.world_size == cfg.local.nproc
+    assert local.model.vocab == 256
+    assert local.memory.total < 4 * GIB

@@ -1,0 +1,170 @@
+"""StackConfig: round trips, cross-field rules (each names its path), and a corpus of bad stack files."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from supernode.cli import main
+from supernode.config import ConfigError, StackConfig, from_mapping, load_stack, read_stack_file
+
+ROOT = Path(__file__).resolve().parents[2]
+CORPUS = sorted((Path(__file__).parent / "invalid_stacks").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def dev_data() -> dict:
+    return read_stack_file(ROOT / "Pulumi.dev.yaml")
+
+
+def mutated(data: dict, path: str, value) -> dict:
+    out = copy.deepcopy(data)
+    keys = path.split(".")
+    node = out
+    for k in keys[:-1]:
+        node = node[int(k)] if isinstance(node, list) else node[k]
+    node[int(keys[-1]) if isinstance(node, list) else keys[-1]] = value
+    return out
+
+
+def issue_paths(data: dict) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        from_mapping(data)
+    return [i.path for i in e.value.issues]
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_round_trip_through_pulumi_config_mapping(stack):
+    cfg = load_stack(stack, ROOT)
+    again = from_mapping(cfg.to_mapping())
+    assert again == cfg
+    # to_mapping emits camelCase keys, as `pulumi config set --path` writes them
+    assert "acceleratorNodeGroups" in cfg.to_mapping() and "accelerator_node_groups" not in cfg.to_mapping()
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_runtime_config_reads_the_same_schema(stack):
+    """`__main__.py` reads Pulumi's runtime config (JSON strings) into the same StackConfig."""
+    from pulumi.runtime.config import set_all_config
+
+    from supernode.preview import config_for_engine
+    from supernode.runtime_config import stack_config
+
+    cfg = load_stack(stack, ROOT)
+    set_all_config(config_for_engine(stack, cfg))
+    try:
+        assert stack_config() == cfg
+    finally:
+        set_all_config({})
+
+
+def test_stack_sizes_are_realistic():
+    dev, prod = load_stack("dev", ROOT), load_stack("prod", ROOT)
+    assert dev.accelerators == 16 and dev.nodes == 2
+    assert prod.accelerators >= 128 and all(g.instance_type == "p5.48xlarge" for g in prod.accelerator_node_groups)
+
+
+RULES = [
+    # (mutation path, value, expected issue path)
+    ("acceleratorNodeGroups.0.nodes", 3, "supernode:parallel.dpShard"),  # world size
+    ("parallel.tp", 16, "supernode:parallel.tp"),  # tp > accelerators per node
+    ("model.kvHeads", 1, "supernode:parallel.tp"),  # tp must divide kv heads
+    ("model.experts", 12, "supernode:parallel.ep"),  # ep must divide experts
+    ("parallel.ep", 32, "supernode:parallel.ep"),  # ep must divide dp_shard*tp (and experts)
+    ("model.layers", 7, None),  # pp divides layers: checked below with pp=2
+    ("training.globalBatch", 100, "supernode:training.globalBatch"),
+    ("availabilityZone", "us-west-2a", "supernode:availabilityZone"),
+    ("network.vpcCidr", "10.20.0.0/99", "supernode:network.vpcCidr"),
+    ("network.gpuSubnetCidr", "10.20.0.0/20", "supernode:network.gpuSubnetCidr"),  # overlaps private[0]
+    ("network.privateSubnetCidrs.0", "192.168.0.0/19", "supernode:network.privateSubnetCidrs[0]"),  # outside VPC
+]
+
+
+@pytest.mark.parametrize("path,value,expected", [r for r in RULES if r[2]])
+def test_cross_field_rule_names_its_path(dev_data, path, value, expected):
+    assert expected in issue_paths(mutated(dev_data, path, value))
+
+
+def test_pp_must_divide_layers(dev_data):
+    data = mutated(dev_data, "parallel", dict(dev_data["parallel"], pp=2, tp=1, dpShard=8))
+    data = mutated(data, "model.layers", 7)
+    data = mutated(data, "model.firstDenseLayers", 0)
+    assert "supernode:parallel.pp" in issue_paths(data)
+
+
+def test_every_problem_is_reported_at_once(dev_data):
+    data = mutated(dev_data, "parallel.tp", 16)
+    data = mutated(data, "training.globalBatch", 100)
+    data = mutated(data, "availabilityZone", "eu-west-1a")
+    paths = issue_paths(data)
+    assert {"supernode:parallel.tp", "supernode:availabilityZone"} <= set(paths)
+
+
+def test_error_names_value_and_valid_choice(dev_data):
+    with pytest.raises(ConfigError) as e:
+        from_mapping(mutated(dev_data, "acceleratorNodeGroups.0.nodes", 3))
+    text = str(e.value)
+    assert "24" in text and "dpShard = 12 would match" in text
+
+
+def test_placement_group_defaults_off_for_reservations(dev_data):
+    cap = {"type": "capacity-reservation", "reservationId": "cr-0123456789abcdef0"}
+    cfg = from_mapping(mutated(dev_data, "acceleratorNodeGroups.0.capacity", cap))
+    assert cfg.accelerator_node_groups[0].use_placement_group is False
+    assert from_mapping(dev_data).accelerator_node_groups[0].use_placement_group is True
+
+
+def test_local_config_scales_the_plan_down():
+    cfg = load_stack("dev", ROOT)
+    local = cfg.local_config()
+    assert local.parallel.world_size == cfg.local.nproc
+    assert local.model.dim < cfg.model.dim and local.model.vocab == 256
+    assert local.region == cfg.region  # everything not overridden is the stack's
+
+
+def test_corpus_is_large_enough():
+    assert len(CORPUS) >= 20
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=[p.stem for p in CORPUS])
+def test_invalid_stack_file_exits_2_naming_the_path(path, capsys):
+    expected = path.read_text().splitlines()[0].removeprefix("# expect: ").strip()
+    assert main(["plan", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert "Traceback" not in err
+
+
+def test_missing_file_exits_2(capsys, tmp_path):
+    assert main(["plan", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "stack file not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["malformed_yaml", "world_size_mismatch", "null_model"])
+def test_real_process_prints_no_traceback(name):
+    """The console script end to end: exit 2, message on stderr, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "supernode", "plan", "--config",
+                           str(Path(__file__).parent / "invalid_stacks" / f"{name}.yaml")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert "invalid configuration" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_bad_flags_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan"])  # neither --stack nor --config
+    assert e.value.code == 2
+
+
+def test_yaml_dump_of_config_is_loadable(tmp_path):
+    """What a user gets by writing `to_mapping()` back as a stack file validates again."""
+    cfg = load_stack("prod", ROOT)
+    doc = {"config": {f"supernode:{k}": v for k, v in cfg.to_mapping().items()}}
+    f = tmp_path / "Pulumi.copy.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    assert isinstance(from_mapping(read_stack_file(f)), StackConfig)
