@@ -1,11 +1,85 @@
 """supernode stack: thin wiring from the validated config and plan to the components."""
 
 import pulumi
+import pulumi_aws as aws
 
+from components.accelerators import Accelerators, AcceleratorsArgs
+from components.cluster import NODE_ADDONS, SERVICE_CIDR, WORKLOAD_ADDONS, Cluster, ClusterArgs
+from components.identity import Keys, KeysArgs, NodeRole, TrainerRole, TrainerRoleArgs
+from components.monitoring import Monitoring, MonitoringArgs
+from components.network import Network, NetworkArgs
+from components.outputs import export_stack_outputs
+from components.storage import Storage, StorageArgs
+from supernode.contract import CONTRACT_VERSION
 from supernode.plan import build_plan
 from supernode.runtime_config import stack_config
 
 config = stack_config()
-plan = build_plan(pulumi.get_stack(), config)
-
+stack = pulumi.get_stack()
+plan = build_plan(stack, config)
 pulumi.export("plan", plan.summary())
+
+tags = {"Project": "supernode", "Stack": stack, "ManagedBy": "pulumi"}
+cluster_name = f"supernode-{stack}"
+retention = config.monitoring.log_retention_days
+account_id = aws.get_caller_identity_output().account_id
+
+keys = Keys("keys", KeysArgs(stack=stack, region=config.region, account_id=account_id, identity=config.identity,
+                             tags=tags))
+network = Network("network", NetworkArgs(
+    stack=stack, region=config.region, network=config.network, gpu_availability_zone=config.availability_zone,
+    cluster_name=cluster_name, log_retention_days=retention, logs_kms_key_arn=keys.ops.arn, tags=tags))
+cluster = Cluster("cluster", ClusterArgs(
+    stack=stack, region=config.region, cluster_name=cluster_name, cluster=config.cluster,
+    subnet_ids=network.private_subnet_ids, secrets_kms_key_arn=keys.eks.arn, logs_kms_key_arn=keys.ops.arn,
+    log_retention_days=retention, tags=tags))
+node_role = NodeRole("node-role", tags=tags)
+node_addons = cluster.install_addons(NODE_ADDONS)
+accelerators = Accelerators("accelerators", AcceleratorsArgs(
+    stack=stack, kubernetes_version=config.cluster.kubernetes_version, groups=config.accelerator_node_groups,
+    system=config.system_node_group, cluster_name=cluster.cluster.name, cluster_endpoint=cluster.endpoint,
+    cluster_certificate_authority=cluster.certificate_authority, cluster_security_group_id=cluster.security_group_id,
+    service_cidr=SERVICE_CIDR, vpc_id=network.vpc_id, gpu_subnet_id=network.gpu_subnet_id,
+    system_subnet_ids=network.private_subnet_ids, node_role_arn=node_role.arn,
+    hugepages_2mi_gib=config.workload.hugepages_2mi_gib, tags=tags, node_dependencies=node_addons))
+cluster.install_addons(WORKLOAD_ADDONS, depends_on=accelerators.node_groups)
+storage = Storage("storage", StorageArgs(
+    stack=stack, storage=config.storage, plan=plan, vpc_id=network.vpc_id, fsx_subnet_id=network.gpu_subnet_id,
+    node_security_group_id=accelerators.efa_security_group_id, data_kms_key_arn=keys.data_key_arn,
+    logs_kms_key_arn=keys.ops.arn, log_retention_days=retention, tags=tags))
+trainer_role = TrainerRole("trainer-role", TrainerRoleArgs(
+    stack=stack, identity=config.identity, storage=config.storage, namespace=config.workload.namespace,
+    service_account=config.workload.service_account, cluster_name=cluster.cluster.name,
+    oidc_provider_arn=cluster.oidc_provider_arn, oidc_issuer_url=cluster.oidc_issuer_url,
+    bucket_arn=storage.bucket_arn, data_key_arn=keys.data_key_arn, tags=tags))
+monitoring = Monitoring("monitoring", MonitoringArgs(
+    stack=stack, region=config.region, monitoring=config.monitoring, cluster=cluster, fsx_id=storage.fsx_id,
+    fsx_capacity_gib=storage.fsx_capacity_gib, ops_kms_key_arn=keys.ops.arn, node_groups=accelerators.node_groups,
+    tags=tags))
+
+log_groups = [cluster.log_group_name, storage.fsx_log_group_name, *monitoring.log_group_names]
+if network.flow_log_group_name is not None:
+    log_groups.append(network.flow_log_group_name)
+export_stack_outputs({
+    "contract_version": CONTRACT_VERSION, "cluster_name": cluster.cluster.name, "cluster_endpoint": cluster.endpoint,
+    "cluster_version": cluster.cluster.version, "oidc_issuer_url": cluster.oidc_issuer_url,
+    "oidc_provider_arn": cluster.oidc_provider_arn, "node_group_names": accelerators.node_group_names,
+    "system_node_group_name": accelerators.system_node_group.node_group_name, "vpc_id": network.vpc_id,
+    "private_subnet_ids": network.private_subnet_ids, "gpu_subnet_id": network.gpu_subnet_id,
+    "efa_security_group_id": accelerators.efa_security_group_id, "bucket_name": storage.bucket_name,
+    "dataset_prefix": storage.dataset_prefix, "checkpoint_prefix": storage.checkpoint_prefix,
+    "fsx_id": storage.fsx_id, "fsx_dns_name": storage.fsx_dns_name, "fsx_mount_name": storage.fsx_mount_name,
+    "kms_key_arns": keys.arns, "sns_topic_arn": monitoring.topic_arn, "trainer_role_arn": trainer_role.arn,
+    "log_group_names": log_groups, "alarm_names": monitoring.alarm_names, "kubeconfig": cluster.kubeconfig,
+})
+
+# --- Kubernetes workload (components/workload) ---
+# Available from the objects above (Outputs unless noted):
+#   cluster.kubeconfig (secret), cluster.cluster.name, cluster.endpoint, cluster.certificate_authority,
+#   cluster.version (str), cluster.oidc_provider_arn, cluster.oidc_issuer_url
+#   accelerators.node_group_names, accelerators.labels / accelerators.taints (plain dicts by group name),
+#   accelerators.efa_security_group_id, accelerators.node_groups (resources, for depends_on)
+#   storage.fsx_id, storage.fsx_dns_name, storage.fsx_mount_name, storage.bucket_name,
+#   storage.dataset_prefix / storage.checkpoint_prefix (str)
+#   trainer_role.arn, monitoring.topic_arn, monitoring.log_group_names, monitoring.training_log_group_name
+#   plan (supernode.plan.Plan; plan.to_json() for the ConfigMap)

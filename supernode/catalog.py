@@ -85,3 +85,23 @@ def lookup(name: str) -> InstanceType:
         return CATALOG[name]
     except KeyError:
         raise KeyError(f"instance type {name!r} is not in the catalog; valid: {', '.join(CATALOG)}") from None
+
+# EKS add-on versions pinned per Kubernetes version (`aws eks describe-addon-versions`); the stack
+# installs exactly these, and config validation rejects a Kubernetes version without a row here.
+EKS_ADDON_VERSIONS: dict[str, dict[str, str]] = {
+    "1.32": {
+        "vpc-cni": "v1.20.4-eksbuild.2", "coredns": "v1.11.4-eksbuild.24", "kube-proxy": "v1.32.9-eksbuild.2",
+        "aws-fsx-csi-driver": "v1.7.0-eksbuild.1", "eks-node-monitoring-agent": "v1.4.1-eksbuild.1",
+        "eks-pod-identity-agent": "v1.3.9-eksbuild.3", "amazon-cloudwatch-observability": "v4.6.0-eksbuild.1",
+    },
+    "1.33": {
+        "vpc-cni": "v1.20.4-eksbuild.2", "coredns": "v1.12.2-eksbuild.4", "kube-proxy": "v1.33.5-eksbuild.2",
+        "aws-fsx-csi-driver": "v1.7.0-eksbuild.1", "eks-node-monitoring-agent": "v1.4.1-eksbuild.1",
+        "eks-pod-identity-agent": "v1.3.9-eksbuild.3", "amazon-cloudwatch-observability": "v4.6.0-eksbuild.1",
+    },
+    "1.34": {
+        "vpc-cni": "v1.20.4-eksbuild.2", "coredns": "v1.12.4-eksbuild.1", "kube-proxy": "v1.34.1-eksbuild.2",
+        "aws-fsx-csi-driver": "v1.7.0-eksbuild.1", "eks-node-monitoring-agent": "v1.4.1-eksbuild.1",
+        "eks-pod-identity-agent": "v1.3.9-eksbuild.3", "amazon-cloudwatch-observability": "v4.6.0-eksbuild.1",
+    },
+}

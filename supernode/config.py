@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic.alias_generators import to_camel
 
-from .catalog import CATALOG, REGION_AZS, SYSTEM_INSTANCE_TYPES
+from .catalog import CATALOG, EKS_ADDON_VERSIONS, REGION_AZS, SYSTEM_INSTANCE_TYPES
 
 NAMESPACE = "supernode"
 DIGEST_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}$")
@@ -427,6 +427,12 @@ def infra_rules(c: StackConfig) -> list[Issue]:
                             message=f"must be greater than checkpointTransitionDays ({lc.checkpoint_transition_days})"))
     if c.storage.existing_bucket and not c.storage.bucket_name:
         issues.append(Issue(path=P + "storage.bucketName", value=None, message="existingBucket needs a bucketName"))
+    if c.cluster.kubernetes_version not in EKS_ADDON_VERSIONS:
+        issues.append(Issue(path=P + "cluster.kubernetesVersion", value=c.cluster.kubernetes_version,
+                            message=f"no pinned EKS add-on versions for it; supported: {', '.join(EKS_ADDON_VERSIONS)}"))
+    if c.network.existing_vpc_id or c.network.existing_subnet_ids:
+        issues.append(Issue(path=P + "network.existingVpcId", value=c.network.existing_vpc_id,
+                            message="bringing an existing VPC is not supported yet; remove it to create the VPC"))
     return issues
 
 

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import runpy
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,12 +63,19 @@ def _plain(value: Any) -> Any:
 class CloudMocks(pmocks.Mocks):
     """Computed state for new resources; invokes answered from the catalog."""
 
-    def __init__(self, region: str):
+    def __init__(self, region: str, stack_outputs: dict[str, dict[str, Any]] | None = None):
         self.region = region
+        # Outputs of other stacks, by fully qualified name, for `pulumi.StackReference` reads.
+        self.stack_outputs = stack_outputs or {}
 
     def new_resource(self, args: pmocks.MockResourceArgs):
         typ, name = args.typ, args.name
-        rid = f"{name}-{hashlib.sha1(f'{typ}/{name}'.encode()).hexdigest()[:8]}"
+        if typ == "pulumi:pulumi:StackReference":
+            stack = args.inputs.get("name") or args.resource_id or name
+            return stack, {"name": stack, "outputs": self.stack_outputs.get(stack, {}), "secretOutputNames": []}
+        digest = hashlib.sha1(f"{typ}/{name}".encode()).hexdigest()
+        prefix = _ID_PREFIX.get(typ)
+        rid = f"{prefix}-{digest[:17]}" if prefix else f"{name}-{digest[:8]}"
         service = typ.split(":")[1].split("/")[0] if typ.startswith("aws:") else ""
         state = dict(args.inputs)
         state.setdefault("arn", f"arn:aws:{service or 'mock'}:{self.region}:{ACCOUNT}:{typ.rsplit(':', 1)[-1].lower()}/{rid}")
@@ -99,22 +107,47 @@ class CloudMocks(pmocks.Mocks):
         return {}
 
 
+# EC2-style ids, so outputs look like what AWS returns (vpc-0123…, sg-…, fs-…).
+_ID_PREFIX = {
+    "aws:ec2/vpc:Vpc": "vpc", "aws:ec2/subnet:Subnet": "subnet", "aws:ec2/securityGroup:SecurityGroup": "sg",
+    "aws:ec2/routeTable:RouteTable": "rtb", "aws:ec2/internetGateway:InternetGateway": "igw",
+    "aws:ec2/natGateway:NatGateway": "nat", "aws:ec2/eip:Eip": "eipalloc", "aws:ec2/vpcEndpoint:VpcEndpoint": "vpce",
+    "aws:ec2/launchTemplate:LaunchTemplate": "lt", "aws:ec2/flowLog:FlowLog": "fl",
+    "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule": "sgr",
+    "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule": "sgr",
+    "aws:fsx/lustreFileSystem:LustreFileSystem": "fs", "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation": "dra",
+}
+
+
 def _computed(typ: str, rid: str, inputs: dict, region: str) -> dict[str, Any]:
     """Plausible computed outputs so dependent resources resolve."""
+    name = inputs.get("name") or rid
     if typ == "aws:eks/cluster:Cluster":
         return {"endpoint": f"https://{rid}.gr7.{region}.eks.amazonaws.com",
                 "certificateAuthority": {"data": "bW9jay1jYQ=="},
                 "identities": [{"oidcs": [{"issuer": f"https://oidc.eks.{region}.amazonaws.com/id/{rid.upper()}"}]}],
-                "status": "ACTIVE", "clusterSecurityGroupId": f"sg-{rid[-8:]}cl"}
+                "status": "ACTIVE", "version": inputs.get("version"),
+                "vpcConfig": {**inputs.get("vpcConfig", {}), "clusterSecurityGroupId": f"sg-{rid[-8:]}c1"}}
     if typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
-        return {"dnsName": f"fs-{rid[-8:]}.fsx.{region}.amazonaws.com", "mountName": rid[-8:]}
+        return {"dnsName": f"{rid}.fsx.{region}.amazonaws.com", "mountName": rid[-8:]}
     if typ == "aws:kms/key:Key":
-        return {"keyId": f"{rid[-8:]}-0000-4000-8000-000000000000"}
+        key_id = str(uuid.UUID(hashlib.md5(rid.encode()).hexdigest()))
+        return {"keyId": key_id, "arn": f"arn:aws:kms:{region}:{ACCOUNT}:key/{key_id}"}
     if typ == "aws:s3/bucket:Bucket" or typ == "aws:s3/bucketV2:BucketV2":
         bucket = inputs.get("bucket") or rid
         return {"bucket": bucket, "arn": f"arn:aws:s3:::{bucket}", "bucketRegionalDomainName": f"{bucket}.s3.{region}.amazonaws.com"}
     if typ == "aws:ec2/launchTemplate:LaunchTemplate":
         return {"latestVersion": 1}
+    if typ in ("aws:iam/role:Role", "aws:iam/policy:Policy"):
+        return {"arn": f"arn:aws:iam::{ACCOUNT}:{typ.rsplit(':', 1)[-1].lower()}/{name}", "name": name}
+    if typ == "aws:iam/openIdConnectProvider:OpenIdConnectProvider":
+        return {"arn": f"arn:aws:iam::{ACCOUNT}:oidc-provider/{str(inputs.get('url', rid)).removeprefix('https://')}"}
+    if typ == "aws:cloudwatch/logGroup:LogGroup":
+        return {"arn": f"arn:aws:logs:{region}:{ACCOUNT}:log-group:{name}"}
+    if typ == "aws:sns/topic:Topic":
+        return {"arn": f"arn:aws:sns:{region}:{ACCOUNT}:{name}"}
+    if typ == "aws:eks/nodeGroup:NodeGroup":
+        return {"status": "ACTIVE", "nodeGroupName": inputs.get("nodeGroupName") or rid}
     return {}
 
 
@@ -179,4 +212,20 @@ def run_program(stack: str, cfg: StackConfig, program: Path = PROGRAM) -> Previe
     finally:
         loop.close()
         asyncio.set_event_loop(None)
-    return PreviewResult(stack=stack, resources=monitor.recorded, outputs=outputs)
+    return PreviewResult(stack=stack, resources=_tree_order(monitor.recorded), outputs=outputs)
+
+
+def _tree_order(resources: list[Resource]) -> list[Resource]:
+    """Parents before children, siblings by URN: the SDK registers from a thread pool, so the
+    arrival order varies from run to run while the tree does not."""
+    children: dict[str, list[Resource]] = {}
+    urns = {r.urn for r in resources}
+    for r in resources:
+        children.setdefault(r.parent if r.parent in urns else "", []).append(r)
+    ordered: list[Resource] = []
+    stack = sorted(children.get("", []), key=lambda r: r.urn, reverse=True)
+    while stack:
+        r = stack.pop()
+        ordered.append(r)
+        stack.extend(sorted(children.get(r.urn, []), key=lambda c: c.urn, reverse=True))
+    return ordered

@@ -1,0 +1,1 @@
+"""Pulumi ComponentResources of the supernode stack (ARCHITECTURE.md §2)."""

@@ -1,0 +1,219 @@
+"""Accelerator node groups with EFA, and the small system node group (issue 3, part 3).
+
+The EFA layout follows ARCHITECTURE.md §4: one network interface per network card, the count
+taken from `supernode.catalog`; card 0 / device 0 is `efa`, or an ENA primary with `efa-only` at
+card 0 / device 1 on instance types with `ena_primary`; every other card is `efa-only` at device 1.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple, Optional, Sequence
+
+import pulumi
+import pulumi_aws as aws
+import yaml
+
+from supernode.catalog import CATALOG, InstanceType
+from supernode.config import AcceleratorNodeGroup, SystemNodeGroup
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
+ROOT_VOLUME_GIB = 200  # the NVIDIA AMI and container images; training data lives on NVMe and FSx
+SYSTEM_ROOT_VOLUME_GIB = 50
+# Hop limit 1 keeps pods (one hop further) away from the node role's credentials: they use IRSA.
+IMDS = aws.ec2.LaunchTemplateMetadataOptionsArgs(http_endpoint="enabled", http_tokens="required",
+                                                 http_put_response_hop_limit=1, instance_metadata_tags="disabled")
+CAPACITY_TYPES = {"on-demand": "ON_DEMAND", "capacity-reservation": "ON_DEMAND", "capacity-block": "CAPACITY_BLOCK"}
+_TAINT_EFFECTS = {"NoSchedule": "NO_SCHEDULE", "NoExecute": "NO_EXECUTE", "PreferNoSchedule": "PREFER_NO_SCHEDULE"}
+
+
+class InterfaceSlot(NamedTuple):
+    network_card_index: int
+    device_index: int
+    interface_type: str  # "efa", "efa-only", or "interface" (ENA)
+
+
+def efa_interfaces(hw: InstanceType) -> list[InterfaceSlot]:
+    """The launch template's interfaces for an instance type: one per network card."""
+    slots = ([InterfaceSlot(0, 0, "interface"), InterfaceSlot(0, 1, "efa-only")] if hw.ena_primary
+             else [InterfaceSlot(0, 0, "efa")])
+    return slots + [InterfaceSlot(card, 1, "efa-only") for card in range(1, hw.efa_interfaces)]
+
+
+def node_labels(group: AcceleratorNodeGroup) -> dict[str, str]:
+    hw = CATALOG[group.instance_type]
+    return {"supernode.io/node-group": group.name, "supernode.io/accelerator": hw.accelerator,
+            "supernode.io/capacity": group.capacity.type, "nvidia.com/gpu.present": "true",
+            "vpc.amazonaws.com/efa.present": "true"}
+
+
+def ami_parameter(kubernetes_version: str, release: str) -> str:
+    """SSM parameter of the EKS-optimised AL2023 NVIDIA AMI for one release (1.33.5-20251120)."""
+    date = release.rsplit("-", 1)[1]
+    return (f"/aws/service/eks/optimized-ami/{kubernetes_version}/amazon-linux-2023/x86_64/nvidia/"
+            f"amazon-eks-node-al2023-x86_64-nvidia-{kubernetes_version}-v{date}/image_id")
+
+
+def nodeadm_user_data(cluster_name: str, endpoint: str, ca_data: str, service_cidr: str,
+                      labels: Mapping[str, str], taints: Sequence[Mapping[str, str]], hugepages_2mi: int) -> str:
+    """MIME user data: nodeadm NodeConfig (a custom AMI joins with it) with the local NVMe as RAID0,
+    and the 2 MiB huge pages EFA pods request, set before kubelet starts and advertises them."""
+    node_config = {
+        "apiVersion": "node.eks.aws/v1alpha1", "kind": "NodeConfig",
+        "spec": {
+            "cluster": {"name": cluster_name, "apiServerEndpoint": endpoint, "certificateAuthority": ca_data,
+                        "cidr": service_cidr},
+            "instance": {"localStorage": {"strategy": "RAID0"}},
+            "kubelet": {"flags": [
+                "--node-labels=" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())),
+                "--register-with-taints=" + ",".join(f"{t['key']}={t['value']}:{t['effect']}" for t in taints)]},
+        },
+    }
+    boundary = "SUPERNODE"
+    text = (f'MIME-Version: 1.0\nContent-Type: multipart/mixed; boundary="{boundary}"\n\n'
+            f"--{boundary}\nContent-Type: application/node.eks.aws\n\n{yaml.safe_dump(node_config, sort_keys=False)}\n"
+            f'--{boundary}\nContent-Type: text/x-shellscript; charset="us-ascii"\n\n'
+            f"#!/bin/bash\nset -euo pipefail\nsysctl -w vm.nr_hugepages={hugepages_2mi}\n\n--{boundary}--\n")
+    return base64.b64encode(text.encode()).decode()
+
+
+def decode_user_data(encoded: str) -> str:
+    return base64.b64decode(encoded).decode()
+
+
+@dataclass
+class AcceleratorsArgs:
+    stack: str
+    kubernetes_version: str
+    groups: Sequence[AcceleratorNodeGroup]
+    system: SystemNodeGroup
+    cluster_name: pulumi.Input[str]
+    cluster_endpoint: pulumi.Input[str]
+    cluster_certificate_authority: pulumi.Input[str]
+    cluster_security_group_id: pulumi.Input[str]
+    service_cidr: str
+    vpc_id: pulumi.Input[str]
+    gpu_subnet_id: pulumi.Input[str]
+    system_subnet_ids: Sequence[pulumi.Input[str]]
+    node_role_arn: pulumi.Input[str]
+    hugepages_2mi_gib: int
+    tags: Mapping[str, str] = field(default_factory=dict)
+    node_dependencies: Sequence[pulumi.Resource] = ()  # e.g. the CNI add-on nodes need to become ready
+
+
+class GpuNodeGroup(pulumi.ComponentResource):
+    """One accelerator node group: placement group, EFA launch template, managed node group."""
+
+    def __init__(self, name: str, group: AcceleratorNodeGroup, args: AcceleratorsArgs,
+                 efa_security_group_id: pulumi.Input[str], opts: Optional[pulumi.ResourceOptions] = None):
+        super().__init__("supernode:accelerators:GpuNodeGroup", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        hw, tags, cap = CATALOG[group.instance_type], dict(args.tags), group.capacity
+        self.labels, self.taints = node_labels(group), [dict(GPU_TAINT)]
+
+        placement = None
+        if group.use_placement_group:
+            pg = aws.ec2.PlacementGroup(name, strategy="cluster", tags=tags, opts=child)
+            placement = aws.ec2.LaunchTemplatePlacementArgs(group_name=pg.name)
+        reservation = market = None
+        if cap.type != "on-demand":
+            reservation = aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(
+                capacity_reservation_target=aws.ec2.LaunchTemplateCapacityReservationSpecificationCapacityReservationTargetArgs(
+                    capacity_reservation_id=cap.reservation_id))
+        if cap.type == "capacity-block":
+            market = aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(market_type="capacity-block")
+
+        # EKS would attach the cluster SG itself, but not when the template lists interfaces.
+        security_groups = [efa_security_group_id, args.cluster_security_group_id]
+        interfaces = [aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+            network_card_index=s.network_card_index, device_index=s.device_index, interface_type=s.interface_type,
+            security_groups=security_groups, delete_on_termination=True) for s in efa_interfaces(hw)]
+        ami = aws.ssm.get_parameter_output(name=ami_parameter(args.kubernetes_version, group.ami_release_version),
+                                           opts=pulumi.InvokeOutputOptions(parent=self))
+        user_data = pulumi.Output.all(args.cluster_name, args.cluster_endpoint, args.cluster_certificate_authority).apply(
+            lambda a: nodeadm_user_data(a[0], a[1], a[2], args.service_cidr, self.labels, self.taints,
+                                        args.hugepages_2mi_gib * 512))
+        self.launch_template = aws.ec2.LaunchTemplate(
+            name, instance_type=group.instance_type, image_id=ami.value, user_data=user_data,
+            network_interfaces=interfaces, placement=placement, capacity_reservation_specification=reservation,
+            instance_market_options=market, metadata_options=IMDS, ebs_optimized="true",
+            block_device_mappings=[_root_volume(ROOT_VOLUME_GIB)], update_default_version=True,
+            tag_specifications=[aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=r, tags=tags)
+                                for r in ("instance", "volume", "network-interface")],
+            tags=tags, opts=child)
+        self.node_group = aws.eks.NodeGroup(
+            name, cluster_name=args.cluster_name, node_group_name=group.name, node_role_arn=args.node_role_arn,
+            subnet_ids=[args.gpu_subnet_id], capacity_type=CAPACITY_TYPES[cap.type],
+            scaling_config=aws.eks.NodeGroupScalingConfigArgs(min_size=group.nodes, desired_size=group.nodes,
+                                                              max_size=group.nodes),
+            launch_template=aws.eks.NodeGroupLaunchTemplateArgs(
+                id=self.launch_template.id, version=self.launch_template.latest_version.apply(str)),
+            labels=self.labels, taints=[_eks_taint(t) for t in self.taints],
+            update_config=aws.eks.NodeGroupUpdateConfigArgs(max_unavailable=1),
+            node_repair_config=aws.eks.NodeGroupNodeRepairConfigArgs(enabled=True),
+            tags=tags, opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.node_dependencies)))
+        self.name_output = self.node_group.node_group_name
+        self.register_outputs({"node_group_name": self.name_output, "launch_template_id": self.launch_template.id})
+
+
+class Accelerators(pulumi.ComponentResource):
+    """Every accelerator node group, the EFA security group and the system node group."""
+
+    gpu_groups: list[GpuNodeGroup]
+    efa_security_group_id: pulumi.Output[str]
+
+    def __init__(self, name: str, args: AcceleratorsArgs, opts: Optional[pulumi.ResourceOptions] = None):
+        super().__init__("supernode:accelerators:Accelerators", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        tags = dict(args.tags)
+        sg = aws.ec2.SecurityGroup(f"{name}-efa", vpc_id=args.vpc_id, description="EFA: all traffic among GPU nodes",
+                                   tags={**tags, "Name": f"supernode-{args.stack}-efa"}, opts=child)
+        # EFA's OS-bypass traffic needs every protocol between members, in both directions.
+        aws.vpc.SecurityGroupIngressRule(f"{name}-efa-in-self", security_group_id=sg.id, ip_protocol="-1",
+                                         referenced_security_group_id=sg.id, description="EFA from GPU nodes",
+                                         opts=child)
+        aws.vpc.SecurityGroupEgressRule(f"{name}-efa-out-self", security_group_id=sg.id, ip_protocol="-1",
+                                        referenced_security_group_id=sg.id, description="EFA to GPU nodes",
+                                        opts=child)
+        self.efa_security_group_id = sg.id
+        self.gpu_groups = [GpuNodeGroup(g.name, g, args, sg.id, opts=child) for g in args.groups]
+
+        sys_lt = aws.ec2.LaunchTemplate(f"{name}-system", metadata_options=IMDS,
+                                        block_device_mappings=[_root_volume(SYSTEM_ROOT_VOLUME_GIB)],
+                                        update_default_version=True, tags=tags, opts=child)
+        s = args.system
+        self.system_node_group = aws.eks.NodeGroup(
+            f"{name}-system", cluster_name=args.cluster_name, node_group_name="system",
+            node_role_arn=args.node_role_arn, subnet_ids=list(args.system_subnet_ids),
+            ami_type="AL2023_x86_64_STANDARD", release_version=args.groups[0].ami_release_version,
+            instance_types=[s.instance_type], capacity_type="ON_DEMAND",
+            scaling_config=aws.eks.NodeGroupScalingConfigArgs(min_size=s.min_size, desired_size=s.desired_size,
+                                                              max_size=s.max_size),
+            launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=sys_lt.id, version=sys_lt.latest_version.apply(str)),
+            labels={"supernode.io/role": "system"},
+            update_config=aws.eks.NodeGroupUpdateConfigArgs(max_unavailable=1),
+            node_repair_config=aws.eks.NodeGroupNodeRepairConfigArgs(enabled=True), tags=tags,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.node_dependencies)))
+        self.node_group_names = [g.name_output for g in self.gpu_groups]
+        self.labels = {g.name: grp.labels for g, grp in zip(args.groups, self.gpu_groups)}
+        self.taints = {g.name: grp.taints for g, grp in zip(args.groups, self.gpu_groups)}
+        self.register_outputs({"node_group_names": self.node_group_names,
+                               "efa_security_group_id": self.efa_security_group_id})
+
+    @property
+    def node_groups(self) -> list[aws.eks.NodeGroup]:
+        return [g.node_group for g in self.gpu_groups] + [self.system_node_group]
+
+
+def _root_volume(gib: int) -> aws.ec2.LaunchTemplateBlockDeviceMappingArgs:
+    # Encrypted with the account's aws/ebs key: a customer key here would need grants for the Auto
+    # Scaling service-linked role, which EKS managed node groups launch through.
+    return aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
+        device_name="/dev/xvda",
+        ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(volume_size=gib, volume_type="gp3", encrypted="true",
+                                                            delete_on_termination="true"))
+
+
+def _eks_taint(t: Mapping[str, str]) -> aws.eks.NodeGroupTaintArgs:
+    return aws.eks.NodeGroupTaintArgs(key=t["key"], value=t["value"], effect=_TAINT_EFFECTS[t["effect"]])
