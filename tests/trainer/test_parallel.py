@@ -1,0 +1,112 @@
+"""Every parallel layout gives the loss and gradients of one process on the same global batch.
+
+One spawn of 4 gloo ranks runs all layouts in turn (process start-up dominates the cost); each
+rank reads its data-parallel slice, the reference in this process sees the whole batch. Gradients
+are compared as full tensors (DTensor.full_tensor), which also catches FSDP summing instead of
+averaging over data-parallel ranks (a past gloo bug).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from supernode.config import Model, Parallel
+from trainer.model import Transformer, loss_fn
+from trainer.parallel import ParallelDims, parallelize
+
+SEED = 7
+BATCH = 8
+MODEL = Model(layers=3, dim=32, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=16,
+              dense_hidden=48, first_dense_layers=1, vocab=64, seq_len=16, load_balance_coef=0.01,
+              z_loss_coef=0.001)
+SIGMOID = MODEL.model_copy(update={"router": "sigmoid", "shared_experts": 0, "tie_embeddings": True})
+
+# name: (dp_replicate, dp_shard, tp, ep, activation checkpointing, overlap, model)
+LAYOUTS = {
+    "fsdp": (1, 4, 1, 1, "none", True, MODEL),
+    "hsdp": (2, 2, 1, 1, "selective", True, MODEL),
+    "ep": (1, 4, 1, 4, "none", False, MODEL),
+    "tp": (1, 2, 2, 1, "full", True, MODEL),
+    "ep_fsdp_tp": (1, 2, 2, 2, "selective", True, MODEL),
+    "hsdp_ep_tp_sigmoid": (2, 1, 2, 2, "none", True, SIGMOID),
+}
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, MODEL.vocab, (BATCH, MODEL.seq_len + 1), generator=torch.Generator().manual_seed(SEED))
+
+
+def reference(model_cfg: Model) -> dict:
+    model = Transformer(model_cfg)
+    model.init_weights(SEED)
+    tokens = batch()
+    ce = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+    aux = model.aux_loss()
+    (ce + aux).backward()
+    return {"ce": ce.item(), "aux": aux.item(), "load": model.expert_load(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run_layouts(rank: int, world_size: int) -> dict:
+    results = {}
+    for name, (dpr, dps, tp, ep, ac, overlap, model_cfg) in LAYOUTS.items():
+        dims = ParallelDims(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, pp=1, world_size=world_size)
+        model = Transformer(model_cfg)
+        model.init_weights(SEED)
+        parallel = Parallel(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, activation_checkpointing=ac,
+                            overlap=overlap, mixed_precision="bf16")  # bf16 must be ignored on CPU
+        model = parallelize(model, dims, dims.build_mesh("cpu"), parallel, "cpu")
+        tokens = batch().chunk(dims.dp_size)[dims.dp_rank(rank)]
+        ce = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+        aux = model.aux_loss()
+        (ce + aux).backward()
+        # Data-parallel mean of the CE; aux terms are split over tp slices, so sum them then average.
+        stats = torch.stack([ce.detach() / dims.dp_size * (1 / tp), aux.detach() / dims.dp_size])
+        dist.all_reduce(stats)
+        grads = {n: _full(p.grad) for n, p in model.named_parameters()}  # collective: every rank
+        dtypes = {str(p.dtype) for p in model.parameters()}
+        results[name] = {"ce": stats[0].item(), "aux": stats[1].item(), "load": model.expert_load(),
+                         "grads": grads, "dtypes": dtypes}
+    return results if rank == 0 else {}
+
+
+@pytest.fixture(scope="module")
+def parallel_results(tmp_path_factory) -> dict:
+    from conftest import spawn
+
+    return spawn(run_layouts, 4, tmp_path_factory.mktemp("layouts"))[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(parallel_results: dict, layout: str) -> None:
+    got = parallel_results[layout]
+    ref = reference(LAYOUTS[layout][-1])
+    assert got["ce"] == pytest.approx(ref["ce"], rel=1e-5)
+    assert got["aux"] == pytest.approx(ref["aux"], rel=1e-4)
+    assert torch.equal(got["load"], ref["load"]), "expert load must be the global token counts"
+    assert got["dtypes"] == {"torch.float32"}
+    assert set(got["grads"]) == set(ref["grads"])
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{layout} {name}: {m}")
+
+
+def test_dims_from_degrees_and_errors() -> None:
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, ep=4, pp=1, world_size=8)
+    assert (dims.dp_size, dims.edp) == (4, 1)
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match=r"world size 6"):
+        ParallelDims(dp_replicate=1, dp_shard=4, tp=1, ep=1, pp=1, world_size=6)
+    with pytest.raises(ValueError, match=r"ep=3 must divide dp_shard\*tp"):
+        ParallelDims(dp_replicate=1, dp_shard=4, tp=1, ep=3, pp=1, world_size=4)
+    with pytest.raises(ValueError, match=r"pipeline parallel \(pp=2\) is not supported.*parallel.pp: 1"):
+        ParallelDims(dp_replicate=1, dp_shard=2, tp=1, ep=1, pp=2, world_size=4)
+    with pytest.raises(ValueError, match=r"tp must be a positive integer, got 0"):
+        ParallelDims(dp_replicate=1, dp_shard=2, tp=0, ep=1, pp=1, world_size=2)

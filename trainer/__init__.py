@@ -1,0 +1,1 @@
+"""The torch.distributed MoE trainer (torch + the supernode core only; never pulumi)."""

@@ -1,0 +1,168 @@
+"""Decoder-only MoE transformer, written for one device (trainer.parallel distributes it).
+
+RMSNorm, rotary position embeddings, grouped-query attention through `scaled_dot_product_attention`,
+SwiGLU dense FFN layers and MoE FFN layers placed by `Model.is_moe(layer)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from supernode.config import Model
+
+from .moe import MoE, SwiGLU
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [b, s, heads, head_dim]; rotates the (even, odd) pairs of each head."""
+    s = x.shape[1]
+    cos, sin = cos[:s, None, :], sin[:s, None, :]
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Model):
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.wq = nn.Linear(cfg.dim, cfg.heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.heads * hd, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        # Head counts come from the (possibly tensor-parallel, i.e. local) projection widths.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Model, layer: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim)
+        self.moe = cfg.is_moe(layer)
+        self.ffn: nn.Module = (
+            MoE(cfg.dim, cfg.experts, cfg.top_k, cfg.expert_hidden, cfg.shared_experts, cfg.router)
+            if self.moe else SwiGLU(cfg.dim, cfg.dense_hidden))
+        # Activation checkpointing (set by trainer.parallel): "selective" recomputes the FFN/MoE
+        # in backward, "full" the whole block.
+        self.checkpoint = "none"
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if self.checkpoint == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        h = self.ffn_norm(x)
+        if self.moe:  # the MoE layer works on rows of tokens
+            return x + self._ffn(h.flatten(0, -2)).view_as(h)
+        return x + self._ffn(h)
+
+    def _ffn(self, x: Tensor) -> Tensor:
+        if self.checkpoint == "selective" and torch.is_grad_enabled():
+            return checkpoint(self.ffn, x, use_reentrant=False)
+        return self.ffn(x)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: Model):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        if tokens.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.seqLen {self.cfg.seq_len}")
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(x)).float()
+
+    def moe_layers(self) -> list[MoE]:
+        return [b.ffn for b in self.layers if isinstance(b.ffn, MoE)]
+
+    def aux_loss(self) -> Tensor:
+        """Weighted load-balance and z-loss of the last forward, summed over MoE layers."""
+        total = torch.zeros((), device=self.rope_cos.device)
+        for moe in self.moe_layers():
+            if self.cfg.load_balance_coef:
+                total = total + self.cfg.load_balance_coef * moe.load_balance_loss
+            if self.cfg.z_loss_coef:
+                total = total + self.cfg.z_loss_coef * moe.z_loss
+        return total
+
+    def expert_load(self) -> Tensor:
+        """Token copies per expert in the last forward, [moe_layers, experts] (global once parallelised)."""
+        layers = self.moe_layers()
+        if not layers:
+            return torch.zeros(0, self.cfg.experts, dtype=torch.long)
+        return torch.stack([m.tokens_per_expert.cpu() for m in layers])
+
+    def update_router_bias(self) -> None:
+        for moe in self.moe_layers():
+            moe.update_bias(self.cfg.bias_update_rate)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic for a seed and independent of the device: draws on a CPU generator."""
+        gen = torch.Generator().manual_seed(seed)
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.cfg.layers)  # residual-path outputs, as in GPT-2
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            s = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
+            p.copy_(torch.randn(p.shape, generator=gen) * s)
+        for moe in self.moe_layers():
+            moe.router.bias.zero_()
+
+
+def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy; logits [b, s, vocab], targets [b, s]."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -1,0 +1,210 @@
+"""Parallelism from the Plan: degrees, device meshes, and `parallelize` (TP -> EP -> AC -> FSDP2).
+
+Rank layout (row-major, tp fastest): rank = (r_replicate * dp_shard + r_shard) * tp + r_tp.
+Three meshes over the same ranks, dims of degree 1 left out:
+- `dense` ("dp_replicate", "dp_shard", "tp"): attention, dense FFN, embeddings (TP + FSDP/HSDP);
+- `experts` ("dp_replicate", "edp", "ep"): the EP group is carved out of dp_shard*tp (consecutive
+  ranks), edp = dp_shard*tp/ep ranks hold the same experts and FSDP-shard them;
+- `moe` ("dp_replicate", "dp_shard_tp"): the router and shared expert. Inside an MoE layer each
+  tensor-parallel rank routes its own 1/tp of the tokens, so these parameters see different tokens
+  on every rank and their gradients are reduced over dp_shard*tp, not only over dp_shard.
+FSDP averages over the ranks of its mesh; MoE gradients are rescaled so that every parameter ends
+up with the data-parallel mean, exactly what one process computes on the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from supernode.config import Parallel
+from supernode.plan import Plan
+
+from .model import Transformer
+from .moe import MoE
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ep: int
+    pp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel degree {name} must be a positive integer, got {value!r}")
+        if self.pp > 1:
+            raise ValueError(f"pipeline parallel (pp={self.pp}) is not supported by the trainer yet; "
+                             "set supernode:parallel.pp: 1")
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        if product != self.world_size:
+            raise ValueError(
+                f"dp_replicate*dp_shard*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.tp}*{self.pp} = {product} "
+                f"does not match the world size {self.world_size}; adjust dp_shard "
+                f"(supernode:parallel.dpShard) or the number of processes")
+        if (self.dp_shard * self.tp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp_shard*tp = {self.dp_shard}*{self.tp} = "
+                             f"{self.dp_shard * self.tp} (supernode:parallel.ep)")
+
+    @classmethod
+    def from_plan(cls, plan: Plan, world_size: int) -> "ParallelDims":
+        return cls(**plan.degrees.model_dump(), world_size=world_size)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: how many distinct streams of data the job reads."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp(self) -> int:
+        """Ranks that hold the same experts (FSDP shards them): dp_replicate excluded."""
+        return self.dp_shard * self.tp // self.ep
+
+    def dp_rank(self, rank: int) -> int:
+        """Which data shard `rank` reads; tensor-parallel ranks read the same one."""
+        return rank // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def ep_rank(self, rank: int) -> int:
+        return rank % self.ep
+
+    def build_mesh(self, device_type: str) -> "Meshes":
+        return Meshes(
+            dense=_mesh(device_type, (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))),
+            experts=_mesh(device_type, (("dp_replicate", self.dp_replicate), ("edp", self.edp), ("ep", self.ep))),
+            moe=_mesh(device_type, (("dp_replicate", self.dp_replicate), ("dp_shard_tp", self.dp_shard * self.tp))),
+        )
+
+
+def _mesh(device_type: str, dims: tuple[tuple[str, int], ...]) -> Optional[DeviceMesh]:
+    kept = [(name, n) for name, n in dims if n > 1]
+    if not kept:
+        return None
+    return init_device_mesh(device_type, tuple(n for _, n in kept), mesh_dim_names=tuple(name for name, _ in kept))
+
+
+@dataclass(frozen=True)
+class Meshes:
+    dense: Optional[DeviceMesh]
+    experts: Optional[DeviceMesh]
+    moe: Optional[DeviceMesh]
+
+    @staticmethod
+    def sub(mesh: Optional[DeviceMesh], *names: str) -> Optional[DeviceMesh]:
+        """The named dims that exist in `mesh` (None when none does)."""
+        present = tuple(n for n in names if mesh is not None and n in (mesh.mesh_dim_names or ()))
+        return mesh[present] if present else None
+
+    @property
+    def tp(self) -> Optional[DeviceMesh]:
+        return self.sub(self.dense, "tp")
+
+    @property
+    def dp(self) -> Optional[DeviceMesh]:
+        return self.sub(self.dense, "dp_replicate", "dp_shard")
+
+    @property
+    def ep(self) -> Optional[DeviceMesh]:
+        return self.sub(self.experts, "ep")
+
+    @property
+    def expert_dp(self) -> Optional[DeviceMesh]:
+        return self.sub(self.experts, "dp_replicate", "edp")
+
+
+def _size(mesh: Optional[DeviceMesh]) -> int:
+    return mesh.size() if mesh is not None else 1
+
+
+def parallelize(model: Transformer, dims: ParallelDims, mesh: Meshes, parallel: Parallel,
+                device_type: str) -> Transformer:
+    """Apply tensor parallel, expert parallel, activation checkpointing and FSDP2, in that order.
+
+    `model` must hold the full, initialised weights on every rank (init_weights with one seed).
+    """
+    cfg = model.cfg
+    if dims.tp > 1:
+        _tensor_parallel(model, mesh.tp)
+    if dims.ep > 1:
+        if cfg.experts % dims.ep:
+            raise ValueError(f"ep={dims.ep} must divide model.experts ({cfg.experts}) (supernode:parallel.ep)")
+        for moe in model.moe_layers():
+            for name in ("w1", "w2", "w3"):
+                full = getattr(moe.experts, name)
+                setattr(moe.experts, name, nn.Parameter(distribute_tensor(full.detach(), mesh.ep, [Shard(0)])))
+            moe.ep_group = mesh.ep.get_group()
+    for moe in model.moe_layers():
+        moe.overlap = parallel.overlap
+        if dims.world_size > 1:
+            moe.stats_group = dist.group.WORLD  # pp = 1: every rank holds distinct tokens of the MoE layer
+        # FSDP averages over its mesh; rescale to the mean over the dp_size data-parallel streams.
+        moe.grad_scale = _size(mesh.moe) / dims.dp_size
+        moe.experts.grad_scale = _size(mesh.expert_dp) / dims.dp_size
+    _activation_checkpointing(model, parallel.activation_checkpointing)
+    _fully_shard(model, mesh, parallel, device_type)
+    return model
+
+
+def _tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    cfg, tp = model.cfg, tp_mesh.size()
+    for name, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
+        if n % tp:
+            raise ValueError(f"tp={tp} must divide model.{name} ({n}) (supernode:parallel.tp)")
+    for block in model.layers:
+        parallelize_module(block.attention, tp_mesh, {
+            "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()})
+        if isinstance(block.ffn, MoE):
+            block.ffn.tp_group = tp_mesh.get_group()
+        else:
+            parallelize_module(block.ffn, tp_mesh, {
+                "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
+
+
+def _activation_checkpointing(model: Transformer, mode: str) -> None:
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(f"activation_checkpointing must be none, selective or full, got {mode!r}")
+    for block in model.layers:
+        block.checkpoint = mode
+
+
+def _fully_shard(model: Transformer, mesh: Meshes, parallel: Parallel, device_type: str) -> None:
+    # bf16 compute with fp32 reduction on GPUs only: CPU matmuls in bf16 are slow and imprecise.
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if parallel.mixed_precision == "bf16" and device_type == "cuda" else MixedPrecisionPolicy())
+    dp = mesh.dp
+    # Experts that no other rank holds (ep = dp_shard*tp, no replicas) stay out of FSDP: they are
+    # DTensors on the EP mesh, and there is nothing to shard or reduce them over.
+    unsharded = set()
+    blocks = []
+    for block in model.layers:
+        if isinstance(block.ffn, MoE):
+            experts = block.ffn.experts
+            if mesh.expert_dp is not None:
+                fully_shard(experts, mesh=mesh.expert_dp, mp_policy=mp)
+            else:
+                unsharded |= set(experts.parameters())
+            if mesh.moe is not None:
+                fully_shard(block.ffn, mesh=mesh.moe, mp_policy=mp, ignored_params=unsharded or None)
+        if dp is not None:
+            fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=unsharded or None)
+            blocks.append(block)
+    if dp is not None:
+        fully_shard(model, mesh=dp, mp_policy=mp, reshard_after_forward=False, ignored_params=unsharded or None)
+        if parallel.overlap:  # gather the next block's weights while this one computes
+            for this, nxt in zip(blocks, blocks[1:]):
+                this.set_modules_to_forward_prefetch([nxt])
