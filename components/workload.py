@@ -1,0 +1,76 @@
+"""The Kubernetes workload on the EKS cluster: add-ons, the training namespace, the interconnect
+gate and the MoE trainer job, all sized from the one Plan (ARCHITECTURE.md §1).
+
+`__main__.py` builds `WorkloadArgs` from the AWS components' outputs and the validated config;
+nothing here reads config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from supernode.config import Images, Identity, Workload
+from supernode.plan import Plan
+
+from .workload_addons import AddonArgs, ClusterAddons
+from .workload_common import GpuNodes, PodShape, Taint
+from .workload_jobs import InterconnectGate, JobArgs, TrainerArgs, TrainerJob, gate_threshold_gbytes_s
+from .workload_namespace import PRIORITY_CLASS, Fsx, NamespaceArgs, TrainingNamespace
+
+__all__ = ["TrainingWorkload", "WorkloadArgs", "Fsx", "GpuNodes", "Taint"]
+
+
+@dataclass(frozen=True)
+class WorkloadArgs:
+    kubeconfig: pulumi.Input[str]
+    cluster_version: str  # "1.33": Pod Security labels are pinned to it
+    region: str
+    fsx: Fsx
+    trainer_role_arn: pulumi.Input[str]
+    gpu_nodes: GpuNodes
+    plan: Plan  # also the source of the training settings (plan.training)
+    images: Images
+    workload: Workload
+    identity: Identity
+
+
+class TrainingWorkload(pulumi.ComponentResource):
+    def __init__(self, name: str, args: WorkloadArgs, opts: Optional[pulumi.ResourceOptions] = None):
+        super().__init__("supernode:workload:TrainingWorkload", name, None, opts)
+        self.provider = k8s.Provider(f"{name}-k8s", kubeconfig=args.kubeconfig, opts=pulumi.ResourceOptions(parent=self))
+        # Children inherit the provider from their component parents.
+        child = pulumi.ResourceOptions(parent=self, providers={"kubernetes": self.provider})
+        plan, wl = args.plan, args.workload
+        pod = PodShape.for_node(plan.hardware, wl.hugepages_2mi_gib)
+
+        self.addons = ClusterAddons(f"{name}-addons", AddonArgs(region=args.region, gpu_nodes=args.gpu_nodes), child)
+        self.training = TrainingNamespace(f"{name}-ns", NamespaceArgs(
+            namespace=wl.namespace, service_account=wl.service_account, trainer_role_arn=args.trainer_role_arn,
+            pod_identity=args.identity.pod_identity == "pod-identity", cluster_version=args.cluster_version,
+            fsx=args.fsx, plan=plan, pod=pod), child)
+        job = JobArgs(namespace=self.training.name, image=args.images.trainer, gpu_nodes=args.gpu_nodes, pod=pod, plan=plan)
+        self.gate = InterconnectGate(
+            f"{name}-gate", replace(job, image=args.images.fabric_check or args.images.trainer),
+            job_name=f"{plan.stack}-fabric-gate", min_busbw_gbytes_s=gate_threshold_gbytes_s(plan, wl.gate_min_fraction),
+            opts=child)
+        self.trainer = TrainerJob(f"{name}-trainer", TrainerArgs(
+            job=job, service_account=self.training.service_account.metadata.name,
+            plan_config_map=self.training.plan_config_map.metadata.name, pvc=self.training.claim.metadata.name,
+            priority_class=self.training.priority_class.metadata.name,
+            data_subpath=args.fsx.data_dir.strip("/"), checkpoint_subpath=args.fsx.checkpoint_dir.strip("/"),
+            termination_grace_s=wl.termination_grace_s,
+            wait_for=[self.gate.job, *self.addons.ready]), job_name=f"{plan.stack}-train", opts=child)
+
+        self.outputs = {
+            "namespace": self.training.name,
+            "trainer_job": self.trainer.name,
+            "gate_job": self.gate.job.metadata.name,
+            "gate_min_busbw_gbytes_s": self.gate.min_busbw_gbytes_s,
+            "dcgm_metrics_endpoint": self.addons.dcgm_endpoint,
+            "priority_class": PRIORITY_CLASS,
+        }
+        self.register_outputs(self.outputs)

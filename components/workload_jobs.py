@@ -1,0 +1,182 @@
+"""The two distributed jobs: the interconnect gate (an Indexed Job measuring the fabric on every GPU
+node) and the trainer (a PyTorchJob). Both run one pod per GPU node owning the whole node, with
+the EFA/NCCL environment of ARCHITECTURE.md §4, and talk only to each other's pods of the same job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from supernode.catalog import ALL_REDUCE_BASELINE_GBYTES_S
+from supernode.plan import Plan
+
+from .workload_common import MESH_LABEL, GpuNodes, PodShape, meta
+from .workload_namespace import PLAN_KEY
+
+PLAN_DIR = "/etc/supernode"
+PLAN_PATH = f"{PLAN_DIR}/{PLAN_KEY}"
+DATA_PATH, CHECKPOINT_PATH = "/data", "/checkpoints"
+MASTER_PORT = 29500  # torchrun static rendezvous of the gate
+GATE_DEADLINE_S = 1800  # a hung fabric check fails the gate instead of blocking the rollout
+FABRIC_ENV = {
+    "FI_PROVIDER": "efa",
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    "FI_EFA_FORK_SAFE": "1",
+    "NCCL_SOCKET_IFNAME": "^lo",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "NCCL_DEBUG": "WARN",
+}
+# torchrun reads PET_* variables for its flags; the PyTorchJob operator sets them for the trainer.
+TORCHRUN = ["python", "-m", "torch.distributed.run", "--module"]
+
+
+@dataclass(frozen=True)
+class JobArgs:
+    namespace: pulumi.Input[str]
+    image: str
+    gpu_nodes: GpuNodes
+    pod: PodShape
+    plan: Plan
+
+
+def gate_threshold_gbytes_s(plan: Plan, min_fraction: float) -> float:
+    """The bus bandwidth the gate requires: the catalog's all_reduce baseline times the configured fraction."""
+    return round(ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type] * min_fraction, 3)
+
+
+def gpu_pod_spec(args: JobArgs, mesh: str, container: dict[str, Any], volumes: Sequence[dict[str, Any]] = (),
+                 **spec: Any) -> dict[str, Any]:
+    """A pod owning one whole GPU node: all its GPUs and EFA devices, one pod of the mesh per node."""
+    c = {**container,
+         "env": [{"name": k, "value": v} for k, v in FABRIC_ENV.items()] + container.get("env", []),
+         "resources": args.pod.resources(),
+         # EFA pins memory for RDMA: IPC_LOCK, and nothing else beyond the runtime defaults.
+         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}},
+         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}] + container.get("volumeMounts", [])}
+    affinity = args.gpu_nodes.affinity()
+    affinity["podAntiAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [{
+        "labelSelector": {"matchLabels": {MESH_LABEL: mesh}}, "topologyKey": "kubernetes.io/hostname"}]}
+    return {
+        "tolerations": args.gpu_nodes.tolerations(),
+        "affinity": affinity,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [c],
+        # NCCL and the data loader share memory through /dev/shm; it counts against the memory limit.
+        "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}, *volumes],
+        **spec,
+    }
+
+
+def mesh_policy(name: str, namespace: pulumi.Input[str], mesh: str, opts: pulumi.ResourceOptions) -> k8s.networking.v1.NetworkPolicy:
+    """Pods of one job may reach each other (rendezvous, NCCL bootstrap and socket traffic) and nothing
+    else may reach them. All TCP ports: NCCL listens on ephemeral ports; EFA/SRD bypasses the pod network."""
+    peers = [{"podSelector": {"matchLabels": {MESH_LABEL: mesh}}}]
+    return k8s.networking.v1.NetworkPolicy(name, metadata=meta(f"allow-mesh-{mesh}", namespace), spec={
+        "podSelector": {"matchLabels": {MESH_LABEL: mesh}},
+        "policyTypes": ["Ingress", "Egress"],
+        "ingress": [{"from": peers, "ports": [{"protocol": "TCP"}]}],
+        "egress": [{"to": peers, "ports": [{"protocol": "TCP"}]}],
+    }, opts=opts)
+
+
+class InterconnectGate(pulumi.ComponentResource):
+    """Indexed Job, one pod per GPU node, running `trainer.fabric` (all_reduce and all_to_all bus
+    bandwidth) under torchrun; it fails below the threshold. Pulumi waits for a Job to complete, so
+    anything that depends on `job` is created only after the fabric passed."""
+
+    def __init__(self, name: str, args: JobArgs, job_name: str, min_busbw_gbytes_s: float,
+                 opts: Optional[pulumi.ResourceOptions] = None):
+        super().__init__("supernode:workload:InterconnectGate", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        nodes, mesh = args.plan.nodes, job_name
+        self.min_busbw_gbytes_s = min_busbw_gbytes_s
+        self.policy = mesh_policy(f"{name}-mesh", args.namespace, mesh, child)
+        # Headless Service: stable DNS names <job>-<index>.<service> for the pods of the Indexed Job.
+        self.service = k8s.core.v1.Service(f"{name}-svc", metadata=meta(job_name, args.namespace), spec={
+            "clusterIP": "None", "publishNotReadyAddresses": True,
+            "selector": {MESH_LABEL: mesh},
+            "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT}],
+        }, opts=child)
+        env = [{"name": "PET_NNODES", "value": str(nodes)},
+               {"name": "PET_NPROC_PER_NODE", "value": str(args.plan.accelerators_per_node)},
+               {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {
+                   "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+               {"name": "PET_MASTER_ADDR", "value": f"{job_name}-0.{job_name}"},
+               {"name": "PET_MASTER_PORT", "value": str(MASTER_PORT)}]
+        container = {"name": "fabric", "image": args.image,
+                     "command": TORCHRUN + ["trainer.fabric"],
+                     "args": ["--min-busbw-gbps", str(min_busbw_gbytes_s)],
+                     "env": env}
+        self.job = k8s.batch.v1.Job(f"{name}-job", metadata=meta(job_name, args.namespace), spec={
+            "completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
+            "backoffLimit": 0,  # a slow or broken fabric is a finding, not something to retry
+            "activeDeadlineSeconds": GATE_DEADLINE_S,
+            "template": {"metadata": {"labels": {MESH_LABEL: mesh}}, "spec": gpu_pod_spec(
+                args, mesh, container, restartPolicy="Never", subdomain=job_name,
+                automountServiceAccountToken=False)},
+        }, opts=pulumi.ResourceOptions(parent=self, depends_on=[self.policy, self.service],
+                                       delete_before_replace=True,
+                                       custom_timeouts=pulumi.CustomTimeouts(create=f"{GATE_DEADLINE_S // 60 + 10}m")))
+        self.register_outputs({"job": self.job.metadata.name, "min_busbw_gbytes_s": min_busbw_gbytes_s})
+
+
+@dataclass(frozen=True)
+class TrainerArgs:
+    job: JobArgs
+    service_account: pulumi.Input[str]
+    plan_config_map: pulumi.Input[str]
+    pvc: pulumi.Input[str]
+    priority_class: pulumi.Input[str]
+    data_subpath: str  # inside the FSx volume
+    checkpoint_subpath: str
+    termination_grace_s: int
+    # Created only after these: the interconnect gate's Job (which Pulumi awaits to completion),
+    # the PyTorchJob CRD and the operator that admits it.
+    wait_for: Sequence[pulumi.Resource] = ()
+
+
+class TrainerJob(pulumi.ComponentResource):
+    """PyTorchJob (kubeflow.org/v1), elastic with c10d rendezvous, one worker per GPU node."""
+
+    def __init__(self, name: str, args: TrainerArgs, job_name: str, opts: Optional[pulumi.ResourceOptions] = None):
+        super().__init__("supernode:workload:TrainerJob", name, None, opts)
+        plan, mesh = args.job.plan, job_name
+        self.name = job_name
+        self.policy = mesh_policy(f"{name}-mesh", args.job.namespace, mesh, pulumi.ResourceOptions(parent=self))
+        container = {
+            "name": "pytorch",  # the operator injects the PET_* rendezvous env into this container name
+            "image": args.job.image,
+            "command": TORCHRUN + ["trainer.train"],
+            "args": ["--plan", PLAN_PATH, "--data", DATA_PATH, "--out", CHECKPOINT_PATH],
+            "volumeMounts": [
+                {"name": "plan", "mountPath": PLAN_DIR, "readOnly": True},
+                {"name": "fsx", "mountPath": DATA_PATH, "subPath": args.data_subpath, "readOnly": True},
+                {"name": "fsx", "mountPath": CHECKPOINT_PATH, "subPath": args.checkpoint_subpath},
+            ],
+        }
+        volumes = [{"name": "plan", "configMap": {"name": args.plan_config_map, "items": [{"key": PLAN_KEY, "path": PLAN_KEY}]}},
+                   {"name": "fsx", "persistentVolumeClaim": {"claimName": args.pvc}}]
+        # A changed plan replaces the job (the spec changes with its hash); checkpoints carry the run over.
+        plan_hash = hashlib.sha256(plan.to_json().encode()).hexdigest()
+        template = {"metadata": {"labels": {MESH_LABEL: mesh}, "annotations": {"supernode.io/plan-sha256": plan_hash}},
+                    "spec": gpu_pod_spec(args.job, mesh, container, volumes,
+                                         serviceAccountName=args.service_account,
+                                         priorityClassName=args.priority_class,
+                                         # the trainer writes a checkpoint on SIGTERM before exiting
+                                         terminationGracePeriodSeconds=args.termination_grace_s)}
+        nodes = plan.nodes
+        self.job = k8s.apiextensions.CustomResource(f"{name}-job", api_version="kubeflow.org/v1", kind="PyTorchJob",
+                                                    metadata=meta(job_name, args.job.namespace), spec={
+            "nprocPerNode": str(plan.accelerators_per_node),
+            "elasticPolicy": {"rdzvBackend": "c10d", "minReplicas": nodes, "maxReplicas": nodes,
+                              "maxRestarts": plan.training.max_restarts},
+            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": plan.training.max_restarts},
+            "pytorchReplicaSpecs": {"Worker": {"replicas": nodes, "restartPolicy": "OnFailure", "template": template}},
+        }, opts=pulumi.ResourceOptions(parent=self, depends_on=[self.policy, *args.wait_for],
+                                       delete_before_replace=True, replace_on_changes=["spec"]))
+        self.register_outputs({"job": job_name, "workers": nodes, "nproc_per_node": plan.accelerators_per_node})
