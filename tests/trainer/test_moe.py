@@ -1,0 +1,141 @@
+"""MoE layer: grouped_mm equals the per-expert loop; expert-parallel dispatch/combine is exact."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from trainer import moe as moe_mod
+from trainer.moe import MoE, expert_ffn, grouped_mm_applies
+
+DIM, HIDDEN, EXPERTS, TOP_K = 32, 16, 4, 2
+EMPTY = 3  # this expert is biased out of every top-k: it gets no tokens
+
+
+def make_moe(seed: int = 0, shared: int = 1, dtype: torch.dtype = torch.float32) -> MoE:
+    layer = MoE(DIM, EXPERTS, TOP_K, HIDDEN, shared_experts=shared)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        layer.router.bias[EMPTY] = -100.0
+    return layer.to(dtype)
+
+
+def rows(n: int, seed: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(n, DIM, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def fwd_bwd(layer: MoE, x: torch.Tensor, upstream: torch.Tensor):
+    x = x.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    out = layer(x)
+    (out * upstream).sum().backward()
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, {}), (torch.bfloat16, {"rtol": 2e-2, "atol": 2e-2})])
+def test_grouped_mm_equals_loop_values_and_grads(dtype: torch.dtype, tol: dict) -> None:
+    layer, x = make_moe(dtype=dtype), rows(37, dtype=dtype)
+    upstream = torch.randn(37, DIM, generator=torch.Generator().manual_seed(2)).to(dtype)
+    assert grouped_mm_applies(x, layer.experts.w1)
+    with mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm) as spy:
+        out_g, dx_g, grads_g = fwd_bwd(layer, x, upstream)
+    assert spy.call_count == 3, "the grouped path must actually run"
+    assert layer.tokens_per_expert[EMPTY] == 0 and layer.tokens_per_expert.sum() == 37 * TOP_K
+    layer.experts.use_grouped_mm = False
+    out_l, dx_l, grads_l = fwd_bwd(layer, x, upstream)
+    torch.testing.assert_close(out_g, out_l, **tol)
+    torch.testing.assert_close(dx_g, dx_l, **tol)
+    for name in grads_l:
+        torch.testing.assert_close(grads_g[name], grads_l[name], **tol, msg=lambda m: f"{name}: {m}")
+    assert grads_g["experts.w1"][EMPTY].abs().sum() == 0  # an idle expert gets a zero gradient
+
+
+def test_expert_ffn_is_swiglu_per_expert() -> None:
+    x, counts = rows(7), torch.tensor([2, 0, 5])
+    w1, w3 = torch.randn(3, DIM, HIDDEN), torch.randn(3, DIM, HIDDEN)
+    w2 = torch.randn(3, HIDDEN, DIM)
+    expected = torch.cat([(torch.nn.functional.silu(x[:2] @ w1[0]) * (x[:2] @ w3[0])) @ w2[0],
+                          (torch.nn.functional.silu(x[2:] @ w1[2]) * (x[2:] @ w3[2])) @ w2[2]])
+    torch.testing.assert_close(expert_ffn(x, counts, w1, w2, w3), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unaligned_rows_fall_back_to_the_loop() -> None:
+    # 6 fp32 columns = 24-byte rows: grouped_mm would reject them (16-byte strides).
+    x, w = torch.randn(5, 6), torch.randn(2, 6, 8)
+    assert not grouped_mm_applies(x, w)
+    assert not grouped_mm_applies(torch.randn(0, 8), torch.randn(2, 8, 8))  # no rows at all
+    out = expert_ffn(x, torch.tensor([3, 2]), w, torch.randn(2, 8, 6), w.clone())
+    assert out.shape == (5, 6)
+
+
+def test_sigmoid_router_weights_sum_to_one() -> None:
+    layer = MoE(DIM, EXPERTS, TOP_K, HIDDEN, score="sigmoid")
+    weights, ids, _, scores = layer.router(rows(9))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(9))
+    assert ids.shape == (9, TOP_K)
+    with pytest.raises(ValueError, match="softmax or sigmoid, got 'relu'"):
+        MoE(DIM, EXPERTS, TOP_K, HIDDEN, score="relu")
+
+
+# -- expert parallel ----------------------------------------------------------------------------
+
+def rank_rows(rank: int) -> slice:
+    """Uneven token counts per rank: 5, 8, 11, 14."""
+    start = sum(5 + 3 * r for r in range(rank))
+    return slice(start, start + 5 + 3 * rank)
+
+
+TOTAL = rank_rows(3).stop
+
+
+def run_ep(rank: int, world_size: int) -> dict:
+    results = {}
+    for ep in (4, 2):
+        mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("edp", "ep"))
+        ep_rank = mesh["ep"].get_local_rank()
+        for overlap in (True, False):
+            layer = make_moe()
+            per = EXPERTS // ep
+            for name in ("w1", "w2", "w3"):  # this rank keeps its experts only
+                full = getattr(layer.experts, name)
+                setattr(layer.experts, name, torch.nn.Parameter(full.detach()[ep_rank * per:(ep_rank + 1) * per].clone()))
+            layer.ep_group, layer.stats_group, layer.overlap = mesh["ep"].get_group(), dist.group.WORLD, overlap
+            out, dx, grads = fwd_bwd(layer, rows(TOTAL)[rank_rows(rank)], upstream(TOTAL)[rank_rows(rank)])
+            results[(ep, overlap)] = {"out": out, "dx": dx, "grads": grads, "ep_rank": ep_rank,
+                                      "load": layer.tokens_per_expert.clone()}
+    return results
+
+
+def upstream(n: int) -> torch.Tensor:
+    return torch.randn(n, DIM, generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.slow
+def test_dispatch_combine_exact_for_uneven_counts_and_an_idle_expert(tmp_path) -> None:
+    from conftest import spawn
+
+    ranks = spawn(run_ep, 4, tmp_path)
+    ref = make_moe()
+    out, dx, grads = fwd_bwd(ref, rows(TOTAL), upstream(TOTAL))
+    assert ref.tokens_per_expert[EMPTY] == 0 and len(set(ref.tokens_per_expert[:EMPTY].tolist())) > 1
+    for ep in (4, 2):
+        for overlap in (True, False):
+            got = [r[(ep, overlap)] for r in ranks]
+            label = f"ep={ep} overlap={overlap}"
+            torch.testing.assert_close(torch.cat([g["out"] for g in got]), out, msg=lambda m: f"{label} out: {m}")
+            torch.testing.assert_close(torch.cat([g["dx"] for g in got]), dx, msg=lambda m: f"{label} dx: {m}")
+            for g in got:
+                assert torch.equal(g["load"], ref.tokens_per_expert), "global token counts"
+            for name, ref_grad in grads.items():
+                if name.startswith("experts."):  # sum the replicas of each expert slice, then stack the slices
+                    slices = [sum(g["grads"][name] for g in got if g["ep_rank"] == e) for e in range(ep)]
+                    grad = torch.cat(slices)
+                else:
+                    grad = sum(g["grads"][name] for g in got)
+                torch.testing.assert_close(grad, ref_grad, msg=lambda m: f"{label} {name}: {m}")
