@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from ..cli import add_stack_args, stack_from_args
+from ..cli import EXIT_FAILED, add_stack_args, stack_from_args
+from ..manifests import export as export_manifests
 from ..plan import build_plan
 from ..preview import PreviewResult, run_program
+from ..policycheck import config_from_stack
 from .plan import render as render_plan
+from .policy import add_policy_args, policy_config, render as render_policy, run_pack
 
 
 def register(sub) -> None:
     p = sub.add_parser("preview", help="offline preview: run the Pulumi program under the mock engine")
     add_stack_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output (ARCHITECTURE.md §6)")
+    p.add_argument("--manifests", type=Path, metavar="DIR",
+                   help="write every Kubernetes object as YAML to DIR and validate it (exit 1 if invalid)")
+    add_policy_args(p)  # the policy pack runs on every preview; exit 1 on a mandatory violation
     p.set_defaults(func=run)
 
 
@@ -50,11 +57,16 @@ def run(args) -> int:
     stack, cfg = stack_from_args(args)
     plan = build_plan(stack, cfg)
     result = run_program(stack, cfg)
-    violations: list[dict] = []
+    manifests_ok = args.manifests is None or export_manifests(result.resources, args.manifests,
+                                                              cfg.cluster.kubernetes_version)
+    report = run_pack([r.to_json() for r in result.resources],
+                      policy_config(args.policy_config, config_from_stack(cfg)), args.junit)
+    violations = [v.to_json() for v in report.violations]
     if args.json:
         print(json.dumps(preview_json(result, plan.summary(), violations), indent=2))
     else:
         console = Console()
         render_tree(result, console)
         render_plan(plan, console)
-    return 0
+        render_policy(report, console)
+    return 0 if report.passed and manifests_ok else EXIT_FAILED

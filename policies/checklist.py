@@ -1,0 +1,491 @@
+"""Deployment checklist items 1-9: the hardware, the plan and the workload agree before training starts.
+
+Each check reads resources and, where the item is about the job, the Plan as the job will read it
+(the plan ConfigMap). A check whose resources are not in the stack has nothing to say (a stack
+without GPU node groups needs no placement group); what must exist is anchored to what it serves
+(a trainer job needs the gate, the plan ConfigMap and the DCGM exporter; an FSx file system needs
+its data repository association).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from pulumi_policy import EnforcementLevel
+from pydantic import ValidationError
+
+from supernode import capacity as cap
+from supernode.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG
+from supernode.config import DIGEST_RE, Fsx
+
+from .base import Report, resource_policy, stack_policy
+from .settings import ApprovedInstances, CheckpointThroughput, Data, Gate, Lifecycle, LogRetention, MemoryFit
+from .view import (BUCKET, BUCKET_LIFECYCLE, DAEMON_SET, EFA_INTERFACE_TYPES, EFA_RESOURCE, EKS_CLUSTER, FSX_DRA,
+                   FSX_LUSTRE, IAM_ATTACHMENT, IAM_POLICY, IAM_ROLE, IAM_ROLE_POLICY, LOG_GROUP, PLACEMENT_GROUP, PLAN_KEY,
+                   SECURITY_GROUP, SG_EGRESS, SG_INGRESS, SG_RULE, LAUNCH_TEMPLATE, METRIC_ALARM, Res, Stack,
+                   as_list, command_line, containers, get, is_true, items, json_doc, pod_specs, resource_quantity,
+                   statements)
+
+ADVISORY = EnforcementLevel.ADVISORY
+
+
+def _node_count(ng: Res) -> int:
+    return int(ng.get("scalingConfig", "desiredSize", default=0))
+
+
+# -- 1. accelerators ------------------------------------------------------------------------------
+
+def _approved(stack: Stack, conf: ApprovedInstances, report: Report) -> None:
+    for ng in stack.gpu_node_groups():
+        itype = stack.instance_type_of(ng)
+        if itype not in conf.approved_instance_types:
+            report(ng, f"{ng.label} uses instance type {itype!r}, which is not approved for GPU node groups. "
+                       f"Fix: use one of {', '.join(conf.approved_instance_types)} "
+                       f"(supernode:acceleratorNodeGroups[].instanceType).")
+
+
+def _world_size(stack: Stack, _conf: None, report: Report) -> None:
+    plan, groups = stack.plan(), stack.gpu_node_groups()
+    if plan is None or not groups:
+        return
+    parts, total = [], 0
+    for ng in groups:
+        itype = stack.instance_type_of(ng)
+        per_node = CATALOG[itype].accelerators if itype in CATALOG else 0
+        total += _node_count(ng) * per_node
+        parts.append(f"{ng.name}: {_node_count(ng)} x {per_node}")
+    if total != plan.world_size:
+        report(stack.plan_config_map(),
+               f"GPU node groups provide {total} accelerators ({', '.join(parts)}) but the plan in "
+               f"{stack.plan_config_map().label} runs world size {plan.world_size}. Fix: size the node groups "
+               f"from the plan (supernode:acceleratorNodeGroups[].nodes) or change the parallel degrees.")
+
+
+# -- 2. memory fit --------------------------------------------------------------------------------
+
+def _memory_fit(stack: Stack, conf: MemoryFit, report: Report) -> None:
+    plan = stack.plan()
+    if plan is None:
+        return
+    deployed = [CATALOG[t] for ng in stack.gpu_node_groups() if (t := stack.instance_type_of(ng)) in CATALOG]
+    hw = min(deployed, key=lambda t: t.hbm_mib) if deployed else plan.hardware
+    limit = hw.hbm_gib * (1 - conf.headroom_fraction)
+    if plan.memory_per_rank_gib > limit:
+        hint = ""
+        if plan.suggestions:
+            s = plan.suggestions[0]
+            hint = (f" e.g. dpReplicate {s.dp_replicate}, dpShard {s.dp_shard}, tp {s.tp}, ep {s.ep}, pp {s.pp}, "
+                    f"activationCheckpointing {s.activation_checkpointing} ({s.memory_gib} GiB);")
+        report(stack.plan_config_map(),
+               f"the plan needs {plan.memory_per_rank_gib:.1f} GiB per rank but {hw.name} has {hw.hbm_gib:.1f} GiB "
+               f"HBM, {limit:.1f} GiB with {conf.headroom_fraction:.0%} headroom. Fix: change the layout "
+               f"(supernode:parallel);{hint} or use more activation checkpointing, a smaller microBatch, more "
+               f"nodes or larger-memory GPUs.")
+
+
+# -- 3. interconnect ------------------------------------------------------------------------------
+
+def _instance_type_for_template(stack: Stack, lt: Res) -> Optional[str]:
+    if lt.get("instanceType"):
+        return lt.get("instanceType")
+    for ng in stack.gpu_node_groups():
+        if stack.launch_template_of(ng) is lt:
+            return stack.instance_type_of(ng)
+    return None
+
+
+def _efa_interfaces(stack: Stack, _conf: None, report: Report) -> None:
+    for lt in stack.gpu_launch_templates():
+        itype = _instance_type_for_template(stack, lt)
+        if itype not in CATALOG:
+            continue  # unapproved types are item 1's finding
+        want = CATALOG[itype].efa_interfaces
+        efa = [ni for ni in items(lt.get("networkInterfaces")) if get(ni, "interfaceType") in EFA_INTERFACE_TYPES]
+        cards = sorted({int(get(ni, "networkCardIndex", default=0)) for ni in efa})
+        if len(efa) != want or cards != list(range(want)):
+            report(lt, f"{lt.label} ({itype}) has {len(efa)} EFA interfaces on network cards {cards}; {itype} has "
+                       f"{want} network cards and needs one EFA interface on each (0..{want - 1}), else NCCL loses "
+                       f"bandwidth. Fix: build networkInterfaces from supernode.catalog ({itype}.efa_interfaces).")
+
+
+def _placement(stack: Stack, _conf: None, report: Report) -> None:
+    cluster_groups = {pg.get("name", default=pg.name): pg for pg in stack.of(PLACEMENT_GROUP)
+                      if pg.get("strategy") == "cluster"}
+    for lt in stack.gpu_launch_templates():
+        group = lt.get("placement", "groupName")
+        in_cluster_group = group in cluster_groups or any(pg.urn in lt.deps for pg in cluster_groups.values())
+        reserved = (lt.get("capacityReservationSpecification", "capacityReservationTarget", "capacityReservationId")
+                    or lt.get("instanceMarketOptions", "marketType") == "capacity-block")
+        if not (in_cluster_group and group) and not reserved:
+            report(lt, f"{lt.label} neither places instances in a cluster placement group nor targets a capacity "
+                       f"reservation or Capacity Block, so GPU nodes may land far apart. Fix: set "
+                       f"placement.groupName to an aws.ec2.PlacementGroup with strategy 'cluster', or target a "
+                       f"reservation (supernode:acceleratorNodeGroups[].capacity).")
+
+
+def _all_traffic(protocol: object) -> bool:
+    return str(protocol) in ("-1", "all", "-1.0")
+
+
+def _self_referencing_groups(stack: Stack) -> dict[str, set[str]]:
+    """Security group key -> directions ("ingress"/"egress") that have a self-referencing all-traffic rule."""
+    found: dict[str, set[str]] = {}
+    for sg in stack.of(SECURITY_GROUP):
+        for direction in ("ingress", "egress"):
+            if any(is_true(get(r, "self")) and _all_traffic(get(r, "protocol")) for r in items(sg.get(direction))):
+                found.setdefault(sg.urn, set()).add(direction)
+
+    def key(rule: Res) -> str:
+        owners = [u for u in rule.deps if u in stack.by_urn and stack.by_urn[u].type == SECURITY_GROUP]
+        return owners[0] if owners else str(rule.get("securityGroupId"))
+
+    for rule in stack.of(SG_RULE):
+        source = rule.get("sourceSecurityGroupId")
+        if _all_traffic(rule.get("protocol")) and (is_true(rule.get("self")) or
+                                                   (source and source == rule.get("securityGroupId"))):
+            found.setdefault(key(rule), set()).add(str(rule.get("type")))
+    for rule in stack.of(SG_INGRESS, SG_EGRESS):
+        ref = rule.get("referencedSecurityGroupId")
+        if _all_traffic(rule.get("ipProtocol")) and ref and ref == rule.get("securityGroupId"):
+            found.setdefault(key(rule), set()).add("ingress" if rule.type == SG_INGRESS else "egress")
+    return found
+
+
+def _efa_security_group(stack: Stack, _conf: None, report: Report) -> None:
+    templates = stack.gpu_launch_templates()
+    if templates and not any(d >= {"ingress", "egress"} for d in _self_referencing_groups(stack).values()):
+        for lt in templates:
+            report(lt, f"{lt.label}: no security group has a self-referencing all-traffic rule for both ingress and "
+                       f"egress; EFA needs it or the fabric falls back to TCP. Fix: add ingress and egress rules "
+                       f"(protocol -1) whose source/destination is the EFA security group itself, and attach that "
+                       f"group to the GPU network interfaces.")
+
+
+def _trainer_efa(stack: Stack, _conf: None, report: Report) -> None:
+    plan = stack.plan()
+    want = CATALOG[plan.instance_type].efa_interfaces if plan and plan.instance_type in CATALOG else None
+    for job in stack.trainer_jobs():
+        gpu = [c for c in containers(job) if resource_quantity(c, "nvidia.com/gpu")] or containers(job)
+        for c in gpu:
+            got = resource_quantity(c, EFA_RESOURCE)
+            if not got or (want is not None and got != want):
+                need = f"{want}" if want is not None else "the node's EFA device count"
+                report(job, f"{job.label} container '{get(c, 'name')}' requests {EFA_RESOURCE}: "
+                            f"{got if got is not None else 'none'}; it needs {need} (one per EFA device of "
+                            f"{plan.instance_type if plan else 'the node'}), else NCCL silently falls back to TCP. "
+                            f"Fix: set resources.requests and limits '{EFA_RESOURCE}': {need}.")
+
+
+_BUSBW_FLAG = re.compile(r"--min-busbw-gbps[= ]([0-9.]+)")
+
+
+def _gate(stack: Stack, conf: Gate, report: Report) -> None:
+    jobs = stack.trainer_jobs()
+    if not jobs:
+        return
+    gates, plan = stack.gates(), stack.plan()
+    if not gates:
+        for job in jobs:
+            report(job, f"{job.label} has no interconnect gate: no Job runs `python -m trainer.fabric`. Fix: deploy "
+                        f"the fabric-check Job across the GPU nodes and make the trainer job depend on it.")
+        return
+    for job in jobs:
+        if not any(stack.depends_on(job, g) for g in gates):
+            report(job, f"{job.label} does not depend on the interconnect gate ({', '.join(g.label for g in gates)}), "
+                        f"so training can start on a broken fabric. Fix: pass depends_on=[gate] to the trainer job.")
+    baseline = ALL_REDUCE_BASELINE_GBYTES_S.get(plan.instance_type) if plan else None
+    if baseline is None:
+        return
+    floor = baseline * conf.min_gate_fraction
+    for g in gates:
+        flags = [float(m.group(1)) for c in containers(g) if (m := _BUSBW_FLAG.search(command_line(c)))]
+        if not flags or min(flags) < floor:
+            report(g, f"{g.label} accepts a bus bandwidth of {min(flags) if flags else 'any (no --min-busbw-gbps)'}; "
+                      f"the floor is {floor:g} ({conf.min_gate_fraction:g} x the {plan.instance_type} baseline "
+                      f"{baseline:g}). Fix: pass --min-busbw-gbps from the catalog baseline x "
+                      f"supernode:workload.gateMinFraction.")
+
+
+# -- 4. consistent versions -----------------------------------------------------------------------
+
+def _versions(stack: Stack, _conf: None, report: Report) -> None:
+    groups = stack.gpu_node_groups()
+    if not groups:
+        return
+    clusters = stack.of(EKS_CLUSTER)
+    k8s = clusters[0].get("version") if clusters else None
+    if clusters and not k8s:
+        report(clusters[0], f"{clusters[0].label} does not pin its Kubernetes version. Fix: set version "
+                            f"(supernode:cluster.kubernetesVersion).")
+    pins = {}
+    for ng in groups:
+        lt = stack.launch_template_of(ng)
+        pin = ng.get("releaseVersion") or (lt.get("imageId") if lt else None)
+        pins[ng.name] = pin
+        if not pin:
+            report(ng, f"{ng.label} does not pin its AMI: neither releaseVersion nor a launch-template imageId. "
+                       f"Fix: set releaseVersion (supernode:acceleratorNodeGroups[].amiReleaseVersion).")
+        release = str(ng.get("releaseVersion", default=""))
+        version = ng.get("version")
+        if k8s and ((version and version != k8s) or (release and not release.startswith(f"{k8s}."))):
+            report(ng, f"{ng.label} runs Kubernetes {version or release} but the cluster runs {k8s}. Fix: pin the node "
+                       f"group's version and AMI release to {k8s} (e.g. releaseVersion {k8s}.x-YYYYMMDD).")
+    if len({p for p in pins.values() if p}) > 1:
+        for ng in groups:
+            report(ng, f"GPU node groups pin different AMI releases ({pins}); mixed drivers/NCCL break collectives. "
+                       f"Fix: use one amiReleaseVersion for every accelerator node group.")
+
+
+def _images(stack: Stack, _conf: None, report: Report) -> None:
+    workloads = stack.trainer_jobs() + stack.gates()
+    images = {}
+    for w in workloads:
+        for c in containers(w):
+            image = str(get(c, "image", default=""))
+            images[w.label] = image
+            if not DIGEST_RE.match(image):
+                report(w, f"{w.label} container '{get(c, 'name')}' uses image {image!r}, not pinned by digest. "
+                          f"Fix: use REPOSITORY@sha256:<digest> (supernode:images).")
+    if stack.trainer_jobs() and stack.gates() and len(set(images.values())) > 1:
+        for w in workloads:
+            report(w, f"the trainer and the interconnect gate run different images ({images}); the gate must test "
+                      f"the NCCL/EFA stack the trainer uses. Fix: run the gate from the trainer image "
+                      f"(leave supernode:images.fabricCheck unset).")
+
+
+# -- 5. code and config ready ---------------------------------------------------------------------
+
+def _code_config(stack: Stack, _conf: None, report: Report) -> None:
+    cm = stack.plan_config_map()
+    cm_name = (cm.get("metadata", "name") or cm.name) if cm else None
+    for job in stack.trainer_jobs():
+        if cm is None:
+            report(job, f"{job.label} has no plan to run: no ConfigMap holds data['{PLAN_KEY}']. Fix: create the plan "
+                        f"ConfigMap from supernode.plan.Plan.to_json() and mount it at /etc/supernode.")
+            continue
+        for spec in pod_specs(job):
+            volumes = {get(v, "name") for v in items(get(spec, "volumes")) if get(v, "configMap", "name") == cm_name}
+            mounted = any(get(m, "name") in volumes for c in items(get(spec, "containers"))
+                          for m in items(get(c, "volumeMounts")))
+            if not mounted:
+                report(job, f"{job.label} does not mount the plan ConfigMap '{cm_name}'. Fix: add a configMap volume "
+                            f"for '{cm_name}' and mount it at /etc/supernode (the trainer reads --plan "
+                            f"/etc/supernode/{PLAN_KEY}).")
+        for c in containers(job):
+            if not DIGEST_RE.match(str(get(c, "image", default=""))):
+                report(job, f"{job.label} container '{get(c, 'name')}' image {get(c, 'image')!r} is not pinned by "
+                            f"digest, so the code that runs is not the code reviewed. Fix: REPOSITORY@sha256:<digest>.")
+
+
+# -- 6. data --------------------------------------------------------------------------------------
+
+def pod_roles(stack: Stack) -> list[Res]:
+    """IAM roles assumed by pods (IRSA web identity or EKS Pod Identity)."""
+    out = []
+    for role in stack.of(IAM_ROLE):
+        trust = str(role.get("assumeRolePolicy", default=""))
+        if "AssumeRoleWithWebIdentity" in trust or "pods.eks.amazonaws.com" in trust:
+            out.append(role)
+    return out
+
+
+def role_documents(stack: Stack, role: Res) -> list[dict]:
+    """Every identity-policy document that applies to `role` (inline, RolePolicy, attached Policy)."""
+    docs = [json_doc(get(p, "policy")) for p in items(role.get("inlinePolicies"))]
+    docs += [json_doc(rp.get("policy")) for rp in stack.attached(role, (IAM_ROLE_POLICY,))]
+    for att in stack.attached(role, (IAM_ATTACHMENT,)):
+        docs += [json_doc(p.get("policy")) for p in stack.of(IAM_POLICY) if p.urn in att.deps]
+    return [d for d in docs if d]
+
+
+def _readable_prefixes(docs: list[dict]) -> list[str]:
+    """S3 key prefixes (as `bucket/prefix`) that s3:GetObject is allowed on."""
+    out = []
+    for st in (s for d in docs for s in statements(d) if s.get("Effect") == "Allow"):
+        actions = as_list(st.get("Action"))
+        if "s3:GetObject" in actions or "s3:Get*" in actions:
+            for r in as_list(st.get("Resource")):
+                if isinstance(r, str) and r.startswith("arn:aws:s3:::") and "/" in r:
+                    out.append(r.removeprefix("arn:aws:s3:::").rstrip("*"))
+    return out
+
+
+def _data(stack: Stack, conf: Data, report: Report) -> None:
+    for fs in stack.of(FSX_LUSTRE):
+        dras = [d for d in stack.attached(fs, (FSX_DRA,)) if str(d.get("dataRepositoryPath", default="")).startswith("s3://")]
+        if not dras:
+            report(fs, f"{fs.label} has no data repository association to S3, so the dataset never reaches the "
+                       f"nodes and checkpoints never reach S3. Fix: add an aws.fsx.DataRepositoryAssociation "
+                       f"(dataRepositoryPath s3://BUCKET/..., auto import/export).")
+    roles = pod_roles(stack)
+    if not roles:
+        for job in stack.trainer_jobs():
+            report(job, f"{job.label}: no IAM role for pods (IRSA or Pod Identity) exists, so the trainer cannot read "
+                        f"the dataset. Fix: create the trainer role and bind it to the trainer service account.")
+        return
+    trainer = [r for r in roles if "trainer" in r.name.lower()] or roles
+    readable = [p for r in trainer for p in _readable_prefixes(role_documents(stack, r))]
+    wanted = conf.dataset_prefix
+    ok = any(p.split("/", 1)[1] and (wanted is None or p.split("/", 1)[1].startswith(wanted)) for p in readable)
+    if not ok:
+        need = f"prefix {wanted!r}" if wanted else "a dataset prefix"
+        for r in trainer:
+            report(r, f"{r.label} cannot read {need}: it allows s3:GetObject on {readable or 'nothing'}. Fix: allow "
+                      f"s3:GetObject on arn:aws:s3:::BUCKET/{wanted or 'DATASET_PREFIX/'}* (and s3:ListBucket with "
+                      f"that prefix); set supernode:storage.datasetPrefix.")
+
+
+# -- 7. weights verified (advisory) ---------------------------------------------------------------
+
+def _weights(stack: Stack, _conf: None, report: Report) -> None:
+    plan = stack.plan()
+    if plan and plan.training.weights_uri and not plan.training.weights_sha256:
+        report(stack.plan_config_map(),
+               f"the plan loads weights from {plan.training.weights_uri} without a sha256, so corrupt or swapped "
+               f"weights go unnoticed. Fix: set supernode:training.weightsSha256.")
+
+
+# -- 8. checkpoint storage ------------------------------------------------------------------------
+
+def _checkpoint_throughput(stack: Stack, conf: CheckpointThroughput, report: Report) -> None:
+    plan = stack.plan()
+    if plan is None:
+        return
+    # The plan was sized for required_mb_s = size / budget: recover the budget rather than re-deriving it.
+    budget = conf.checkpoint_write_budget_s or plan.checkpoint.checkpoint_bytes / 1e6 / plan.checkpoint.required_mb_s
+    for fs in stack.of(FSX_LUSTRE):
+        capacity, per_unit = fs.get("storageCapacity"), fs.get("perUnitStorageThroughput")
+        try:
+            fsx = Fsx(capacity_gib=int(capacity or 0), per_unit_throughput=int(per_unit or 0),
+                      checkpoint_write_budget_s=max(10, round(budget)))
+        except ValidationError as e:
+            report(fs, f"{fs.label} has storageCapacity {capacity} GiB / perUnitStorageThroughput {per_unit} MB/s/TiB, "
+                       f"which PERSISTENT_2 does not accept ({e.errors()[0]['msg']}). Fix: use the planner's size "
+                       f"({plan.checkpoint.fsx_capacity_gib} GiB).")
+            continue
+        io = cap.checkpoint_io(plan.model, plan.training, fsx)
+        if not io.within_budget:
+            report(fs, f"{fs.label} gives {io.fsx_throughput_mb_s:.0f} MB/s and {fsx.capacity_gib} GiB: one "
+                       f"{io.checkpoint_bytes / 1e9:.0f} GB checkpoint takes {io.write_seconds:.0f} s against a "
+                       f"{fsx.checkpoint_write_budget_s} s budget (and {plan.training.keep_checkpoints}+1 checkpoints "
+                       f"must fit). Fix: storageCapacity >= {plan.checkpoint.fsx_capacity_gib} GiB at this "
+                       f"throughput (plan.checkpoint.fsx_capacity_gib), or a higher perUnitStorageThroughput.")
+
+
+def _rule_prefix(rule: dict) -> str:
+    return str(get(rule, "filter", "prefix") or get(rule, "filter", "and", "prefix") or get(rule, "prefix") or "")
+
+
+def _lifecycle(stack: Stack, conf: Lifecycle, report: Report) -> None:
+    buckets = stack.of(BUCKET)
+    if not buckets:
+        return
+    rules = []
+    for b in buckets:
+        configs = stack.attached(b, (BUCKET_LIFECYCLE,))
+        if not configs:
+            report(b, f"{b.label} has no lifecycle configuration, so objects and incomplete uploads are kept (and "
+                      f"billed) forever. Fix: add an aws.s3.BucketLifecycleConfiguration (supernode:storage.lifecycle).")
+        rules += [r for c in configs for r in items(c.get("rules")) if get(r, "status") == "Enabled"]
+    where = stack.of(BUCKET_LIFECYCLE)[0] if stack.of(BUCKET_LIFECYCLE) else buckets[0]
+    if not any(get(r, "abortIncompleteMultipartUpload", "daysAfterInitiation") for r in rules):
+        report(where, f"no enabled lifecycle rule aborts incomplete multipart uploads (checkpoint shards are "
+                      f"multipart). Fix: add abortIncompleteMultipartUpload.daysAfterInitiation "
+                      f"(supernode:storage.lifecycle.abortMultipartDays).")
+    wanted = conf.checkpoint_prefix
+    if not any(items(get(r, "transitions")) and get(r, "expiration", "days")
+               and (wanted is None or _rule_prefix(r) == wanted) for r in rules):
+        report(where, f"no enabled lifecycle rule on the checkpoint prefix{f' {wanted!r}' if wanted else ''} both "
+                      f"transitions and expires checkpoints. Fix: add a rule filtered on the checkpoint prefix with "
+                      f"transitions and expiration (supernode:storage.lifecycle.checkpointTransitionDays / "
+                      f"checkpointExpireDays).")
+
+
+# -- 9. monitoring --------------------------------------------------------------------------------
+
+def _alarm_text(alarm: Res) -> str:
+    parts = [alarm.name, alarm.get("name"), alarm.get("metricName"), alarm.get("alarmDescription")]
+    for q in items(alarm.get("metricQueries")):
+        parts += [get(q, "expression"), get(q, "metric", "metricName")]
+    return " ".join(str(p) for p in parts if p).lower()
+
+
+def is_gpu_util_alarm(alarm: Res) -> bool:
+    text = _alarm_text(alarm)
+    return "gpu" in text and "util" in text
+
+
+def is_node_health_alarm(alarm: Res) -> bool:
+    text = _alarm_text(alarm)
+    return "xid" in text or ("node" in text and any(w in text for w in ("ready", "health", "status", "fail")))
+
+
+def _alarms(stack: Stack, _conf: None, report: Report) -> None:
+    groups = stack.gpu_node_groups()
+    if not groups:
+        return
+    alarms = stack.of(METRIC_ALARM)
+    for what, test in (("GPU utilisation (DCGM) below the floor", is_gpu_util_alarm),
+                       ("node health (node not ready / GPU XID errors)", is_node_health_alarm)):
+        if not any(test(a) for a in alarms):
+            report(groups[0], f"no CloudWatch alarm watches {what} for the GPU node groups. Fix: add an "
+                              f"aws.cloudwatch.MetricAlarm with the SNS topic as its action (supernode:monitoring).")
+    for a in alarms:
+        actions = [str(x) for x in items(a.get("alarmActions"))]
+        if not any(x.startswith("arn:aws") and ":sns:" in x for x in actions):
+            report(a, f"{a.label} notifies nobody: alarmActions {actions} has no SNS topic. Fix: set alarmActions to "
+                      f"the stack's SNS topic ARN.")
+
+
+def _log_retention(log_group: Res, conf: LogRetention, report: Report) -> None:
+    days = log_group.get("retentionInDays")
+    if not days or days < conf.min_retention_days:
+        report(log_group, f"{log_group.label} keeps logs {'forever' if not days else f'{days:g} days'}; retention must be "
+                          f"at least {conf.min_retention_days} days and finite. Fix: set retentionInDays "
+                          f"(supernode:monitoring.logRetentionDays).")
+
+
+def _dcgm(stack: Stack, _conf: None, report: Report) -> None:
+    jobs = stack.trainer_jobs()
+    exporters = [d for d in stack.of(DAEMON_SET)
+                 if "dcgm" in d.name.lower() or any("dcgm-exporter" in str(get(c, "image")) for c in containers(d))]
+    if jobs and not exporters:
+        for job in jobs:
+            report(job, f"{job.label} runs without GPU metrics: no DCGM exporter DaemonSet is deployed, so the GPU "
+                        f"utilisation alarm has no data. Fix: deploy nvidia dcgm-exporter on the GPU nodes.")
+
+
+POLICIES = [
+    stack_policy("accelerators-approved-instance-types", 1, "GPU node groups use approved instance types.",
+                 _approved, settings=ApprovedInstances),
+    stack_policy("accelerators-match-world-size", 1, "Accelerators across GPU node groups equal the plan's world size.",
+                 _world_size),
+    stack_policy("memory-fit", 2, "The plan's per-rank memory fits HBM with headroom.", _memory_fit,
+                 settings=MemoryFit),
+    stack_policy("interconnect-efa-interfaces", 3, "GPU launch templates carry the instance type's full EFA interface count.",
+                 _efa_interfaces),
+    stack_policy("interconnect-placement", 3, "GPU nodes use a cluster placement group or a targeted reservation.",
+                 _placement),
+    stack_policy("interconnect-efa-security-group", 3, "An EFA security group allows all traffic to and from itself.",
+                 _efa_security_group),
+    stack_policy("interconnect-trainer-efa", 3, "Trainer pods request the node's EFA devices.", _trainer_efa),
+    stack_policy("interconnect-gate", 3, "The trainer job depends on a passing interconnect gate.", _gate,
+                 settings=Gate),
+    stack_policy("versions-consistent", 4, "GPU node groups pin one AMI release and the cluster's Kubernetes version.",
+                 _versions),
+    stack_policy("images-pinned", 4, "Trainer and gate images are pinned by digest and identical.", _images),
+    stack_policy("code-config-ready", 5, "The trainer job mounts the plan ConfigMap and runs a digest-pinned image.",
+                 _code_config),
+    stack_policy("data-ready", 6, "The dataset is readable by the trainer role and reaches FSx.", _data, settings=Data),
+    stack_policy("weights-verified", 7, "Weights loaded from a URI are verified by sha256.", _weights, level=ADVISORY),
+    stack_policy("checkpoint-throughput", 8, "FSx writes one checkpoint within the budget.", _checkpoint_throughput,
+                 settings=CheckpointThroughput),
+    stack_policy("checkpoint-lifecycle", 8, "S3 lifecycle rules abort multipart uploads and age out checkpoints.",
+                 _lifecycle, settings=Lifecycle),
+    stack_policy("monitoring-alarms", 9, "GPU-utilisation and node-health alarms exist and notify SNS.", _alarms),
+    resource_policy("monitoring-log-retention", 9, "Log groups have a finite retention.", (LOG_GROUP,),
+                    _log_retention, settings=LogRetention),
+    stack_policy("monitoring-dcgm", 9, "The DCGM exporter is deployed for the trainer's GPUs.", _dcgm),
+]
+

@@ -1,0 +1,18 @@
+"""The pack's contents: served by `__main__.py` (Pulumi CLI) and run in-process by `supernode.policycheck`."""
+
+from __future__ import annotations
+
+from . import checklist, security
+from .base import ITEMS
+
+PACK_NAME = "supernode-checklist"
+POLICIES = checklist.POLICIES + security.POLICIES
+
+CHECKLIST_ITEMS = {
+    1: "Accelerators", 2: "Memory fit", 3: "Interconnect", 4: "Consistent versions", 5: "Code and config ready",
+    6: "Data", 7: "Weights verified", 8: "Checkpoint storage", 9: "Monitoring", 10: "Access control and keys",
+}
+
+
+def item_of(policy: str) -> int:
+    return ITEMS[policy]

@@ -1,0 +1,186 @@
+"""Checklist item 10, access control and keys: least-privilege IAM, encrypted and private storage,
+a private EKS API, IMDSv2, rotated KMS keys, no ingress from the internet.
+
+Two remediations, both safe because they only tighten a setting and never change what a workload
+can reach inside the VPC: IMDSv2 on launch templates and an all-true S3 public-access block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pulumi_policy import EnforcementLevel
+
+from .base import Report, resource_policy, stack_policy
+from .view import (BUCKET, BUCKET_LOGGING, BUCKET_PAB, BUCKET_POLICY, BUCKET_SSE, EKS_CLUSTER, IAM_GROUP_POLICY, IAM_POLICY, IAM_ROLE,
+                   IAM_ROLE_POLICY, IAM_USER_POLICY, KMS_KEY, KMS_KEY_POLICY, LAUNCH_TEMPLATE, OPEN_CIDRS,
+                   SECURITY_GROUP, SG_INGRESS, SG_RULE, SNS_TOPIC_POLICY, Res, Stack, as_list, get, is_true, items,
+                   json_doc, plain, statements)
+
+REMEDIATE = EnforcementLevel.REMEDIATE
+PAB_FLAGS = ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")
+# `*` resources are allowed only for read-only calls that AWS offers no resource-level permission for.
+READ_ONLY_VERBS = ("Describe", "List")
+NO_RESOURCE_LEVEL = {"sts:GetCallerIdentity", "ecr:GetAuthorizationToken"}
+
+
+# -- IAM ------------------------------------------------------------------------------------------
+
+def _documents(res: Res) -> list[tuple[str, Optional[dict]]]:
+    if res.type == IAM_ROLE:
+        return [(f"inline policy '{get(p, 'name')}'", json_doc(get(p, "policy"))) for p in items(res.get("inlinePolicies"))]
+    return [("policy", json_doc(res.get("policy")))]
+
+
+def _read_only(action: str) -> bool:
+    verb = action.split(":", 1)[-1]
+    return action in NO_RESOURCE_LEVEL or (verb.startswith(READ_ONLY_VERBS) and "*" not in action.split(":", 1)[0])
+
+
+def _iam(res: Res, _conf: None, report: Report) -> None:
+    for where, doc in _documents(res):
+        for i, st in enumerate(statements(doc)):
+            if st.get("Effect") != "Allow":
+                continue  # a Deny with s3:* (e.g. TLS-only) only narrows access
+            actions = [str(a) for a in as_list(st.get("Action"))]
+            wild = [a for a in actions if "*" in a] + (["NotAction"] if "NotAction" in st else [])
+            if wild:
+                report(res, f"{res.label} {where} statement {i} allows wildcard actions {wild}. Fix: list the exact "
+                            f"actions the workload calls.")
+            if res.type in (KMS_KEY, KMS_KEY_POLICY):
+                continue  # in a key policy, Resource '*' means the key itself
+            resources = [str(r) for r in as_list(st.get("Resource"))] + (["NotResource"] if "NotResource" in st else [])
+            if any(r in ("*", "NotResource") for r in resources) and not all(_read_only(a) for a in actions if "*" not in a):
+                report(res, f"{res.label} {where} statement {i} grants {actions} on Resource '*'; only read-only "
+                            f"Describe/List calls without resource-level permissions may. Fix: name the ARNs.")
+
+
+# -- S3 -------------------------------------------------------------------------------------------
+
+def bucket_name(stack: Stack, bucket: Res) -> Optional[str]:
+    """The bucket's name: its own `bucket` input, else what its configuration resources call it."""
+    if bucket.get("bucket"):
+        return bucket.get("bucket")
+    names = {r.get("bucket") for r in stack.resources if r.deps == [bucket.urn] and r.get("bucket")}
+    return names.pop() if len(names) == 1 else None
+
+
+def _s3_kms(stack: Stack, _conf: None, report: Report) -> None:
+    # S3 server access logging delivers only to SSE-S3 buckets (AWS does not support SSE-KMS there).
+    log_targets = {r.get("targetBucket") for r in stack.of(BUCKET_LOGGING)}
+    for b in stack.of(BUCKET):
+        algos = [get(r, "applyServerSideEncryptionByDefault", "sseAlgorithm")
+                 for c in stack.attached(b, (BUCKET_SSE,)) for r in items(c.get("rules"))]
+        accepted = ("aws:kms", "AES256") if bucket_name(stack, b) in log_targets else ("aws:kms",)
+        if not any(str(a).startswith(accepted) for a in algos):
+            report(b, f"{b.label} is not encrypted with KMS (default encryption: {algos or 'none'}). Fix: add an "
+                      f"aws.s3.BucketServerSideEncryptionConfiguration with sseAlgorithm 'aws:kms' and the stack's key.")
+
+
+def _pab_attached(stack: Stack, _conf: None, report: Report) -> None:
+    for b in stack.of(BUCKET):
+        if not stack.attached(b, (BUCKET_PAB,)):
+            report(b, f"{b.label} has no public-access block, so a bucket policy or ACL could make it public. Fix: add "
+                      f"an aws.s3.BucketPublicAccessBlock with all four flags true.")
+
+
+def _pab(res: Res, _conf: None, report: Report) -> None:
+    off = [f for f in PAB_FLAGS if not is_true(res.get(f))]
+    if off:
+        report(res, f"{res.label} leaves {off} off. Fix: set all of {', '.join(PAB_FLAGS)} to true.")
+
+
+def _pab_fix(res: Res) -> Optional[dict[str, Any]]:
+    if all(is_true(res.get(f)) for f in PAB_FLAGS):
+        return None
+    return {**plain(res.props), **{f: True for f in PAB_FLAGS}}
+
+
+def _tls_only(stack: Stack, _conf: None, report: Report) -> None:
+    for b in stack.of(BUCKET):
+        denies = [st for p in stack.attached(b, (BUCKET_POLICY,)) for st in statements(json_doc(p.get("policy")))
+                  if st.get("Effect") == "Deny"
+                  and str(get(st, "Condition", "Bool", "aws:SecureTransport")).lower() == "false"]
+        if not denies:
+            report(b, f"{b.label} accepts plain-HTTP requests: no bucket policy denies aws:SecureTransport false. Fix: "
+                      f"add a Deny s3:* statement with Condition Bool aws:SecureTransport 'false'.")
+
+
+# -- EKS, EC2, KMS, network -----------------------------------------------------------------------
+
+def _eks_secrets(res: Res, _conf: None, report: Report) -> None:
+    configs = items(res.get("encryptionConfig")) or ([res.get("encryptionConfig")] if res.get("encryptionConfig") else [])
+    if not any("secrets" in items(get(c, "resources")) and get(c, "provider", "keyArn") for c in configs):
+        report(res, f"{res.label} does not encrypt Kubernetes secrets with KMS. Fix: set encryptionConfig "
+                    f"{{resources: ['secrets'], provider: {{keyArn: <KMS key ARN>}}}}.")
+
+
+def _eks_endpoint(res: Res, _conf: None, report: Report) -> None:
+    public = res.get("vpcConfig", "endpointPublicAccess")
+    cidrs = [str(c) for c in items(res.get("vpcConfig", "publicAccessCidrs"))]
+    if public is False:
+        return
+    if not cidrs or any(c in OPEN_CIDRS for c in cidrs):
+        report(res, f"{res.label} exposes its API endpoint to the internet (endpointPublicAccess "
+                    f"{'unset (AWS default: public)' if public is None else public}, publicAccessCidrs "
+                    f"{cidrs or 'unset = 0.0.0.0/0'}). Fix: endpointPublicAccess false, or list the allowed CIDRs "
+                    f"(supernode:cluster.publicAccessCidrs).")
+
+
+def _imdsv2(res: Res, _conf: None, report: Report) -> None:
+    if res.get("metadataOptions", "httpTokens") != "required":
+        report(res, f"{res.label} allows IMDSv1 (metadataOptions.httpTokens "
+                    f"{res.get('metadataOptions', 'httpTokens')!r}), which SSRF can use to steal node credentials. "
+                    f"Fix: metadataOptions {{httpTokens: 'required', httpPutResponseHopLimit: 2}}.")
+
+
+def _imdsv2_fix(res: Res) -> Optional[dict[str, Any]]:
+    if res.get("metadataOptions", "httpTokens") == "required":
+        return None
+    props = plain(res.props)
+    props["metadataOptions"] = {**(props.get("metadataOptions") or {}), "httpTokens": "required"}
+    return props
+
+
+def _kms_rotation(res: Res, _conf: None, report: Report) -> None:
+    spec = res.get("customerMasterKeySpec") or res.get("keySpec") or "SYMMETRIC_DEFAULT"
+    if spec == "SYMMETRIC_DEFAULT" and not is_true(res.get("enableKeyRotation")):
+        report(res, f"{res.label} does not rotate its key material. Fix: enableKeyRotation true "
+                    f"(supernode:identity.kmsKeyRotation).")
+
+
+def _open_ingress(res: Res, _conf: None, report: Report) -> None:
+    if res.type == SECURITY_GROUP:
+        rules = [(r, items(get(r, "cidrBlocks")) + items(get(r, "ipv6CidrBlocks"))) for r in items(res.get("ingress"))]
+    elif res.type == SG_RULE:
+        if res.get("type") != "ingress":
+            return
+        rules = [(res.props, items(res.get("cidrBlocks")) + items(res.get("ipv6CidrBlocks")))]
+    else:
+        rules = [(res.props, [res.get("cidrIpv4"), res.get("cidrIpv6")])]
+    for rule, cidrs in rules:
+        open_ = [c for c in cidrs if c in OPEN_CIDRS]
+        if open_:
+            port = get(rule, "fromPort", default="all")
+            report(res, f"{res.label} allows ingress from {open_} (port {port}). Fix: restrict the source to the VPC "
+                        f"or a named security group; reach nodes through SSM, not the internet.")
+
+
+POLICIES = [
+    resource_policy("iam-no-wildcards", 10, "IAM documents allow no wildcard actions and no '*' resource beyond "
+                    "read-only calls.", (IAM_ROLE, IAM_ROLE_POLICY, IAM_POLICY, IAM_USER_POLICY, IAM_GROUP_POLICY,
+                                         BUCKET_POLICY, KMS_KEY, KMS_KEY_POLICY, SNS_TOPIC_POLICY), _iam),
+    stack_policy("s3-kms-encryption", 10, "S3 buckets are encrypted with KMS.", _s3_kms),
+    stack_policy("s3-public-access-block-attached", 10, "Every S3 bucket has a public-access block.", _pab_attached),
+    resource_policy("s3-public-access-block", 10, "S3 public-access blocks set all four flags.", (BUCKET_PAB,), _pab,
+                    level=REMEDIATE, remediate=_pab_fix),
+    stack_policy("s3-tls-only", 10, "S3 buckets deny non-TLS requests.", _tls_only),
+    resource_policy("eks-secrets-encryption", 10, "EKS encrypts secrets with KMS.", (EKS_CLUSTER,), _eks_secrets),
+    resource_policy("eks-endpoint-restricted", 10, "The EKS API endpoint is not open to 0.0.0.0/0.", (EKS_CLUSTER,),
+                    _eks_endpoint),
+    resource_policy("ec2-imdsv2", 10, "Launch templates require IMDSv2.", (LAUNCH_TEMPLATE,), _imdsv2,
+                    level=REMEDIATE, remediate=_imdsv2_fix),
+    resource_policy("kms-key-rotation", 10, "KMS keys rotate.", (KMS_KEY,), _kms_rotation),
+    resource_policy("no-open-ingress", 10, "No security group allows ingress from 0.0.0.0/0 or ::/0.",
+                    (SECURITY_GROUP, SG_RULE, SG_INGRESS), _open_ingress),
+]

@@ -1,0 +1,245 @@
+"""Checklist items 1-10: a compliant hand-built stack passes; breaking one thing fails exactly its policy."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import pytest
+
+from policies.pack import POLICIES, item_of
+from supernode.catalog import CATALOG
+from supernode.config import StackConfig
+from supernode.plan import build_plan
+from supernode.policycheck import check
+
+from .conftest import doc, find, mutate, without
+
+LT, NG = "aws:ec2/launchTemplate:LaunchTemplate", "aws:eks/nodeGroup:NodeGroup"
+JOB, GATE, CM = "kubernetes:kubeflow.org/v1:PyTorchJob", "kubernetes:batch/v1:Job", "kubernetes:core/v1:ConfigMap"
+ROLE_POLICY, BUCKET = "aws:iam/rolePolicy:RolePolicy", "aws:s3/bucket:Bucket"
+LIFECYCLE = "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration"
+PLAN_PATH = ("data", "plan.json")
+
+
+def worker(inputs: dict) -> dict:
+    return inputs["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+
+
+def with_plan(stack: list[dict], cfg: StackConfig) -> list[dict]:
+    """The stack with the plan ConfigMap regenerated from another (valid) config."""
+    plan = build_plan("dev", cfg)
+    return mutate(stack, CM, lambda i: i["data"].update({"plan.json": plan.to_json()}))
+
+
+def set_in(path: tuple, value: Any) -> Callable[[dict], None]:
+    def change(inputs: dict) -> None:
+        d = inputs
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = value
+    return change
+
+
+def by_policy(resources: list[dict], config: dict | None = None) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for v in check(resources, config).violations:
+        out.setdefault(v.policy, []).append(v)
+    return out
+
+
+def test_compliant_stack_passes_every_policy(stack):
+    report = check(stack)
+    assert report.violations == [] and report.remediations == []
+    assert report.passed
+    assert {item_of(p.name) for p in POLICIES} == set(range(1, 11))  # every checklist item has policies
+
+
+def _smaller_gpu(cfg: StackConfig) -> StackConfig:
+    # Same world size on A100 40 GB: the plan was made for 80 GB GPUs.
+    groups = [g.model_copy(update={"instance_type": "p4d.24xlarge"}) for g in cfg.accelerator_node_groups]
+    return cfg.model_copy(update={"accelerator_node_groups": groups})
+
+
+def _no_fit(cfg: StackConfig) -> StackConfig:
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"micro_batch": 16}),
+                                  "model": cfg.model.model_copy(update={"seq_len": 16384})})
+
+
+def _weights_unverified(cfg: StackConfig) -> StackConfig:
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"weights_uri": "s3://b/w.safetensors"})})
+
+
+def _fast_checkpoints(cfg: StackConfig) -> StackConfig:
+    fsx = cfg.storage.fsx.model_copy(update={"checkpoint_write_budget_s": 30})
+    return cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"fsx": fsx})})
+
+
+def _drop_efa_rules(stack):
+    return [r for r in stack if "securityGroupIngressRule" not in r["type"]]
+
+
+CASES: list[tuple[str, Callable, str, str]] = [
+    # 1. accelerators
+    ("unapproved instance type", lambda s, c: mutate(s, LT, set_in(("instanceType",), "p3dn.24xlarge")),
+     "accelerators-approved-instance-types", "mandatory"),
+    ("nodes do not match world size", lambda s, c: mutate(s, NG, set_in(("scalingConfig", "desiredSize"), 3)),
+     "accelerators-match-world-size", "mandatory"),
+    # 2. memory fit: a plan that does not fit, from a mutated stack config
+    ("plan exceeds HBM", lambda s, c: with_plan(s, _no_fit(c)), "memory-fit", "mandatory"),
+    # 3. interconnect
+    ("missing EFA interfaces", lambda s, c: mutate(s, LT, lambda i: i["networkInterfaces"].pop()),
+     "interconnect-efa-interfaces", "mandatory"),
+    ("no placement group or reservation", lambda s, c: mutate(s, LT, lambda i: i.pop("placement")),
+     "interconnect-placement", "mandatory"),
+    ("no self-referencing EFA ingress", lambda s, c: _drop_efa_rules(s), "interconnect-efa-security-group", "mandatory"),
+    ("trainer does not request EFA",
+     lambda s, c: mutate(s, JOB, lambda i: worker(i)["containers"][0]["resources"]["limits"].pop("vpc.amazonaws.com/efa")),
+     "interconnect-trainer-efa", "mandatory"),
+    ("trainer does not depend on the gate",
+     lambda s, c: [dict(r, dependencies=[d for d in r["dependencies"] if "batch/v1:Job" not in d]) for r in s],
+     "interconnect-gate", "mandatory"),
+    ("gate threshold too low",
+     lambda s, c: mutate(s, GATE, lambda i: i["spec"]["template"]["spec"]["containers"][0]["command"].__setitem__(-1, "1")),
+     "interconnect-gate", "mandatory"),
+    # 4. versions
+    ("node group on another Kubernetes version", lambda s, c: mutate(s, NG, set_in(("version",), "1.32")),
+     "versions-consistent", "mandatory"),
+    ("gate image differs from trainer",
+     lambda s, c: mutate(s, GATE, lambda i: i["spec"]["template"]["spec"]["containers"][0].update(
+         image="123456789012.dkr.ecr.us-east-1.amazonaws.com/other@sha256:" + "a" * 64)),
+     "images-pinned", "mandatory"),
+    # 5. code and config
+    ("plan ConfigMap not mounted", lambda s, c: mutate(s, JOB, lambda i: worker(i).update(volumes=[])),
+     "code-config-ready", "mandatory"),
+    ("trainer image by tag",
+     lambda s, c: mutate(s, JOB, lambda i: worker(i)["containers"][0].update(image="trainer:latest")),
+     "code-config-ready", "mandatory"),
+    # 6. data
+    ("no data repository association", lambda s, c: without(s, "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation"),
+     "data-ready", "mandatory"),
+    ("trainer role cannot read the dataset",
+     lambda s, c: mutate(s, ROLE_POLICY, set_in(("policy",), doc({"Effect": "Allow", "Action": ["s3:ListBucket"],
+                                                                   "Resource": ["arn:aws:s3:::supernode-test-data"]}))),
+     "data-ready", "mandatory"),
+    # 7. weights (advisory)
+    ("weights without sha256", lambda s, c: with_plan(s, _weights_unverified(c)), "weights-verified", "advisory"),
+    # 8. checkpoint storage
+    # the same FSx, but the stack config now wants a checkpoint written in 30 s
+    ("FSx too slow for the checkpoint budget", lambda s, c: with_plan(s, _fast_checkpoints(c)),
+     "checkpoint-throughput", "mandatory"),
+    ("no abort-multipart rule", lambda s, c: mutate(s, LIFECYCLE, lambda i: i["rules"].pop()),
+     "checkpoint-lifecycle", "mandatory"),
+    # 9. monitoring
+    ("log group keeps logs forever", lambda s, c: mutate(s, "aws:cloudwatch/logGroup:LogGroup",
+                                                         lambda i: i.pop("retentionInDays")),
+     "monitoring-log-retention", "mandatory"),
+    ("no node-health alarm", lambda s, c: without(s, "aws:cloudwatch/metricAlarm:MetricAlarm", "node-not-ready"),
+     "monitoring-alarms", "mandatory"),
+    ("alarm without SNS action", lambda s, c: mutate(s, "aws:cloudwatch/metricAlarm:MetricAlarm",
+                                                     set_in(("alarmActions",), []), "gpu-util-low"),
+     "monitoring-alarms", "mandatory"),
+    ("no DCGM exporter", lambda s, c: without(s, "kubernetes:apps/v1:DaemonSet"), "monitoring-dcgm", "mandatory"),
+    # 10. access control and keys
+    ("wildcard IAM action", lambda s, c: mutate(s, ROLE_POLICY, lambda i: i.update(policy=doc(
+        *json.loads(i["policy"])["Statement"],
+        {"Effect": "Allow", "Action": "s3:Delete*", "Resource": "arn:aws:s3:::supernode-test-data/checkpoints/*"}))),
+     "iam-no-wildcards", "mandatory"),
+    ("write on Resource *", lambda s, c: mutate(s, ROLE_POLICY, lambda i: i.update(policy=doc(
+        *json.loads(i["policy"])["Statement"], {"Effect": "Allow", "Action": "s3:PutObject", "Resource": "*"}))),
+     "iam-no-wildcards", "mandatory"),
+    ("bucket encrypted with SSE-S3",
+     lambda s, c: mutate(s, "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
+                         lambda i: i["rules"][0]["applyServerSideEncryptionByDefault"].update(sseAlgorithm="AES256")),
+     "s3-kms-encryption", "mandatory"),
+    ("bucket without public-access block",
+     lambda s, c: without(s, "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock"),
+     "s3-public-access-block-attached", "mandatory"),
+    ("bucket accepts plain HTTP", lambda s, c: without(s, "aws:s3/bucketPolicy:BucketPolicy"), "s3-tls-only", "mandatory"),
+    ("EKS secrets not encrypted", lambda s, c: mutate(s, "aws:eks/cluster:Cluster", lambda i: i.pop("encryptionConfig")),
+     "eks-secrets-encryption", "mandatory"),
+    ("EKS endpoint open to the internet",
+     lambda s, c: mutate(s, "aws:eks/cluster:Cluster", set_in(("vpcConfig", "endpointPublicAccess"), True)),
+     "eks-endpoint-restricted", "mandatory"),
+    ("KMS rotation off", lambda s, c: mutate(s, "aws:kms/key:Key", set_in(("enableKeyRotation",), False)),
+     "kms-key-rotation", "mandatory"),
+    ("ingress from 0.0.0.0/0",
+     lambda s, c: mutate(s, "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule",
+                         lambda i: i.update(cidrIpv4="0.0.0.0/0", fromPort=22, referencedSecurityGroupId=None)),
+     "no-open-ingress", "mandatory"),
+]
+
+
+# Findings that legitimately come with a case (one defect breaking two items), and nothing else.
+ALSO = {"code-config-ready": {"images-pinned"},  # a tag image is unpinned for both items 4 and 5
+        "no-open-ingress": {"interconnect-efa-security-group"},  # the case rewrites the EFA self rule
+        # an unknown instance type has no catalog accelerators or EFA count
+        "accelerators-approved-instance-types": {"interconnect-efa-interfaces", "accelerators-match-world-size"}}
+
+
+@pytest.mark.parametrize("build,policy,level", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_violation_is_reported_by_its_policy(stack, dev_cfg, build, policy, level):
+    found = by_policy(build(stack, dev_cfg))
+    assert policy in found, f"expected {policy}, got {sorted(found)}"
+    assert {v.enforcement for v in found[policy]} == {level}
+    for v in found[policy]:
+        assert "Fix:" in v.message  # what is wrong and the fix
+    assert set(found) - {policy} <= ALSO.get(policy, set()), f"unrelated findings: {sorted(found)}"
+
+
+def test_every_checklist_item_has_a_failing_case():
+    assert {item_of(c[2]) for c in CASES} == set(range(1, 11))
+
+
+def test_memory_fit_checks_the_deployed_gpu_not_only_the_plan(stack, dev_cfg, dev_plan):
+    # With 90% headroom the dev plan fits the 80 GB H100 it was made for, but not a 40 GB A100.
+    conf = {"memory-fit": {"headroomFraction": 0.9}}
+    assert CATALOG["p4d.24xlarge"].hbm_gib * 0.1 < dev_plan.memory_per_rank_gib < CATALOG["p5.48xlarge"].hbm_gib * 0.1
+    assert "memory-fit" not in by_policy(stack, conf)
+    found = by_policy(mutate(stack, LT, set_in(("instanceType",), "p4d.24xlarge")), conf)
+    assert "memory-fit" in found and "p4d.24xlarge" in found["memory-fit"][0].message
+
+
+def test_world_size_message_names_resources_and_fix(stack):
+    found = by_policy(mutate(stack, NG, set_in(("scalingConfig", "desiredSize"), 3)))
+    (v,) = found["accelerators-match-world-size"]
+    assert "24 accelerators" in v.message and "world size 16" in v.message and "ConfigMap 'plan'" in v.message
+    assert v.urn.endswith("ConfigMap::plan")
+
+
+def test_efa_count_follows_the_catalog_for_each_instance_type(stack):
+    for itype, t in CATALOG.items():
+        from .conftest import efa_interfaces
+        ok = mutate(stack, LT, lambda i: i.update(instanceType=itype, networkInterfaces=efa_interfaces(itype)))
+        assert "interconnect-efa-interfaces" not in by_policy(ok)
+        short = mutate(ok, LT, lambda i: i["networkInterfaces"].pop())
+        (v,) = by_policy(short)["interconnect-efa-interfaces"]
+        assert f"needs one EFA interface on each (0..{t.efa_interfaces - 1})" in v.message
+
+
+def test_reservation_replaces_placement_group(stack):
+    reserved = mutate(stack, LT, lambda i: (i.pop("placement"), i.update(capacityReservationSpecification={
+        "capacityReservationTarget": {"capacityReservationId": "cr-0123456789abcdef0"}})))
+    assert "interconnect-placement" not in by_policy(reserved)
+    block = mutate(stack, LT, lambda i: (i.pop("placement"), i.update(instanceMarketOptions={"marketType": "capacity-block"})))
+    assert "interconnect-placement" not in by_policy(block)
+
+
+def test_missing_gate_and_plan_are_reported(stack):
+    found = by_policy(without(without(stack, GATE), CM))
+    assert "no interconnect gate" in found["interconnect-gate"][0].message
+    assert "no ConfigMap holds data['plan.json']" in found["code-config-ready"][0].message
+
+
+def test_corrupt_plan_configmap_is_a_clear_violation(stack):
+    found = by_policy(mutate(stack, CM, set_in(PLAN_PATH, '{"not": "a plan"}')))
+    assert found and all("not a valid supernode Plan" in v[0].message for v in found.values())
+
+
+def test_policy_config_changes_the_verdict(stack):
+    assert "accelerators-approved-instance-types" in by_policy(
+        stack, {"accelerators-approved-instance-types": {"approvedInstanceTypes": ["p5en.48xlarge"]}})
+    assert "data-ready" in by_policy(stack, {"data-ready": {"datasetPrefix": "other/"}})
+    assert "checkpoint-lifecycle" in by_policy(stack, {"checkpoint-lifecycle": {"checkpointPrefix": "elsewhere/"}})
+    found = by_policy(stack, {"all": "advisory", "monitoring-log-retention": {"minRetentionDays": 400}})
+    assert found["monitoring-log-retention"][0].enforcement == "advisory"
