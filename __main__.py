@@ -10,6 +10,7 @@ from components.monitoring import Monitoring, MonitoringArgs
 from components.network import Network, NetworkArgs
 from components.outputs import export_stack_outputs
 from components.storage import Storage, StorageArgs
+from components.workload import Fsx, GpuNodes, TrainingWorkload, WorkloadArgs
 from supernode.contract import CONTRACT_VERSION
 from supernode.plan import build_plan
 from supernode.runtime_config import stack_config
@@ -42,7 +43,7 @@ accelerators = Accelerators("accelerators", AcceleratorsArgs(
     service_cidr=SERVICE_CIDR, vpc_id=network.vpc_id, gpu_subnet_id=network.gpu_subnet_id,
     system_subnet_ids=network.private_subnet_ids, node_role_arn=node_role.arn,
     hugepages_2mi_gib=config.workload.hugepages_2mi_gib, tags=tags, node_dependencies=node_addons))
-cluster.install_addons(WORKLOAD_ADDONS, depends_on=accelerators.node_groups)
+workload_addons = cluster.install_addons(WORKLOAD_ADDONS, depends_on=accelerators.node_groups)
 storage = Storage("storage", StorageArgs(
     stack=stack, storage=config.storage, plan=plan, vpc_id=network.vpc_id, fsx_subnet_id=network.gpu_subnet_id,
     node_security_group_id=accelerators.efa_security_group_id, data_kms_key_arn=keys.data_key_arn,
@@ -83,3 +84,11 @@ export_stack_outputs({
 #   storage.dataset_prefix / storage.checkpoint_prefix (str)
 #   trainer_role.arn, monitoring.topic_arn, monitoring.log_group_names, monitoring.training_log_group_name
 #   plan (supernode.plan.Plan; plan.to_json() for the ConfigMap)
+workload = TrainingWorkload("workload", WorkloadArgs(
+    kubeconfig=cluster.kubeconfig, cluster_version=cluster.version, region=config.region,
+    # data_dir / checkpoint_dir: the file-system paths of storage's data repository associations
+    fsx=Fsx(id=storage.fsx_id, dns_name=storage.fsx_dns_name, mount_name=storage.fsx_mount_name,
+            size_gib=storage.fsx_capacity_gib, data_dir="/datasets", checkpoint_dir="/checkpoints"),
+    trainer_role_arn=trainer_role.arn, gpu_nodes=GpuNodes.for_groups(accelerators.labels, accelerators.taints),
+    plan=plan, images=config.images, workload=config.workload, identity=config.identity,
+    after=[*accelerators.node_groups, *workload_addons]))

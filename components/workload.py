@@ -8,7 +8,7 @@ nothing here reads config.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Sequence
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -36,12 +36,16 @@ class WorkloadArgs:
     images: Images
     workload: Workload
     identity: Identity
+    # What the cluster needs before any workload object (GPU node groups, EKS add-ons such as the
+    # FSx CSI driver and CoreDNS): the Kubernetes provider, and so everything here, waits for them.
+    after: Sequence[pulumi.Resource] = ()
 
 
 class TrainingWorkload(pulumi.ComponentResource):
     def __init__(self, name: str, args: WorkloadArgs, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:workload:TrainingWorkload", name, None, opts)
-        self.provider = k8s.Provider(f"{name}-k8s", kubeconfig=args.kubeconfig, opts=pulumi.ResourceOptions(parent=self))
+        self.provider = k8s.Provider(f"{name}-k8s", kubeconfig=args.kubeconfig,
+                                     opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.after)))
         # Children inherit the provider from their component parents.
         child = pulumi.ResourceOptions(parent=self, providers={"kubernetes": self.provider})
         plan, wl = args.plan, args.workload

@@ -176,3 +176,24 @@ def validate(manifests: list[Manifest], kubernetes_version: str) -> list[Problem
             problems += [Problem(p.object, path + p.path.removeprefix("template"), p.message)
                          for p in _builtin(pod_template, version, name)]
     return problems
+
+
+def export(resources: Iterable[Any], out_dir: Path, kubernetes_version: str) -> bool:
+    """`supernode preview --manifests DIR`: write, validate, report on stderr; True when all are valid."""
+    from rich.console import Console
+
+    from .cli import BadInput
+
+    manifests = from_resources(resources)
+    try:
+        paths = write(manifests, out_dir)
+    except OSError as e:
+        raise BadInput(f"--manifests {out_dir}: cannot write manifests there ({e.strerror or e})") from None
+    problems = validate(manifests, kubernetes_version)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err.print(f"wrote {len(paths)} Kubernetes manifests to {out_dir}; validated against the Kubernetes "
+              f"{schema_version(kubernetes_version)} schemas (cluster {kubernetes_version}, strict) and CRD schemas: "
+              f"{len(problems)} problem(s)", markup=False)
+    for p in problems:
+        err.print(f"  invalid manifest: {p}", markup=False)
+    return not problems
