@@ -1,0 +1,155 @@
+"""Training metrics: JSON lines, Prometheus exposition, a progress bar and end-of-run plots.
+
+Only rank 0 writes. Per logged step: loss, lr, grad norm, tokens/s, achieved FLOP/s per rank
+(`plan.flops_per_token` x tokens/s) and MFU against the catalog's dense bf16 peak (GPU only: a
+CPU has no catalog peak, so MFU is null there), the step time split into compute /
+communication / data wait, and the expert load per MoE layer as max/mean token share (1.0 is a
+perfect balance; E means every token went to one expert).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from prometheus_client import CollectorRegistry, Gauge, start_http_server, write_to_textfile
+
+from supernode.plan import Plan
+
+JSONL, PROM, LOSS_PNG, LOAD_PNG = "metrics.jsonl", "metrics.prom", "loss.png", "expert_load.png"
+
+
+def load_imbalance(expert_load: torch.Tensor) -> list[float]:
+    """max/mean token share per MoE layer from a [layers, experts] count tensor."""
+    counts = expert_load.detach().double()
+    mean = counts.mean(dim=1).clamp_min(1e-12)
+    return [round(float(x), 4) for x in counts.max(dim=1).values / mean]
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int  # tokens of the global batch
+    step_s: float
+    compute_s: float
+    comm_s: float
+    data_s: float
+    tokens_per_s: float
+    flops_per_s_per_rank: float
+    mfu: Optional[float]
+    expert_load_max_over_mean: list[float]
+    time: float
+
+
+class Metrics:
+    def __init__(self, out_dir: str | Path, plan: Plan, world_size: int, device_type: str, rank: int = 0,
+                 prometheus_port: Optional[int] = None, progress: bool = False, total_steps: int = 0,
+                 start_step: int = 0):
+        self.out = Path(out_dir)
+        self.plan, self.world, self.rank = plan, world_size, rank
+        self.peak = plan.hardware.peak_flops if device_type == "cuda" else None
+        self.records: list[StepRecord] = []
+        self._progress = self._task = None
+        if rank != 0:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.registry = CollectorRegistry()
+        names = {"loss": "training loss (mean over the global batch)", "lr": "learning rate",
+                 "grad_norm": "global gradient norm before clipping", "tokens_per_s": "tokens per second, all ranks",
+                 "flops_per_s_per_rank": "achieved training FLOP/s per rank", "mfu": "model FLOPs utilisation",
+                 "step_seconds": "wall time of the last step", "step": "last completed step"}
+        self.gauges = {k: Gauge(f"supernode_train_{k}", doc, registry=self.registry) for k, doc in names.items()}
+        self.phase = Gauge("supernode_train_phase_seconds", "step time by phase", ["phase"], registry=self.registry)
+        self.load = Gauge("supernode_train_expert_load_max_over_mean", "max/mean expert token share",
+                          ["layer"], registry=self.registry)
+        if prometheus_port is not None:
+            start_http_server(prometheus_port, registry=self.registry)
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[status]}"), TimeRemainingColumn())
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self._progress.start()
+
+    def log(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, step_s: float,
+            compute_s: float, comm_s: float, data_s: float, expert_load: Optional[torch.Tensor]) -> Optional[StepRecord]:
+        if self.rank != 0:
+            return None
+        tps = tokens / step_s
+        flops = self.plan.flops_per_token * tps / self.world
+        rec = StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, step_s=step_s,
+                         compute_s=compute_s, comm_s=comm_s, data_s=data_s, tokens_per_s=tps,
+                         flops_per_s_per_rank=flops, mfu=flops / self.peak if self.peak else None,
+                         expert_load_max_over_mean=load_imbalance(expert_load) if expert_load is not None else [],
+                         time=time.time())
+        self.records.append(rec)
+        with (self.out / JSONL).open("a", encoding="utf-8") as f:
+            f.write(json.dumps(asdict(rec)) + "\n")
+        for k in ("loss", "lr", "grad_norm", "tokens_per_s", "flops_per_s_per_rank", "step"):
+            self.gauges[k].set(getattr(rec, k))
+        self.gauges["step_seconds"].set(step_s)
+        self.gauges["mfu"].set(rec.mfu if rec.mfu is not None else float("nan"))
+        for phase in ("compute", "comm", "data"):
+            self.phase.labels(phase).set(getattr(rec, phase + "_s"))
+        for layer, v in enumerate(rec.expert_load_max_over_mean):
+            self.load.labels(str(layer)).set(v)
+        write_to_textfile(str(self.out / PROM), self.registry)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, status=f"loss {loss:.3f}  {tps:,.0f} tok/s")
+        return rec
+
+    def message(self, text: str) -> None:
+        """A line above the progress bar (or plain stdout without one), rank 0 only."""
+        if self.rank != 0:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(text, flush=True)
+
+    def close(self, plots: bool = False) -> None:
+        if self.rank != 0:
+            return
+        if self._progress is not None:
+            self._progress.stop()
+        if plots:
+            plot(self.out / JSONL, self.out)
+
+
+def plot(jsonl: Path, out_dir: Path) -> list[Path]:
+    """PNG plots of the loss and of the expert load (all records of the file, resumed runs included)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [json.loads(line) for line in Path(jsonl).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not recs:
+        return []
+    steps = [r["step"] for r in recs]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["loss"] for r in recs], marker=".")
+    ax.set(xlabel="step", ylabel="loss", title="training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / LOSS_PNG, dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for layer in range(len(recs[-1]["expert_load_max_over_mean"])):
+        pts = [(r["step"], r["expert_load_max_over_mean"][layer]) for r in recs
+               if len(r["expert_load_max_over_mean"]) > layer]
+        ax.plot(*zip(*pts), label=f"MoE layer {layer}")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+    ax.set(xlabel="step", ylabel="max / mean expert tokens", title="expert load (1 = balanced)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / LOAD_PNG, dpi=100)
+    plt.close(fig)
+    return [out_dir / LOSS_PNG, out_dir / LOAD_PNG]
