@@ -1,0 +1,219 @@
+"""Preflight: what must be true in the AWS account before `pulumi up`, checked from the StackConfig.
+
+Instance types offered in the GPU AZ and matching the catalog the plan was sized with; the targeted
+capacity reservations / Capacity Blocks; the On-Demand vCPU quota; the existing VPC, subnets,
+bucket and KMS key the config names. Checks that do not apply to a stack (nothing reserved, no
+existing VPC...) are not listed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+
+from botocore.exceptions import ClientError
+
+from .awscheck import Aws, Check, Step, error_code, failed, passed, run_checks, warned
+from .catalog import CATALOG
+from .config import AcceleratorNodeGroup, StackConfig
+
+CATALOG_FIX = "correct supernode/catalog.py (the plan was sized with the catalog's figures), then re-run `supernode plan`"
+# EC2 On-Demand vCPU quotas are per instance-family group; every catalog type is a P instance
+# (tests/supernode/test_preflight.py holds the catalog to that).
+P_QUOTA_CODE, P_QUOTA_NAME = "L-417A185B", "Running On-Demand P instances"
+
+
+def check_offering(aws: Aws, instance_type: str, az: str) -> Check:
+    name = f"offering {instance_type}"
+    pages = aws.client("ec2").get_paginator("describe_instance_type_offerings").paginate(
+        LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}])
+    azs = sorted({o["Location"] for page in pages for o in page["InstanceTypeOfferings"]})
+    if az in azs:
+        return passed(name, f"EC2 offers {instance_type} in {az}")
+    where = f"choose an AZ that offers it: {', '.join(azs)}" if azs else f"no AZ of {aws.region} offers it: choose another region"
+    return failed(name, f"EC2 does not offer {instance_type} in {az}", where + " (availabilityZone and the GPU subnet)")
+
+
+def check_instance_type(aws: Aws, instance_type: str) -> Check:
+    name = f"instance type {instance_type}"
+    it = aws.client("ec2").describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]
+    gpus = it.get("GpuInfo", {}).get("Gpus", [])
+    reported = {
+        "GPUs": sum(g.get("Count", 0) for g in gpus),
+        "GPU memory MiB": min((g.get("MemoryInfo", {}).get("SizeInMiB", 0) for g in gpus), default=0),
+        "max EFA interfaces": it.get("NetworkInfo", {}).get("EfaInfo", {}).get("MaximumEfaInterfaces", 0),
+        "vCPUs": it.get("VCpuInfo", {}).get("DefaultVCpus", 0),
+    }
+    hw = CATALOG[instance_type]
+    expected = {"GPUs": hw.accelerators, "GPU memory MiB": hw.hbm_mib, "max EFA interfaces": hw.efa_interfaces,
+                "vCPUs": hw.vcpus}
+    wrong = [f"{k}: catalog {expected[k]}, EC2 {reported[k]}" for k in expected if expected[k] != reported[k]]
+    if wrong:
+        return failed(name, "catalog differs from EC2: " + "; ".join(wrong), CATALOG_FIX)
+    return passed(name, ", ".join(f"{k} {v}" for k, v in reported.items()) + " (as in the catalog)")
+
+
+def check_reservation(aws: Aws, reservation_id: str, groups: list[AcceleratorNodeGroup], az: str) -> Check:
+    name = f"capacity {reservation_id}"
+    need = sum(g.nodes for g in groups)
+    users = ", ".join(g.name for g in groups)
+    kind = groups[0].capacity.type
+    try:
+        found = aws.client("ec2").describe_capacity_reservations(CapacityReservationIds=[reservation_id])
+    except ClientError as e:
+        if not error_code(e).startswith("InvalidCapacityReservationId"):
+            raise
+        return failed(name, f"{kind} {reservation_id} not found in {aws.region} ({error_code(e)})",
+                      f"check capacity.reservationId of {users} (aws ec2 describe-capacity-reservations)")
+    r = found["CapacityReservations"][0]
+    problems = []
+    rtype = r.get("ReservationType", "default")
+    if (kind == "capacity-block") != (rtype == "capacity-block"):
+        problems.append(f"config says {kind}, EC2 reports reservation type {rtype}")
+    if r.get("AvailabilityZone") != az:
+        problems.append(f"in {r.get('AvailabilityZone')}, not the GPU AZ {az}")
+    types = sorted({g.instance_type for g in groups})
+    if types != [r.get("InstanceType")]:
+        problems.append(f"reserves {r.get('InstanceType')}, node groups use {', '.join(types)}")
+    total, available = r.get("TotalInstanceCount", 0), r.get("AvailableInstanceCount", 0)
+    if available < need:
+        problems.append(f"{available} of {total} instances available, {users} need {need}")
+    state = r.get("State")
+    starts = r.get("StartDate")
+    if state != "active" and not (state == "scheduled" and rtype == "capacity-block"):
+        problems.append(f"state {state}, not active")
+    if problems:
+        return failed(name, "; ".join(problems), f"fix capacity.* of {users} or the reservation, or use capacity type on-demand")
+    detail = f"{rtype} {r.get('InstanceType')} in {az}: {available}/{total} available, {need} needed ({users})"
+    if state == "scheduled":
+        return warned(name, f"{detail}; Capacity Block is scheduled, starts {starts}",
+                      "deploy the node groups once the block is active (pulumi up before then leaves nodes pending)")
+    return passed(name, f"{detail}; {state}")
+
+
+def check_quota(aws: Aws, code: str, quota_name: str, vcpus: int, users: str) -> Check:
+    name = f"quota {code}"
+    quota = aws.client("service-quotas").get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]
+    value = quota.get("Value", 0)
+    detail = f"{quota_name}: quota {value:g} vCPUs, {users} need {vcpus} (instances already running not subtracted)"
+    if value < vcpus:
+        return failed(name, detail, f"request an increase: aws service-quotas request-service-quota-increase "
+                                    f"--service-code ec2 --quota-code {code} --desired-value {vcpus}")
+    return passed(name, detail)
+
+
+def check_vpc(aws: Aws, vpc_id: str, cidr: str) -> Check:
+    name = f"vpc {vpc_id}"
+    vpcs = aws.client("ec2").describe_vpcs(Filters=[{"Name": "vpc-id", "Values": [vpc_id]}])["Vpcs"]
+    if not vpcs:
+        return failed(name, f"VPC {vpc_id} not found in {aws.region}", "check network.existingVpcId")
+    v = vpcs[0]
+    cidrs = sorted({v["CidrBlock"]} | {a["CidrBlock"] for a in v.get("CidrBlockAssociationSet", [])})
+    if cidr not in cidrs:
+        return failed(name, f"VPC CIDRs {', '.join(cidrs)} do not include network.vpcCidr {cidr}",
+                      "set network.vpcCidr to the VPC's CIDR")
+    if v.get("State") != "available":
+        return failed(name, f"VPC state {v.get('State')}", "wait until the VPC is available")
+    return passed(name, f"exists, {v.get('State')}, CIDR {cidr}")
+
+
+def check_subnets(aws: Aws, subnet_ids: list[str], vpc_id: str | None, az: str) -> Check:
+    name = "subnets"
+    found = aws.client("ec2").describe_subnets(Filters=[{"Name": "subnet-id", "Values": subnet_ids}])["Subnets"]
+    by_id = {s["SubnetId"]: s for s in found}
+    problems = []
+    missing = [s for s in subnet_ids if s not in by_id]
+    if missing:
+        problems.append(f"not found: {', '.join(missing)}")
+    if vpc_id:
+        outside = sorted(s for s, sub in by_id.items() if sub["VpcId"] != vpc_id)
+        if outside:
+            problems.append(f"not in {vpc_id}: {', '.join(outside)}")
+    if by_id and az not in {s["AvailabilityZone"] for s in by_id.values()}:
+        problems.append(f"none is in the GPU AZ {az}")
+    if problems:
+        return failed(name, "; ".join(problems), "check network.existingSubnetIds (and existingVpcId, availabilityZone)")
+    zones = ", ".join(f"{s} ({by_id[s]['AvailabilityZone']})" for s in subnet_ids)
+    return passed(name, f"{len(subnet_ids)} exist: {zones}")
+
+
+def check_bucket(aws: Aws, bucket: str) -> Check:
+    name = f"bucket {bucket}"
+    s3 = aws.client("s3")
+    try:
+        head = s3.head_bucket(Bucket=bucket)
+    except ClientError as e:
+        if error_code(e) not in ("404", "NoSuchBucket"):
+            raise
+        return failed(name, f"bucket {bucket} does not exist",
+                      "create it, or set storage.existingBucket: false to let the stack create it")
+    region = head.get("BucketRegion") or head["ResponseMetadata"].get("HTTPHeaders", {}).get("x-amz-bucket-region")
+    if region and region != aws.region:
+        return failed(name, f"bucket is in {region}, the stack in {aws.region}",
+                      "use a bucket in the stack's region (FSx links to S3 in its own region)")
+    try:
+        rules = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
+    except ClientError as e:
+        if error_code(e) != "ServerSideEncryptionConfigurationNotFoundError":
+            raise
+        return failed(name, "exists but has no default encryption",
+                      f"aws s3api put-bucket-encryption --bucket {bucket} (SSE-KMS with the stack's key)")
+    sse = rules[0]["ApplyServerSideEncryptionByDefault"]
+    key = sse.get("KMSMasterKeyID")
+    return passed(name, f"exists, encrypted with {sse['SSEAlgorithm']}" + (f" ({key})" if key else ""))
+
+
+def check_kms_key(aws: Aws, key_arn: str) -> Check:
+    name = "kms key"
+    region = key_arn.split(":")[3]
+    try:
+        meta = aws.client("kms", region=region).describe_key(KeyId=key_arn)["KeyMetadata"]
+    except ClientError as e:
+        if error_code(e) != "NotFoundException":
+            raise
+        return failed(name, f"{key_arn} not found", "check identity.kmsKeyArn")
+    state = meta.get("KeyState")
+    if state != "Enabled":
+        fix = (f"aws kms cancel-key-deletion --key-id {key_arn}, then enable-key" if state == "PendingDeletion"
+               else f"aws kms enable-key --key-id {key_arn}")
+        return failed(name, f"{key_arn} is {state}", fix)
+    return passed(name, f"{key_arn} is Enabled")
+
+
+def preflight_steps(cfg: StackConfig, aws: Aws) -> list[Step]:
+    az = cfg.availability_zone
+    types = sorted({g.instance_type for g in cfg.accelerator_node_groups})
+    steps = [Step(f"offering {t}", partial(check_offering, aws, t, az)) for t in types]
+    steps += [Step(f"instance type {t}", partial(check_instance_type, aws, t)) for t in types]
+
+    reserved: dict[str, list[AcceleratorNodeGroup]] = defaultdict(list)
+    for g in cfg.accelerator_node_groups:
+        if g.capacity.reservation_id:
+            reserved[g.capacity.reservation_id].append(g)
+    steps += [Step(f"capacity {rid}", partial(check_reservation, aws, rid, groups, az), on_unsupported="warn",
+                   hint=f"aws ec2 describe-capacity-reservations --capacity-reservation-ids {rid}")
+              for rid, groups in sorted(reserved.items())]
+
+    # Capacity Blocks do not count against the On-Demand quota; on-demand and ODCR instances do.
+    counted = [g for g in cfg.accelerator_node_groups if g.capacity.type != "capacity-block"]
+    if counted:
+        vcpus = sum(g.nodes * CATALOG[g.instance_type].vcpus for g in counted)
+        users = ", ".join(g.name for g in counted)
+        steps.append(Step(f"quota {P_QUOTA_CODE}", partial(check_quota, aws, P_QUOTA_CODE, P_QUOTA_NAME, vcpus, users),
+                          on_error="warn", hint=f"{P_QUOTA_NAME} must cover {vcpus} vCPUs: aws service-quotas "
+                                                f"get-service-quota --service-code ec2 --quota-code {P_QUOTA_CODE}"))
+
+    net = cfg.network
+    if net.existing_vpc_id:
+        steps.append(Step(f"vpc {net.existing_vpc_id}", partial(check_vpc, aws, net.existing_vpc_id, net.vpc_cidr)))
+    if net.existing_subnet_ids:
+        steps.append(Step("subnets", partial(check_subnets, aws, net.existing_subnet_ids, net.existing_vpc_id, az)))
+    if cfg.storage.existing_bucket and cfg.storage.bucket_name:
+        steps.append(Step(f"bucket {cfg.storage.bucket_name}", partial(check_bucket, aws, cfg.storage.bucket_name)))
+    if cfg.identity.kms_key_arn:
+        steps.append(Step("kms key", partial(check_kms_key, aws, cfg.identity.kms_key_arn)))
+    return steps
+
+
+def run_preflight(cfg: StackConfig, aws: Aws | None = None) -> list[Check]:
+    return run_checks(preflight_steps(cfg, aws or Aws(cfg.region)))
