@@ -23,7 +23,7 @@ from .base import Report, resource_policy, stack_policy
 from .settings import ApprovedInstances, CheckpointThroughput, Data, Gate, Lifecycle, LogRetention, MemoryFit
 from .view import (BUCKET, BUCKET_LIFECYCLE, DAEMON_SET, EFA_INTERFACE_TYPES, EFA_RESOURCE, EKS_CLUSTER, FSX_DRA,
                    FSX_LUSTRE, IAM_ATTACHMENT, IAM_POLICY, IAM_ROLE, IAM_ROLE_POLICY, LOG_GROUP, PLACEMENT_GROUP, PLAN_KEY,
-                   SECURITY_GROUP, SG_EGRESS, SG_INGRESS, SG_RULE, LAUNCH_TEMPLATE, METRIC_ALARM, Res, Stack,
+                   SECURITY_GROUP, SG_EGRESS, SG_INGRESS, SG_RULE, METRIC_ALARM, Res, Stack,
                    as_list, command_line, containers, get, is_true, items, json_doc, pod_specs, resource_quantity,
                    statements)
 
@@ -128,38 +128,46 @@ def _all_traffic(protocol: object) -> bool:
     return str(protocol) in ("-1", "all", "-1.0")
 
 
-def _self_referencing_groups(stack: Stack) -> dict[str, set[str]]:
-    """Security group key -> directions ("ingress"/"egress") that have a self-referencing all-traffic rule."""
-    found: dict[str, set[str]] = {}
+def efa_groups(stack: Stack) -> list[set[str]]:
+    """Security groups with self-referencing all-traffic ingress AND egress, each as the identifiers that can
+    point at it (its URN and/or its id as rules and launch templates spell it)."""
+    groups: dict[str, dict[str, set]] = {}
+
+    def add(key: str, direction: str, *ids: Optional[str]) -> None:
+        g = groups.setdefault(key, {"dirs": set(), "ids": set()})
+        g["dirs"].add(direction)
+        g["ids"].update(str(i) for i in ids if i)
+
     for sg in stack.of(SECURITY_GROUP):
         for direction in ("ingress", "egress"):
             if any(is_true(get(r, "self")) and _all_traffic(get(r, "protocol")) for r in items(sg.get(direction))):
-                found.setdefault(sg.urn, set()).add(direction)
-
-    def key(rule: Res) -> str:
-        owners = [u for u in rule.deps if u in stack.by_urn and stack.by_urn[u].type == SECURITY_GROUP]
-        return owners[0] if owners else str(rule.get("securityGroupId"))
-
-    for rule in stack.of(SG_RULE):
-        source = rule.get("sourceSecurityGroupId")
-        if _all_traffic(rule.get("protocol")) and (is_true(rule.get("self")) or
-                                                   (source and source == rule.get("securityGroupId"))):
-            found.setdefault(key(rule), set()).add(str(rule.get("type")))
-    for rule in stack.of(SG_INGRESS, SG_EGRESS):
-        ref = rule.get("referencedSecurityGroupId")
-        if _all_traffic(rule.get("ipProtocol")) and ref and ref == rule.get("securityGroupId"):
-            found.setdefault(key(rule), set()).add("ingress" if rule.type == SG_INGRESS else "egress")
-    return found
+                add(sg.urn, direction, sg.urn)
+    for rule in stack.of(SG_RULE, SG_INGRESS, SG_EGRESS):
+        group = rule.get("securityGroupId")
+        if rule.type == SG_RULE:
+            source, protocol, direction = rule.get("sourceSecurityGroupId"), rule.get("protocol"), str(rule.get("type"))
+            self_ref = is_true(rule.get("self")) or (source and source == group)
+        else:
+            protocol = rule.get("ipProtocol")
+            direction = "ingress" if rule.type == SG_INGRESS else "egress"
+            self_ref = rule.get("referencedSecurityGroupId") and rule.get("referencedSecurityGroupId") == group
+        if self_ref and _all_traffic(protocol):
+            owners = [u for u in rule.deps if u in stack.by_urn and stack.by_urn[u].type == SECURITY_GROUP]
+            add(str(group), direction, group, *(owners if len(owners) == 1 else []))
+    return [g["ids"] for g in groups.values() if g["dirs"] >= {"ingress", "egress"}]
 
 
 def _efa_security_group(stack: Stack, _conf: None, report: Report) -> None:
-    templates = stack.gpu_launch_templates()
-    if templates and not any(d >= {"ingress", "egress"} for d in _self_referencing_groups(stack).values()):
-        for lt in templates:
-            report(lt, f"{lt.label}: no security group has a self-referencing all-traffic rule for both ingress and "
-                       f"egress; EFA needs it or the fabric falls back to TCP. Fix: add ingress and egress rules "
-                       f"(protocol -1) whose source/destination is the EFA security group itself, and attach that "
-                       f"group to the GPU network interfaces.")
+    groups = efa_groups(stack)
+    for lt in stack.gpu_launch_templates():
+        attached = set(lt.deps) | {str(sg) for ni in items(lt.get("networkInterfaces"))
+                                   for sg in items(get(ni, "securityGroups"))}
+        attached |= {str(sg) for sg in items(lt.get("vpcSecurityGroupIds"))}
+        if not any(ids & attached for ids in groups):
+            report(lt, f"{lt.label}: none of its security groups allows all traffic to and from itself (ingress and "
+                       f"egress); EFA needs that or NCCL cannot use the fabric. Fix: add self-referencing all-traffic "
+                       f"(protocol -1) ingress and egress rules to the EFA security group and attach it to every "
+                       f"EFA network interface.")
 
 
 def _trainer_efa(stack: Stack, _conf: None, report: Report) -> None:
@@ -390,13 +398,13 @@ def _lifecycle(stack: Stack, conf: Lifecycle, report: Report) -> None:
         rules += [r for c in configs for r in items(c.get("rules")) if get(r, "status") == "Enabled"]
     where = stack.of(BUCKET_LIFECYCLE)[0] if stack.of(BUCKET_LIFECYCLE) else buckets[0]
     if not any(get(r, "abortIncompleteMultipartUpload", "daysAfterInitiation") for r in rules):
-        report(where, f"no enabled lifecycle rule aborts incomplete multipart uploads (checkpoint shards are "
+        report(where, f"{where.label}: no enabled lifecycle rule aborts incomplete multipart uploads (checkpoints are "
                       f"multipart). Fix: add abortIncompleteMultipartUpload.daysAfterInitiation "
                       f"(supernode:storage.lifecycle.abortMultipartDays).")
     wanted = conf.checkpoint_prefix
     if not any(items(get(r, "transitions")) and get(r, "expiration", "days")
                and (wanted is None or _rule_prefix(r) == wanted) for r in rules):
-        report(where, f"no enabled lifecycle rule on the checkpoint prefix{f' {wanted!r}' if wanted else ''} both "
+        report(where, f"{where.label}: no enabled lifecycle rule on the checkpoint prefix{f' {wanted!r}' if wanted else ''} both "
                       f"transitions and expires checkpoints. Fix: add a rule filtered on the checkpoint prefix with "
                       f"transitions and expiration (supernode:storage.lifecycle.checkpointTransitionDays / "
                       f"checkpointExpireDays).")
@@ -429,7 +437,7 @@ def _alarms(stack: Stack, _conf: None, report: Report) -> None:
     for what, test in (("GPU utilisation (DCGM) below the floor", is_gpu_util_alarm),
                        ("node health (node not ready / GPU XID errors)", is_node_health_alarm)):
         if not any(test(a) for a in alarms):
-            report(groups[0], f"no CloudWatch alarm watches {what} for the GPU node groups. Fix: add an "
+            report(groups[0], f"no CloudWatch alarm watches {what} for {', '.join(g.label for g in groups)}. Fix: add an "
                               f"aws.cloudwatch.MetricAlarm with the SNS topic as its action (supernode:monitoring).")
     for a in alarms:
         actions = [str(x) for x in items(a.get("alarmActions"))]

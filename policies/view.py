@@ -155,6 +155,12 @@ class Stack:
                        parent=r.parent.urn if r.parent is not None else (r.opts.parent or ""),
                        deps=[d.urn for d in r.dependencies]) for r in resources)
 
+    @classmethod
+    def from_json(cls, resources: Iterable[dict[str, Any]]) -> "Stack":
+        """From recorded resources (`supernode preview --json`), e.g. to inspect what the policies see."""
+        return cls(Res(type=r["type"], name=r["name"], urn=r["urn"], props=r.get("inputs") or {},
+                       parent=r.get("parent") or "", deps=list(r.get("dependencies") or [])) for r in resources)
+
     def of(self, *types: str) -> list[Res]:
         return [r for r in self.resources if r.type in types]
 

@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..cli import EXIT_FAILED, BadInput
-from ..policycheck import PolicyInputError, PolicyReport, check, junit_xml, load_policy_config, load_resources
+from ..cli import EXIT_FAILED, BadInput, add_stack_args, stack_from_args
+from ..policycheck import (PolicyInputError, PolicyReport, check, config_from_stack, junit_xml, load_policy_config,
+                           load_resources)
 
 STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "remediated": "cyan", "disabled": "dim"}
 
@@ -26,6 +27,10 @@ def register(sub) -> None:
     add_policy_args(c)
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(func=run_check)
+    k = actions.add_parser("config", help="the policy config a stack implies, for `pulumi preview "
+                                          "--policy-pack policies --policy-pack-config FILE` and `policy check`")
+    add_stack_args(k)
+    k.set_defaults(func=run_config)
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
@@ -91,3 +96,9 @@ def run_check(args) -> int:
     else:
         render(report, Console())
     return 0 if report.passed else EXIT_FAILED
+
+
+def run_config(args) -> int:
+    _, cfg = stack_from_args(args)
+    print(json.dumps(config_from_stack(cfg), indent=2))
+    return 0

@@ -37,8 +37,8 @@ def doc(*statements: dict) -> str:
 
 def efa_interfaces(instance_type: str) -> list[dict[str, Any]]:
     n = CATALOG[instance_type].efa_interfaces
-    return [{"networkCardIndex": i, "deviceIndex": 0 if i == 0 else 1, "interfaceType": "efa" if i == 0 else "efa-only"}
-            for i in range(n)]
+    return [{"networkCardIndex": i, "deviceIndex": 0 if i == 0 else 1, "interfaceType": "efa" if i == 0 else "efa-only",
+             "securityGroups": ["sg-efa"]} for i in range(n)]
 
 
 def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
@@ -57,7 +57,7 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
     sg = res(T["sg"], "efa", {"description": "EFA", "vpcId": "vpc-1"})
     lt = res(T["lt"], "gpu", {"instanceType": itype, "networkInterfaces": efa_interfaces(itype),
                               "metadataOptions": {"httpTokens": "required", "httpPutResponseHopLimit": 2},
-                              "placement": {"groupName": "gpu-cluster"}}, deps=(pg["urn"], sg["urn"]))
+                              "placement": {"groupName": "gpu-cluster"}}, deps=(pg["urn"],))
     ng = res(T["ng"], "gpu", {"clusterName": "c", "amiType": "AL2023_x86_64_NVIDIA", "releaseVersion": g.ami_release_version,
                               "version": k8s, "scalingConfig": {"desiredSize": g.nodes, "minSize": g.nodes, "maxSize": g.nodes},
                               "launchTemplate": {"id": "lt-1", "version": "1"},
@@ -157,3 +157,24 @@ def mutate(resources: list[dict], typ: str, change: Callable[[dict], None], name
 def without(resources: list[dict], typ: str, name: Optional[str] = None) -> list[dict]:
     gone = find(resources, typ, name)
     return [r for r in resources if r is not gone]
+
+
+@pytest.fixture(scope="session")
+def saved_dev_preview(tmp_path_factory) -> tuple[int, Path]:
+    """`supernode preview --stack dev --json` as a user would save it for `supernode policy check`."""
+    import contextlib
+    import io
+    import os
+
+    from supernode.cli import main
+
+    out, cwd = io.StringIO(), os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out):
+            rc = main(["preview", "--stack", "dev", "--json"])
+    finally:
+        os.chdir(cwd)
+    path = tmp_path_factory.mktemp("preview") / "dev.json"
+    path.write_text(out.getvalue(), encoding="utf-8")
+    return rc, path

@@ -225,6 +225,21 @@ def test_reservation_replaces_placement_group(stack):
     assert "interconnect-placement" not in by_policy(block)
 
 
+def test_efa_group_must_be_on_the_interfaces(stack):
+    elsewhere = mutate(stack, LT, lambda i: [ni.update(securityGroups=["sg-other"]) for ni in i["networkInterfaces"]])
+    (v,) = by_policy(elsewhere)["interconnect-efa-security-group"]
+    assert v.urn == find(stack, LT)["urn"]
+    one_way = [r for r in stack if "securityGroupEgressRule" not in r["type"]]
+    assert "interconnect-efa-security-group" in by_policy(one_way)
+    inline = [r for r in stack if "securityGroup" not in r["type"].split(":")[1] or r["type"].endswith(":SecurityGroup")]
+    inline = mutate(inline, "aws:ec2/securityGroup:SecurityGroup", lambda i: i.update(
+        ingress=[{"self": True, "protocol": "-1", "fromPort": 0, "toPort": 0}],
+        egress=[{"self": True, "protocol": "-1", "fromPort": 0, "toPort": 0}]))
+    inline = [dict(r, dependencies=r["dependencies"] + [find(inline, "aws:ec2/securityGroup:SecurityGroup")["urn"]])
+              if r["type"] == LT else r for r in inline]
+    assert "interconnect-efa-security-group" not in by_policy(inline)  # inline rules, linked by dependency
+
+
 def test_missing_gate_and_plan_are_reported(stack):
     found = by_policy(without(without(stack, GATE), CM))
     assert "no interconnect gate" in found["interconnect-gate"][0].message

@@ -1,0 +1,108 @@
+"""`supernode policy check` and the policy part of `supernode preview`: table, JSON, JUnit, exit codes."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from supernode.cli import main
+
+from .conftest import ROOT, mutate
+
+LT = "aws:ec2/launchTemplate:LaunchTemplate"
+
+
+def test_check_passes_on_a_saved_preview(saved_dev_preview, capsys):
+    rc, path = saved_dev_preview
+    assert rc == 0
+    assert json.loads(path.read_text())["policy"]["violations"] == []
+    capsys.readouterr()
+    assert main(["policy", "check", "--resources", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] is True and out["violations"] == []
+    assert {p["item"] for p in out["policies"]} == set(range(1, 11))
+
+
+def test_violation_fails_with_table_json_and_junit(stack, tmp_path, capsys):
+    bad = mutate(stack, LT, lambda i: i["networkInterfaces"].pop())
+    f = tmp_path / "resources.json"
+    f.write_text(json.dumps(bad))  # a bare list works as well as a whole preview document
+    junit = tmp_path / "reports" / "policy.xml"
+    assert main(["policy", "check", "--resources", str(f), "--junit", str(junit)]) == 1
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "interconnect-efa-interfaces" in line)
+    assert "fail" in row and "mandatory" in row and "gpu" in row
+    assert "1 mandatory violation(s)" in out and "Fix:" in out
+
+    suite = ET.parse(junit).getroot()
+    assert suite.get("failures") == "1" and int(suite.get("tests")) == len(suite.findall("testcase"))
+    failed = [c for c in suite.findall("testcase") if c.find("failure") is not None]
+    assert [c.get("name") for c in failed] == ["interconnect-efa-interfaces"]
+    assert failed[0].get("classname") == "checklist.03.Interconnect"
+    assert bad[[r["type"] for r in bad].index(LT)]["urn"] in failed[0].find("failure").text
+
+    assert main(["policy", "check", "--resources", str(f), "--json"]) == 1
+    (v,) = json.loads(capsys.readouterr().out)["violations"]
+    assert set(v) == {"policy", "enforcement", "urn", "message"} and v["enforcement"] == "mandatory"
+
+
+def test_advisory_only_exits_zero(stack, tmp_path, capsys):
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"resources": mutate(stack, LT, lambda i: i["networkInterfaces"].pop())}))
+    cfg = tmp_path / "policy.yaml"
+    cfg.write_text("interconnect-efa-interfaces: advisory\n")
+    assert main(["policy", "check", "--resources", str(f), "--policy-config", str(cfg)]) == 0
+    assert "warn" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content,expected", [
+    (None, "file not found"),
+    ("{not json", "not a JSON file"),
+    ('{"stack": "dev"}', "expected a list of resources"),
+    ('[{"type": "aws:s3/bucket:Bucket", "name": "b", "inputs": {}}]', "resources[0].urn: required"),
+    ('[{"urn": "u", "type": "t", "name": "n", "inputs": []}]', "resources[0].inputs: expected an object"),
+])
+def test_bad_resources_file_exits_2(tmp_path, capsys, content, expected):
+    f = tmp_path / "r.json"
+    if content is not None:
+        f.write_text(content)
+    assert main(["policy", "check", "--resources", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and str(f) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("config,expected", [
+    ('{"no-such-policy": "mandatory"}', "unknown policies ['no-such-policy']"),
+    ('{"memory-fit": {"headroomFraction": 2}}', "memory-fit.headroomFraction"),
+    ('{"memory-fit": "sometimes"}', "memory-fit.enforcementLevel"),
+    ('{"kms-key-rotation": {"days": 3}}', "kms-key-rotation: takes no settings"),
+    ("[1, 2]", "expected an object of policy name"),
+])
+def test_bad_policy_config_exits_2(stack, tmp_path, capsys, config, expected):
+    f, c = tmp_path / "r.json", tmp_path / "p.json"
+    f.write_text(json.dumps(stack))
+    c.write_text(config)
+    assert main(["policy", "check", "--resources", str(f), "--policy-config", str(c)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_preview_exits_1_on_a_mandatory_violation(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    c = tmp_path / "strict.json"
+    c.write_text(json.dumps({"accelerators-approved-instance-types": {"approvedInstanceTypes": ["p5en.48xlarge"]}}))
+    assert main(["preview", "--stack", "dev", "--json", "--policy-config", str(c)]) == 1
+    violations = json.loads(capsys.readouterr().out)["policy"]["violations"]
+    assert {v["policy"] for v in violations} == {"accelerators-approved-instance-types"}
+    assert all("p5.48xlarge" in v["message"] and v["enforcement"] == "mandatory" for v in violations)
+
+
+def test_policy_config_of_a_stack_feeds_the_check(capsys):
+    assert main(["policy", "config", "--stack", "prod", "--root", str(ROOT)]) == 0
+    conf = json.loads(capsys.readouterr().out)
+    from supernode.config import load_stack
+    cfg = load_stack("prod", ROOT)
+    assert conf["data-ready"]["datasetPrefix"] == cfg.storage.dataset_prefix
+    assert conf["checkpoint-lifecycle"]["checkpointPrefix"] == cfg.storage.checkpoint_prefix
