@@ -149,7 +149,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic for a seed and independent of the device: draws on a CPU generator."""
+        """Deterministic for a seed and independent of the device: draws on a CPU generator.
+
+        Also (re)computes the RoPE tables, so a model built on the meta device is complete after it.
+        """
+        cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
         gen = torch.Generator().manual_seed(seed)
         std = 0.02
         out_std = std / math.sqrt(2 * self.cfg.layers)  # residual-path outputs, as in GPT-2
@@ -158,7 +164,7 @@ class Transformer(nn.Module):
                 p.fill_(1.0)
                 continue
             s = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
-            p.copy_(torch.randn(p.shape, generator=gen) * s)
+            p.copy_((torch.randn(p.shape, generator=gen) * s).to(p.dtype))
         for moe in self.moe_layers():
             moe.router.bias.zero_()
 

@@ -210,7 +210,7 @@ class MoE(nn.Module):
         self.grad_scale = 1.0
         self.overlap = True
         # From the last forward.
-        self.tokens_per_expert = torch.zeros(experts)
+        self.tokens_per_expert = torch.zeros(experts, dtype=torch.long)
         self.load_balance_loss = torch.zeros(())
         self.z_loss = torch.zeros(())
 

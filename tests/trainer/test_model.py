@@ -137,3 +137,13 @@ def test_tied_embeddings_share_one_parameter() -> None:
 def test_sequence_longer_than_config_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="exceeds model.seqLen 16"):
         build()(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_meta_device_build_then_init_weights_is_complete() -> None:
+    with torch.device("meta"):
+        model = Transformer(CFG)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    batch = tokens()[:, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch), build()(batch), rtol=0, atol=0)

@@ -139,3 +139,40 @@ def test_dispatch_combine_exact_for_uneven_counts_and_an_idle_expert(tmp_path) -
                 else:
                     grad = sum(g["grads"][name] for g in got)
                 torch.testing.assert_close(grad, ref_grad, msg=lambda m: f"{label} {name}: {m}")
+
+
+# -- the benchmarks built on this layer -----------------------------------------------------------
+
+@pytest.mark.slow
+def test_bench_moe_reports_both_paths_and_minimal_all_to_all_bytes(capsys) -> None:
+    import json
+
+    from bench.moe import main
+
+    assert main(["--tokens", "256", "--dim", "32", "--hidden", "64", "--experts", "4", "--topk", "2",
+                 "--threads", "1", "--repeat", "1", "--ep", "2"]) == 0
+    layer, a2a = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert layer["measurement"] == "moe_layer_fwd_bwd" and layer["grouped_mm_used"] is True
+    assert layer["grouped_mm_tokens_per_s"] > 0 and layer["naive_loop_tokens_per_s"] > 0
+    assert a2a["ratio_vs_routing_minimum"] == pytest.approx(1.0, abs=1e-3)  # only the counts are extra
+    assert a2a["ratio_vs_analytic"] < 1.3  # routing of 512 copies is only roughly uniform
+
+
+def test_bench_moe_bad_flags_exit_2(capsys) -> None:
+    from bench.moe import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--topk", "9", "--experts", "8"])
+    assert exc.value.code == 2
+    assert "--topk must be at most --experts (8) (got 9)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without CUDA")
+def test_gpu_bench_without_cuda_says_so(capsys) -> None:
+    import json
+
+    from bench.gpu_moe import main
+
+    assert main([]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["skipped"] is True and "CUDA is not available" in line["reason"]
