@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import grpc
+import pytest
 import yaml
 from google.protobuf import empty_pb2, struct_pb2
 from pulumi.runtime.proto import analyzer_pb2, analyzer_pb2_grpc
@@ -15,6 +16,7 @@ from policies.pack import POLICIES
 from .conftest import ROOT
 
 
+@pytest.mark.slow  # a second process
 def test_main_serves_the_pack_over_grpc(tmp_path):
     # Started from another directory, as the CLI's language host does: the pack finds the core itself.
     proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "policies" / "__main__.py")], cwd=tmp_path,

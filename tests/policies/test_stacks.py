@@ -15,6 +15,8 @@ from supernode.preview import run_program
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.slow  # runs the Pulumi program under the mock engine (seconds per stack)
+
 
 @pytest.fixture(scope="module", params=["dev", "prod"])
 def real(request, saved_dev_preview):
