@@ -17,7 +17,7 @@ from supernode.config import Images, Identity, Workload
 from supernode.plan import Plan
 
 from .workload_addons import AddonArgs, ClusterAddons
-from .workload_common import GpuNodes, PodShape, Taint
+from .workload_common import GpuNodes, PodShape, Taint, dns_name
 from .workload_jobs import InterconnectGate, JobArgs, TrainerArgs, TrainerJob, gate_threshold_gbytes_s
 from .workload_namespace import PRIORITY_CLASS, Fsx, NamespaceArgs, TrainingNamespace
 
@@ -56,18 +56,18 @@ class TrainingWorkload(pulumi.ComponentResource):
             namespace=wl.namespace, service_account=wl.service_account, trainer_role_arn=args.trainer_role_arn,
             pod_identity=args.identity.pod_identity == "pod-identity", cluster_version=args.cluster_version,
             fsx=args.fsx, plan=plan, pod=pod), child)
-        job = JobArgs(namespace=self.training.name, image=args.images.trainer, gpu_nodes=args.gpu_nodes, pod=pod, plan=plan)
+        job = JobArgs(namespace=self.training.name, image=args.images.trainer, gpu_nodes=args.gpu_nodes, pod=pod, plan=plan,
+                      priority_class=self.training.priority_class.metadata.name)
         self.gate = InterconnectGate(
             f"{name}-gate", replace(job, image=args.images.fabric_check or args.images.trainer),
-            job_name=f"{plan.stack}-fabric-gate", min_busbw_gbytes_s=gate_threshold_gbytes_s(plan, wl.gate_min_fraction),
+            job_name=dns_name(plan.stack, "fabric-gate"), min_busbw_gbytes_s=gate_threshold_gbytes_s(plan, wl.gate_min_fraction),
             opts=child)
         self.trainer = TrainerJob(f"{name}-trainer", TrainerArgs(
             job=job, service_account=self.training.service_account.metadata.name,
             plan_config_map=self.training.plan_config_map.metadata.name, pvc=self.training.claim.metadata.name,
-            priority_class=self.training.priority_class.metadata.name,
             data_subpath=args.fsx.data_dir.strip("/"), checkpoint_subpath=args.fsx.checkpoint_dir.strip("/"),
             termination_grace_s=wl.termination_grace_s,
-            wait_for=[self.gate.job, *self.addons.ready]), job_name=f"{plan.stack}-train", opts=child)
+            wait_for=[self.gate.job, *self.addons.ready]), job_name=dns_name(plan.stack, "train"), opts=child)
 
         self.outputs = {
             "namespace": self.training.name,

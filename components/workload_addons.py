@@ -180,6 +180,14 @@ class ClusterAddons(pulumi.ComponentResource):
         cert = k8s.core.v1.Secret(f"{name}-{OPERATOR}-webhook-cert", metadata=meta(
             f"{OPERATOR}-webhook-cert", ns, labels), type="Opaque",
             opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["data"])))
+        # Secrets only in its own namespace (the certificate), not cluster-wide.
+        cert_role = k8s.rbac.v1.Role(f"{name}-{OPERATOR}-cert", metadata=meta(f"{OPERATOR}-cert", ns, labels), rules=[
+            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "watch", "update"]}], opts=child)
+        k8s.rbac.v1.RoleBinding(f"{name}-{OPERATOR}-cert", metadata=meta(f"{OPERATOR}-cert", ns, labels),
+                                role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                          "name": cert_role.metadata.name},
+                                subjects=[{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": ns}],
+                                opts=child)
         svc = k8s.core.v1.Service(f"{name}-{OPERATOR}", metadata=meta(OPERATOR, ns, labels), spec={
             "selector": labels,
             "ports": [{"name": "monitoring-port", "port": 8080, "targetPort": 8080},

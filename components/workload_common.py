@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -64,6 +65,12 @@ def meta(name: str, namespace: Optional[pulumi.Input[str]] = None, labels: Optio
     if annotations:
         m["annotations"] = dict(annotations)
     return m
+
+
+def dns_name(*parts: str) -> str:
+    """A Kubernetes object name (RFC 1123 label) from free-form parts such as a Pulumi stack name."""
+    name = re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+    return name[:63].rstrip("-")
 
 
 def load_crd(filename: str) -> dict[str, Any]:

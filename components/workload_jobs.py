@@ -42,6 +42,7 @@ class JobArgs:
     gpu_nodes: GpuNodes
     pod: PodShape
     plan: Plan
+    priority_class: pulumi.Input[str]  # both jobs hold whole GPU nodes: same priority
 
 
 def gate_threshold_gbytes_s(plan: Plan, min_fraction: float) -> float:
@@ -65,6 +66,7 @@ def gpu_pod_spec(args: JobArgs, mesh: str, container: dict[str, Any], volumes: S
         "tolerations": args.gpu_nodes.tolerations(),
         "affinity": affinity,
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "priorityClassName": args.priority_class,
         "containers": [c],
         # NCCL and the data loader share memory through /dev/shm; it counts against the memory limit.
         "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}, *volumes],
@@ -131,7 +133,6 @@ class TrainerArgs:
     service_account: pulumi.Input[str]
     plan_config_map: pulumi.Input[str]
     pvc: pulumi.Input[str]
-    priority_class: pulumi.Input[str]
     data_subpath: str  # inside the FSx volume
     checkpoint_subpath: str
     termination_grace_s: int
@@ -166,7 +167,6 @@ class TrainerJob(pulumi.ComponentResource):
         template = {"metadata": {"labels": {MESH_LABEL: mesh}, "annotations": {"supernode.io/plan-sha256": plan_hash}},
                     "spec": gpu_pod_spec(args.job, mesh, container, volumes,
                                          serviceAccountName=args.service_account,
-                                         priorityClassName=args.priority_class,
                                          # the trainer writes a checkpoint on SIGTERM before exiting
                                          terminationGracePeriodSeconds=args.termination_grace_s)}
         nodes = plan.nodes

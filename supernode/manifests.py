@@ -37,7 +37,8 @@ def _native(value: Any) -> Any:
 
 
 # kubectl-apply order: what others refer to first; kinds not listed (custom resources) last.
-APPLY_ORDER = ("Namespace", "CustomResourceDefinition", "PriorityClass", "ClusterRole", "ClusterRoleBinding",
+APPLY_ORDER = ("Namespace", "CustomResourceDefinition", "PriorityClass", "ClusterRole", "ClusterRoleBinding", "Role",
+               "RoleBinding",
                "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "ServiceAccount", "Secret", "ConfigMap",
                "ResourceQuota", "LimitRange", "NetworkPolicy", "PersistentVolume", "PersistentVolumeClaim", "Service",
                "DaemonSet", "Deployment", "ValidatingWebhookConfiguration", "Job")

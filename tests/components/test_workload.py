@@ -154,6 +154,25 @@ def test_job_follows_the_config(tmp_path: Path) -> None:
         ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type] * 0.5)
 
 
+def test_job_follows_the_hardware(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A (hypothetical) 4-GPU, 2-EFA instance type: nproc, GPUs and EFA devices all follow the catalog."""
+    from dataclasses import replace
+    small = replace(CATALOG["p5.48xlarge"], name="p5.test", accelerators=4, efa_interfaces=2, vcpus=96, memory_gib=1024)
+    monkeypatch.setitem(CATALOG, small.name, small)
+    monkeypatch.setitem(ALL_REDUCE_BASELINE_GBYTES_S, small.name, 200.0)
+    base = load_stack("dev", ROOT)
+    data = base.to_mapping()
+    data["acceleratorNodeGroups"][0]["instanceType"] = small.name
+    data["parallel"]["dpShard"] = base.parallel.dp_shard // 2  # world size 2 nodes x 4 GPUs
+    cfg = from_mapping(data)
+    plan = build_plan("dev", cfg)
+    assert plan.accelerators_per_node == 4
+    result = preview("dev", cfg, tmp_path)
+    check_trainer(cfg, plan, result)
+    quota = objects(result)[("ResourceQuota", "training-quota")]["spec"]["hard"]
+    assert quota["requests.vpc.amazonaws.com/efa"] == str(2 * plan.nodes)
+
+
 @pytest.mark.parametrize("stack", ["dev", "prod"])
 def test_trainer_waits_for_the_interconnect_gate(stack: str) -> None:
     cfg, result = stack_preview(stack)
@@ -170,6 +189,7 @@ def test_trainer_waits_for_the_interconnect_gate(stack: str) -> None:
     pod = spec["template"]["spec"]
     (c,) = pod["containers"]
     assert c["command"][-1] == "trainer.fabric"
+    assert pod["priorityClassName"] == "supernode-training"
     threshold = float(c["args"][c["args"].index("--min-busbw-gbps") + 1])
     assert threshold == pytest.approx(ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type] * cfg.workload.gate_min_fraction)
     # the gate measures the same fabric the trainer uses: whole nodes, all EFA devices, one pod per node
