@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal
+from urllib.parse import urlsplit
 
 import boto3
 import botocore.loaders
@@ -132,10 +133,10 @@ def describe_error(e: Exception) -> tuple[str, str]:
                     "cannot be checked here: check it in the AWS console or with the AWS CLI")
         return f"{op} failed ({said})", "see the AWS error above"
     if isinstance(e, (ConnectTimeoutError, ReadTimeoutError)):
-        return (f"timed out talking to {getattr(e, 'kwargs', {}).get('endpoint_url', 'AWS')}",
+        return (f"timed out talking to {_endpoint(e)}",
                 "check network access to AWS (proxy, VPC endpoints) and AWS_ENDPOINT_URL; then run again")
     if isinstance(e, (EndpointConnectionError, ConnectionClosedError)):
-        return (f"AWS endpoint unreachable: {getattr(e, 'kwargs', {}).get('endpoint_url', '?')}",
+        return (f"AWS endpoint unreachable: {_endpoint(e)}",
                 "check network access to AWS, the region and AWS_ENDPOINT_URL")
     if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
         return ("no usable AWS credentials", "configure credentials (AWS_PROFILE, aws configure, or an instance role)")
@@ -145,6 +146,12 @@ def describe_error(e: Exception) -> tuple[str, str]:
     if isinstance(e, BotoCoreError):
         return f"AWS client error: {e}", "see the error above"
     return f"internal error in this check: {type(e).__name__}: {e}", "report this as a supernode bug"
+
+
+def _endpoint(e: Exception) -> str:
+    """scheme://host[:port] of the request that failed (botocore gives the whole URL)."""
+    url = urlsplit(str(getattr(e, "kwargs", {}).get("endpoint_url", "")))
+    return f"{url.scheme}://{url.netloc}" if url.netloc else "AWS"
 
 
 Probe = Callable[[], Check]

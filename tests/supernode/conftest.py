@@ -16,8 +16,10 @@ import socket
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Callable, Iterator
 from urllib.parse import parse_qs
 
@@ -150,18 +152,33 @@ def _moto_stub() -> Iterator[AwsStub]:
     server.stop()
 
 
+@contextmanager
+def boto3_pointed_at(stub: AwsStub, scratch: Path) -> Iterator[AwsStub]:
+    """The environment boto3 reads, pointed at the stub: dummy credentials, no local AWS config, one
+    attempt per call (errors surface at once; retrying is botocore's job). Restored on exit."""
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
+            mp.delenv(var, raising=False)
+        mp.setenv("AWS_CONFIG_FILE", str(scratch / "no-aws-config"))
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(scratch / "no-aws-credentials"))
+        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("AWS_ENDPOINT_URL", stub.url)
+        mp.setenv("AWS_MAX_ATTEMPTS", "1")
+        yield stub
+
+
 @pytest.fixture
-def moto_aws(_moto_stub: AwsStub, monkeypatch: pytest.MonkeyPatch, tmp_path) -> AwsStub:
-    """The stub with no scripted answers, and the environment boto3 reads pointed at it (dummy
-    credentials, one attempt)."""
+def moto_aws(_moto_stub: AwsStub, tmp_path: Path) -> Iterator[AwsStub]:
+    """The stub with no scripted answers, boto3 pointed at it for this test."""
     _moto_stub.reset()
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", _moto_stub.url)
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # errors surface at once; retries are botocore's job
-    return _moto_stub
+    with boto3_pointed_at(_moto_stub, tmp_path) as stub:
+        yield stub
+
+
+@pytest.fixture(scope="module")
+def moto_aws_module(_moto_stub: AwsStub, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AwsStub]:
+    """boto3 pointed at the stub for a whole test module, to deploy state that several tests read."""
+    with boto3_pointed_at(_moto_stub, tmp_path_factory.mktemp("aws")) as stub:
+        yield stub
