@@ -18,6 +18,7 @@ from trainer.model import Transformer, loss_fn
 from trainer.parallel import ParallelDims, parallelize
 
 SEED = 7
+LR = 0.5
 BATCH = 8
 MODEL = Model(layers=3, dim=32, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=16,
               dense_hidden=48, first_dense_layers=1, vocab=64, seq_len=16, load_balance_coef=0.01,
@@ -39,6 +40,14 @@ def batch() -> torch.Tensor:
     return torch.randint(0, MODEL.vocab, (BATCH, MODEL.seq_len + 1), generator=torch.Generator().manual_seed(SEED))
 
 
+def second_step(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """An SGD step and a router-bias step from the first backward, then the next forward's CE."""
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    model.update_router_bias()
+    with torch.no_grad():
+        return loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+
+
 def reference(model_cfg: Model) -> dict:
     model = Transformer(model_cfg)
     model.init_weights(SEED)
@@ -46,8 +55,10 @@ def reference(model_cfg: Model) -> dict:
     ce = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
     aux = model.aux_loss()
     (ce + aux).backward()
-    return {"ce": ce.item(), "aux": aux.item(), "load": model.expert_load(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    load = model.expert_load()
+    return {"ce": ce.item(), "aux": aux.item(), "load": load, "grads": grads,
+            "ce_after_step": second_step(model, tokens).item()}
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -72,8 +83,11 @@ def run_layouts(rank: int, world_size: int) -> dict:
         dist.all_reduce(stats)
         grads = {n: _full(p.grad) for n, p in model.named_parameters()}  # collective: every rank
         dtypes = {str(p.dtype) for p in model.parameters()}
-        results[name] = {"ce": stats[0].item(), "aux": stats[1].item(), "load": model.expert_load(),
-                         "grads": grads, "dtypes": dtypes}
+        load = model.expert_load()
+        ce_after = second_step(model, tokens) / (dims.dp_size * tp)
+        dist.all_reduce(ce_after)
+        results[name] = {"ce": stats[0].item(), "aux": stats[1].item(), "load": load,
+                         "grads": grads, "dtypes": dtypes, "ce_after_step": ce_after.item()}
     return results if rank == 0 else {}
 
 
@@ -93,6 +107,8 @@ def test_layout_matches_single_process(parallel_results: dict, layout: str) -> N
     assert got["aux"] == pytest.approx(ref["aux"], rel=1e-4)
     assert torch.equal(got["load"], ref["load"]), "expert load must be the global token counts"
     assert got["dtypes"] == {"torch.float32"}
+    assert got["ce_after_step"] == pytest.approx(ref["ce_after_step"], rel=1e-5)
+    assert got["ce_after_step"] < got["ce"] - 0.01, "the step must have changed the model"
     assert set(got["grads"]) == set(ref["grads"])
     for name, g in ref["grads"].items():
         torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{layout} {name}: {m}")
@@ -110,3 +126,21 @@ def test_dims_from_degrees_and_errors() -> None:
         ParallelDims(dp_replicate=1, dp_shard=2, tp=1, ep=1, pp=2, world_size=4)
     with pytest.raises(ValueError, match=r"tp must be a positive integer, got 0"):
         ParallelDims(dp_replicate=1, dp_shard=2, tp=0, ep=1, pp=1, world_size=2)
+
+
+def test_dims_from_the_dev_stack_plan() -> None:
+    from pathlib import Path
+
+    from supernode.config import load_stack
+    from supernode.plan import build_local_plan, build_plan
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_stack("dev", root)
+    local = build_local_plan("dev", cfg)
+    dims = ParallelDims.from_plan(local, local.world_size)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.ep, dims.pp) == (1, 2, 1, 2, 1)
+    assert dims.dp_size == 2 and dims.edp == 1
+    full = build_plan("dev", cfg)
+    assert ParallelDims.from_plan(full, full.world_size).dp_size == full.parallel.dp
+    with pytest.raises(ValueError, match=f"does not match the world size {local.world_size + 1}"):
+        ParallelDims.from_plan(local, local.world_size + 1)
