@@ -76,6 +76,8 @@ class CloudMocks(pmocks.Mocks):
         digest = hashlib.sha1(f"{typ}/{name}".encode()).hexdigest()
         prefix = _ID_PREFIX.get(typ)
         rid = f"{prefix}-{digest[:17]}" if prefix else f"{name}-{digest[:8]}"
+        if typ == "aws:s3/bucket:Bucket" and args.inputs.get("bucket"):
+            rid = args.inputs["bucket"]  # a bucket's id is its name
         service = typ.split(":")[1].split("/")[0] if typ.startswith("aws:") else ""
         state = dict(args.inputs)
         state.setdefault("arn", f"arn:aws:{service or 'mock'}:{self.region}:{ACCOUNT}:{typ.rsplit(':', 1)[-1].lower()}/{rid}")
@@ -175,6 +177,7 @@ class PreviewResult:
     stack: str
     resources: list[Resource]
     outputs: dict[str, Any]
+    secret_outputs: list[str] = field(default_factory=list)  # exported as secrets (`pulumi up` masks them)
 
     def by_type(self, typ: str) -> list[Resource]:
         return [r for r in self.resources if r.type == typ]
@@ -199,20 +202,25 @@ def run_program(stack: str, cfg: StackConfig, program: Path = PROGRAM) -> Previe
     monitor = RecordingMonitor(mocks)
     pmocks.set_mocks(mocks, project="supernode", stack=stack, preview=False, monitor=monitor)
     outputs: dict[str, Any] = {}
+    secret_outputs: list[str] = []
 
     async def program_run() -> None:
         runpy.run_path(str(program), run_name="__main__")
         root = psettings.get_root_resource()
         exported = getattr(root, "outputs", {})
-        values = await asyncio.gather(*(pulumi.Output.from_input(v).future() for v in exported.values()))
+        exports = [pulumi.Output.from_input(v) for v in exported.values()]
+        values = await asyncio.gather(*(o.future() for o in exports))
         outputs.update({k: _plain(v) for k, v in zip(exported, values)})
+        secret = await asyncio.gather(*(o.is_secret() for o in exports))
+        secret_outputs.extend(k for k, s in zip(exported, secret) if s)
 
     try:
         loop.run_until_complete(run_pulumi_func(program_run))
     finally:
         loop.close()
         asyncio.set_event_loop(None)
-    return PreviewResult(stack=stack, resources=_tree_order(monitor.recorded), outputs=outputs)
+    return PreviewResult(stack=stack, resources=_tree_order(monitor.recorded), outputs=outputs,
+                         secret_outputs=secret_outputs)
 
 
 def _tree_order(resources: list[Resource]) -> list[Resource]:

@@ -1,0 +1,118 @@
+"""IAM and KMS: no wildcard actions, `*` resources only where AWS requires them, the node role's
+managed policies, and a trainer role that reaches only its prefixes and key."""
+
+from __future__ import annotations
+
+import json
+from fnmatch import fnmatchcase
+
+from aws_preview import Stack, as_list, policy, preview, statements
+from components.identity import NODE_MANAGED_POLICIES
+
+ROLE = "aws:iam/role:Role"
+ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
+KEY = "aws:kms/key:Key"
+# Documents by type and input key: identity policies, trust policies, key and bucket policies.
+DOCUMENTS = {ROLE_POLICY: "policy", "aws:iam/policy:Policy": "policy", ROLE: "assumeRolePolicy",
+             KEY: "policy", "aws:s3/bucketPolicy:BucketPolicy": "policy", "aws:sns/topicPolicy:TopicPolicy": "policy"}
+
+
+def documents(stack: Stack):
+    for typ, key in DOCUMENTS.items():
+        for r in stack.all(typ):
+            yield typ, r, policy(r, key)
+
+
+def test_no_document_allows_a_wildcard_action(stack: Stack):
+    seen = set()
+    for typ, r, doc in documents(stack):
+        seen.add(typ)
+        for s in statements(doc):
+            assert "NotAction" not in s and "NotResource" not in s, r.name
+            if s["Effect"] == "Allow":
+                assert all("*" not in a for a in as_list(s["Action"])), (r.name, s["Action"])
+            else:  # a Deny only removes access; the one we use is the TLS-only bucket rule
+                assert typ == "aws:s3/bucketPolicy:BucketPolicy" and s["Sid"] == "DenyInsecureTransport"
+    assert seen >= {ROLE, ROLE_POLICY, KEY, "aws:s3/bucketPolicy:BucketPolicy"}
+
+
+def test_star_resource_only_in_key_policies(stack: Stack):
+    for typ, r, doc in documents(stack):
+        for s in statements(doc):
+            if "Resource" in s and "*" in as_list(s["Resource"]):
+                assert typ == KEY, f"{r.name}: '*' resource outside a key policy"
+
+
+def test_keys_rotate_and_logs_may_use_the_ops_key(stack: Stack):
+    keys = {r.name: r for r in stack.all(KEY)}
+    assert set(keys) == {"keys-eks", "keys-data", "keys-ops"}
+    assert all(k.inputs["enableKeyRotation"] is True for k in keys.values())
+    ops = statements(policy(keys["keys-ops"]))
+    principals = {json.dumps(s["Principal"], sort_keys=True) for s in ops}
+    assert json.dumps({"Service": f"logs.{stack.cfg.region}.amazonaws.com"}) in principals
+    assert json.dumps({"Service": "cloudwatch.amazonaws.com"}) in principals  # alarms -> encrypted SNS
+    assert set(stack.outputs["kms_key_arns"].values()) == {k.outputs["arn"] for k in keys.values()}
+
+
+def test_node_role_has_only_the_node_managed_policies(stack: Stack):
+    role = stack.one(ROLE, "node-role")
+    assert statements(policy(role, "assumeRolePolicy"))[0]["Principal"] == {"Service": "ec2.amazonaws.com"}
+    attached = [a.inputs["policyArn"] for a in stack.all("aws:iam/rolePolicyAttachment:RolePolicyAttachment")
+                if a.inputs["role"] == role.outputs["name"]]
+    assert sorted(attached) == sorted(f"arn:aws:iam::aws:policy/{p}" for p in NODE_MANAGED_POLICIES)
+    assert not [p for p in stack.all(ROLE_POLICY) if p.inputs["role"] == role.id]
+
+
+def _allowed(doc: dict, action: str, resource: str) -> bool:
+    return any(s["Effect"] == "Allow" and action in as_list(s["Action"])
+               and any(fnmatchcase(resource, pattern) for pattern in as_list(s["Resource"]))
+               for s in statements(doc))
+
+
+def test_trainer_role_reaches_only_its_prefixes(stack: Stack):
+    doc = policy(stack.one(ROLE_POLICY, "trainer-role-data"))
+    bucket = f"arn:aws:s3:::{stack.outputs['bucket_name']}"
+    s, key = stack.cfg.storage, stack.outputs["kms_key_arns"]["data"]
+    ds, ck = f"{bucket}/{s.dataset_prefix}shard-0.bin", f"{bucket}/{s.checkpoint_prefix}step-100/rank0.distcp"
+    assert _allowed(doc, "s3:GetObject", ds) and not _allowed(doc, "s3:PutObject", ds)
+    assert not _allowed(doc, "s3:DeleteObject", ds)
+    assert _allowed(doc, "s3:GetObject", ck) and _allowed(doc, "s3:PutObject", ck) and _allowed(doc, "s3:DeleteObject", ck)
+    for elsewhere in (f"{bucket}/{s.log_prefix}x", f"{bucket}/other/x", "arn:aws:s3:::another-bucket/x"):
+        assert not any(_allowed(doc, a, elsewhere) for a in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject"))
+    listing = [st for st in statements(doc) if "s3:ListBucket" in as_list(st["Action"])]
+    assert listing and all(st["Resource"] == bucket for st in listing)
+    assert set(listing[0]["Condition"]["StringLike"]["s3:prefix"]) == {
+        s.dataset_prefix, s.dataset_prefix + "*", s.checkpoint_prefix, s.checkpoint_prefix + "*"}
+    kms = [st for st in statements(doc) if any(a.startswith("kms:") for a in as_list(st["Action"]))]
+    assert [st["Resource"] for st in kms] == [key]
+    resources = {r for st in statements(doc) for r in as_list(st["Resource"])}
+    assert all(r == bucket or r.startswith(f"{bucket}/{s.dataset_prefix}") or r.startswith(f"{bucket}/{s.checkpoint_prefix}")
+               or r == key for r in resources)
+
+
+def test_trainer_irsa_trust_is_one_service_account(stack: Stack):
+    role = stack.one(ROLE, "trainer-role")
+    (trust,) = statements(policy(role, "assumeRolePolicy"))
+    host = stack.outputs["oidc_issuer_url"].removeprefix("https://")
+    w = stack.cfg.workload
+    assert trust["Principal"] == {"Federated": stack.outputs["oidc_provider_arn"]}
+    assert trust["Action"] == "sts:AssumeRoleWithWebIdentity"
+    assert trust["Condition"]["StringEquals"] == {f"{host}:sub": f"system:serviceaccount:{w.namespace}:{w.service_account}",
+                                                  f"{host}:aud": "sts.amazonaws.com"}
+    assert stack.outputs["trainer_role_arn"] == role.outputs["arn"]
+
+
+def test_trainer_pod_identity_variant():
+    def change(data: dict) -> None:
+        data["identity"]["podIdentity"] = "pod-identity"
+    s = preview("dev", "pod-identity", change)
+    (trust,) = statements(policy(s.one(ROLE, "trainer-role"), "assumeRolePolicy"))
+    assert trust["Principal"] == {"Service": "pods.eks.amazonaws.com"}
+    assoc = s.one("aws:eks/podIdentityAssociation:PodIdentityAssociation").inputs
+    assert (assoc["namespace"], assoc["serviceAccount"], assoc["roleArn"]) == (
+        s.cfg.workload.namespace, s.cfg.workload.service_account, s.outputs["trainer_role_arn"])
+
+
+def test_cloudwatch_agent_role_is_scoped_to_its_service_account(stack: Stack):
+    (trust,) = statements(policy(stack.one(ROLE, "monitoring-cloudwatch-agent"), "assumeRolePolicy"))
+    assert list(trust["Condition"]["StringEquals"].values())[0] == "system:serviceaccount:amazon-cloudwatch:cloudwatch-agent"

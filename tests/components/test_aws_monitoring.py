@@ -1,0 +1,87 @@
+"""Alarms carry the configured thresholds and notify the encrypted SNS topic; log groups are
+retained and encrypted; metric filters catch NCCL timeouts, OOM and XID errors; a dashboard."""
+
+from __future__ import annotations
+
+import json
+
+from aws_preview import Stack
+from supernode.catalog import GIB
+from supernode.plan import build_plan
+
+ALARM = "aws:cloudwatch/metricAlarm:MetricAlarm"
+LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"
+
+
+def alarms(stack: Stack) -> dict[str, dict]:
+    return {r.inputs["name"].removeprefix(f"supernode-{stack.result.stack}-"): r.inputs for r in stack.all(ALARM)}
+
+
+def test_every_alarm_notifies_the_topic(stack: Stack):
+    topic = stack.outputs["sns_topic_arn"]
+    found = alarms(stack)
+    assert set(found) == {"gpu-util-low", "node-not-ready", "gpu-xid-errors", "nccl-timeouts", "out-of-memory",
+                          "fsx-free-capacity-low"}
+    for a in found.values():
+        assert a["alarmActions"] == [topic] and a["okActions"] == [topic]
+    assert sorted(stack.outputs["alarm_names"]) == sorted(a["name"] for a in found.values())
+
+
+def test_gpu_utilisation_alarm_uses_floor_and_window(stack: Stack):
+    m = stack.cfg.monitoring
+    a = alarms(stack)["gpu-util-low"]
+    assert (a["namespace"], a["metricName"]) == ("ContainerInsights", "node_gpu_utilization")
+    assert a["dimensions"] == {"ClusterName": stack.outputs["cluster_name"]}
+    assert a["threshold"] == m.gpu_util_floor_percent and a["comparisonOperator"] == "LessThanThreshold"
+    assert a["period"] * a["evaluationPeriods"] == m.gpu_util_window_minutes * 60
+    assert a["datapointsToAlarm"] == a["evaluationPeriods"]  # below the floor for the whole window
+
+
+def test_fsx_free_capacity_alarm_threshold(stack: Stack):
+    a = alarms(stack)["fsx-free-capacity-low"]
+    capacity = build_plan(stack.result.stack, stack.cfg).checkpoint.fsx_capacity_gib
+    assert a["dimensions"] == {"FileSystemId": stack.outputs["fsx_id"]}
+    assert a["threshold"] == capacity * GIB * stack.cfg.monitoring.fsx_free_capacity_floor_percent / 100
+    assert (a["metricName"], a["comparisonOperator"]) == ("FreeDataStorageCapacity", "LessThanThreshold")
+
+
+def test_log_metric_filters_feed_the_alarms(stack: Stack):
+    filters = {r.inputs["metricTransformation"]["name"]: r.inputs
+               for r in stack.all("aws:cloudwatch/logMetricFilter:LogMetricFilter")}
+    assert "NCCL" in filters["NcclTimeouts"]["pattern"] and "Watchdog" in filters["NcclTimeouts"]["pattern"]
+    assert "CUDA out of memory" in filters["OutOfMemory"]["pattern"]
+    assert "Xid" in filters["GpuXidErrors"]["pattern"]
+    cluster = stack.outputs["cluster_name"]
+    assert filters["NcclTimeouts"]["logGroupName"] == f"/aws/containerinsights/{cluster}/application"
+    a = alarms(stack)
+    for metric, alarm in (("NcclTimeouts", "nccl-timeouts"), ("OutOfMemory", "out-of-memory"),
+                          ("GpuXidErrors", "gpu-xid-errors")):
+        t = filters[metric]["metricTransformation"]
+        assert (a[alarm]["namespace"], a[alarm]["metricName"]) == (t["namespace"], metric)
+        assert a[alarm]["threshold"] == 0 and a[alarm]["comparisonOperator"] == "GreaterThanThreshold"
+
+
+def test_topic_encrypted_and_subscribed(stack: Stack):
+    topic = stack.one("aws:sns/topic:Topic").inputs
+    assert topic["kmsMasterKeyId"] == stack.outputs["kms_key_arns"]["ops"]
+    sub = stack.one("aws:sns/topicSubscription:TopicSubscription").inputs
+    assert (sub["protocol"], sub["endpoint"], sub["topic"]) == (
+        "email", stack.cfg.monitoring.notification_email, stack.outputs["sns_topic_arn"])
+
+
+def test_log_groups_retained_and_encrypted(stack: Stack):
+    groups = stack.all(LOG_GROUP)
+    assert sorted(g.inputs["name"] for g in groups) == sorted(stack.outputs["log_group_names"])
+    for g in groups:
+        assert g.inputs["retentionInDays"] == stack.cfg.monitoring.log_retention_days
+        assert g.inputs["kmsKeyId"] == stack.outputs["kms_key_arns"]["ops"]
+
+
+def test_observability_addon_and_dashboard(stack: Stack):
+    addon = [a.inputs for a in stack.all("aws:eks/addon:Addon")
+             if a.inputs["addonName"] == "amazon-cloudwatch-observability"]
+    assert addon and addon[0]["serviceAccountRoleArn"].endswith("role/" + stack.one(
+        "aws:iam/role:Role", "monitoring-cloudwatch-agent").outputs["name"])
+    body = json.loads(stack.one("aws:cloudwatch/dashboard:Dashboard").inputs["dashboardBody"])
+    metrics = [m[1] for w in body["widgets"] for m in w["properties"]["metrics"]]
+    assert {"node_gpu_utilization", "FreeDataStorageCapacity", "NcclTimeouts", "OutOfMemory"} <= set(metrics)
