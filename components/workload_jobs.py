@@ -114,7 +114,10 @@ class InterconnectGate(pulumi.ComponentResource):
                      "command": TORCHRUN + ["trainer.fabric"],
                      "args": ["--min-busbw-gbps", str(min_busbw_gbytes_s)],
                      "env": env}
-        self.job = k8s.batch.v1.Job(f"{name}-job", metadata=meta(job_name, args.namespace), spec={
+        # Pulumi waits for the Job to complete and fails the update if it fails; replaceUnready makes
+        # the next `pulumi up` run a fresh gate instead of waiting on the failed one.
+        self.job = k8s.batch.v1.Job(f"{name}-job", metadata=meta(job_name, args.namespace, annotations={
+            "pulumi.com/replaceUnready": "true"}), spec={
             "completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
             "backoffLimit": 0,  # a slow or broken fabric is a finding, not something to retry
             "activeDeadlineSeconds": GATE_DEADLINE_S,
@@ -170,13 +173,16 @@ class TrainerJob(pulumi.ComponentResource):
                                          # the trainer writes a checkpoint on SIGTERM before exiting
                                          terminationGracePeriodSeconds=args.termination_grace_s)}
         nodes = plan.nodes
+        # `pulumi up` succeeds once the workers run (admitted, scheduled, images pulled), not at creation.
         self.job = k8s.apiextensions.CustomResource(f"{name}-job", api_version="kubeflow.org/v1", kind="PyTorchJob",
-                                                    metadata=meta(job_name, args.job.namespace), spec={
+                                                    metadata=meta(job_name, args.job.namespace, annotations={
+                                                        "pulumi.com/waitFor": "condition=Running"}), spec={
             "nprocPerNode": str(plan.accelerators_per_node),
             "elasticPolicy": {"rdzvBackend": "c10d", "minReplicas": nodes, "maxReplicas": nodes,
                               "maxRestarts": plan.training.max_restarts},
             "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": plan.training.max_restarts},
             "pytorchReplicaSpecs": {"Worker": {"replicas": nodes, "restartPolicy": "OnFailure", "template": template}},
         }, opts=pulumi.ResourceOptions(parent=self, depends_on=[self.policy, *args.wait_for],
-                                       delete_before_replace=True, replace_on_changes=["spec"]))
+                                       delete_before_replace=True, replace_on_changes=["spec"],
+                                       custom_timeouts=pulumi.CustomTimeouts(create="30m")))
         self.register_outputs({"job": job_name, "workers": nodes, "nproc_per_node": plan.accelerators_per_node})

@@ -170,9 +170,12 @@ class TrainingNamespace(pulumi.ComponentResource):
             f"{name}-pod-guard", metadata=meta(f"{namespace}-baseline-plus-efa"), spec={
                 "failurePolicy": "Fail",
                 "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
-                                                        "operations": ["CREATE", "UPDATE"], "resources": ["pods"]}]},
+                                                        "operations": ["CREATE", "UPDATE"],
+                                                        "resources": ["pods", "pods/ephemeralcontainers"]}]},
                 "variables": [{"name": "containers", "expression":
-                               "object.spec.containers + (has(object.spec.initContainers) ? object.spec.initContainers : [])"}],
+                               "object.spec.containers"
+                               " + (has(object.spec.initContainers) ? object.spec.initContainers : [])"
+                               " + (has(object.spec.ephemeralContainers) ? object.spec.ephemeralContainers : [])"}],
                 "validations": [{"expression": e, "message": m} for e, m in checks],
             }, opts=child)
         k8s.admissionregistration.v1.ValidatingAdmissionPolicyBinding(

@@ -16,10 +16,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import jsonschema
-from kubernetes_validate import utils as kv
 import yaml
-from kubernetes_validate.utils import SchemaNotFoundError, ValidationError, VersionNotSupportedError
+from kubernetes_validate.utils import SchemaNotFoundError, ValidationError, VersionNotSupportedError, all_versions
+from kubernetes_validate.utils import validate as validate_builtin
 from packaging.version import Version
+from rich.console import Console
+
+from .cli import BadInput
 
 Manifest = dict[str, Any]
 
@@ -89,7 +92,7 @@ def write(manifests: list[Manifest], out_dir: Path) -> list[Path]:
 def schema_version(kubernetes_version: str) -> str:
     """The newest schema set kubernetes-validate ships that is not newer than the cluster (major.minor)."""
     want = Version(kubernetes_version)
-    shipped = [Version(v) for v in kv.all_versions()]
+    shipped = [Version(v) for v in all_versions()]
     usable = [v for v in shipped if (v.major, v.minor) <= (want.major, want.minor)]
     if not usable:
         raise VersionNotSupportedError(kubernetes_version)
@@ -149,7 +152,7 @@ def _crd_schemas(manifests: list[Manifest]) -> dict[tuple[str, str], dict[str, A
 
 def _builtin(m: Manifest, version: str, name: str) -> list[Problem]:
     try:
-        kv.validate(m, version, strict=True)
+        validate_builtin(m, version, strict=True)
     except ValidationError as e:
         return [Problem(name, ".".join(map(str, e.path)), e.message)]
     except SchemaNotFoundError as e:
@@ -171,7 +174,8 @@ def validate(manifests: list[Manifest], kubernetes_version: str) -> list[Problem
         validator = jsonschema.Draft7Validator(_closed(crds[key]))
         for e in sorted(validator.iter_errors(m), key=lambda e: list(map(str, e.path))):
             problems.append(Problem(name, ".".join(map(str, e.path)), e.message))
-        for path, template in EMBEDDED_POD_TEMPLATES.get(f"{_group(m['apiVersion'])}/{m['kind']}", lambda _: iter(()))(m):
+        templates = EMBEDDED_POD_TEMPLATES.get(f"{_group(m['apiVersion'])}/{m['kind']}")
+        for path, template in templates(m) if templates else ():
             pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
                             "metadata": {"name": m["metadata"]["name"]}, "template": template}
             problems += [Problem(p.object, path + p.path.removeprefix("template"), p.message)
@@ -181,10 +185,6 @@ def validate(manifests: list[Manifest], kubernetes_version: str) -> list[Problem
 
 def export(resources: Iterable[Any], out_dir: Path, kubernetes_version: str) -> bool:
     """`supernode preview --manifests DIR`: write, validate, report on stderr; True when all are valid."""
-    from rich.console import Console
-
-    from .cli import BadInput
-
     manifests = from_resources(resources)
     try:
         paths = write(manifests, out_dir)

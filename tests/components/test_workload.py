@@ -183,6 +183,10 @@ def test_trainer_waits_for_the_interconnect_gate(stack: str) -> None:
     operator = one(result, "kubernetes:apps/v1:Deployment", "training-operator")
     assert {gate.urn, crd.urn, operator.urn} <= set(trainer.dependencies)
 
+    # a failed gate fails `pulumi up`; the next one runs a fresh gate rather than waiting on the old one
+    assert gate.inputs["metadata"]["annotations"]["pulumi.com/replaceUnready"] == "true"
+    assert trainer.inputs["metadata"]["annotations"]["pulumi.com/waitFor"] == "condition=Running"
+
     spec = objects(result)[("Job", f"{stack}-fabric-gate")]["spec"]
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == plan.nodes
     assert spec["backoffLimit"] == 0
