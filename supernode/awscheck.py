@@ -45,6 +45,7 @@ THROTTLED = {"Throttling", "ThrottlingException", "ThrottledException", "Request
 # Error codes meaning "this endpoint does not offer the API", as opposed to "the answer is no".
 UNSUPPORTED = {"InvalidAction", "UnsupportedOperation", "NotImplemented", "UnknownOperationException",
                "NoSuchResourceException", "500", "501"}
+UNANSWERED_FIX = "check it by hand in the AWS console or CLI"
 
 
 class Check(BaseModel):
@@ -130,7 +131,7 @@ def describe_error(e: Exception) -> tuple[str, str]:
                     "run again later, or raise AWS_MAX_ATTEMPTS")
         if code in UNSUPPORTED:
             return (f"cannot be checked: the endpoint does not answer {op} ({said})",
-                    "cannot be checked here: check it in the AWS console or with the AWS CLI")
+                    UNANSWERED_FIX)
         return f"{op} failed ({said})", "see the AWS error above"
     if isinstance(e, (ConnectTimeoutError, ReadTimeoutError)):
         return (f"timed out talking to {_endpoint(e)}",
@@ -142,7 +143,7 @@ def describe_error(e: Exception) -> tuple[str, str]:
         return ("no usable AWS credentials", "configure credentials (AWS_PROFILE, aws configure, or an instance role)")
     if isinstance(e, ResponseParserError):
         return ("cannot be checked: the endpoint answered with an unreadable response (API not implemented there?)",
-                "cannot be checked here: check it in the AWS console or with the AWS CLI")
+                UNANSWERED_FIX)
     if isinstance(e, BotoCoreError):
         return f"AWS client error: {e}", "see the error above"
     return f"internal error in this check: {type(e).__name__}: {e}", "report this as a supernode bug"

@@ -30,7 +30,8 @@ def check_offering(aws: Aws, instance_type: str, az: str) -> Check:
     azs = sorted({o["Location"] for page in pages for o in page["InstanceTypeOfferings"]})
     if az in azs:
         return passed(name, f"EC2 offers {instance_type} in {az}")
-    where = f"choose an AZ that offers it: {', '.join(azs)}" if azs else f"no AZ of {aws.region} offers it: choose another region"
+    where = (f"choose an AZ that offers it: {', '.join(azs)}" if azs
+             else f"no AZ of {aws.region} offers it: choose another region")
     return failed(name, f"EC2 does not offer {instance_type} in {az}", where + " (availabilityZone and the GPU subnet)")
 
 

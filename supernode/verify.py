@@ -38,8 +38,8 @@ def parse_outputs(text: str, source: str) -> StackOutputs:
     try:
         outs = StackOutputs.model_validate({k: v for k, v in data.items() if k in StackOutputs.model_fields})
     except ValidationError as e:
-        problems = [f"  {'.'.join(map(str, err['loc']))}: {'required output is missing' if err['type'] == 'missing' else err['msg']}"
-                    + ("" if err["type"] == "missing" else f" (got {err.get('input')!r})")
+        problems = [f"  {'.'.join(map(str, err['loc']))}: " + ("required output is missing" if err["type"] == "missing"
+                                                                else f"{err['msg']} (got {err.get('input')!r})")
                     for err in e.errors(include_url=False)]
         raise OutputsError(f"{source}: does not follow the stack output contract {CONTRACT_VERSION}:\n"
                            + "\n".join(problems)) from None

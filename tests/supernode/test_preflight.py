@@ -356,3 +356,12 @@ def test_cli_bad_config_exits_2(tmp_path, capsys):
     bad.write_text("config: [1, 2]\n")
     assert main(["preflight", "--config", str(bad)]) == 2
     assert "expected a top-level 'config:' mapping" in capsys.readouterr().err
+
+
+def test_missing_credentials_are_reported_per_check(moto_aws, monkeypatch):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-role lookup on a dev machine
+    checks = run_preflight(from_mapping(dev_data()))
+    ec2 = [c for c in checks if not c.name.startswith("quota")]
+    assert ec2 and all(c.result == "fail" and c.detail == "no usable AWS credentials" for c in ec2)
