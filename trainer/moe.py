@@ -79,7 +79,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x: rows sorted by (local) expert; counts: rows per local expert."""
         # Under expert parallel the weights are DTensors sharded along E: compute on the local slice.
-        w1, w2, w3 = (_scale_grad(w.to_local() if isinstance(w, DTensor) else w, self.grad_scale)
+        # Experts outside FSDP (no replicas to shard over) miss its bf16 cast: match the input.
+        w1, w2, w3 = (_scale_grad(w.to_local() if isinstance(w, DTensor) else w, self.grad_scale).to(x.dtype)
                       for w in (self.w1, self.w2, self.w3))
         return expert_ffn(x, counts, w1, w2, w3, self.use_grouped_mm)
 

@@ -184,7 +184,9 @@ def _activation_checkpointing(model: Transformer, mode: str) -> None:
 
 def _fully_shard(model: Transformer, mesh: Meshes, parallel: Parallel, device_type: str) -> None:
     # bf16 compute with fp32 reduction on GPUs only: CPU matmuls in bf16 are slow and imprecise.
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # Inputs are not cast: activations are bf16 anyway (bf16 weights), and the RoPE tables passed
+    # to every block stay fp32.
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
           if parallel.mixed_precision == "bf16" and device_type == "cuda" else MixedPrecisionPolicy())
     dp = mesh.dp
     # Experts that no other rank holds (ep = dp_shard*tp, no replicas) stay out of FSDP: they are
