@@ -160,6 +160,8 @@ def check_lifecycle(aws: Aws, bucket: str, lc: Lifecycle, checkpoint_prefix: str
     try:
         rules = aws.client("s3").get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
     except ClientError as e:
+        if error_code(e) == "NoSuchBucket":
+            return failed(check, f"bucket {bucket} not found", PULUMI_UP)
         if error_code(e) != "NoSuchLifecycleConfiguration":
             raise
         return failed(check, f"{bucket} has no lifecycle configuration", PULUMI_UP)
@@ -188,6 +190,8 @@ def check_encryption(aws: Aws, bucket: str, key_arns: list[str]) -> Check:
     try:
         rules = aws.client("s3").get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
     except ClientError as e:
+        if error_code(e) == "NoSuchBucket":
+            return failed(check, f"bucket {bucket} not found", PULUMI_UP)
         if error_code(e) != "ServerSideEncryptionConfigurationNotFoundError":
             raise
         return failed(check, f"{bucket} has no default encryption", PULUMI_UP)
@@ -209,6 +213,8 @@ def check_public_access(aws: Aws, bucket: str) -> Check:
     try:
         pab = aws.client("s3").get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]
     except ClientError as e:
+        if error_code(e) == "NoSuchBucket":
+            return failed(check, f"bucket {bucket} not found", PULUMI_UP)
         if error_code(e) != "NoSuchPublicAccessBlockConfiguration":
             raise
         pab = {}

@@ -258,11 +258,23 @@ def test_missing_resources_fail_as_not_found(moto_aws, dev, deployed):
     assert checks["eks cluster"].detail == "cluster sn-gone not found in us-east-1"
     assert checks["eks nodegroup gone-gpu"].detail == "node group gone-gpu not found in cluster sn-gone"
     assert checks["fsx state"].detail == checks["fsx throughput"].detail == "fs-0123456789abcdef0 not found in us-east-1"
-    assert checks["s3 lifecycle"].detail == "sn-gone-bucket has no lifecycle configuration" or \
-        checks["s3 lifecycle"].detail.startswith("GetBucketLifecycleConfiguration failed (NoSuchBucket")
+    for name in ("s3 lifecycle", "s3 encryption", "s3 public access block"):
+        assert checks[name].detail == "bucket sn-gone-bucket not found"
     assert checks["log group /supernode/gone"].detail == "not found"
     assert checks["sns subscription"].detail == "topic arn:aws:sns:us-east-1:123456789012:sn-gone not found"
     assert [c for name, c in checks.items() if c.result != "fail" and name not in ("cloudwatch alarms", "eks nodegroups")] == []
+
+
+def test_bare_bucket_fails_each_bucket_check(moto_aws, dev, deployed):
+    bare = moto_aws.unique("sn-bare")
+    s3 = boto3.client("s3", region_name=REGION)
+    s3.create_bucket(Bucket=bare)
+    s3.delete_bucket_encryption(Bucket=bare)
+    checks = verify(dev, deployed | {"bucket_name": bare})
+    assert checks["s3 lifecycle"].detail == f"{bare} has no lifecycle configuration"
+    assert checks["s3 encryption"].detail == f"{bare} has no default encryption"
+    assert checks["s3 public access block"].detail == (
+        f"{bare}: not set: BlockPublicAcls, IgnorePublicAcls, BlockPublicPolicy, RestrictPublicBuckets")
 
 
 def test_node_group_count_and_foreign_kms_key_fail(moto_aws, dev, deployed):
