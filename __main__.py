@@ -81,7 +81,7 @@ export_stack_outputs({
 #   accelerators.node_group_names, accelerators.labels / accelerators.taints (plain dicts by group name),
 #   accelerators.efa_security_group_id, accelerators.node_groups (resources, for depends_on)
 #   storage.fsx_id, storage.fsx_dns_name, storage.fsx_mount_name, storage.bucket_name,
-#   storage.dataset_prefix / storage.checkpoint_prefix (str)
+#   storage.dataset_prefix / storage.checkpoint_prefix (str, S3), storage.dataset_dir / checkpoint_dir (str, FSx)
 #   trainer_role.arn, monitoring.topic_arn, monitoring.log_group_names, monitoring.training_log_group_name
 #   plan (supernode.plan.Plan; plan.to_json() for the ConfigMap)
 workload = TrainingWorkload("workload", WorkloadArgs(

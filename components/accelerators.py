@@ -21,9 +21,10 @@ from supernode.config import AcceleratorNodeGroup, SystemNodeGroup
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 ROOT_VOLUME_GIB = 200  # the NVIDIA AMI and container images; training data lives on NVMe and FSx
 SYSTEM_ROOT_VOLUME_GIB = 50
-# Hop limit 1 keeps pods (one hop further) away from the node role's credentials: they use IRSA.
+# IMDSv2 only. Hop limit 2 (EKS's default) because the Container Insights agent reads instance
+# metadata from a pod; the node role it could reach holds only the four node policies.
 IMDS = aws.ec2.LaunchTemplateMetadataOptionsArgs(http_endpoint="enabled", http_tokens="required",
-                                                 http_put_response_hop_limit=1, instance_metadata_tags="disabled")
+                                                 http_put_response_hop_limit=2, instance_metadata_tags="disabled")
 CAPACITY_TYPES = {"on-demand": "ON_DEMAND", "capacity-reservation": "ON_DEMAND", "capacity-block": "CAPACITY_BLOCK"}
 _TAINT_EFFECTS = {"NoSchedule": "NO_SCHEDULE", "NoExecute": "NO_EXECUTE", "PreferNoSchedule": "PREFER_NO_SCHEDULE"}
 

@@ -61,7 +61,7 @@ class Cluster(pulumi.ComponentResource):
         super().__init__("supernode:cluster:Cluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         cfg, tags = args.cluster, dict(args.tags)
-        self.name, self.version = args.cluster_name, cfg.kubernetes_version
+        self.name, self.version, self._addon_prefix = args.cluster_name, cfg.kubernetes_version, name
         self.addon_versions = EKS_ADDON_VERSIONS[cfg.kubernetes_version]
 
         role = aws.iam.Role(f"{name}-control-plane", assume_role_policy=assume_role_policy("eks.amazonaws.com"),
@@ -111,7 +111,7 @@ class Cluster(pulumi.ComponentResource):
               depends_on: Sequence[pulumi.Resource] = (),
               parent: Optional[pulumi.Resource] = None) -> aws.eks.Addon:
         return aws.eks.Addon(
-            f"{self.name}-{addon}", cluster_name=self.cluster.name, addon_name=addon,
+            f"{self._addon_prefix}-{addon}", cluster_name=self.cluster.name, addon_name=addon,
             addon_version=self.addon_versions[addon], service_account_role_arn=service_account_role_arn,
             resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="PRESERVE",
             opts=pulumi.ResourceOptions(parent=parent or self, depends_on=list(depends_on)))

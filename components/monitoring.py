@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import pulumi
 import pulumi_aws as aws
@@ -40,7 +40,7 @@ class MonitoringArgs:
     fsx_id: pulumi.Input[str]
     fsx_capacity_gib: int
     ops_kms_key_arn: pulumi.Input[str]
-    node_groups: list  # the add-on's agents run on them
+    node_groups: Sequence[pulumi.Resource]  # the add-on's agents run on them
     tags: Mapping[str, str] = field(default_factory=dict)
 
 

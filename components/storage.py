@@ -112,9 +112,11 @@ class Storage(pulumi.ComponentResource):
         self.fsx_id, self.fsx_dns_name, self.fsx_mount_name = self.fsx.id, self.fsx.dns_name, self.fsx.mount_name
         self.fsx_capacity_gib = ckpt.fsx_capacity_gib
         # Datasets flow in from S3; checkpoints flow both ways (written on FSx, exported to S3).
-        for label, prefix, export in (("datasets", s.dataset_prefix, False), ("checkpoints", s.checkpoint_prefix, True)):
+        self.dataset_dir, self.checkpoint_dir = "/datasets", "/checkpoints"  # paths inside the file system
+        for path, prefix, export in ((self.dataset_dir, s.dataset_prefix, False),
+                                     (self.checkpoint_dir, s.checkpoint_prefix, True)):
             aws.fsx.DataRepositoryAssociation(
-                f"{name}-{label}", file_system_id=self.fsx.id, file_system_path=f"/{label}",
+                f"{name}{path.replace('/', '-')}", file_system_id=self.fsx.id, file_system_path=path,
                 data_repository_path=pulumi.Output.concat("s3://", self.bucket_name, "/", prefix),
                 batch_import_meta_data_on_create=True, delete_data_in_filesystem=False,
                 s3=aws.fsx.DataRepositoryAssociationS3Args(

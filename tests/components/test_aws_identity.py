@@ -116,3 +116,15 @@ def test_trainer_pod_identity_variant():
 def test_cloudwatch_agent_role_is_scoped_to_its_service_account(stack: Stack):
     (trust,) = statements(policy(stack.one(ROLE, "monitoring-cloudwatch-agent"), "assumeRolePolicy"))
     assert list(trust["Condition"]["StringEquals"].values())[0] == "system:serviceaccount:amazon-cloudwatch:cloudwatch-agent"
+
+
+def test_an_existing_data_key_is_used_not_created():
+    arn = "arn:aws:kms:us-east-1:123456789012:key/0f1e2d3c-4b5a-4978-8877-665544332211"
+
+    def change(data: dict) -> None:
+        data["identity"]["kmsKeyArn"] = arn
+    s = preview("dev", "existing-key", change)
+    assert sorted(k.name for k in s.all(KEY)) == ["keys-eks", "keys-ops"]
+    assert s.outputs["kms_key_arns"]["data"] == arn
+    assert s.one("aws:fsx/lustreFileSystem:LustreFileSystem").inputs["kmsKeyId"] == arn
+    assert [st["Resource"] for st in statements(policy(s.one(ROLE_POLICY, "trainer-role-data")))][-1] == arn
