@@ -69,25 +69,6 @@ def warned(name: str, detail: str, fix: str) -> Check:
     return Check(name=name, result="warn", detail=detail, fix=fix)
 
 
-@dataclass
-class Aws:
-    """boto3 clients for one region, with short timeouts and few retries so a dead endpoint fails fast."""
-
-    region: str
-    connect_timeout: float = 3.0
-    read_timeout: float = 10.0
-    _clients: dict[str, Any] = field(default_factory=dict, repr=False)
-    _session: boto3.session.Session = field(default_factory=lambda: new_session(), repr=False)
-
-    def client(self, service: str, region: str | None = None) -> Any:
-        key = f"{service}@{region or self.region}"
-        if key not in self._clients:
-            config = Config(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                            retries={"mode": "standard", "total_max_attempts": max_attempts()})
-            self._clients[key] = self._session.client(service, region_name=region or self.region, config=config)
-        return self._clients[key]
-
-
 _LOADER = botocore.loaders.create_loader()
 
 
@@ -97,6 +78,25 @@ def new_session() -> boto3.session.Session:
     core = botocore.session.Session()
     core.register_component("data_loader", _LOADER)
     return boto3.session.Session(botocore_session=core)
+
+
+@dataclass
+class Aws:
+    """boto3 clients for one region, with short timeouts and few retries so a dead endpoint fails fast."""
+
+    region: str
+    connect_timeout: float = 3.0
+    read_timeout: float = 10.0
+    _clients: dict[str, Any] = field(default_factory=dict, repr=False)
+    _session: boto3.session.Session = field(default_factory=new_session, repr=False)
+
+    def client(self, service: str, region: str | None = None) -> Any:
+        key = f"{service}@{region or self.region}"
+        if key not in self._clients:
+            config = Config(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                            retries={"mode": "standard", "total_max_attempts": max_attempts()})
+            self._clients[key] = self._session.client(service, region_name=region or self.region, config=config)
+        return self._clients[key]
 
 
 def max_attempts() -> int:
