@@ -55,8 +55,8 @@ CATALOG: dict[str, InstanceType] = {
         InstanceType("p4d.24xlarge", "A100", 8, 40960, 4, 100, 600, 312.0, 96, 1152, True, False, 21.96),
         InstanceType("p4de.24xlarge", "A100", 8, 81920, 4, 100, 600, 312.0, 96, 1152, True, False, 27.45),
         InstanceType("p5.48xlarge", "H100", 8, 81920, 32, 100, 900, 989.0, 192, 2048, True, False, 55.04),
-        InstanceType("p5e.48xlarge", "H200", 8, 143360, 32, 100, 900, 989.0, 192, 2048, True, False, 60.70),
-        InstanceType("p5en.48xlarge", "H200", 8, 143360, 16, 200, 900, 989.0, 192, 2048, True, True, 63.30),
+        InstanceType("p5e.48xlarge", "H200", 8, 144384, 32, 100, 900, 989.0, 192, 2048, True, False, 60.70),
+        InstanceType("p5en.48xlarge", "H200", 8, 144384, 16, 200, 900, 989.0, 192, 2048, True, True, 63.30),
     ]
 }
 

@@ -141,11 +141,24 @@ class AwsStub:
         return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
+def _warm_up(url: str) -> None:
+    """moto loads its EC2 instance-type data on first use, which takes over 10 s on a loaded 2-core
+    machine: load it once, with a generous timeout, before tests that use the checks' short ones."""
+    import boto3
+    from botocore.config import Config
+
+    ec2 = boto3.client("ec2", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                       aws_secret_access_key="testing", config=Config(read_timeout=300, retries={"max_attempts": 1}))
+    ec2.describe_instance_types(InstanceTypes=["p5.48xlarge"])
+    ec2.describe_instance_type_offerings(LocationType="availability-zone")
+
+
 @pytest.fixture(scope="session")
 def _moto_stub() -> Iterator[AwsStub]:
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    _warm_up(f"http://127.0.0.1:{port}")
     stub = AwsStub(port)
     yield stub
     stub.server.shutdown()

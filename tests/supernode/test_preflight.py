@@ -24,9 +24,6 @@ from supernode.preflight import (P_QUOTA_CODE, check_bucket, check_instance_type
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
-# moto carries AWS's DescribeInstanceTypes data: it reports 144384 MiB (141 GiB) per H200 for p5e and
-# p5en, where the catalog holds 143360 MiB (140 GiB). Preflight reports it; the catalog owner decides.
-CATALOG_DIFFERS_FROM_EC2 = {"p5e.48xlarge", "p5en.48xlarge"}
 
 
 def dev_data() -> dict:
@@ -111,13 +108,9 @@ def test_type_not_offered_in_the_region_says_so(moto_aws):
 
 @pytest.mark.parametrize("instance_type", sorted(catalog.CATALOG))
 def test_catalog_against_what_ec2_reports(moto_aws, instance_type):
+    """moto carries AWS's DescribeInstanceTypes data: every catalog figure must match it."""
     check = check_instance_type(Aws(REGION), instance_type)
-    if instance_type in CATALOG_DIFFERS_FROM_EC2:
-        assert check.result == "fail"
-        assert "GPU memory MiB: catalog 143360, EC2 144384" in check.detail
-        assert "supernode/catalog.py" in check.fix
-    else:
-        assert check.result == "pass", check.detail
+    assert check.result == "pass", check.detail
 
 
 def test_catalog_mismatch_names_each_field(moto_aws, monkeypatch):
