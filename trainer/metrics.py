@@ -60,6 +60,7 @@ class Metrics:
         if rank != 0:
             return
         self.out.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(start_step)
         self.registry = CollectorRegistry()
         names = {"loss": "training loss (mean over the global batch)", "lr": "learning rate",
                  "grad_norm": "global gradient norm before clipping", "tokens_per_s": "tokens per second, all ranks",
@@ -77,6 +78,14 @@ class Metrics:
                                       TextColumn("{task.fields[status]}"), TimeRemainingColumn())
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
+
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run repeats the steps after its checkpoint: drop their old records."""
+        path = self.out / JSONL
+        if path.exists():
+            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
     def log(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, step_s: float,
             compute_s: float, comm_s: float, data_s: float, expert_load: Optional[torch.Tensor]) -> Optional[StepRecord]:

@@ -76,3 +76,13 @@ def test_plots_are_pngs(tmp_path, plan):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "empty.jsonl").touch()
     assert plot(tmp_path / "empty.jsonl", tmp_path) == []
+
+
+def test_a_resumed_run_replaces_the_records_after_its_checkpoint(tmp_path, plan):
+    m = Metrics(tmp_path, plan, world_size=1, device_type="cpu")
+    for step in range(1, 6):
+        log(m, step, 6.0 - step, None)
+    m = Metrics(tmp_path, plan, world_size=1, device_type="cpu", start_step=3)  # restarted from step 3
+    log(m, 4, 1.5, None)
+    lines = [json.loads(x) for x in (tmp_path / JSONL).read_text().splitlines()]
+    assert [(x["step"], x["loss"]) for x in lines] == [(1, 5.0), (2, 4.0), (3, 3.0), (4, 1.5)]
