@@ -99,17 +99,7 @@ def run_layouts(rank: int, world_size: int) -> dict:
     return results if rank == 0 else {}
 
 
-@pytest.fixture(scope="module")
-def parallel_results(tmp_path_factory) -> dict:
-    from conftest import spawn
-
-    return spawn(run_layouts, 4, tmp_path_factory.mktemp("layouts"))[0]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(parallel_results: dict, layout: str) -> None:
-    got = parallel_results[layout]
+def check_layout(layout: str, got: dict) -> None:
     ref = reference(LAYOUTS[layout][-1])
     if layout == BF16_LAYOUT:
         assert got["ce"] == pytest.approx(ref["ce"], rel=2e-2)
@@ -129,7 +119,22 @@ def test_layout_matches_single_process(parallel_results: dict, layout: str) -> N
     assert got["ce_after_step"] < got["ce"] - 0.01, "the step must have changed the model"
     assert set(got["grads"]) == set(ref["grads"])
     for name, g in ref["grads"].items():
-        torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{layout} {name}: {m}")
+        torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_every_layout_matches_single_process(tmp_path) -> None:
+    # One test, not one per layout: under pytest-xdist a shared fixture would spawn once per worker.
+    from conftest import spawn
+
+    results = spawn(run_layouts, 4, tmp_path)[0]
+    failures = []
+    for layout, got in results.items():
+        try:
+            check_layout(layout, got)
+        except AssertionError as e:
+            failures.append(f"{layout}: {e}")
+    assert not failures, "\n\n".join(failures)
 
 
 def test_dims_from_degrees_and_errors() -> None:
