@@ -7,6 +7,7 @@ SwiGLU dense FFN layers and MoE FFN layers placed by `Model.is_moe(layer)`.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -143,9 +144,14 @@ class Transformer(nn.Module):
             return torch.zeros(0, self.cfg.experts, dtype=torch.long)
         return torch.stack([m.tokens_per_expert.cpu() for m in layers])
 
-    def update_router_bias(self) -> None:
-        for moe in self.moe_layers():
-            moe.update_bias(self.cfg.bias_update_rate)
+    def update_router_bias(self, load: Optional[Tensor] = None) -> None:
+        """One aux-loss-free bias step per MoE layer from `load` [moe_layers, experts] (e.g. the
+        expert_load() summed over a step's micro-batches); default: the last forward's counts."""
+        layers = self.moe_layers()
+        if load is not None and tuple(load.shape) != (len(layers), self.cfg.experts):
+            raise ValueError(f"load must have shape ({len(layers)}, {self.cfg.experts}), got {tuple(load.shape)}")
+        for i, moe in enumerate(layers):
+            moe.update_bias(self.cfg.bias_update_rate, None if load is None else load[i])
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

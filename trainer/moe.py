@@ -52,8 +52,8 @@ def expert_ffn(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, gr
 
     `grouped=None` picks `torch._grouped_mm` when it applies; the loop is the same math per expert.
     """
-    if grouped is None:
-        grouped = grouped_mm_applies(x, w1) and grouped_mm_applies(x, w2.transpose(1, 2))
+    if grouped is None:  # w1's shape [E, dim, hidden] covers every operand's row stride
+        grouped = grouped_mm_applies(x, w1)
     if grouped:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         h = F.silu(_contiguous_grad(torch._grouped_mm(x, w1, offs=offs))) * _contiguous_grad(
@@ -226,7 +226,7 @@ class MoE(nn.Module):
         gs = self.grad_scale
         weights, ids, logits, scores = _module_scaled(self.router, rows, gs)
         counts = torch.bincount(ids.flatten(), minlength=self.experts_total)
-        self._record_stats(counts, logits, scores, ids, slice_frac)
+        self._record_stats(counts, logits, scores, slice_frac)
 
         # Sort token copies by expert (stable: a deterministic order for identical inputs).
         order = torch.argsort(ids.flatten(), stable=True)
@@ -273,7 +273,7 @@ class MoE(nn.Module):
         out = torch.empty_like(computed).index_copy(0, by_expert, computed)
         return _AllToAll.apply(out, recv_splits, send_splits, group), shared
 
-    def _record_stats(self, counts: Tensor, logits: Tensor, scores: Tensor, ids: Tensor, slice_frac: float) -> None:
+    def _record_stats(self, counts: Tensor, logits: Tensor, scores: Tensor, slice_frac: float) -> None:
         global_counts = counts.detach().clone()
         if self.stats_group is not None:
             dist.all_reduce(global_counts, group=self.stats_group)
@@ -286,9 +286,12 @@ class MoE(nn.Module):
         self.z_loss = torch.logsumexp(logits, -1).square().mean() * slice_frac
 
     @torch.no_grad()
-    def update_bias(self, rate: float) -> None:
-        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
-        load = self.tokens_per_expert.float().to(self.router.bias.device)
+    def update_bias(self, rate: float, load: Optional[Tensor] = None) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones.
+
+        `load`: token counts per expert (default: those of the last forward).
+        """
+        load = (self.tokens_per_expert if load is None else load).float().to(self.router.bias.device)
         self.router.bias.add_(rate * torch.sign(load.mean() - load))
 
 

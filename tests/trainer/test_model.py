@@ -112,6 +112,12 @@ def test_update_router_bias_moves_toward_balance() -> None:
     expected = CFG.bias_update_rate * torch.sign(load.mean() - load)
     torch.testing.assert_close(bias, expected)
     assert bias[load.argmax()] < 0 < bias[load.argmin()]
+    # A step's summed load (e.g. over micro-batches) can be passed instead.
+    step_load = torch.tensor([[1, 9, 5, 5]] * CFG.moe_layers)
+    model.update_router_bias(step_load)
+    torch.testing.assert_close(bias, expected + CFG.bias_update_rate * torch.tensor([1.0, -1.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match=r"load must have shape \(2, 4\), got \(4,\)"):
+        model.update_router_bias(torch.ones(4))
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
