@@ -37,6 +37,7 @@ def peak_flops(device_name: str) -> tuple[str, float]:
 
 
 def layer_mfu(args: argparse.Namespace, peak: float) -> dict:
+    from bench.moe import moe_layer_flops
     from trainer.moe import MoE, grouped_mm_applies
 
     layer = MoE(args.dim, args.experts, args.topk, args.hidden).cuda().to(torch.bfloat16)
@@ -53,7 +54,7 @@ def layer_mfu(args: argparse.Namespace, peak: float) -> dict:
         (layer(x) * upstream).sum().backward()
     torch.cuda.synchronize()
     step = (time.perf_counter() - start) / args.repeat
-    flops = 6 * args.tokens * (args.topk * 3 * args.dim * args.hidden + args.dim * args.experts)
+    flops = moe_layer_flops(args.tokens, args.dim, args.hidden, args.experts, args.topk)
     return {"measurement": "moe_layer_mfu", "device": torch.cuda.get_device_name(), "tokens": args.tokens,
             "dim": args.dim, "hidden": args.hidden, "experts": args.experts, "topk": args.topk, "dtype": "bfloat16",
             "grouped_mm_used": grouped_mm_applies(x, layer.experts.w1), "step_s": round(step, 6),

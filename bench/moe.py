@@ -30,6 +30,11 @@ from trainer.moe import MoE, grouped_mm_applies
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def moe_layer_flops(tokens: int, dim: int, hidden: int, experts: int, topk: int) -> int:
+    """Forward+backward matmul FLOPs of one MoE layer: router + top-k SwiGLU experts (3 matmuls)."""
+    return 6 * tokens * (topk * 3 * dim * hidden + dim * experts)
+
+
 def build_layer(args: argparse.Namespace, seed: int = 0) -> MoE:
     layer = MoE(args.dim, args.experts, args.topk, args.hidden)
     gen = torch.Generator().manual_seed(seed)
@@ -69,6 +74,14 @@ def layer_throughput(args: argparse.Namespace) -> dict:
     impls = {"grouped_mm": lambda: layer(x), "naive_loop": lambda: naive_moe(layer, x)}
     with torch.no_grad():
         torch.testing.assert_close(impls["grouped_mm"](), impls["naive_loop"](), rtol=5e-2, atol=5e-2)
+    # The ceiling on this machine: the same expert matmuls as one dense SwiGLU over all token copies.
+    ex = layer.experts
+
+    def dense() -> torch.Tensor:
+        copies = x.repeat(args.topk, 1)
+        return ((F.silu(copies @ ex.w1[0]) * (copies @ ex.w3[0])) @ ex.w2[0]).view(args.topk, -1, args.dim).sum(0)
+
+    impls["dense_ceiling"] = dense
     times: dict[str, list[float]] = {k: [] for k in impls}
     for name, fn in impls.items():  # warm-up
         _timed(fn, x, upstream)
@@ -83,6 +96,9 @@ def layer_throughput(args: argparse.Namespace) -> dict:
         "grouped_mm_tokens_per_s": round(args.tokens / best["grouped_mm"], 1),
         "naive_loop_tokens_per_s": round(args.tokens / best["naive_loop"], 1),
         "speedup_vs_naive": round(best["naive_loop"] / best["grouped_mm"], 3),
+        "grouped_mm_gflop_per_s": round(
+            moe_layer_flops(args.tokens, args.dim, args.hidden, args.experts, args.topk) / best["grouped_mm"] / 1e9, 1),
+        "fraction_of_dense_ceiling": round(best["dense_ceiling"] / best["grouped_mm"], 3),
         "grouped_mm_median_s": round(statistics.median(times["grouped_mm"]), 5),
         "naive_loop_median_s": round(statistics.median(times["naive_loop"]), 5),
     }

@@ -154,6 +154,7 @@ def test_bench_moe_reports_both_paths_and_minimal_all_to_all_bytes(capsys) -> No
     layer, a2a = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert layer["measurement"] == "moe_layer_fwd_bwd" and layer["grouped_mm_used"] is True
     assert layer["grouped_mm_tokens_per_s"] > 0 and layer["naive_loop_tokens_per_s"] > 0
+    assert layer["grouped_mm_gflop_per_s"] > 0
     assert a2a["ratio_vs_routing_minimum"] == pytest.approx(1.0, abs=1e-3)  # only the counts are extra
     assert a2a["ratio_vs_analytic"] < 1.3  # routing of 512 copies is only roughly uniform
 
