@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 COMPLETE = "COMPLETE"
@@ -77,6 +78,13 @@ class Checkpointer:
         # never interleave with the training loop's collectives on the default group.
         self.group = dist.new_group(backend="gloo")
         self._pending: tuple[int, Future] | None = None
+        # Staging (the copy to host memory the background write reads) also runs in a thread, into
+        # buffers reused across saves; the loop only waits for it before it next changes the
+        # weights (`wait_for_staging`, called before optimizer.step()).
+        gpu = torch.cuda.is_available()
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                    use_async_staging=True, use_non_blocking_copy=gpu))
+        self._staging: Future | None = None
         self.last_stall_s = 0.0  # how long the last save() blocked the caller
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -93,7 +101,8 @@ class Checkpointer:
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful,
              loader: Stateful, sync: bool = False) -> None:
-        """Start (async) or do (sync) a save of step `step`; the caller blocks only for staging."""
+        """Start (async) or do (sync) a save of step `step`. Async: returns once the save is
+        planned; call `wait_for_staging()` before the next optimizer step changes the weights."""
         t0 = time.perf_counter()
         self.wait()  # one save in flight at a time
         ranks: list[Any] = [None] * self.world
@@ -102,11 +111,23 @@ class Checkpointer:
         state = self._state(model, optimizer, scheduler, loader, step, rng)
         tmp = _step_dir(self.root, step, tmp=True)
         if self.async_save and not sync:
-            self._pending = (step, dcp.async_save(state, checkpoint_id=tmp, process_group=self.group))
+            response = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, async_stager=self._stager)
+            self._staging, self._pending = response.staging_completion, (step, response.upload_completion)
         else:
             dcp.save(state, checkpoint_id=tmp, process_group=self.group)
             self._commit(step)
         self.last_stall_s = time.perf_counter() - t0
+
+    def wait_for_staging(self) -> None:
+        """Block until the state of the save in flight is copied; call before changing the weights."""
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+
+    def close(self) -> None:
+        """Finish the save in flight and free the staging buffers."""
+        self.wait()
+        self._stager.close()
 
     def poll(self) -> None:
         """Commit a finished async save (cheap; call once per step)."""
@@ -115,6 +136,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the save in flight is written, then commit it."""
+        self.wait_for_staging()
         if self._pending is not None:
             step, fut = self._pending
             self._pending = None

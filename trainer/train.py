@@ -251,6 +251,7 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
                     counts = model.expert_load()
                     load = counts if load is None else load + counts
                 grad_norm = clip_grad_norm(model.parameters(), t.grad_clip)
+                ckpt.wait_for_staging()  # an async save copies the weights while this step computed
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -276,7 +277,7 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
             if stopping:
                 metrics.message(f"SIGTERM: stopped after step {step} with a checkpoint")
                 break
-        ckpt.wait()
+        ckpt.close()
     finally:
         metrics.close(plots=args.plots and step == steps)
     return 0
