@@ -103,6 +103,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    """Weights are left uninitialised (the model may be built on the meta device): call
+    `init_weights(seed)` before use, and before `trainer.parallel.parallelize`."""
+
     def __init__(self, cfg: Model):
         super().__init__()
         self.cfg = cfg

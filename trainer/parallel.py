@@ -116,6 +116,8 @@ class Meshes:
 
     @property
     def dp(self) -> Optional[DeviceMesh]:
+        """FSDP's mesh: 2-D (HSDP: replicate x shard) when both degrees exceed 1. With dp_shard = 1
+        it is the replicate dim alone, which FSDP then shards over: same maths, less memory."""
         return self.sub(self.dense, "dp_replicate", "dp_shard")
 
     @property
