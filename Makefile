@@ -18,6 +18,11 @@ $(STAMP): requirements.txt pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/supernode preview --stack dev
+	@echo; echo "== local training run of the dev plan (CPU, gloo, torchrun): steps 1-120, checkpoints every 40 =="
+	rm -rf out/demo
+	$(BIN)/supernode train --stack dev --local --out out/demo --steps 120
+	@echo; echo "== resume: a new torchrun picks up the step-120 checkpoint and trains on to step 200 =="
+	$(BIN)/supernode train --stack dev --local --out out/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(WORKERS) -q
