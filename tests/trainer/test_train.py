@@ -25,9 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def local_plan(nproc: int, **training) -> Plan:
-    """The dev stack's local plan at `nproc` ranks with training overrides (camelCase keys)."""
+    """The dev stack's local plan at `nproc` ranks with training overrides (camelCase keys); short
+    warmup unless given, so short test runs stay valid whatever the stack's own local section says."""
     data = load_stack("dev", ROOT).to_mapping()
-    data["local"]["training"].update(training)
+    data["local"]["training"].update({"warmupSteps": 2, **training})
     cfg = from_mapping(data)
     return build_local_plan("dev", cfg if nproc == cfg.local.nproc else with_nproc(cfg, nproc))
 
