@@ -234,7 +234,8 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
     step = start
     try:
         for step in range(start + 1, steps + 1):
-            profiled = step % args.log_every == 0 or step == start + 1  # first step: the starting loss
+            # Also the first and last steps, so a run always shows where its loss started and ended.
+            profiled = step % args.log_every == 0 or step in (start + 1, steps)
             t0 = time.perf_counter()
             micro = loader.next_step()
             data_s = time.perf_counter() - t0

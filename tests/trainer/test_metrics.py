@@ -86,3 +86,17 @@ def test_a_resumed_run_replaces_the_records_after_its_checkpoint(tmp_path, plan)
     log(m, 4, 1.5, None)
     lines = [json.loads(x) for x in (tmp_path / JSONL).read_text().splitlines()]
     assert [(x["step"], x["loss"]) for x in lines] == [(1, 5.0), (2, 4.0), (3, 3.0), (4, 1.5)]
+
+
+def test_prometheus_http_endpoint_serves_the_same_gauges(tmp_path, plan):
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    m = Metrics(tmp_path, plan, world_size=1, device_type="cpu", prometheus_port=port)
+    log(m, 7, 2.25, torch.tensor([[3, 1]]))
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "supernode_train_loss 2.25" in body and "supernode_train_step 7.0" in body
+    assert 'supernode_train_expert_load_max_over_mean{layer="0"} 1.5' in body
