@@ -26,11 +26,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 COMPLETE = "COMPLETE"
 PREFIX, TMP_PREFIX = "step_", ".tmp-step_"
+
+
+class CheckpointMismatch(Exception):
+    """The latest checkpoint was written for another model (shapes or parameter names differ)."""
 
 
 class Stateful(Protocol):
@@ -179,7 +184,14 @@ class Checkpointer:
             return 0
         step, path = choice[0]
         state = self._state(model, optimizer, scheduler, loader, 0, {"world_size": 0, "ranks": b""})
-        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        try:
+            dcp.load(state, checkpoint_id=path, process_group=self.group)
+        except CheckpointException as e:
+            first = next(iter(e.failures.values()))[0]
+            raise CheckpointMismatch(
+                f"checkpoint {path} does not fit this model and optimizer ({type(first).__name__}: "
+                f"{str(first).splitlines()[0] if str(first) else ''}); resume it with the plan that wrote it, "
+                "or train into another output directory") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(state["scheduler"])
         loader.load_state_dict(state["data"])
@@ -188,4 +200,4 @@ class Checkpointer:
         return int(state["step"])
 
 
-__all__ = ["Checkpointer", "complete_checkpoints", "COMPLETE"]
+__all__ = ["Checkpointer", "CheckpointMismatch", "complete_checkpoints", "COMPLETE"]

@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from supernode.config import Training, layout_rules
 from supernode.plan import Plan
 
-from .checkpoint import Checkpointer
+from .checkpoint import CheckpointMismatch, Checkpointer
 from .data import DataError, TokenLoader
 from .metrics import Metrics
 from .model import Transformer, loss_fn
@@ -220,7 +220,10 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
         raise BadInput(str(e)) from None
     ckpt = Checkpointer(args.out / "checkpoints", keep=t.keep_checkpoints,
                         async_save=t.async_checkpoint and not args.sync_checkpoint)
-    start = ckpt.restore(model, optimizer, scheduler, loader)
+    try:
+        start = ckpt.restore(model, optimizer, scheduler, loader)
+    except CheckpointMismatch as e:
+        raise BadInput(str(e)) from None
     metrics = Metrics(args.out, plan, world, device.type, rank, args.prometheus_port,
                       progress=args.progress, total_steps=steps, start_step=start)
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":

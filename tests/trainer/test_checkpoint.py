@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import COMPLETE, Checkpointer, complete_checkpoints
+from trainer.checkpoint import COMPLETE, CheckpointMismatch, Checkpointer, complete_checkpoints
 
 
 class Position:
@@ -146,3 +146,13 @@ def test_no_checkpoint_means_step_zero(group, tmp_path):
     before = model[0].weight.detach().clone()
     assert Checkpointer(tmp_path / "empty", keep=1).restore(model, opt, sched, Position()) == 0
     assert torch.equal(model[0].weight, before)
+
+
+def test_a_checkpoint_of_another_model_is_a_clear_error(group, tmp_path):
+    model, opt, sched = make(0)
+    ck = Checkpointer(tmp_path / "ck", keep=1, async_save=False)
+    ck.save(1, model, opt, sched, Position())
+    other = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    other_opt = torch.optim.AdamW(other.parameters())
+    with pytest.raises(CheckpointMismatch, match=r"step_00000001 does not fit this model and optimizer .*Size mismatch"):
+        ck.restore(other, other_opt, torch.optim.lr_scheduler.LambdaLR(other_opt, lambda s: 1.0), Position())
