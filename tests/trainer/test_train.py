@@ -128,14 +128,14 @@ def test_cli_data_prepare(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_sigkill_mid_training_resumes_to_the_same_final_loss(tmp_path, data_dir):
-    steps = 24
-    plan = write_plan(local_plan(2, steps=steps, checkpointInterval=4), tmp_path / "plan.json")
+    steps = 16
+    plan = write_plan(local_plan(2, steps=steps, checkpointInterval=4, microBatch=8), tmp_path / "plan.json")
     reference = tmp_path / "reference"
     finish(torchrun(plan, data_dir, reference, 2))
 
     out = tmp_path / "killed"
     proc = torchrun(plan, data_dir, out, 2, restarts=1)
-    wait_for_step(out, 10, proc)
+    wait_for_step(out, 7, proc)
     os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)
     log = finish(proc)
     assert "resumed from checkpoint at step" in log  # the restarted workers picked the checkpoint up
