@@ -259,7 +259,7 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-                model.update_router_bias()
+                model.update_router_bias(load)  # the whole step's tokens, however they were split
                 # One collective for the global loss and the stop vote, so ranks stop at the same step.
                 sync = torch.stack([loss_sum / accum, torch.tensor(float(stop.requested), device=device)])
                 dist.all_reduce(sync)

@@ -164,12 +164,14 @@ def test_saved_at_world_size_4_resumed_at_2_gives_the_same_loss(tmp_path, data_d
     plan4, plan2 = local_plan(4, **common), local_plan(2, **common)
     assert (plan4.degrees.dp_shard, plan2.degrees.dp_shard) == (4, 2)
     wide = tmp_path / "wide"
-    finish(torchrun(write_plan(plan4, tmp_path / "plan4.json"), data_dir, wide, 4, "--steps", "5"))
+    finish(torchrun(write_plan(plan4, tmp_path / "plan4.json"), data_dir, wide, 4, "--steps", "6"))
 
     narrow = tmp_path / "narrow"
     (narrow / "checkpoints").mkdir(parents=True)
     (wide / "checkpoints" / "step_00000004").rename(narrow / "checkpoints" / "step_00000004")
-    log = finish(torchrun(write_plan(plan2, tmp_path / "plan2.json"), data_dir, narrow, 2, "--steps", "5"))
+    log = finish(torchrun(write_plan(plan2, tmp_path / "plan2.json"), data_dir, narrow, 2, "--steps", "6"))
     assert "resumed from checkpoint at step 4" in log
     assert losses(narrow)[5] == pytest.approx(losses(wide)[5], rel=1e-4)
+    # and one optimizer step later: the resharded Adam moments, schedule and router bias carried over
+    assert losses(narrow)[6] == pytest.approx(losses(wide)[6], rel=1e-4)
     assert losses(narrow)[5] != pytest.approx(losses(wide)[1], rel=1e-2)  # really a later state
