@@ -30,6 +30,9 @@ FABRIC_ENV = {
     "NCCL_SOCKET_IFNAME": "^lo",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "NCCL_DEBUG": "WARN",
+    # torchrun restarts (elastic maxRestarts) reuse a shared rendezvous TCP store that dies with the
+    # failed attempt unless this is set (pytorch/pytorch#135712): without it a restart cannot connect.
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
 }
 # torchrun reads PET_* variables for its flags; the PyTorchJob operator sets them for the trainer.
 TORCHRUN = ["python", "-m", "torch.distributed.run", "--module"]

@@ -94,7 +94,8 @@ def check_trainer(cfg: StackConfig, plan: Plan, result: PreviewResult) -> None:
     assert 0 < int(res["limits"]["memory"].removesuffix("Gi")) < hw.memory_gib
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env | {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
-                  "NCCL_SOCKET_IFNAME": "^lo", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "WARN"} == env
+                  "NCCL_SOCKET_IFNAME": "^lo", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "WARN",
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} == env
     assert c["image"] == cfg.images.trainer and "@sha256:" in c["image"]
     assert c["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"]}
     assert pod["terminationGracePeriodSeconds"] == cfg.workload.termination_grace_s
