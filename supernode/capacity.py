@@ -230,20 +230,21 @@ def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3
     """Layouts with the same world size that fit, fastest first."""
     world, out = p.world_size, []
     divisors = [n for n in range(1, world + 1) if world % n == 0]
-    for tp, pp, rep, ac in itertools.product([d for d in divisors if d <= hw.accelerators], divisors, divisors,
-                                             ("none", "selective", "full")):
-        if world % (tp * pp * rep):
+    # pp stays 1: the trainer has no pipeline schedule yet (config rejects pp > 1).
+    for tp, rep, ac in itertools.product([d for d in divisors if d <= hw.accelerators], divisors,
+                                         ("none", "selective", "full")):
+        if world % (tp * rep):
             continue
-        shard = world // (tp * pp * rep)
+        shard = world // (tp * rep)
         for ep in [d for d in divisors if m.experts % d == 0 and (shard * tp) % d == 0]:
-            cand = p.model_copy(update=dict(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=pp,
+            cand = p.model_copy(update=dict(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=1,
                                             activation_checkpointing=ac))
             if layout_rules(m, cand, t, world, hw.accelerators):
                 continue
             mem = memory(m, cand, t)
             if mem.total <= hw.hbm_mib * 2**20:
                 st = step_time(m, cand, t, hw)
-                out.append(Suggestion(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=pp,
+                out.append(Suggestion(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=1,
                                       activation_checkpointing=ac, memory_gib=round(mem.total_gib, 2),
                                       step_s=round(st.step_s, 4)))
     out.sort(key=lambda s: (s.step_s, s.memory_gib))

@@ -468,6 +468,12 @@ def layout_rules(m: Model, p: Parallel, t: Training, world_size: int, max_tp: in
                             message=f"ep must divide dpShard*tp ({p.dp_shard}*{p.tp} = {p.dp_shard * p.tp})"))
     if m.layers % p.pp:
         issues.append(Issue(path=pp_ + "pp", value=p.pp, message=f"pp must divide model.layers ({m.layers})"))
+    elif p.pp > 1:
+        # The planner models pipeline stages, but the trainer has no pipeline schedule yet: a plan the
+        # job cannot run must not provision hardware.
+        issues.append(Issue(path=pp_ + "pp", value=p.pp,
+                            message="pipeline parallel is not supported by the trainer yet; use pp: 1 and "
+                                    "shard with dpShard/ep/tp instead"))
     per_step = t.micro_batch * p.dp
     if t.global_batch % per_step:
         issues.append(Issue(path=tp_ + "globalBatch", value=t.global_batch,

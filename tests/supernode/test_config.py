@@ -76,7 +76,6 @@ RULES = [
     ("model.kvHeads", 1, "supernode:parallel.tp"),  # tp must divide kv heads
     ("model.experts", 12, "supernode:parallel.ep"),  # ep must divide experts
     ("parallel.ep", 32, "supernode:parallel.ep"),  # ep must divide dp_shard*tp (and experts)
-    ("model.layers", 7, None),  # pp divides layers: checked below with pp=2
     ("training.globalBatch", 100, "supernode:training.globalBatch"),
     ("availabilityZone", "us-west-2a", "supernode:availabilityZone"),
     ("network.vpcCidr", "10.20.0.0/99", "supernode:network.vpcCidr"),
@@ -85,7 +84,7 @@ RULES = [
 ]
 
 
-@pytest.mark.parametrize("path,value,expected", [r for r in RULES if r[2]])
+@pytest.mark.parametrize("path,value,expected", RULES)
 def test_cross_field_rule_names_its_path(dev_data, path, value, expected):
     assert expected in issue_paths(mutated(dev_data, path, value))
 
@@ -95,6 +94,14 @@ def test_pp_must_divide_layers(dev_data):
     data = mutated(data, "model.layers", 7)
     data = mutated(data, "model.firstDenseLayers", 0)
     assert "supernode:parallel.pp" in issue_paths(data)
+
+
+def test_pipeline_parallel_is_rejected_until_the_trainer_runs_it(dev_data):
+    data = mutated(dev_data, "parallel", dict(dev_data["parallel"], pp=2, tp=1, dpShard=8))
+    with pytest.raises(ConfigError) as e:
+        from_mapping(data)
+    assert any(i.path == "supernode:parallel.pp" and "not supported by the trainer" in i.message
+               for i in e.value.issues)
 
 
 def test_every_problem_is_reported_at_once(dev_data):
