@@ -74,21 +74,11 @@ export_stack_outputs({
     "log_group_names": log_groups, "alarm_names": monitoring.alarm_names, "kubeconfig": cluster.kubeconfig,
 })
 
-# --- Kubernetes workload (components/workload) ---
-# Available from the objects above (Outputs unless noted):
-#   cluster.kubeconfig (secret), cluster.cluster.name, cluster.endpoint, cluster.certificate_authority,
-#   cluster.version (str), cluster.oidc_provider_arn, cluster.oidc_issuer_url
-#   accelerators.node_group_names, accelerators.labels / accelerators.taints (plain dicts by group name),
-#   accelerators.efa_security_group_id, accelerators.node_groups (resources, for depends_on)
-#   storage.fsx_id, storage.fsx_dns_name, storage.fsx_mount_name, storage.bucket_name,
-#   storage.dataset_prefix / storage.checkpoint_prefix (str, S3), storage.dataset_dir / checkpoint_dir (str, FSx)
-#   trainer_role.arn, monitoring.topic_arn, monitoring.log_group_names, monitoring.training_log_group_name
-#   plan (supernode.plan.Plan; plan.to_json() for the ConfigMap)
+# Kubernetes side: add-ons, training namespace, FSx volume, plan ConfigMap, interconnect gate, trainer job.
 workload = TrainingWorkload("workload", WorkloadArgs(
     kubeconfig=cluster.kubeconfig, cluster_version=cluster.version, region=config.region,
-    # data_dir / checkpoint_dir: the file-system paths of storage's data repository associations
     fsx=Fsx(id=storage.fsx_id, dns_name=storage.fsx_dns_name, mount_name=storage.fsx_mount_name,
-            size_gib=storage.fsx_capacity_gib, data_dir="/datasets", checkpoint_dir="/checkpoints"),
+            size_gib=storage.fsx_capacity_gib, data_dir=storage.dataset_dir, checkpoint_dir=storage.checkpoint_dir),
     trainer_role_arn=trainer_role.arn, gpu_nodes=GpuNodes.for_groups(accelerators.labels, accelerators.taints),
     plan=plan, images=config.images, workload=config.workload, identity=config.identity,
     after=[*accelerators.node_groups, *workload_addons]))
