@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     base = load_stack(args.stack)
     big = scaled(base, args.factor)
     times: dict[str, list[float]] = {"base": [], "big": []}
-    counts = {}
+    counts, groups = {}, {"base": len(base.accelerator_node_groups), "big": len(big.accelerator_node_groups)}
     run_program(args.stack, base)  # warm imports
     for _ in range(args.repeat):
         for label, cfg in (("base", base), ("big", big)):
@@ -47,9 +47,13 @@ def main(argv: list[str] | None = None) -> int:
             counts[label] = len(result.resources)
     for label in ("base", "big"):
         print(json.dumps({"bench": "preview", "stack": args.stack, "variant": label, "resources": counts[label],
+                          "node_groups": groups[label], "nodes": (base if label == "base" else big).nodes,
                           "seconds_median": round(statistics.median(times[label]), 4),
                           "seconds_all": [round(t, 4) for t in times[label]]}))
     ratio = statistics.median(times["big"]) / statistics.median(times["base"])
+    # Cost per extra node group: the launch templates carry one interface per network card (32 on p5).
+    per_group = (statistics.median(times["big"]) - statistics.median(times["base"])) / (groups["big"] - groups["base"])
     print(json.dumps({"bench": "preview", "ratio_seconds": round(ratio, 3),
-                      "ratio_resources": round(counts["big"] / max(1, counts["base"]), 3), "factor": args.factor}))
+                      "ratio_resources": round(counts["big"] / max(1, counts["base"]), 3), "factor": args.factor,
+                      "seconds_per_extra_node_group": round(per_group, 4)}))
     return 0
