@@ -557,7 +557,9 @@ def read_stack_file(path: Path) -> dict[str, Any]:
     """The `supernode:` keys of a Pulumi.<stack>.yaml, namespace stripped; other namespaces checked lightly."""
     src = str(path)
     if not path.is_file():
-        raise ConfigError([Issue(path=src, value=None, message="stack file not found")], src)
+        stacks = sorted(f.name for f in path.parent.glob("Pulumi.*.yaml")) if path.parent.is_dir() else []
+        hint = f"; found: {', '.join(stacks)}" if stacks else ""
+        raise ConfigError([Issue(path=src, message=f"stack file not found{hint}", missing=True)], src)
     try:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
