@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from botocore.exceptions import ClientError
 from pydantic import ValidationError
@@ -155,15 +155,26 @@ def _rule_prefix(rule: dict[str, Any]) -> str | None:
     return f.get("Prefix", f.get("And", {}).get("Prefix", rule.get("Prefix")))
 
 
-def check_lifecycle(aws: Aws, bucket: str, lc: Lifecycle, checkpoint_prefix: str, log_prefix: str) -> Check:
-    check = "s3 lifecycle"
+def _bucket_setting(check: str, bucket: str, fetch: Callable[[], Any], absent_code: str) -> tuple[Any, Check | None]:
+    """One S3 bucket setting: (value, None); (None, None) when the setting is absent; (None, a failing
+    Check) when the bucket itself is missing. Other errors go to the runner's per-check handling."""
     try:
-        rules = aws.client("s3").get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+        return fetch(), None
     except ClientError as e:
         if error_code(e) == "NoSuchBucket":
-            return failed(check, f"bucket {bucket} not found", PULUMI_UP)
-        if error_code(e) != "NoSuchLifecycleConfiguration":
-            raise
+            return None, failed(check, f"bucket {bucket} not found", PULUMI_UP)
+        if error_code(e) == absent_code:
+            return None, None
+        raise
+
+
+def check_lifecycle(aws: Aws, bucket: str, lc: Lifecycle, checkpoint_prefix: str, log_prefix: str) -> Check:
+    check = "s3 lifecycle"
+    rules, missing = _bucket_setting(check, bucket, lambda: aws.client("s3").get_bucket_lifecycle_configuration(
+        Bucket=bucket)["Rules"], "NoSuchLifecycleConfiguration")
+    if missing:
+        return missing
+    if rules is None:
         return failed(check, f"{bucket} has no lifecycle configuration", PULUMI_UP)
     enabled = [r for r in rules if r.get("Status") == "Enabled"]
     ckpt = [r for r in enabled if _rule_prefix(r) == checkpoint_prefix]
@@ -187,13 +198,11 @@ def check_lifecycle(aws: Aws, bucket: str, lc: Lifecycle, checkpoint_prefix: str
 
 def check_encryption(aws: Aws, bucket: str, key_arns: list[str]) -> Check:
     check = "s3 encryption"
-    try:
-        rules = aws.client("s3").get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
-    except ClientError as e:
-        if error_code(e) == "NoSuchBucket":
-            return failed(check, f"bucket {bucket} not found", PULUMI_UP)
-        if error_code(e) != "ServerSideEncryptionConfigurationNotFoundError":
-            raise
+    rules, missing = _bucket_setting(check, bucket, lambda: aws.client("s3").get_bucket_encryption(
+        Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"], "ServerSideEncryptionConfigurationNotFoundError")
+    if missing:
+        return missing
+    if rules is None:
         return failed(check, f"{bucket} has no default encryption", PULUMI_UP)
     sse = rules[0]["ApplyServerSideEncryptionByDefault"]
     algo, key = sse.get("SSEAlgorithm"), sse.get("KMSMasterKeyID")
@@ -210,14 +219,11 @@ PUBLIC_ACCESS_FLAGS = ("BlockPublicAcls", "IgnorePublicAcls", "BlockPublicPolicy
 
 def check_public_access(aws: Aws, bucket: str) -> Check:
     check = "s3 public access block"
-    try:
-        pab = aws.client("s3").get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]
-    except ClientError as e:
-        if error_code(e) == "NoSuchBucket":
-            return failed(check, f"bucket {bucket} not found", PULUMI_UP)
-        if error_code(e) != "NoSuchPublicAccessBlockConfiguration":
-            raise
-        pab = {}
+    pab, missing = _bucket_setting(check, bucket, lambda: aws.client("s3").get_public_access_block(
+        Bucket=bucket)["PublicAccessBlockConfiguration"], "NoSuchPublicAccessBlockConfiguration")
+    if missing:
+        return missing
+    pab = pab or {}
     off = [f for f in PUBLIC_ACCESS_FLAGS if not pab.get(f)]
     if off:
         return failed(check, f"{bucket}: not set: {', '.join(off)}", PULUMI_UP)
