@@ -1,5 +1,6 @@
 """Network: VPC, private subnets, the GPU subnet in the GPU AZ, NAT only when asked for, private
-VPC endpoints for image pulls and logs, and flow logs (issue 3, part 1)."""
+VPC endpoints for image pulls and logs, and flow logs (issue 3, part 1). With network.existingVpcId
+the VPC and subnets are someone else's: only their ids are passed on, and flow logs recorded."""
 
 from __future__ import annotations
 
@@ -34,11 +35,46 @@ class Network(pulumi.ComponentResource):
     vpc_id: pulumi.Output[str]
     private_subnet_ids: list[pulumi.Output[str]]
     gpu_subnet_id: pulumi.Output[str]
+    endpoint_security_group_id: Optional[pulumi.Output[str]]  # None in an existing VPC
     flow_log_group_name: Optional[pulumi.Output[str]]
 
     def __init__(self, name: str, args: NetworkArgs, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:network:Network", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
+        net, tags = args.network, dict(args.tags)
+
+        if net.existing_vpc_id:
+            # Bring your own VPC: the VPC, its subnets, route tables, egress (NAT / internet gateway) and
+            # VPC endpoints are the VPC owner's; the stack only places the cluster, nodes and FSx in the
+            # configured subnets (preflight checks they exist, in this VPC and in their AZs).
+            self.vpc_id = pulumi.Output.from_input(net.existing_vpc_id)
+            self.private_subnet_ids = [pulumi.Output.from_input(s) for s in net.existing_private_subnet_ids]
+            self.gpu_subnet_id = pulumi.Output.from_input(net.existing_gpu_subnet_id)
+            self.endpoint_security_group_id = None
+        else:
+            self._create_vpc(name, args, child)
+
+        self.flow_log_group_name = None
+        if net.flow_logs:
+            group = aws.cloudwatch.LogGroup(f"{name}-flow-logs", name=f"/supernode/{args.stack}/vpc-flow-logs",
+                                            retention_in_days=args.log_retention_days,
+                                            kms_key_id=args.logs_kms_key_arn, tags=tags, opts=child)
+            role = aws.iam.Role(f"{name}-flow-logs", assume_role_policy=assume_role_policy("vpc-flow-logs.amazonaws.com"),
+                                tags=tags, opts=child)
+            aws.iam.RolePolicy(f"{name}-flow-logs", role=role.id, opts=child, policy=group.arn.apply(
+                lambda arn: json.dumps(policy_document({
+                    "Effect": "Allow", "Action": ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+                    "Resource": [arn, f"{arn}:*"]}))))
+            aws.ec2.FlowLog(name, vpc_id=self.vpc_id, traffic_type="ALL", log_destination_type="cloud-watch-logs",
+                            log_destination=group.arn, iam_role_arn=role.arn, max_aggregation_interval=60,
+                            tags=tags, opts=child)
+            self.flow_log_group_name = group.name
+
+        self.register_outputs({"vpc_id": self.vpc_id, "private_subnet_ids": self.private_subnet_ids,
+                               "gpu_subnet_id": self.gpu_subnet_id})
+
+    def _create_vpc(self, name: str, args: NetworkArgs, child: pulumi.ResourceOptions) -> None:
+        """The VPC, private subnets, the GPU subnet, optional NAT and the private endpoints."""
         net, tags = args.network, dict(args.tags)
 
         def tagged(extra: Mapping[str, str]) -> dict[str, str]:
@@ -107,22 +143,3 @@ class Network(pulumi.ComponentResource):
                                 service_name=f"com.amazonaws.{args.region}.{service}", vpc_endpoint_type="Interface",
                                 private_dns_enabled=True, subnet_ids=self.private_subnet_ids,
                                 security_group_ids=[endpoint_sg.id], tags=tagged({}), opts=child)
-
-        self.flow_log_group_name = None
-        if net.flow_logs:
-            group = aws.cloudwatch.LogGroup(f"{name}-flow-logs", name=f"/supernode/{args.stack}/vpc-flow-logs",
-                                            retention_in_days=args.log_retention_days,
-                                            kms_key_id=args.logs_kms_key_arn, tags=tags, opts=child)
-            role = aws.iam.Role(f"{name}-flow-logs", assume_role_policy=assume_role_policy("vpc-flow-logs.amazonaws.com"),
-                                tags=tags, opts=child)
-            aws.iam.RolePolicy(f"{name}-flow-logs", role=role.id, opts=child, policy=group.arn.apply(
-                lambda arn: json.dumps(policy_document({
-                    "Effect": "Allow", "Action": ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
-                    "Resource": [arn, f"{arn}:*"]}))))
-            aws.ec2.FlowLog(name, vpc_id=vpc.id, traffic_type="ALL", log_destination_type="cloud-watch-logs",
-                            log_destination=group.arn, iam_role_arn=role.arn, max_aggregation_interval=60,
-                            tags=tags, opts=child)
-            self.flow_log_group_name = group.name
-
-        self.register_outputs({"vpc_id": self.vpc_id, "private_subnet_ids": self.private_subnet_ids,
-                               "gpu_subnet_id": self.gpu_subnet_id})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
@@ -58,16 +58,24 @@ class Cluster(_Base):
     public_access_cidrs: list[str] = []
 
 
+SubnetId = Annotated[str, Field(pattern=r"^subnet-[0-9a-f]{8,17}$")]
+
+
 class Network(_Base):
+    """A VPC the stack creates (the *Cidrs keys), or an existing one (existingVpcId and the
+    existing*SubnetId(s) keys). vpcCidr is required either way: security-group rules use it, and
+    preflight compares it with the existing VPC's."""
+
     vpc_cidr: str
     availability_zones: list[str] = Field(min_length=2, description="AZs of the private subnets")
-    private_subnet_cidrs: list[str] = Field(min_length=2)
+    private_subnet_cidrs: list[str] = []  # required unless existingVpcId (infra_rules)
     public_subnet_cidrs: list[str] = []
-    gpu_subnet_cidr: str
+    gpu_subnet_cidr: Optional[str] = None  # required unless existingVpcId (infra_rules)
     nat_gateway: bool = True
     flow_logs: bool = True
     existing_vpc_id: Optional[str] = Field(default=None, pattern=r"^vpc-[0-9a-f]{8,17}$")
-    existing_subnet_ids: list[str] = []
+    existing_private_subnet_ids: list[SubnetId] = Field(default=[], description="one per availabilityZones entry")
+    existing_gpu_subnet_id: Optional[SubnetId] = Field(default=None, description="in the GPU availabilityZone")
 
 
 class Capacity(_Base):
@@ -339,6 +347,79 @@ def _nets(paths_cidrs: list[tuple[str, str]], issues: list[Issue]) -> list[tuple
     return nets
 
 
+def _created_vpc_rules(c: StackConfig, vpc: Optional[ipaddress.IPv4Network]) -> list[Issue]:
+    """The stack creates the VPC: its subnets come from the *Cidrs keys, inside vpcCidr, disjoint."""
+    net, issues = c.network, []
+    azs = len(net.availability_zones)
+    for key, value in (("existingPrivateSubnetIds", net.existing_private_subnet_ids),
+                       ("existingGpuSubnetId", net.existing_gpu_subnet_id)):
+        if value:
+            issues.append(Issue(path=f"{P}network.{key}", value=value,
+                                message="existing subnets need network.existingVpcId (their VPC); set it, "
+                                        "or remove this key to let the stack create the subnets"))
+    if not net.private_subnet_cidrs:
+        issues.append(Issue(path=P + "network.privateSubnetCidrs", value=net.private_subnet_cidrs,
+                            missing="private_subnet_cidrs" not in net.model_fields_set,
+                            message=f"required unless network.existingVpcId is set: one CIDR inside vpcCidr "
+                                    f"per availability zone ({azs})"))
+    elif len(net.private_subnet_cidrs) != azs:
+        issues.append(Issue(path=P + "network.privateSubnetCidrs", value=net.private_subnet_cidrs,
+                            message=f"need one private subnet per availability zone ({azs})"))
+    if net.gpu_subnet_cidr is None:
+        issues.append(Issue(path=P + "network.gpuSubnetCidr", missing=True,
+                            message="required unless network.existingVpcId is set: a CIDR inside vpcCidr for "
+                                    "the GPU nodes' subnet in availabilityZone"))
+    if net.public_subnet_cidrs and len(net.public_subnet_cidrs) != azs:
+        issues.append(Issue(path=P + "network.publicSubnetCidrs", value=net.public_subnet_cidrs,
+                            message=f"need none or one public subnet per availability zone ({azs})"))
+    if net.nat_gateway and not net.public_subnet_cidrs:
+        issues.append(Issue(path=P + "network.natGateway", value=True,
+                            message="a NAT gateway needs public subnets; set publicSubnetCidrs or natGateway: false"))
+
+    subnets = _nets(
+        [(f"{P}network.privateSubnetCidrs[{i}]", s) for i, s in enumerate(net.private_subnet_cidrs)]
+        + [(f"{P}network.publicSubnetCidrs[{i}]", s) for i, s in enumerate(net.public_subnet_cidrs)]
+        + ([(P + "network.gpuSubnetCidr", net.gpu_subnet_cidr)] if net.gpu_subnet_cidr is not None else []), issues)
+    if vpc:
+        for path, subnet in subnets:
+            if not subnet.subnet_of(vpc):
+                issues.append(Issue(path=path, value=str(subnet), message=f"subnet is outside the VPC CIDR {vpc}"))
+    for i, (pa, a) in enumerate(subnets):
+        for pb, b in subnets[i + 1:]:
+            if a.overlaps(b):
+                issues.append(Issue(path=pb, value=str(b), message=f"subnet overlaps {pa} ({a}); subnets must not overlap"))
+    return issues
+
+
+def _existing_vpc_rules(c: StackConfig) -> list[Issue]:
+    """Bring your own VPC: subnets are named by id; routing, egress and endpoints are the VPC owner's."""
+    net, issues = c.network, []
+    for key, value in (("privateSubnetCidrs", net.private_subnet_cidrs), ("publicSubnetCidrs", net.public_subnet_cidrs),
+                       ("gpuSubnetCidr", net.gpu_subnet_cidr)):
+        if value:
+            issues.append(Issue(path=f"{P}network.{key}", value=value,
+                                message="ambiguous with network.existingVpcId: the stack creates no subnets in an "
+                                        "existing VPC; remove it and name the subnets in existingPrivateSubnetIds / "
+                                        "existingGpuSubnetId"))
+    ids, azs = net.existing_private_subnet_ids, net.availability_zones
+    if len(ids) != len(azs):
+        issues.append(Issue(path=P + "network.existingPrivateSubnetIds", value=ids,
+                            message=f"need one subnet id (subnet-...) per availability zone, in the same order "
+                                    f"({', '.join(azs)})"))
+    elif len(set(ids)) != len(ids):
+        issues.append(Issue(path=P + "network.existingPrivateSubnetIds", value=ids,
+                            message="subnet ids must be distinct: a subnet lies in one availability zone"))
+    if net.existing_gpu_subnet_id is None:
+        issues.append(Issue(path=P + "network.existingGpuSubnetId", missing=True,
+                            message=f"required with network.existingVpcId: the id (subnet-...) of the GPU nodes' "
+                                    f"subnet in availabilityZone {c.availability_zone}"))
+    if net.nat_gateway:
+        issues.append(Issue(path=P + "network.natGateway", value=True,
+                            message="must be false with network.existingVpcId: the VPC owner provides egress "
+                                    "(NAT, endpoints) in an existing VPC; set natGateway: false"))
+    return issues
+
+
 def infra_rules(c: StackConfig) -> list[Issue]:
     """Region, AZ, network and node-group rules (everything but the parallel layout)."""
     issues: list[Issue] = []
@@ -356,29 +437,11 @@ def infra_rules(c: StackConfig) -> list[Issue]:
     if len(set(c.network.availability_zones)) != len(c.network.availability_zones):
         issues.append(Issue(path=P + "network.availabilityZones", value=c.network.availability_zones,
                             message="availability zones must be distinct"))
-    if len(c.network.private_subnet_cidrs) != len(c.network.availability_zones):
-        issues.append(Issue(path=P + "network.privateSubnetCidrs", value=c.network.private_subnet_cidrs,
-                            message=f"need one private subnet per availability zone ({len(c.network.availability_zones)})"))
-    if c.network.public_subnet_cidrs and len(c.network.public_subnet_cidrs) != len(c.network.availability_zones):
-        issues.append(Issue(path=P + "network.publicSubnetCidrs", value=c.network.public_subnet_cidrs,
-                            message=f"need none or one public subnet per availability zone ({len(c.network.availability_zones)})"))
-    if c.network.nat_gateway and not c.network.public_subnet_cidrs and not c.network.existing_vpc_id:
-        issues.append(Issue(path=P + "network.natGateway", value=True,
-                            message="a NAT gateway needs public subnets; set publicSubnetCidrs or natGateway: false"))
-
     vpc = _nets([(P + "network.vpcCidr", c.network.vpc_cidr)], issues)
-    subnets = _nets(
-        [(f"{P}network.privateSubnetCidrs[{i}]", s) for i, s in enumerate(c.network.private_subnet_cidrs)]
-        + [(f"{P}network.publicSubnetCidrs[{i}]", s) for i, s in enumerate(c.network.public_subnet_cidrs)]
-        + [(P + "network.gpuSubnetCidr", c.network.gpu_subnet_cidr)], issues)
-    if vpc:
-        for path, net in subnets:
-            if not net.subnet_of(vpc[0][1]):
-                issues.append(Issue(path=path, value=str(net), message=f"subnet is outside the VPC CIDR {vpc[0][1]}"))
-    for i, (pa, a) in enumerate(subnets):
-        for pb, b in subnets[i + 1:]:
-            if a.overlaps(b):
-                issues.append(Issue(path=pb, value=str(b), message=f"subnet overlaps {pa} ({a}); subnets must not overlap"))
+    if c.network.existing_vpc_id:
+        issues += _existing_vpc_rules(c)
+    else:
+        issues += _created_vpc_rules(c, vpc[0][1] if vpc else None)
 
     for i, cidr in enumerate(c.cluster.public_access_cidrs):
         _nets([(f"{P}cluster.publicAccessCidrs[{i}]", cidr)], issues)
@@ -430,9 +493,6 @@ def infra_rules(c: StackConfig) -> list[Issue]:
     if c.cluster.kubernetes_version not in EKS_ADDON_VERSIONS:
         issues.append(Issue(path=P + "cluster.kubernetesVersion", value=c.cluster.kubernetes_version,
                             message=f"no pinned EKS add-on versions for it; supported: {', '.join(EKS_ADDON_VERSIONS)}"))
-    if c.network.existing_vpc_id or c.network.existing_subnet_ids:
-        issues.append(Issue(path=P + "network.existingVpcId", value=c.network.existing_vpc_id,
-                            message="bringing an existing VPC is not supported yet; remove it to create the VPC"))
     return issues
 
 

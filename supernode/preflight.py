@@ -9,6 +9,7 @@ existing VPC...) are not listed.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from functools import partial
 
 from botocore.exceptions import ClientError
@@ -118,24 +119,45 @@ def check_vpc(aws: Aws, vpc_id: str, cidr: str) -> Check:
     return passed(name, f"exists, {v.get('State')}, CIDR {cidr}")
 
 
-def check_subnets(aws: Aws, subnet_ids: list[str], vpc_id: str | None, az: str) -> Check:
+@dataclass(frozen=True)
+class WantedSubnet:
+    key: str  # the config key that names it, e.g. network.existingGpuSubnetId
+    subnet_id: str
+    az: str  # the AZ it must be in
+    az_key: str  # the config key that names that AZ
+
+
+def wanted_subnets(cfg: StackConfig) -> list[WantedSubnet]:
+    """The existing subnets a config names, each with the AZ it must be in."""
+    net = cfg.network
+    out = [WantedSubnet(f"network.existingPrivateSubnetIds[{i}]", s, az, f"network.availabilityZones[{i}]")
+           for i, (s, az) in enumerate(zip(net.existing_private_subnet_ids, net.availability_zones))]
+    if net.existing_gpu_subnet_id:
+        out.append(WantedSubnet("network.existingGpuSubnetId", net.existing_gpu_subnet_id, cfg.availability_zone,
+                                "the GPU AZ availabilityZone"))
+    return out
+
+
+def check_subnets(aws: Aws, wanted: list[WantedSubnet], vpc_id: str) -> Check:
     name = "subnets"
-    found = aws.client("ec2").describe_subnets(Filters=[{"Name": "subnet-id", "Values": subnet_ids}])["Subnets"]
+    ids = sorted({w.subnet_id for w in wanted})
+    found = aws.client("ec2").describe_subnets(Filters=[{"Name": "subnet-id", "Values": ids}])["Subnets"]
     by_id = {s["SubnetId"]: s for s in found}
     problems = []
-    missing = [s for s in subnet_ids if s not in by_id]
-    if missing:
-        problems.append(f"not found: {', '.join(missing)}")
-    if vpc_id:
-        outside = sorted(s for s, sub in by_id.items() if sub["VpcId"] != vpc_id)
-        if outside:
-            problems.append(f"not in {vpc_id}: {', '.join(outside)}")
-    if by_id and az not in {s["AvailabilityZone"] for s in by_id.values()}:
-        problems.append(f"none is in the GPU AZ {az}")
+    for w in wanted:
+        sub = by_id.get(w.subnet_id)
+        if sub is None:
+            problems.append(f"{w.key} {w.subnet_id} not found")
+            continue
+        if sub["VpcId"] != vpc_id:
+            problems.append(f"{w.key} {w.subnet_id} is in {sub['VpcId']}, not {vpc_id}")
+        if sub["AvailabilityZone"] != w.az:
+            problems.append(f"{w.key} {w.subnet_id} is in {sub['AvailabilityZone']}, not {w.az_key} {w.az}")
     if problems:
-        return failed(name, "; ".join(problems), "check network.existingSubnetIds (and existingVpcId, availabilityZone)")
-    zones = ", ".join(f"{s} ({by_id[s]['AvailabilityZone']})" for s in subnet_ids)
-    return passed(name, f"{len(subnet_ids)} exist: {zones}")
+        return failed(name, "; ".join(problems),
+                      "check network.existingPrivateSubnetIds (one per network.availabilityZones, same order), "
+                      "network.existingGpuSubnetId (a subnet in availabilityZone) and network.existingVpcId")
+    return passed(name, f"{len(wanted)} exist in {vpc_id}: " + ", ".join(f"{w.subnet_id} ({w.az})" for w in wanted))
 
 
 def check_bucket(aws: Aws, bucket: str) -> Check:
@@ -207,8 +229,7 @@ def preflight_steps(cfg: StackConfig, aws: Aws) -> list[Step]:
     net = cfg.network
     if net.existing_vpc_id:
         steps.append(Step(f"vpc {net.existing_vpc_id}", partial(check_vpc, aws, net.existing_vpc_id, net.vpc_cidr)))
-    if net.existing_subnet_ids:
-        steps.append(Step("subnets", partial(check_subnets, aws, net.existing_subnet_ids, net.existing_vpc_id, az)))
+        steps.append(Step("subnets", partial(check_subnets, aws, wanted_subnets(cfg), net.existing_vpc_id)))
     if cfg.storage.existing_bucket and cfg.storage.bucket_name:
         steps.append(Step(f"bucket {cfg.storage.bucket_name}", partial(check_bucket, aws, cfg.storage.bucket_name)))
     if cfg.identity.kms_key_arn:

@@ -175,3 +175,78 @@ def test_yaml_dump_of_config_is_loadable(tmp_path):
     f = tmp_path / "Pulumi.copy.yaml"
     f.write_text(yaml.safe_dump(doc))
     assert isinstance(from_mapping(read_stack_file(f)), StackConfig)
+
+
+# -- bring your own VPC ------------------------------------------------------------------------------
+
+BYO = {"existingVpcId": "vpc-0a1b2c3d4e5f60718", "existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711",
+                                                                             "subnet-0a1b2c3d4e5f60722"],
+       "existingGpuSubnetId": "subnet-0a1b2c3d4e5f60733", "natGateway": False}
+SUBNET_CIDR_KEYS = ("privateSubnetCidrs", "publicSubnetCidrs", "gpuSubnetCidr")
+
+
+def in_existing_vpc(data: dict, **network) -> dict:
+    """dev in an existing VPC: subnets by id, no subnet CIDRs; `network` overrides (None removes a key)."""
+    net = {k: v for k, v in data["network"].items() if k not in SUBNET_CIDR_KEYS}
+    net.update(BYO)
+    net.update(network)
+    return mutated(data, "network", {k: v for k, v in net.items() if v is not None})
+
+
+def issue_at(data: dict, path: str):
+    with pytest.raises(ConfigError) as e:
+        from_mapping(data)
+    found = [i for i in e.value.issues if i.path == path]
+    assert found, [str(i) for i in e.value.issues]
+    return found[0]
+
+
+def test_existing_vpc_config_loads_and_round_trips(dev_data):
+    cfg = from_mapping(in_existing_vpc(dev_data))
+    net = cfg.network
+    assert (net.existing_vpc_id, net.existing_private_subnet_ids, net.existing_gpu_subnet_id) == (
+        BYO["existingVpcId"], BYO["existingPrivateSubnetIds"], BYO["existingGpuSubnetId"])
+    assert (net.private_subnet_cidrs, net.public_subnet_cidrs, net.gpu_subnet_cidr) == ([], [], None)
+    assert from_mapping(cfg.to_mapping()) == cfg
+
+
+BYO_RULES = [
+    # (network overrides, issue path, what the message must say)
+    ({"existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711"]}, "network.existingPrivateSubnetIds",
+     "one subnet id (subnet-...) per availability zone, in the same order (us-east-1a, us-east-1b)"),
+    ({"existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711"] * 2}, "network.existingPrivateSubnetIds",
+     "must be distinct"),
+    ({"existingGpuSubnetId": None}, "network.existingGpuSubnetId",
+     "required with network.existingVpcId: the id (subnet-...) of the GPU nodes' subnet in availabilityZone us-east-1a"),
+    ({"natGateway": True}, "network.natGateway", "the VPC owner provides egress"),
+    ({"natGateway": None}, "network.natGateway", "set natGateway: false"),  # the default is true
+    ({"privateSubnetCidrs": ["10.20.0.0/19", "10.20.32.0/19"]}, "network.privateSubnetCidrs", "ambiguous"),
+    ({"publicSubnetCidrs": ["10.20.192.0/24", "10.20.193.0/24"]}, "network.publicSubnetCidrs", "ambiguous"),
+    ({"gpuSubnetCidr": "10.20.64.0/18"}, "network.gpuSubnetCidr", "ambiguous"),
+    ({"existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711", "sn-12345678"]}, "network.existingPrivateSubnetIds[1]",
+     "^subnet-[0-9a-f]{8,17}$"),
+    ({"existingGpuSubnetId": "subnet-XYZ"}, "network.existingGpuSubnetId", "^subnet-[0-9a-f]{8,17}$"),
+]
+
+
+@pytest.mark.parametrize("network,path,says", BYO_RULES, ids=[f"{r[1]}-{i}" for i, r in enumerate(BYO_RULES)])
+def test_existing_vpc_rule_names_path_value_and_fix(dev_data, network, path, says):
+    issue = issue_at(in_existing_vpc(dev_data, **network), "supernode:" + path)
+    assert says in str(issue)
+    given = network.get(path.removeprefix("network.").split("[")[0])
+    if given is not None and "[" not in path:
+        assert f"(got {given!r})" in str(issue)
+
+
+@pytest.mark.parametrize("key,value", [("existingPrivateSubnetIds", BYO["existingPrivateSubnetIds"]),
+                                       ("existingGpuSubnetId", BYO["existingGpuSubnetId"])])
+def test_existing_subnets_need_the_existing_vpc(dev_data, key, value):
+    issue = issue_at(mutated(dev_data, f"network.{key}", value), f"supernode:network.{key}")
+    assert "need network.existingVpcId" in issue.message and issue.value == value
+
+
+@pytest.mark.parametrize("key", ["privateSubnetCidrs", "gpuSubnetCidr"])
+def test_subnet_cidrs_are_required_for_a_created_vpc(dev_data, key):
+    data = mutated(dev_data, "network", {k: v for k, v in dev_data["network"].items() if k != key})
+    issue = issue_at(data, f"supernode:network.{key}")
+    assert "required unless network.existingVpcId is set" in issue.message and issue.missing

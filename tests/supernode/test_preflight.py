@@ -19,8 +19,8 @@ from supernode import catalog
 from supernode.awscheck import Aws, Check
 from supernode.cli import main
 from supernode.config import from_mapping, read_stack_file
-from supernode.preflight import (P_QUOTA_CODE, check_bucket, check_instance_type, check_kms_key, check_subnets,
-                                 check_vpc, run_preflight)
+from supernode.preflight import (P_QUOTA_CODE, check_bucket, check_instance_type, check_kms_key, check_vpc,
+                                 run_preflight)
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
@@ -194,31 +194,82 @@ def test_quota_access_denied_is_a_warning_with_a_clear_message(moto_aws):
 
 
 # -- existing VPC, subnets, bucket, KMS key ---------------------------------------------------------
-# The config does not accept an existing VPC yet (network.existingVpcId is rejected until the network
-# component supports it), so these checks are exercised directly.
+# An existing VPC is checked through the config (network.existingVpcId, existingPrivateSubnetIds,
+# existingGpuSubnetId), as `supernode preflight` sees it.
 
-def test_vpc_and_subnets(moto_aws):
+def test_vpc_states(moto_aws):
     ec2 = boto3.client("ec2", region_name=REGION)
     vpc = ec2.create_vpc(CidrBlock="10.20.0.0/16")["Vpc"]["VpcId"]
-    gpu = ec2.create_subnet(VpcId=vpc, CidrBlock="10.20.64.0/18", AvailabilityZone="us-east-1a")["Subnet"]["SubnetId"]
-    other = ec2.create_subnet(VpcId=vpc, CidrBlock="10.20.0.0/19", AvailabilityZone="us-east-1b")["Subnet"]["SubnetId"]
-    elsewhere_vpc = ec2.create_vpc(CidrBlock="10.30.0.0/16")["Vpc"]["VpcId"]
-    stray = ec2.create_subnet(VpcId=elsewhere_vpc, CidrBlock="10.30.0.0/19",
-                              AvailabilityZone="us-east-1a")["Subnet"]["SubnetId"]
     aws = Aws(REGION)
-
     assert check_vpc(aws, vpc, "10.20.0.0/16").result == "pass"
     wrong_cidr = check_vpc(aws, vpc, "10.99.0.0/16")
     assert wrong_cidr.result == "fail" and "do not include network.vpcCidr 10.99.0.0/16" in wrong_cidr.detail
     gone = check_vpc(aws, "vpc-0123456789abcdef0", "10.20.0.0/16")
     assert gone.result == "fail" and gone.detail == "VPC vpc-0123456789abcdef0 not found in us-east-1"
 
-    ok = check_subnets(aws, [gpu, other], vpc, "us-east-1a")
-    assert ok.result == "pass" and f"{gpu} (us-east-1a)" in ok.detail
-    bad = check_subnets(aws, [other, stray, "subnet-0123456789abcdef0"], vpc, "us-east-1c")
-    assert bad.result == "fail"
-    assert bad.detail == (f"not found: subnet-0123456789abcdef0; not in {vpc}: {stray}; "
-                          "none is in the GPU AZ us-east-1c")
+
+def existing_vpc_state() -> dict[str, str]:
+    """An existing VPC as dev's network expects it (vpcCidr 10.20.0.0/16, AZs a and b, GPU AZ a), plus a
+    stray subnet in b and one in another VPC."""
+    ec2 = boto3.client("ec2", region_name=REGION)
+    vpc = ec2.create_vpc(CidrBlock="10.20.0.0/16")["Vpc"]["VpcId"]
+
+    def subnet(cidr: str, az: str, in_vpc: str = vpc) -> str:
+        return ec2.create_subnet(VpcId=in_vpc, CidrBlock=cidr, AvailabilityZone=az)["Subnet"]["SubnetId"]
+
+    other_vpc = ec2.create_vpc(CidrBlock="10.30.0.0/16")["Vpc"]["VpcId"]
+    return {"vpc": vpc, "a": subnet("10.20.0.0/19", "us-east-1a"), "b": subnet("10.20.32.0/19", "us-east-1b"),
+            "gpu": subnet("10.20.64.0/18", "us-east-1a"), "stray_b": subnet("10.20.128.0/19", "us-east-1b"),
+            "elsewhere": subnet("10.30.0.0/19", "us-east-1a", other_vpc), "elsewhere_vpc": other_vpc}
+
+
+def in_existing_vpc(vpc: str, private: list[str], gpu: str):
+    data = dev_data()
+    net = {k: v for k, v in data["network"].items() if k not in ("privateSubnetCidrs", "publicSubnetCidrs",
+                                                                  "gpuSubnetCidr")}
+    data["network"] = {**net, "existingVpcId": vpc, "existingPrivateSubnetIds": private, "existingGpuSubnetId": gpu,
+                       "natGateway": False}
+    return from_mapping(data)
+
+
+def test_existing_vpc_matching_the_config_passes(moto_aws):
+    s = existing_vpc_state()
+    checks = by_name(run_preflight(in_existing_vpc(s["vpc"], [s["a"], s["b"]], s["gpu"])))
+    assert checks[f"vpc {s['vpc']}"].result == "pass"
+    subnets = checks["subnets"]
+    assert subnets.result == "pass", subnets.detail
+    assert subnets.detail == (f"3 exist in {s['vpc']}: {s['a']} (us-east-1a), {s['b']} (us-east-1b), "
+                              f"{s['gpu']} (us-east-1a)")
+
+
+def test_existing_subnets_in_the_wrong_az_or_vpc_or_missing_fail_naming_each(moto_aws):
+    s = existing_vpc_state()
+    missing = "subnet-0123456789abcdef0"
+    checks = by_name(run_preflight(in_existing_vpc(s["vpc"], [s["elsewhere"], missing], s["stray_b"])))
+    assert checks[f"vpc {s['vpc']}"].result == "pass"
+    subnets = checks["subnets"]
+    assert subnets.result == "fail"
+    assert subnets.detail == (
+        f"network.existingPrivateSubnetIds[0] {s['elsewhere']} is in {s['elsewhere_vpc']}, not {s['vpc']}; "
+        f"network.existingPrivateSubnetIds[1] {missing} not found; "
+        f"network.existingGpuSubnetId {s['stray_b']} is in us-east-1b, not the GPU AZ availabilityZone us-east-1a")
+    assert "network.existingPrivateSubnetIds" in subnets.fix and "network.existingGpuSubnetId" in subnets.fix
+
+
+def test_private_subnet_must_be_in_its_configured_az(moto_aws):
+    s = existing_vpc_state()
+    swapped = by_name(run_preflight(in_existing_vpc(s["vpc"], [s["b"], s["a"]], s["gpu"])))["subnets"]
+    assert swapped.result == "fail"
+    assert swapped.detail == (
+        f"network.existingPrivateSubnetIds[0] {s['b']} is in us-east-1b, not network.availabilityZones[0] us-east-1a; "
+        f"network.existingPrivateSubnetIds[1] {s['a']} is in us-east-1a, not network.availabilityZones[1] us-east-1b")
+
+
+def test_existing_vpc_that_is_gone_fails(moto_aws):
+    s = existing_vpc_state()
+    checks = by_name(run_preflight(in_existing_vpc("vpc-0123456789abcdef0", [s["a"], s["b"]], s["gpu"])))
+    assert checks["vpc vpc-0123456789abcdef0"].result == "fail"
+    assert checks["subnets"].result == "fail" and "not vpc-0123456789abcdef0" in checks["subnets"].detail
 
 
 def test_bucket_exists_and_is_encrypted(moto_aws):
