@@ -104,7 +104,7 @@ class Network(pulumi.ComponentResource):
         self.gpu_subnet_id = gpu.id
 
         # Public subnets exist only to hold the NAT gateway: nodes never get public addresses.
-        if net.nat_gateway and net.public_subnet_cidrs:
+        if net.use_nat_gateway and net.public_subnet_cidrs:
             igw = aws.ec2.InternetGateway(name, vpc_id=vpc.id, tags=tagged({"Name": name}), opts=child)
             public_rt = aws.ec2.RouteTable(f"{name}-public", vpc_id=vpc.id, tags=tagged({"Name": f"{name}-public"}),
                                            opts=child)

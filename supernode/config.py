@@ -71,11 +71,15 @@ class Network(_Base):
     private_subnet_cidrs: list[str] = []  # required unless existingVpcId (infra_rules)
     public_subnet_cidrs: list[str] = []
     gpu_subnet_cidr: Optional[str] = None  # required unless existingVpcId (infra_rules)
-    nat_gateway: bool = True
+    nat_gateway: Optional[bool] = None  # default: on for a VPC the stack creates, off in an existing one
     flow_logs: bool = True
     existing_vpc_id: Optional[str] = Field(default=None, pattern=r"^vpc-[0-9a-f]{8,17}$")
     existing_private_subnet_ids: list[SubnetId] = Field(default=[], description="one per availabilityZones entry")
     existing_gpu_subnet_id: Optional[SubnetId] = Field(default=None, description="in the GPU availabilityZone")
+
+    @property
+    def use_nat_gateway(self) -> bool:
+        return self.nat_gateway if self.nat_gateway is not None else self.existing_vpc_id is None
 
 
 class Capacity(_Base):
@@ -372,7 +376,7 @@ def _created_vpc_rules(c: StackConfig, vpc: Optional[ipaddress.IPv4Network]) -> 
     if net.public_subnet_cidrs and len(net.public_subnet_cidrs) != azs:
         issues.append(Issue(path=P + "network.publicSubnetCidrs", value=net.public_subnet_cidrs,
                             message=f"need none or one public subnet per availability zone ({azs})"))
-    if net.nat_gateway and not net.public_subnet_cidrs:
+    if net.use_nat_gateway and not net.public_subnet_cidrs:
         issues.append(Issue(path=P + "network.natGateway", value=True,
                             message="a NAT gateway needs public subnets; set publicSubnetCidrs or natGateway: false"))
 
@@ -413,7 +417,7 @@ def _existing_vpc_rules(c: StackConfig) -> list[Issue]:
         issues.append(Issue(path=P + "network.existingGpuSubnetId", missing=True,
                             message=f"required with network.existingVpcId: the id (subnet-...) of the GPU nodes' "
                                     f"subnet in availabilityZone {c.availability_zone}"))
-    if net.nat_gateway:
+    if net.nat_gateway:  # only an explicit true: the default is off in an existing VPC
         issues.append(Issue(path=P + "network.natGateway", value=True,
                             message="must be false with network.existingVpcId: the VPC owner provides egress "
                                     "(NAT, endpoints) in an existing VPC; set natGateway: false"))

@@ -181,7 +181,7 @@ def test_yaml_dump_of_config_is_loadable(tmp_path):
 
 BYO = {"existingVpcId": "vpc-0a1b2c3d4e5f60718", "existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711",
                                                                              "subnet-0a1b2c3d4e5f60722"],
-       "existingGpuSubnetId": "subnet-0a1b2c3d4e5f60733", "natGateway": False}
+       "existingGpuSubnetId": "subnet-0a1b2c3d4e5f60733"}
 SUBNET_CIDR_KEYS = ("privateSubnetCidrs", "publicSubnetCidrs", "gpuSubnetCidr")
 
 
@@ -208,6 +208,12 @@ def test_existing_vpc_config_loads_and_round_trips(dev_data):
         BYO["existingVpcId"], BYO["existingPrivateSubnetIds"], BYO["existingGpuSubnetId"])
     assert (net.private_subnet_cidrs, net.public_subnet_cidrs, net.gpu_subnet_cidr) == ([], [], None)
     assert from_mapping(cfg.to_mapping()) == cfg
+    assert net.nat_gateway is None and not net.use_nat_gateway  # NAT defaults off in an existing VPC
+
+
+def test_nat_gateway_defaults_on_for_a_created_vpc(dev_data):
+    assert "natGateway" not in dev_data["network"]
+    assert from_mapping(dev_data).network.use_nat_gateway
 
 
 BYO_RULES = [
@@ -219,7 +225,6 @@ BYO_RULES = [
     ({"existingGpuSubnetId": None}, "network.existingGpuSubnetId",
      "required with network.existingVpcId: the id (subnet-...) of the GPU nodes' subnet in availabilityZone us-east-1a"),
     ({"natGateway": True}, "network.natGateway", "the VPC owner provides egress"),
-    ({"natGateway": None}, "network.natGateway", "set natGateway: false"),  # the default is true
     ({"privateSubnetCidrs": ["10.20.0.0/19", "10.20.32.0/19"]}, "network.privateSubnetCidrs", "ambiguous"),
     ({"publicSubnetCidrs": ["10.20.192.0/24", "10.20.193.0/24"]}, "network.publicSubnetCidrs", "ambiguous"),
     ({"gpuSubnetCidr": "10.20.64.0/18"}, "network.gpuSubnetCidr", "ambiguous"),
