@@ -13,7 +13,7 @@ from supernode.config import StackConfig
 from supernode.plan import build_plan
 from supernode.policycheck import check
 
-from .conftest import doc, find, mutate, without
+from policy_resources import doc, find, mutate, without
 
 LT, NG = "aws:ec2/launchTemplate:LaunchTemplate", "aws:eks/nodeGroup:NodeGroup"
 JOB, GATE, CM = "kubernetes:kubeflow.org/v1:PyTorchJob", "kubernetes:batch/v1:Job", "kubernetes:core/v1:ConfigMap"
@@ -209,7 +209,7 @@ def test_world_size_message_names_resources_and_fix(stack):
 
 def test_efa_count_follows_the_catalog_for_each_instance_type(stack):
     for itype, t in CATALOG.items():
-        from .conftest import efa_interfaces
+        from policy_resources import efa_interfaces
         ok = mutate(stack, LT, lambda i: i.update(instanceType=itype, networkInterfaces=efa_interfaces(itype)))
         assert "interconnect-efa-interfaces" not in by_policy(ok)
         short = mutate(ok, LT, lambda i: i["networkInterfaces"].pop())

@@ -13,7 +13,7 @@ from pulumi.runtime.proto import analyzer_pb2, analyzer_pb2_grpc
 
 from policies.pack import POLICIES
 
-from .conftest import ROOT
+from policy_resources import ROOT
 
 
 @pytest.mark.slow  # a second process

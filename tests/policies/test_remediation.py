@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from supernode.policycheck import check
 
-from .conftest import find, mutate
+from policy_resources import find, mutate
 
 LT = "aws:ec2/launchTemplate:LaunchTemplate"
 PAB = "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock"

@@ -13,7 +13,7 @@ from supernode.plan import build_plan
 from supernode.policycheck import check, config_from_stack
 from supernode.preview import run_program
 
-from .conftest import ROOT
+from policy_resources import ROOT
 
 pytestmark = pytest.mark.slow  # runs the Pulumi program under the mock engine (seconds per stack)
 

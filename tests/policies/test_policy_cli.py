@@ -9,7 +9,7 @@ import pytest
 
 from supernode.cli import main
 
-from .conftest import ROOT, mutate
+from policy_resources import ROOT, mutate
 
 LT = "aws:ec2/launchTemplate:LaunchTemplate"
 
