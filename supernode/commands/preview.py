@@ -32,7 +32,8 @@ def register(sub) -> None:
 def preview_json(result: PreviewResult, plan_summary: dict, violations: list[dict]) -> dict:
     return {"stack": result.stack, "plan": plan_summary,
             "resources": [r.to_json() for r in result.resources],
-            "outputs": result.outputs,
+            # as `pulumi stack output --json` prints them: secrets masked
+            "outputs": {k: "[secret]" if k in result.secret_outputs else v for k, v in result.outputs.items()},
             "policy": {"violations": violations}}
 
 

@@ -46,3 +46,5 @@ def test_preview_json_contract(capsys):
     assert set(r) >= {"urn", "type", "name", "parent", "inputs"}
     assert isinstance(data["policy"]["violations"], list)
     assert any(x["type"] == "aws:ec2/launchTemplate:LaunchTemplate" for x in data["resources"])
+    assert data["outputs"]["kubeconfig"] == "[secret]"  # exported as a secret: masked like the Pulumi CLI does
+    assert data["outputs"]["cluster_name"] == "supernode-dev"
