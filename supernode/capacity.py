@@ -242,7 +242,7 @@ def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3
             if layout_rules(m, cand, t, world, hw.accelerators):
                 continue
             mem = memory(m, cand, t)
-            if mem.total <= hw.hbm_mib * 2**20:
+            if mem.total <= hw.hbm_bytes:
                 st = step_time(m, cand, t, hw)
                 out.append(Suggestion(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=1,
                                       activation_checkpointing=ac, memory_gib=round(mem.total_gib, 2),

@@ -35,6 +35,10 @@ class InstanceType:
         return self.name.split(".")[0]
 
     @property
+    def hbm_bytes(self) -> int:
+        return self.hbm_mib * 2**20
+
+    @property
     def hbm_gib(self) -> float:
         return self.hbm_mib / 1024
 

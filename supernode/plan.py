@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from . import capacity as cap
-from .catalog import CATALOG, InstanceType
+from .catalog import CATALOG, GIB, InstanceType
 from .config import Model, Parallel, StackConfig, Training
 
 
@@ -83,7 +83,7 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     world = cfg.local.nproc if local else cfg.accelerators
     mem = cap.memory(m, p, t)
-    hbm = hw.hbm_mib * 2**20
+    hbm = hw.hbm_bytes
     fits = mem.total <= hbm
     st = cap.step_time(m, p, t, hw)
     ckpt = cap.checkpoint_io(m, t, cfg.storage.fsx)
@@ -93,8 +93,8 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
         stack=stack, local=local, instance_type=hw.name, nodes=cfg.nodes, accelerators_per_node=hw.accelerators,
         world_size=world, degrees=Degrees(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep, pp=p.pp),
         model=m, parallel=p, training=t, params=cap.param_counts(m), flops_per_token=cap.flops_per_token(m),
-        memory=mem, memory_per_rank_gib=mem.total_gib, hbm_gib=hbm / 2**30, fits=fits,
-        over_by_gib=max(0.0, (mem.total - hbm) / 2**30),
+        memory=mem, memory_per_rank_gib=mem.total_gib, hbm_gib=hw.hbm_gib, fits=fits,
+        over_by_gib=max(0.0, (mem.total - hbm) / GIB),
         suggestions=[] if fits or local else cap.suggest(m, p, t, hw),
         step=st, checkpoint=ckpt, cost_per_hour_usd=per_hour, run_hours=hours, run_cost_usd=total,
     )

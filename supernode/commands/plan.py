@@ -8,9 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..cli import EXIT_FAILED, add_stack_args, stack_from_args
+from ..catalog import GIB
 from ..plan import Plan, build_plan
-
-GIB = 2**30
 
 
 def register(sub) -> None:
