@@ -13,12 +13,13 @@ from typing import Optional, Sequence
 import pulumi
 import pulumi_kubernetes as k8s
 
+from supernode.catalog import gate_floor_gbytes_s
 from supernode.config import Images, Identity, Workload
 from supernode.plan import Plan
 
 from .workload_addons import AddonArgs, ClusterAddons
 from .workload_common import GpuNodes, PodShape, Taint, dns_name
-from .workload_jobs import InterconnectGate, JobArgs, TrainerArgs, TrainerJob, gate_threshold_gbytes_s
+from .workload_jobs import InterconnectGate, JobArgs, TrainerArgs, TrainerJob
 from .workload_namespace import PRIORITY_CLASS, Fsx, NamespaceArgs, TrainingNamespace
 
 __all__ = ["TrainingWorkload", "WorkloadArgs", "Fsx", "GpuNodes", "Taint"]
@@ -60,7 +61,7 @@ class TrainingWorkload(pulumi.ComponentResource):
                       priority_class=self.training.priority_class.metadata.name)
         self.gate = InterconnectGate(
             f"{name}-gate", replace(job, image=args.images.fabric_check or args.images.trainer),
-            job_name=dns_name(plan.stack, "fabric-gate"), min_busbw_gbytes_s=gate_threshold_gbytes_s(plan, wl.gate_min_fraction),
+            job_name=dns_name(plan.stack, "fabric-gate"), min_busbw_gbytes_s=gate_floor_gbytes_s(plan.instance_type, wl.gate_min_fraction),
             opts=child)
         self.trainer = TrainerJob(f"{name}-trainer", TrainerArgs(
             job=job, service_account=self.training.service_account.metadata.name,

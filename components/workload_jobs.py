@@ -12,7 +12,6 @@ from typing import Any, Optional, Sequence
 import pulumi
 import pulumi_kubernetes as k8s
 
-from supernode.catalog import ALL_REDUCE_BASELINE_GBYTES_S
 from supernode.plan import Plan
 
 from .workload_common import MESH_LABEL, GpuNodes, PodShape, meta
@@ -46,11 +45,6 @@ class JobArgs:
     pod: PodShape
     plan: Plan
     priority_class: pulumi.Input[str]  # both jobs hold whole GPU nodes: same priority
-
-
-def gate_threshold_gbytes_s(plan: Plan, min_fraction: float) -> float:
-    """The bus bandwidth the gate requires: the catalog's all_reduce baseline times the configured fraction."""
-    return round(ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type] * min_fraction, 3)
 
 
 def gpu_pod_spec(args: JobArgs, mesh: str, container: dict[str, Any], volumes: Sequence[dict[str, Any]] = (),

@@ -16,7 +16,7 @@ from pulumi_policy import EnforcementLevel
 from pydantic import ValidationError
 
 from supernode import capacity as cap
-from supernode.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG
+from supernode.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG, gate_floor_gbytes_s
 from supernode.config import DIGEST_RE, Fsx
 
 from .base import Report, resource_policy, stack_policy
@@ -202,10 +202,10 @@ def _gate(stack: Stack, conf: Gate, report: Report) -> None:
         if not any(stack.depends_on(job, g) for g in gates):
             report(job, f"{job.label} does not depend on the interconnect gate ({', '.join(g.label for g in gates)}), "
                         f"so training can start on a broken fabric. Fix: pass depends_on=[gate] to the trainer job.")
-    baseline = ALL_REDUCE_BASELINE_GBYTES_S.get(plan.instance_type) if plan else None
-    if baseline is None:
+    floor = gate_floor_gbytes_s(plan.instance_type, conf.min_gate_fraction) if plan else None
+    if floor is None:
         return
-    floor = baseline * conf.min_gate_fraction
+    baseline = ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type]
     for g in gates:
         flags = [float(m.group(1)) for c in containers(g) if (m := _BUSBW_FLAG.search(command_line(c)))]
         if not flags or min(flags) < floor:

@@ -71,6 +71,15 @@ SYSTEM_INSTANCE_TYPES = ("m6i.large", "m6i.xlarge", "m6i.2xlarge", "m7i.large", 
 ALL_REDUCE_BASELINE_GBYTES_S = {"p5.48xlarge": 480.0, "p5e.48xlarge": 480.0, "p5en.48xlarge": 480.0,
                                 "p4d.24xlarge": 45.0, "p4de.24xlarge": 45.0}
 
+
+
+def gate_floor_gbytes_s(instance_type: str, fraction: float) -> float | None:
+    """The interconnect gate's all_reduce bus-bandwidth floor: the published baseline x fraction
+    (None where no baseline is published). The gate Job passes it; the policy pack checks it."""
+    baseline = ALL_REDUCE_BASELINE_GBYTES_S.get(instance_type)
+    return None if baseline is None else round(baseline * fraction, 3)
+
+
 # AZ suffixes of the regions where these instance types are offered (for offline validation;
 # preflight asks EC2 for the real offering).
 REGION_AZS: dict[str, tuple[str, ...]] = {
