@@ -12,13 +12,10 @@ from typing import Any, Optional, Sequence
 import pulumi
 import pulumi_kubernetes as k8s
 
-from supernode.plan import Plan
+from supernode.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH, Plan
 
 from .workload_common import MESH_LABEL, GpuNodes, PodShape, meta
-from .workload_namespace import PLAN_KEY
 
-PLAN_DIR = "/etc/supernode"
-PLAN_PATH = f"{PLAN_DIR}/{PLAN_KEY}"
 DATA_PATH, CHECKPOINT_PATH = "/data", "/checkpoints"
 MASTER_PORT = 29500  # torchrun static rendezvous of the gate
 GATE_DEADLINE_S = 1800  # a hung fabric check fails the gate instead of blocking the rollout
@@ -153,14 +150,14 @@ class TrainerJob(pulumi.ComponentResource):
             "name": "pytorch",  # the operator injects the PET_* rendezvous env into this container name
             "image": args.job.image,
             "command": TORCHRUN + ["trainer.train"],
-            "args": ["--plan", PLAN_PATH, "--data", DATA_PATH, "--out", CHECKPOINT_PATH],
+            "args": ["--plan", PLAN_MOUNT_PATH, "--data", DATA_PATH, "--out", CHECKPOINT_PATH],
             "volumeMounts": [
-                {"name": "plan", "mountPath": PLAN_DIR, "readOnly": True},
+                {"name": "plan", "mountPath": PLAN_MOUNT_DIR, "readOnly": True},
                 {"name": "fsx", "mountPath": DATA_PATH, "subPath": args.data_subpath, "readOnly": True},
                 {"name": "fsx", "mountPath": CHECKPOINT_PATH, "subPath": args.checkpoint_subpath},
             ],
         }
-        volumes = [{"name": "plan", "configMap": {"name": args.plan_config_map, "items": [{"key": PLAN_KEY, "path": PLAN_KEY}]}},
+        volumes = [{"name": "plan", "configMap": {"name": args.plan_config_map, "items": [{"key": PLAN_CONFIGMAP_KEY, "path": PLAN_CONFIGMAP_KEY}]}},
                    {"name": "fsx", "persistentVolumeClaim": {"claimName": args.pvc}}]
         # A changed plan replaces the job (the spec changes with its hash); checkpoints carry the run over.
         plan_hash = hashlib.sha256(plan.to_json().encode()).hexdigest()

@@ -10,11 +10,10 @@ from typing import Any, Optional
 import pulumi
 import pulumi_kubernetes as k8s
 
-from supernode.plan import Plan
+from supernode.plan import PLAN_CONFIGMAP_KEY, Plan
 
 from .workload_common import MESH_LABEL, PodShape, gib, meta
 
-PLAN_KEY = "plan.json"
 PLAN_CONFIGMAP = "supernode-plan"
 PVC_NAME = "fsx"
 PRIORITY_CLASS = "supernode-training"
@@ -124,7 +123,7 @@ class TrainingNamespace(pulumi.ComponentResource):
 
         # The plan exactly as the core serialises it: the trainer reads this file.
         self.plan_config_map = k8s.core.v1.ConfigMap(f"{name}-plan", metadata=meta(PLAN_CONFIGMAP, ns),
-                                                     data={PLAN_KEY: args.plan.to_json()}, opts=child)
+                                                     data={PLAN_CONFIGMAP_KEY: args.plan.to_json()}, opts=child)
         self.register_outputs({"namespace": ns, "service_account": self.service_account.metadata.name,
                                "pvc": self.claim.metadata.name, "plan_config_map": self.plan_config_map.metadata.name})
 

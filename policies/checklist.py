@@ -18,11 +18,12 @@ from pydantic import ValidationError
 from supernode import capacity as cap
 from supernode.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG, gate_floor_gbytes_s
 from supernode.config import DIGEST_RE, Fsx
+from supernode.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_PATH
 
 from .base import Report, resource_policy, stack_policy
 from .settings import ApprovedInstances, CheckpointThroughput, Data, Gate, Lifecycle, LogRetention, MemoryFit
 from .view import (BUCKET, BUCKET_LIFECYCLE, DAEMON_SET, EFA_INTERFACE_TYPES, EFA_RESOURCE, EKS_CLUSTER, FSX_DRA,
-                   FSX_LUSTRE, IAM_ATTACHMENT, IAM_POLICY, IAM_ROLE, IAM_ROLE_POLICY, LOG_GROUP, PLACEMENT_GROUP, PLAN_KEY,
+                   FSX_LUSTRE, IAM_ATTACHMENT, IAM_POLICY, IAM_ROLE, IAM_ROLE_POLICY, LOG_GROUP, PLACEMENT_GROUP,
                    SECURITY_GROUP, SG_EGRESS, SG_INGRESS, SG_RULE, METRIC_ALARM, Res, Stack,
                    as_list, command_line, containers, get, is_true, items, json_doc, pod_specs, resource_quantity,
                    statements)
@@ -269,7 +270,7 @@ def _code_config(stack: Stack, _conf: None, report: Report) -> None:
     cm_name = (cm.get("metadata", "name") or cm.name) if cm else None
     for job in stack.trainer_jobs():
         if cm is None:
-            report(job, f"{job.label} has no plan to run: no ConfigMap holds data['{PLAN_KEY}']. Fix: create the plan "
+            report(job, f"{job.label} has no plan to run: no ConfigMap holds data['{PLAN_CONFIGMAP_KEY}']. Fix: create the plan "
                         f"ConfigMap from supernode.plan.Plan.to_json() and mount it at /etc/supernode.")
             continue
         for spec in pod_specs(job):
@@ -279,7 +280,7 @@ def _code_config(stack: Stack, _conf: None, report: Report) -> None:
             if not mounted:
                 report(job, f"{job.label} does not mount the plan ConfigMap '{cm_name}'. Fix: add a configMap volume "
                             f"for '{cm_name}' and mount it at /etc/supernode (the trainer reads --plan "
-                            f"/etc/supernode/{PLAN_KEY}).")
+                            f"{PLAN_MOUNT_PATH}).")
         for c in containers(job):
             if not DIGEST_RE.match(str(get(c, "image", default=""))):
                 report(job, f"{job.label} container '{get(c, 'name')}' image {get(c, 'image')!r} is not pinned by "

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional
 from pydantic import ValidationError
 
 from supernode.catalog import CATALOG
-from supernode.plan import Plan
+from supernode.plan import PLAN_CONFIGMAP_KEY, Plan
 
 # Type tokens, as pulumi_aws 7.x / pulumi_kubernetes 4.x register them.
 LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
@@ -55,7 +55,6 @@ DEPLOYMENT = "kubernetes:apps/v1:Deployment"
 STATEFUL_SET = "kubernetes:apps/v1:StatefulSet"
 POD = "kubernetes:core/v1:Pod"
 
-PLAN_KEY = "plan.json"  # the plan ConfigMap's data key (mounted at /etc/supernode/plan.json)
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 EFA_INTERFACE_TYPES = ("efa", "efa-only")
 OPEN_CIDRS = ("0.0.0.0/0", "::/0")
@@ -212,7 +211,7 @@ class Stack:
     # -- the plan --------------------------------------------------------------------------
     def plan_config_map(self) -> Optional[Res]:
         for cm in self.of(CONFIG_MAP):
-            if cm.get("data", PLAN_KEY) is not None:
+            if cm.get("data", PLAN_CONFIGMAP_KEY) is not None:
                 return cm
         return None
 
@@ -222,9 +221,9 @@ class Stack:
         if cm is None:
             return None
         try:
-            return Plan.from_json(cm.get("data", PLAN_KEY))
+            return Plan.from_json(cm.get("data", PLAN_CONFIGMAP_KEY))
         except (ValidationError, ValueError) as e:
-            raise PlanError(f"{cm.label} holds data['{PLAN_KEY}'] that is not a valid supernode Plan "
+            raise PlanError(f"{cm.label} holds data['{PLAN_CONFIGMAP_KEY}'] that is not a valid supernode Plan "
                             f"({str(e).splitlines()[0]}); generate it with supernode.plan.Plan.to_json()") from None
 
     # -- kubernetes workloads ---------------------------------------------------------------

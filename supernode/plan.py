@@ -16,6 +16,13 @@ from .catalog import CATALOG, GIB, InstanceType
 from .config import Model, Parallel, StackConfig, Training
 
 
+# In the cluster the Plan travels as this ConfigMap key, mounted read-only in this directory: the
+# workload writes it, the trainer reads it (`--plan PLAN_MOUNT_PATH`), the policy pack checks it.
+PLAN_CONFIGMAP_KEY = "plan.json"
+PLAN_MOUNT_DIR = "/etc/supernode"
+PLAN_MOUNT_PATH = f"{PLAN_MOUNT_DIR}/{PLAN_CONFIGMAP_KEY}"
+
+
 class Degrees(BaseModel):
     model_config = ConfigDict(frozen=True)
     dp_replicate: int
