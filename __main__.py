@@ -11,9 +11,9 @@ from components.network import Network, NetworkArgs
 from components.outputs import export_stack_outputs
 from components.storage import Storage, StorageArgs
 from components.workload import Fsx, GpuNodes, TrainingWorkload, WorkloadArgs
-from supernode.contract import CONTRACT_VERSION
-from supernode.plan import build_plan
-from supernode.runtime_config import stack_config
+from supernode.core.contract import CONTRACT_VERSION
+from supernode.core.plan import build_plan
+from components.stack_config import stack_config
 
 config = stack_config()
 stack = pulumi.get_stack()

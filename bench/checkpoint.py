@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from supernode.config import Model
+from supernode.core.config import Model
 from trainer.checkpoint import Checkpointer
 from trainer.model import Transformer, loss_fn
 

@@ -6,7 +6,7 @@
    achieved FLOP/s over the catalog's dense bf16 peak for this GPU.
 2. `peak_memory_vs_plan`: one training step (forward, backward, AdamW) of the stack's model on
    this one GPU, laid out as the planner assumes (FSDP2 with fp32 sharded parameters, bf16
-   compute, fp32 gradient reduction, on a 1-rank mesh), against `supernode.capacity.memory` for
+   compute, fp32 gradient reduction, on a 1-rank mesh), against `supernode.core.capacity.memory` for
    the same model, micro-batch and activation checkpointing with every degree 1. The planner's
    runtime reserve (CUDA context, communicator buffers) is outside the allocator, so it is
    compared without it.
@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from supernode import capacity
-from supernode.catalog import CATALOG
-from supernode.config import ConfigError, Parallel, load_stack
+from supernode.core import capacity
+from supernode.core.catalog import CATALOG
+from supernode.core.config import ConfigError, Parallel, load_stack
 
 
 def peak_flops(device_name: str) -> tuple[str, float]:

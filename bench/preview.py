@@ -11,8 +11,8 @@ import json
 import statistics
 import time
 
-from supernode.config import StackConfig, load_stack
-from supernode.preview import run_program
+from supernode.core.config import StackConfig, load_stack
+from supernode.ops.preview import run_program
 
 
 def scaled(cfg: StackConfig, factor: int) -> StackConfig:

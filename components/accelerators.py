@@ -1,7 +1,7 @@
 """Accelerator node groups with EFA, and the small system node group (issue 3, part 3).
 
 The EFA layout follows ARCHITECTURE.md §4: one network interface per network card, the count
-taken from `supernode.catalog`; card 0 / device 0 is `efa`, or an ENA primary with `efa-only` at
+taken from `supernode.core.catalog`; card 0 / device 0 is `efa`, or an ENA primary with `efa-only` at
 card 0 / device 1 on instance types with `ena_primary`; every other card is `efa-only` at device 1.
 """
 
@@ -15,8 +15,8 @@ import pulumi
 import pulumi_aws as aws
 import yaml
 
-from supernode.catalog import CATALOG, InstanceType
-from supernode.config import AcceleratorNodeGroup, SystemNodeGroup
+from supernode.core.catalog import CATALOG, InstanceType
+from supernode.core.config import AcceleratorNodeGroup, SystemNodeGroup
 
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 ROOT_VOLUME_GIB = 200  # the NVIDIA AMI and container images; training data lives on NVMe and FSx

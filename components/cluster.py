@@ -10,8 +10,8 @@ from typing import Mapping, Optional, Sequence
 import pulumi
 import pulumi_aws as aws
 
-from supernode.catalog import EKS_ADDON_VERSIONS
-from supernode.config import Cluster as ClusterConfig
+from supernode.core.catalog import EKS_ADDON_VERSIONS
+from supernode.core.config import Cluster as ClusterConfig
 
 from .identity import assume_role_policy, managed_policy_arn
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 import pulumi
 import pulumi_aws as aws
 
-from supernode.config import Identity, Storage
+from supernode.core.config import Identity, Storage
 
 # Managed policies an EKS node needs, and nothing more (no SSH: SSM core gives a shell).
 NODE_MANAGED_POLICIES = (

@@ -11,8 +11,8 @@ from typing import Mapping, Optional, Sequence
 import pulumi
 import pulumi_aws as aws
 
-from supernode.catalog import GIB
-from supernode.config import Monitoring as MonitoringConfig
+from supernode.core.catalog import GIB
+from supernode.core.config import Monitoring as MonitoringConfig
 
 from .cluster import Cluster
 from .identity import irsa_trust_policy, managed_policy_arn

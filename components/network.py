@@ -11,7 +11,7 @@ from typing import Mapping, Optional
 import pulumi
 import pulumi_aws as aws
 
-from supernode.config import Network as NetworkConfig
+from supernode.core.config import Network as NetworkConfig
 
 from .identity import assume_role_policy, policy_document
 

@@ -1,5 +1,5 @@
 """Stack outputs for other teams (issue 3, part 7): the exporter this stack uses and the reader
-other teams' Pulumi programs call, both bound to the typed contract in `supernode.contract`."""
+other teams' Pulumi programs call, both bound to the typed contract in `supernode.core.contract`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 import pulumi
 from pydantic import ValidationError
 
-from supernode.contract import CONTRACT_VERSION, StackOutputs
+from supernode.core.contract import CONTRACT_VERSION, StackOutputs
 
 SECRET_OUTPUTS = frozenset({"kubeconfig"})
 

@@ -10,8 +10,8 @@ from typing import Mapping, Optional
 import pulumi
 import pulumi_aws as aws
 
-from supernode.config import Storage as StorageConfig
-from supernode.plan import Plan
+from supernode.core.config import Storage as StorageConfig
+from supernode.core.plan import Plan
 
 from .identity import policy_document
 

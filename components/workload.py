@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 import pulumi
 import pulumi_kubernetes as k8s
 
-from supernode.catalog import gate_floor_gbytes_s
-from supernode.config import Images, Identity, Workload
-from supernode.plan import Plan
+from supernode.core.catalog import gate_floor_gbytes_s
+from supernode.core.config import Images, Identity, Workload
+from supernode.core.plan import Plan
 
 from .workload_addons import AddonArgs, ClusterAddons
 from .workload_common import GpuNodes, PodShape, Taint, dns_name

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import pulumi
 import pulumi_kubernetes as k8s
 
-from supernode.catalog import CATALOG
+from supernode.core.catalog import CATALOG
 
 from .workload_common import GpuNodes, PART_OF, load_crd, meta
 

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional, Sequence
 import pulumi
 import yaml
 
-from supernode.catalog import InstanceType
+from supernode.core.catalog import InstanceType
 
 CRD_DIR = Path(__file__).resolve().parent / "crds"
 PART_OF = {"app.kubernetes.io/part-of": "supernode", "app.kubernetes.io/managed-by": "pulumi"}

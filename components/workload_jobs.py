@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import pulumi
 import pulumi_kubernetes as k8s
 
-from supernode.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH, Plan
+from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH, Plan
 
 from .workload_common import MESH_LABEL, GpuNodes, PodShape, meta
 

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import pulumi
 import pulumi_kubernetes as k8s
 
-from supernode.plan import PLAN_CONFIGMAP_KEY, Plan
+from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
 
 from .workload_common import MESH_LABEL, PodShape, gib, meta
 

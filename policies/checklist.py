@@ -15,10 +15,10 @@ from typing import Optional
 from pulumi_policy import EnforcementLevel
 from pydantic import ValidationError
 
-from supernode import capacity as cap
-from supernode.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG, gate_floor_gbytes_s
-from supernode.config import DIGEST_RE, Fsx
-from supernode.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_PATH
+from supernode.core import capacity as cap
+from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG, gate_floor_gbytes_s
+from supernode.core.config import DIGEST_RE, Fsx
+from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_PATH
 
 from .base import Report, resource_policy, stack_policy
 from .settings import ApprovedInstances, CheckpointThroughput, Data, Gate, Lifecycle, LogRetention, MemoryFit
@@ -107,7 +107,7 @@ def _efa_interfaces(stack: Stack, _conf: None, report: Report) -> None:
         if len(efa) != want or cards != list(range(want)):
             report(lt, f"{lt.label} ({itype}) has {len(efa)} EFA interfaces on network cards {cards}; {itype} has "
                        f"{want} network cards and needs one EFA interface on each (0..{want - 1}), else NCCL loses "
-                       f"bandwidth. Fix: build networkInterfaces from supernode.catalog ({itype}.efa_interfaces).")
+                       f"bandwidth. Fix: build networkInterfaces from supernode.core.catalog ({itype}.efa_interfaces).")
 
 
 def _placement(stack: Stack, _conf: None, report: Report) -> None:
@@ -271,7 +271,7 @@ def _code_config(stack: Stack, _conf: None, report: Report) -> None:
     for job in stack.trainer_jobs():
         if cm is None:
             report(job, f"{job.label} has no plan to run: no ConfigMap holds data['{PLAN_CONFIGMAP_KEY}']. Fix: create the plan "
-                        f"ConfigMap from supernode.plan.Plan.to_json() and mount it at /etc/supernode.")
+                        f"ConfigMap from supernode.core.plan.Plan.to_json() and mount it at /etc/supernode.")
             continue
         for spec in pod_specs(job):
             volumes = {get(v, "name") for v in items(get(spec, "volumes")) if get(v, "configMap", "name") == cm_name}

@@ -1,4 +1,4 @@
-"""The pack's contents: served by `__main__.py` (Pulumi CLI) and run in-process by `supernode.policycheck`."""
+"""The pack's contents: served by `__main__.py` (Pulumi CLI) and run in-process by `supernode.ops.policycheck`."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from pulumi_policy import PolicyConfigSchema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from supernode.catalog import CATALOG
+from supernode.core.catalog import CATALOG
 
 
 class PolicySettings(BaseModel):

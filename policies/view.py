@@ -16,8 +16,8 @@ from typing import Any, Iterable, Optional
 
 from pydantic import ValidationError
 
-from supernode.catalog import CATALOG
-from supernode.plan import PLAN_CONFIGMAP_KEY, Plan
+from supernode.core.catalog import CATALOG
+from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
 
 # Type tokens, as pulumi_aws 7.x / pulumi_kubernetes 4.x register them.
 LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
@@ -224,7 +224,7 @@ class Stack:
             return Plan.from_json(cm.get("data", PLAN_CONFIGMAP_KEY))
         except (ValidationError, ValueError) as e:
             raise PlanError(f"{cm.label} holds data['{PLAN_CONFIGMAP_KEY}'] that is not a valid supernode Plan "
-                            f"({str(e).splitlines()[0]}); generate it with supernode.plan.Plan.to_json()") from None
+                            f"({str(e).splitlines()[0]}); generate it with supernode.core.plan.Plan.to_json()") from None
 
     # -- kubernetes workloads ---------------------------------------------------------------
     def trainer_jobs(self) -> list[Res]:

@@ -128,9 +128,6 @@ class TokenLoader:
 
     def __init__(self, data_dir: str | Path, seq_len: int, global_batch: int, micro_batch: int,
                  dp_rank: int, dp_size: int, seed: int):
-        if global_batch % (micro_batch * dp_size):
-            raise DataError(f"global batch {global_batch} is not divisible by micro batch x dp "
-                            f"({micro_batch} x {dp_size})")
         manifest = verify(data_dir)
         self.tokens = np.concatenate([np.fromfile(Path(data_dir) / s["file"], dtype=manifest.get("dtype", "uint8"))
                                       for s in manifest["shards"]])

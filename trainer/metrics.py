@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from prometheus_client import CollectorRegistry, Gauge, start_http_server, write_to_textfile
 
-from supernode.plan import Plan
+from supernode.core.plan import Plan
 
 JSONL, PROM, LOSS_PNG, LOAD_PNG = "metrics.jsonl", "metrics.prom", "loss.png", "expert_load.png"
 

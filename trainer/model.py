@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from supernode.config import Model
+from supernode.core.config import Model
 
 from .moe import MoE, SwiGLU
 

@@ -25,8 +25,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from supernode.config import Parallel
-from supernode.plan import Plan
+from supernode.core.config import Parallel
+from supernode.core.errors import ConfigError
+from supernode.core.layout import layout_rules
+from supernode.core.plan import Plan
 
 from .model import Transformer
 from .moe import MoE
@@ -41,26 +43,14 @@ class ParallelDims:
     pp: int
     world_size: int
 
-    def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "world_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"parallel degree {name} must be a positive integer, got {value!r}")
-        if self.pp > 1:
-            raise ValueError(f"pipeline parallel (pp={self.pp}) is not supported by the trainer yet; "
-                             "set supernode:parallel.pp: 1")
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
-        if product != self.world_size:
-            raise ValueError(
-                f"dp_replicate*dp_shard*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.tp}*{self.pp} = {product} "
-                f"does not match the world size {self.world_size}; adjust dp_shard "
-                f"(supernode:parallel.dpShard) or the number of processes")
-        if (self.dp_shard * self.tp) % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp_shard*tp = {self.dp_shard}*{self.tp} = "
-                             f"{self.dp_shard * self.tp} (supernode:parallel.ep)")
-
     @classmethod
-    def from_plan(cls, plan: Plan, world_size: int) -> "ParallelDims":
+    def from_plan(cls, plan: Plan, world_size: int, max_tp: Optional[int] = None) -> "ParallelDims":
+        """The plan's degrees for a job of `world_size` ranks, checked by the core's layout validator
+        (tp at most `max_tp`, the GPUs of a node; default: no limit beyond the world size)."""
+        issues = layout_rules(plan.model, plan.parallel, plan.training, world_size, max_tp or world_size,
+                              prefix="plan:", world_source=" (WORLD_SIZE of this job)")
+        if issues:
+            raise ConfigError(issues, "the plan does not fit this job")
         return cls(**plan.degrees.model_dump(), world_size=world_size)
 
     @property
@@ -138,13 +128,11 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: Meshes, parallel: 
     """Apply tensor parallel, expert parallel, activation checkpointing and FSDP2, in that order.
 
     `model` must hold the full, initialised weights on every rank (init_weights with one seed).
+    The layout was checked once, by `ParallelDims.from_plan`.
     """
-    cfg = model.cfg
     if dims.tp > 1:
         _tensor_parallel(model, mesh.tp)
     if dims.ep > 1:
-        if cfg.experts % dims.ep:
-            raise ValueError(f"ep={dims.ep} must divide model.experts ({cfg.experts}) (supernode:parallel.ep)")
         for moe in model.moe_layers():
             for name in ("w1", "w2", "w3"):
                 full = getattr(moe.experts, name)
@@ -163,10 +151,6 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: Meshes, parallel: 
 
 
 def _tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    cfg, tp = model.cfg, tp_mesh.size()
-    for name, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads)):
-        if n % tp:
-            raise ValueError(f"tp={tp} must divide model.{name} ({n}) (supernode:parallel.tp)")
     for block in model.layers:
         parallelize_module(block.attention, tp_mesh, {
             "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()})
@@ -178,8 +162,6 @@ def _tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
 
 
 def _activation_checkpointing(model: Transformer, mode: str) -> None:
-    if mode not in ("none", "selective", "full"):
-        raise ValueError(f"activation_checkpointing must be none, selective or full, got {mode!r}")
     for block in model.layers:
         block.checkpoint = mode
 

@@ -33,8 +33,9 @@ from pydantic import ValidationError
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from supernode.config import Training, layout_rules
-from supernode.plan import Plan
+from supernode.core.config import Training
+from supernode.core.errors import EXIT_BAD_INPUT, BadInput, bad_input_lines
+from supernode.core.plan import Plan
 
 from .checkpoint import CheckpointMismatch, Checkpointer
 from .data import DataError, TokenLoader
@@ -42,12 +43,7 @@ from .metrics import Metrics
 from .model import Transformer, loss_fn
 from .parallel import ParallelDims, parallelize
 
-EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 BETAS = (0.9, 0.95)
-
-
-class BadInput(Exception):
-    """Printed without a traceback; the process exits 2."""
 
 
 def lr_factor(t: Training) -> Callable[[int], float]:
@@ -171,24 +167,12 @@ def _load_plan(path: Path) -> Plan:
         raise BadInput(f"--plan {path}: not a valid plan: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
 
 
-def check_layout(plan: Plan, world_size: int, gpu: bool) -> ParallelDims:
-    """The plan's layout against this job's world size: every problem at once, named by field."""
-    max_tp = plan.accelerators_per_node if gpu else world_size
-    issues = layout_rules(plan.model, plan.parallel, plan.training, world_size, max_tp, prefix="plan:",
-                          world_source=" (WORLD_SIZE of this job)")
-    if issues:
-        raise BadInput("the plan does not fit this job:\n" + "\n".join(f"  {i}" for i in issues))
-    try:
-        return ParallelDims.from_plan(plan, world_size)
-    except ValueError as e:
-        raise BadInput(f"the plan does not fit this job: {e}") from None
-
-
 def train(args: argparse.Namespace) -> int:
     plan = _load_plan(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     gpu = torch.cuda.is_available()
-    dims = check_layout(plan, world, gpu)  # before any collective: a mismatch must not hang
+    # The core's layout validator, before any collective: a mismatch must not hang. tp stays in a node.
+    dims = ParallelDims.from_plan(plan, world, plan.accelerators_per_node if gpu else None)
     t, steps = plan.training, args.steps or plan.training.steps
     if steps < 1:
         raise BadInput(f"--steps must be at least 1 (got {steps})")
@@ -231,7 +215,7 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
                         "else a restarted attempt reads stale addresses (pytorch/pytorch#135712) and cannot connect")
     metrics.message(f"{'resumed from checkpoint at step ' + str(start) if start else 'starting at step 0'}; "
                     f"training to step {steps} on {world} {device.type} rank(s), layout {plan.degrees.model_dump()}")
-    accum = t.global_batch // (t.micro_batch * dims.dp_size)  # micro-batches per optimizer step
+    accum = plan.micro_batches_per_step
     gpu = device.type == "cuda"
     tokens_per_step = t.global_batch * plan.model.seq_len
     step = start
@@ -291,8 +275,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return train(args)
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except Exception as e:
+        lines = bad_input_lines(e)
+        if lines is None:
+            raise
+        print("\n".join(lines), file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
 
 

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from supernode.config import StackConfig, from_mapping, load_stack
-from supernode.preview import PreviewResult, Resource, run_program
+from supernode.core.config import StackConfig, from_mapping, load_stack
+from supernode.ops.preview import PreviewResult, Resource, run_program
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from aws_preview import ROOT, preview
-from supernode.catalog import CATALOG
+from supernode.core.catalog import CATALOG
 from supernode.cli import main
-from supernode.config import ConfigError, from_mapping
-from supernode.preview import run_program
+from supernode.core.config import ConfigError, from_mapping
+from supernode.ops.preview import run_program
 
 
 def _write_variant(tmp_path: Path, change) -> Path:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from aws_preview import Stack
-from supernode.catalog import GIB
-from supernode.plan import build_plan
+from supernode.core.catalog import GIB
+from supernode.core.plan import build_plan
 
 ALARM = "aws:cloudwatch/metricAlarm:MetricAlarm"
 LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from aws_preview import Stack, preview
-from supernode.catalog import EKS_ADDON_VERSIONS
+from supernode.core.catalog import EKS_ADDON_VERSIONS
 
 SUBNET = "aws:ec2/subnet:Subnet"
 ENDPOINT = "aws:ec2/vpcEndpoint:VpcEndpoint"

@@ -12,8 +12,8 @@ from pulumi.runtime import settings as psettings
 
 from aws_preview import Stack, preview
 from components.outputs import StackOutputsError, export_stack_outputs, parse_stack_outputs, read_stack_outputs
-from supernode.contract import CONTRACT_VERSION, StackOutputs
-from supernode.preview import CloudMocks
+from supernode.core.contract import CONTRACT_VERSION, StackOutputs
+from supernode.ops.preview import CloudMocks
 
 REF = "acme/supernode/prod"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from aws_preview import Stack, policy, preview, statements
-from supernode.catalog import GIB
-from supernode.plan import build_plan
+from supernode.core.catalog import GIB
+from supernode.core.plan import build_plan
 
 BUCKET = "aws:s3/bucket:Bucket"
 FSX = "aws:fsx/lustreFileSystem:LustreFileSystem"

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from supernode import manifests as mf
-from supernode.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG
-from supernode.config import StackConfig, from_mapping, load_stack
-from supernode.plan import Plan, build_plan
-from supernode.preview import PreviewResult, Resource, run_program
+from supernode.ops import manifests as mf
+from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG
+from supernode.core.config import StackConfig, from_mapping, load_stack
+from supernode.core.plan import Plan, build_plan
+from supernode.ops.preview import PreviewResult, Resource, run_program
 
 ROOT = Path(__file__).resolve().parents[2]
 FSX_ID = "fs-0123456789abcdef0"
@@ -30,8 +30,8 @@ GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 PROGRAM = textwrap.dedent(f"""
     import pulumi
     from components.workload import Fsx, GpuNodes, TrainingWorkload, WorkloadArgs
-    from supernode.plan import build_plan
-    from supernode.runtime_config import stack_config
+    from supernode.core.plan import build_plan
+    from components.stack_config import stack_config
 
     cfg = stack_config()
     TrainingWorkload("workload", WorkloadArgs(

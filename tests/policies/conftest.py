@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from policy_resources import ROOT, compliant_stack
-from supernode.config import StackConfig, load_stack
-from supernode.plan import Plan, build_plan
+from supernode.core.config import StackConfig, load_stack
+from supernode.core.plan import Plan, build_plan
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from supernode.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG
-from supernode.config import StackConfig
-from supernode.plan import Plan
+from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG
+from supernode.core.config import StackConfig
+from supernode.core.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCOUNT = "123456789012"

@@ -8,10 +8,10 @@ from typing import Any, Callable
 import pytest
 
 from policies.pack import POLICIES, item_of
-from supernode.catalog import CATALOG
-from supernode.config import StackConfig
-from supernode.plan import build_plan
-from supernode.policycheck import check
+from supernode.core.catalog import CATALOG
+from supernode.core.config import StackConfig
+from supernode.core.plan import build_plan
+from supernode.ops.policycheck import check
 
 from policy_resources import doc, find, mutate, without
 

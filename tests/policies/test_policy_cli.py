@@ -102,7 +102,7 @@ def test_preview_exits_1_on_a_mandatory_violation(tmp_path, capsys, monkeypatch)
 def test_policy_config_of_a_stack_feeds_the_check(capsys):
     assert main(["policy", "config", "--stack", "prod", "--root", str(ROOT)]) == 0
     conf = json.loads(capsys.readouterr().out)
-    from supernode.config import load_stack
+    from supernode.core.config import load_stack
     cfg = load_stack("prod", ROOT)
     assert conf["data-ready"]["datasetPrefix"] == cfg.storage.dataset_prefix
     assert conf["checkpoint-lifecycle"]["checkpointPrefix"] == cfg.storage.checkpoint_prefix

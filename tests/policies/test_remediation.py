@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from supernode.policycheck import check
+from supernode.ops.policycheck import check
 
 from policy_resources import find, mutate
 

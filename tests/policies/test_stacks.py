@@ -8,10 +8,10 @@ import json
 import pytest
 
 from policies.view import Stack
-from supernode.config import load_stack
-from supernode.plan import build_plan
-from supernode.policycheck import check, config_from_stack
-from supernode.preview import run_program
+from supernode.core.config import load_stack
+from supernode.core.plan import build_plan
+from supernode.ops.policycheck import check, config_from_stack
+from supernode.ops.preview import run_program
 
 from policy_resources import ROOT
 

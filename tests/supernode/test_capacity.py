@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from supernode import capacity as cap
-from supernode.catalog import CATALOG, GIB
-from supernode.config import Fsx, Model, Parallel, Training, load_stack
-from supernode.plan import Plan, build_local_plan, build_plan
+from supernode.core import capacity as cap
+from supernode.core.catalog import CATALOG, GIB
+from supernode.core.config import Fsx, Model, Parallel, Training, load_stack
+from supernode.core.plan import Plan, build_local_plan, build_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,10 +117,12 @@ def test_plan_that_does_not_fit_says_by_how_much_and_suggests_layouts():
         "training": cfg.training.model_copy(update={"micro_batch": 4, "global_batch": 1024})})
     plan = build_plan("prod", cfg)
     assert not plan.fits and plan.over_by_gib > 0
-    assert plan.over_by_gib == pytest.approx(plan.memory_per_rank_gib - plan.hbm_gib)
+    # "fits" means within the usable HBM (HBM less the layout's headroom), the figure the policy reads.
+    assert plan.usable_hbm_gib == pytest.approx(plan.hbm_gib * (1 - cfg.parallel.hbm_headroom))
+    assert plan.over_by_gib == pytest.approx(plan.memory_per_rank_gib - plan.usable_hbm_gib)
     assert plan.suggestions
     for s in plan.suggestions:
-        assert s.dp_replicate * s.dp_shard * s.tp * s.pp == plan.world_size and s.memory_gib <= plan.hbm_gib
+        assert s.dp_replicate * s.dp_shard * s.tp * s.pp == plan.world_size and s.memory_gib <= plan.usable_hbm_gib
 
 
 def test_plan_json_round_trip():

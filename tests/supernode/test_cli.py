@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from supernode.cli import main
-from supernode.config import load_stack
+from supernode.core.config import load_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,7 @@ def test_plan_that_does_not_fit_exits_1_with_suggestions(tmp_path, capsys):
 
 
 def test_full_plan_json_is_what_the_trainer_reads(capsys):
-    from supernode.plan import Plan
+    from supernode.core.plan import Plan
 
     assert main(["plan", "--stack", "dev", "--root", str(ROOT), "--json", "--full"]) == 0
     plan = Plan.from_json(capsys.readouterr().out)

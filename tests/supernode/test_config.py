@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from supernode.cli import main
-from supernode.config import ConfigError, StackConfig, from_mapping, load_stack, read_stack_file
+from supernode.core.config import ConfigError, StackConfig, from_mapping, load_stack, read_stack_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = sorted((Path(__file__).parent / "invalid_stacks").glob("*.yaml"))
@@ -52,8 +52,8 @@ def test_runtime_config_reads_the_same_schema(stack):
     """`__main__.py` reads Pulumi's runtime config (JSON strings) into the same StackConfig."""
     from pulumi.runtime.config import set_all_config
 
-    from supernode.preview import config_for_engine
-    from supernode.runtime_config import stack_config
+    from supernode.ops.preview import config_for_engine
+    from components.stack_config import stack_config
 
     cfg = load_stack(stack, ROOT)
     set_all_config(config_for_engine(stack, cfg))

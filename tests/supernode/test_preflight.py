@@ -15,11 +15,11 @@ import boto3
 import pytest
 import yaml
 
-from supernode import catalog
-from supernode.awscheck import Aws, Check
+from supernode.core import catalog
+from supernode.ops.awscheck import Aws, Check
 from supernode.cli import main
-from supernode.config import from_mapping, read_stack_file
-from supernode.preflight import (P_QUOTA_CODE, check_bucket, check_instance_type, check_kms_key, check_vpc,
+from supernode.core.config import from_mapping, read_stack_file
+from supernode.ops.preflight import (P_QUOTA_CODE, check_bucket, check_instance_type, check_kms_key, check_vpc,
                                  run_preflight)
 
 ROOT = Path(__file__).resolve().parents[2]

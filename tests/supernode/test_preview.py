@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from supernode.cli import main
-from supernode.config import load_stack
-from supernode.preview import run_program
+from supernode.core.config import load_stack
+from supernode.ops.preview import run_program
 
 ROOT = Path(__file__).resolve().parents[2]
 

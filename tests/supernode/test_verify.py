@@ -15,12 +15,12 @@ from pathlib import Path
 import boto3
 import pytest
 
-from supernode.awscheck import Aws, Check
+from supernode.ops.awscheck import Aws, Check
 from supernode.cli import main
-from supernode.config import StackConfig, from_mapping, read_stack_file
-from supernode.contract import CONTRACT_VERSION, StackOutputs
-from supernode.plan import build_plan
-from supernode.verify import run_verify
+from supernode.core.config import StackConfig, from_mapping, read_stack_file
+from supernode.core.contract import CONTRACT_VERSION, StackOutputs
+from supernode.core.plan import build_plan
+from supernode.ops.verify import run_verify
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"

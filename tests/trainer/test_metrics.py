@@ -9,8 +9,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from supernode.config import load_stack
-from supernode.plan import build_local_plan
+from supernode.core.config import load_stack
+from supernode.core.plan import build_local_plan
 from trainer.metrics import JSONL, LOAD_PNG, LOSS_PNG, PROM, Metrics, load_imbalance, plot
 
 ROOT = Path(__file__).resolve().parents[2]

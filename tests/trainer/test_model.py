@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from supernode.config import Model
+from supernode.core.config import Model
 from trainer.model import Transformer, apply_rope, loss_fn, rope_tables
 
 CFG = Model(layers=3, dim=32, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=16,

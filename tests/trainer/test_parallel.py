@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from supernode.config import Model, Parallel
+from supernode.core.config import Model, Parallel
 from trainer.model import Transformer, loss_fn
 from trainer.parallel import ParallelDims, parallelize
 
@@ -137,25 +137,47 @@ def test_every_layout_matches_single_process(tmp_path) -> None:
     assert not failures, "\n\n".join(failures)
 
 
+def _dev_local_plan():
+    from pathlib import Path
+
+    from supernode.core.config import load_stack
+    from supernode.core.plan import build_local_plan
+
+    return build_local_plan("dev", load_stack("dev", Path(__file__).resolve().parents[2]))
+
+
+def _with_degrees(plan, **degrees):
+    return plan.model_copy(update={"parallel": plan.parallel.model_copy(update=degrees),
+                                   "degrees": plan.degrees.model_copy(update=degrees)})
+
+
 def test_dims_from_degrees_and_errors() -> None:
+    from pydantic import ValidationError
+
+    from supernode.core.config import Parallel
+    from supernode.core.errors import ConfigError
+
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, ep=4, pp=1, world_size=8)
     assert (dims.dp_size, dims.edp) == (4, 1)
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
-    with pytest.raises(ValueError, match=r"world size 6"):
-        ParallelDims(dp_replicate=1, dp_shard=4, tp=1, ep=1, pp=1, world_size=6)
-    with pytest.raises(ValueError, match=r"ep=3 must divide dp_shard\*tp"):
-        ParallelDims(dp_replicate=1, dp_shard=4, tp=1, ep=3, pp=1, world_size=4)
-    with pytest.raises(ValueError, match=r"pipeline parallel \(pp=2\) is not supported.*parallel.pp: 1"):
-        ParallelDims(dp_replicate=1, dp_shard=2, tp=1, ep=1, pp=2, world_size=4)
-    with pytest.raises(ValueError, match=r"tp must be a positive integer, got 0"):
-        ParallelDims(dp_replicate=1, dp_shard=2, tp=0, ep=1, pp=1, world_size=2)
+    # Layout errors come from the core's one validator, named by the plan's field.
+    plan = _dev_local_plan()
+    with pytest.raises(ConfigError, match=r"world size is 6"):
+        ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=4, tp=1, ep=1, pp=1), 6)
+    with pytest.raises(ConfigError, match=r"plan:parallel.ep: ep must divide dpShard\*tp"):
+        ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=4, tp=1, ep=3, pp=1), 4)
+    with pytest.raises(ConfigError, match=r"plan:parallel.pp: pipeline parallel is not supported.*pp: 1"):
+        ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=2, tp=1, ep=1, pp=2), 4)
+    with pytest.raises(ValidationError, match=r"tp\n.*greater than or equal to 1"):
+        Parallel(dp_replicate=1, dp_shard=2, tp=0, ep=1, pp=1)
 
 
 def test_dims_from_the_dev_stack_plan() -> None:
     from pathlib import Path
 
-    from supernode.config import load_stack
-    from supernode.plan import build_local_plan, build_plan
+    from supernode.core.config import load_stack
+    from supernode.core.errors import ConfigError
+    from supernode.core.plan import build_local_plan, build_plan
 
     root = Path(__file__).resolve().parents[2]
     cfg = load_stack("dev", root)
@@ -165,5 +187,5 @@ def test_dims_from_the_dev_stack_plan() -> None:
     assert dims.dp_size == 2 and dims.edp == 1
     full = build_plan("dev", cfg)
     assert ParallelDims.from_plan(full, full.world_size).dp_size == full.parallel.dp
-    with pytest.raises(ValueError, match=f"does not match the world size {local.world_size + 1}"):
+    with pytest.raises(ConfigError, match=f"the world size is {local.world_size + 1}"):
         ParallelDims.from_plan(local, local.world_size + 1)

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from supernode.cli import main as cli
-from supernode.commands.train import with_nproc
-from supernode.config import from_mapping, load_stack
-from supernode.plan import Plan, build_local_plan
+from supernode.core.config import from_mapping, load_stack
+from supernode.core.plan import Plan, build_local_plan
 from trainer.checkpoint import complete_checkpoints
 from trainer.data import DEFAULT_CORPUS, prepare
 from trainer.train import lr_factor
@@ -30,7 +29,7 @@ def local_plan(nproc: int, **training) -> Plan:
     data = load_stack("dev", ROOT).to_mapping()
     data["local"]["training"].update({"warmupSteps": 2, **training})
     cfg = from_mapping(data)
-    return build_local_plan("dev", cfg if nproc == cfg.local.nproc else with_nproc(cfg, nproc))
+    return build_local_plan("dev", cfg, nproc)
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..awscheck import failures, render, to_json
-from ..cli import EXIT_FAILED, EXIT_OK, BadInput, add_stack_args, stack_from_args
-from ..contract import StackOutputs
-from ..plan import build_plan
-from ..verify import OutputsError, load_outputs, parse_outputs, run_verify
+from ...ops.awscheck import failures, render, to_json
+from ..args import add_stack_args, stack_from_args
+from ...core.errors import BadInput, EXIT_FAILED, EXIT_OK
+from ...core.contract import StackOutputs
+from ...core.plan import build_plan
+from ...ops.verify import OutputsError, load_outputs, parse_outputs, run_verify
 
 
 def register(sub) -> None:

@@ -26,7 +26,7 @@ from policies.base import SETTINGS
 from policies.pack import CHECKLIST_ITEMS, PACK_NAME, POLICIES, item_of
 from policies.settings import PolicyConfigError, settings_for
 
-from .config import StackConfig
+from ..core.config import StackConfig
 
 PACK_VERSION = "0.1.0"
 LEVELS = {level.value: level for level in EnforcementLevel}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..cli import BadInput
+from ...core.errors import BadInput
 
 BENCHES = {
     "preview": "bench.preview",  # offline preview cost: prod vs a 4x larger stack

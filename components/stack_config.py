@@ -11,7 +11,7 @@ import json
 import pulumi
 from pulumi.runtime import config as runtime_config
 
-from .config import NAMESPACE, ConfigError, StackConfig, from_mapping
+from supernode.core.config import NAMESPACE, ConfigError, StackConfig, from_mapping
 
 
 def _raw_config() -> dict[str, object]:

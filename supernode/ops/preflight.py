@@ -15,8 +15,8 @@ from functools import partial
 from botocore.exceptions import ClientError
 
 from .awscheck import Aws, Check, Step, error_code, failed, passed, run_checks, warned
-from .catalog import CATALOG
-from .config import AcceleratorNodeGroup, StackConfig
+from ..core.catalog import CATALOG
+from ..core.config import AcceleratorNodeGroup, StackConfig
 
 CATALOG_FIX = "correct supernode/catalog.py (the plan was sized with the catalog's figures), then re-run `supernode plan`"
 # EC2 On-Demand vCPU quotas are per instance-family group; every catalog type is a P instance

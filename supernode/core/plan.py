@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
 from . import capacity as cap
-from .catalog import CATALOG, GIB, InstanceType
-from .config import Model, Parallel, StackConfig, Training
+from .catalog import CATALOG, GIB, InstanceType, gate_floor_gbytes_s
+from .config import Model, Parallel, StackConfig, Training, with_local_nproc
 
 
 # In the cluster the Plan travels as this ConfigMap key, mounted read-only in this directory: the
@@ -51,11 +52,17 @@ class Plan(BaseModel):
     memory: cap.Memory
     memory_per_rank_gib: float
     hbm_gib: float
-    fits: bool
-    over_by_gib: float  # how far over HBM the estimate is (0 when it fits)
+    usable_hbm_gib: float  # HBM less parallel.hbm_headroom: what a rank may plan to use
+    fits: bool  # memory_per_rank_gib <= usable_hbm_gib; the memory-fit policy reads this, never recomputes it
+    over_by_gib: float  # how far over the usable HBM the estimate is (0 when it fits)
     suggestions: list[cap.Suggestion]
+    micro_batches_per_step: int  # gradient accumulation: global_batch / (micro_batch x dp)
     step: cap.StepTime
     checkpoint: cap.CheckpointIO
+    # The interconnect gate's all_reduce bus-bandwidth floor in GB/s (catalog baseline x
+    # workload.gateMinFraction); None where no baseline is published for the instance type.
+    gate_floor_gbytes_s: Optional[float]
+    pod: cap.PodShape  # the distributed job's pod on one GPU node
     cost_per_hour_usd: float
     run_hours: float
     run_cost_usd: float
@@ -90,8 +97,8 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     world = cfg.local.nproc if local else cfg.accelerators
     mem = cap.memory(m, p, t)
-    hbm = hw.hbm_bytes
-    fits = mem.total <= hbm
+    usable = cap.usable_hbm_bytes(p, hw)
+    fits = mem.total <= usable
     st = cap.step_time(m, p, t, hw)
     ckpt = cap.checkpoint_io(m, t, cfg.storage.fsx)
     hours = t.steps * st.step_s / 3600
@@ -100,10 +107,13 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
         stack=stack, local=local, instance_type=hw.name, nodes=cfg.nodes, accelerators_per_node=hw.accelerators,
         world_size=world, degrees=Degrees(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep, pp=p.pp),
         model=m, parallel=p, training=t, params=cap.param_counts(m), flops_per_token=cap.flops_per_token(m),
-        memory=mem, memory_per_rank_gib=mem.total_gib, hbm_gib=hw.hbm_gib, fits=fits,
-        over_by_gib=max(0.0, (mem.total - hbm) / GIB),
+        memory=mem, memory_per_rank_gib=mem.total_gib, hbm_gib=hw.hbm_gib, usable_hbm_gib=usable / GIB, fits=fits,
+        over_by_gib=max(0.0, (mem.total - usable) / GIB),
         suggestions=[] if fits or local else cap.suggest(m, p, t, hw),
-        step=st, checkpoint=ckpt, cost_per_hour_usd=per_hour, run_hours=hours, run_cost_usd=total,
+        micro_batches_per_step=t.global_batch // (t.micro_batch * p.dp),
+        step=st, checkpoint=ckpt,
+        gate_floor_gbytes_s=gate_floor_gbytes_s(hw.name, cfg.workload.gate_min_fraction),
+        pod=cap.PodShape.for_node(hw, cfg.workload.hugepages_2mi_gib), cost_per_hour_usd=per_hour, run_hours=hours, run_cost_usd=total,
     )
 
 
@@ -118,6 +128,9 @@ def build_plan(stack: str, cfg: StackConfig) -> Plan:
     return _plan(stack, cfg, local=False)
 
 
-def build_local_plan(stack: str, cfg: StackConfig) -> Plan:
-    """The same plan scaled down by the stack's `local` section, for a CPU run with nproc ranks."""
+def build_local_plan(stack: str, cfg: StackConfig, nproc: Optional[int] = None) -> Plan:
+    """The same plan scaled down by the stack's `local` section, for a CPU run with nproc ranks
+    (default: local.nproc; another count rescales the local dpShard, see `with_local_nproc`)."""
+    if nproc is not None:
+        cfg = with_local_nproc(cfg, nproc)
     return _plan(stack, cfg.local_config(), local=True)

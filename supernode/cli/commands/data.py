@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..cli import BadInput
+from ...core.errors import BadInput
 
 
 def register(sub) -> None:

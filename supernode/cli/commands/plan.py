@@ -7,9 +7,10 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from ..cli import EXIT_FAILED, add_stack_args, stack_from_args
-from ..catalog import GIB
-from ..plan import Plan, build_plan
+from ..args import add_stack_args, stack_from_args
+from ...core.errors import EXIT_FAILED
+from ...core.catalog import GIB
+from ...core.plan import Plan, build_plan
 
 
 def register(sub) -> None:
@@ -23,7 +24,7 @@ def register(sub) -> None:
 def plan_json(plan: Plan) -> dict:
     out = plan.summary()
     out.update(json.loads(plan.model_dump_json(include={
-        "instance_type", "nodes", "accelerators_per_node", "params", "flops_per_token", "memory", "over_by_gib",
+        "instance_type", "nodes", "accelerators_per_node", "params", "flops_per_token", "memory", "usable_hbm_gib", "over_by_gib",
         "suggestions", "step", "checkpoint", "cost_per_hour_usd", "run_hours", "run_cost_usd"})))
     return out
 
@@ -46,7 +47,8 @@ def render(plan: Plan, console: Console) -> None:
     t.add_row("memory / rank", f"{plan.memory_per_rank_gib:.1f} GiB",
               f"states {m.model_states / GIB:.1f}, FSDP buffers {m.fsdp_buffers / GIB:.1f}, activations "
               f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}, reserve {m.runtime_reserve / GIB:.1f} GiB")
-    fit = "[green]fits[/]" if plan.fits else f"[red]does not fit: over by {plan.over_by_gib:.1f} GiB[/]"
+    within = f"{plan.usable_hbm_gib:.1f} GiB usable ({plan.parallel.hbm_headroom:.0%} headroom)"
+    fit = f"[green]fits in {within}[/]" if plan.fits else f"[red]does not fit: over by {plan.over_by_gib:.1f} GiB of {within}[/]"
     t.add_row("HBM / rank", f"{plan.hbm_gib:.1f} GiB", fit)
     s = plan.step
     t.add_row("step time (est.)", f"{s.step_s:.3f} s", f"compute {s.compute_s:.3f}, all-to-all {s.all_to_all_s:.3f}, "
@@ -61,7 +63,8 @@ def render(plan: Plan, console: Console) -> None:
     console.print(t)
     if not plan.fits:
         console.print(f"[red]The plan needs {plan.memory_per_rank_gib:.1f} GiB per rank but the GPU has "
-                      f"{plan.hbm_gib:.1f} GiB.[/]")
+                      f"{plan.hbm_gib:.1f} GiB, {plan.usable_hbm_gib:.1f} GiB with {plan.parallel.hbm_headroom:.0%} "
+                      f"headroom.[/]")
         if plan.suggestions:
             console.print("Layouts with the same world size that fit (fastest first):")
             for sug in plan.suggestions:

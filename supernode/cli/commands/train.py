@@ -14,9 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..cli import EXIT_FAILED, BadInput, add_stack_args, err, stack_from_args
-from ..config import StackConfig, from_mapping
-from ..plan import Plan, build_local_plan
+from ..args import add_stack_args, err, stack_from_args
+from ...core.errors import BadInput, EXIT_FAILED
+from ...core.plan import Plan, build_local_plan
 
 
 def register(sub) -> None:
@@ -29,17 +29,6 @@ def register(sub) -> None:
     p.add_argument("--data", type=Path, default=None, help="prepared data (default: OUT/data from the shipped corpus)")
     p.add_argument("--log-every", type=int, default=5, help="metrics every N steps")
     p.set_defaults(func=run)
-
-
-def with_nproc(cfg: StackConfig, nproc: int) -> StackConfig:
-    """The stack with local.nproc = nproc, dpShard rescaled to match; validated like a stack file."""
-    p = cfg.local_config().parallel
-    fixed = p.dp_replicate * p.tp * p.pp
-    if nproc % fixed:
-        raise BadInput(f"--nproc {nproc}: must be a multiple of the local dpReplicate*tp*pp ({fixed})")
-    data = cfg.to_mapping()
-    data["local"]["nproc"], data["local"]["parallel"]["dpShard"] = nproc, nproc // fixed
-    return from_mapping(data, f"--nproc {nproc}")
 
 
 def torchrun_command(plan: Plan, plan_path: Path, data: Path, out: Path, steps: int, log_every: int) -> list[str]:
@@ -58,9 +47,7 @@ def run(args) -> int:
         if value is not None and value < 1:
             raise BadInput(f"--{flag.replace('_', '-')} must be at least 1 (got {value})")
     stack, cfg = stack_from_args(args)
-    if args.nproc is not None and args.nproc != cfg.local.nproc:
-        cfg = with_nproc(cfg, args.nproc)
-    plan = build_local_plan(stack, cfg)
+    plan = build_local_plan(stack, cfg, args.nproc)
     steps = args.steps or plan.training.steps
     out = args.out or Path("out") / f"train-{stack}"
     out.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from ..awscheck import failures, render, to_json
-from ..cli import EXIT_FAILED, EXIT_OK, add_stack_args, stack_from_args
-from ..preflight import run_preflight
+from ...ops.awscheck import failures, render, to_json
+from ..args import add_stack_args, stack_from_args
+from ...core.errors import EXIT_FAILED, EXIT_OK
+from ...ops.preflight import run_preflight
 
 
 def register(sub) -> None:

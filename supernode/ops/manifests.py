@@ -22,7 +22,7 @@ from kubernetes_validate.utils import validate as validate_builtin
 from packaging.version import Version
 from rich.console import Console
 
-from .cli import BadInput
+from ..core.errors import BadInput
 
 Manifest = dict[str, Any]
 
@@ -54,7 +54,7 @@ def _apply_key(m: Manifest) -> tuple:
 
 
 def from_resources(resources: Iterable[Any]) -> list[Manifest]:
-    """Every Kubernetes object among recorded preview resources (`supernode.preview.Resource`), in
+    """Every Kubernetes object among recorded preview resources (`supernode.ops.preview.Resource`), in
     apply order, with apiVersion / kind / metadata first as kubectl prints them."""
     out = []
     for r in resources:

@@ -1,6 +1,6 @@
 """Verify: after `pulumi up`, the deployed resources are as the config and the plan say.
 
-Reads the stack outputs (the contract in `supernode.contract.StackOutputs`, as
+Reads the stack outputs (the contract in `supernode.core.contract.StackOutputs`, as
 `pulumi stack output --json --show-secrets` prints them) and asks AWS about each resource.
 `node_group_names` lists the accelerator node groups in the order of `acceleratorNodeGroups`.
 """
@@ -16,9 +16,9 @@ from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
 from .awscheck import Aws, Check, Step, error_code, failed, passed, run_checks, warned
-from .config import Lifecycle, StackConfig
-from .contract import CONTRACT_VERSION, StackOutputs
-from .plan import Plan
+from ..core.config import Lifecycle, StackConfig
+from ..core.contract import CONTRACT_VERSION, StackOutputs
+from ..core.plan import Plan
 
 PULUMI_UP = "run `pulumi up` to converge the stack"
 

@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..cli import EXIT_FAILED, BadInput, add_stack_args, stack_from_args
-from ..policycheck import (PolicyInputError, PolicyReport, check, config_from_stack, junit_xml, load_policy_config,
+from ..args import add_stack_args, stack_from_args
+from ...core.errors import BadInput, EXIT_FAILED
+from ...ops.policycheck import (PolicyInputError, PolicyReport, check, config_from_stack, junit_xml, load_policy_config,
                            load_resources)
 
 STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "remediated": "cyan", "disabled": "dim"}

@@ -10,11 +10,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from ..cli import EXIT_FAILED, add_stack_args, stack_from_args
-from ..manifests import export as export_manifests
-from ..plan import build_plan
-from ..preview import PreviewResult, run_program
-from ..policycheck import config_from_stack
+from ..args import add_stack_args, stack_from_args
+from ...core.errors import EXIT_FAILED
+from ...ops.manifests import export as export_manifests
+from ...core.plan import build_plan
+from ...ops.preview import PreviewResult, run_program
+from ...ops.policycheck import config_from_stack
 from .plan import render as render_plan
 from .policy import add_policy_args, policy_config, render as render_policy, run_pack
 

@@ -22,10 +22,10 @@ from pulumi.runtime import settings as psettings
 from pulumi.runtime.config import set_all_config
 from pulumi.runtime.stack import run_pulumi_func
 
-from .catalog import CATALOG
-from .config import NAMESPACE, StackConfig
+from ..core.catalog import CATALOG
+from ..core.config import NAMESPACE, StackConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = ROOT / "__main__.py"
 ACCOUNT = "123456789012"
 

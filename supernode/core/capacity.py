@@ -18,7 +18,8 @@ import math
 from pydantic import BaseModel
 
 from .catalog import GIB, InstanceType
-from .config import Fsx, Model, Parallel, Training, layout_rules
+from .config import Fsx, Model, Parallel, Training
+from .layout import layout_rules
 
 ADAM_STATE_BYTES = 16  # fp32 master + fp32 grad + 2 fp32 moments, per sharded parameter
 CHECKPOINT_BYTES = 12  # fp32 master + 2 moments (gradients are not saved)
@@ -188,6 +189,7 @@ def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType) -> StepTime:
 
 class CheckpointIO(BaseModel):
     checkpoint_bytes: int
+    write_budget_s: int  # seconds one checkpoint write may take (storage.fsx.checkpointWriteBudgetS)
     required_mb_s: float
     fsx_capacity_gib: int  # configured, or sized by the planner
     fsx_throughput_mb_s: float
@@ -209,7 +211,7 @@ def checkpoint_io(m: Model, t: Training, fsx: Fsx) -> CheckpointIO:
     capacity = fsx.capacity_gib or fsx_capacity_for(required, fsx.per_unit_throughput, hold)
     throughput = capacity / 1024 * fsx.per_unit_throughput
     seconds = size / 1e6 / throughput
-    return CheckpointIO(checkpoint_bytes=size, required_mb_s=required, fsx_capacity_gib=capacity,
+    return CheckpointIO(checkpoint_bytes=size, write_budget_s=fsx.checkpoint_write_budget_s, required_mb_s=required, fsx_capacity_gib=capacity,
                         fsx_throughput_mb_s=throughput, write_seconds=seconds,
                         within_budget=seconds <= fsx.checkpoint_write_budget_s and capacity * GIB >= hold,
                         sized_by_planner=fsx.capacity_gib is None)
@@ -226,8 +228,14 @@ class Suggestion(BaseModel):
     step_s: float
 
 
+def usable_hbm_bytes(p: Parallel, hw: InstanceType) -> int:
+    """HBM a rank may plan to use: the GPU's memory less the layout's headroom (`fits` means within this)."""
+    return int(hw.hbm_bytes * (1 - p.hbm_headroom))
+
+
 def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3) -> list[Suggestion]:
-    """Layouts with the same world size that fit, fastest first."""
+    """Layouts with the same world size that fit within the usable HBM, fastest first: each one
+    passes the same layout validator and the same fit test as the stack's own layout."""
     world, out = p.world_size, []
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     # pp stays 1: the trainer has no pipeline schedule yet (config rejects pp > 1).
@@ -242,7 +250,7 @@ def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3
             if layout_rules(m, cand, t, world, hw.accelerators):
                 continue
             mem = memory(m, cand, t)
-            if mem.total <= hw.hbm_bytes:
+            if mem.total <= usable_hbm_bytes(cand, hw):
                 st = step_time(m, cand, t, hw)
                 out.append(Suggestion(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=1,
                                       activation_checkpointing=ac, memory_gib=round(mem.total_gib, 2),
@@ -254,3 +262,24 @@ def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3
 def hours_cost(nodes_by_type: dict[str, int], catalog: dict[str, InstanceType], hours: float) -> tuple[float, float]:
     per_hour = sum(n * catalog[name].price_per_hour for name, n in nodes_by_type.items())
     return per_hour, per_hour * hours
+
+
+# Share of a GPU node's vCPUs and memory left to the kubelet, system reservations and the
+# DaemonSets (device plugins, DCGM, CNI, FSx CSI node); the job's pod asks for the rest.
+NODE_RESERVE_FRACTION = 0.10
+
+
+class PodShape(BaseModel):
+    """One distributed-job pod per GPU node, owning the whole node: requests = limits (Guaranteed)."""
+
+    gpus: int
+    efa: int
+    cpu: int
+    memory_gib: int
+    hugepages_gib: int
+
+    @classmethod
+    def for_node(cls, hw: InstanceType, hugepages_gib: int) -> "PodShape":
+        keep = 1 - NODE_RESERVE_FRACTION
+        return cls(gpus=hw.accelerators, efa=hw.efa_interfaces, cpu=int(hw.vcpus * keep),
+                   memory_gib=int(hw.memory_gib * keep) - hugepages_gib, hugepages_gib=hugepages_gib)

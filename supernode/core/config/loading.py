@@ -1,0 +1,93 @@
+"""Reading a stack: `Pulumi.<stack>.yaml` (or Pulumi's runtime config) -> a validated StackConfig.
+
+`from_mapping` is the one entry point: the schema first, then the cross-field rules, every problem
+reported at once as a ConfigError (exit 2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from ..errors import ConfigError, Issue
+from ..layout import P
+from .rules import rules
+from .schema import NAMESPACE, StackConfig, issues_from_validation
+
+
+def from_mapping(data: Any, source: str = "") -> StackConfig:
+    """Validate the `supernode:` keys (without the namespace) and the cross-field rules."""
+    if not isinstance(data, dict):
+        raise ConfigError([Issue(path=P.rstrip(":"), value=data, message="expected a mapping of supernode:* keys")], source)
+    try:
+        cfg = StackConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(issues_from_validation(e, P, data), source) from None
+    problems = rules(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def read_stack_file(path: Path) -> dict[str, Any]:
+    """The `supernode:` keys of a Pulumi.<stack>.yaml, namespace stripped; other namespaces checked lightly."""
+    src = str(path)
+    if not path.is_file():
+        stacks = sorted(f.name for f in path.parent.glob("Pulumi.*.yaml")) if path.parent.is_dir() else []
+        hint = f"; found: {', '.join(stacks)}" if stacks else ""
+        raise ConfigError([Issue(path=src, message=f"stack file not found{hint}", missing=True)], src)
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError([Issue(path=src, value=None, message=f"not valid YAML: {e}".replace("\n", " "))], src) from None
+    if doc is None:
+        raise ConfigError([Issue(path=src, value=None, message="file is empty; expected a top-level 'config:' mapping")], src)
+    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
+        raise ConfigError([Issue(path="config", value=doc if not isinstance(doc, dict) else doc.get("config"),
+                                 message="expected a top-level 'config:' mapping of namespace:key entries")], src)
+    issues, data = [], {}
+    for key, value in doc["config"].items():
+        if not isinstance(key, str) or ":" not in key:
+            issues.append(Issue(path=f"config.{key}", value=value, message="config keys are namespace:key, e.g. supernode:region"))
+            continue
+        ns, name = key.split(":", 1)
+        if ns == NAMESPACE:
+            data[name] = value
+    region = doc["config"].get("aws:region")
+    if region is not None and data.get("region") not in (None, region):
+        issues.append(Issue(path="aws:region", value=region, message=f"must equal supernode:region ({data.get('region')})"))
+    try:
+        cfg_issues: list[Issue] = []
+        from_mapping(data, src)
+    except ConfigError as e:
+        cfg_issues = e.issues
+    if issues or cfg_issues:
+        raise ConfigError(issues + cfg_issues, src)
+    return data
+
+
+def load_stack(stack: str, root: Path = Path(".")) -> StackConfig:
+    path = Path(root) / f"Pulumi.{stack}.yaml"
+    return from_mapping(read_stack_file(path), str(path))
+
+
+def load_file(path: Path) -> StackConfig:
+    return from_mapping(read_stack_file(Path(path)), str(path))
+
+
+def with_local_nproc(cfg: StackConfig, nproc: int) -> StackConfig:
+    """The stack with `local.nproc = nproc` and the local dpShard scaled to it (the other local
+    degrees kept), validated like a stack file: the one place a CPU run's layout is re-sized."""
+    if nproc == cfg.local.nproc:
+        return cfg
+    p = cfg.local_config().parallel
+    fixed = p.dp_replicate * p.tp * p.pp
+    if nproc < 1 or nproc % fixed:
+        raise ConfigError([Issue(path="--nproc", value=nproc, message=f"must be a positive multiple of the local "
+                                 f"dpReplicate*tp*pp ({p.dp_replicate}*{p.tp}*{p.pp} = {fixed})")], "--nproc")
+    data = cfg.to_mapping()
+    data["local"]["nproc"], data["local"]["parallel"]["dpShard"] = nproc, nproc // fixed
+    return from_mapping(data, f"--nproc {nproc}")

@@ -1,0 +1,189 @@
+"""Rules across fields of a StackConfig: region and AZs, network, node groups, storage, and the
+parallel layout (through the one layout validator, `supernode.core.layout`)."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Optional
+
+from pydantic import ValidationError
+
+from ..catalog import CATALOG, EKS_ADDON_VERSIONS, REGION_AZS
+from ..errors import Issue
+from ..layout import P, layout_rules
+from .schema import StackConfig, issues_from_validation
+
+
+def _nets(paths_cidrs: list[tuple[str, str]], issues: list[Issue]) -> list[tuple[str, ipaddress.IPv4Network]]:
+    nets = []
+    for path, cidr in paths_cidrs:
+        try:
+            nets.append((path, ipaddress.IPv4Network(cidr, strict=True)))
+        except ValueError as e:
+            issues.append(Issue(path=path, value=cidr, message=f"not a valid IPv4 CIDR ({e}); e.g. 10.0.0.0/16"))
+    return nets
+
+
+def _created_vpc_rules(c: StackConfig, vpc: Optional[ipaddress.IPv4Network]) -> list[Issue]:
+    """The stack creates the VPC: its subnets come from the *Cidrs keys, inside vpcCidr, disjoint."""
+    net, issues = c.network, []
+    azs = len(net.availability_zones)
+    for key, value in (("existingPrivateSubnetIds", net.existing_private_subnet_ids),
+                       ("existingGpuSubnetId", net.existing_gpu_subnet_id)):
+        if value:
+            issues.append(Issue(path=f"{P}network.{key}", value=value,
+                                message="existing subnets need network.existingVpcId (their VPC); set it, "
+                                        "or remove this key to let the stack create the subnets"))
+    if not net.private_subnet_cidrs:
+        issues.append(Issue(path=P + "network.privateSubnetCidrs", value=net.private_subnet_cidrs,
+                            missing="private_subnet_cidrs" not in net.model_fields_set,
+                            message=f"required unless network.existingVpcId is set: one CIDR inside vpcCidr "
+                                    f"per availability zone ({azs})"))
+    elif len(net.private_subnet_cidrs) != azs:
+        issues.append(Issue(path=P + "network.privateSubnetCidrs", value=net.private_subnet_cidrs,
+                            message=f"need one private subnet per availability zone ({azs})"))
+    if net.gpu_subnet_cidr is None:
+        issues.append(Issue(path=P + "network.gpuSubnetCidr", missing=True,
+                            message="required unless network.existingVpcId is set: a CIDR inside vpcCidr for "
+                                    "the GPU nodes' subnet in availabilityZone"))
+    if net.public_subnet_cidrs and len(net.public_subnet_cidrs) != azs:
+        issues.append(Issue(path=P + "network.publicSubnetCidrs", value=net.public_subnet_cidrs,
+                            message=f"need none or one public subnet per availability zone ({azs})"))
+    if net.use_nat_gateway and not net.public_subnet_cidrs:
+        issues.append(Issue(path=P + "network.natGateway", value=True,
+                            message="a NAT gateway needs public subnets; set publicSubnetCidrs or natGateway: false"))
+
+    subnets = _nets(
+        [(f"{P}network.privateSubnetCidrs[{i}]", s) for i, s in enumerate(net.private_subnet_cidrs)]
+        + [(f"{P}network.publicSubnetCidrs[{i}]", s) for i, s in enumerate(net.public_subnet_cidrs)]
+        + ([(P + "network.gpuSubnetCidr", net.gpu_subnet_cidr)] if net.gpu_subnet_cidr is not None else []), issues)
+    if vpc:
+        for path, subnet in subnets:
+            if not subnet.subnet_of(vpc):
+                issues.append(Issue(path=path, value=str(subnet), message=f"subnet is outside the VPC CIDR {vpc}"))
+    for i, (pa, a) in enumerate(subnets):
+        for pb, b in subnets[i + 1:]:
+            if a.overlaps(b):
+                issues.append(Issue(path=pb, value=str(b), message=f"subnet overlaps {pa} ({a}); subnets must not overlap"))
+    return issues
+
+
+def _existing_vpc_rules(c: StackConfig) -> list[Issue]:
+    """Bring your own VPC: subnets are named by id; routing, egress and endpoints are the VPC owner's."""
+    net, issues = c.network, []
+    for key, value in (("privateSubnetCidrs", net.private_subnet_cidrs), ("publicSubnetCidrs", net.public_subnet_cidrs),
+                       ("gpuSubnetCidr", net.gpu_subnet_cidr)):
+        if value:
+            issues.append(Issue(path=f"{P}network.{key}", value=value,
+                                message="ambiguous with network.existingVpcId: the stack creates no subnets in an "
+                                        "existing VPC; remove it and name the subnets in existingPrivateSubnetIds / "
+                                        "existingGpuSubnetId"))
+    ids, azs = net.existing_private_subnet_ids, net.availability_zones
+    if len(ids) != len(azs):
+        issues.append(Issue(path=P + "network.existingPrivateSubnetIds", value=ids,
+                            message=f"need one subnet id (subnet-...) per availability zone, in the same order "
+                                    f"({', '.join(azs)})"))
+    elif len(set(ids)) != len(ids):
+        issues.append(Issue(path=P + "network.existingPrivateSubnetIds", value=ids,
+                            message="subnet ids must be distinct: a subnet lies in one availability zone"))
+    if net.existing_gpu_subnet_id is None:
+        issues.append(Issue(path=P + "network.existingGpuSubnetId", missing=True,
+                            message=f"required with network.existingVpcId: the id (subnet-...) of the GPU nodes' "
+                                    f"subnet in availabilityZone {c.availability_zone}"))
+    if net.nat_gateway:  # only an explicit true: the default is off in an existing VPC
+        issues.append(Issue(path=P + "network.natGateway", value=True,
+                            message="must be false with network.existingVpcId: the VPC owner provides egress "
+                                    "(NAT, endpoints) in an existing VPC; set natGateway: false"))
+    return issues
+
+
+def infra_rules(c: StackConfig) -> list[Issue]:
+    """Region, AZ, network and node-group rules (everything but the parallel layout)."""
+    issues: list[Issue] = []
+    region_azs = REGION_AZS.get(c.region)
+    valid_azs = [c.region + s for s in region_azs] if region_azs else None
+
+    def check_az(path: str, az: str) -> None:
+        if not az.startswith(c.region) or (valid_azs is not None and az not in valid_azs):
+            hint = ", ".join(valid_azs) if valid_azs else f"{c.region}<letter>"
+            issues.append(Issue(path=path, value=az, message=f"availability zone is not in region {c.region}; valid: {hint}"))
+
+    check_az(P + "availabilityZone", c.availability_zone)
+    for i, az in enumerate(c.network.availability_zones):
+        check_az(f"{P}network.availabilityZones[{i}]", az)
+    if len(set(c.network.availability_zones)) != len(c.network.availability_zones):
+        issues.append(Issue(path=P + "network.availabilityZones", value=c.network.availability_zones,
+                            message="availability zones must be distinct"))
+    vpc = _nets([(P + "network.vpcCidr", c.network.vpc_cidr)], issues)
+    if c.network.existing_vpc_id:
+        issues += _existing_vpc_rules(c)
+    else:
+        issues += _created_vpc_rules(c, vpc[0][1] if vpc else None)
+
+    for i, cidr in enumerate(c.cluster.public_access_cidrs):
+        _nets([(f"{P}cluster.publicAccessCidrs[{i}]", cidr)], issues)
+    if c.cluster.endpoint_public_access and not c.cluster.public_access_cidrs:
+        issues.append(Issue(path=P + "cluster.publicAccessCidrs", value=[],
+                            message="a public endpoint needs allowed CIDRs (an empty list means 0.0.0.0/0)"))
+    if not c.cluster.endpoint_private_access and not c.cluster.endpoint_public_access:
+        issues.append(Issue(path=P + "cluster.endpointPrivateAccess", value=False,
+                            message="at least one of endpointPrivateAccess / endpointPublicAccess must be true"))
+
+    names = [g.name for g in c.accelerator_node_groups]
+    amis = {g.ami_release_version for g in c.accelerator_node_groups}
+    for i, g in enumerate(c.accelerator_node_groups):
+        gp = f"{P}acceleratorNodeGroups[{i}]"
+        if names.count(g.name) > 1:
+            issues.append(Issue(path=gp + ".name", value=g.name, message="node group names must be unique"))
+        if not g.ami_release_version.startswith(c.cluster.kubernetes_version + "."):
+            issues.append(Issue(path=gp + ".amiReleaseVersion", value=g.ami_release_version,
+                                message=f"AMI release must match the cluster's Kubernetes {c.cluster.kubernetes_version} "
+                                        f"(e.g. {c.cluster.kubernetes_version}.0-20251120)"))
+        if len(amis) > 1:
+            issues.append(Issue(path=gp + ".amiReleaseVersion", value=g.ami_release_version,
+                                message=f"all accelerator node groups must pin the same AMI release; found {sorted(amis)}"))
+        if g.require_efa and CATALOG[g.instance_type].efa_interfaces == 0:
+            issues.append(Issue(path=gp + ".instanceType", value=g.instance_type, message="instance type has no EFA"))
+        cap = g.capacity
+        if cap.type != "on-demand" and not cap.reservation_id:
+            issues.append(Issue(path=gp + ".capacity.reservationId", value=None,
+                                message=f"capacity type {cap.type} needs a reservation id (cr-...)"))
+        if cap.type == "on-demand" and cap.reservation_id:
+            issues.append(Issue(path=gp + ".capacity.type", value=cap.type,
+                                message="a reservation id is set: use capacity-reservation or capacity-block"))
+        if cap.availability_zone and cap.availability_zone != c.availability_zone:
+            issues.append(Issue(path=gp + ".capacity.availabilityZone", value=cap.availability_zone,
+                                message=f"the reservation's AZ must be the GPU subnet's AZ {c.availability_zone}"))
+        if cap.type == "capacity-block" and g.placement_group:
+            issues.append(Issue(path=gp + ".placementGroup", value=True,
+                                message="Capacity Blocks are already co-located and conflict with a placement group; set false"))
+    sng = c.system_node_group
+    if not sng.min_size <= sng.desired_size <= sng.max_size:
+        issues.append(Issue(path=P + "systemNodeGroup.desiredSize", value=sng.desired_size,
+                            message=f"need minSize <= desiredSize <= maxSize ({sng.min_size}..{sng.max_size})"))
+    lc = c.storage.lifecycle
+    if lc.checkpoint_expire_days <= lc.checkpoint_transition_days:
+        issues.append(Issue(path=P + "storage.lifecycle.checkpointExpireDays", value=lc.checkpoint_expire_days,
+                            message=f"must be greater than checkpointTransitionDays ({lc.checkpoint_transition_days})"))
+    if c.storage.existing_bucket and not c.storage.bucket_name:
+        issues.append(Issue(path=P + "storage.bucketName", value=None, message="existingBucket needs a bucketName"))
+    if c.cluster.kubernetes_version not in EKS_ADDON_VERSIONS:
+        issues.append(Issue(path=P + "cluster.kubernetesVersion", value=c.cluster.kubernetes_version,
+                            message=f"no pinned EKS add-on versions for it; supported: {', '.join(EKS_ADDON_VERSIONS)}"))
+    return issues
+
+
+def rules(c: StackConfig) -> list[Issue]:
+    max_tp = min(CATALOG[g.instance_type].accelerators for g in c.accelerator_node_groups)
+    issues = infra_rules(c)
+    issues += layout_rules(c.model, c.parallel, c.training, c.accelerators, max_tp,
+                           world_source=" (sum of nodes x accelerators per node)")
+    # The local section must yield a valid CPU layout too.
+    try:
+        local = c.local_config()
+    except ValidationError as e:
+        issues += issues_from_validation(e, P + "local.", c.model_dump(by_alias=True, mode="json"))
+    else:
+        issues += layout_rules(local.model, local.parallel, local.training, c.local.nproc, c.local.nproc,
+                               prefix=P + "local.", world_source=" (local.nproc)")
+    return issues

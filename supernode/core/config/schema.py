@@ -1,0 +1,352 @@
+"""The stack's configuration schema: one pydantic model per section of the `supernode:` namespace.
+
+Keys are camelCase as in Pulumi config (`pulumi config set --path`). Field-level rules live here;
+rules across fields are in `rules`, reading files in `loading`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic.alias_generators import to_camel
+
+from ..catalog import CATALOG, SYSTEM_INSTANCE_TYPES
+from ..errors import Issue
+
+NAMESPACE = "supernode"
+DIGEST_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}$")
+CW_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192,
+                     2557, 2922, 3288, 3653)
+FSX_PER_UNIT_THROUGHPUT = (125, 250, 500, 1000)  # MB/s per TiB, PERSISTENT_2
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True,
+                              frozen=True, strict=False)
+
+
+class Cluster(_Base):
+    kubernetes_version: str = Field(pattern=r"^1\.(2[89]|3[0-9])$")
+    endpoint_private_access: bool = True
+    endpoint_public_access: bool = False
+    public_access_cidrs: list[str] = []
+
+
+SubnetId = Annotated[str, Field(pattern=r"^subnet-[0-9a-f]{8,17}$")]
+
+
+class Network(_Base):
+    """A VPC the stack creates (the *Cidrs keys), or an existing one (existingVpcId and the
+    existing*SubnetId(s) keys). vpcCidr is required either way: security-group rules use it, and
+    preflight compares it with the existing VPC's."""
+
+    vpc_cidr: str
+    availability_zones: list[str] = Field(min_length=2, description="AZs of the private subnets")
+    private_subnet_cidrs: list[str] = []  # required unless existingVpcId (infra_rules)
+    public_subnet_cidrs: list[str] = []
+    gpu_subnet_cidr: Optional[str] = None  # required unless existingVpcId (infra_rules)
+    nat_gateway: Optional[bool] = None  # default: on for a VPC the stack creates, off in an existing one
+    flow_logs: bool = True
+    existing_vpc_id: Optional[str] = Field(default=None, pattern=r"^vpc-[0-9a-f]{8,17}$")
+    existing_private_subnet_ids: list[SubnetId] = Field(default=[], description="one per availabilityZones entry")
+    existing_gpu_subnet_id: Optional[SubnetId] = Field(default=None, description="in the GPU availabilityZone")
+
+    @property
+    def use_nat_gateway(self) -> bool:
+        return self.nat_gateway if self.nat_gateway is not None else self.existing_vpc_id is None
+
+
+class Capacity(_Base):
+    type: Literal["on-demand", "capacity-reservation", "capacity-block"] = "on-demand"
+    reservation_id: Optional[str] = Field(default=None, pattern=r"^cr-[0-9a-f]{8,17}$")
+    availability_zone: Optional[str] = None
+
+
+class AcceleratorNodeGroup(_Base):
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$")
+    instance_type: str
+    nodes: int = Field(ge=1, le=512)
+    capacity: Capacity = Capacity()
+    ami_release_version: str = Field(pattern=r"^1\.\d+\.\d+-\d{8}$")
+    placement_group: Optional[bool] = None  # default: on, unless a reservation is targeted
+    require_efa: bool = True
+
+    @field_validator("instance_type")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in CATALOG:
+            raise ValueError(f"instance type is not in the accelerator catalog; valid: {', '.join(CATALOG)}")
+        return v
+
+    @property
+    def use_placement_group(self) -> bool:
+        if self.placement_group is not None:
+            return self.placement_group
+        return self.capacity.type == "on-demand"
+
+
+class SystemNodeGroup(_Base):
+    instance_type: str = "m6i.xlarge"
+    min_size: int = Field(default=2, ge=1)
+    desired_size: int = Field(default=2, ge=1)
+    max_size: int = Field(default=4, ge=1)
+
+    @field_validator("instance_type")
+    @classmethod
+    def _allowed(cls, v: str) -> str:
+        if v not in SYSTEM_INSTANCE_TYPES:
+            raise ValueError(f"not an approved system instance type; valid: {', '.join(SYSTEM_INSTANCE_TYPES)}")
+        return v
+
+
+class Lifecycle(_Base):
+    checkpoint_transition_days: int = Field(default=14, ge=1)
+    checkpoint_expire_days: int = Field(default=90, ge=1)
+    noncurrent_expire_days: int = Field(default=7, ge=1)
+    log_expire_days: int = Field(default=30, ge=1)
+    abort_multipart_days: int = Field(default=3, ge=1, le=30)
+
+
+class Fsx(_Base):
+    deployment_type: Literal["PERSISTENT_2"] = "PERSISTENT_2"
+    capacity_gib: Optional[int] = Field(default=None, description="None: sized by the planner")
+    per_unit_throughput: int = 250
+    checkpoint_write_budget_s: int = Field(default=300, ge=10)
+
+    @field_validator("capacity_gib")
+    @classmethod
+    def _fsx_capacity(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and not (v == 1200 or (v >= 2400 and v % 2400 == 0)):
+            raise ValueError("FSx for Lustre PERSISTENT_2 accepts 1200 GiB or a multiple of 2400 GiB")
+        return v
+
+    @field_validator("per_unit_throughput")
+    @classmethod
+    def _fsx_throughput(cls, v: int) -> int:
+        if v not in FSX_PER_UNIT_THROUGHPUT:
+            raise ValueError(f"PERSISTENT_2 per-unit throughput must be one of {FSX_PER_UNIT_THROUGHPUT} MB/s/TiB")
+        return v
+
+
+class Storage(_Base):
+    bucket_name: Optional[str] = Field(default=None, pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+    existing_bucket: bool = False
+    dataset_prefix: str = Field(default="datasets/", pattern=r"^[A-Za-z0-9._/-]+/$")
+    checkpoint_prefix: str = Field(default="checkpoints/", pattern=r"^[A-Za-z0-9._/-]+/$")
+    log_prefix: str = Field(default="logs/", pattern=r"^[A-Za-z0-9._/-]+/$")
+    lifecycle: Lifecycle = Lifecycle()
+    fsx: Fsx = Fsx()
+
+
+class Identity(_Base):
+    kms_key_arn: Optional[str] = Field(default=None, pattern=r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[0-9a-f-]{36}$")
+    kms_key_rotation: bool = True
+    pod_identity: Literal["irsa", "pod-identity"] = "irsa"
+
+
+class Monitoring(_Base):
+    log_retention_days: int = 30
+    gpu_util_floor_percent: float = Field(default=40.0, gt=0, le=100)
+    gpu_util_window_minutes: int = Field(default=30, ge=5, le=1440)
+    notification_email: str = Field(pattern=r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$")
+    fsx_free_capacity_floor_percent: float = Field(default=10.0, gt=0, lt=100)
+
+    @field_validator("log_retention_days")
+    @classmethod
+    def _retention(cls, v: int) -> int:
+        if v not in CW_RETENTION_DAYS:
+            raise ValueError(f"CloudWatch accepts retention of {', '.join(map(str, CW_RETENTION_DAYS))} days")
+        return v
+
+
+class Images(_Base):
+    trainer: str
+    fabric_check: Optional[str] = None  # default: the trainer image (it carries trainer.fabric)
+
+    @field_validator("trainer", "fabric_check")
+    @classmethod
+    def _digest(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not DIGEST_RE.match(v):
+            raise ValueError("image must be pinned by digest: REPOSITORY@sha256:<64 hex digits>")
+        return v
+
+
+class Model(_Base):
+    layers: int = Field(ge=1)
+    dim: int = Field(ge=8)
+    heads: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    experts: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    shared_experts: int = Field(default=0, ge=0)
+    expert_hidden: int = Field(ge=1)
+    dense_hidden: int = Field(ge=1)
+    moe_every: int = Field(default=1, ge=1, description="every n-th layer is MoE; 1: all")
+    first_dense_layers: int = Field(default=0, ge=0)
+    vocab: int = Field(ge=2)
+    seq_len: int = Field(ge=2)
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    load_balance_coef: float = Field(default=0.0, ge=0)
+    z_loss_coef: float = Field(default=0.0, ge=0)
+    bias_update_rate: float = Field(default=1e-3, ge=0, description="aux-loss-free expert bias step")
+    rope_theta: float = Field(default=10000.0, gt=0)
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.first_dense_layers and (layer - self.first_dense_layers) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.layers))
+
+
+class Parallel(_Base):
+    dp_replicate: int = Field(default=1, ge=1)
+    dp_shard: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    overlap: bool = True
+    mixed_precision: Literal["bf16", "fp32"] = "bf16"
+    hbm_headroom: float = Field(default=0.1, ge=0, lt=1,
+                                description="fraction of HBM the plan keeps free (allocator fragmentation, NCCL "
+                                            "growth): a layout fits when its memory per rank is within the rest")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+class Training(_Base):
+    global_batch: int = Field(ge=1, description="sequences per optimizer step")
+    micro_batch: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    lr: float = Field(gt=0, le=1)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    warmup_steps: int = Field(default=0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(default=0.1, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    checkpoint_interval: int = Field(ge=1)
+    keep_checkpoints: int = Field(default=3, ge=1)
+    async_checkpoint: bool = True
+    collective_timeout_s: int = Field(default=600, ge=10)
+    max_restarts: int = Field(default=3, ge=0)
+    seed: int = 0
+    weights_uri: Optional[str] = None
+    weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+
+class Workload(_Base):
+    namespace: str = Field(default="training", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    service_account: str = Field(default="trainer", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    gate_min_fraction: float = Field(default=0.8, gt=0, le=1.5,
+                                     description="interconnect gate: fraction of the catalog baseline")
+    termination_grace_s: int = Field(default=900, ge=30)
+    hugepages_2mi_gib: int = Field(default=5, ge=0)
+
+
+def _partial(model: type[_Base]) -> type[_Base]:
+    """The same fields, all optional: used by `local` to override parts of the plan."""
+    fields = {name: (Optional[f.annotation], None) for name, f in model.model_fields.items()}
+    return create_model(f"{model.__name__}Override", __base__=_Base, **fields)
+
+
+ModelOverride = _partial(Model)
+ParallelOverride = _partial(Parallel)
+TrainingOverride = _partial(Training)
+
+
+class Local(_Base):
+    """Scales the same plan down for a CPU run (gloo): world size = nproc."""
+
+    nproc: int = Field(default=2, ge=1, le=16)
+    model: ModelOverride = ModelOverride()  # type: ignore[valid-type]
+    parallel: ParallelOverride = ParallelOverride()  # type: ignore[valid-type]
+    training: TrainingOverride = TrainingOverride()  # type: ignore[valid-type]
+
+
+class StackConfig(_Base):
+    region: str = Field(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
+    availability_zone: str
+    cluster: Cluster
+    network: Network
+    accelerator_node_groups: list[AcceleratorNodeGroup] = Field(min_length=1)
+    system_node_group: SystemNodeGroup = SystemNodeGroup()
+    storage: Storage = Storage()
+    identity: Identity = Identity()
+    monitoring: Monitoring
+    images: Images
+    model: Model
+    parallel: Parallel = Parallel()
+    training: Training
+    workload: Workload = Workload()
+    local: Local = Local()
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def accelerators(self) -> int:
+        return sum(g.nodes * CATALOG[g.instance_type].accelerators for g in self.accelerator_node_groups)
+
+    @property
+    def nodes(self) -> int:
+        return sum(g.nodes for g in self.accelerator_node_groups)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The `supernode:` keys as Pulumi config holds them (camelCase, defaults included)."""
+        return self.model_dump(by_alias=True, mode="json")
+
+    def local_config(self) -> "StackConfig":
+        """This stack with the `local` overrides applied; the layout then has world size nproc."""
+        data = self.model_dump(by_alias=False)
+        for section in ("model", "parallel", "training"):
+            data[section].update(getattr(self.local, section).model_dump(exclude_none=True))
+        return StackConfig.model_validate(data)
+def _value_at(data: Any, loc: tuple) -> Any:
+    for part in loc:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
+
+
+def _path(prefix: str, loc: tuple) -> str:
+    out = prefix
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("" if out.endswith((":", ".")) else ".") + str(part)
+    return out
+
+
+def issues_from_validation(err: ValidationError, prefix: str, data: Any) -> list[Issue]:
+    out = []
+    for e in err.errors(include_url=False):
+        loc = tuple(p for p in e["loc"] if p not in ("function-after", "function-plain"))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (typo?); remove it or use a documented key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        elif e["type"] == "string_type" and isinstance(e.get("input"), (int, float)):
+            msg += f'; quote it in YAML: "{e["input"]}"'
+        missing = e["type"] == "missing"
+        value = None if missing else e.get("input")
+        out.append(Issue(path=_path(prefix, loc), value=value if value is not None else _value_at(data, loc),
+                         message=msg, missing=missing))
+    return out
+
+
