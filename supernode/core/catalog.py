@@ -1,6 +1,6 @@
 """Accelerator instance catalog: the hardware facts every other part builds on.
 
-Figures follow AWS's published instance specifications (ARCHITECTURE.md §4). GPU memory is what
+Figures follow AWS's published instance specifications (sources in ../shared/HARDWARE.md). GPU memory is what
 EC2's DescribeInstanceTypes reports (`GpuInfo.Gpus[].MemoryInfo.SizeInMiB`), so preflight can
 compare it field for field. Prices are us-east-1 on-demand list prices per instance-hour, used
 only for the planner's cost estimate.

@@ -1,6 +1,6 @@
 """Errors a user can fix, and the exit codes: one module for the CLI and the trainer alike.
 
-Exit codes (ARCHITECTURE.md §6): 0 ok; 1 a check, policy or run failed; 2 bad input; 130 interrupted.
+Exit codes (docs/architecture.md §7): 0 ok; 1 a check, policy or run failed; 2 bad input; 130 interrupted.
 Bad input is every problem printed with its path and value, never a traceback: `bad_input_lines`
 is the one mapping from the known error types to those lines.
 """

@@ -83,7 +83,7 @@ class Plan(BaseModel):
         return cls.from_json(Path(path).read_text(encoding="utf-8"))
 
     def summary(self) -> dict:
-        """The contract keys (ARCHITECTURE.md §6) plus the headline figures."""
+        """The contract keys (docs/architecture.md §7) plus the headline figures."""
         return {
             "stack": self.stack, "world_size": self.world_size, "degrees": self.degrees.model_dump(),
             "memory_per_rank_gib": round(self.memory_per_rank_gib, 3), "hbm_gib": round(self.hbm_gib, 3),

@@ -1,4 +1,4 @@
-"""Offline preview: run `__main__.py` in-process under Pulumi's mock engine (ARCHITECTURE.md §3).
+"""Offline preview: run `__main__.py` in-process under Pulumi's mock engine (docs/architecture.md §3).
 
 Pulumi's `MockMonitor` stands in for the engine and the cloud. `RecordingMonitor` keeps every
 registration (URN, type, name, parent, inputs, dependencies) — that list *is* the preview — and
@@ -24,6 +24,7 @@ from pulumi.runtime.stack import run_pulumi_func
 
 from ..core.catalog import CATALOG
 from ..core.config import NAMESPACE, StackConfig
+from ..core.plan import PLAN_CONFIGMAP_KEY, Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = ROOT / "__main__.py"
@@ -181,6 +182,14 @@ class PreviewResult:
 
     def by_type(self, typ: str) -> list[Resource]:
         return [r for r in self.resources if r.type == typ]
+
+    def plan(self) -> Plan:
+        """The Plan the program deployed: the plan ConfigMap's JSON, as the job and the policies read it."""
+        for r in self.resources:
+            data = r.inputs.get("data") if r.inputs.get("kind") == "ConfigMap" else None
+            if isinstance(data, dict) and isinstance(data.get(PLAN_CONFIGMAP_KEY), str):
+                return Plan.from_json(data[PLAN_CONFIGMAP_KEY])
+        raise LookupError(f"the program deployed no ConfigMap with data['{PLAN_CONFIGMAP_KEY}']")
 
 
 def config_for_engine(stack: str, cfg: StackConfig) -> dict[str, str]:

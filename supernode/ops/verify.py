@@ -146,7 +146,8 @@ def check_fsx_throughput(aws: Aws, fsx_id: str, plan: Plan, per_unit: int) -> Ch
     if lustre.get("DeploymentType") != "PERSISTENT_2":
         return failed(check, f"deployment type {lustre.get('DeploymentType')}, expected PERSISTENT_2; {detail}", PULUMI_UP)
     if actual + 0.5 < want:
-        return failed(check, f"below plan: {detail}", PULUMI_UP + " (a checkpoint write would exceed its time budget)")
+        return failed(check, f"below plan: {detail}", PULUMI_UP + f" (a checkpoint write would exceed its "
+                                                                  f"{plan.checkpoint.write_budget_s} s budget)")
     return passed(check, detail)
 
 

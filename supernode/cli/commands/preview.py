@@ -13,7 +13,6 @@ from rich.tree import Tree
 from ..args import add_stack_args, stack_from_args
 from ...core.errors import EXIT_FAILED
 from ...ops.manifests import export as export_manifests
-from ...core.plan import build_plan
 from ...ops.preview import PreviewResult, run_program
 from ...ops.policycheck import config_from_stack
 from .plan import render as render_plan
@@ -23,7 +22,7 @@ from .policy import add_policy_args, policy_config, render as render_policy, run
 def register(sub) -> None:
     p = sub.add_parser("preview", help="offline preview: run the Pulumi program under the mock engine")
     add_stack_args(p)
-    p.add_argument("--json", action="store_true", help="machine-readable output (ARCHITECTURE.md §6)")
+    p.add_argument("--json", action="store_true", help="machine-readable output (docs/architecture.md §7)")
     p.add_argument("--manifests", type=Path, metavar="DIR",
                    help="write every Kubernetes object as YAML to DIR and validate it (exit 1 if invalid)")
     add_policy_args(p)  # the policy pack runs on every preview; exit 1 on a mandatory violation
@@ -57,8 +56,8 @@ def render_tree(result: PreviewResult, console: Console) -> None:
 
 def run(args) -> int:
     stack, cfg = stack_from_args(args)
-    plan = build_plan(stack, cfg)
     result = run_program(stack, cfg)
+    plan = result.plan()  # the plan the program deployed, not a second one built here
     manifests_ok = args.manifests is None or export_manifests(result.resources, args.manifests,
                                                               cfg.cluster.kubernetes_version)
     report = run_pack([r.to_json() for r in result.resources],
