@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Test workers: CI machines have 2 cores.
 WORKERS ?= 2
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench docs clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/supernode bench preview
+
+# docs/configuration.md is generated from the schema (a test fails when it is stale).
+docs: $(STAMP)
+	$(BIN)/supernode config reference > docs/configuration.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache out

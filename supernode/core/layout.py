@@ -16,7 +16,12 @@ P = f"{NAMESPACE}:"
 
 def layout_rules(m: Model, p: Parallel, t: Training, world_size: int, max_tp: int, prefix: str = P,
                  world_source: str = "") -> list[Issue]:
-    """The parallel layout against the model and the hardware: shared by the stack and `local`."""
+    """model.dim is divisible by heads with an even head dim (RoPE); heads is a multiple of kvHeads;
+    topK <= experts; firstDenseLayers <= layers. dpReplicate x dpShard x tp x pp equals the world
+    size; tp is at most a node's GPUs and divides heads and kvHeads; ep divides experts and
+    dpShard x tp; pp divides layers (and pp > 1 is rejected until the trainer has a pipeline
+    schedule); training.globalBatch is divisible by microBatch x dpReplicate x dpShard;
+    warmupSteps is below steps."""
     issues: list[Issue] = []
     mp, pp_, tp_ = prefix + "model.", prefix + "parallel.", prefix + "training."
     if m.dim % m.heads:

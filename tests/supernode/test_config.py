@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from supernode.cli import main
-from supernode.core.config import ConfigError, StackConfig, from_mapping, load_stack, read_stack_file
+from supernode.core.config import ConfigError, StackConfig, from_mapping, load_file, load_stack, read_stack_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = sorted((Path(__file__).parent / "invalid_stacks").glob("*.yaml"))
@@ -255,3 +255,61 @@ def test_subnet_cidrs_are_required_for_a_created_vpc(dev_data, key):
     data = mutated(dev_data, "network", {k: v for k, v in dev_data["network"].items() if k != key})
     issue = issue_at(data, f"supernode:network.{key}")
     assert "required unless network.existingVpcId is set" in issue.message and issue.missing
+
+
+# -- the configuration reference, did-you-mean, one round of errors -------------------------------
+
+def test_configuration_reference_is_up_to_date():
+    from supernode.core.config.reference import reference
+
+    doc = ROOT / "docs" / "configuration.md"
+    assert doc.read_text(encoding="utf-8") == reference() + "\n", (
+        "docs/configuration.md is stale: run `supernode config reference > docs/configuration.md`")
+    text = reference()
+    # Every key of every section is in it, with allowed values and the rules in words.
+    for key in ("dpShard", "hbmHeadroom", "checkpointWriteBudgetS", "existingGpuSubnetId", "gateMinFraction"):
+        assert f"| `{key}` |" in text
+    assert "`none`, `selective`, `full`" in text and "one of p4d.24xlarge" in text
+    assert "ep divides experts and dpShard x tp" in text
+
+
+def _stack_text(**replace: str) -> str:
+    text = (ROOT / "Pulumi.dev.yaml").read_text(encoding="utf-8")
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+def test_unknown_key_suggests_the_close_one(tmp_path, capsys):
+    path = tmp_path / "Pulumi.t.yaml"
+    path.write_text(_stack_text(**{"    dpShard:": "    dpShrad:"}), encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_file(path)
+    issue = next(i for i in e.value.issues if i.path == "supernode:parallel.dpShrad")
+    assert "did you mean 'dpShard'?" in issue.message and "valid keys here: activationCheckpointing" in issue.message
+
+
+def test_misspelt_namespace_is_reported_not_ignored(tmp_path):
+    path = tmp_path / "Pulumi.t.yaml"
+    path.write_text(_stack_text() + "  supernod:monitoring:\n    logRetentionDays: 7\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_file(path)
+    assert [i.path for i in e.value.issues] == ["config.supernod:monitoring"]
+    assert "did you mean 'supernode' (supernode:monitoring)" in e.value.issues[0].message
+    # Other namespaces (aws:, kubernetes:, a team's own) are left alone.
+    path.write_text(_stack_text() + "  myteam:owner: ml-platform\n", encoding="utf-8")
+    assert load_file(path).region
+
+
+def test_field_and_cross_field_errors_come_in_one_round(tmp_path):
+    path = tmp_path / "Pulumi.t.yaml"
+    path.write_text(_stack_text(**{"    dpShard:": "    dpShrad:", "vpcCidr: 10.20.0.0/16": "vpcCidr: 10.20.0.0/33"}),
+                    encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_file(path)
+    paths = [i.path for i in e.value.issues]
+    assert "supernode:parallel.dpShrad" in paths  # the schema's finding
+    assert "supernode:network.vpcCidr" in paths  # a cross-field rule over a section that passed the schema
+    # Rules over the failed section do not run on made-up defaults (no world-size complaint about dpShard 1).
+    assert "supernode:parallel.dpShard" not in paths

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from ..errors import ConfigError, Issue
 from ..layout import P
 from .rules import rules
-from .schema import NAMESPACE, StackConfig, issues_from_validation
+from .schema import NAMESPACE, StackConfig, did_you_mean, issues_from_validation
 
 
 def from_mapping(data: Any, source: str = "") -> StackConfig:
@@ -25,11 +25,29 @@ def from_mapping(data: Any, source: str = "") -> StackConfig:
     try:
         cfg = StackConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(issues_from_validation(e, P, data), source) from None
+        schema_issues = issues_from_validation(e, P, data)
+        partial, valid = _valid_sections(data, e)
+        raise ConfigError(schema_issues + rules(partial, valid), source) from None
     problems = rules(cfg)
     if problems:
         raise ConfigError(problems, source)
     return cfg
+
+
+def _valid_sections(data: dict, err: ValidationError) -> tuple[StackConfig, set[str]]:
+    """The top-level sections that passed the schema, validated one by one, in a StackConfig built
+    without validation (the failed sections are absent: only rules that skip them may read it)."""
+    failed = {e["loc"][0] for e in err.errors() if e["loc"]}
+    values: dict[str, Any] = {}
+    for name, field in StackConfig.model_fields.items():
+        key = field.alias or name
+        if key in failed or name in failed:
+            continue
+        if key in data:
+            values[name] = TypeAdapter(field.annotation).validate_python(data[key])
+        elif not field.is_required():
+            values[name] = field.get_default(call_default_factory=True)
+    return StackConfig.model_construct(**values), set(values)
 
 
 def read_stack_file(path: Path) -> dict[str, Any]:
@@ -56,6 +74,9 @@ def read_stack_file(path: Path) -> dict[str, Any]:
         ns, name = key.split(":", 1)
         if ns == NAMESPACE:
             data[name] = value
+        elif did_you_mean(ns, [NAMESPACE]):  # `supernod:monitoring` would otherwise be ignored silently
+            issues.append(Issue(path=f"config.{key}", value=value,
+                                message=f"unknown namespace {ns!r}; did you mean {NAMESPACE!r} ({NAMESPACE}:{name})?"))
     region = doc["config"].get("aws:region")
     if region is not None and data.get("region") not in (None, region):
         issues.append(Issue(path="aws:region", value=region, message=f"must equal supernode:region ({data.get('region')})"))

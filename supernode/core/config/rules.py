@@ -97,8 +97,13 @@ def _existing_vpc_rules(c: StackConfig) -> list[Issue]:
     return issues
 
 
-def infra_rules(c: StackConfig) -> list[Issue]:
-    """Region, AZ, network and node-group rules (everything but the parallel layout)."""
+def _zones_and_network(c: StackConfig) -> list[Issue]:
+    """availabilityZone and every network.availabilityZones entry lie in region (and are distinct).
+    vpcCidr is a valid IPv4 CIDR. A created VPC (no existingVpcId) needs one privateSubnetCidrs entry
+    per availability zone and a gpuSubnetCidr, all valid, inside vpcCidr and not overlapping, and
+    no existing*SubnetId keys. An existing VPC (existingVpcId) needs one existingPrivateSubnetIds
+    entry per availability zone (distinct), an existingGpuSubnetId, no *SubnetCidrs keys, and
+    natGateway not true (the VPC owner provides egress)."""
     issues: list[Issue] = []
     region_azs = REGION_AZS.get(c.region)
     valid_azs = [c.region + s for s in region_azs] if region_azs else None
@@ -119,7 +124,13 @@ def infra_rules(c: StackConfig) -> list[Issue]:
         issues += _existing_vpc_rules(c)
     else:
         issues += _created_vpc_rules(c, vpc[0][1] if vpc else None)
+    return issues
 
+
+def _cluster_access(c: StackConfig) -> list[Issue]:
+    """cluster.publicAccessCidrs are valid CIDRs, and a public endpoint lists at least one;
+    at least one of endpointPrivateAccess / endpointPublicAccess is true."""
+    issues: list[Issue] = []
     for i, cidr in enumerate(c.cluster.public_access_cidrs):
         _nets([(f"{P}cluster.publicAccessCidrs[{i}]", cidr)], issues)
     if c.cluster.endpoint_public_access and not c.cluster.public_access_cidrs:
@@ -128,7 +139,15 @@ def infra_rules(c: StackConfig) -> list[Issue]:
     if not c.cluster.endpoint_private_access and not c.cluster.endpoint_public_access:
         issues.append(Issue(path=P + "cluster.endpointPrivateAccess", value=False,
                             message="at least one of endpointPrivateAccess / endpointPublicAccess must be true"))
+    return issues
 
+
+def _node_groups(c: StackConfig) -> list[Issue]:
+    """Accelerator node group names are unique; every group pins the same amiReleaseVersion, of
+    the cluster's Kubernetes version; requireEfa needs an instance type with EFA; capacity types
+    other than on-demand need a reservationId and on-demand has none; a reservation's AZ is
+    availabilityZone; a capacity-block group has no placement group."""
+    issues: list[Issue] = []
     names = [g.name for g in c.accelerator_node_groups]
     amis = {g.ami_release_version for g in c.accelerator_node_groups}
     for i, g in enumerate(c.accelerator_node_groups):
@@ -157,33 +176,75 @@ def infra_rules(c: StackConfig) -> list[Issue]:
         if cap.type == "capacity-block" and g.placement_group:
             issues.append(Issue(path=gp + ".placementGroup", value=True,
                                 message="Capacity Blocks are already co-located and conflict with a placement group; set false"))
+    return issues
+
+
+def _system_node_group(c: StackConfig) -> list[Issue]:
+    """systemNodeGroup: minSize <= desiredSize <= maxSize."""
+    issues: list[Issue] = []
     sng = c.system_node_group
     if not sng.min_size <= sng.desired_size <= sng.max_size:
         issues.append(Issue(path=P + "systemNodeGroup.desiredSize", value=sng.desired_size,
                             message=f"need minSize <= desiredSize <= maxSize ({sng.min_size}..{sng.max_size})"))
+    return issues
+
+
+def _storage(c: StackConfig) -> list[Issue]:
+    """storage.lifecycle.checkpointExpireDays is greater than checkpointTransitionDays;
+    existingBucket needs a bucketName."""
+    issues: list[Issue] = []
     lc = c.storage.lifecycle
     if lc.checkpoint_expire_days <= lc.checkpoint_transition_days:
         issues.append(Issue(path=P + "storage.lifecycle.checkpointExpireDays", value=lc.checkpoint_expire_days,
                             message=f"must be greater than checkpointTransitionDays ({lc.checkpoint_transition_days})"))
     if c.storage.existing_bucket and not c.storage.bucket_name:
         issues.append(Issue(path=P + "storage.bucketName", value=None, message="existingBucket needs a bucketName"))
+    return issues
+
+
+def _cluster_version(c: StackConfig) -> list[Issue]:
+    """cluster.kubernetesVersion has a row of pinned EKS add-on versions in the catalog."""
+    issues: list[Issue] = []
     if c.cluster.kubernetes_version not in EKS_ADDON_VERSIONS:
         issues.append(Issue(path=P + "cluster.kubernetesVersion", value=c.cluster.kubernetes_version,
                             message=f"no pinned EKS add-on versions for it; supported: {', '.join(EKS_ADDON_VERSIONS)}"))
     return issues
 
 
-def rules(c: StackConfig) -> list[Issue]:
+def _layout(c: StackConfig) -> list[Issue]:
+    """The parallel layout passes the layout validator (below) with world size = the sum of nodes x
+    accelerators per node over the accelerator node groups, and tp at most one node's GPUs."""
     max_tp = min(CATALOG[g.instance_type].accelerators for g in c.accelerator_node_groups)
-    issues = infra_rules(c)
-    issues += layout_rules(c.model, c.parallel, c.training, c.accelerators, max_tp,
-                           world_source=" (sum of nodes x accelerators per node)")
-    # The local section must yield a valid CPU layout too.
+    return layout_rules(c.model, c.parallel, c.training, c.accelerators, max_tp,
+                        world_source=" (sum of nodes x accelerators per node)")
+
+
+def _local(c: StackConfig) -> list[Issue]:
+    """The stack with the local overrides applied is valid, and its layout passes the layout
+    validator with world size = local.nproc (the CPU processes of `supernode train --local`)."""
     try:
         local = c.local_config()
     except ValidationError as e:
-        issues += issues_from_validation(e, P + "local.", c.model_dump(by_alias=True, mode="json"))
-    else:
-        issues += layout_rules(local.model, local.parallel, local.training, c.local.nproc, c.local.nproc,
-                               prefix=P + "local.", world_source=" (local.nproc)")
-    return issues
+        return issues_from_validation(e, P + "local.", c.model_dump(by_alias=True, mode="json"))
+    return layout_rules(local.model, local.parallel, local.training, c.local.nproc, c.local.nproc,
+                        prefix=P + "local.", world_source=" (local.nproc)")
+
+
+# Each rule with the top-level sections it reads: when some sections fail the schema, the rules
+# over the valid ones still run, so a stack file's problems are reported in one round.
+RULES = (
+    (("region", "availability_zone", "network"), _zones_and_network),
+    (("cluster",), _cluster_access),
+    (("cluster", "accelerator_node_groups", "availability_zone"), _node_groups),
+    (("system_node_group",), _system_node_group),
+    (("storage",), _storage),
+    (("cluster",), _cluster_version),
+    (("model", "parallel", "training", "accelerator_node_groups"), _layout),
+    (tuple(StackConfig.model_fields), _local),
+)
+
+
+def rules(c: StackConfig, valid: Optional[set[str]] = None) -> list[Issue]:
+    """Every cross-field problem; with `valid` (the sections that passed the schema) only the
+    rules whose sections are all valid run."""
+    return [issue for sections, rule in RULES if valid is None or valid.issuperset(sections) for issue in rule(c)]

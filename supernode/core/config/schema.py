@@ -6,8 +6,9 @@ rules across fields are in `rules`, reading files in `loading`.
 
 from __future__ import annotations
 
+import difflib
 import re
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic.alias_generators import to_camel
@@ -332,13 +333,46 @@ def _path(prefix: str, loc: tuple) -> str:
     return out
 
 
+def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
+    """The schema model that holds the keys at `loc` (list indices skipped), or None."""
+    model: Any = StackConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        fields = {f.alias or name: f for name, f in model.model_fields.items()}
+        if part not in fields:
+            return None
+        annotation = fields[part].annotation
+        for arg in (annotation, *get_args(annotation), *(a for t in get_args(annotation) for a in get_args(t))):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                model = arg
+                break
+        else:
+            return None
+    return model
+
+
+def did_you_mean(key: str, valid: list[str]) -> str:
+    """`did you mean 'x'? ` for the closest valid spelling of a mistyped key, else ''."""
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _unknown_key(loc: tuple) -> str:
+    model = _model_at(loc[:-1])
+    valid = sorted(f.alias or name for name, f in model.model_fields.items()) if model else []
+    hint = did_you_mean(str(loc[-1]), valid) if loc else ""
+    listed = f"valid keys here: {', '.join(valid)}" if valid else "see docs/configuration.md"
+    return f"unknown key; {hint or 'remove it or use a documented key; '}{listed}"
+
+
 def issues_from_validation(err: ValidationError, prefix: str, data: Any) -> list[Issue]:
     out = []
     for e in err.errors(include_url=False):
         loc = tuple(p for p in e["loc"] if p not in ("function-after", "function-plain"))
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (typo?); remove it or use a documented key"
+            msg = _unknown_key(loc)
         elif e["type"] == "missing":
             msg = "required key is missing"
         elif e["type"] == "string_type" and isinstance(e.get("input"), (int, float)):
