@@ -1,5 +1,6 @@
 """`supernode` command line. Each subcommand lives in `supernode/cli/commands/<name>.py` and exposes
-`register(subparsers)`; this module discovers them, so adding a command touches no shared file.
+`register(subparsers)`; this module discovers them, and gives every command's --help its examples
+(EXAMPLES) and the exit codes.
 
 Exit codes and the bad-input messages come from `supernode.core.errors` (the trainer uses the same
 mapping): 0 ok; 1 a check or policy failed; 2 bad input, every problem printed with its path and
@@ -15,15 +16,55 @@ import pkgutil
 import sys
 
 from ..core.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_BAD_INPUT, bad_input_lines
+from .. import __version__
 from . import commands
 from .args import err
 
 
+DESCRIPTION = ("Mixture-of-Experts training on GPU supernode clusters, declared as code: plan the parallel layout, "
+               "preview the Pulumi stack offline with its policy pack, check AWS before and after `pulumi up`, "
+               "and train the plan locally.")
+EXIT_CODES = "exit codes: 0 ok; 1 a check, policy or run failed; 2 bad input (every problem printed, no traceback)"
+# One or two commands a user would type, per command (leaf commands by their full name).
+EXAMPLES = {
+    "bench": ["supernode bench preview", "supernode bench moe --help"],
+    "config reference": ["supernode config reference > docs/configuration.md"],
+    "data prepare": ["supernode data prepare --corpus notes.txt --out data/"],
+    "plan": ["supernode plan --stack prod", "supernode plan --config Pulumi.p4d.yaml --json"],
+    "policy check": ["supernode preview --stack prod --json > preview.json",
+                     "supernode policy check --resources preview.json --junit report.xml"],
+    "policy config": ["supernode policy config --stack prod > pc.json",
+                      "pulumi preview --policy-pack policies --policy-pack-config pc.json"],
+    "preflight": ["supernode preflight --stack prod", "AWS_PROFILE=ml supernode preflight --stack prod --json"],
+    "preview": ["supernode preview --stack dev", "supernode preview --stack prod --tree --manifests out/manifests"],
+    "train": ["supernode train --stack dev --local --steps 40", "supernode train --stack dev --local --nproc 4"],
+    "verify": ["pulumi stack output --json --show-secrets > out.json",
+               "supernode verify --stack prod --outputs out.json"],
+}
+
+
+def _leaves(parser: argparse.ArgumentParser, name: str = "", help: str = ""):
+    """(full name, parser, its one-line help) of every command that takes no further subcommand."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield name, parser, help
+    for action in subs:
+        helps = {a.dest: a.help for a in action._choices_actions}
+        for child, sub in action.choices.items():
+            yield from _leaves(sub, f"{name} {child}".strip(), helps.get(child, ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="supernode", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="supernode", description=DESCRIPTION, epilog=EXIT_CODES)
+    parser.add_argument("--version", action="version", version=f"supernode {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         importlib.import_module(f"{commands.__name__}.{mod.name}").register(sub)
+    for name, leaf, help in _leaves(parser):
+        leaf.formatter_class = argparse.RawDescriptionHelpFormatter
+        leaf.description = leaf.description or help
+        examples = "\n".join(f"  {e}" for e in EXAMPLES.get(name, []))
+        leaf.epilog = f"examples:\n{examples}\n\n{EXIT_CODES}" if examples else EXIT_CODES
     return parser
 
 

@@ -171,10 +171,16 @@ class Step:
 
 
 def run_checks(steps: Iterable[Step]) -> list[Check]:
+    """Every step's Check. Without usable credentials no check can run: that is said once, as one
+    failed "aws credentials" check, instead of once per check."""
     out = []
     for step in steps:
         try:
             out.append(step.probe())
+        except (NoCredentialsError, PartialCredentialsError) as e:
+            detail, fix = describe_error(e)
+            return out + [Check(name="aws credentials", result="fail", detail=f"{detail}: no check could run "
+                                f"(stopped at {step.name!r})", fix=fix)]
         except Exception as e:  # noqa: BLE001 - every failure becomes this check's message
             detail, fix = describe_error(e)
             result = step.on_unsupported if step.on_unsupported and is_unsupported(e) else step.on_error
@@ -200,12 +206,16 @@ STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow"}
 
 def render(title: str, checks: list[Check], console: Console) -> None:
     t = Table(title=title, show_header=True, header_style="bold", show_lines=False)
-    for col in ("check", "result", "detail", "fix"):
+    for col in ("check", "result", "detail"):
         t.add_column(col, overflow="fold")
     for c in checks:
         # Text, not markup: details quote AWS messages and lists that contain brackets.
-        t.add_row(Text(c.name), Text(c.result, style=STYLE[c.result]), Text(c.detail), Text(c.fix))
+        t.add_row(Text(c.name), Text(c.result, style=STYLE[c.result]), Text(c.detail))
     console.print(t)
+    # Fixes below the table, one per line and never wrapped: they hold commands to copy.
+    for c in checks:
+        if c.fix and c.result != "pass":
+            console.print(Text.assemble((f"fix {c.name}: ", STYLE[c.result]), c.fix), soft_wrap=True)
     n = failures(checks)
     warns = sum(c.result == "warn" for c in checks)
     console.print(f"{len(checks)} checks: {len(checks) - n - warns} pass, {n} fail, {warns} warn")

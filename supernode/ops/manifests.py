@@ -20,7 +20,6 @@ import yaml
 from kubernetes_validate.utils import SchemaNotFoundError, ValidationError, VersionNotSupportedError, all_versions
 from kubernetes_validate.utils import validate as validate_builtin
 from packaging.version import Version
-from rich.console import Console
 
 from ..core.errors import BadInput
 
@@ -183,18 +182,31 @@ def validate(manifests: list[Manifest], kubernetes_version: str) -> list[Problem
     return problems
 
 
-def export(resources: Iterable[Any], out_dir: Path, kubernetes_version: str) -> bool:
-    """`supernode preview --manifests DIR`: write, validate, report on stderr; True when all are valid."""
+@dataclass(frozen=True)
+class ManifestReport:
+    out_dir: Path
+    written: int
+    schema_version: str
+    kubernetes_version: str
+    problems: list[Problem]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        head = (f"wrote {self.written} Kubernetes manifests to {self.out_dir}; validated against the Kubernetes "
+                f"{self.schema_version} schemas (cluster {self.kubernetes_version}, strict) and CRD schemas: "
+                f"{len(self.problems)} problem(s)")
+        return [head, *(f"  invalid manifest: {p}" for p in self.problems)]
+
+
+def export(resources: Iterable[Any], out_dir: Path, kubernetes_version: str) -> ManifestReport:
+    """`supernode preview --manifests DIR`: write every object and validate it."""
     manifests = from_resources(resources)
     try:
         paths = write(manifests, out_dir)
     except OSError as e:
         raise BadInput(f"--manifests {out_dir}: cannot write manifests there ({e.strerror or e})") from None
-    problems = validate(manifests, kubernetes_version)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
-    err.print(f"wrote {len(paths)} Kubernetes manifests to {out_dir}; validated against the Kubernetes "
-              f"{schema_version(kubernetes_version)} schemas (cluster {kubernetes_version}, strict) and CRD schemas: "
-              f"{len(problems)} problem(s)", markup=False)
-    for p in problems:
-        err.print(f"  invalid manifest: {p}", markup=False)
-    return not problems
+    return ManifestReport(out_dir, len(paths), schema_version(kubernetes_version), kubernetes_version,
+                          validate(manifests, kubernetes_version))

@@ -48,3 +48,42 @@ def test_full_plan_json_is_what_the_trainer_reads(capsys):
     assert main(["plan", "--stack", "dev", "--root", str(ROOT), "--json", "--full"]) == 0
     plan = Plan.from_json(capsys.readouterr().out)
     assert plan.model == load_stack("dev", ROOT).model
+
+
+def test_version_and_top_level_help(capsys):
+    import pytest
+
+    from supernode import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"supernode {__version__}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "Mixture-of-Experts training on GPU supernode clusters" in out and "exit codes: 0 ok" in out
+    assert "Each subcommand lives in" not in out  # not the developer docstring
+
+
+def test_every_command_help_has_a_description_examples_and_exit_codes():
+    from supernode.cli import EXAMPLES, _leaves, build_parser
+
+    leaves = list(_leaves(build_parser()))
+    assert {name for name, _, _ in leaves} == set(EXAMPLES)  # a new command needs its examples
+    for name, parser, _ in leaves:
+        text = parser.format_help()
+        assert parser.description, name
+        assert "examples:\n  supernode" in text or "examples:\n  pulumi" in text or "examples:\n  AWS_" in text, name
+        assert "exit codes: 0 ok; 1" in text, name
+
+
+def test_preview_prints_a_summary_by_default_and_the_tree_on_request(capsys, tmp_path):
+    assert main(["preview", "--stack", "dev", "--root", str(ROOT), "--manifests", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    summary = captured.out
+    assert "resources" in summary and "supernode plan: dev" in summary and "policy compliance" in summary
+    assert "pulumi:pulumi:Stack" not in summary
+    # The manifests' report sits after the result it describes, on stdout, not earlier on stderr.
+    assert "Kubernetes manifests to" in summary.split("policy compliance")[1] and "manifests" not in captured.err
+    assert main(["preview", "--stack", "dev", "--root", str(ROOT), "--tree"]) == 0
+    assert "pulumi:pulumi:Stack" in capsys.readouterr().out

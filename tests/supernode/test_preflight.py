@@ -402,10 +402,23 @@ def test_cli_bad_config_exits_2(tmp_path, capsys):
     assert "expected a top-level 'config:' mapping" in capsys.readouterr().err
 
 
-def test_missing_credentials_are_reported_per_check(moto_aws, monkeypatch):
+def test_missing_credentials_are_reported_once(moto_aws, monkeypatch):
+    """Issue 19: no credentials is one failed check, not the same failure once per check."""
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(var)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-role lookup on a dev machine
     checks = run_preflight(from_mapping(dev_data()))
-    ec2 = [c for c in checks if not c.name.startswith("quota")]
-    assert ec2 and all(c.result == "fail" and c.detail == "no usable AWS credentials" for c in ec2)
+    assert [(c.name, c.result) for c in checks] == [("aws credentials", "fail")]
+    assert checks[0].detail.startswith("no usable AWS credentials: no check could run")
+
+
+def test_no_credentials_is_said_once(moto_aws, monkeypatch, capsys, tmp_path):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to fall back on
+    assert main(["preflight", "--stack", "prod", "--root", str(ROOT)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("no usable AWS credentials") == 1, out
+    assert "fix aws credentials: configure credentials" in out and "1 checks: 0 pass, 1 fail, 0 warn" in out

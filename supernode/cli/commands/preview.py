@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from ..args import add_stack_args, stack_from_args
+from ..args import add_stack_args, err, stack_from_args
 from ...core.errors import EXIT_FAILED
 from ...ops.manifests import export as export_manifests
 from ...ops.preview import PreviewResult, run_program
@@ -23,6 +23,8 @@ def register(sub) -> None:
     p = sub.add_parser("preview", help="offline preview: run the Pulumi program under the mock engine")
     add_stack_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output (docs/architecture.md §7)")
+    p.add_argument("--tree", action="store_true", help="print every resource in its component tree "
+                                                       "(default: counts per type)")
     p.add_argument("--manifests", type=Path, metavar="DIR",
                    help="write every Kubernetes object as YAML to DIR and validate it (exit 1 if invalid)")
     add_policy_args(p)  # the policy pack runs on every preview; exit 1 on a mandatory violation
@@ -45,6 +47,9 @@ def render_tree(result: PreviewResult, console: Console) -> None:
         parent = nodes.get(r.parent, root)
         nodes[r.urn] = parent.add(f"[cyan]{r.type}[/] {r.name}")
     console.print(root)
+
+
+def render_counts(result: PreviewResult, console: Console) -> None:
     counts = Counter(r.type for r in result.resources)
     table = Table(title=f"{len(result.resources)} resources", header_style="bold")
     table.add_column("type")
@@ -58,16 +63,22 @@ def run(args) -> int:
     stack, cfg = stack_from_args(args)
     result = run_program(stack, cfg)
     plan = result.plan()  # the plan the program deployed, not a second one built here
-    manifests_ok = args.manifests is None or export_manifests(result.resources, args.manifests,
-                                                              cfg.cluster.kubernetes_version)
+    manifests = export_manifests(result.resources, args.manifests, cfg.cluster.kubernetes_version) \
+        if args.manifests else None
     report = run_pack([r.to_json() for r in result.resources],
                       policy_config(args.policy_config, config_from_stack(cfg)), args.junit)
     violations = [v.to_json() for v in report.violations]
     if args.json:
         print(json.dumps(preview_json(result, plan.summary(), violations), indent=2))
+        for line in manifests.lines() if manifests else []:  # stdout holds only the JSON
+            err.print(line, markup=False)
     else:
         console = Console()
-        render_tree(result, console)
+        if args.tree:
+            render_tree(result, console)
+        render_counts(result, console)
         render_plan(plan, console)
         render_policy(report, console)
-    return 0 if report.passed and manifests_ok else EXIT_FAILED
+        for line in manifests.lines() if manifests else []:
+            console.print(line, markup=False, style=None if manifests.ok else "red")
+    return 0 if report.passed and (manifests is None or manifests.ok) else EXIT_FAILED
