@@ -5,6 +5,7 @@ import pulumi_aws as aws
 
 from components.accelerators import Accelerators, AcceleratorsArgs
 from components.cluster import NODE_ADDONS, SERVICE_CIDR, WORKLOAD_ADDONS, Cluster, ClusterArgs
+from components.context import StackContext
 from components.identity import Keys, KeysArgs, NodeRole, TrainerRole, TrainerRoleArgs
 from components.monitoring import Monitoring, MonitoringArgs
 from components.network import Network, NetworkArgs
@@ -20,43 +21,41 @@ stack = pulumi.get_stack()
 plan = build_plan(stack, config)
 pulumi.export("plan", plan.summary())
 
-tags = {"Project": "supernode", "Stack": stack, "ManagedBy": "pulumi"}
+# Stack name, region, account and tags: passed once, as the first field of every component's Args.
+ctx = StackContext.create(stack, config.region, aws.get_caller_identity_output().account_id)
 cluster_name = f"supernode-{stack}"
 retention = config.monitoring.log_retention_days
-account_id = aws.get_caller_identity_output().account_id
 
-keys = Keys("keys", KeysArgs(stack=stack, region=config.region, account_id=account_id, identity=config.identity,
-                             tags=tags))
+keys = Keys("keys", KeysArgs(ctx=ctx, identity=config.identity))
 network = Network("network", NetworkArgs(
-    stack=stack, region=config.region, network=config.network, gpu_availability_zone=config.availability_zone,
-    cluster_name=cluster_name, log_retention_days=retention, logs_kms_key_arn=keys.ops.arn, tags=tags))
+    ctx=ctx, network=config.network, gpu_availability_zone=config.availability_zone,
+    cluster_name=cluster_name, log_retention_days=retention, logs_kms_key_arn=keys.ops.arn))
 cluster = Cluster("cluster", ClusterArgs(
-    stack=stack, region=config.region, cluster_name=cluster_name, cluster=config.cluster,
+    ctx=ctx, cluster_name=cluster_name, cluster=config.cluster,
     subnet_ids=network.private_subnet_ids, secrets_kms_key_arn=keys.eks.arn, logs_kms_key_arn=keys.ops.arn,
-    log_retention_days=retention, tags=tags))
-node_role = NodeRole("node-role", tags=tags)
+    log_retention_days=retention))
+node_role = NodeRole("node-role", ctx)
 node_addons = cluster.install_addons(NODE_ADDONS)
 accelerators = Accelerators("accelerators", AcceleratorsArgs(
-    stack=stack, kubernetes_version=config.cluster.kubernetes_version, groups=config.accelerator_node_groups,
+    ctx=ctx, kubernetes_version=config.cluster.kubernetes_version, groups=config.accelerator_node_groups,
     system=config.system_node_group, cluster_name=cluster.cluster.name, cluster_endpoint=cluster.endpoint,
     cluster_certificate_authority=cluster.certificate_authority, cluster_security_group_id=cluster.security_group_id,
     service_cidr=SERVICE_CIDR, vpc_id=network.vpc_id, gpu_subnet_id=network.gpu_subnet_id,
     system_subnet_ids=network.private_subnet_ids, node_role_arn=node_role.arn,
-    hugepages_2mi_gib=config.workload.hugepages_2mi_gib, tags=tags, node_dependencies=node_addons))
+    hugepages_2mi_gib=config.workload.hugepages_2mi_gib, node_dependencies=node_addons))
 workload_addons = cluster.install_addons(WORKLOAD_ADDONS, depends_on=accelerators.node_groups)
 storage = Storage("storage", StorageArgs(
-    stack=stack, storage=config.storage, plan=plan, vpc_id=network.vpc_id, fsx_subnet_id=network.gpu_subnet_id,
+    ctx=ctx, storage=config.storage, plan=plan, vpc_id=network.vpc_id, fsx_subnet_id=network.gpu_subnet_id,
     node_security_group_id=accelerators.efa_security_group_id, data_kms_key_arn=keys.data_key_arn,
-    logs_kms_key_arn=keys.ops.arn, log_retention_days=retention, tags=tags))
+    logs_kms_key_arn=keys.ops.arn, log_retention_days=retention))
 trainer_role = TrainerRole("trainer-role", TrainerRoleArgs(
-    stack=stack, identity=config.identity, storage=config.storage, namespace=config.workload.namespace,
+    ctx=ctx, identity=config.identity, storage=config.storage, namespace=config.workload.namespace,
     service_account=config.workload.service_account, cluster_name=cluster.cluster.name,
     oidc_provider_arn=cluster.oidc_provider_arn, oidc_issuer_url=cluster.oidc_issuer_url,
-    bucket_arn=storage.bucket_arn, data_key_arn=keys.data_key_arn, tags=tags))
+    bucket_arn=storage.bucket_arn, data_key_arn=keys.data_key_arn))
 monitoring = Monitoring("monitoring", MonitoringArgs(
-    stack=stack, region=config.region, monitoring=config.monitoring, cluster=cluster, fsx_id=storage.fsx_id,
-    fsx_capacity_gib=storage.fsx_capacity_gib, ops_kms_key_arn=keys.ops.arn, node_groups=accelerators.node_groups,
-    tags=tags))
+    ctx=ctx, monitoring=config.monitoring, cluster=cluster, fsx_id=storage.fsx_id,
+    fsx_capacity_gib=storage.fsx_capacity_gib, ops_kms_key_arn=keys.ops.arn, node_groups=accelerators.node_groups))
 
 log_groups = [cluster.log_group_name, storage.fsx_log_group_name, *monitoring.log_group_names]
 if network.flow_log_group_name is not None:
@@ -76,7 +75,7 @@ export_stack_outputs({
 
 # Kubernetes side: add-ons, training namespace, FSx volume, plan ConfigMap, interconnect gate, trainer job.
 workload = TrainingWorkload("workload", WorkloadArgs(
-    kubeconfig=cluster.kubeconfig, cluster_version=cluster.version, region=config.region,
+    ctx=ctx, kubeconfig=cluster.kubeconfig, cluster_version=cluster.version,
     fsx=Fsx(id=storage.fsx_id, dns_name=storage.fsx_dns_name, mount_name=storage.fsx_mount_name,
             size_gib=storage.fsx_capacity_gib, data_dir=storage.dataset_dir, checkpoint_dir=storage.checkpoint_dir),
     trainer_role_arn=trainer_role.arn, gpu_nodes=GpuNodes.for_groups(accelerators.labels, accelerators.taints),

@@ -8,7 +8,7 @@ card 0 / device 1 on instance types with `ena_primary`; every other card is `efa
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Optional, Sequence
 
 import pulumi
@@ -18,7 +18,10 @@ import yaml
 from supernode.core.catalog import CATALOG, InstanceType
 from supernode.core.config import AcceleratorNodeGroup, SystemNodeGroup
 
-GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
+from .context import StackContext
+from .taints import Taint
+
+GPU_TAINT = Taint("nvidia.com/gpu", "true", "NoSchedule")
 ROOT_VOLUME_GIB = 200  # the NVIDIA AMI and container images; training data lives on NVMe and FSx
 SYSTEM_ROOT_VOLUME_GIB = 50
 # IMDSv2 only. Hop limit 2 (EKS's default) because the Container Insights agent reads instance
@@ -57,7 +60,7 @@ def ami_parameter(kubernetes_version: str, release: str) -> str:
 
 
 def nodeadm_user_data(cluster_name: str, endpoint: str, ca_data: str, service_cidr: str,
-                      labels: Mapping[str, str], taints: Sequence[Mapping[str, str]], hugepages_2mi: int) -> str:
+                      labels: Mapping[str, str], taints: Sequence[Taint], hugepages_2mi: int) -> str:
     """MIME user data: nodeadm NodeConfig (a custom AMI joins with it) with the local NVMe as RAID0,
     and the 2 MiB huge pages EFA pods request, set before kubelet starts and advertises them."""
     node_config = {
@@ -68,7 +71,7 @@ def nodeadm_user_data(cluster_name: str, endpoint: str, ca_data: str, service_ci
             "instance": {"localStorage": {"strategy": "RAID0"}},
             "kubelet": {"flags": [
                 "--node-labels=" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())),
-                "--register-with-taints=" + ",".join(f"{t['key']}={t['value']}:{t['effect']}" for t in taints)]},
+                "--register-with-taints=" + ",".join(t.kubelet_flag() for t in taints)]},
         },
     }
     boundary = "SUPERNODE"
@@ -85,7 +88,7 @@ def decode_user_data(encoded: str) -> str:
 
 @dataclass
 class AcceleratorsArgs:
-    stack: str
+    ctx: StackContext
     kubernetes_version: str
     groups: Sequence[AcceleratorNodeGroup]
     system: SystemNodeGroup
@@ -99,7 +102,6 @@ class AcceleratorsArgs:
     system_subnet_ids: Sequence[pulumi.Input[str]]
     node_role_arn: pulumi.Input[str]
     hugepages_2mi_gib: int
-    tags: Mapping[str, str] = field(default_factory=dict)
     node_dependencies: Sequence[pulumi.Resource] = ()  # e.g. the CNI add-on nodes need to become ready
 
 
@@ -110,8 +112,8 @@ class GpuNodeGroup(pulumi.ComponentResource):
                  efa_security_group_id: pulumi.Input[str], opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:accelerators:GpuNodeGroup", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        hw, tags, cap = CATALOG[group.instance_type], dict(args.tags), group.capacity
-        self.labels, self.taints = node_labels(group), [dict(GPU_TAINT)]
+        hw, tags, cap = CATALOG[group.instance_type], args.ctx.tagged(), group.capacity
+        self.labels, self.taints = node_labels(group), [GPU_TAINT]
 
         placement = None
         if group.use_placement_group:
@@ -167,9 +169,9 @@ class Accelerators(pulumi.ComponentResource):
     def __init__(self, name: str, args: AcceleratorsArgs, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:accelerators:Accelerators", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        tags = dict(args.tags)
+        tags = args.ctx.tagged()
         sg = aws.ec2.SecurityGroup(f"{name}-efa", vpc_id=args.vpc_id, description="EFA: all traffic among GPU nodes",
-                                   tags={**tags, "Name": f"supernode-{args.stack}-efa"}, opts=child)
+                                   tags=args.ctx.tagged({"Name": f"supernode-{args.ctx.stack}-efa"}), opts=child)
         # EFA's OS-bypass traffic needs every protocol between members, in both directions.
         aws.vpc.SecurityGroupIngressRule(f"{name}-efa-in-self", security_group_id=sg.id, ip_protocol="-1",
                                          referenced_security_group_id=sg.id, description="EFA from GPU nodes",
@@ -216,5 +218,5 @@ def _root_volume(gib: int) -> aws.ec2.LaunchTemplateBlockDeviceMappingArgs:
                                                             delete_on_termination="true"))
 
 
-def _eks_taint(t: Mapping[str, str]) -> aws.eks.NodeGroupTaintArgs:
-    return aws.eks.NodeGroupTaintArgs(key=t["key"], value=t["value"], effect=_TAINT_EFFECTS[t["effect"]])
+def _eks_taint(t: Taint) -> aws.eks.NodeGroupTaintArgs:
+    return aws.eks.NodeGroupTaintArgs(key=t.key, value=t.value, effect=_TAINT_EFFECTS[t.effect])

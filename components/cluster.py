@@ -4,8 +4,8 @@ logging, IRSA OIDC provider, pinned core add-ons (issue 3, part 2)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import pulumi
 import pulumi_aws as aws
@@ -13,6 +13,7 @@ import pulumi_aws as aws
 from supernode.core.catalog import EKS_ADDON_VERSIONS
 from supernode.core.config import Cluster as ClusterConfig
 
+from .context import StackContext
 from .identity import assume_role_policy, managed_policy_arn
 
 CONTROL_PLANE_LOGS = ["api", "audit", "authenticator", "controllerManager", "scheduler"]
@@ -37,15 +38,13 @@ def kubeconfig(name: str, endpoint: str, ca_data: str, region: str) -> str:
 
 @dataclass
 class ClusterArgs:
-    stack: str
-    region: str
+    ctx: StackContext
     cluster_name: str
     cluster: ClusterConfig
     subnet_ids: Sequence[pulumi.Input[str]]
     secrets_kms_key_arn: pulumi.Input[str]
     logs_kms_key_arn: pulumi.Input[str]
     log_retention_days: int
-    tags: Mapping[str, str] = field(default_factory=dict)
 
 
 class Cluster(pulumi.ComponentResource):
@@ -60,7 +59,7 @@ class Cluster(pulumi.ComponentResource):
     def __init__(self, name: str, args: ClusterArgs, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:cluster:Cluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        cfg, tags = args.cluster, dict(args.tags)
+        cfg, tags = args.cluster, args.ctx.tagged()
         self.name, self.version, self._addon_prefix = args.cluster_name, cfg.kubernetes_version, name
         self.addon_versions = EKS_ADDON_VERSIONS[cfg.kubernetes_version]
 
@@ -100,7 +99,7 @@ class Cluster(pulumi.ComponentResource):
         self.oidc_provider_arn = oidc.arn
         self.kubeconfig = pulumi.Output.secret(pulumi.Output.all(self.cluster.name, self.endpoint,
                                                                  self.certificate_authority).apply(
-            lambda a: kubeconfig(a[0], a[1], a[2], args.region)))
+            lambda a: kubeconfig(a[0], a[1], a[2], args.ctx.region)))
         self.register_outputs({"name": self.cluster.name, "endpoint": self.endpoint,
                                "oidc_provider_arn": self.oidc_provider_arn})
 

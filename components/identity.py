@@ -9,13 +9,15 @@ policies, where AWS requires it (it means "this key").
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import pulumi
 import pulumi_aws as aws
 
 from supernode.core.config import Identity, Storage
+
+from .context import StackContext
 
 # Managed policies an EKS node needs, and nothing more (no SSH: SSM core gives a shell).
 NODE_MANAGED_POLICIES = (
@@ -74,11 +76,8 @@ def managed_policy_arn(name: str) -> str:
 
 @dataclass
 class KeysArgs:
-    stack: str
-    region: str
-    account_id: pulumi.Input[str]
+    ctx: StackContext
     identity: Identity
-    tags: Mapping[str, str] = field(default_factory=dict)
 
 
 class Keys(pulumi.ComponentResource):
@@ -92,13 +91,14 @@ class Keys(pulumi.ComponentResource):
     def __init__(self, name: str, args: KeysArgs, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:identity:Keys", name, None, opts)
         self.args, self.prefix = args, name
+        ctx = args.ctx
         self.eks = self._key("eks", "EKS secrets envelope encryption", [])
         self.ops = self._key("ops", "CloudWatch Logs and SNS alarm topic", [
             {"Sid": "CloudWatchLogs", "Effect": "Allow",
-             "Principal": {"Service": f"logs.{args.region}.amazonaws.com"}, "Action": list(KMS_USE_ACTIONS),
+             "Principal": {"Service": f"logs.{ctx.region}.amazonaws.com"}, "Action": list(KMS_USE_ACTIONS),
              "Resource": "*",
              "Condition": {"ArnLike": {"kms:EncryptionContext:aws:logs:arn":
-                                       pulumi.Output.concat("arn:aws:logs:", args.region, ":", args.account_id,
+                                       pulumi.Output.concat("arn:aws:logs:", ctx.region, ":", ctx.account_id,
                                                             ":log-group:*")}}},
             {"Sid": "CloudWatchAlarmsToEncryptedTopic", "Effect": "Allow",
              "Principal": {"Service": "cloudwatch.amazonaws.com"},
@@ -112,17 +112,17 @@ class Keys(pulumi.ComponentResource):
         self.register_outputs(dict(self.arns))
 
     def _key(self, purpose: str, description: str, service_statements: list[dict]) -> aws.kms.Key:
-        a = self.args
-        account_root = pulumi.Output.concat("arn:aws:iam::", a.account_id, ":root")
+        a, ctx = self.args, self.args.ctx
+        account_root = pulumi.Output.concat("arn:aws:iam::", ctx.account_id, ":root")
         policy = pulumi.Output.json_dumps(policy_document(
             # In a key policy the resource "*" is the key itself; AWS accepts nothing else there.
             {"Sid": "AccountAdministersAndDelegatesToIam", "Effect": "Allow", "Principal": {"AWS": account_root},
              "Action": list(KMS_ACCOUNT_ACTIONS), "Resource": "*"},
             *service_statements))
-        key = aws.kms.Key(f"{self.prefix}-{purpose}", description=f"supernode {a.stack}: {description}",
+        key = aws.kms.Key(f"{self.prefix}-{purpose}", description=f"supernode {ctx.stack}: {description}",
                           enable_key_rotation=a.identity.kms_key_rotation, deletion_window_in_days=30,
-                          policy=policy, tags=dict(a.tags), opts=pulumi.ResourceOptions(parent=self))
-        aws.kms.Alias(f"{self.prefix}-{purpose}", name=f"alias/supernode-{a.stack}-{purpose}",
+                          policy=policy, tags=ctx.tagged(), opts=pulumi.ResourceOptions(parent=self))
+        aws.kms.Alias(f"{self.prefix}-{purpose}", name=f"alias/supernode-{ctx.stack}-{purpose}",
                       target_key_id=key.key_id, opts=pulumi.ResourceOptions(parent=self))
         return key
 
@@ -132,11 +132,11 @@ class Keys(pulumi.ComponentResource):
 class NodeRole(pulumi.ComponentResource):
     """The EC2 role of every node: the four managed policies EKS nodes need, nothing else."""
 
-    def __init__(self, name: str, tags: Mapping[str, str], opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, ctx: StackContext, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:identity:NodeRole", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.role = aws.iam.Role(name, assume_role_policy=assume_role_policy("ec2.amazonaws.com"),
-                                 description="EKS worker nodes (GPU and system)", tags=dict(tags), opts=child)
+                                 description="EKS worker nodes (GPU and system)", tags=ctx.tagged(), opts=child)
         for policy in NODE_MANAGED_POLICIES:
             aws.iam.RolePolicyAttachment(f"{name}-{policy}", role=self.role.name,
                                          policy_arn=managed_policy_arn(policy), opts=child)
@@ -164,7 +164,7 @@ def trainer_policy(bucket_arn: str, storage: Storage, data_key_arn: str) -> dict
 
 @dataclass
 class TrainerRoleArgs:
-    stack: str
+    ctx: StackContext
     identity: Identity
     storage: Storage
     namespace: str
@@ -174,7 +174,6 @@ class TrainerRoleArgs:
     oidc_issuer_url: pulumi.Input[str]
     bucket_arn: pulumi.Input[str]
     data_key_arn: pulumi.Input[str]
-    tags: Mapping[str, str] = field(default_factory=dict)
 
 
 class TrainerRole(pulumi.ComponentResource):
@@ -186,14 +185,14 @@ class TrainerRole(pulumi.ComponentResource):
         pod_identity = args.identity.pod_identity == "pod-identity"
         trust = POD_IDENTITY_TRUST if pod_identity else irsa_trust_policy(
             args.oidc_provider_arn, args.oidc_issuer_url, args.namespace, args.service_account)
-        self.role = aws.iam.Role(name, assume_role_policy=trust, tags=dict(args.tags),
-                                 description=f"supernode {args.stack} trainer pods", opts=child)
+        self.role = aws.iam.Role(name, assume_role_policy=trust, tags=args.ctx.tagged(),
+                                 description=f"supernode {args.ctx.stack} trainer pods", opts=child)
         self.policy = pulumi.Output.all(args.bucket_arn, args.data_key_arn).apply(
             lambda a: json.dumps(trainer_policy(a[0], args.storage, a[1])))
         aws.iam.RolePolicy(f"{name}-data", role=self.role.id, policy=self.policy, opts=child)
         if pod_identity:
             aws.eks.PodIdentityAssociation(name, cluster_name=args.cluster_name, namespace=args.namespace,
                                            service_account=args.service_account, role_arn=self.role.arn,
-                                           tags=dict(args.tags), opts=child)
+                                           tags=args.ctx.tagged(), opts=child)
         self.arn = self.role.arn
         self.register_outputs({"arn": self.arn})

@@ -5,7 +5,7 @@ SNS topic every alarm notifies, and a dashboard (issue 3, part 6)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import pulumi
@@ -15,6 +15,7 @@ from supernode.core.catalog import GIB
 from supernode.core.config import Monitoring as MonitoringConfig
 
 from .cluster import Cluster
+from .context import StackContext
 from .identity import irsa_trust_policy, managed_policy_arn
 
 CONTAINER_INSIGHTS = "ContainerInsights"
@@ -33,15 +34,13 @@ class LogPattern:
 
 @dataclass
 class MonitoringArgs:
-    stack: str
-    region: str
+    ctx: StackContext
     monitoring: MonitoringConfig
     cluster: Cluster
     fsx_id: pulumi.Input[str]
     fsx_capacity_gib: int
     ops_kms_key_arn: pulumi.Input[str]
     node_groups: Sequence[pulumi.Resource]  # the add-on's agents run on them
-    tags: Mapping[str, str] = field(default_factory=dict)
 
 
 class Monitoring(pulumi.ComponentResource):
@@ -52,10 +51,11 @@ class Monitoring(pulumi.ComponentResource):
     def __init__(self, name: str, args: MonitoringArgs, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:monitoring:Monitoring", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        m, tags, cluster_name = args.monitoring, dict(args.tags), args.cluster.name
-        self.namespace, self.prefix = f"Supernode/{args.stack}", f"supernode-{args.stack}"
+        m, ctx, cluster_name = args.monitoring, args.ctx, args.cluster.name
+        tags = ctx.tagged()
+        self.namespace, self.prefix = f"Supernode/{ctx.stack}", f"supernode-{ctx.stack}"
 
-        self.topic = aws.sns.Topic(name, name=f"supernode-{args.stack}-alarms", kms_master_key_id=args.ops_kms_key_arn,
+        self.topic = aws.sns.Topic(name, name=f"supernode-{ctx.stack}-alarms", kms_master_key_id=args.ops_kms_key_arn,
                                    tags=tags, opts=child)
         aws.sns.TopicSubscription(f"{name}-email", topic=self.topic.arn, protocol="email",
                                   endpoint=m.notification_email, opts=child)
@@ -115,9 +115,9 @@ class Monitoring(pulumi.ComponentResource):
         ]
         self.alarm_names = [a.name for a in self.alarms]
         self.dashboard = aws.cloudwatch.Dashboard(
-            name, dashboard_name=f"supernode-{args.stack}", opts=child,
+            name, dashboard_name=f"supernode-{ctx.stack}", opts=child,
             dashboard_body=pulumi.Output.all(args.fsx_id).apply(
-                lambda a: json.dumps(dashboard(args.region, cluster_name, self.namespace, a[0], m))))
+                lambda a: json.dumps(dashboard(ctx.region, cluster_name, self.namespace, a[0], m))))
         self.register_outputs({"topic_arn": self.topic_arn, "alarm_names": self.alarm_names})
 
     def _alarm(self, name: str, short: str, description: str, *, namespace: str, metric_name: str, statistic: str,

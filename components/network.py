@@ -5,14 +5,15 @@ the VPC and subnets are someone else's: only their ids are passed on, and flow l
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import pulumi
 import pulumi_aws as aws
 
 from supernode.core.config import Network as NetworkConfig
 
+from .context import StackContext
 from .identity import assume_role_policy, policy_document
 
 # Interface endpoints nodes need with no internet path: image pulls (ECR), IRSA (STS), logs.
@@ -21,14 +22,12 @@ INTERFACE_ENDPOINTS = ("ecr.api", "ecr.dkr", "sts", "logs")
 
 @dataclass
 class NetworkArgs:
-    stack: str
-    region: str
+    ctx: StackContext
     network: NetworkConfig
     gpu_availability_zone: str  # the node groups' AZ (the reservation's, when one is targeted)
     cluster_name: str  # subnet discovery tags for load balancers
     log_retention_days: int
     logs_kms_key_arn: pulumi.Input[str]
-    tags: Mapping[str, str] = field(default_factory=dict)
 
 
 class Network(pulumi.ComponentResource):
@@ -41,7 +40,7 @@ class Network(pulumi.ComponentResource):
     def __init__(self, name: str, args: NetworkArgs, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:network:Network", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        net, tags = args.network, dict(args.tags)
+        net, tags = args.network, args.ctx.tagged()
 
         if net.existing_vpc_id:
             # Bring your own VPC: the VPC, its subnets, route tables, egress (NAT / internet gateway) and
@@ -56,7 +55,7 @@ class Network(pulumi.ComponentResource):
 
         self.flow_log_group_name = None
         if net.flow_logs:
-            group = aws.cloudwatch.LogGroup(f"{name}-flow-logs", name=f"/supernode/{args.stack}/vpc-flow-logs",
+            group = aws.cloudwatch.LogGroup(f"{name}-flow-logs", name=f"/supernode/{args.ctx.stack}/vpc-flow-logs",
                                             retention_in_days=args.log_retention_days,
                                             kms_key_id=args.logs_kms_key_arn, tags=tags, opts=child)
             role = aws.iam.Role(f"{name}-flow-logs", assume_role_policy=assume_role_policy("vpc-flow-logs.amazonaws.com"),
@@ -75,13 +74,10 @@ class Network(pulumi.ComponentResource):
 
     def _create_vpc(self, name: str, args: NetworkArgs, child: pulumi.ResourceOptions) -> None:
         """The VPC, private subnets, the GPU subnet, optional NAT and the private endpoints."""
-        net, tags = args.network, dict(args.tags)
-
-        def tagged(extra: Mapping[str, str]) -> dict[str, str]:
-            return {**tags, **extra}
+        net, tagged = args.network, args.ctx.tagged
 
         vpc = aws.ec2.Vpc(name, cidr_block=net.vpc_cidr, enable_dns_hostnames=True, enable_dns_support=True,
-                          tags=tagged({"Name": f"supernode-{args.stack}"}), opts=child)
+                          tags=tagged({"Name": f"supernode-{args.ctx.stack}"}), opts=child)
         self.vpc_id = vpc.id
         owned = {f"kubernetes.io/cluster/{args.cluster_name}": "shared"}
 
@@ -129,7 +125,7 @@ class Network(pulumi.ComponentResource):
                           nat_gateway_id=nat.id, opts=child)
 
         # Private endpoints: S3 (gateway, free) and the interface endpoints nodes need.
-        aws.ec2.VpcEndpoint(f"{name}-s3", vpc_id=vpc.id, service_name=f"com.amazonaws.{args.region}.s3",
+        aws.ec2.VpcEndpoint(f"{name}-s3", vpc_id=vpc.id, service_name=f"com.amazonaws.{args.ctx.region}.s3",
                             vpc_endpoint_type="Gateway", route_table_ids=[private_rt.id], tags=tagged({}), opts=child)
         endpoint_sg = aws.ec2.SecurityGroup(f"{name}-endpoints", vpc_id=vpc.id,
                                             description="HTTPS from the VPC to interface endpoints",
@@ -140,6 +136,6 @@ class Network(pulumi.ComponentResource):
         self.endpoint_security_group_id = endpoint_sg.id
         for service in INTERFACE_ENDPOINTS:
             aws.ec2.VpcEndpoint(f"{name}-{service.replace('.', '-')}", vpc_id=vpc.id,
-                                service_name=f"com.amazonaws.{args.region}.{service}", vpc_endpoint_type="Interface",
+                                service_name=f"com.amazonaws.{args.ctx.region}.{service}", vpc_endpoint_type="Interface",
                                 private_dns_enabled=True, subnet_ids=self.private_subnet_ids,
                                 security_group_ids=[endpoint_sg.id], tags=tagged({}), opts=child)

@@ -4,8 +4,8 @@ for Lustre PERSISTENT_2 sized by the planner, linked to the bucket (issue 3, par
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import pulumi
 import pulumi_aws as aws
@@ -13,6 +13,7 @@ import pulumi_aws as aws
 from supernode.core.config import Storage as StorageConfig
 from supernode.core.plan import Plan
 
+from .context import StackContext
 from .identity import policy_document
 
 LUSTRE_PORTS = ((988, 988), (1018, 1023))  # LNet, and the Lustre service ports
@@ -54,7 +55,7 @@ def _housekeeping(storage: StorageConfig) -> aws.s3.BucketLifecycleConfiguration
 
 @dataclass
 class StorageArgs:
-    stack: str
+    ctx: StackContext
     storage: StorageConfig
     plan: Plan
     vpc_id: pulumi.Input[str]
@@ -63,7 +64,6 @@ class StorageArgs:
     data_kms_key_arn: pulumi.Input[str]
     logs_kms_key_arn: pulumi.Input[str]
     log_retention_days: int
-    tags: Mapping[str, str] = field(default_factory=dict)
 
 
 class Storage(pulumi.ComponentResource):
@@ -76,7 +76,7 @@ class Storage(pulumi.ComponentResource):
     def __init__(self, name: str, args: StorageArgs, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:storage:Storage", name, None, opts)
         self._child = pulumi.ResourceOptions(parent=self)
-        s, tags = args.storage, dict(args.tags)
+        s, tags = args.storage, args.ctx.tagged()
         self.dataset_prefix, self.checkpoint_prefix = s.dataset_prefix, s.checkpoint_prefix
 
         if s.existing_bucket:  # the organisation's bucket: referenced, not managed here
@@ -94,8 +94,8 @@ class Storage(pulumi.ComponentResource):
             self.bucket_name, self.bucket_arn = data.bucket, data.arn
             self.access_log_bucket_name = logs.bucket
 
-        self.fsx_security_group_id = self._fsx_security_group(name, args, tags)
-        fsx_logs = aws.cloudwatch.LogGroup(f"{name}-fsx", name=f"/aws/fsx/supernode-{args.stack}",
+        self.fsx_security_group_id = self._fsx_security_group(name, args)
+        fsx_logs = aws.cloudwatch.LogGroup(f"{name}-fsx", name=f"/aws/fsx/supernode-{args.ctx.stack}",
                                            retention_in_days=args.log_retention_days,
                                            kms_key_id=args.logs_kms_key_arn, tags=tags, opts=self._child)
         self.fsx_log_group_name = fsx_logs.name
@@ -108,7 +108,7 @@ class Storage(pulumi.ComponentResource):
             kms_key_id=args.data_kms_key_arn, file_system_type_version="2.15", data_compression_type="LZ4",
             log_configuration=aws.fsx.LustreFileSystemLogConfigurationArgs(level="WARN_ERROR",
                                                                            destination=fsx_logs.arn),
-            tags={**tags, "Name": f"supernode-{args.stack}"}, opts=self._child)
+            tags=args.ctx.tagged({"Name": f"supernode-{args.ctx.stack}"}), opts=self._child)
         self.fsx_id, self.fsx_dns_name, self.fsx_mount_name = self.fsx.id, self.fsx.dns_name, self.fsx.mount_name
         self.fsx_capacity_gib = ckpt.fsx_capacity_gib
         # Datasets flow in from S3; checkpoints flow both ways (written on FSx, exported to S3).
@@ -157,10 +157,10 @@ class Storage(pulumi.ComponentResource):
                                  target_prefix=pulumi.Output.concat(bucket.bucket, "/"), opts=child)
         return bucket
 
-    def _fsx_security_group(self, name: str, args: StorageArgs, tags: dict) -> pulumi.Output[str]:
+    def _fsx_security_group(self, name: str, args: StorageArgs) -> pulumi.Output[str]:
         child = self._child
         sg = aws.ec2.SecurityGroup(f"{name}-fsx", vpc_id=args.vpc_id, description="FSx for Lustre: from GPU nodes only",
-                                   tags={**tags, "Name": f"supernode-{args.stack}-fsx"}, opts=child)
+                                   tags=args.ctx.tagged({"Name": f"supernode-{args.ctx.stack}-fsx"}), opts=child)
         for lo, hi in LUSTRE_PORTS:
             # Clients are the GPU nodes; the file servers also talk to each other on these ports.
             for source, label in ((args.node_security_group_id, "nodes"), (sg.id, "self")):

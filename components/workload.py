@@ -13,27 +13,28 @@ from typing import Optional, Sequence
 import pulumi
 import pulumi_kubernetes as k8s
 
-from supernode.core.catalog import gate_floor_gbytes_s
 from supernode.core.config import Images, Identity, Workload
 from supernode.core.plan import Plan
 
+from .context import StackContext
+from .taints import Taint
 from .workload_addons import AddonArgs, ClusterAddons
-from .workload_common import GpuNodes, PodShape, Taint, dns_name
+from .workload_common import GpuNodes, dns_name
 from .workload_jobs import InterconnectGate, JobArgs, TrainerArgs, TrainerJob
 from .workload_namespace import PRIORITY_CLASS, Fsx, NamespaceArgs, TrainingNamespace
 
-__all__ = ["TrainingWorkload", "WorkloadArgs", "Fsx", "GpuNodes", "Taint"]
+__all__ = ["TrainingWorkload", "WorkloadArgs", "Fsx", "GpuNodes", "StackContext", "Taint"]
 
 
 @dataclass(frozen=True)
 class WorkloadArgs:
+    ctx: StackContext
     kubeconfig: pulumi.Input[str]
     cluster_version: str  # "1.33": Pod Security labels are pinned to it
-    region: str
     fsx: Fsx
     trainer_role_arn: pulumi.Input[str]
     gpu_nodes: GpuNodes
-    plan: Plan  # also the source of the training settings (plan.training)
+    plan: Plan  # every figure the jobs need: nodes, pod shape, gate floor, training settings
     images: Images
     workload: Workload
     identity: Identity
@@ -50,22 +51,22 @@ class TrainingWorkload(pulumi.ComponentResource):
         # Children inherit the provider from their component parents.
         child = pulumi.ResourceOptions(parent=self, providers={"kubernetes": self.provider})
         plan, wl = args.plan, args.workload
-        pod = PodShape.for_node(plan.hardware, wl.hugepages_2mi_gib)
 
-        self.addons = ClusterAddons(f"{name}-addons", AddonArgs(region=args.region, gpu_nodes=args.gpu_nodes), child)
+        self.addons = ClusterAddons(f"{name}-addons", AddonArgs(region=args.ctx.region, gpu_nodes=args.gpu_nodes),
+                                    child)
         self.training = TrainingNamespace(f"{name}-ns", NamespaceArgs(
             namespace=wl.namespace, service_account=wl.service_account, trainer_role_arn=args.trainer_role_arn,
             pod_identity=args.identity.pod_identity == "pod-identity", cluster_version=args.cluster_version,
-            fsx=args.fsx, plan=plan, pod=pod), child)
-        job = JobArgs(namespace=self.training.name, image=args.images.trainer, gpu_nodes=args.gpu_nodes, pod=pod, plan=plan,
+            fsx=args.fsx, plan=plan), child)
+        job = JobArgs(namespace=self.training.name, image=args.images.trainer, gpu_nodes=args.gpu_nodes, plan=plan,
+                      plan_config_map=self.training.plan_config_map.metadata.name,
                       priority_class=self.training.priority_class.metadata.name)
         self.gate = InterconnectGate(
             f"{name}-gate", replace(job, image=args.images.fabric_check or args.images.trainer),
-            job_name=dns_name(plan.stack, "fabric-gate"), min_busbw_gbytes_s=gate_floor_gbytes_s(plan.instance_type, wl.gate_min_fraction),
-            opts=child)
+            job_name=dns_name(plan.stack, "fabric-gate"), opts=child)
         self.trainer = TrainerJob(f"{name}-trainer", TrainerArgs(
             job=job, service_account=self.training.service_account.metadata.name,
-            plan_config_map=self.training.plan_config_map.metadata.name, pvc=self.training.claim.metadata.name,
+            pvc=self.training.claim.metadata.name,
             data_subpath=args.fsx.data_dir.strip("/"), checkpoint_subpath=args.fsx.checkpoint_dir.strip("/"),
             termination_grace_s=wl.termination_grace_s,
             wait_for=[self.gate.job, *self.addons.ready]), job_name=dns_name(plan.stack, "train"), opts=child)
@@ -74,7 +75,7 @@ class TrainingWorkload(pulumi.ComponentResource):
             "namespace": self.training.name,
             "trainer_job": self.trainer.name,
             "gate_job": self.gate.job.metadata.name,
-            "gate_min_busbw_gbytes_s": self.gate.min_busbw_gbytes_s,
+            "gate_min_busbw_gbytes_s": plan.gate_floor_gbytes_s,  # what the gate reads from the plan
             "dcgm_metrics_endpoint": self.addons.dcgm_endpoint,
             "priority_class": PRIORITY_CLASS,
         }

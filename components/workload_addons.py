@@ -2,32 +2,43 @@
 can render and validate them offline, which Helm releases cannot): the NVIDIA and EFA device
 plugins, the DCGM exporter with a Prometheus scrape endpoint, and the Kubeflow training operator
 (PyTorchJob only). The FSx CSI driver is an EKS add-on on the AWS side, so it is not here.
+
+The manifests are third-party software, so they live as pinned YAML files in `components/addons/`
+(and the CRD in `components/crds/`), reviewed and bumped as files. This module loads them and
+patches only what depends on the stack: the add-ons' namespace, ownership labels, which nodes
+the DaemonSets run on (GpuNodes), the EKS registry's region, and the references between objects.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import pulumi
 import pulumi_kubernetes as k8s
 
 from supernode.core.catalog import CATALOG
 
-from .workload_common import GpuNodes, PART_OF, load_crd, meta
+from .workload_common import GpuNodes, PART_OF, load_addon, load_crd, meta
 
-# Pinned add-on versions (by tag: digests cannot be resolved offline; pin them when mirroring to ECR).
-VERSIONS = {
-    "nvidia-device-plugin": "v0.17.0",
-    "aws-efa-k8s-device-plugin": "v0.5.6",
-    "dcgm-exporter": "3.3.9-3.6.1-ubuntu22.04",
-    "training-operator": "v1.8.1",
-}
-EKS_ECR_ACCOUNT = "602401143452"  # AWS's registry for EKS add-on images in commercial regions
-DCGM_PORT = 9400
-SYSTEM_NAMESPACE = "supernode-system"
+SYSTEM_NAMESPACE = "supernode-system"  # where the add-on files place their namespaced objects
 OPERATOR = "training-operator"
-WEBHOOK_CERT_DIR = "/tmp/k8s-webhook-server/serving-certs"
+
+# The typed resource for each kind in the add-on files: typed resources are what the engine records,
+# `preview --manifests` validates and the policies read (a generic YAML resource would hide them).
+KINDS = {
+    "DaemonSet": k8s.apps.v1.DaemonSet,
+    "Deployment": k8s.apps.v1.Deployment,
+    "Service": k8s.core.v1.Service,
+    "ServiceAccount": k8s.core.v1.ServiceAccount,
+    "Secret": k8s.core.v1.Secret,
+    "ClusterRole": k8s.rbac.v1.ClusterRole,
+    "ClusterRoleBinding": k8s.rbac.v1.ClusterRoleBinding,
+    "Role": k8s.rbac.v1.Role,
+    "RoleBinding": k8s.rbac.v1.RoleBinding,
+    "ValidatingWebhookConfiguration": k8s.admissionregistration.v1.ValidatingWebhookConfiguration,
+}
 
 
 @dataclass(frozen=True)
@@ -36,13 +47,37 @@ class AddonArgs:
     gpu_nodes: GpuNodes
 
 
-def _hostpath_volume(name: str, path: str) -> dict[str, Any]:
-    return {"name": name, "hostPath": {"path": path}}
-
-
 def _efa_instance_types() -> list[str]:
     """Nodes the EFA plugin runs on: every catalog type with EFA devices (so a new type is one catalog line)."""
     return sorted(name for name, t in CATALOG.items() if t.efa_interfaces > 0)
+
+
+def _pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["template"]["spec"]
+
+
+def on_gpu_nodes(obj: dict[str, Any], gpu: GpuNodes, extra: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """A DaemonSet of an add-on file placed on the GPU nodes: their taints tolerated ahead of the
+    file's own tolerations, required affinity to their labels plus `extra` match expressions."""
+    spec = _pod_spec(obj)
+    spec["tolerations"] = gpu.tolerations() + spec.get("tolerations", [])
+    spec["affinity"] = gpu.affinity(extra=extra)
+    return obj
+
+
+def regional_image(image: str, region: str) -> str:
+    """An image of an ECR registry pulled from `region`: EKS add-on images are replicated to every
+    commercial region, and nodes reach ECR through their own region's endpoints."""
+    return re.sub(r"\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com/", f".dkr.ecr.{region}.amazonaws.com/", image)
+
+
+def _image_tag(obj: dict[str, Any]) -> tuple[str, str]:
+    c = _pod_spec(obj)["containers"][0]
+    return c["name"], c["image"].rsplit(":", 1)[1]
+
+
+def _snake(field: str) -> str:
+    return re.sub(r"(?<!^)([A-Z])", r"_\1", field).lower()  # roleRef -> role_ref, as the SDK names arguments
 
 
 class ClusterAddons(pulumi.ComponentResource):
@@ -50,182 +85,81 @@ class ClusterAddons(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: AddonArgs, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:workload:ClusterAddons", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
+        self._child = pulumi.ResourceOptions(parent=self)
         gpu = args.gpu_nodes
-        device_plugin_dir = _hostpath_volume("device-plugin", "/var/lib/kubelet/device-plugins")
-        locked_down = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        self.namespace = k8s.core.v1.Namespace(f"{name}-ns", metadata=meta(SYSTEM_NAMESPACE), opts=self._child)
+        self._ns = self.namespace.metadata.name
 
-        self.namespace = k8s.core.v1.Namespace(f"{name}-ns", metadata=meta(SYSTEM_NAMESPACE), opts=child)
-        ns = self.namespace.metadata.name
+        nvidia = load_addon("nvidia-device-plugin.yaml")["DaemonSet"]
+        self.nvidia_device_plugin = self._create(f"{name}-nvidia-device-plugin", on_gpu_nodes(nvidia, gpu))
 
-        nvidia_labels = {"app.kubernetes.io/name": "nvidia-device-plugin"}
-        self.nvidia_device_plugin = k8s.apps.v1.DaemonSet(f"{name}-nvidia-device-plugin", metadata=meta(
-            "nvidia-device-plugin", "kube-system", nvidia_labels), spec={
-            "selector": {"matchLabels": nvidia_labels},
-            "updateStrategy": {"type": "RollingUpdate"},
-            "template": {"metadata": {"labels": nvidia_labels}, "spec": {
-                "priorityClassName": "system-node-critical",
-                "tolerations": gpu.tolerations(),
-                "affinity": gpu.affinity(),
-                "containers": [{
-                    "name": "nvidia-device-plugin",
-                    "image": f"nvcr.io/nvidia/k8s-device-plugin:{VERSIONS['nvidia-device-plugin']}",
-                    "env": [{"name": "FAIL_ON_INIT_ERROR", "value": "false"}],
-                    "securityContext": locked_down,
-                    "volumeMounts": [{"name": "device-plugin", "mountPath": "/var/lib/kubelet/device-plugins"}],
-                }],
-                "volumes": [device_plugin_dir],
-            }},
-        }, opts=child)
-
-        efa_labels = {"app.kubernetes.io/name": "aws-efa-k8s-device-plugin"}
+        efa = load_addon("aws-efa-k8s-device-plugin.yaml")["DaemonSet"]
+        for c in _pod_spec(efa)["containers"]:
+            c["image"] = regional_image(c["image"], args.region)
         efa_nodes = {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": _efa_instance_types()}
-        self.efa_device_plugin = k8s.apps.v1.DaemonSet(f"{name}-efa-device-plugin", metadata=meta(
-            "aws-efa-k8s-device-plugin", "kube-system", efa_labels), spec={
-            "selector": {"matchLabels": efa_labels},
-            "updateStrategy": {"type": "RollingUpdate"},
-            "template": {"metadata": {"labels": efa_labels}, "spec": {
-                "priorityClassName": "system-node-critical",
-                "hostNetwork": True,
-                "tolerations": gpu.tolerations() + [
-                    {"key": "CriticalAddonsOnly", "operator": "Exists"},
-                    {"key": "aws.amazon.com/efa", "operator": "Exists", "effect": "NoSchedule"}],
-                "affinity": gpu.affinity(extra=[efa_nodes]),
-                "containers": [{
-                    "name": "aws-efa-k8s-device-plugin",
-                    "image": f"{EKS_ECR_ACCOUNT}.dkr.ecr.{args.region}.amazonaws.com/eks/aws-efa-k8s-device-plugin:"
-                             f"{VERSIONS['aws-efa-k8s-device-plugin']}",
-                    "securityContext": locked_down,
-                    "volumeMounts": [{"name": "device-plugin", "mountPath": "/var/lib/kubelet/device-plugins"},
-                                     {"name": "infiniband", "mountPath": "/dev/infiniband"}],
-                }],
-                "volumes": [device_plugin_dir, _hostpath_volume("infiniband", "/dev/infiniband")],
-            }},
-        }, opts=child)
+        self.efa_device_plugin = self._create(f"{name}-efa-device-plugin", on_gpu_nodes(efa, gpu, [efa_nodes]))
 
-        # DCGM exporter: per-GPU metrics (utilisation, memory, XID errors) attributed to pods through
-        # the kubelet's pod-resources socket; the pods and the Service carry the Prometheus scrape
-        # annotations that the CloudWatch agent / Prometheus discovery of the monitoring stack uses.
-        # Default counters only: profiling (DCP) metrics need SYS_ADMIN and admit one collector per
-        # GPU, and the CloudWatch observability add-on may run its own exporter on the same nodes.
-        dcgm_labels = {"app.kubernetes.io/name": "dcgm-exporter"}
-        self.scrape_annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(DCGM_PORT),
-                                   "prometheus.io/path": "/metrics"}
-        self.dcgm_exporter = k8s.apps.v1.DaemonSet(f"{name}-dcgm-exporter", metadata=meta(
-            "dcgm-exporter", ns, dcgm_labels), spec={
-            "selector": {"matchLabels": dcgm_labels},
-            "updateStrategy": {"type": "RollingUpdate"},
-            "template": {"metadata": {"labels": dcgm_labels, "annotations": self.scrape_annotations}, "spec": {
-                "priorityClassName": "system-node-critical",
-                "tolerations": gpu.tolerations(),
-                "affinity": gpu.affinity(),
-                "containers": [{
-                    "name": "dcgm-exporter",
-                    "image": f"nvcr.io/nvidia/k8s/dcgm-exporter:{VERSIONS['dcgm-exporter']}",
-                    "env": [{"name": "DCGM_EXPORTER_KUBERNETES", "value": "true"},
-                            {"name": "DCGM_EXPORTER_LISTEN", "value": f":{DCGM_PORT}"}],
-                    "ports": [{"name": "metrics", "containerPort": DCGM_PORT}],
-                    "securityContext": {"runAsUser": 0, "allowPrivilegeEscalation": False,
-                                        "capabilities": {"drop": ["ALL"]}},
-                    "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-                    "readinessProbe": {"httpGet": {"path": "/health", "port": DCGM_PORT}},
-                    "volumeMounts": [{"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources",
-                                      "readOnly": True}],
-                }],
-                "volumes": [_hostpath_volume("pod-resources", "/var/lib/kubelet/pod-resources")],
-            }},
-        }, opts=child)
-        self.dcgm_service = k8s.core.v1.Service(f"{name}-dcgm-exporter", metadata=meta(
-            "dcgm-exporter", ns, dcgm_labels, self.scrape_annotations), spec={
-            "selector": dcgm_labels,
-            "ports": [{"name": "metrics", "port": DCGM_PORT, "targetPort": "metrics"}],
-        }, opts=child)
-        self.dcgm_endpoint = pulumi.Output.concat("http://dcgm-exporter.", ns, f".svc:{DCGM_PORT}/metrics")
+        dcgm = load_addon("dcgm-exporter.yaml")
+        self.dcgm_exporter = self._create(f"{name}-dcgm-exporter", on_gpu_nodes(dcgm["DaemonSet"], gpu))
+        self.dcgm_service = self._create(f"{name}-dcgm-exporter", dcgm["Service"])
+        svc = dcgm["Service"]
+        self.scrape_annotations = dict(svc["metadata"]["annotations"])
+        port = svc["spec"]["ports"][0]["port"]
+        self.dcgm_endpoint = pulumi.Output.concat(f"http://{svc['metadata']['name']}.", self._ns, f".svc:{port}/metrics")
 
-        self._training_operator(name, ns, child)
+        operator = self._training_operator(name)
         self.ready = [self.pytorchjob_crd, self.operator]
-        self.register_outputs({"versions": VERSIONS, "dcgm_endpoint": self.dcgm_endpoint,
+        self.versions = dict(_image_tag(obj) for obj in (nvidia, efa, dcgm["DaemonSet"], operator))
+        self.register_outputs({"versions": self.versions, "dcgm_endpoint": self.dcgm_endpoint,
                                "scrape_annotations": self.scrape_annotations})
 
-    def _training_operator(self, name: str, ns: pulumi.Output[str], child: pulumi.ResourceOptions) -> None:
-        """Kubeflow training operator limited to PyTorchJob: CRD, RBAC, validating webhook, Deployment."""
+    def _create(self, resource_name: str, obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
+        """The typed resource for one object of an add-on file, with the ownership labels; an object
+        the file places in SYSTEM_NAMESPACE goes into the Namespace created above (so after it)."""
+        md = obj["metadata"]
+        namespace = self._ns if md.get("namespace") == SYSTEM_NAMESPACE else md.get("namespace")
+        body = {_snake(k): v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")}
+        opts = pulumi.ResourceOptions.merge(self._child, pulumi.ResourceOptions(**options))
+        return KINDS[obj["kind"]](resource_name, metadata=meta(md["name"], namespace, md.get("labels"),
+                                                              md.get("annotations")), opts=opts, **body)
+
+    def _training_operator(self, name: str) -> dict[str, Any]:
+        """Kubeflow training operator limited to PyTorchJob: CRD, RBAC, validating webhook, Deployment.
+        References between its objects are pointed at the created objects' outputs, so Pulumi
+        creates each object after the ones it names (and deletes it before them)."""
         crd = load_crd("pytorchjob.yaml")
         crd["metadata"]["labels"] = dict(PART_OF)
         self.pytorchjob_crd = k8s.apiextensions.v1.CustomResourceDefinition(
-            f"{name}-pytorchjob-crd", metadata=crd["metadata"], spec=crd["spec"], opts=child)
+            f"{name}-pytorchjob-crd", metadata=crd["metadata"], spec=crd["spec"], opts=self._child)
 
-        labels = {"app.kubernetes.io/name": OPERATOR}
-        sa = k8s.core.v1.ServiceAccount(f"{name}-{OPERATOR}", metadata=meta(OPERATOR, ns, labels), opts=child)
-        rules = [
-            {"apiGroups": ["kubeflow.org"], "resources": ["pytorchjobs", "pytorchjobs/status", "pytorchjobs/finalizers"],
-             "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-            {"apiGroups": [""], "resources": ["pods", "services", "events"],
-             "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-            {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
-             "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-            {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingwebhookconfigurations"],
-             "verbs": ["get", "list", "watch", "update"]},
-            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-             "verbs": ["get", "list", "watch", "create", "update"]},
-        ]
-        role = k8s.rbac.v1.ClusterRole(f"{name}-{OPERATOR}", metadata=meta(OPERATOR, labels=labels), rules=rules,
-                                       opts=child)
-        k8s.rbac.v1.ClusterRoleBinding(f"{name}-{OPERATOR}", metadata=meta(OPERATOR, labels=labels),
-                                       role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                                 "name": role.metadata.name},
-                                       subjects=[{"kind": "ServiceAccount", "name": sa.metadata.name,
-                                                  "namespace": ns}], opts=child)
-        # The webhook certificate is generated and rotated by the operator into this Secret (and the
-        # caBundle into the webhook configuration), so Pulumi must not fight over those fields.
-        cert = k8s.core.v1.Secret(f"{name}-{OPERATOR}-webhook-cert", metadata=meta(
-            f"{OPERATOR}-webhook-cert", ns, labels), type="Opaque",
-            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(ignore_changes=["data"])))
-        # Secrets only in its own namespace (the certificate), not cluster-wide.
-        cert_role = k8s.rbac.v1.Role(f"{name}-{OPERATOR}-cert", metadata=meta(f"{OPERATOR}-cert", ns, labels), rules=[
-            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "watch", "update"]}], opts=child)
-        k8s.rbac.v1.RoleBinding(f"{name}-{OPERATOR}-cert", metadata=meta(f"{OPERATOR}-cert", ns, labels),
-                                role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                          "name": cert_role.metadata.name},
-                                subjects=[{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": ns}],
-                                opts=child)
-        svc = k8s.core.v1.Service(f"{name}-{OPERATOR}", metadata=meta(OPERATOR, ns, labels), spec={
-            "selector": labels,
-            "ports": [{"name": "monitoring-port", "port": 8080, "targetPort": 8080},
-                      {"name": "webhook-server", "port": 443, "targetPort": 9443}],
-        }, opts=child)
-        k8s.admissionregistration.v1.ValidatingWebhookConfiguration(
-            f"{name}-{OPERATOR}-webhook", metadata=meta("validator.training-operator.kubeflow.org", labels=labels),
-            webhooks=[{
-                "name": "validator.pytorchjob.training-operator.kubeflow.org",
-                "admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Fail",
-                "clientConfig": {"service": {"name": svc.metadata.name, "namespace": ns,
-                                             "path": "/validate-kubeflow-org-v1-pytorchjob"}},
-                "rules": [{"apiGroups": ["kubeflow.org"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                           "resources": ["pytorchjobs"]}],
-            }],
-            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
-                ignore_changes=["webhooks[*].clientConfig.caBundle"])))
-        self.operator = k8s.apps.v1.Deployment(f"{name}-{OPERATOR}", metadata=meta(OPERATOR, ns, labels), spec={
-            "replicas": 1,
-            "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {
-                "serviceAccountName": sa.metadata.name,
-                "containers": [{
-                    "name": OPERATOR,
-                    "image": f"kubeflow/training-operator:{VERSIONS['training-operator']}",
-                    "command": ["/manager"],
-                    "args": ["--enable-scheme=pytorchjob"],
-                    "env": [{"name": "MY_POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-                            {"name": "MY_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-                    "ports": [{"name": "metrics", "containerPort": 8080},
-                              {"name": "webhook-server", "containerPort": 9443}],
-                    "livenessProbe": {"httpGet": {"path": "/healthz", "port": 8081}, "initialDelaySeconds": 15},
-                    "readinessProbe": {"httpGet": {"path": "/readyz", "port": 8081}, "initialDelaySeconds": 10},
-                    "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-                    "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-                                        "capabilities": {"drop": ["ALL"]}},
-                    "volumeMounts": [{"name": "cert", "mountPath": WEBHOOK_CERT_DIR, "readOnly": True}],
-                }],
-                "volumes": [{"name": "cert", "secret": {"secretName": cert.metadata.name}}],
-            }},
-        }, opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=[self.pytorchjob_crd])))
+        op = load_addon("training-operator.yaml")
+        sa = self._create(f"{name}-{OPERATOR}", op["ServiceAccount"])
+
+        def bind(binding: dict[str, Any], role: pulumi.CustomResource) -> dict[str, Any]:
+            binding["roleRef"]["name"] = role.metadata.name
+            for subject in binding["subjects"]:
+                subject.update(name=sa.metadata.name, namespace=self._ns)
+            return binding
+
+        role = self._create(f"{name}-{OPERATOR}", op["ClusterRole"])
+        self._create(f"{name}-{OPERATOR}", bind(op["ClusterRoleBinding"], role))
+        # The operator writes and rotates the certificate in this Secret: Pulumi must not fight over it.
+        cert = self._create(f"{name}-{OPERATOR}-webhook-cert", op["Secret"], ignore_changes=["data"])
+        cert_role = self._create(f"{name}-{OPERATOR}-cert", op["Role"])
+        self._create(f"{name}-{OPERATOR}-cert", bind(op["RoleBinding"], cert_role))
+        svc = self._create(f"{name}-{OPERATOR}", op["Service"])
+
+        webhook = op["ValidatingWebhookConfiguration"]
+        for hook in webhook["webhooks"]:
+            hook["clientConfig"]["service"].update(name=svc.metadata.name, namespace=self._ns)
+        # ... and the caBundle it injects into the webhook configuration.
+        self._create(f"{name}-{OPERATOR}-webhook", webhook, ignore_changes=["webhooks[*].clientConfig.caBundle"])
+
+        deployment = op["Deployment"]
+        pod = _pod_spec(deployment)
+        pod["serviceAccountName"] = sa.metadata.name
+        for volume in pod["volumes"]:
+            if "secret" in volume:
+                volume["secret"]["secretName"] = cert.metadata.name
+        self.operator = self._create(f"{name}-{OPERATOR}", deployment, depends_on=[self.pytorchjob_crd])
+        return deployment

@@ -1,4 +1,5 @@
-"""Shared pieces of the Kubernetes workload components: labels, GPU node selection, the CRD file."""
+"""Shared pieces of the Kubernetes workload components: labels, GPU node selection, the pod's
+resources, the CRD and add-on files."""
 
 from __future__ import annotations
 
@@ -10,22 +11,15 @@ from typing import Any, Mapping, Optional, Sequence
 import pulumi
 import yaml
 
-from supernode.core.catalog import InstanceType
+from supernode.core.capacity import PodShape
+
+from .taints import Taint
 
 CRD_DIR = Path(__file__).resolve().parent / "crds"
+ADDON_DIR = Path(__file__).resolve().parent / "addons"
 PART_OF = {"app.kubernetes.io/part-of": "supernode", "app.kubernetes.io/managed-by": "pulumi"}
 # Pods of one distributed job carry this label; the mesh NetworkPolicy admits exactly these peers.
 MESH_LABEL = "supernode.io/fabric-mesh"
-
-
-@dataclass(frozen=True)
-class Taint:
-    key: str
-    value: str
-    effect: str = "NoSchedule"
-
-    def toleration(self) -> dict[str, str]:
-        return {"key": self.key, "operator": "Equal", "value": self.value, "effect": self.effect}
 
 
 @dataclass(frozen=True)
@@ -37,14 +31,14 @@ class GpuNodes:
     taints: Sequence[Taint]
 
     @classmethod
-    def for_groups(cls, labels: Mapping[str, Mapping[str, str]], taints: Mapping[str, Sequence[Mapping[str, str]]]) -> "GpuNodes":
+    def for_groups(cls, labels: Mapping[str, Mapping[str, str]], taints: Mapping[str, Sequence[Taint]]) -> "GpuNodes":
         """From per-group labels and taints: the label keys every group has (with any group's value),
         and every group's taints, so a pod may land on a node of any of the groups."""
         groups = list(labels.values())
         common = set.intersection(*(set(g) for g in groups)) if groups else set()
         selector = {k: sorted({g[k] for g in groups}) for k in sorted(common)}
-        unique = {Taint(**t) for group_taints in taints.values() for t in group_taints}
-        return cls(selector=selector, taints=sorted(unique, key=lambda t: (t.key, t.value, t.effect)))
+        unique = {t for group_taints in taints.values() for t in group_taints}
+        return cls(selector=selector, taints=sorted(unique))
 
     def tolerations(self) -> list[dict[str, str]]:
         return [t.toleration() for t in self.taints]
@@ -77,34 +71,27 @@ def load_crd(filename: str) -> dict[str, Any]:
     return yaml.safe_load((CRD_DIR / filename).read_text(encoding="utf-8"))
 
 
+def load_addon(filename: str) -> dict[str, dict[str, Any]]:
+    """The objects of one pinned add-on file, by kind (one object per kind and file), freshly parsed
+    so the caller may patch them in place."""
+    objects: dict[str, dict[str, Any]] = {}
+    for obj in yaml.safe_load_all((ADDON_DIR / filename).read_text(encoding="utf-8")):
+        if obj is None:
+            continue
+        if obj["kind"] in objects:
+            raise ValueError(f"{filename}: more than one {obj['kind']}")
+        objects[obj["kind"]] = obj
+    return objects
+
+
 def gib(n: float) -> str:
     return f"{int(n)}Gi"
 
 
-# Share of a GPU node's vCPUs and memory left to the kubelet, system reservations and the
-# DaemonSets (device plugins, DCGM, CNI, FSx CSI node); the trainer pod asks for the rest.
-NODE_RESERVE_FRACTION = 0.10
-
-
-@dataclass(frozen=True)
-class PodShape:
-    """One distributed-job pod per GPU node, owning the whole node: requests = limits (Guaranteed)."""
-
-    gpus: int
-    efa: int
-    cpu: int
-    memory_gib: int
-    hugepages_gib: int
-
-    @classmethod
-    def for_node(cls, hw: InstanceType, hugepages_gib: int) -> "PodShape":
-        keep = 1 - NODE_RESERVE_FRACTION
-        return cls(gpus=hw.accelerators, efa=hw.efa_interfaces, cpu=int(hw.vcpus * keep),
-                   memory_gib=int(hw.memory_gib * keep) - hugepages_gib, hugepages_gib=hugepages_gib)
-
-    def resources(self) -> dict[str, Any]:
-        amounts: dict[str, Any] = {"nvidia.com/gpu": str(self.gpus), "vpc.amazonaws.com/efa": str(self.efa),
-                                   "cpu": str(self.cpu), "memory": gib(self.memory_gib)}
-        if self.hugepages_gib:
-            amounts["hugepages-2Mi"] = gib(self.hugepages_gib)
-        return {"requests": amounts, "limits": dict(amounts)}
+def pod_resources(shape: PodShape) -> dict[str, Any]:
+    """The container resources of the plan's pod shape: requests = limits (Guaranteed QoS, whole node)."""
+    amounts: dict[str, Any] = {"nvidia.com/gpu": str(shape.gpus), "vpc.amazonaws.com/efa": str(shape.efa),
+                               "cpu": str(shape.cpu), "memory": gib(shape.memory_gib)}
+    if shape.hugepages_gib:
+        amounts["hugepages-2Mi"] = gib(shape.hugepages_gib)
+    return {"requests": amounts, "limits": dict(amounts)}

@@ -1,6 +1,7 @@
 """The two distributed jobs: the interconnect gate (an Indexed Job measuring the fabric on every GPU
 node) and the trainer (a PyTorchJob). Both run one pod per GPU node owning the whole node, with
-the EFA/NCCL environment of ARCHITECTURE.md §4, and talk only to each other's pods of the same job.
+the EFA/NCCL environment of ARCHITECTURE.md §4, talk only to each other's pods of the same job,
+and read the plan from the same ConfigMap mount (`--plan PLAN_MOUNT_PATH`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pulumi_kubernetes as k8s
 
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH, Plan
 
-from .workload_common import MESH_LABEL, GpuNodes, PodShape, meta
+from .workload_common import MESH_LABEL, GpuNodes, meta, pod_resources
 
 DATA_PATH, CHECKPOINT_PATH = "/data", "/checkpoints"
 MASTER_PORT = 29500  # torchrun static rendezvous of the gate
@@ -39,9 +40,25 @@ class JobArgs:
     namespace: pulumi.Input[str]
     image: str
     gpu_nodes: GpuNodes
-    pod: PodShape
-    plan: Plan
+    plan: Plan  # node count, pod shape, gate floor, training settings
+    plan_config_map: pulumi.Input[str]  # the plan as the core serialised it; both jobs mount it
     priority_class: pulumi.Input[str]  # both jobs hold whole GPU nodes: same priority
+
+
+# Both jobs read the plan file rather than figures copied onto their command lines.
+PLAN_VOLUME_MOUNT = {"name": "plan", "mountPath": PLAN_MOUNT_DIR, "readOnly": True}
+
+
+def plan_volume(args: JobArgs) -> dict[str, Any]:
+    return {"name": "plan", "configMap": {"name": args.plan_config_map,
+                                          "items": [{"key": PLAN_CONFIGMAP_KEY, "path": PLAN_CONFIGMAP_KEY}]}}
+
+
+def pod_metadata(args: JobArgs, mesh: str) -> dict[str, Any]:
+    """The job's pod labels and the plan's hash: the pods read the plan from a ConfigMap, so without
+    the hash in the spec a changed plan would not replace (re-run) the job."""
+    plan_hash = hashlib.sha256(args.plan.to_json().encode()).hexdigest()
+    return {"labels": {MESH_LABEL: mesh}, "annotations": {"supernode.io/plan-sha256": plan_hash}}
 
 
 def gpu_pod_spec(args: JobArgs, mesh: str, container: dict[str, Any], volumes: Sequence[dict[str, Any]] = (),
@@ -49,7 +66,7 @@ def gpu_pod_spec(args: JobArgs, mesh: str, container: dict[str, Any], volumes: S
     """A pod owning one whole GPU node: all its GPUs and EFA devices, one pod of the mesh per node."""
     c = {**container,
          "env": [{"name": k, "value": v} for k, v in FABRIC_ENV.items()] + container.get("env", []),
-         "resources": args.pod.resources(),
+         "resources": pod_resources(args.plan.pod),
          # EFA pins memory for RDMA: IPC_LOCK, and nothing else beyond the runtime defaults.
          "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}},
          "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}] + container.get("volumeMounts", [])}
@@ -82,15 +99,20 @@ def mesh_policy(name: str, namespace: pulumi.Input[str], mesh: str, opts: pulumi
 
 class InterconnectGate(pulumi.ComponentResource):
     """Indexed Job, one pod per GPU node, running `trainer.fabric` (all_reduce and all_to_all bus
-    bandwidth) under torchrun; it fails below the threshold. Pulumi waits for a Job to complete, so
-    anything that depends on `job` is created only after the fabric passed."""
+    bandwidth) under torchrun; it fails below the plan's floor (`gate_floor_gbytes_s`, read from the
+    mounted plan file). Pulumi waits for a Job to complete, so anything that depends on `job` is
+    created only after the fabric passed."""
 
-    def __init__(self, name: str, args: JobArgs, job_name: str, min_busbw_gbytes_s: float,
-                 opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: JobArgs, job_name: str, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:workload:InterconnectGate", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        nodes, mesh = args.plan.nodes, job_name
-        self.min_busbw_gbytes_s = min_busbw_gbytes_s
+        plan, mesh = args.plan, job_name
+        nodes = plan.nodes
+        if plan.gate_floor_gbytes_s is None:
+            # The fabric check would refuse the plan (exit 2) only once the GPU nodes are up: say so now.
+            raise pulumi.RunError(f"no interconnect gate floor for {plan.instance_type}: the catalog publishes no "
+                                  f"all_reduce baseline for it (supernode.core.catalog.ALL_REDUCE_BASELINE_GBYTES_S)")
+        self.min_busbw_gbytes_s = plan.gate_floor_gbytes_s
         self.policy = mesh_policy(f"{name}-mesh", args.namespace, mesh, child)
         # Headless Service: stable DNS names <job>-<index>.<service> for the pods of the Indexed Job.
         self.service = k8s.core.v1.Service(f"{name}-svc", metadata=meta(job_name, args.namespace), spec={
@@ -106,8 +128,9 @@ class InterconnectGate(pulumi.ComponentResource):
                {"name": "PET_MASTER_PORT", "value": str(MASTER_PORT)}]
         container = {"name": "fabric", "image": args.image,
                      "command": TORCHRUN + ["trainer.fabric"],
-                     "args": ["--min-busbw-gbps", str(min_busbw_gbytes_s)],
-                     "env": env}
+                     "args": ["--plan", PLAN_MOUNT_PATH],
+                     "env": env,
+                     "volumeMounts": [PLAN_VOLUME_MOUNT]}
         # Pulumi waits for the Job to complete and fails the update if it fails; replaceUnready makes
         # the next `pulumi up` run a fresh gate instead of waiting on the failed one.
         self.job = k8s.batch.v1.Job(f"{name}-job", metadata=meta(job_name, args.namespace, annotations={
@@ -115,20 +138,19 @@ class InterconnectGate(pulumi.ComponentResource):
             "completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
             "backoffLimit": 0,  # a slow or broken fabric is a finding, not something to retry
             "activeDeadlineSeconds": GATE_DEADLINE_S,
-            "template": {"metadata": {"labels": {MESH_LABEL: mesh}}, "spec": gpu_pod_spec(
-                args, mesh, container, restartPolicy="Never", subdomain=job_name,
+            "template": {"metadata": pod_metadata(args, mesh), "spec": gpu_pod_spec(
+                args, mesh, container, [plan_volume(args)], restartPolicy="Never", subdomain=job_name,
                 automountServiceAccountToken=False)},
         }, opts=pulumi.ResourceOptions(parent=self, depends_on=[self.policy, self.service],
                                        delete_before_replace=True,
                                        custom_timeouts=pulumi.CustomTimeouts(create=f"{GATE_DEADLINE_S // 60 + 10}m")))
-        self.register_outputs({"job": self.job.metadata.name, "min_busbw_gbytes_s": min_busbw_gbytes_s})
+        self.register_outputs({"job": self.job.metadata.name, "min_busbw_gbytes_s": self.min_busbw_gbytes_s})
 
 
 @dataclass(frozen=True)
 class TrainerArgs:
     job: JobArgs
     service_account: pulumi.Input[str]
-    plan_config_map: pulumi.Input[str]
     pvc: pulumi.Input[str]
     data_subpath: str  # inside the FSx volume
     checkpoint_subpath: str
@@ -152,16 +174,15 @@ class TrainerJob(pulumi.ComponentResource):
             "command": TORCHRUN + ["trainer.train"],
             "args": ["--plan", PLAN_MOUNT_PATH, "--data", DATA_PATH, "--out", CHECKPOINT_PATH],
             "volumeMounts": [
-                {"name": "plan", "mountPath": PLAN_MOUNT_DIR, "readOnly": True},
+                PLAN_VOLUME_MOUNT,
                 {"name": "fsx", "mountPath": DATA_PATH, "subPath": args.data_subpath, "readOnly": True},
                 {"name": "fsx", "mountPath": CHECKPOINT_PATH, "subPath": args.checkpoint_subpath},
             ],
         }
-        volumes = [{"name": "plan", "configMap": {"name": args.plan_config_map, "items": [{"key": PLAN_CONFIGMAP_KEY, "path": PLAN_CONFIGMAP_KEY}]}},
+        volumes = [plan_volume(args.job),
                    {"name": "fsx", "persistentVolumeClaim": {"claimName": args.pvc}}]
         # A changed plan replaces the job (the spec changes with its hash); checkpoints carry the run over.
-        plan_hash = hashlib.sha256(plan.to_json().encode()).hexdigest()
-        template = {"metadata": {"labels": {MESH_LABEL: mesh}, "annotations": {"supernode.io/plan-sha256": plan_hash}},
+        template = {"metadata": pod_metadata(args.job, mesh),
                     "spec": gpu_pod_spec(args.job, mesh, container, volumes,
                                          serviceAccountName=args.service_account,
                                          # the trainer writes a checkpoint on SIGTERM before exiting

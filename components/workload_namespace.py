@@ -12,7 +12,7 @@ import pulumi_kubernetes as k8s
 
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
 
-from .workload_common import MESH_LABEL, PodShape, gib, meta
+from .workload_common import MESH_LABEL, gib, meta
 
 PLAN_CONFIGMAP = "supernode-plan"
 PVC_NAME = "fsx"
@@ -47,15 +47,14 @@ class NamespaceArgs:
     pod_identity: bool  # True: EKS Pod Identity (agent on the node); False: IRSA annotation
     cluster_version: str
     fsx: Fsx
-    plan: Plan
-    pod: PodShape
+    plan: Plan  # the job's node count and pod shape size the quota
 
 
 class TrainingNamespace(pulumi.ComponentResource):
     def __init__(self, name: str, args: NamespaceArgs, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:workload:TrainingNamespace", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        nodes, pod = args.plan.nodes, args.pod
+        nodes, pod = args.plan.nodes, args.plan.pod
         # PSA has no per-capability exemption: enforce "privileged" at the PSA level, keep baseline as
         # warn/audit, and enforce "baseline + IPC_LOCK" with the admission policy below.
         psa_version = f"v{args.cluster_version}"

@@ -1,23 +1,22 @@
-"""Constructors shared by the checklist and security modules: each policy is one plain function.
+"""The two kinds of checklist policy: each one plain check function, wrapped with what the pack needs.
 
 A stack check is `check(stack, settings, report)` and a resource check `check(res, settings, report)`,
-where `report(res, message)` names the offending resource. The constructors wrap them into
-pulumi-policy objects, apply config defaults (`settings_for`) and record which checklist item each
-policy enforces (`ITEMS`), which the compliance table and JUnit report use.
+where `report(res, message)` names the offending resource. `StackPolicy` and `ResourcePolicy` are the
+pulumi-policy classes plus the checklist item the policy enforces and its settings model; the pack,
+the offline runner and the reports ask the policy objects for these (there is no registry to fill).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-from pulumi_policy import (EnforcementLevel, ReportViolation, ResourceValidationArgs, ResourceValidationPolicy,
-                           StackValidationArgs, StackValidationPolicy)
+from pulumi_policy import (EnforcementLevel, PolicyResource, ReportViolation, ResourceValidationArgs,
+                           ResourceValidationPolicy, StackValidationArgs, StackValidationPolicy)
 
 from .settings import PolicySettings, schema_for, settings_for
 from .view import PlanError, Res, Stack
-
-ITEMS: dict[str, int] = {}  # policy name -> checklist item (1-10)
-SETTINGS: dict[str, type[PolicySettings]] = {}  # policy name -> its config model (configurable ones)
 
 Report = Callable[[Optional[Res], str], None]
 StackCheck = Callable[[Stack, Any, Report], None]
@@ -25,52 +24,89 @@ ResourceCheck = Callable[[Res, Any, Report], None]
 Remediation = Callable[[Res], Optional[Mapping[str, Any]]]
 
 
-def _register(name: str, item: int, settings: Optional[type[PolicySettings]]) -> None:
-    ITEMS[name] = item
-    if settings:
-        SETTINGS[name] = settings
+class ChecklistPolicy:
+    """What a supernode policy carries besides what pulumi-policy knows (mixed into its policy classes)."""
+
+    name: str
+    item: int  # the deployment checklist item it enforces (1-10): the compliance table and JUnit group by it
+    settings: Optional[type[PolicySettings]]  # its config model; None: the policy takes no settings
+
+    def settings_from(self, raw: Optional[Mapping[str, Any]]) -> Any:
+        """The policy's settings, validated with defaults filled in (pulumi-policy applies no defaults)."""
+        return settings_for(self.name, self.settings, raw) if self.settings else None
 
 
-def stack_policy(name: str, item: int, description: str, check: StackCheck, *,
+# -- one parsed Stack per analysis ----------------------------------------------------------------
+# pulumi-policy's AnalyzeStack rebuilds `args.resources` for every stack policy (new PolicyResource
+# objects and property proxies, see _PolicyAnalyzerServicer.AnalyzeStack), so nothing in `args` is
+# shared between the policies of one analysis. The offline runner marks the analysis instead:
+# inside `one_analysis()` the stack policies share the Stack the first one built. Without it (the
+# Pulumi CLI serving the pack) each policy wraps its own Stack; the Plan is still parsed once, since
+# its parse is keyed on the ConfigMap text (view._plan_from_json).
+_ANALYSIS: ContextVar[Optional[dict[str, Any]]] = ContextVar("supernode_policy_analysis", default=None)
+
+
+@contextmanager
+def one_analysis() -> Iterator[None]:
+    """Around one AnalyzeStack call: its stack policies see the same resources, so parse them once."""
+    token = _ANALYSIS.set({})
+    try:
+        yield
+    finally:
+        _ANALYSIS.reset(token)
+
+
+def stack_of(resources: Sequence[PolicyResource]) -> Stack:
+    memo = _ANALYSIS.get()
+    if memo is None:
+        return Stack.from_policy_resources(resources)
+    urns = [r.urn for r in resources]
+    if memo.get("urns") != urns:  # a guard: one analysis is one resource list
+        memo.update(urns=urns, stack=Stack.from_policy_resources(resources))
+    return memo["stack"]
+
+
+class StackPolicy(ChecklistPolicy, StackValidationPolicy):
+    def __init__(self, name: str, item: int, description: str, check: StackCheck, *,
                  level: EnforcementLevel = EnforcementLevel.MANDATORY,
-                 settings: Optional[type[PolicySettings]] = None) -> StackValidationPolicy:
-    def validate(args: StackValidationArgs, report_violation: ReportViolation) -> None:
-        stack = Stack.from_policy_resources(args.resources)
-        conf = settings_for(name, settings, args.get_config()) if settings else None
+                 settings: Optional[type[PolicySettings]] = None):
+        self.item, self.settings, self.check = item, settings, check
+        super().__init__(name=name, description=description, enforcement_level=level,
+                         config_schema=schema_for(settings) if settings else None, tags=[f"checklist-{item}"])
+
+    def validate(self, args: StackValidationArgs, report_violation: ReportViolation) -> None:
+        stack = stack_of(args.resources)
+        conf = self.settings_from(args.get_config())
 
         def report(res: Optional[Res], message: str) -> None:
             report_violation(message, res.urn if res else None)
 
         try:
-            check(stack, conf, report)
+            self.check(stack, conf, report)
         except PlanError as e:
-            cm = stack.plan_config_map()
-            report(cm, str(e))
-
-    _register(name, item, settings)
-    return StackValidationPolicy(name=name, description=description, validate=validate, enforcement_level=level,
-                                 config_schema=schema_for(settings) if settings else None,
-                                 tags=[f"checklist-{item}"])
+            report(stack.plan_config_map(), str(e))
 
 
-def resource_policy(name: str, item: int, description: str, types: tuple[str, ...], check: ResourceCheck, *,
-                    level: EnforcementLevel = EnforcementLevel.MANDATORY,
-                    settings: Optional[type[PolicySettings]] = None,
-                    remediate: Optional[Remediation] = None) -> ResourceValidationPolicy:
-    def res_of(args: ResourceValidationArgs) -> Res:
+class ResourcePolicy(ChecklistPolicy, ResourceValidationPolicy):
+    def __init__(self, name: str, item: int, description: str, types: tuple[str, ...], check: ResourceCheck, *,
+                 level: EnforcementLevel = EnforcementLevel.MANDATORY,
+                 settings: Optional[type[PolicySettings]] = None,
+                 remediate: Optional[Remediation] = None):
+        self.item, self.settings, self.types, self.check, self.fix = item, settings, types, check, remediate
+        # Passed, not overridden: pulumi-policy treats a subclass that overrides `remediate` as remediating.
+        super().__init__(name=name, description=description, enforcement_level=level,
+                         config_schema=schema_for(settings) if settings else None, tags=[f"checklist-{item}"],
+                         remediate=self._remediate if remediate else None)
+
+    @staticmethod
+    def _res(args: ResourceValidationArgs) -> Res:
         return Res(type=args.resource_type, name=args.name, urn=args.urn, props=args.props,
                    parent=args.opts.parent or "")
 
-    def validate(args: ResourceValidationArgs, report_violation: ReportViolation) -> None:
-        if args.resource_type in types:
-            conf = settings_for(name, settings, args.get_config()) if settings else None
-            check(res_of(args), conf, lambda _res, message: report_violation(message, None))
+    def validate(self, args: ResourceValidationArgs, report_violation: ReportViolation) -> None:
+        if args.resource_type in self.types:
+            self.check(self._res(args), self.settings_from(args.get_config()),
+                       lambda _res, message: report_violation(message, None))
 
-    def fix(args: ResourceValidationArgs) -> Optional[Mapping[str, Any]]:
-        return remediate(res_of(args)) if remediate and args.resource_type in types else None
-
-    _register(name, item, settings)
-    return ResourceValidationPolicy(name=name, description=description, validate=validate,
-                                    remediate=fix if remediate else None, enforcement_level=level,
-                                    config_schema=schema_for(settings) if settings else None,
-                                    tags=[f"checklist-{item}"])
+    def _remediate(self, args: ResourceValidationArgs) -> Optional[Mapping[str, Any]]:
+        return self.fix(self._res(args)) if self.fix and args.resource_type in self.types else None

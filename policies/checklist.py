@@ -9,7 +9,6 @@ its data repository association).
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 from pulumi_policy import EnforcementLevel
@@ -18,15 +17,15 @@ from pydantic import ValidationError
 from supernode.core import capacity as cap
 from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG, gate_floor_gbytes_s
 from supernode.core.config import DIGEST_RE, Fsx
-from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_PATH
+from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH
+from supernode.core.resource_types import (BUCKET, BUCKET_LIFECYCLE, DAEMON_SET, EKS_CLUSTER, FSX_DRA, FSX_LUSTRE,
+                                           IAM_ATTACHMENT, IAM_POLICY, IAM_ROLE, IAM_ROLE_POLICY, LOG_GROUP,
+                                           METRIC_ALARM, PLACEMENT_GROUP, SECURITY_GROUP, SG_EGRESS, SG_INGRESS, SG_RULE)
 
-from .base import Report, resource_policy, stack_policy
-from .settings import ApprovedInstances, CheckpointThroughput, Data, Gate, Lifecycle, LogRetention, MemoryFit
-from .view import (BUCKET, BUCKET_LIFECYCLE, DAEMON_SET, EFA_INTERFACE_TYPES, EFA_RESOURCE, EKS_CLUSTER, FSX_DRA,
-                   FSX_LUSTRE, IAM_ATTACHMENT, IAM_POLICY, IAM_ROLE, IAM_ROLE_POLICY, LOG_GROUP, PLACEMENT_GROUP,
-                   SECURITY_GROUP, SG_EGRESS, SG_INGRESS, SG_RULE, METRIC_ALARM, Res, Stack,
-                   as_list, command_line, containers, get, is_true, items, json_doc, pod_specs, resource_quantity,
-                   statements)
+from .base import Report, ResourcePolicy, StackPolicy
+from .settings import ApprovedInstances, CheckpointThroughput, Data, Gate, Lifecycle, LogRetention
+from .view import (EFA_INTERFACE_TYPES, EFA_RESOURCE, Res, Stack, as_list, containers, get, is_fabric_check, is_true,
+                   items, json_doc, mounts_config_map, pod_specs, resource_quantity, statements)
 
 ADVISORY = EnforcementLevel.ADVISORY
 
@@ -65,24 +64,32 @@ def _world_size(stack: Stack, _conf: None, report: Report) -> None:
 
 # -- 2. memory fit --------------------------------------------------------------------------------
 
-def _memory_fit(stack: Stack, conf: MemoryFit, report: Report) -> None:
+def _memory_fit(stack: Stack, _conf: None, report: Report) -> None:
+    # The plan's own verdict (`fits`, within HBM less parallel.hbmHeadroom), never recomputed here, so
+    # `supernode plan`, its suggestions and this policy give one answer, in the same figures.
     plan = stack.plan()
     if plan is None:
         return
-    deployed = [CATALOG[t] for ng in stack.gpu_node_groups() if (t := stack.instance_type_of(ng)) in CATALOG]
-    hw = min(deployed, key=lambda t: t.hbm_mib) if deployed else plan.hardware
-    limit = hw.hbm_gib * (1 - conf.headroom_fraction)
-    if plan.memory_per_rank_gib > limit:
+    cm = stack.plan_config_map()
+    if not plan.fits:
         hint = ""
         if plan.suggestions:
             s = plan.suggestions[0]
             hint = (f" e.g. dpReplicate {s.dp_replicate}, dpShard {s.dp_shard}, tp {s.tp}, ep {s.ep}, pp {s.pp}, "
                     f"activationCheckpointing {s.activation_checkpointing} ({s.memory_gib} GiB);")
-        report(stack.plan_config_map(),
-               f"the plan needs {plan.memory_per_rank_gib:.1f} GiB per rank but {hw.name} has {hw.hbm_gib:.1f} GiB "
-               f"HBM, {limit:.1f} GiB with {conf.headroom_fraction:.0%} headroom. Fix: change the layout "
-               f"(supernode:parallel);{hint} or use more activation checkpointing, a smaller microBatch, more "
-               f"nodes or larger-memory GPUs.")
+        report(cm, f"the plan in {cm.label} needs {plan.memory_per_rank_gib:.1f} GiB per rank but {plan.instance_type} "
+                   f"has {plan.hbm_gib:.1f} GiB, {plan.usable_hbm_gib:.1f} GiB with {plan.parallel.hbm_headroom:.0%} "
+                   f"headroom: over by {plan.over_by_gib:.1f} GiB. Fix: change the layout (supernode:parallel);{hint} "
+                   f"or use more activation checkpointing, a smaller microBatch, more nodes or larger-memory GPUs "
+                   f"(`supernode plan` lists layouts that fit).")
+    # The plan's verdict holds only on the GPU it was sized for: nodes with less HBM void it.
+    for ng in stack.gpu_node_groups():
+        itype = stack.instance_type_of(ng)
+        if itype in CATALOG and CATALOG[itype].hbm_gib < plan.hbm_gib:
+            report(ng, f"{ng.label} runs {itype} with {CATALOG[itype].hbm_gib:.1f} GiB HBM per GPU, but the plan in "
+                       f"{cm.label} was sized for {plan.instance_type} with {plan.hbm_gib:.1f} GiB, so its memory fit "
+                       f"does not hold there. Fix: plan for the deployed instance type "
+                       f"(supernode:acceleratorNodeGroups[].instanceType) and regenerate the plan ConfigMap.")
 
 
 # -- 3. interconnect ------------------------------------------------------------------------------
@@ -186,7 +193,15 @@ def _trainer_efa(stack: Stack, _conf: None, report: Report) -> None:
                             f"Fix: set resources.requests and limits '{EFA_RESOURCE}': {need}.")
 
 
-_BUSBW_FLAG = re.compile(r"--min-busbw-gbps[= ]([0-9.]+)")
+def _reads_plan(container: object) -> bool:
+    argv = [str(a) for a in items(get(container, "command")) + items(get(container, "args"))]
+    return (any(a == "--plan" and b == PLAN_MOUNT_PATH for a, b in zip(argv, argv[1:]))
+            or f"--plan={PLAN_MOUNT_PATH}" in argv)
+
+
+def _plan_config_map_name(stack: Stack) -> Optional[str]:
+    cm = stack.plan_config_map()
+    return (cm.get("metadata", "name") or cm.name) if cm else None
 
 
 def _gate(stack: Stack, conf: Gate, report: Report) -> None:
@@ -203,17 +218,30 @@ def _gate(stack: Stack, conf: Gate, report: Report) -> None:
         if not any(stack.depends_on(job, g) for g in gates):
             report(job, f"{job.label} does not depend on the interconnect gate ({', '.join(g.label for g in gates)}), "
                         f"so training can start on a broken fabric. Fix: pass depends_on=[gate] to the trainer job.")
-    floor = gate_floor_gbytes_s(plan.instance_type, conf.min_gate_fraction) if plan else None
-    if floor is None:
-        return
-    baseline = ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type]
+    # The gate takes its floor from the plan (plan.gate_floor_gbytes_s, read at --plan PLAN_MOUNT_PATH), so
+    # it must mount the plan ConfigMap and run on that file, and the plan's floor must not be below this
+    # policy's minimum.
+    cm_name = _plan_config_map_name(stack)
+    fix = (f"Fix: add a configMap volume for the plan ConfigMap, mount it at {PLAN_MOUNT_DIR} and run "
+           f"`python -m trainer.fabric --plan {PLAN_MOUNT_PATH}`.")
     for g in gates:
-        flags = [float(m.group(1)) for c in containers(g) if (m := _BUSBW_FLAG.search(command_line(c)))]
-        if not flags or min(flags) < floor:
-            report(g, f"{g.label} accepts a bus bandwidth of {min(flags) if flags else 'any (no --min-busbw-gbps)'}; "
-                      f"the floor is {floor:g} ({conf.min_gate_fraction:g} x the {plan.instance_type} baseline "
-                      f"{baseline:g}). Fix: pass --min-busbw-gbps from the catalog baseline x "
-                      f"supernode:workload.gateMinFraction.")
+        if cm_name is None or not all(mounts_config_map(spec, cm_name) for spec in pod_specs(g)):
+            report(g, f"{g.label} does not mount the plan ConfigMap"
+                      f"{f' {cm_name!r}' if cm_name else f' (none holds data[{PLAN_CONFIGMAP_KEY!r}])'}, so it cannot "
+                      f"read its bus-bandwidth floor from the plan. {fix}")
+        elif not all(_reads_plan(c) for c in containers(g) if is_fabric_check(c)):
+            report(g, f"{g.label} does not run the fabric check on the plan (--plan {PLAN_MOUNT_PATH}), so the floor "
+                      f"it enforces is not the plan's. {fix}")
+    minimum = gate_floor_gbytes_s(plan.instance_type, conf.min_gate_fraction) if plan else None
+    if minimum is None or plan.gate_floor_gbytes_s is None:
+        return  # no published baseline for this instance type: nothing to compare with
+    if plan.gate_floor_gbytes_s < minimum:
+        baseline = ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type]
+        for g in gates:
+            report(g, f"{g.label} accepts an all_reduce bus bandwidth of {plan.gate_floor_gbytes_s:g} GB/s (the "
+                      f"plan's gate floor); the minimum is {minimum:g} GB/s ({conf.min_gate_fraction:g} x the "
+                      f"{plan.instance_type} baseline {baseline:g} GB/s). Fix: raise "
+                      f"supernode:workload.gateMinFraction to at least {conf.min_gate_fraction:g}.")
 
 
 # -- 4. consistent versions -----------------------------------------------------------------------
@@ -266,20 +294,16 @@ def _images(stack: Stack, _conf: None, report: Report) -> None:
 # -- 5. code and config ready ---------------------------------------------------------------------
 
 def _code_config(stack: Stack, _conf: None, report: Report) -> None:
-    cm = stack.plan_config_map()
-    cm_name = (cm.get("metadata", "name") or cm.name) if cm else None
+    cm_name = _plan_config_map_name(stack)
     for job in stack.trainer_jobs():
-        if cm is None:
+        if cm_name is None:
             report(job, f"{job.label} has no plan to run: no ConfigMap holds data['{PLAN_CONFIGMAP_KEY}']. Fix: create the plan "
-                        f"ConfigMap from supernode.core.plan.Plan.to_json() and mount it at /etc/supernode.")
+                        f"ConfigMap from supernode.core.plan.Plan.to_json() and mount it at {PLAN_MOUNT_DIR}.")
             continue
         for spec in pod_specs(job):
-            volumes = {get(v, "name") for v in items(get(spec, "volumes")) if get(v, "configMap", "name") == cm_name}
-            mounted = any(get(m, "name") in volumes for c in items(get(spec, "containers"))
-                          for m in items(get(c, "volumeMounts")))
-            if not mounted:
+            if not mounts_config_map(spec, cm_name):
                 report(job, f"{job.label} does not mount the plan ConfigMap '{cm_name}'. Fix: add a configMap volume "
-                            f"for '{cm_name}' and mount it at /etc/supernode (the trainer reads --plan "
+                            f"for '{cm_name}' and mount it at {PLAN_MOUNT_DIR} (the trainer reads --plan "
                             f"{PLAN_MOUNT_PATH}).")
         for c in containers(job):
             if not DIGEST_RE.match(str(get(c, "image", default=""))):
@@ -361,8 +385,8 @@ def _checkpoint_throughput(stack: Stack, conf: CheckpointThroughput, report: Rep
     plan = stack.plan()
     if plan is None:
         return
-    # The plan was sized for required_mb_s = size / budget: recover the budget rather than re-deriving it.
-    budget = conf.checkpoint_write_budget_s or plan.checkpoint.checkpoint_bytes / 1e6 / plan.checkpoint.required_mb_s
+    # The budget the plan was sized for (storage.fsx.checkpointWriteBudgetS), unless the policy config overrides it.
+    budget = conf.checkpoint_write_budget_s or plan.checkpoint.write_budget_s
     for fs in stack.of(FSX_LUSTRE):
         capacity, per_unit = fs.get("storageCapacity"), fs.get("perUnitStorageThroughput")
         try:
@@ -466,35 +490,34 @@ def _dcgm(stack: Stack, _conf: None, report: Report) -> None:
 
 
 POLICIES = [
-    stack_policy("accelerators-approved-instance-types", 1, "GPU node groups use approved instance types.",
-                 _approved, settings=ApprovedInstances),
-    stack_policy("accelerators-match-world-size", 1, "Accelerators across GPU node groups equal the plan's world size.",
-                 _world_size),
-    stack_policy("memory-fit", 2, "The plan's per-rank memory fits HBM with headroom.", _memory_fit,
-                 settings=MemoryFit),
-    stack_policy("interconnect-efa-interfaces", 3, "GPU launch templates carry the instance type's full EFA interface count.",
-                 _efa_interfaces),
-    stack_policy("interconnect-placement", 3, "GPU nodes use a cluster placement group or a targeted reservation.",
-                 _placement),
-    stack_policy("interconnect-efa-security-group", 3, "An EFA security group allows all traffic to and from itself.",
-                 _efa_security_group),
-    stack_policy("interconnect-trainer-efa", 3, "Trainer pods request the node's EFA devices.", _trainer_efa),
-    stack_policy("interconnect-gate", 3, "The trainer job depends on a passing interconnect gate.", _gate,
-                 settings=Gate),
-    stack_policy("versions-consistent", 4, "GPU node groups pin one AMI release and the cluster's Kubernetes version.",
-                 _versions),
-    stack_policy("images-pinned", 4, "Trainer and gate images are pinned by digest and identical.", _images),
-    stack_policy("code-config-ready", 5, "The trainer job mounts the plan ConfigMap and runs a digest-pinned image.",
-                 _code_config),
-    stack_policy("data-ready", 6, "The dataset is readable by the trainer role and reaches FSx.", _data, settings=Data),
-    stack_policy("weights-verified", 7, "Weights loaded from a URI are verified by sha256.", _weights, level=ADVISORY),
-    stack_policy("checkpoint-throughput", 8, "FSx writes one checkpoint within the budget.", _checkpoint_throughput,
-                 settings=CheckpointThroughput),
-    stack_policy("checkpoint-lifecycle", 8, "S3 lifecycle rules abort multipart uploads and age out checkpoints.",
-                 _lifecycle, settings=Lifecycle),
-    stack_policy("monitoring-alarms", 9, "GPU-utilisation and node-health alarms exist and notify SNS.", _alarms),
-    resource_policy("monitoring-log-retention", 9, "Log groups have a finite retention.", (LOG_GROUP,),
-                    _log_retention, settings=LogRetention),
-    stack_policy("monitoring-dcgm", 9, "The DCGM exporter is deployed for the trainer's GPUs.", _dcgm),
+    StackPolicy("accelerators-approved-instance-types", 1, "GPU node groups use approved instance types.",
+                _approved, settings=ApprovedInstances),
+    StackPolicy("accelerators-match-world-size", 1, "Accelerators across GPU node groups equal the plan's world size.",
+                _world_size),
+    StackPolicy("memory-fit", 2, "The plan's per-rank memory fits HBM with headroom.", _memory_fit),
+    StackPolicy("interconnect-efa-interfaces", 3, "GPU launch templates carry the instance type's full EFA interface count.",
+                _efa_interfaces),
+    StackPolicy("interconnect-placement", 3, "GPU nodes use a cluster placement group or a targeted reservation.",
+                _placement),
+    StackPolicy("interconnect-efa-security-group", 3, "An EFA security group allows all traffic to and from itself.",
+                _efa_security_group),
+    StackPolicy("interconnect-trainer-efa", 3, "Trainer pods request the node's EFA devices.", _trainer_efa),
+    StackPolicy("interconnect-gate", 3, "The trainer job depends on a passing interconnect gate.", _gate,
+                settings=Gate),
+    StackPolicy("versions-consistent", 4, "GPU node groups pin one AMI release and the cluster's Kubernetes version.",
+                _versions),
+    StackPolicy("images-pinned", 4, "Trainer and gate images are pinned by digest and identical.", _images),
+    StackPolicy("code-config-ready", 5, "The trainer job mounts the plan ConfigMap and runs a digest-pinned image.",
+                _code_config),
+    StackPolicy("data-ready", 6, "The dataset is readable by the trainer role and reaches FSx.", _data, settings=Data),
+    StackPolicy("weights-verified", 7, "Weights loaded from a URI are verified by sha256.", _weights, level=ADVISORY),
+    StackPolicy("checkpoint-throughput", 8, "FSx writes one checkpoint within the budget.", _checkpoint_throughput,
+                settings=CheckpointThroughput),
+    StackPolicy("checkpoint-lifecycle", 8, "S3 lifecycle rules abort multipart uploads and age out checkpoints.",
+                _lifecycle, settings=Lifecycle),
+    StackPolicy("monitoring-alarms", 9, "GPU-utilisation and node-health alarms exist and notify SNS.", _alarms),
+    ResourcePolicy("monitoring-log-retention", 9, "Log groups have a finite retention.", (LOG_GROUP,),
+                   _log_retention, settings=LogRetention),
+    StackPolicy("monitoring-dcgm", 9, "The DCGM exporter is deployed for the trainer's GPUs.", _dcgm),
 ]
 

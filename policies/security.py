@@ -11,11 +11,13 @@ from typing import Any, Optional
 
 from pulumi_policy import EnforcementLevel
 
-from .base import Report, resource_policy, stack_policy
-from .view import (BUCKET, BUCKET_LOGGING, BUCKET_PAB, BUCKET_POLICY, BUCKET_SSE, EKS_CLUSTER, IAM_GROUP_POLICY, IAM_POLICY, IAM_ROLE,
-                   IAM_ROLE_POLICY, IAM_USER_POLICY, KMS_KEY, KMS_KEY_POLICY, LAUNCH_TEMPLATE, OPEN_CIDRS,
-                   SECURITY_GROUP, SG_INGRESS, SG_RULE, SNS_TOPIC_POLICY, Res, Stack, as_list, get, is_true, items,
-                   json_doc, plain, statements)
+from supernode.core.resource_types import (BUCKET, BUCKET_LOGGING, BUCKET_PAB, BUCKET_POLICY, BUCKET_SSE, EKS_CLUSTER,
+                                           IAM_GROUP_POLICY, IAM_POLICY, IAM_ROLE, IAM_ROLE_POLICY, IAM_USER_POLICY,
+                                           KMS_KEY, KMS_KEY_POLICY, LAUNCH_TEMPLATE, SECURITY_GROUP, SG_INGRESS, SG_RULE,
+                                           SNS_TOPIC_POLICY)
+
+from .base import Report, ResourcePolicy, StackPolicy
+from .view import OPEN_CIDRS, Res, Stack, as_list, get, is_true, items, json_doc, plain, statements
 
 REMEDIATE = EnforcementLevel.REMEDIATE
 PAB_FLAGS = ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")
@@ -167,20 +169,20 @@ def _open_ingress(res: Res, _conf: None, report: Report) -> None:
 
 
 POLICIES = [
-    resource_policy("iam-no-wildcards", 10, "IAM documents allow no wildcard actions and no '*' resource beyond "
-                    "read-only calls.", (IAM_ROLE, IAM_ROLE_POLICY, IAM_POLICY, IAM_USER_POLICY, IAM_GROUP_POLICY,
-                                         BUCKET_POLICY, KMS_KEY, KMS_KEY_POLICY, SNS_TOPIC_POLICY), _iam),
-    stack_policy("s3-kms-encryption", 10, "S3 buckets are encrypted with KMS.", _s3_kms),
-    stack_policy("s3-public-access-block-attached", 10, "Every S3 bucket has a public-access block.", _pab_attached),
-    resource_policy("s3-public-access-block", 10, "S3 public-access blocks set all four flags.", (BUCKET_PAB,), _pab,
-                    level=REMEDIATE, remediate=_pab_fix),
-    stack_policy("s3-tls-only", 10, "S3 buckets deny non-TLS requests.", _tls_only),
-    resource_policy("eks-secrets-encryption", 10, "EKS encrypts secrets with KMS.", (EKS_CLUSTER,), _eks_secrets),
-    resource_policy("eks-endpoint-restricted", 10, "The EKS API endpoint is not open to 0.0.0.0/0.", (EKS_CLUSTER,),
-                    _eks_endpoint),
-    resource_policy("ec2-imdsv2", 10, "Launch templates require IMDSv2.", (LAUNCH_TEMPLATE,), _imdsv2,
-                    level=REMEDIATE, remediate=_imdsv2_fix),
-    resource_policy("kms-key-rotation", 10, "KMS keys rotate.", (KMS_KEY,), _kms_rotation),
-    resource_policy("no-open-ingress", 10, "No security group allows ingress from 0.0.0.0/0 or ::/0.",
-                    (SECURITY_GROUP, SG_RULE, SG_INGRESS), _open_ingress),
+    ResourcePolicy("iam-no-wildcards", 10, "IAM documents allow no wildcard actions and no '*' resource beyond "
+                   "read-only calls.", (IAM_ROLE, IAM_ROLE_POLICY, IAM_POLICY, IAM_USER_POLICY, IAM_GROUP_POLICY,
+                                        BUCKET_POLICY, KMS_KEY, KMS_KEY_POLICY, SNS_TOPIC_POLICY), _iam),
+    StackPolicy("s3-kms-encryption", 10, "S3 buckets are encrypted with KMS.", _s3_kms),
+    StackPolicy("s3-public-access-block-attached", 10, "Every S3 bucket has a public-access block.", _pab_attached),
+    ResourcePolicy("s3-public-access-block", 10, "S3 public-access blocks set all four flags.", (BUCKET_PAB,), _pab,
+                   level=REMEDIATE, remediate=_pab_fix),
+    StackPolicy("s3-tls-only", 10, "S3 buckets deny non-TLS requests.", _tls_only),
+    ResourcePolicy("eks-secrets-encryption", 10, "EKS encrypts secrets with KMS.", (EKS_CLUSTER,), _eks_secrets),
+    ResourcePolicy("eks-endpoint-restricted", 10, "The EKS API endpoint is not open to 0.0.0.0/0.", (EKS_CLUSTER,),
+                   _eks_endpoint),
+    ResourcePolicy("ec2-imdsv2", 10, "Launch templates require IMDSv2.", (LAUNCH_TEMPLATE,), _imdsv2,
+                   level=REMEDIATE, remediate=_imdsv2_fix),
+    ResourcePolicy("kms-key-rotation", 10, "KMS keys rotate.", (KMS_KEY,), _kms_rotation),
+    ResourcePolicy("no-open-ingress", 10, "No security group allows ingress from 0.0.0.0/0 or ::/0.",
+                   (SECURITY_GROUP, SG_RULE, SG_INGRESS), _open_ingress),
 ]

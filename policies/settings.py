@@ -27,11 +27,6 @@ class ApprovedInstances(PolicySettings):
                                                description="GPU instance types node groups may use")
 
 
-class MemoryFit(PolicySettings):
-    headroom_fraction: float = Field(default=0.1, ge=0, lt=1,
-                                     description="fraction of HBM kept free (allocator fragmentation, NCCL growth)")
-
-
 class Gate(PolicySettings):
     min_gate_fraction: float = Field(default=0.5, gt=0, le=1.5,
                                      description="the gate's bus-bandwidth floor must be at least this fraction "

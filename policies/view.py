@@ -1,4 +1,4 @@
-"""A read-only view of the stack for the policies: type tokens, safe property access, links, the Plan.
+"""A read-only view of the stack for the policies: safe property access, links, the Plan.
 
 Properties arrive as pulumi-policy's unknown-checking proxies (Mapping / Sequence). `get` walks them
 lazily, so a value that is unknown during a real `pulumi preview` raises `UnknownValueError` only
@@ -9,6 +9,7 @@ the engine's dependency lists, which the offline runner and the real CLI both su
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,42 +19,7 @@ from pydantic import ValidationError
 
 from supernode.core.catalog import CATALOG
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
-
-# Type tokens, as pulumi_aws 7.x / pulumi_kubernetes 4.x register them.
-LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
-NODE_GROUP = "aws:eks/nodeGroup:NodeGroup"
-EKS_CLUSTER = "aws:eks/cluster:Cluster"
-PLACEMENT_GROUP = "aws:ec2/placementGroup:PlacementGroup"
-SECURITY_GROUP = "aws:ec2/securityGroup:SecurityGroup"
-SG_RULE = "aws:ec2/securityGroupRule:SecurityGroupRule"
-SG_INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
-SG_EGRESS = "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule"
-BUCKET = "aws:s3/bucket:Bucket"
-BUCKET_SSE = "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration"
-BUCKET_PAB = "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock"
-BUCKET_POLICY = "aws:s3/bucketPolicy:BucketPolicy"
-BUCKET_LOGGING = "aws:s3/bucketLogging:BucketLogging"
-BUCKET_LIFECYCLE = "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration"
-FSX_LUSTRE = "aws:fsx/lustreFileSystem:LustreFileSystem"
-FSX_DRA = "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation"
-IAM_ROLE = "aws:iam/role:Role"
-IAM_ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
-IAM_POLICY = "aws:iam/policy:Policy"
-IAM_ATTACHMENT = "aws:iam/rolePolicyAttachment:RolePolicyAttachment"
-IAM_USER_POLICY = "aws:iam/userPolicy:UserPolicy"
-IAM_GROUP_POLICY = "aws:iam/groupPolicy:GroupPolicy"
-KMS_KEY = "aws:kms/key:Key"
-KMS_KEY_POLICY = "aws:kms/keyPolicy:KeyPolicy"
-SNS_TOPIC_POLICY = "aws:sns/topicPolicy:TopicPolicy"
-LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"
-METRIC_ALARM = "aws:cloudwatch/metricAlarm:MetricAlarm"
-CONFIG_MAP = "kubernetes:core/v1:ConfigMap"
-PYTORCH_JOB = "kubernetes:kubeflow.org/v1:PyTorchJob"
-K8S_JOB = "kubernetes:batch/v1:Job"
-DAEMON_SET = "kubernetes:apps/v1:DaemonSet"
-DEPLOYMENT = "kubernetes:apps/v1:Deployment"
-STATEFUL_SET = "kubernetes:apps/v1:StatefulSet"
-POD = "kubernetes:core/v1:Pod"
+from supernode.core.resource_types import CONFIG_MAP, K8S_JOB, LAUNCH_TEMPLATE, NODE_GROUP, POD, PYTORCH_JOB
 
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 EFA_INTERFACE_TYPES = ("efa", "efa-only")
@@ -146,6 +112,7 @@ class Stack:
     def __init__(self, resources: Iterable[Res]):
         self.resources = list(resources)
         self.by_urn = {r.urn: r for r in self.resources}
+        self._plan: Optional[tuple[Optional[Plan]]] = None  # plan() memo: (the Plan or None,) once parsed
 
     @classmethod
     def from_policy_resources(cls, resources: Iterable[Any]) -> "Stack":
@@ -216,15 +183,12 @@ class Stack:
         return None
 
     def plan(self) -> Optional[Plan]:
-        """The Plan the job runs: parsed from the plan ConfigMap with the core's own deserialiser."""
-        cm = self.plan_config_map()
-        if cm is None:
-            return None
-        try:
-            return Plan.from_json(cm.get("data", PLAN_CONFIGMAP_KEY))
-        except (ValidationError, ValueError) as e:
-            raise PlanError(f"{cm.label} holds data['{PLAN_CONFIGMAP_KEY}'] that is not a valid supernode Plan "
-                            f"({str(e).splitlines()[0]}); generate it with supernode.core.plan.Plan.to_json()") from None
+        """The Plan the job runs: parsed from the plan ConfigMap with the core's own deserialiser,
+        once per Stack (an invalid plan raises PlanError on every call)."""
+        if self._plan is None:
+            cm = self.plan_config_map()
+            self._plan = (None if cm is None else _parse_plan(cm),)
+        return self._plan[0]
 
     # -- kubernetes workloads ---------------------------------------------------------------
     def trainer_jobs(self) -> list[Res]:
@@ -233,6 +197,25 @@ class Stack:
 
     def gates(self) -> list[Res]:
         return [r for r in self.of(K8S_JOB, PYTORCH_JOB) if is_gate(r)]
+
+
+def _parse_plan(cm: Res) -> Plan:
+    text = cm.get("data", PLAN_CONFIGMAP_KEY)
+    try:
+        if not isinstance(text, str):
+            raise ValueError(f"expected a JSON string, got {type(text).__name__}")
+        return _plan_from_json(text)
+    except (ValidationError, ValueError) as e:
+        raise PlanError(f"{cm.label} holds data['{PLAN_CONFIGMAP_KEY}'] that is not a valid supernode Plan "
+                        f"({str(e).splitlines()[0]}); generate it with supernode.core.plan.Plan.to_json()") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _plan_from_json(text: str) -> Plan:
+    # Keyed on the ConfigMap's text, so every policy of one analysis shares one parse even where each
+    # gets its own Stack (pulumi-policy hands every stack policy freshly built resources). The Plan is
+    # frozen, and equal text is an equal Plan, so sharing it across analyses is safe too.
+    return Plan.from_json(text)
 
 
 def pod_specs(res: Res) -> list[Any]:
@@ -258,9 +241,19 @@ def command_line(container: Any) -> str:
     return " ".join(str(x) for x in items(get(container, "command")) + items(get(container, "args")))
 
 
+def is_fabric_check(container: Any) -> bool:
+    return "trainer.fabric" in command_line(container)
+
+
 def is_gate(res: Res) -> bool:
     """The interconnect gate runs the trainer image's fabric check."""
-    return any("trainer.fabric" in command_line(c) for c in containers(res))
+    return any(is_fabric_check(c) for c in containers(res))
+
+
+def mounts_config_map(spec: Any, config_map: str) -> bool:
+    """A pod spec mounts ConfigMap `config_map` in one of its containers (a configMap volume of it, mounted)."""
+    volumes = {get(v, "name") for v in items(get(spec, "volumes")) if get(v, "configMap", "name") == config_map}
+    return any(get(m, "name") in volumes for c in items(get(spec, "containers")) for m in items(get(c, "volumeMounts")))
 
 
 def resource_quantity(container: Any, name: str) -> Optional[float]:

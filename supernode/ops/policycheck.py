@@ -22,9 +22,9 @@ from pulumi.runtime.proto import analyzer_pb2
 from pulumi_policy import EnforcementLevel
 from pulumi_policy.policy import _PolicyAnalyzerServicer
 
-from policies.base import SETTINGS
-from policies.pack import CHECKLIST_ITEMS, PACK_NAME, POLICIES, item_of
-from policies.settings import PolicyConfigError, settings_for
+from policies.base import one_analysis
+from policies.pack import BY_NAME, CHECKLIST_ITEMS, PACK_NAME, POLICIES, item_of
+from policies.settings import PolicyConfigError
 
 from ..core.config import StackConfig
 
@@ -144,13 +144,12 @@ def config_from_stack(cfg: StackConfig) -> dict[str, Any]:
 
 def _configure_request(config: dict[str, Any]) -> tuple[analyzer_pb2.ConfigureAnalyzerRequest, dict[str, str]]:
     """Every policy gets its level explicitly: the servicer treats a configured policy without one as advisory."""
-    names = {p.name: p for p in POLICIES}
-    unknown = sorted(set(config) - set(names) - {"all"})
+    unknown = sorted(set(config) - set(BY_NAME) - {"all"})
     if unknown:
-        raise PolicyInputError(f"policy config names unknown policies {unknown}; valid: all, {', '.join(names)}")
+        raise PolicyInputError(f"policy config names unknown policies {unknown}; valid: all, {', '.join(BY_NAME)}")
     default_all = config.get("all")
     request, levels, problems = analyzer_pb2.ConfigureAnalyzerRequest(), {}, []
-    for name, policy in names.items():
+    for name, policy in BY_NAME.items():
         value = config.get(name, {})
         level_name = (value.get("enforcementLevel") if isinstance(value, dict) else value) or default_all
         props = {k: v for k, v in value.items() if k != "enforcementLevel"} if isinstance(value, dict) else {}
@@ -158,15 +157,14 @@ def _configure_request(config: dict[str, Any]) -> tuple[analyzer_pb2.ConfigureAn
             problems.append(f"{name}.enforcementLevel: must be one of {', '.join(LEVELS)} (got {level_name!r})")
             continue
         level = LEVELS[level_name] if level_name else (policy.enforcement_level or EnforcementLevel.MANDATORY)
-        if props and name not in SETTINGS:
+        if props and policy.settings is None:
             problems.append(f"{name}: takes no settings (got {sorted(props)})")
             continue
-        if name in SETTINGS:
-            try:
-                settings_for(name, SETTINGS[name], props)
-            except PolicyConfigError as e:
-                problems.append(str(e))
-                continue
+        try:
+            policy.settings_from(props)  # validated here, so a bad value is input error (exit 2), not a crash mid-run
+        except PolicyConfigError as e:
+            problems.append(str(e))
+            continue
         entry = request.policyConfig[name]
         entry.enforcementLevel = _PROTO_LEVEL[level]
         entry.properties.update(props)
@@ -215,7 +213,8 @@ def check(resources: list[dict[str, Any]], config: Optional[dict[str, Any]] = No
         analyzed.append(analyzer_pb2.AnalyzerResource(
             type=r["type"], properties=_struct(props), urn=r["urn"], name=r["name"], options=options,
             parent=r.get("parent") or "", dependencies=r.get("dependencies") or []))
-    collect(servicer.AnalyzeStack(analyzer_pb2.AnalyzeStackRequest(resources=analyzed), None).diagnostics)
+    with one_analysis():  # the stack policies of this one AnalyzeStack share one parsed Stack
+        collect(servicer.AnalyzeStack(analyzer_pb2.AnalyzeStackRequest(resources=analyzed), None).diagnostics)
     return report
 
 

@@ -24,6 +24,7 @@ from pulumi.runtime.stack import run_pulumi_func
 
 from ..core.catalog import CATALOG
 from ..core.config import NAMESPACE, StackConfig
+from ..core import resource_types as T
 from ..core.plan import PLAN_CONFIGMAP_KEY, Plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,13 +113,9 @@ class CloudMocks(pmocks.Mocks):
 
 # EC2-style ids, so outputs look like what AWS returns (vpc-0123…, sg-…, fs-…).
 _ID_PREFIX = {
-    "aws:ec2/vpc:Vpc": "vpc", "aws:ec2/subnet:Subnet": "subnet", "aws:ec2/securityGroup:SecurityGroup": "sg",
-    "aws:ec2/routeTable:RouteTable": "rtb", "aws:ec2/internetGateway:InternetGateway": "igw",
-    "aws:ec2/natGateway:NatGateway": "nat", "aws:ec2/eip:Eip": "eipalloc", "aws:ec2/vpcEndpoint:VpcEndpoint": "vpce",
-    "aws:ec2/launchTemplate:LaunchTemplate": "lt", "aws:ec2/flowLog:FlowLog": "fl",
-    "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule": "sgr",
-    "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule": "sgr",
-    "aws:fsx/lustreFileSystem:LustreFileSystem": "fs", "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation": "dra",
+    T.VPC: "vpc", T.SUBNET: "subnet", T.SECURITY_GROUP: "sg", T.ROUTE_TABLE: "rtb", T.INTERNET_GATEWAY: "igw",
+    T.NAT_GATEWAY: "nat", T.EIP: "eipalloc", T.VPC_ENDPOINT: "vpce", T.LAUNCH_TEMPLATE: "lt", T.FLOW_LOG: "fl",
+    T.SG_INGRESS: "sgr", T.SG_EGRESS: "sgr", T.FSX_LUSTRE: "fs", T.FSX_DRA: "dra",
 }
 
 

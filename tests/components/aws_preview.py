@@ -13,11 +13,12 @@ from typing import Any, Callable
 
 from supernode.core.config import StackConfig, from_mapping, load_stack
 from supernode.ops.preview import PreviewResult, Resource, run_program
+from supernode.core import resource_types as T
 
 ROOT = Path(__file__).resolve().parents[2]
 
-LT = "aws:ec2/launchTemplate:LaunchTemplate"
-NODE_GROUP = "aws:eks/nodeGroup:NodeGroup"
+LT = T.LAUNCH_TEMPLATE
+NODE_GROUP = T.NODE_GROUP
 GPU_GROUP = "supernode:accelerators:GpuNodeGroup"
 
 

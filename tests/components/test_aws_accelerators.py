@@ -11,12 +11,13 @@ import yaml
 from aws_preview import GPU_GROUP, LT, NODE_GROUP, Stack, preview
 from components.accelerators import ami_parameter, efa_interfaces
 from supernode.core.catalog import CATALOG
+from supernode.core import resource_types as T
 
 # What the issue and ARCHITECTURE.md §4 state, written independently of the catalog.
 EXPECTED_EFA = {"p4d.24xlarge": 4, "p4de.24xlarge": 4, "p5.48xlarge": 32, "p5e.48xlarge": 32, "p5en.48xlarge": 16}
-SG_IN = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
-SG_OUT = "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule"
-PG = "aws:ec2/placementGroup:PlacementGroup"
+SG_IN = T.SG_INGRESS
+SG_OUT = T.SG_EGRESS
+PG = T.PLACEMENT_GROUP
 
 
 def with_instance_type(instance_type: str):
@@ -132,7 +133,7 @@ def test_gpu_node_groups_labels_taints_subnet_and_repair(stack: Stack):
         assert ng["scalingConfig"] == {"minSize": g.nodes, "desiredSize": g.nodes, "maxSize": g.nodes}
         assert ng["nodeRepairConfig"]["enabled"] is True
         assert ng["launchTemplate"]["id"] == stack.gpu_launch_templates()[g.name].id
-        assert ng["nodeRoleArn"].endswith(":role/" + stack.one("aws:iam/role:Role", "node-role").outputs["name"])
+        assert ng["nodeRoleArn"].endswith(":role/" + stack.one(T.IAM_ROLE, "node-role").outputs["name"])
     assert stack.outputs["node_group_names"] == [g.name for g in stack.cfg.accelerator_node_groups]
 
 
@@ -180,8 +181,8 @@ def test_efa_security_group_is_self_referencing_both_ways(stack: Stack):
 
 def test_fsx_ports_open_from_the_nodes_only(stack: Stack):
     node_sg = stack.outputs["efa_security_group_id"]
-    fsx_sg = stack.one("aws:ec2/securityGroup:SecurityGroup", "storage-fsx").id
-    assert stack.one("aws:fsx/lustreFileSystem:LustreFileSystem").inputs["securityGroupIds"] == [fsx_sg]
+    fsx_sg = stack.one(T.SECURITY_GROUP, "storage-fsx").id
+    assert stack.one(T.FSX_LUSTRE).inputs["securityGroupIds"] == [fsx_sg]
     ingress = [r.inputs for r in stack.all(SG_IN) if r.inputs["securityGroupId"] == fsx_sg]
     assert all("cidrIpv4" not in r and r["referencedSecurityGroupId"] in (node_sg, fsx_sg) for r in ingress)
     from_nodes = {(r["ipProtocol"], r["fromPort"], r["toPort"]) for r in ingress

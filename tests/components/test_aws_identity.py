@@ -8,13 +8,14 @@ from fnmatch import fnmatchcase
 
 from aws_preview import Stack, as_list, policy, preview, statements
 from components.identity import NODE_MANAGED_POLICIES
+from supernode.core import resource_types as T
 
-ROLE = "aws:iam/role:Role"
-ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
-KEY = "aws:kms/key:Key"
+ROLE = T.IAM_ROLE
+ROLE_POLICY = T.IAM_ROLE_POLICY
+KEY = T.KMS_KEY
 # Documents by type and input key: identity policies, trust policies, key and bucket policies.
-DOCUMENTS = {ROLE_POLICY: "policy", "aws:iam/policy:Policy": "policy", ROLE: "assumeRolePolicy",
-             KEY: "policy", "aws:s3/bucketPolicy:BucketPolicy": "policy", "aws:sns/topicPolicy:TopicPolicy": "policy"}
+DOCUMENTS = {ROLE_POLICY: "policy", T.IAM_POLICY: "policy", ROLE: "assumeRolePolicy",
+             KEY: "policy", T.BUCKET_POLICY: "policy", T.SNS_TOPIC_POLICY: "policy"}
 
 
 def documents(stack: Stack):
@@ -32,8 +33,8 @@ def test_no_document_allows_a_wildcard_action(stack: Stack):
             if s["Effect"] == "Allow":
                 assert all("*" not in a for a in as_list(s["Action"])), (r.name, s["Action"])
             else:  # a Deny only removes access; the one we use is the TLS-only bucket rule
-                assert typ == "aws:s3/bucketPolicy:BucketPolicy" and s["Sid"] == "DenyInsecureTransport"
-    assert seen >= {ROLE, ROLE_POLICY, KEY, "aws:s3/bucketPolicy:BucketPolicy"}
+                assert typ == T.BUCKET_POLICY and s["Sid"] == "DenyInsecureTransport"
+    assert seen >= {ROLE, ROLE_POLICY, KEY, T.BUCKET_POLICY}
 
 
 def test_star_resource_only_in_key_policies(stack: Stack):
@@ -57,7 +58,7 @@ def test_keys_rotate_and_logs_may_use_the_ops_key(stack: Stack):
 def test_node_role_has_only_the_node_managed_policies(stack: Stack):
     role = stack.one(ROLE, "node-role")
     assert statements(policy(role, "assumeRolePolicy"))[0]["Principal"] == {"Service": "ec2.amazonaws.com"}
-    attached = [a.inputs["policyArn"] for a in stack.all("aws:iam/rolePolicyAttachment:RolePolicyAttachment")
+    attached = [a.inputs["policyArn"] for a in stack.all(T.IAM_ATTACHMENT)
                 if a.inputs["role"] == role.outputs["name"]]
     assert sorted(attached) == sorted(f"arn:aws:iam::aws:policy/{p}" for p in NODE_MANAGED_POLICIES)
     assert not [p for p in stack.all(ROLE_POLICY) if p.inputs["role"] == role.id]
@@ -108,7 +109,7 @@ def test_trainer_pod_identity_variant():
     s = preview("dev", "pod-identity", change)
     (trust,) = statements(policy(s.one(ROLE, "trainer-role"), "assumeRolePolicy"))
     assert trust["Principal"] == {"Service": "pods.eks.amazonaws.com"}
-    assoc = s.one("aws:eks/podIdentityAssociation:PodIdentityAssociation").inputs
+    assoc = s.one(T.POD_IDENTITY_ASSOCIATION).inputs
     assert (assoc["namespace"], assoc["serviceAccount"], assoc["roleArn"]) == (
         s.cfg.workload.namespace, s.cfg.workload.service_account, s.outputs["trainer_role_arn"])
 
@@ -126,5 +127,5 @@ def test_an_existing_data_key_is_used_not_created():
     s = preview("dev", "existing-key", change)
     assert sorted(k.name for k in s.all(KEY)) == ["keys-eks", "keys-ops"]
     assert s.outputs["kms_key_arns"]["data"] == arn
-    assert s.one("aws:fsx/lustreFileSystem:LustreFileSystem").inputs["kmsKeyId"] == arn
+    assert s.one(T.FSX_LUSTRE).inputs["kmsKeyId"] == arn
     assert [st["Resource"] for st in statements(policy(s.one(ROLE_POLICY, "trainer-role-data")))][-1] == arn

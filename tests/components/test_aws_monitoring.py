@@ -8,9 +8,10 @@ import json
 from aws_preview import Stack
 from supernode.core.catalog import GIB
 from supernode.core.plan import build_plan
+from supernode.core import resource_types as T
 
-ALARM = "aws:cloudwatch/metricAlarm:MetricAlarm"
-LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"
+ALARM = T.METRIC_ALARM
+LOG_GROUP = T.LOG_GROUP
 
 
 def alarms(stack: Stack) -> dict[str, dict]:
@@ -47,7 +48,7 @@ def test_fsx_free_capacity_alarm_threshold(stack: Stack):
 
 def test_log_metric_filters_feed_the_alarms(stack: Stack):
     filters = {r.inputs["metricTransformation"]["name"]: r.inputs
-               for r in stack.all("aws:cloudwatch/logMetricFilter:LogMetricFilter")}
+               for r in stack.all(T.LOG_METRIC_FILTER)}
     assert "NCCL" in filters["NcclTimeouts"]["pattern"] and "Watchdog" in filters["NcclTimeouts"]["pattern"]
     assert "CUDA out of memory" in filters["OutOfMemory"]["pattern"]
     assert "Xid" in filters["GpuXidErrors"]["pattern"]
@@ -62,9 +63,9 @@ def test_log_metric_filters_feed_the_alarms(stack: Stack):
 
 
 def test_topic_encrypted_and_subscribed(stack: Stack):
-    topic = stack.one("aws:sns/topic:Topic").inputs
+    topic = stack.one(T.SNS_TOPIC).inputs
     assert topic["kmsMasterKeyId"] == stack.outputs["kms_key_arns"]["ops"]
-    sub = stack.one("aws:sns/topicSubscription:TopicSubscription").inputs
+    sub = stack.one(T.SNS_TOPIC_SUBSCRIPTION).inputs
     assert (sub["protocol"], sub["endpoint"], sub["topic"]) == (
         "email", stack.cfg.monitoring.notification_email, stack.outputs["sns_topic_arn"])
 
@@ -78,10 +79,10 @@ def test_log_groups_retained_and_encrypted(stack: Stack):
 
 
 def test_observability_addon_and_dashboard(stack: Stack):
-    addon = [a.inputs for a in stack.all("aws:eks/addon:Addon")
+    addon = [a.inputs for a in stack.all(T.EKS_ADDON)
              if a.inputs["addonName"] == "amazon-cloudwatch-observability"]
     assert addon and addon[0]["serviceAccountRoleArn"].endswith("role/" + stack.one(
-        "aws:iam/role:Role", "monitoring-cloudwatch-agent").outputs["name"])
-    body = json.loads(stack.one("aws:cloudwatch/dashboard:Dashboard").inputs["dashboardBody"])
+        T.IAM_ROLE, "monitoring-cloudwatch-agent").outputs["name"])
+    body = json.loads(stack.one(T.DASHBOARD).inputs["dashboardBody"])
     metrics = [m[1] for w in body["widgets"] for m in w["properties"]["metrics"]]
     assert {"node_gpu_utilization", "FreeDataStorageCapacity", "NcclTimeouts", "OutOfMemory"} <= set(metrics)

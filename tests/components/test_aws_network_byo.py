@@ -7,15 +7,14 @@ import pytest
 
 from aws_preview import GPU_GROUP, NODE_GROUP, Stack, as_list, preview
 from supernode.ops.policycheck import check, config_from_stack
+from supernode.core import resource_types as T
 
 VPC_ID = "vpc-0a1b2c3d4e5f60718"
 PRIVATE_IDS = ["subnet-0a1b2c3d4e5f60711", "subnet-0a1b2c3d4e5f60722"]
 GPU_ID = "subnet-0a1b2c3d4e5f60733"
 # What the VPC owner provides and the stack must not create.
-OWNERS = ("aws:ec2/vpc:Vpc", "aws:ec2/subnet:Subnet", "aws:ec2/routeTable:RouteTable",
-          "aws:ec2/routeTableAssociation:RouteTableAssociation", "aws:ec2/route:Route",
-          "aws:ec2/natGateway:NatGateway", "aws:ec2/internetGateway:InternetGateway", "aws:ec2/eip:Eip",
-          "aws:ec2/vpcEndpoint:VpcEndpoint")
+OWNERS = (T.VPC, T.SUBNET, T.ROUTE_TABLE, T.ROUTE_TABLE_ASSOCIATION, T.ROUTE, T.NAT_GATEWAY, T.INTERNET_GATEWAY, T.EIP,
+          T.VPC_ENDPOINT)
 
 
 def into_existing_vpc(data: dict) -> None:
@@ -30,7 +29,7 @@ def byo() -> Stack:
 
 def test_creates_no_vpc_subnets_routes_nat_or_endpoints(byo: Stack):
     assert {typ: [r.name for r in byo.all(typ)] for typ in OWNERS} == {typ: [] for typ in OWNERS}
-    assert preview("dev").all("aws:ec2/vpc:Vpc")  # the same program does create them without existingVpcId
+    assert preview("dev").all(T.VPC)  # the same program does create them without existingVpcId
 
 
 def test_outputs_are_the_configured_ids(byo: Stack):
@@ -39,7 +38,7 @@ def test_outputs_are_the_configured_ids(byo: Stack):
 
 
 def test_cluster_nodes_and_fsx_are_placed_in_the_configured_subnets(byo: Stack):
-    assert byo.one("aws:eks/cluster:Cluster").inputs["vpcConfig"]["subnetIds"] == PRIVATE_IDS
+    assert byo.one(T.EKS_CLUSTER).inputs["vpcConfig"]["subnetIds"] == PRIVATE_IDS
     gpu_groups = byo.all(GPU_GROUP)
     assert len(gpu_groups) == len(byo.cfg.accelerator_node_groups)
     for group in gpu_groups:
@@ -47,14 +46,14 @@ def test_cluster_nodes_and_fsx_are_placed_in_the_configured_subnets(byo: Stack):
         assert node_group.inputs["subnetIds"] == [GPU_ID]
     system = [r for r in byo.all(NODE_GROUP) if not any(r.parent == g.urn for g in gpu_groups)]
     assert system and all(r.inputs["subnetIds"] == PRIVATE_IDS for r in system)
-    fsx = byo.one("aws:fsx/lustreFileSystem:LustreFileSystem").inputs
+    fsx = byo.one(T.FSX_LUSTRE).inputs
     assert as_list(fsx["subnetIds"]) == [GPU_ID]
 
 
 def test_security_groups_and_flow_logs_are_on_the_existing_vpc(byo: Stack):
-    groups = byo.all("aws:ec2/securityGroup:SecurityGroup")
+    groups = byo.all(T.SECURITY_GROUP)
     assert groups and {g.inputs["vpcId"] for g in groups} == {VPC_ID}
-    assert byo.one("aws:ec2/flowLog:FlowLog").inputs["vpcId"] == VPC_ID
+    assert byo.one(T.FLOW_LOG).inputs["vpcId"] == VPC_ID
 
 
 def test_policies_pass(byo: Stack):

@@ -7,12 +7,13 @@ import json
 
 from aws_preview import Stack, preview
 from supernode.core.catalog import EKS_ADDON_VERSIONS
+from supernode.core import resource_types as T
 
-SUBNET = "aws:ec2/subnet:Subnet"
-ENDPOINT = "aws:ec2/vpcEndpoint:VpcEndpoint"
-CLUSTER = "aws:eks/cluster:Cluster"
-ADDON = "aws:eks/addon:Addon"
-LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"
+SUBNET = T.SUBNET
+ENDPOINT = T.VPC_ENDPOINT
+CLUSTER = T.EKS_CLUSTER
+ADDON = T.EKS_ADDON
+LOG_GROUP = T.LOG_GROUP
 
 
 def test_subnets_gpu_subnet_in_the_gpu_az(stack: Stack):
@@ -26,15 +27,15 @@ def test_subnets_gpu_subnet_in_the_gpu_az(stack: Stack):
     for g in stack.cfg.accelerator_node_groups:  # the reservation's AZ is the GPU subnet's
         assert g.capacity.availability_zone in (None, gpu["availabilityZone"])
     assert not any(s.get("mapPublicIpOnLaunch") for s in subnets.values())
-    assert stack.one("aws:ec2/vpc:Vpc").inputs["cidrBlock"] == net.vpc_cidr
+    assert stack.one(T.VPC).inputs["cidrBlock"] == net.vpc_cidr
 
 
 def test_one_nat_in_a_public_subnet_and_private_default_route(stack: Stack):
-    (nat,) = stack.all("aws:ec2/natGateway:NatGateway")
+    (nat,) = stack.all(T.NAT_GATEWAY)
     public = {r.id: r.inputs for r in stack.all(SUBNET) if r.name.startswith("network-public-")}
     assert len(public) == len(stack.cfg.network.public_subnet_cidrs)
     assert nat.inputs["subnetId"] in public
-    routes = [r.inputs for r in stack.all("aws:ec2/route:Route") if r.inputs.get("natGatewayId") == nat.id]
+    routes = [r.inputs for r in stack.all(T.ROUTE) if r.inputs.get("natGatewayId") == nat.id]
     assert [r["destinationCidrBlock"] for r in routes] == ["0.0.0.0/0"]
 
 
@@ -42,7 +43,7 @@ def test_no_public_subnets_or_nat_when_not_wanted():
     def change(data: dict) -> None:
         data["network"].update(natGateway=False, publicSubnetCidrs=[])
     s = preview("prod", "no-nat", change)
-    for typ in ("aws:ec2/natGateway:NatGateway", "aws:ec2/internetGateway:InternetGateway", "aws:ec2/eip:Eip"):
+    for typ in (T.NAT_GATEWAY, T.INTERNET_GATEWAY, T.EIP):
         assert s.all(typ) == []
     assert not [r for r in s.all(SUBNET) if r.name.startswith("network-public-")]
     assert len(s.all(ENDPOINT)) == 5  # nodes still pull images and ship logs, privately
@@ -60,7 +61,7 @@ def test_private_endpoints(stack: Stack):
 
 
 def test_flow_logs_to_an_encrypted_log_group(stack: Stack):
-    flow = stack.one("aws:ec2/flowLog:FlowLog").inputs
+    flow = stack.one(T.FLOW_LOG).inputs
     group = stack.one(LOG_GROUP, "network-flow-logs")
     assert flow["trafficType"] == "ALL" and flow["logDestination"] == group.outputs["arn"]
     assert flow["vpcId"] == stack.outputs["vpc_id"]
@@ -92,7 +93,7 @@ def test_prod_endpoint_is_private_only():
 
 
 def test_oidc_provider_and_pinned_addons(stack: Stack):
-    oidc = stack.one("aws:iam/openIdConnectProvider:OpenIdConnectProvider").inputs
+    oidc = stack.one(T.IAM_OIDC_PROVIDER).inputs
     assert oidc["url"] == stack.outputs["oidc_issuer_url"] and oidc["clientIdLists"] == ["sts.amazonaws.com"]
     addons = {a.inputs["addonName"]: a.inputs["addonVersion"] for a in stack.all(ADDON)}
     pinned = EKS_ADDON_VERSIONS[stack.cfg.cluster.kubernetes_version]
@@ -103,10 +104,10 @@ def test_oidc_provider_and_pinned_addons(stack: Stack):
 
 def test_addons_with_pods_wait_for_nodes_and_nodes_wait_for_the_cni(stack: Stack):
     addons = {a.inputs["addonName"]: a for a in stack.all(ADDON)}
-    node_groups = {r.urn for r in stack.all("aws:eks/nodeGroup:NodeGroup")}
+    node_groups = {r.urn for r in stack.all(T.NODE_GROUP)}
     for name in ("coredns", "aws-fsx-csi-driver", "eks-node-monitoring-agent", "amazon-cloudwatch-observability"):
         assert node_groups <= set(addons[name].dependencies), name
-    for ng in stack.all("aws:eks/nodeGroup:NodeGroup"):
+    for ng in stack.all(T.NODE_GROUP):
         assert addons["vpc-cni"].urn in ng.dependencies
 
 

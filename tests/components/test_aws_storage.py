@@ -8,33 +8,34 @@ import json
 from aws_preview import Stack, policy, preview, statements
 from supernode.core.catalog import GIB
 from supernode.core.plan import build_plan
+from supernode.core import resource_types as T
 
-BUCKET = "aws:s3/bucket:Bucket"
-FSX = "aws:fsx/lustreFileSystem:LustreFileSystem"
-DRA = "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation"
+BUCKET = T.BUCKET
+FSX = T.FSX_LUSTRE
+DRA = T.FSX_DRA
 
 
 def for_bucket(stack: Stack, typ: str, bucket_id: str) -> list[dict]:
-    return [r.inputs for r in stack.all(f"aws:s3/{typ}:{typ[0].upper()}{typ[1:]}") if r.inputs["bucket"] == bucket_id]
+    return [r.inputs for r in stack.all(typ) if r.inputs["bucket"] == bucket_id]
 
 
 def test_every_bucket_is_encrypted_private_tls_only_versioned_with_lifecycle(stack: Stack):
     buckets = stack.all(BUCKET)
     assert len(buckets) == 2  # training data + its access logs
     for b in buckets:
-        (sse,) = for_bucket(stack, "bucketServerSideEncryptionConfiguration", b.id)
+        (sse,) = for_bucket(stack, T.BUCKET_SSE, b.id)
         algorithm = sse["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"]
         assert algorithm in ("aws:kms", "AES256")
-        (block,) = for_bucket(stack, "bucketPublicAccessBlock", b.id)
+        (block,) = for_bucket(stack, T.BUCKET_PAB, b.id)
         assert all(block[k] is True for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls",
                                               "restrictPublicBuckets"))
-        (pol,) = [json.loads(p["policy"]) for p in for_bucket(stack, "bucketPolicy", b.id)]
+        (pol,) = [json.loads(p["policy"]) for p in for_bucket(stack, T.BUCKET_POLICY, b.id)]
         deny = [s for s in statements(pol) if s["Effect"] == "Deny"]
         assert deny == [{**deny[0], "Principal": "*", "Condition": {"Bool": {"aws:SecureTransport": "false"}}}]
         assert set(deny[0]["Resource"]) == {b.outputs["arn"], b.outputs["arn"] + "/*"}
-        (versioning,) = for_bucket(stack, "bucketVersioning", b.id)
+        (versioning,) = for_bucket(stack, T.BUCKET_VERSIONING, b.id)
         assert versioning["versioningConfiguration"]["status"] == "Enabled"
-        (lifecycle,) = for_bucket(stack, "bucketLifecycleConfiguration", b.id)
+        (lifecycle,) = for_bucket(stack, T.BUCKET_LIFECYCLE, b.id)
         rules = lifecycle["rules"]
         assert rules and all(r["status"] == "Enabled" for r in rules)
         lc = stack.cfg.storage.lifecycle
@@ -49,12 +50,12 @@ def test_data_bucket_uses_the_data_key_logs_and_configured_lifecycle(stack: Stac
     assert data.outputs["bucket"] == stack.outputs["bucket_name"]
     if stack.cfg.storage.bucket_name:
         assert stack.outputs["bucket_name"] == stack.cfg.storage.bucket_name
-    (sse,) = for_bucket(stack, "bucketServerSideEncryptionConfiguration", data.id)
+    (sse,) = for_bucket(stack, T.BUCKET_SSE, data.id)
     by_default = sse["rules"][0]["applyServerSideEncryptionByDefault"]
     assert by_default == {"sseAlgorithm": "aws:kms", "kmsMasterKeyId": stack.outputs["kms_key_arns"]["data"]}
-    (logging,) = for_bucket(stack, "bucketLogging", data.id)
+    (logging,) = for_bucket(stack, T.BUCKET_LOGGING, data.id)
     assert logging["targetBucket"] == stack.one(BUCKET, "storage-access-logs").id
-    (lifecycle,) = for_bucket(stack, "bucketLifecycleConfiguration", data.id)
+    (lifecycle,) = for_bucket(stack, T.BUCKET_LIFECYCLE, data.id)
     rules = {r["id"]: r for r in lifecycle["rules"]}
     s, lc = stack.cfg.storage, stack.cfg.storage.lifecycle
     ckpt = rules["checkpoints-tier-and-expire"]
@@ -69,14 +70,14 @@ def test_data_bucket_uses_the_data_key_logs_and_configured_lifecycle(stack: Stac
 
 def test_prod_lifecycle_figures_come_from_the_stack_file():
     s = preview("prod")
-    (lifecycle,) = for_bucket(s, "bucketLifecycleConfiguration", s.cfg.storage.bucket_name)
+    (lifecycle,) = for_bucket(s, T.BUCKET_LIFECYCLE, s.cfg.storage.bucket_name)
     ckpt = {r["id"]: r for r in lifecycle["rules"]}["checkpoints-tier-and-expire"]
     assert (ckpt["transitions"][0]["days"], ckpt["expiration"]["days"]) == (30, 180)
 
 
 def test_access_log_bucket_accepts_only_the_logging_service(stack: Stack):
     logs = stack.one(BUCKET, "storage-access-logs")
-    (pol,) = [json.loads(p["policy"]) for p in for_bucket(stack, "bucketPolicy", logs.id)]
+    (pol,) = [json.loads(p["policy"]) for p in for_bucket(stack, T.BUCKET_POLICY, logs.id)]
     allow = [s for s in statements(pol) if s["Effect"] == "Allow"]
     assert allow == [{"Sid": "S3ServerAccessLogs", "Effect": "Allow",
                       "Principal": {"Service": "logging.s3.amazonaws.com"}, "Action": "s3:PutObject",
@@ -116,7 +117,7 @@ def test_configured_fsx_capacity_is_used_as_given():
         data["storage"]["fsx"]["capacityGib"] = 4800
     s = preview("dev", "fsx-4800", change)
     assert s.one(FSX).inputs["storageCapacity"] == 4800
-    alarm = s.one("aws:cloudwatch/metricAlarm:MetricAlarm", "monitoring-fsx-free-capacity-low").inputs
+    alarm = s.one(T.METRIC_ALARM, "monitoring-fsx-free-capacity-low").inputs
     assert alarm["threshold"] == 4800 * GIB * s.cfg.monitoring.fsx_free_capacity_floor_percent / 100
 
 
@@ -124,8 +125,8 @@ def test_existing_bucket_is_referenced_not_created():
     def change(data: dict) -> None:
         data["storage"].update(bucketName="org-shared-training", existingBucket=True)
     s = preview("dev", "existing-bucket", change)
-    assert s.all(BUCKET) == [] and s.all("aws:s3/bucketPolicy:BucketPolicy") == []
+    assert s.all(BUCKET) == [] and s.all(T.BUCKET_POLICY) == []
     assert s.outputs["bucket_name"] == "org-shared-training"
     assert {r.inputs["dataRepositoryPath"].split("/")[2] for r in s.all(DRA)} == {"org-shared-training"}
-    trainer = policy(s.one("aws:iam/rolePolicy:RolePolicy", "trainer-role-data"))
+    trainer = policy(s.one(T.IAM_ROLE_POLICY, "trainer-role-data"))
     assert statements(trainer)[0]["Resource"] == "arn:aws:s3:::org-shared-training"

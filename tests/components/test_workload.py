@@ -18,6 +18,7 @@ from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG
 from supernode.core.config import StackConfig, from_mapping, load_stack
 from supernode.core.plan import Plan, build_plan
 from supernode.ops.preview import PreviewResult, Resource, run_program
+from supernode.core import resource_types as T
 
 ROOT = Path(__file__).resolve().parents[2]
 FSX_ID = "fs-0123456789abcdef0"
@@ -29,18 +30,19 @@ GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 # The component alone, fed literal AWS outputs; config and plan come from the engine's config.
 PROGRAM = textwrap.dedent(f"""
     import pulumi
-    from components.workload import Fsx, GpuNodes, TrainingWorkload, WorkloadArgs
+    from components.workload import Fsx, GpuNodes, StackContext, Taint, TrainingWorkload, WorkloadArgs
     from supernode.core.plan import build_plan
     from components.stack_config import stack_config
 
     cfg = stack_config()
     TrainingWorkload("workload", WorkloadArgs(
+        ctx=StackContext.create(pulumi.get_stack(), cfg.region, "123456789012"),
         kubeconfig=pulumi.Output.secret("apiVersion: v1\\nkind: Config\\n"),
-        cluster_version=cfg.cluster.kubernetes_version, region=cfg.region,
+        cluster_version=cfg.cluster.kubernetes_version,
         fsx=Fsx(id="{FSX_ID}", dns_name="{FSX_ID}.fsx.us-east-1.amazonaws.com", mount_name="abcdef12",
                 size_gib=pulumi.Output.from_input(4800), data_dir="/datasets", checkpoint_dir="/checkpoints"),
         trainer_role_arn="{ROLE_ARN}",
-        gpu_nodes=GpuNodes.for_groups({GPU_LABELS!r}, {{"gpu-a": [{GPU_TAINT!r}], "gpu-b": [{GPU_TAINT!r}]}}),
+        gpu_nodes=GpuNodes.for_groups({GPU_LABELS!r}, {{"gpu-a": [Taint(**{GPU_TAINT!r})], "gpu-b": [Taint(**{GPU_TAINT!r})]}}),
         plan=build_plan(pulumi.get_stack(), cfg), images=cfg.images, workload=cfg.workload, identity=cfg.identity))
 """)
 
@@ -73,6 +75,22 @@ def worker(result: PreviewResult) -> tuple[dict, dict]:
     job = objects(result)[("PyTorchJob", f"{result.stack}-train")]
     spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     return job, spec
+
+
+def gate_floor(result: PreviewResult) -> float:
+    """The bus-bandwidth floor the gate Job runs with: `--plan PATH`, PATH on the plan ConfigMap's
+    mount, the floor that ConfigMap's plan carries."""
+    gate = objects(result)[("Job", f"{result.stack}-fabric-gate")]["spec"]["template"]["spec"]
+    (c,) = gate["containers"]
+    args = c["args"]
+    path = Path(args[args.index("--plan") + 1])
+    assert path == Path("/etc/supernode/plan.json")
+    assert not any("busbw" in a for a in args)  # the floor comes from the plan, not the command line
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == str(path.parent))
+    volume = next(v for v in gate["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["items"] == [{"key": "plan.json", "path": path.name}]
+    cm = objects(result)[("ConfigMap", volume["configMap"]["name"])]
+    return Plan.from_json(cm["data"][path.name]).gate_floor_gbytes_s
 
 
 def check_trainer(cfg: StackConfig, plan: Plan, result: PreviewResult) -> None:
@@ -150,9 +168,7 @@ def test_job_follows_the_config(tmp_path: Path) -> None:
     assert quota["requests.nvidia.com/gpu"] == str(plan.world_size)
     gate = objects(result)[("Job", "dev-fabric-gate")]["spec"]
     assert gate["completions"] == gate["parallelism"] == 3
-    cmd = gate["template"]["spec"]["containers"][0]["args"]
-    assert float(cmd[cmd.index("--min-busbw-gbps") + 1]) == pytest.approx(
-        ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type] * 0.5)
+    assert gate_floor(result) == pytest.approx(ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type] * 0.5)
 
 
 def test_job_follows_the_hardware(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,10 +194,10 @@ def test_job_follows_the_hardware(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_trainer_waits_for_the_interconnect_gate(stack: str) -> None:
     cfg, result = stack_preview(stack)
     plan = build_plan(stack, cfg)
-    gate = one(result, "kubernetes:batch/v1:Job", f"{stack}-fabric-gate")
-    trainer = one(result, "kubernetes:kubeflow.org/v1:PyTorchJob")
-    crd = one(result, "kubernetes:apiextensions.k8s.io/v1:CustomResourceDefinition")
-    operator = one(result, "kubernetes:apps/v1:Deployment", "training-operator")
+    gate = one(result, T.K8S_JOB, f"{stack}-fabric-gate")
+    trainer = one(result, T.PYTORCH_JOB)
+    crd = one(result, T.CRD)
+    operator = one(result, T.DEPLOYMENT, "training-operator")
     assert {gate.urn, crd.urn, operator.urn} <= set(trainer.dependencies)
 
     # a failed gate fails `pulumi up`; the next one runs a fresh gate rather than waiting on the old one
@@ -195,7 +211,7 @@ def test_trainer_waits_for_the_interconnect_gate(stack: str) -> None:
     (c,) = pod["containers"]
     assert c["command"][-1] == "trainer.fabric"
     assert pod["priorityClassName"] == "supernode-training"
-    threshold = float(c["args"][c["args"].index("--min-busbw-gbps") + 1])
+    threshold = gate_floor(result)
     assert threshold == pytest.approx(ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type] * cfg.workload.gate_min_fraction)
     # the gate measures the same fabric the trainer uses: whole nodes, all EFA devices, one pod per node
     _, w = worker(result)

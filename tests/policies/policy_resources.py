@@ -12,9 +12,10 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG
+from supernode.core import resource_types as T
+from supernode.core.catalog import CATALOG
 from supernode.core.config import StackConfig
-from supernode.core.plan import Plan
+from supernode.core.plan import PLAN_MOUNT_DIR, PLAN_MOUNT_PATH, Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCOUNT = "123456789012"
@@ -44,85 +45,82 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
     itype, image = g.instance_type, cfg.images.trainer
     k8s = cfg.cluster.kubernetes_version
     bucket = "supernode-test-data"
-    floor = ALL_REDUCE_BASELINE_GBYTES_S[itype] * cfg.workload.gate_min_fraction
-    T = {  # type tokens, as pulumi_aws 7.x / pulumi_kubernetes register them
-        "lt": "aws:ec2/launchTemplate:LaunchTemplate", "ng": "aws:eks/nodeGroup:NodeGroup",
-        "pg": "aws:ec2/placementGroup:PlacementGroup", "sg": "aws:ec2/securityGroup:SecurityGroup",
-        "ing": "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule",
-        "egr": "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule",
-    }
-    pg = res(T["pg"], "gpu", {"name": "gpu-cluster", "strategy": "cluster"})
-    sg = res(T["sg"], "efa", {"description": "EFA", "vpcId": "vpc-1"})
-    lt = res(T["lt"], "gpu", {"instanceType": itype, "networkInterfaces": efa_interfaces(itype),
+    pg = res(T.PLACEMENT_GROUP, "gpu", {"name": "gpu-cluster", "strategy": "cluster"})
+    sg = res(T.SECURITY_GROUP, "efa", {"description": "EFA", "vpcId": "vpc-1"})
+    lt = res(T.LAUNCH_TEMPLATE, "gpu", {"instanceType": itype, "networkInterfaces": efa_interfaces(itype),
                               "metadataOptions": {"httpTokens": "required", "httpPutResponseHopLimit": 2},
                               "placement": {"groupName": "gpu-cluster"}}, deps=(pg["urn"],))
-    ng = res(T["ng"], "gpu", {"clusterName": "c", "amiType": "AL2023_x86_64_NVIDIA", "releaseVersion": g.ami_release_version,
+    ng = res(T.NODE_GROUP, "gpu", {"clusterName": "c", "amiType": "AL2023_x86_64_NVIDIA", "releaseVersion": g.ami_release_version,
                               "version": k8s, "scalingConfig": {"desiredSize": g.nodes, "minSize": g.nodes, "maxSize": g.nodes},
                               "launchTemplate": {"id": "lt-1", "version": "1"},
                               "taints": [{"key": "nvidia.com/gpu", "effect": "NO_SCHEDULE"}]}, deps=(lt["urn"],))
-    key = res("aws:kms/key:Key", "data", {"enableKeyRotation": True, "policy": doc(
+    key = res(T.KMS_KEY, "data", {"enableKeyRotation": True, "policy": doc(
         {"Effect": "Allow", "Principal": {"AWS": f"arn:aws:iam::{ACCOUNT}:root"}, "Action": ["kms:Decrypt", "kms:Encrypt"],
          "Resource": "*"})})
     key_arn = f"arn:aws:kms:us-east-1:{ACCOUNT}:key/00000000-0000-4000-8000-000000000000"
-    cluster = res("aws:eks/cluster:Cluster", "cluster", {
+    cluster = res(T.EKS_CLUSTER, "cluster", {
         "version": k8s, "vpcConfig": {"endpointPrivateAccess": True, "endpointPublicAccess": False},
         "encryptionConfig": {"resources": ["secrets"], "provider": {"keyArn": key_arn}}})
-    b = res("aws:s3/bucket:Bucket", "data", {"bucket": bucket})
+    b = res(T.BUCKET, "data", {"bucket": bucket})
     s3 = [
         b,
-        res("aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration", "data", {
+        res(T.BUCKET_SSE, "data", {
             "bucket": bucket, "rules": [{"applyServerSideEncryptionByDefault": {"sseAlgorithm": "aws:kms",
                                                                                  "kmsMasterKeyId": key_arn}}]},
             deps=(b["urn"],)),
-        res("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock", "data", {
+        res(T.BUCKET_PAB, "data", {
             "bucket": bucket, "blockPublicAcls": True, "blockPublicPolicy": True, "ignorePublicAcls": True,
             "restrictPublicBuckets": True}, deps=(b["urn"],)),
-        res("aws:s3/bucketPolicy:BucketPolicy", "data", {"bucket": bucket, "policy": doc(
+        res(T.BUCKET_POLICY, "data", {"bucket": bucket, "policy": doc(
             {"Effect": "Deny", "Principal": "*", "Action": "s3:*", "Resource": [f"arn:aws:s3:::{bucket}/*"],
              "Condition": {"Bool": {"aws:SecureTransport": "false"}}})}, deps=(b["urn"],)),
-        res("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration", "data", {"bucket": bucket, "rules": [
+        res(T.BUCKET_LIFECYCLE, "data", {"bucket": bucket, "rules": [
             {"id": "checkpoints", "status": "Enabled", "filter": {"prefix": cfg.storage.checkpoint_prefix},
              "transitions": [{"days": 14, "storageClass": "GLACIER_IR"}], "expiration": {"days": 90}},
             {"id": "multipart", "status": "Enabled", "filter": {},
              "abortIncompleteMultipartUpload": {"daysAfterInitiation": 3}}]}, deps=(b["urn"],)),
     ]
-    fsx = res("aws:fsx/lustreFileSystem:LustreFileSystem", "fsx", {
+    fsx = res(T.FSX_LUSTRE, "fsx", {
         "deploymentType": "PERSISTENT_2", "storageCapacity": plan.checkpoint.fsx_capacity_gib,
         "perUnitStorageThroughput": cfg.storage.fsx.per_unit_throughput, "kmsKeyId": key_arn})
-    dra = res("aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation", "fsx", {
+    dra = res(T.FSX_DRA, "fsx", {
         "fileSystemPath": "/data", "dataRepositoryPath": f"s3://{bucket}/"}, deps=(fsx["urn"], b["urn"]))
-    role = res("aws:iam/role:Role", "trainer", {"assumeRolePolicy": doc(
+    role = res(T.IAM_ROLE, "trainer", {"assumeRolePolicy": doc(
         {"Effect": "Allow", "Principal": {"Federated": "arn:aws:iam::1:oidc-provider/x"},
          "Action": "sts:AssumeRoleWithWebIdentity"})})
-    role_policy = res("aws:iam/rolePolicy:RolePolicy", "trainer", {"role": "trainer", "policy": doc(
+    role_policy = res(T.IAM_ROLE_POLICY, "trainer", {"role": "trainer", "policy": doc(
         {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": [f"arn:aws:s3:::{bucket}/{cfg.storage.dataset_prefix}*"]},
         {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [f"arn:aws:s3:::{bucket}"]},
         {"Effect": "Allow", "Action": ["ec2:DescribeInstances"], "Resource": "*"})}, deps=(role["urn"],))
     topic_arn = f"arn:aws:sns:us-east-1:{ACCOUNT}:alarms"
-    alarms = [res("aws:cloudwatch/metricAlarm:MetricAlarm", name, {"metricName": metric, "namespace": "ContainerInsights",
+    alarms = [res(T.METRIC_ALARM, name, {"metricName": metric, "namespace": "ContainerInsights",
                                                                     "alarmActions": [topic_arn], "threshold": 1})
               for name, metric in (("gpu-util-low", "DCGM_FI_DEV_GPU_UTIL"), ("node-not-ready", "node_status_condition_ready"))]
-    log_group = res("aws:cloudwatch/logGroup:LogGroup", "training", {"retentionInDays": cfg.monitoring.log_retention_days})
-    cm = res("kubernetes:core/v1:ConfigMap", "plan", {"metadata": {"name": "supernode-plan", "namespace": "training"},
+    log_group = res(T.LOG_GROUP, "training", {"retentionInDays": cfg.monitoring.log_retention_days})
+    cm = res(T.CONFIG_MAP, "plan", {"metadata": {"name": "supernode-plan", "namespace": "training"},
                                                       "data": {"plan.json": plan.to_json()}})
-    gate = res("kubernetes:batch/v1:Job", "gate", {"spec": {"template": {"spec": {"containers": [
-        {"name": "fabric", "image": image, "command": ["python", "-m", "trainer.fabric", "--min-busbw-gbps", f"{floor:g}"]}]}}}})
+    # The gate reads its bus-bandwidth floor from the plan, mounted like the trainer's.
+    gate = res(T.K8S_JOB, "gate", {"spec": {"template": {"spec": {
+        "containers": [{"name": "fabric", "image": image,
+                        "command": ["python", "-m", "trainer.fabric", "--plan", PLAN_MOUNT_PATH],
+                        "volumeMounts": [{"name": "plan", "mountPath": PLAN_MOUNT_DIR}]}],
+        "volumes": [{"name": "plan", "configMap": {"name": "supernode-plan"}}]}}}}, deps=(cm["urn"],))
     worker = {"name": "trainer", "image": image,
-              "command": ["python", "-m", "trainer.train", "--plan", "/etc/supernode/plan.json"],
+              "command": ["python", "-m", "trainer.train", "--plan", PLAN_MOUNT_PATH],
               "resources": {"limits": {"nvidia.com/gpu": CATALOG[itype].accelerators,
                                        "vpc.amazonaws.com/efa": CATALOG[itype].efa_interfaces}},
-              "volumeMounts": [{"name": "plan", "mountPath": "/etc/supernode"}]}
-    job = res("kubernetes:kubeflow.org/v1:PyTorchJob", "trainer", {
+              "volumeMounts": [{"name": "plan", "mountPath": PLAN_MOUNT_DIR}]}
+    job = res(T.PYTORCH_JOB, "trainer", {
         "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
         "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": g.nodes, "template": {"spec": {
             "containers": [worker], "volumes": [{"name": "plan", "configMap": {"name": "supernode-plan"}}]}}}}}},
         deps=(gate["urn"], cm["urn"]))
-    dcgm = res("kubernetes:apps/v1:DaemonSet", "dcgm-exporter", {"spec": {"template": {"spec": {"containers": [
+    dcgm = res(T.DAEMON_SET, "dcgm-exporter", {"spec": {"template": {"spec": {"containers": [
         {"name": "dcgm-exporter", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3-4.1.3-ubuntu22.04"}]}}}})
     return [pg, sg,
-            res(T["ing"], "efa-self", {"securityGroupId": "sg-efa", "referencedSecurityGroupId": "sg-efa", "ipProtocol": "-1"},
+            res(T.SG_INGRESS, "efa-self", {"securityGroupId": "sg-efa", "referencedSecurityGroupId": "sg-efa", "ipProtocol": "-1"},
                 deps=(sg["urn"],)),
-            res(T["egr"], "efa-self", {"securityGroupId": "sg-efa", "referencedSecurityGroupId": "sg-efa", "ipProtocol": "-1"},
+            res(T.SG_EGRESS, "efa-self", {"securityGroupId": "sg-efa", "referencedSecurityGroupId": "sg-efa", "ipProtocol": "-1"},
                 deps=(sg["urn"],)),
             lt, ng, key, cluster, *s3, fsx, dra, role, role_policy, *alarms, log_group, cm, gate, job, dcgm]
 

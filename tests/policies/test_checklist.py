@@ -8,6 +8,7 @@ from typing import Any, Callable
 import pytest
 
 from policies.pack import POLICIES, item_of
+from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
 from supernode.core.config import StackConfig
 from supernode.core.plan import build_plan
@@ -15,10 +16,10 @@ from supernode.ops.policycheck import check
 
 from policy_resources import doc, find, mutate, without
 
-LT, NG = "aws:ec2/launchTemplate:LaunchTemplate", "aws:eks/nodeGroup:NodeGroup"
-JOB, GATE, CM = "kubernetes:kubeflow.org/v1:PyTorchJob", "kubernetes:batch/v1:Job", "kubernetes:core/v1:ConfigMap"
-ROLE_POLICY, BUCKET = "aws:iam/rolePolicy:RolePolicy", "aws:s3/bucket:Bucket"
-LIFECYCLE = "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration"
+LT, NG = T.LAUNCH_TEMPLATE, T.NODE_GROUP
+JOB, GATE, CM = T.PYTORCH_JOB, T.K8S_JOB, T.CONFIG_MAP
+ROLE_POLICY, BUCKET = T.IAM_ROLE_POLICY, T.BUCKET
+LIFECYCLE = T.BUCKET_LIFECYCLE
 PLAN_PATH = ("data", "plan.json")
 
 
@@ -75,8 +76,13 @@ def _fast_checkpoints(cfg: StackConfig) -> StackConfig:
     return cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"fsx": fsx})})
 
 
+def _low_gate_floor(cfg: StackConfig) -> StackConfig:
+    # The plan's gate floor (baseline x gateMinFraction) below the policy's minGateFraction (0.5).
+    return cfg.model_copy(update={"workload": cfg.workload.model_copy(update={"gate_min_fraction": 0.1})})
+
+
 def _drop_efa_rules(stack):
-    return [r for r in stack if "securityGroupIngressRule" not in r["type"]]
+    return [r for r in stack if r["type"] != T.SG_INGRESS]
 
 
 CASES: list[tuple[str, Callable, str, str]] = [
@@ -97,10 +103,15 @@ CASES: list[tuple[str, Callable, str, str]] = [
      lambda s, c: mutate(s, JOB, lambda i: worker(i)["containers"][0]["resources"]["limits"].pop("vpc.amazonaws.com/efa")),
      "interconnect-trainer-efa", "mandatory"),
     ("trainer does not depend on the gate",
-     lambda s, c: [dict(r, dependencies=[d for d in r["dependencies"] if "batch/v1:Job" not in d]) for r in s],
+     lambda s, c: [dict(r, dependencies=[d for d in r["dependencies"] if GATE not in d]) for r in s],
      "interconnect-gate", "mandatory"),
-    ("gate threshold too low",
-     lambda s, c: mutate(s, GATE, lambda i: i["spec"]["template"]["spec"]["containers"][0]["command"].__setitem__(-1, "1")),
+    ("gate threshold too low", lambda s, c: with_plan(s, _low_gate_floor(c)), "interconnect-gate", "mandatory"),
+    ("gate does not mount the plan ConfigMap",
+     lambda s, c: mutate(s, GATE, lambda i: i["spec"]["template"]["spec"].update(volumes=[])),
+     "interconnect-gate", "mandatory"),
+    ("gate runs on a fixed floor, not the plan",
+     lambda s, c: mutate(s, GATE, lambda i: i["spec"]["template"]["spec"]["containers"][0].update(
+         command=["python", "-m", "trainer.fabric", "--min-busbw-gbytes-s", "1"])),
      "interconnect-gate", "mandatory"),
     # 4. versions
     ("node group on another Kubernetes version", lambda s, c: mutate(s, NG, set_in(("version",), "1.32")),
@@ -116,7 +127,7 @@ CASES: list[tuple[str, Callable, str, str]] = [
      lambda s, c: mutate(s, JOB, lambda i: worker(i)["containers"][0].update(image="trainer:latest")),
      "code-config-ready", "mandatory"),
     # 6. data
-    ("no data repository association", lambda s, c: without(s, "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation"),
+    ("no data repository association", lambda s, c: without(s, T.FSX_DRA),
      "data-ready", "mandatory"),
     ("trainer role cannot read the dataset",
      lambda s, c: mutate(s, ROLE_POLICY, set_in(("policy",), doc({"Effect": "Allow", "Action": ["s3:ListBucket"],
@@ -131,15 +142,15 @@ CASES: list[tuple[str, Callable, str, str]] = [
     ("no abort-multipart rule", lambda s, c: mutate(s, LIFECYCLE, lambda i: i["rules"].pop()),
      "checkpoint-lifecycle", "mandatory"),
     # 9. monitoring
-    ("log group keeps logs forever", lambda s, c: mutate(s, "aws:cloudwatch/logGroup:LogGroup",
+    ("log group keeps logs forever", lambda s, c: mutate(s, T.LOG_GROUP,
                                                          lambda i: i.pop("retentionInDays")),
      "monitoring-log-retention", "mandatory"),
-    ("no node-health alarm", lambda s, c: without(s, "aws:cloudwatch/metricAlarm:MetricAlarm", "node-not-ready"),
+    ("no node-health alarm", lambda s, c: without(s, T.METRIC_ALARM, "node-not-ready"),
      "monitoring-alarms", "mandatory"),
-    ("alarm without SNS action", lambda s, c: mutate(s, "aws:cloudwatch/metricAlarm:MetricAlarm",
+    ("alarm without SNS action", lambda s, c: mutate(s, T.METRIC_ALARM,
                                                      set_in(("alarmActions",), []), "gpu-util-low"),
      "monitoring-alarms", "mandatory"),
-    ("no DCGM exporter", lambda s, c: without(s, "kubernetes:apps/v1:DaemonSet"), "monitoring-dcgm", "mandatory"),
+    ("no DCGM exporter", lambda s, c: without(s, T.DAEMON_SET), "monitoring-dcgm", "mandatory"),
     # 10. access control and keys
     ("wildcard IAM action", lambda s, c: mutate(s, ROLE_POLICY, lambda i: i.update(policy=doc(
         *json.loads(i["policy"])["Statement"],
@@ -149,22 +160,22 @@ CASES: list[tuple[str, Callable, str, str]] = [
         *json.loads(i["policy"])["Statement"], {"Effect": "Allow", "Action": "s3:PutObject", "Resource": "*"}))),
      "iam-no-wildcards", "mandatory"),
     ("bucket encrypted with SSE-S3",
-     lambda s, c: mutate(s, "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
+     lambda s, c: mutate(s, T.BUCKET_SSE,
                          lambda i: i["rules"][0]["applyServerSideEncryptionByDefault"].update(sseAlgorithm="AES256")),
      "s3-kms-encryption", "mandatory"),
     ("bucket without public-access block",
-     lambda s, c: without(s, "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock"),
+     lambda s, c: without(s, T.BUCKET_PAB),
      "s3-public-access-block-attached", "mandatory"),
-    ("bucket accepts plain HTTP", lambda s, c: without(s, "aws:s3/bucketPolicy:BucketPolicy"), "s3-tls-only", "mandatory"),
-    ("EKS secrets not encrypted", lambda s, c: mutate(s, "aws:eks/cluster:Cluster", lambda i: i.pop("encryptionConfig")),
+    ("bucket accepts plain HTTP", lambda s, c: without(s, T.BUCKET_POLICY), "s3-tls-only", "mandatory"),
+    ("EKS secrets not encrypted", lambda s, c: mutate(s, T.EKS_CLUSTER, lambda i: i.pop("encryptionConfig")),
      "eks-secrets-encryption", "mandatory"),
     ("EKS endpoint open to the internet",
-     lambda s, c: mutate(s, "aws:eks/cluster:Cluster", set_in(("vpcConfig", "endpointPublicAccess"), True)),
+     lambda s, c: mutate(s, T.EKS_CLUSTER, set_in(("vpcConfig", "endpointPublicAccess"), True)),
      "eks-endpoint-restricted", "mandatory"),
-    ("KMS rotation off", lambda s, c: mutate(s, "aws:kms/key:Key", set_in(("enableKeyRotation",), False)),
+    ("KMS rotation off", lambda s, c: mutate(s, T.KMS_KEY, set_in(("enableKeyRotation",), False)),
      "kms-key-rotation", "mandatory"),
     ("ingress from 0.0.0.0/0",
-     lambda s, c: mutate(s, "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule",
+     lambda s, c: mutate(s, T.SG_INGRESS,
                          lambda i: i.update(cidrIpv4="0.0.0.0/0", fromPort=22, referencedSecurityGroupId=None)),
      "no-open-ingress", "mandatory"),
 ]
@@ -192,11 +203,13 @@ def test_every_checklist_item_has_a_failing_case():
 
 
 def test_memory_fit_checks_the_deployed_gpu_not_only_the_plan(stack, dev_cfg, dev_plan):
-    # With 90% headroom the dev plan fits the 80 GB H100 it was made for, but not a 40 GB A100.
-    conf = {"memory-fit": {"headroomFraction": 0.9}}
+    # With 90% headroom (the plan's parallel.hbmHeadroom) the dev plan fits the 80 GB H100 it was made
+    # for, but not a 40 GB A100.
+    parallel = dev_cfg.parallel.model_copy(update={"hbm_headroom": 0.9})
+    stack = with_plan(stack, dev_cfg.model_copy(update={"parallel": parallel}))
     assert CATALOG["p4d.24xlarge"].hbm_gib * 0.1 < dev_plan.memory_per_rank_gib < CATALOG["p5.48xlarge"].hbm_gib * 0.1
-    assert "memory-fit" not in by_policy(stack, conf)
-    found = by_policy(mutate(stack, LT, set_in(("instanceType",), "p4d.24xlarge")), conf)
+    assert "memory-fit" not in by_policy(stack)
+    found = by_policy(mutate(stack, LT, set_in(("instanceType",), "p4d.24xlarge")))
     assert "memory-fit" in found and "p4d.24xlarge" in found["memory-fit"][0].message
 
 
@@ -229,13 +242,13 @@ def test_efa_group_must_be_on_the_interfaces(stack):
     elsewhere = mutate(stack, LT, lambda i: [ni.update(securityGroups=["sg-other"]) for ni in i["networkInterfaces"]])
     (v,) = by_policy(elsewhere)["interconnect-efa-security-group"]
     assert v.urn == find(stack, LT)["urn"]
-    one_way = [r for r in stack if "securityGroupEgressRule" not in r["type"]]
+    one_way = [r for r in stack if r["type"] != T.SG_EGRESS]
     assert "interconnect-efa-security-group" in by_policy(one_way)
     inline = [r for r in stack if "securityGroup" not in r["type"].split(":")[1] or r["type"].endswith(":SecurityGroup")]
-    inline = mutate(inline, "aws:ec2/securityGroup:SecurityGroup", lambda i: i.update(
+    inline = mutate(inline, T.SECURITY_GROUP, lambda i: i.update(
         ingress=[{"self": True, "protocol": "-1", "fromPort": 0, "toPort": 0}],
         egress=[{"self": True, "protocol": "-1", "fromPort": 0, "toPort": 0}]))
-    inline = [dict(r, dependencies=r["dependencies"] + [find(inline, "aws:ec2/securityGroup:SecurityGroup")["urn"]])
+    inline = [dict(r, dependencies=r["dependencies"] + [find(inline, T.SECURITY_GROUP)["urn"]])
               if r["type"] == LT else r for r in inline]
     assert "interconnect-efa-security-group" not in by_policy(inline)  # inline rules, linked by dependency
 

@@ -12,6 +12,7 @@ from google.protobuf import empty_pb2, struct_pb2
 from pulumi.runtime.proto import analyzer_pb2, analyzer_pb2_grpc
 
 from policies.pack import POLICIES
+from supernode.core.resource_types import LAUNCH_TEMPLATE
 
 from policy_resources import ROOT
 
@@ -27,12 +28,12 @@ def test_main_serves_the_pack_over_grpc(tmp_path):
             stub = analyzer_pb2_grpc.AnalyzerStub(channel)
             info = stub.GetAnalyzerInfo(empty_pb2.Empty(), timeout=30)
             assert [p.name for p in info.policies] == [p.name for p in POLICIES]
-            memory = next(p for p in info.policies if p.name == "memory-fit")
-            assert "headroomFraction" in memory.configSchema.properties  # schema generated from the settings model
+            gate = next(p for p in info.policies if p.name == "interconnect-gate")
+            assert "minGateFraction" in gate.configSchema.properties  # schema generated from the settings model
             props = struct_pb2.Struct()
             props.update({"metadataOptions": {"httpTokens": "optional"}})
             reply = stub.Analyze(analyzer_pb2.AnalyzeRequest(
-                type="aws:ec2/launchTemplate:LaunchTemplate", urn="urn:pulumi:s::p::aws:ec2/launchTemplate:LaunchTemplate::lt",
+                type=LAUNCH_TEMPLATE, urn=f"urn:pulumi:s::p::{LAUNCH_TEMPLATE}::lt",
                 name="lt", properties=props), timeout=30)
             assert [(d.policyName, d.enforcementLevel) for d in reply.diagnostics] == [("ec2-imdsv2", analyzer_pb2.MANDATORY)]
     finally:
@@ -51,3 +52,30 @@ def test_pack_files():
     for line in pack:  # the pack's own venv gets exactly the project's versions
         name, version = line.split("==")
         assert pins[name] == version
+
+
+def test_each_policy_carries_its_item_and_settings():
+    from policies.base import ChecklistPolicy
+    from policies.pack import BY_NAME
+    from policies.settings import Gate
+
+    assert all(isinstance(p, ChecklistPolicy) and 1 <= p.item <= 10 for p in POLICIES)
+    assert BY_NAME["interconnect-gate"].settings is Gate
+    assert BY_NAME["memory-fit"].settings is None  # its headroom is the plan's (parallel.hbmHeadroom)
+
+
+def test_one_stack_and_one_plan_per_analysis(stack, monkeypatch):
+    # pulumi-policy rebuilds the resources for every stack policy; the runner's analysis scope and the
+    # plan's text-keyed parse keep it to one Stack and one Plan per AnalyzeStack.
+    from policies import view
+    from supernode.core.plan import Plan
+    from supernode.ops.policycheck import check
+
+    built, parsed = [], []
+    from_resources, from_json = view.Stack.from_policy_resources.__func__, Plan.from_json.__func__
+    monkeypatch.setattr(view.Stack, "from_policy_resources",
+                        classmethod(lambda cls, r: built.append(1) or from_resources(cls, r)))
+    monkeypatch.setattr(Plan, "from_json", classmethod(lambda cls, t: parsed.append(1) or from_json(cls, t)))
+    view._plan_from_json.cache_clear()  # a plan text not seen before
+    assert check(stack).passed
+    assert (len(built), len(parsed)) == (1, 1)

@@ -8,10 +8,11 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from supernode.cli import main
+from supernode.core import resource_types as T
 
 from policy_resources import ROOT, mutate
 
-LT = "aws:ec2/launchTemplate:LaunchTemplate"
+LT = T.LAUNCH_TEMPLATE
 
 
 def test_check_passes_on_a_saved_preview(saved_dev_preview, capsys):
@@ -61,7 +62,7 @@ def test_advisory_only_exits_zero(stack, tmp_path, capsys):
     (None, "file not found"),
     ("{not json", "not a JSON file"),
     ('{"stack": "dev"}', "expected a list of resources"),
-    ('[{"type": "aws:s3/bucket:Bucket", "name": "b", "inputs": {}}]', "resources[0].urn: required"),
+    (json.dumps([{"type": T.BUCKET, "name": "b", "inputs": {}}]), "resources[0].urn: required"),
     ('[{"urn": "u", "type": "t", "name": "n", "inputs": []}]', "resources[0].inputs: expected an object"),
 ])
 def test_bad_resources_file_exits_2(tmp_path, capsys, content, expected):
@@ -75,7 +76,9 @@ def test_bad_resources_file_exits_2(tmp_path, capsys, content, expected):
 
 @pytest.mark.parametrize("config,expected", [
     ('{"no-such-policy": "mandatory"}', "unknown policies ['no-such-policy']"),
-    ('{"memory-fit": {"headroomFraction": 2}}', "memory-fit.headroomFraction"),
+    ('{"interconnect-gate": {"minGateFraction": 2}}', "interconnect-gate.minGateFraction"),
+    # the headroom is the plan's (supernode:parallel.hbmHeadroom), no longer a policy setting
+    ('{"memory-fit": {"headroomFraction": 0.2}}', "memory-fit: takes no settings"),
     ('{"memory-fit": "sometimes"}', "memory-fit.enforcementLevel"),
     ('{"kms-key-rotation": {"days": 3}}', "kms-key-rotation: takes no settings"),
     ("[1, 2]", "expected an object of policy name"),

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from supernode.core import resource_types as T
 from supernode.ops.policycheck import check
 
 from policy_resources import find, mutate
 
-LT = "aws:ec2/launchTemplate:LaunchTemplate"
-PAB = "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock"
+LT = T.LAUNCH_TEMPLATE
+PAB = T.BUCKET_PAB
 
 
 def test_imdsv2_is_remediated_like_the_engine_does(stack):

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from policies.view import Stack
+from supernode.core import resource_types as T
 from supernode.core.config import load_stack
 from supernode.core.plan import build_plan
 from supernode.ops.policycheck import check, config_from_stack
@@ -44,7 +45,7 @@ def test_policies_see_the_real_resources_and_the_plan(real):
     assert len(stack.gpu_launch_templates()) == len(cfg.accelerator_node_groups)
     assert stack.plan() == build_plan(name, cfg)  # the plan reaches the policies through the ConfigMap
     assert len(stack.trainer_jobs()) == 1 and len(stack.gates()) == 1
-    assert stack.of("aws:s3/bucket:Bucket") and stack.of("aws:fsx/lustreFileSystem:LustreFileSystem")
+    assert stack.of(T.BUCKET) and stack.of(T.FSX_LUSTRE)
 
 
 def _gpu_group(resources: list[dict]) -> dict:
@@ -56,8 +57,8 @@ def test_breaking_the_real_stack_fails_the_right_policies(real):
     name, cfg, resources = real
     broken = copy.deepcopy(resources)
     _gpu_group(broken)["inputs"]["scalingConfig"]["desiredSize"] += 1
-    broken = [r for r in broken if r["type"] != "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"]
-    job = next(r for r in broken if r["type"] == "kubernetes:kubeflow.org/v1:PyTorchJob")
-    job["dependencies"] = [d for d in job["dependencies"] if "batch/v1:Job" not in d]
+    broken = [r for r in broken if r["type"] != T.SG_INGRESS]
+    job = next(r for r in broken if r["type"] == T.PYTORCH_JOB)
+    job["dependencies"] = [d for d in job["dependencies"] if T.K8S_JOB not in d]
     failed = {v.policy for v in check(broken, config_from_stack(cfg)).mandatory}
     assert {"accelerators-match-world-size", "interconnect-efa-security-group", "interconnect-gate"} <= failed

@@ -10,6 +10,7 @@ import pytest
 from supernode.cli import main
 from supernode.core.config import load_stack
 from supernode.ops.preview import run_program
+from supernode.core import resource_types as T
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,6 +46,6 @@ def test_preview_json_contract(capsys):
     r = data["resources"][0]
     assert set(r) >= {"urn", "type", "name", "parent", "inputs"}
     assert isinstance(data["policy"]["violations"], list)
-    assert any(x["type"] == "aws:ec2/launchTemplate:LaunchTemplate" for x in data["resources"])
+    assert any(x["type"] == T.LAUNCH_TEMPLATE for x in data["resources"])
     assert data["outputs"]["kubeconfig"] == "[secret]"  # exported as a secret: masked like the Pulumi CLI does
     assert data["outputs"]["cluster_name"] == "supernode-dev"

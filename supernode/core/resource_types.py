@@ -1,0 +1,72 @@
+"""Pulumi type tokens (`package:module/version:Type`), as pulumi_aws 7.x / pulumi_kubernetes 4.x register them.
+
+One module for everything that names resources by type: the policy pack (which resources a check
+reads), the offline preview's mocks (what ids and outputs a resource gets) and the tests. A provider
+upgrade that renames a token then changes one line here, not a string in each of them. Plain strings,
+so the core stays free of pulumi.
+"""
+
+# -- AWS: network ---------------------------------------------------------------------------------
+VPC = "aws:ec2/vpc:Vpc"
+SUBNET = "aws:ec2/subnet:Subnet"
+ROUTE_TABLE = "aws:ec2/routeTable:RouteTable"
+ROUTE_TABLE_ASSOCIATION = "aws:ec2/routeTableAssociation:RouteTableAssociation"
+ROUTE = "aws:ec2/route:Route"
+INTERNET_GATEWAY = "aws:ec2/internetGateway:InternetGateway"
+NAT_GATEWAY = "aws:ec2/natGateway:NatGateway"
+EIP = "aws:ec2/eip:Eip"
+VPC_ENDPOINT = "aws:ec2/vpcEndpoint:VpcEndpoint"
+FLOW_LOG = "aws:ec2/flowLog:FlowLog"
+SECURITY_GROUP = "aws:ec2/securityGroup:SecurityGroup"
+SG_RULE = "aws:ec2/securityGroupRule:SecurityGroupRule"
+SG_INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
+SG_EGRESS = "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule"
+
+# -- AWS: compute and EKS -------------------------------------------------------------------------
+LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
+PLACEMENT_GROUP = "aws:ec2/placementGroup:PlacementGroup"
+EKS_CLUSTER = "aws:eks/cluster:Cluster"
+NODE_GROUP = "aws:eks/nodeGroup:NodeGroup"
+EKS_ADDON = "aws:eks/addon:Addon"
+POD_IDENTITY_ASSOCIATION = "aws:eks/podIdentityAssociation:PodIdentityAssociation"
+
+# -- AWS: storage ---------------------------------------------------------------------------------
+BUCKET = "aws:s3/bucket:Bucket"
+BUCKET_SSE = "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration"
+BUCKET_PAB = "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock"
+BUCKET_POLICY = "aws:s3/bucketPolicy:BucketPolicy"
+BUCKET_LOGGING = "aws:s3/bucketLogging:BucketLogging"
+BUCKET_LIFECYCLE = "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration"
+BUCKET_VERSIONING = "aws:s3/bucketVersioning:BucketVersioning"
+FSX_LUSTRE = "aws:fsx/lustreFileSystem:LustreFileSystem"
+FSX_DRA = "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation"
+
+# -- AWS: identity and keys -----------------------------------------------------------------------
+IAM_ROLE = "aws:iam/role:Role"
+IAM_ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
+IAM_POLICY = "aws:iam/policy:Policy"
+IAM_ATTACHMENT = "aws:iam/rolePolicyAttachment:RolePolicyAttachment"
+IAM_USER_POLICY = "aws:iam/userPolicy:UserPolicy"
+IAM_GROUP_POLICY = "aws:iam/groupPolicy:GroupPolicy"
+IAM_OIDC_PROVIDER = "aws:iam/openIdConnectProvider:OpenIdConnectProvider"
+KMS_KEY = "aws:kms/key:Key"
+KMS_KEY_POLICY = "aws:kms/keyPolicy:KeyPolicy"
+
+# -- AWS: monitoring ------------------------------------------------------------------------------
+LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"
+LOG_METRIC_FILTER = "aws:cloudwatch/logMetricFilter:LogMetricFilter"
+METRIC_ALARM = "aws:cloudwatch/metricAlarm:MetricAlarm"
+DASHBOARD = "aws:cloudwatch/dashboard:Dashboard"
+SNS_TOPIC = "aws:sns/topic:Topic"
+SNS_TOPIC_SUBSCRIPTION = "aws:sns/topicSubscription:TopicSubscription"
+SNS_TOPIC_POLICY = "aws:sns/topicPolicy:TopicPolicy"
+
+# -- Kubernetes -----------------------------------------------------------------------------------
+CONFIG_MAP = "kubernetes:core/v1:ConfigMap"
+POD = "kubernetes:core/v1:Pod"
+K8S_JOB = "kubernetes:batch/v1:Job"
+DAEMON_SET = "kubernetes:apps/v1:DaemonSet"
+DEPLOYMENT = "kubernetes:apps/v1:Deployment"
+STATEFUL_SET = "kubernetes:apps/v1:StatefulSet"
+CRD = "kubernetes:apiextensions.k8s.io/v1:CustomResourceDefinition"
+PYTORCH_JOB = "kubernetes:kubeflow.org/v1:PyTorchJob"

@@ -1,0 +1,59 @@
+"""Third-party add-ons come from pinned YAML files in components/addons/ and are patched per stack."""
+
+from __future__ import annotations
+
+import yaml
+
+from components.taints import Taint
+from components.workload_addons import regional_image
+from components.workload_common import ADDON_DIR, PART_OF, GpuNodes
+from test_workload import objects, stack_preview
+
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+
+
+def test_addon_files_pin_every_image() -> None:
+    files = sorted(ADDON_DIR.glob("*.yaml"))
+    assert {f.name for f in files} >= {"nvidia-device-plugin.yaml", "aws-efa-k8s-device-plugin.yaml",
+                                        "dcgm-exporter.yaml", "training-operator.yaml"}
+    images = [c["image"] for f in files for obj in yaml.safe_load_all(f.read_text()) if obj
+              for c in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])]
+    assert len(images) == 4
+    for image in images:
+        tag = image.rsplit("/", 1)[-1].partition(":")[2]
+        assert tag and tag != "latest", image
+
+
+def test_addons_are_patched_for_the_stack() -> None:
+    cfg, result = stack_preview("prod")
+    objs = objects(result)
+    efa = objs[("DaemonSet", "aws-efa-k8s-device-plugin")]
+    (c,) = efa["spec"]["template"]["spec"]["containers"]
+    # the file names AWS's us-west-2 registry; the stack pulls from its own region
+    assert f".dkr.ecr.{cfg.region}.amazonaws.com/" in c["image"]
+    for name in ("nvidia-device-plugin", "aws-efa-k8s-device-plugin", "dcgm-exporter"):
+        ds = objs[("DaemonSet", name)]
+        pod = ds["spec"]["template"]["spec"]
+        assert pod["tolerations"][0] == GPU_TOLERATION  # the GPU node groups' taints come first
+        (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert {"key": "supernode.io/node-group", "operator": "In", "values": ["gpu-a", "gpu-b"]} in term["matchExpressions"]
+        assert PART_OF.items() <= ds["metadata"]["labels"].items()
+    assert objs[("DaemonSet", "dcgm-exporter")]["metadata"]["namespace"] == "supernode-system"
+    webhook = objs[("ValidatingWebhookConfiguration", "validator.training-operator.kubeflow.org")]
+    assert webhook["webhooks"][0]["clientConfig"]["service"] == {
+        "name": "training-operator", "namespace": "supernode-system", "path": "/validate-kubeflow-org-v1-pytorchjob"}
+
+
+def test_regional_image_rewrites_only_the_ecr_region() -> None:
+    image = "602401143452.dkr.ecr.us-west-2.amazonaws.com/eks/aws-efa-k8s-device-plugin:v0.5.6"
+    assert regional_image(image, "eu-north-1") == image.replace("us-west-2", "eu-north-1")
+    assert regional_image("nvcr.io/nvidia/k8s-device-plugin:v0.17.0", "eu-north-1") == "nvcr.io/nvidia/k8s-device-plugin:v0.17.0"
+
+
+def test_one_taint_type_from_node_groups_to_tolerations() -> None:
+    gpu = Taint("nvidia.com/gpu", "true")
+    nodes = GpuNodes.for_groups({"a": {"k": "1"}, "b": {"k": "2"}},
+                                {"a": [gpu, Taint("z", "1", "NoExecute")], "b": [Taint("nvidia.com/gpu", "true")]})
+    assert nodes.taints == [gpu, Taint("z", "1", "NoExecute")]  # deduplicated across groups, sorted
+    assert nodes.tolerations()[0] == GPU_TOLERATION
+    assert gpu.kubelet_flag() == "nvidia.com/gpu=true:NoSchedule"
