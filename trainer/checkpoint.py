@@ -1,9 +1,14 @@
 """Checkpoints with `torch.distributed.checkpoint` (DCP): async by default, committed atomically.
 
 A checkpoint for step N is written into `ROOT/.tmp-step_0000000N/`; when every rank has written it
-(DCP's coordinator writes `.metadata` last), rank 0 renames it to `ROOT/step_0000000N/` and only
-then writes the `COMPLETE` marker inside it. `latest()` considers only directories with the marker,
-so a crash at any moment of a save leaves the previous checkpoint as the one to resume from.
+(DCP's coordinator writes `.metadata` last), rank 0 writes the `COMPLETE` marker into it (the sha256
+of every file, the step, and the run's model and training settings) and renames it to
+`ROOT/step_0000000N/`. `latest()` considers only directories with the marker, so a crash at any
+moment of a save leaves the previous checkpoint as the one to resume from. A committed checkpoint of
+the same step is moved aside (`.old-step_N`), not deleted, until the new one is in place.
+
+`restore` checks the files against the marker's sha256 (rank 0 reads every byte: a full read of the
+checkpoint per start) and falls back to the newest checkpoint that verifies, saying so.
 
 What is saved: model and optimizer through `get_state_dict` (sharded: FSDP/TP/EP DTensors, which DCP
 reshards on load, so a run may resume on another world size or layout), the LR scheduler, the data
@@ -12,15 +17,19 @@ loader position, every rank's RNG states and the step.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import json
 import os
 import pickle
 import random
 import shutil
+import socket
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -31,11 +40,117 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 COMPLETE = "COMPLETE"
-PREFIX, TMP_PREFIX = "step_", ".tmp-step_"
+PREFIX, TMP_PREFIX, OLD_PREFIX = "step_", ".tmp-step_", ".old-step_"
+LOCK = ".lock"
+# Test hook: "enospc@N" makes the save of step N fail as a full disk does (errno ENOSPC).
+INJECT_ENV = "SUPERNODE_INJECT_FAULT"
 
 
 class CheckpointMismatch(Exception):
     """The latest checkpoint was written for another model (shapes or parameter names differ)."""
+
+
+class CheckpointCorrupt(Exception):
+    """No checkpoint in the directory verifies against its recorded checksums."""
+
+
+class NoSpace(Exception):
+    """A checkpoint could not be written for lack of space: retrying onto the same disk cannot help."""
+
+
+def inject(fault: str) -> Optional[str]:
+    """The argument of `fault@ARG` in SUPERNODE_INJECT_FAULT, if the test asked for that fault."""
+    for item in os.environ.get(INJECT_ENV, "").split(","):
+        name, _, arg = item.partition("@")
+        if name == fault:
+            return arg
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict, this rank's shards only."""
+    if isinstance(obj, torch.Tensor):
+        local = getattr(obj, "_local_tensor", obj)
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _is_no_space(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(e, CheckpointException):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in e.failures.values())
+        todo.extend([e.__cause__, e.__context__])
+    return False
+
+
+class OutDirLock:
+    """One run per out directory: an exclusive flock on OUT/.lock, held for the run's life and
+    released by the kernel however the process ends (no stale locks after a SIGKILL). The file says
+    who holds it. Needs a filesystem with working flock (local disks; Lustre mounted with -o flock)."""
+
+    def __init__(self, out: str | Path):
+        self.path = Path(out) / LOCK
+        self._f = None
+
+    def acquire(self) -> Optional[str]:
+        """None when this process now holds the lock, else who holds it ("pid P on host H since T")."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = self.path.open("a+", encoding="utf-8")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            text = f.read()
+            f.close()
+            return self.describe(text)
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
+        f.flush()
+        self._f = f
+        return None
+
+    @staticmethod
+    def describe(text: str) -> str:
+        try:
+            h = json.loads(text)
+            return (f"pid {h['pid']} on host {h['host']} since "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h['since']))}")
+        except (ValueError, KeyError, TypeError):
+            return "another process (no holder recorded)"
+
+    @staticmethod
+    def holder_pid(out: str | Path) -> tuple[Optional[int], Optional[str]]:
+        try:
+            h = json.loads((Path(out) / LOCK).read_text(encoding="utf-8"))
+            return int(h["pid"]), str(h["host"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None, None
+
+    def release(self) -> None:
+        if self._f is not None:
+            self._f.close()  # closing the descriptor drops the flock
+            self._f = None
 
 
 class Stateful(Protocol):
@@ -75,8 +190,15 @@ def _set_rng_state(state: dict) -> None:
 class Checkpointer:
     """Save / restore the training state under `root`, keeping the newest `keep` checkpoints."""
 
-    def __init__(self, root: str | Path, keep: int, async_save: bool = True):
+    def __init__(self, root: str | Path, keep: int, async_save: bool = True, meta: Optional[dict] = None,
+                 say: Callable[[str], None] = print):
+        """`meta` (the model and training settings) is recorded in every checkpoint's marker;
+        `say` reports (rank 0) what restore decided, e.g. a fallback past a corrupt checkpoint.
+        The caller must own the out directory (OutDirLock): start-up removes leftovers of saves."""
         self.root, self.keep, self.async_save = Path(root), keep, async_save
+        self.meta, self.say = meta or {}, say
+        self.restored_meta: dict = {}  # the marker of the checkpoint restore() loaded
+        self._save_bytes = 0  # estimated size of the save in flight, for a "no space" message
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         # A group of its own: the background save runs collectives (plan gather, metadata) that must
@@ -95,6 +217,12 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(TMP_PREFIX + "*"):  # interrupted saves of a previous attempt
                 shutil.rmtree(stale, ignore_errors=True)
+            for old in self.root.glob(OLD_PREFIX + "*"):  # a commit that died between its two renames
+                final = self.root / (PREFIX + old.name[len(OLD_PREFIX):])
+                if final.exists():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.replace(old, final)
         dist.barrier(group=self.group)
 
     # -- saving ----------------------------------------------------------------------------
@@ -114,14 +242,33 @@ class Checkpointer:
         dist.all_gather_object(ranks, _rng_state(), group=self.group)
         rng = {"world_size": self.world, "ranks": pickle.dumps(ranks)}
         state = self._state(model, optimizer, scheduler, loader, step, rng)
+        self._save_bytes = _nbytes(state) * self.world
         tmp = _step_dir(self.root, step, tmp=True)
-        if self.async_save and not sync:
-            response = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, async_stager=self._stager)
-            self._staging, self._pending = response.staging_completion, (step, response.upload_completion)
-        else:
-            dcp.save(state, checkpoint_id=tmp, process_group=self.group)
-            self._commit(step)
+        try:
+            if inject("enospc") == str(step):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+            if self.async_save and not sync:
+                response = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, async_stager=self._stager)
+                self._staging, self._pending = response.staging_completion, (step, response.upload_completion)
+            else:
+                dcp.save(state, checkpoint_id=tmp, process_group=self.group)
+                self._commit(step)
+        except Exception as e:
+            self._failed(e, step)
+            raise
         self.last_stall_s = time.perf_counter() - t0
+
+    def _failed(self, exc: BaseException, step: int) -> None:
+        """A save failed: drop its partial files; a full disk becomes NoSpace (not retryable)."""
+        tmp = _step_dir(self.root, step, tmp=True)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(self.root).free if self.root.exists() else 0
+        # torch's zip writer reports a full disk as "unexpected pos", so also judge by the free space.
+        if _is_no_space(exc) or free < self._save_bytes:
+            raise NoSpace(f"no space left on {self.root}: the checkpoint of step {step} needs "
+                          f"~{self._save_bytes / 1e6:,.0f} MB, {free / 1e6:,.0f} MB are free; free space, "
+                          "then run again to resume from the last checkpoint") from None
 
     def wait_for_staging(self) -> None:
         """Block until the state of the save in flight is copied; call before changing the weights."""
@@ -145,7 +292,11 @@ class Checkpointer:
         if self._pending is not None:
             step, fut = self._pending
             self._pending = None
-            fut.result()  # raises if the write failed: the checkpoint then stays uncommitted
+            try:
+                fut.result()  # raises if the write failed: the checkpoint then stays uncommitted
+            except Exception as e:
+                self._failed(e, step)
+                raise
             self._commit(step)
 
     def _commit(self, step: int) -> None:
@@ -154,15 +305,17 @@ class Checkpointer:
         if self.rank != 0:
             return
         tmp, final = _step_dir(self.root, step, tmp=True), _step_dir(self.root, step)
-        if final.exists():  # an uncommitted leftover (crash between rename and marker)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        marker = final / (COMPLETE + ".tmp")
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        marker = tmp / COMPLETE
         with marker.open("w", encoding="utf-8") as f:
-            json.dump({"step": step, "world_size": self.world, "time": time.time()}, f)
+            json.dump({"step": step, "world_size": self.world, "time": time.time(), "files": files, **self.meta}, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(marker, final / COMPLETE)  # written last: the checkpoint now counts
+        aside = self.root / (OLD_PREFIX + final.name[len(PREFIX):])
+        if final.exists():  # the same step again (a resume from an earlier one, or a leftover): keep it
+            os.replace(final, aside)  # until the new one is in place; start-up puts it back after a crash
+        os.replace(tmp, final)  # the checkpoint now counts, marker and all, in one rename
+        shutil.rmtree(aside, ignore_errors=True)
         for old_step, old in complete_checkpoints(self.root)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         for d in self.root.glob(PREFIX + "*"):  # uncommitted leftovers older than this one
@@ -174,15 +327,67 @@ class Checkpointer:
         found = complete_checkpoints(self.root)
         return found[-1] if found else None
 
+    @staticmethod
+    def marker(path: Path) -> dict:
+        try:
+            m = json.loads((path / COMPLETE).read_text(encoding="utf-8"))
+            return m if isinstance(m, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    @classmethod
+    def problem(cls, path: Path) -> Optional[str]:
+        """Why the checkpoint at `path` cannot be trusted (a file missing or not matching its
+        recorded sha256), or None. Checkpoints from before checksums carry no "files": trusted."""
+        files = cls.marker(path).get("files")
+        if not isinstance(files, dict):
+            return None if (path / COMPLETE).is_file() else f"{path / COMPLETE} is unreadable"
+        for name, digest in files.items():
+            f = path / name
+            if not f.is_file():
+                return f"{f} is missing"
+            if _sha256(f) != digest:
+                return f"{f} does not match its recorded sha256"
+        return None
+
+    def _choose(self) -> tuple[Optional[tuple[int, Path]], Optional[str]]:
+        """Rank 0: the newest checkpoint that verifies, or (None, why none can be used)."""
+        found = complete_checkpoints(self.root)
+        bad = []
+        for step, path in reversed(found):
+            why = self.problem(path)
+            if why is None:
+                if bad:
+                    self.say(f"checkpoint {bad[0]}; resuming from the previous complete checkpoint, step {step}")
+                return (step, path), None
+            bad.append(f"{path} is corrupt ({why})")
+            if len(bad) > 1:
+                self.say(f"checkpoint {bad[-1]}")
+        if bad:
+            return None, (f"no usable checkpoint in {self.root}: {'; '.join(bad)}; move the corrupt ones away "
+                          "to start from step 0, or restore them from a copy")
+        return None, None
+
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful,
                 loader: Stateful) -> int:
-        """Load the latest complete checkpoint into the given objects; returns its step (0: none)."""
+        """Load the newest complete checkpoint that verifies into the given objects; returns its
+        step (0: none). Raises CheckpointCorrupt when checkpoints exist but none verifies."""
         # Every rank must pick the same checkpoint even if rank 0 commits one meanwhile.
-        choice = [self.latest() if self.rank == 0 else None]
+        choice = [self._choose() if self.rank == 0 else None]
         dist.broadcast_object_list(choice, src=0, group=self.group)
-        if choice[0] is None:
+        picked, error = choice[0]
+        if error:
+            raise CheckpointCorrupt(error)
+        if picked is None:
             return 0
-        step, path = choice[0]
+        step, path = picked
+        self.restored_meta = self.marker(path)
+        theirs, ours = self.restored_meta.get("model"), self.meta.get("model")
+        if isinstance(theirs, dict) and isinstance(ours, dict) and theirs != ours:
+            diff = ", ".join(f"{k} {theirs.get(k)!r} -> {ours.get(k)!r}" for k in sorted(set(theirs) | set(ours))
+                             if theirs.get(k) != ours.get(k))
+            raise CheckpointMismatch(f"checkpoint {path} was written for another model (model.{diff}); resume it "
+                                     "with the plan that wrote it, or train into another output directory")
         state = self._state(model, optimizer, scheduler, loader, 0, {"world_size": 0, "ranks": b""})
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.group)
@@ -200,4 +405,5 @@ class Checkpointer:
         return int(state["step"])
 
 
-__all__ = ["Checkpointer", "CheckpointMismatch", "complete_checkpoints", "COMPLETE"]
+__all__ = ["Checkpointer", "CheckpointMismatch", "CheckpointCorrupt", "NoSpace", "OutDirLock",
+           "complete_checkpoints", "COMPLETE"]

@@ -26,6 +26,7 @@ import torch
 VOCAB = 256
 MANIFEST = "manifest.json"
 DTYPE = np.uint8
+DTYPES = ("uint8", "uint16", "uint32")  # token id types a manifest may name
 DEFAULT_CORPUS = sorted((Path(__file__).parent / "corpus").glob("*.txt"))
 
 
@@ -70,6 +71,8 @@ def prepare(corpus_paths: Sequence[str | Path], out_dir: str | Path, shard_token
     if stream.size == 0:
         raise DataError(f"the corpus is empty: {[str(p) for p in corpus_paths]}")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is an existing file, not a directory; give a directory for the shards")
     out.mkdir(parents=True, exist_ok=True)
     shards = []
     for i, start in enumerate(range(0, stream.size, shard_tokens)):
@@ -94,8 +97,18 @@ def read_manifest(data_dir: str | Path) -> dict:
         shards = manifest["shards"]
         for s in shards:
             s["file"], s["tokens"], s["sha256"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # ValueError: bad JSON or not UTF-8
         raise DataError(f"{path}: not a valid manifest ({type(e).__name__}: {e})") from None
+    dtype = manifest.get("dtype", "uint8")
+    if dtype not in DTYPES:
+        raise DataError(f"{path}: dtype {dtype!r} is not a token id type; use one of {', '.join(DTYPES)}")
+    for s in shards:
+        if not isinstance(s["tokens"], int) or isinstance(s["tokens"], bool) or s["tokens"] < 0:
+            raise DataError(f"{path}: shard {s['file']!r}: tokens must be a count (got {s['tokens']!r})")
+    total = manifest.get("total_tokens")
+    if total is not None and total != sum(s["tokens"] for s in shards):
+        raise DataError(f"{path}: total_tokens {total!r} is not the sum of the shards' tokens "
+                        f"({sum(s['tokens'] for s in shards)})")
     return manifest
 
 
@@ -106,9 +119,12 @@ def verify(data_dir: str | Path) -> dict:
         path = Path(data_dir) / s["file"]
         if not path.is_file():
             raise DataError(f"shard {path} is missing (listed in {MANIFEST})")
-        size = path.stat().st_size // np.dtype(manifest.get("dtype", "uint8")).itemsize
-        if size != s["tokens"]:
-            raise DataError(f"shard {path} is corrupt: {size} tokens, manifest says {s['tokens']}")
+        itemsize = np.dtype(manifest.get("dtype", "uint8")).itemsize
+        size, rest = divmod(path.stat().st_size, itemsize)
+        if size != s["tokens"] or rest:
+            raise DataError(f"shard {path} is corrupt: {path.stat().st_size / itemsize:g} tokens of "
+                            f"{manifest.get('dtype', 'uint8')} ({path.stat().st_size} bytes), manifest says "
+                            f"{s['tokens']}: a corrupt shard or a wrong dtype")
         digest = _sha256(path)
         if digest != s["sha256"]:
             raise DataError(f"shard {path} is corrupt: sha256 {digest} does not match the manifest's {s['sha256']}")
@@ -127,10 +143,14 @@ class TokenLoader:
     """Per-step micro-batches for one data-parallel rank, deterministic for a seed and resumable."""
 
     def __init__(self, data_dir: str | Path, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_rank: int, dp_size: int, seed: int):
+                 dp_rank: int, dp_size: int, seed: int, vocab: int | None = None):
         manifest = verify(data_dir)
         self.tokens = np.concatenate([np.fromfile(Path(data_dir) / s["file"], dtype=manifest.get("dtype", "uint8"))
                                       for s in manifest["shards"]])
+        top = int(self.tokens.max()) if self.tokens.size else 0
+        if vocab is not None and top >= vocab:  # else an index error in the embedding, on every rank
+            raise DataError(f"{data_dir} holds token id {top}, outside the model's vocab of {vocab} "
+                            f"(manifest dtype {manifest.get('dtype', 'uint8')}, vocab {manifest.get('vocab')})")
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.windows = (self.tokens.size - 1) // seq_len

@@ -9,7 +9,9 @@ perfect balance; E means every token went to one expert).
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,9 +20,36 @@ from typing import Optional
 import torch
 from prometheus_client import CollectorRegistry, Gauge, start_http_server, write_to_textfile
 
+from supernode.core.errors import BadInput
 from supernode.core.plan import Plan
 
 JSONL, PROM, LOSS_PNG, LOAD_PNG = "metrics.jsonl", "metrics.prom", "loss.png", "expert_load.png"
+
+
+def _finite_or_none(value):
+    """JSON has no NaN/Infinity: a non-finite number is written as null (a diverged step stays parseable)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Every parseable record of a metrics file. A torn line (a kill or a full disk mid-append) is
+    skipped, not fatal: it must never block a resume or a summary."""
+    recs = []
+    p = Path(path)
+    if not p.exists():
+        return recs
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            recs.append(rec)
+    return recs
 
 
 def load_imbalance(expert_load: torch.Tensor) -> list[float]:
@@ -46,17 +75,20 @@ class StepRecord:
     mfu: Optional[float]
     expert_load_max_over_mean: list[float]
     time: float
+    skipped: bool = False  # non-finite loss or gradient norm: the update was not applied
 
 
 class Metrics:
     def __init__(self, out_dir: str | Path, plan: Plan, world_size: int, device_type: str, rank: int = 0,
                  prometheus_port: Optional[int] = None, progress: bool = False, total_steps: int = 0,
-                 start_step: int = 0):
+                 start_step: int = 0, prometheus_addr: str = "127.0.0.1"):
         self.out = Path(out_dir)
         self.plan, self.world, self.rank = plan, world_size, rank
         self.peak = plan.hardware.peak_flops if device_type == "cuda" else None
         self.records: list[StepRecord] = []
         self._progress = self._task = None
+        self.http = None
+        self._write_failed = False
         if rank != 0:
             return
         self.out.mkdir(parents=True, exist_ok=True)
@@ -71,7 +103,12 @@ class Metrics:
         self.load = Gauge("supernode_train_expert_load_max_over_mean", "max/mean expert token share",
                           ["layer"], registry=self.registry)
         if prometheus_port is not None:
-            start_http_server(prometheus_port, registry=self.registry)
+            try:
+                self.http, _ = start_http_server(prometheus_port, addr=prometheus_addr, registry=self.registry)
+            except OSError as e:
+                why = "is in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+                raise BadInput(f"--prometheus-port {prometheus_port} on {prometheus_addr} {why}: pick another "
+                               "port or stop what listens there") from None
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
             self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -80,15 +117,29 @@ class Metrics:
             self._progress.start()
 
     def _truncate_after(self, step: int) -> None:
-        """A resumed run repeats the steps after its checkpoint: drop their old records."""
+        """A resumed run repeats the steps after its checkpoint: drop their old records (and a torn
+        last line). Rewritten through a temporary file, so a failure here loses no record."""
         path = self.out / JSONL
-        if path.exists():
-            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line)["step"] <= step]
-            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        if not path.exists():
+            return
+        kept = [r for r in read_records(path) if r["step"] <= step]
+        tmp = path.with_name(JSONL + ".tmp")
+        try:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            tmp.replace(path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self._write_error(e)
+
+    def _write_error(self, e: OSError) -> None:
+        """Metrics are not worth a run: a failed write is reported once and training goes on."""
+        if not self._write_failed:
+            self._write_failed = True
+            self.message(f"warning: metrics not written to {self.out} ({e.strerror or e}); training continues")
 
     def log(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, step_s: float,
-            compute_s: float, comm_s: float, data_s: float, expert_load: Optional[torch.Tensor]) -> Optional[StepRecord]:
+            compute_s: float, comm_s: float, data_s: float, expert_load: Optional[torch.Tensor],
+            skipped: bool = False) -> Optional[StepRecord]:
         if self.rank != 0:
             return None
         tps = tokens / step_s
@@ -97,22 +148,29 @@ class Metrics:
                          compute_s=compute_s, comm_s=comm_s, data_s=data_s, tokens_per_s=tps,
                          flops_per_s_per_rank=flops, mfu=flops / self.peak if self.peak else None,
                          expert_load_max_over_mean=load_imbalance(expert_load) if expert_load is not None else [],
-                         time=time.time())
+                         time=time.time(), skipped=skipped)
         self.records.append(rec)
-        with (self.out / JSONL).open("a", encoding="utf-8") as f:
-            f.write(json.dumps(asdict(rec)) + "\n")
+        line = json.dumps({k: _finite_or_none(v) for k, v in asdict(rec).items()}, allow_nan=False) + "\n"
+        try:
+            with (self.out / JSONL).open("a", encoding="utf-8") as f:
+                f.write(line)
+            self._prometheus(rec)
+        except OSError as e:
+            self._write_error(e)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, status=f"loss {loss:.3f}  {tps:,.0f} tok/s")
+        return rec
+
+    def _prometheus(self, rec: StepRecord) -> None:
         for k in ("loss", "lr", "grad_norm", "tokens_per_s", "flops_per_s_per_rank", "step"):
             self.gauges[k].set(getattr(rec, k))
-        self.gauges["step_seconds"].set(step_s)
+        self.gauges["step_seconds"].set(rec.step_s)
         self.gauges["mfu"].set(rec.mfu if rec.mfu is not None else float("nan"))
         for phase in ("compute", "comm", "data"):
             self.phase.labels(phase).set(getattr(rec, phase + "_s"))
         for layer, v in enumerate(rec.expert_load_max_over_mean):
             self.load.labels(str(layer)).set(v)
         write_to_textfile(str(self.out / PROM), self.registry)
-        if self._progress is not None:
-            self._progress.update(self._task, completed=step, status=f"loss {loss:.3f}  {tps:,.0f} tok/s")
-        return rec
 
     def message(self, text: str) -> None:
         """A line above the progress bar (or plain stdout without one), rank 0 only."""
@@ -128,8 +186,14 @@ class Metrics:
             return
         if self._progress is not None:
             self._progress.stop()
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
         if plots:
-            plot(self.out / JSONL, self.out)
+            try:
+                plot(self.out / JSONL, self.out)
+            except OSError as e:
+                self._write_error(e)
 
 
 def plot(jsonl: Path, out_dir: Path) -> list[Path]:
@@ -138,7 +202,7 @@ def plot(jsonl: Path, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [json.loads(line) for line in Path(jsonl).read_text(encoding="utf-8").splitlines() if line.strip()]
+    recs = read_records(jsonl)
     if not recs:
         return []
     steps = [r["step"] for r in recs]

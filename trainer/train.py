@@ -6,20 +6,33 @@ Every start resumes from the latest complete checkpoint in OUT/checkpoints, so w
 torchrun restarts the workers (up to --max-restarts, from `training.max_restarts`), the job
 continues by itself. `--steps N` stops after step N; the LR schedule always spans the plan's
 `training.steps`, so a run stopped and resumed follows the same curve as one that never stopped.
-SIGTERM (torchrun forwards it; Kubernetes sends it before eviction) saves a checkpoint and exits.
-Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the shared rendezvous store a
-restarted attempt reads the failed attempt's addresses and cannot connect (pytorch/pytorch#135712).
+SIGTERM (torchrun forwards it; Kubernetes sends it before eviction) and SIGINT finish the step,
+save a checkpoint and exit. Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the
+shared rendezvous store a restarted attempt reads the failed attempt's addresses and cannot connect
+(pytorch/pytorch#135712).
 
-Exit codes: 0 done; 1 failure; 2 bad input (plan, data, a plan that does not fit the world size).
+Failures are classified. Bad input (plan, data, --steps, a checkpoint of another model or none that
+verifies, an out directory another run holds), a full disk and a diverged run (non-finite loss for
+`training.maxNonFiniteSteps` steps) cannot be cured by a restart: rank 0 prints one message and
+records it in OUT/.exit.json, and a worker torchrun restarts into the same run exits at once with the
+recorded code. Anything else (a lost peer, a timeout) raises, and torchrun restarts the workers.
+Under `supernode train` (SUPERNODE_LAUNCHER_PID set) workers exit 0 after recording, so torchrun
+neither restarts nor prints a traceback, and the launcher exits with the recorded code.
+
+Exit codes: 0 done (or stopped by SIGTERM with a checkpoint); 1 failure (full disk, divergence);
+2 bad input; 130 SIGINT (with a checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import json
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from collections import defaultdict
@@ -34,16 +47,24 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from supernode.core.config import Training
-from supernode.core.errors import EXIT_BAD_INPUT, BadInput, bad_input_lines
+from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput, bad_input_lines
 from supernode.core.plan import Plan
 
-from .checkpoint import CheckpointMismatch, Checkpointer
+from .checkpoint import CheckpointCorrupt, CheckpointMismatch, Checkpointer, NoSpace, OutDirLock, inject
 from .data import DataError, TokenLoader
 from .metrics import Metrics
 from .model import Transformer, loss_fn
 from .parallel import ParallelDims, parallelize
 
 BETAS = (0.9, 0.95)
+EXIT_FILE = ".exit.json"  # why the run stopped for a reason a restart cannot fix (read by restarts and the launcher)
+LAUNCHER_ENV = "SUPERNODE_LAUNCHER_PID"
+# Recorded in each checkpoint and compared on resume: these change the learning-rate curve or update.
+HYPER_PARAMETERS = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "steps", "weight_decay", "grad_clip")
+
+
+class NonFinite(Exception):
+    """Training diverged: the loss or gradient norm stayed non-finite (not retryable: it would again)."""
 
 
 def lr_factor(t: Training) -> Callable[[int], float]:
@@ -133,14 +154,83 @@ class CommClock:
 
 
 class StopRequest:
-    """SIGTERM sets a flag; the loop acts on it at a step boundary, agreed by all ranks."""
+    """SIGTERM and SIGINT set a flag; the loop acts on it at a step boundary, agreed by all ranks
+    (no KeyboardInterrupt: Ctrl-C must not tear a step or a save apart)."""
 
     def __init__(self) -> None:
-        self.requested = False
+        self.term = self.interrupt = False
         signal.signal(signal.SIGTERM, self._handler)
+        signal.signal(signal.SIGINT, self._handler)
 
     def _handler(self, signum: int, frame) -> None:
-        self.requested = True
+        if signum == signal.SIGINT:
+            self.interrupt = True
+        else:
+            self.term = True
+
+
+def _die_with_parent() -> None:
+    """torchrun starts workers in a session of their own, so a SIGKILL to the launcher's process
+    group would orphan them: ask the kernel to kill this worker when its parent (the agent) dies."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the agent died before the prctl took effect
+        os._exit(EXIT_FAILED)
+
+
+# -- outcomes that a restart cannot change ----------------------------------------------------
+
+def _classify(exc: BaseException) -> Optional[tuple[int, list[str]]]:
+    """(exit code, lines) for a failure a restart would only repeat; None for a transient one."""
+    lines = bad_input_lines(exc)
+    if lines is not None:
+        return EXIT_BAD_INPUT, lines
+    if isinstance(exc, CheckpointCorrupt):
+        return EXIT_BAD_INPUT, [f"error: {exc}"]
+    if isinstance(exc, (NoSpace, NonFinite)):
+        return EXIT_FAILED, [f"error: {exc}"]
+    return None
+
+
+def _recorded(out: Path) -> Optional[dict]:
+    """The outcome recorded by this torchrun run (same TORCHELASTIC_RUN_ID), if any."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    try:
+        rec = json.loads((out / EXIT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return rec if run_id and isinstance(rec, dict) and rec.get("run_id") == run_id else None
+
+
+_reported = False
+
+
+def _report(out: Path, code: int, lines: list[str], to_stderr: bool = True) -> None:
+    """Rank 0 prints the lines once and records the outcome for restarts and the launcher."""
+    global _reported
+    if _reported or int(os.environ.get("RANK", "0")) != 0:
+        return
+    _reported = True
+    print("\n".join(lines), file=sys.stderr if to_stderr else sys.stdout, flush=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / (EXIT_FILE + ".tmp")
+        tmp.write_text(json.dumps({"code": code, "lines": lines, "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+                                   "pid": os.getpid(), "host": socket.gethostname()}), encoding="utf-8")
+        tmp.replace(out / EXIT_FILE)
+    except OSError:
+        pass  # the message is printed; only a restart's shortcut is lost
+
+
+def _exit_code(code: int) -> int:
+    """Under the launcher every recorded outcome exits 0: torchrun then neither restarts nor
+    prints a traceback, and the launcher exits with the code from OUT/.exit.json."""
+    return EXIT_OK if os.environ.get(LAUNCHER_ENV) else code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=1, help="metrics every N steps (those steps are profiled)")
     p.add_argument("--sync-checkpoint", action="store_true", help="blocking saves instead of async")
     p.add_argument("--prometheus-port", type=int, default=None, help="serve /metrics on this port (rank 0)")
+    p.add_argument("--prometheus-addr", default="127.0.0.1",
+                   help="address /metrics listens on (default loopback; in a pod, its IP)")
     p.add_argument("--progress", action="store_true", help="rich progress bar (rank 0)")
     p.add_argument("--plots", action="store_true", help="PNG plots of loss and expert load at the end")
     return p
@@ -162,12 +254,18 @@ def _load_plan(path: Path) -> Plan:
         return Plan.read(path)
     except FileNotFoundError:
         raise BadInput(f"--plan {path}: file not found") from None
+    except IsADirectoryError:
+        raise BadInput(f"--plan {path}: is a directory, not a plan file") from None
+    except UnicodeDecodeError as e:
+        raise BadInput(f"--plan {path}: not UTF-8 text (byte {e.start}); give the JSON of `supernode plan --json --full`") from None
+    except OSError as e:
+        raise BadInput(f"--plan {path}: cannot be read ({e.strerror})") from None
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
         raise BadInput(f"--plan {path}: not a valid plan: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
 
 
-def train(args: argparse.Namespace) -> int:
+def train(args: argparse.Namespace, stop: StopRequest) -> int:
     plan = _load_plan(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     gpu = torch.cuda.is_available()
@@ -180,16 +278,70 @@ def train(args: argparse.Namespace) -> int:
     if gpu:
         torch.cuda.set_device(device)
     dist.init_process_group("cuda:nccl,cpu:gloo" if gpu else "gloo", timeout=timedelta(seconds=t.collective_timeout_s))
+    lock = OutDirLock(args.out)
     try:
-        return _run(args, plan, dims, steps, device)
+        _own_out_dir(args.out, lock)
+        return _run(args, plan, dims, steps, device, stop)
+    except Exception as e:
+        outcome = _classify(e)
+        if outcome is not None:  # recorded before the process group goes, so peers that fail on
+            _report(args.out, *outcome)  # the broken connection find it and stay quiet
+        raise
     finally:
         dist.destroy_process_group()
+        lock.release()
 
 
-def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, device: torch.device) -> int:
+def _own_out_dir(out: Path, lock: OutDirLock) -> None:
+    """One run per out directory (else two runs interleave checkpoints and metrics). Rank 0 takes
+    the lock; the launcher (`supernode train`) may hold it on this run's behalf."""
+    holder = None
+    if dist.get_rank() == 0:
+        holder = lock.acquire()
+        if holder is not None:
+            pid, host = OutDirLock.holder_pid(out)
+            if pid is not None and str(pid) == os.environ.get(LAUNCHER_ENV) and host == socket.gethostname():
+                holder = None
+        if holder is None:  # an earlier run's outcome is stale now (this run's restarts stopped in main)
+            (out / EXIT_FILE).unlink(missing_ok=True)
+    found = [holder]
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        raise BadInput(f"--out {out} is in use by another run ({found[0]}); wait for it to end, or train "
+                       "into another --out")
+
+
+def _finite_params(model: torch.nn.Module) -> bool:
+    """All ranks agree whether every weight is finite (checked before a checkpoint is written)."""
+    ok = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in model.parameters())
+    flag = torch.tensor(0.0 if ok else 1.0)
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+def _apply_hyper_parameters(t: Training, saved: dict, step: int, optimizer: torch.optim.Optimizer,
+                            scheduler: torch.optim.lr_scheduler.LambdaLR) -> Optional[str]:
+    """A resume with changed hyper-parameters applies the plan's values (the checkpoint's optimizer
+    and scheduler state would silently keep the old lr); returns the line that says so."""
+    ours = {k: getattr(t, k) for k in HYPER_PARAMETERS}
+    if not isinstance(saved, dict):
+        return None
+    changed = {k: (saved[k], v) for k, v in ours.items() if k in saved and saved[k] != v}
+    if not changed:
+        return None
+    factor = lr_factor(t)(scheduler.last_epoch)
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["lr"], group["weight_decay"] = t.lr, t.lr * factor, t.weight_decay
+    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    diff = ", ".join(f"training.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+    return f"checkpoint of step {step} was trained with other settings: {diff}; the plan's values apply from step {step + 1}"
+
+
+def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, device: torch.device,
+         stop: StopRequest) -> int:
     t = plan.training
     rank, world = dist.get_rank(), dist.get_world_size()
-    stop = StopRequest()
     torch.manual_seed(t.seed + rank)
     model = Transformer(plan.model)
     model.init_weights(t.seed)
@@ -199,17 +351,29 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t))
     try:
         loader = TokenLoader(args.data, plan.model.seq_len, t.global_batch, t.micro_batch,
-                             dims.dp_rank(rank), dims.dp_size, t.seed)
+                             dims.dp_rank(rank), dims.dp_size, t.seed, vocab=plan.model.vocab)
     except DataError as e:
         raise BadInput(str(e)) from None
+    say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+    meta = {"model": plan.model.model_dump(mode="json"), "training": {k: getattr(t, k) for k in HYPER_PARAMETERS}}
     ckpt = Checkpointer(args.out / "checkpoints", keep=t.keep_checkpoints,
-                        async_save=t.async_checkpoint and not args.sync_checkpoint)
+                        async_save=t.async_checkpoint and not args.sync_checkpoint, meta=meta, say=say)
     try:
         start = ckpt.restore(model, optimizer, scheduler, loader)
     except CheckpointMismatch as e:
         raise BadInput(str(e)) from None
+    if start > steps:
+        raise BadInput(f"--steps {steps}: the run in {args.out} is already at step {start}; give --steps above "
+                       f"{start} to train on, or another --out to start over")
+    changed = _apply_hyper_parameters(t, ckpt.restored_meta.get("training"), start, optimizer, scheduler) if start else None
+    if changed:
+        say(changed)
+    if start == steps:
+        say(f"the run in {args.out} is already at step {start}: nothing to train (give a larger --steps)")
+        ckpt.close()
+        return EXIT_OK
     metrics = Metrics(args.out, plan, world, device.type, rank, args.prometheus_port,
-                      progress=args.progress, total_steps=steps, start_step=start)
+                      progress=args.progress, total_steps=steps, start_step=start, prometheus_addr=args.prometheus_addr)
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
         metrics.message("warning: torchrun restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, "
                         "else a restarted attempt reads stale addresses (pytorch/pytorch#135712) and cannot connect")
@@ -218,7 +382,9 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
     accum = plan.micro_batches_per_step
     gpu = device.type == "cuda"
     tokens_per_step = t.global_batch * plan.model.seq_len
-    step = start
+    nan_from = int(inject("nan") or 0)  # test hook: the loss (and so every gradient) is NaN from this step on
+    bad_streak, last_saved = 0, start
+    step, code = start, EXIT_OK
     try:
         for step in range(start + 1, steps + 1):
             # Also the first and last steps, so a run always shows where its loss started and ended.
@@ -234,53 +400,99 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
                         model.set_requires_gradient_sync(i == len(micro) - 1)
                     mb = mb.to(device, non_blocking=True)
                     loss = loss_fn(model(mb[:, :-1]), mb[:, 1:])
+                    if nan_from and step >= nan_from:
+                        loss = loss * float("nan")
                     ((loss + model.aux_loss()) / accum).backward()
                     loss_sum += loss.detach()
                     counts = model.expert_load()
                     load = counts if load is None else load + counts
                 grad_norm = clip_grad_norm(model.parameters(), t.grad_clip)
-                ckpt.wait_for_staging()  # an async save copies the weights while this step computed
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                model.update_router_bias(load)  # the whole step's tokens, however they were split
-                # One collective for the global loss and the stop vote, so ranks stop at the same step.
-                sync = torch.stack([loss_sum / accum, torch.tensor(float(stop.requested), device=device)])
+                # One collective for the global loss, the stop votes and the non-finite vote, before
+                # the update: every rank skips or applies it, and stops at the same step.
+                bad_local = not (math.isfinite(grad_norm) and bool(torch.isfinite(loss_sum)))
+                sync = torch.stack([loss_sum / accum, torch.tensor(float(stop.term), device=device),
+                                    torch.tensor(float(stop.interrupt), device=device),
+                                    torch.tensor(float(bad_local), device=device)])
                 dist.all_reduce(sync)
+                skipped = sync[3].item() > 0
+                ckpt.wait_for_staging()  # an async save copies the weights while this step computed
+                if skipped:  # a non-finite update would poison the weights and every later checkpoint
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()  # the schedule follows the step count either way
+                else:
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    model.update_router_bias(load)  # the whole step's tokens, however they were split
                 if gpu:
                     torch.cuda.synchronize(device)
             step_s = time.perf_counter() - t0
             ckpt.poll()
-            if profiled:
+            loss_now = sync[0].item() / world
+            if profiled or skipped:
                 comm_s = clock.seconds()
-                metrics.log(step, loss=sync[0].item() / world, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                metrics.log(step, loss=loss_now, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
                             tokens=tokens_per_step, step_s=step_s, compute_s=max(0.0, step_s - data_s - comm_s),
-                            comm_s=comm_s, data_s=data_s, expert_load=load)
-            stopping = sync[1].item() > 0
-            if step % t.checkpoint_interval == 0 or step == steps or stopping:
+                            comm_s=comm_s, data_s=data_s, expert_load=load, skipped=skipped)
+            if skipped:
+                bad_streak += 1
+                metrics.message(f"step {step}: loss {loss_now}, grad norm {grad_norm}: not finite, update skipped "
+                                f"({bad_streak} in a row of at most {t.max_non_finite_steps})")
+                if bad_streak >= t.max_non_finite_steps:
+                    ckpt.close()  # a save in flight is of an earlier, finite step: keep it
+                    raise NonFinite(
+                        f"training diverged: loss or gradient norm not finite for {bad_streak} consecutive steps "
+                        f"(steps {step - bad_streak + 1}-{step}, updates skipped); stopped without a checkpoint. "
+                        f"{'The checkpoint of step ' + str(last_saved) + ' holds the last finite state' if last_saved else 'No checkpoint was written'}; "
+                        "lower training.lr or raise training.warmupSteps, then run again")
+            else:
+                bad_streak = 0
+            stopping = sync[1].item() > 0 or sync[2].item() > 0
+            # While updates are skipped the weights are those of the last good step: a periodic save
+            # would only rotate good checkpoints out, so it waits.
+            if (step % t.checkpoint_interval == 0 and not bad_streak) or step == steps or stopping:
+                if not _finite_params(model):  # never checkpoint a non-finite state
+                    ckpt.close()
+                    raise NonFinite(f"step {step}: the weights are not finite; no checkpoint written (the last is "
+                                    f"step {last_saved}); lower training.lr, then run again")
                 ckpt.save(step, model, optimizer, scheduler, loader, sync=stopping or step == steps)
-                metrics.message(f"step {step}: loss {sync[0].item() / world:.4f}; checkpoint "
+                last_saved = step
+                metrics.message(f"step {step}: loss {loss_now:.4f}; checkpoint "
                                 f"{'written' if stopping or step == steps else 'started (async)'}, "
                                 f"training blocked {ckpt.last_stall_s * 1e3:.0f} ms")
             if stopping:
-                metrics.message(f"SIGTERM: stopped after step {step} with a checkpoint")
+                if sync[2].item() > 0:
+                    code = EXIT_INTERRUPTED
+                    _report(args.out, code, [f"interrupted at step {step}; checkpoint written; run again to resume"],
+                            to_stderr=False)
+                else:
+                    metrics.message(f"SIGTERM: stopped after step {step} with a checkpoint; run again to resume")
                 break
         ckpt.close()
     finally:
         metrics.close(plots=args.plots and step == steps)
-    return 0
+    return code
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    _die_with_parent()
+    stop = StopRequest()  # first: a Ctrl-C during start-up must not become a KeyboardInterrupt traceback
     args = build_parser().parse_args(argv)
+    earlier = _recorded(args.out)
+    if earlier is not None and earlier.get("code"):  # torchrun restarted us into a run that already ended
+        return _exit_code(int(earlier["code"]))
     try:
-        return train(args)
+        code = train(args, stop)
     except Exception as e:
-        lines = bad_input_lines(e)
-        if lines is None:
-            raise
-        print("\n".join(lines), file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+        outcome = _classify(e)
+        if outcome is None:
+            earlier = _recorded(args.out)
+            if earlier is not None and earlier.get("code"):  # a peer stopped the run; this rank saw only
+                return _exit_code(int(earlier["code"]))  # the broken connection
+            raise  # transient (a lost peer, a timeout): torchrun restarts the workers
+        _report(args.out, *outcome)
+        return _exit_code(outcome[0])
+    return _exit_code(code)
 
 
 if __name__ == "__main__":

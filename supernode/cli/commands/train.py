@@ -4,18 +4,26 @@ for real on CPU with gloo under torchrun (the same trainer the cluster's PyTorch
 Writes OUT/plan.json, prepares OUT/data from the shipped corpus when it holds no manifest, and
 runs `torchrun --standalone --nproc-per-node N --max-restarts R -m trainer.train`. Running it again
 with a larger --steps resumes from the checkpoint in OUT/checkpoints.
+
+It holds OUT/.lock for the run (a second run on OUT: exit 2 naming the holder), runs torchrun in a
+session of its own that dies with this process (PR_SET_PDEATHSIG; the workers die with torchrun),
+and forwards SIGINT/SIGTERM to the workers, which finish the step, checkpoint and stop (exit 130).
+Workers record a failure a restart cannot fix in OUT/.exit.json and exit 0, so torchrun neither
+restarts nor prints a traceback; the exit code is the recorded one.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from ..args import add_stack_args, err, stack_from_args
-from ...core.errors import BadInput, EXIT_FAILED
+from ...core.errors import BadInput, EXIT_FAILED, EXIT_INTERRUPTED
 from ...core.plan import Plan, build_local_plan
 
 
@@ -38,6 +46,24 @@ def torchrun_command(plan: Plan, plan_path: Path, data: Path, out: Path, steps: 
             "--steps", str(steps), "--log-every", str(log_every), "--progress", "--plots"]
 
 
+def _die_with_parent() -> None:
+    """In torchrun, before exec: SIGKILL it when this launcher dies (it runs in its own session, so
+    a kill of the launcher's process group would not reach it)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _workers(agent: int) -> list[int]:
+    """torchrun's worker processes (its children), or [] before it started them."""
+    pids: list[int] = []
+    try:
+        for task in Path(f"/proc/{agent}/task").iterdir():
+            pids += map(int, (task / "children").read_text().split())
+    except OSError:
+        pass
+    return pids
+
+
 def run(args) -> int:
     if not args.local:
         raise BadInput("cluster training runs through the PyTorchJob the stack deploys (it reads the plan from "
@@ -50,21 +76,40 @@ def run(args) -> int:
     plan = build_local_plan(stack, cfg, args.nproc)
     steps = args.steps or plan.training.steps
     out = args.out or Path("out") / f"train-{stack}"
-    out.mkdir(parents=True, exist_ok=True)
-    plan_path = out / "plan.json"
-    plan_path.write_text(plan.to_json(), encoding="utf-8")
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out {out} is an existing file, not a directory")
 
-    from trainer.data import DEFAULT_CORPUS, DataError, prepare, verify  # torch only for this command
-    data = args.data or out / "data"
+    from trainer.checkpoint import OutDirLock, complete_checkpoints  # torch only for this command
+    from trainer.data import DEFAULT_CORPUS, DataError, prepare, verify
+    from trainer.train import EXIT_FILE, LAUNCHER_ENV
+    lock = OutDirLock(out)  # before anything in OUT is written: plan.json belongs to the holder
+    holder = lock.acquire()
+    if holder is not None:
+        raise BadInput(f"--out {out} is in use by another run ({holder}); wait for it to end, or use another --out")
     try:
-        if args.data is None and not (data / "manifest.json").exists():
-            manifest = prepare(DEFAULT_CORPUS, data, shard_tokens=1 << 16)
-            print(f"prepared {manifest['total_tokens']:,} tokens of {', '.join(p.name for p in DEFAULT_CORPUS)} "
-                  f"into {len(manifest['shards'])} shards in {data}")
-        verify(data)
-    except DataError as e:
-        raise BadInput(str(e)) from None
+        done = complete_checkpoints(out / "checkpoints")
+        if done and done[-1][0] > steps:
+            raise BadInput(f"--steps {steps}: the run in {out} is already at step {done[-1][0]}; give --steps above "
+                           f"{done[-1][0]} to train on, or another --out to start over")
+        plan_path = out / "plan.json"
+        plan_path.write_text(plan.to_json(), encoding="utf-8")
+        data = args.data or out / "data"
+        try:
+            if args.data is None and not (data / "manifest.json").exists():
+                manifest = prepare(DEFAULT_CORPUS, data, shard_tokens=1 << 16)
+                print(f"prepared {manifest['total_tokens']:,} tokens of {', '.join(p.name for p in DEFAULT_CORPUS)} "
+                      f"into {len(manifest['shards'])} shards in {data}")
+            verify(data)
+        except DataError as e:
+            raise BadInput(str(e)) from None
+        (out / EXIT_FILE).unlink(missing_ok=True)
+        return _launch(args, stack, plan, plan_path, data, out, steps, LAUNCHER_ENV, EXIT_FILE)
+    finally:
+        lock.release()
 
+
+def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path, steps: int,
+            launcher_env: str, exit_file: str) -> int:
     m, d = plan.model, plan.degrees
     print(f"training {stack} (local): {plan.params.total / 1e6:.2f} M parameters ({m.layers} layers, dim {m.dim}, "
           f"{m.experts} experts top-{m.top_k}) on {plan.world_size} CPU processes, dp_shard {d.dp_shard} x tp {d.tp}, "
@@ -72,8 +117,38 @@ def run(args) -> int:
           flush=True)
     # A restarted attempt must not read the dead attempt's addresses from a shared rendezvous store
     # (pytorch/pytorch#135712): without this, torchrun's restarts fail to connect.
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    rc = subprocess.call(torchrun_command(plan, plan_path, data, out, steps, args.log_every), env=env)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               **{launcher_env: str(os.getpid())})
+    # Its own session: a Ctrl-C reaches only this process, which hands it to the workers. Sent to
+    # torchrun, it would kill them after a grace period and end in a SignalException traceback.
+    proc = subprocess.Popen(torchrun_command(plan, plan_path, data, out, steps, args.log_every), env=env,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    forwarded: list[int] = []
+
+    def forward(signum, frame) -> None:
+        if not forwarded:
+            print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True)
+        forwarded.append(signum)
+        for pid in _workers(proc.pid) or [proc.pid]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    try:
+        outcome = json.loads((out / exit_file).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        outcome = {}
+    if outcome.get("code"):  # a worker printed why (bad input, full disk, divergence, interrupted)
+        return int(outcome["code"])
+    if forwarded and rc == 0:  # stopped by SIGTERM; the worker said at which step
+        return EXIT_INTERRUPTED
     if rc != 0:
         err.print(f"training failed (torchrun exit {rc}); see the output above", markup=False)
         return EXIT_FAILED
@@ -82,8 +157,9 @@ def run(args) -> int:
 
 
 def _summary(out: Path) -> None:
-    lines = (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if (out / "metrics.jsonl").exists() else []
-    recs = [json.loads(line) for line in lines if line.strip()]
+    from trainer.metrics import read_records  # a torn last line must not break the summary
+
+    recs = [r for r in read_records(out / "metrics.jsonl") if isinstance(r.get("loss"), (int, float))]
     if recs:
         first, last = recs[0], recs[-1]
         print(f"loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}); "

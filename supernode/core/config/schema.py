@@ -244,6 +244,8 @@ class Training(_Base):
     async_checkpoint: bool = True
     collective_timeout_s: int = Field(default=600, ge=10)
     max_restarts: int = Field(default=3, ge=0)
+    max_non_finite_steps: int = Field(default=5, ge=1, description="consecutive steps with a non-finite loss or "
+                                      "gradient norm (their updates skipped) before the run stops, exit 1")
     seed: int = 0
     weights_uri: Optional[str] = None
     weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")

@@ -1,0 +1,390 @@
+"""Failure handling (issue 13), each failure injected: a torn metrics line, divergence (NaN), a
+corrupt checkpoint, two runs on one out directory, a killed launcher, Ctrl-C, a full disk, a
+checkpoint of another model, unusable CLI inputs and a busy Prometheus port."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from supernode.cli import main as cli
+from supernode.core.config import from_mapping, load_stack
+from supernode.core.errors import BadInput
+from supernode.core.plan import build_local_plan
+from trainer.checkpoint import (COMPLETE, CheckpointCorrupt, CheckpointMismatch, Checkpointer, OutDirLock,
+                                complete_checkpoints)
+from trainer.data import DEFAULT_CORPUS, DataError, prepare, verify
+from trainer.metrics import JSONL, Metrics
+from trainer.train import _apply_hyper_parameters, lr_factor
+
+from test_checkpoint import Position, make
+from test_train import ROOT, local_plan, losses, write_plan
+
+
+def one_rank_plan(model: dict | None = None, **training):
+    """The dev stack's local plan on a single rank (ep 1), training overrides in camelCase."""
+    data = load_stack("dev", ROOT).to_mapping()
+    data["local"]["training"].update({"warmupSteps": 1, **training})
+    data["local"]["parallel"].update({"dpShard": 1, "ep": 1})
+    data["local"]["nproc"] = 1
+    data["local"]["model"].update(model or {})
+    return build_local_plan("dev", from_mapping(data), 1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def strict_records(path: Path) -> list[dict]:
+    """Every line parsed as strict JSON: a bare NaN/Infinity or a torn line fails the test."""
+    def no_constants(name):
+        raise AssertionError(f"{name} in {path}: not JSON")
+    return [json.loads(line, parse_constant=no_constants) for line in path.read_text().splitlines()]
+
+
+def trainer_alone(plan: Path, data: Path, out: Path, *flags: str, env: dict | None = None,
+                  timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m trainer.train` as a single rank, without torchrun."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "trainer.train", "--plan", str(plan), "--data", str(data),
+                           "--out", str(out), *flags], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def launcher(out: Path, *flags: str, env: dict | None = None) -> subprocess.Popen:
+    """`supernode train --local` in a process group of its own, as a shell runs it."""
+    cmd = [sys.executable, "-m", "supernode", "train", "--stack", "dev", "--root", str(ROOT), "--local",
+           "--out", str(out), *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+
+
+def wait_for_metrics_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        try:
+            if max(losses(out), default=0) >= step:
+                return
+        except (OSError, ValueError):  # not there yet, or a line half written
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += map(int, (task / "children").read_text().split())
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has stopped running
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tokens")
+    prepare(DEFAULT_CORPUS, out, shard_tokens=1 << 16)
+    return out
+
+
+@pytest.fixture
+def group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return one_rank_plan()
+
+
+# 1 -----------------------------------------------------------------------------------------------
+
+def _log(m: Metrics, step: int, loss: float, grad_norm: float = 0.5):
+    return m.log(step, loss=loss, lr=1e-3, grad_norm=grad_norm, tokens=1024, step_s=0.5, compute_s=0.3,
+                 comm_s=0.1, data_s=0.1, expert_load=None)
+
+
+def test_torn_metrics_line_is_dropped_on_resume_and_writes_cannot_stop_training(tmp_path, plan):
+    m = Metrics(tmp_path, plan, world_size=1, device_type="cpu")
+    for step in (1, 2, 3):
+        _log(m, step, 5.0 - step)
+    with (tmp_path / JSONL).open("a") as f:  # the disk filled up (or a kill came) mid-append
+        f.write('{"step": 4, "loss": 1.5, "mfu": ')
+    m = Metrics(tmp_path, plan, world_size=1, device_type="cpu", start_step=3)  # the resume
+    _log(m, 4, 1.25)
+    assert [(r["step"], r["loss"]) for r in strict_records(tmp_path / JSONL)] == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.25)]
+    # A diverged step is still JSON (null), and a write that fails does not raise.
+    _log(m, 5, float("nan"), grad_norm=float("inf"))
+    assert strict_records(tmp_path / JSONL)[-1]["loss"] is None and strict_records(tmp_path / JSONL)[-1]["grad_norm"] is None
+    (tmp_path / JSONL).unlink()
+    (tmp_path / JSONL).mkdir()  # every later append fails with an OSError, as on a full disk
+    assert _log(m, 6, 1.0).step == 6
+
+
+# 2 -----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_nan_loss_skips_updates_then_stops_nonzero_without_a_nan_checkpoint(tmp_path, data_dir):
+    plan = write_plan(one_rank_plan(steps=30, checkpointInterval=2, maxNonFiniteSteps=3), tmp_path / "plan.json")
+    out = tmp_path / "out"
+    r = trainer_alone(plan, data_dir, out, "--sync-checkpoint", env={"SUPERNODE_INJECT_FAULT": "nan@5"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "training diverged: loss or gradient norm not finite for 3 consecutive steps (steps 5-7" in r.stderr
+    assert "The checkpoint of step 4 holds the last finite state" in r.stderr and "Traceback" not in r.stderr
+    assert "step 5: loss nan, grad norm nan: not finite, update skipped (1 in a row of at most 3)" in r.stdout
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2, 4]  # 6 would be a skipped step's
+    recs = strict_records(out / JSONL)  # valid JSON throughout
+    assert [(r["step"], r["loss"], r["skipped"]) for r in recs if r["step"] >= 5] == [(5, None, True), (6, None, True),
+                                                                                       (7, None, True)]
+    assert all(isinstance(r["loss"], float) for r in recs if r["step"] < 5)
+
+
+# 3 -----------------------------------------------------------------------------------------------
+
+def flip(path: Path, offset: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(group, tmp_path):
+    model, opt, sched = make(0)
+    said: list[str] = []
+    ck = Checkpointer(tmp_path, keep=3, async_save=False, say=said.append)
+    ck.save(2, model, opt, sched, Position(0, 2))
+    good = model[0].weight.detach().clone()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ck.save(4, model, opt, sched, Position(0, 4))
+    flip(tmp_path / "step_00000004" / "__0_0.distcp")
+
+    model2, opt2, sched2 = make(1)
+    assert ck.restore(model2, opt2, sched2, Position()) == 2
+    assert torch.equal(model2[0].weight, good)
+    assert said == [f"checkpoint {tmp_path / 'step_00000004'} is corrupt ({tmp_path / 'step_00000004' / '__0_0.distcp'} "
+                    "does not match its recorded sha256); resuming from the previous complete checkpoint, step 2"]
+    # Nothing usable at all: a clear error (exit 2 in the trainer), never a silent start from step 0.
+    (tmp_path / "step_00000002" / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(CheckpointCorrupt, match=r"no usable checkpoint in .*step_00000004 is corrupt.*"
+                                                r"step_00000002 is corrupt \(.*\.metadata does not match"):
+        ck.restore(model2, opt2, sched2, Position())
+
+
+# 4 -----------------------------------------------------------------------------------------------
+
+def test_a_second_run_on_the_same_out_directory_exits_2(tmp_path, data_dir, capsys):
+    out = tmp_path / "out"
+    first = OutDirLock(out)  # the first run, alive, holds the directory
+    assert first.acquire() is None
+    try:
+        r = trainer_alone(write_plan(one_rank_plan(steps=2), tmp_path / "plan.json"), data_dir, out)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert f"--out {out} is in use by another run (pid {os.getpid()} on host {socket.gethostname()} since" in r.stderr
+        assert cli(["train", "--stack", "dev", "--root", str(ROOT), "--local", "--out", str(out), "--steps", "2"]) == 2
+        assert f"is in use by another run (pid {os.getpid()} on host" in capsys.readouterr().err
+        assert not (out / "plan.json").exists()  # the holder's plan is not overwritten
+        assert not (out / "checkpoints").exists()
+    finally:
+        first.release()
+    assert OutDirLock(out).acquire() is None  # released with its holder
+
+
+def test_a_commit_keeps_the_committed_checkpoint_until_the_new_one_is_in_place(group, tmp_path, monkeypatch):
+    model, opt, sched = make(0)
+    ck = Checkpointer(tmp_path, keep=3, async_save=False)
+    ck.save(8, model, opt, sched, Position(0, 8))
+    before = (tmp_path / "step_00000008" / "__0_0.distcp").read_bytes()
+    real = os.replace
+
+    def crash_on_publish(src, dst):  # the process dies between moving the old one aside and publishing
+        if Path(src).name.startswith(".tmp-step_"):
+            raise OSError("killed")
+        return real(src, dst)
+    monkeypatch.setattr("trainer.checkpoint.os.replace", crash_on_publish)
+    with pytest.raises(OSError, match="killed"):
+        ck.save(8, model, opt, sched, Position(0, 99))  # the same step again (a resume from an earlier one)
+    monkeypatch.undo()
+    restarted = Checkpointer(tmp_path, keep=3)  # start-up puts the committed one back
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [8]
+    assert (tmp_path / "step_00000008" / "__0_0.distcp").read_bytes() == before
+    data = Position()
+    assert restarted.restore(*make(1), data) == 8 and data.sd == {"epoch": 0, "position": 8}
+
+
+# 5, 6 --------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sigkill_of_the_launchers_process_group_leaves_no_worker_alive(tmp_path):
+    out = tmp_path / "out"
+    proc = launcher(out, "--steps", "500", "--log-every", "1")
+    try:
+        wait_for_metrics_step(out, 2, proc)
+        (agent,) = children(proc.pid)
+        workers = children(agent)
+        assert len(workers) == 2
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(alive(p) for p in [agent, *workers]):
+            time.sleep(0.1)
+        assert not [p for p in [agent, *workers] if alive(p)], "processes outlived the launcher"
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits_130(tmp_path):
+    out = tmp_path / "out"
+    proc = launcher(out, "--steps", "500", "--log-every", "1")
+    wait_for_metrics_step(out, 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, log[-3000:]
+    (stopped, _), = complete_checkpoints(out / "checkpoints")
+    assert stopped >= 3 and f"interrupted at step {stopped}; checkpoint written; run again to resume" in log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log and "SignalException" not in log
+    assert max(losses(out)) == stopped
+
+
+# 7 -----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_full_disk_is_reported_once_without_restarts(tmp_path):
+    out = tmp_path / "out"
+    proc = launcher(out, "--steps", "3", env={"SUPERNODE_INJECT_FAULT": "enospc@3"})
+    log, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, log[-3000:]
+    assert log.count("no space left on") == 1 and log.count("starting at step 0") == 1  # no restart ran
+    assert f"error: no space left on {out / 'checkpoints'}: the checkpoint of step 3 needs ~" in log
+    assert "Traceback" not in log and "ChildFailedError" not in log
+    assert complete_checkpoints(out / "checkpoints") == [] and not list((out / "checkpoints").glob(".tmp-*"))
+
+
+# 8 -----------------------------------------------------------------------------------------------
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(group, tmp_path):
+    model, opt, sched = make(0)
+    meta = {"model": {"heads": 4, "kv_heads": 2, "top_k": 2, "router": "softmax"}}
+    Checkpointer(tmp_path, keep=1, async_save=False, meta=meta).save(1, model, opt, sched, Position())
+    other = {"model": {"heads": 8, "kv_heads": 2, "top_k": 1, "router": "sigmoid"}}  # same tensor shapes
+    with pytest.raises(CheckpointMismatch, match=r"step_00000001 was written for another model \(model\.heads 4 -> 8, "
+                                                 r"router 'softmax' -> 'sigmoid', top_k 2 -> 1\)"):
+        Checkpointer(tmp_path, keep=1, meta=other).restore(*make(1), Position())
+
+
+def test_a_changed_schedule_is_applied_and_said(tmp_path):
+    old, new = one_rank_plan(lr=0.003, schedule="cosine").training, one_rank_plan(lr=0.001, schedule="constant").training
+    model, opt, _ = make(0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(new))
+    for g in opt.param_groups:  # as the checkpoint left them
+        g["lr"] = g["initial_lr"] = 0.003
+    sched.base_lrs, sched.last_epoch = [0.003], 30
+    saved = {k: getattr(old, k) for k in ("lr", "schedule", "steps", "warmup_steps")}
+    line = _apply_hyper_parameters(new, saved, 30, opt, sched)
+    assert line == ("checkpoint of step 30 was trained with other settings: training.lr 0.003 -> 0.001, "
+                    "training.schedule 'cosine' -> 'constant'; the plan's values apply from step 31")
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.001) and sched.get_last_lr() == [pytest.approx(0.001)]
+    opt.step()  # no gradients: only the order torch expects
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.001)
+    assert _apply_hyper_parameters(new, {k: getattr(new, k) for k in saved}, 30, opt, sched) is None
+
+
+@pytest.mark.slow
+def test_resuming_with_a_changed_model_exits_2(tmp_path, data_dir):
+    out = tmp_path / "out"
+    first = trainer_alone(write_plan(one_rank_plan(steps=2), tmp_path / "a.json"), data_dir, out, "--sync-checkpoint")
+    assert first.returncode == 0, first.stderr
+    other = one_rank_plan(model={"topK": 1}, steps=4)  # the same tensor shapes: DCP alone would load it
+    r = trainer_alone(write_plan(other, tmp_path / "b.json"), data_dir, out)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "was written for another model (model.top_k 2 -> 1)" in r.stderr
+
+
+# 9 -----------------------------------------------------------------------------------------------
+
+def test_unusable_plan_files_exit_2(tmp_path, data_dir):
+    (tmp_path / "latin1.json").write_bytes(b'{"stack": "d\xe9v"}')
+    for plan, message in ((tmp_path, "is a directory, not a plan file"),
+                          (tmp_path / "latin1.json", "not UTF-8 text (byte 12)")):
+        r = trainer_alone(plan, data_dir, tmp_path / "out")
+        assert r.returncode == 2 and f"error: --plan {plan}: {message}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_manifests_and_out_paths_exit_2(tmp_path, capsys):
+    data = tmp_path / "data"
+    prepare(DEFAULT_CORPUS, data, shard_tokens=1 << 18)
+    manifest = json.loads((data / "manifest.json").read_text())
+
+    def rewrite(**changes):
+        (data / "manifest.json").write_text(json.dumps({**manifest, **changes}))
+
+    rewrite(dtype="float32")
+    with pytest.raises(DataError, match=r"dtype 'float32' is not a token id type; use one of uint8, uint16, uint32"):
+        verify(data)
+    rewrite(dtype="uint16")  # the same bytes read as uint16: half the tokens the manifest lists
+    with pytest.raises(DataError, match=r"shard_00000.bin is corrupt: 129100 tokens of uint16 \(258200 bytes\), "
+                                        r"manifest says 258200: a corrupt shard or a wrong dtype"):
+        verify(data)
+    rewrite(dtype="uint8")
+    args = ["train", "--stack", "dev", "--root", str(ROOT), "--local", "--data", str(data)]
+    rewrite(dtype="int64")
+    assert cli([*args, "--out", str(tmp_path / "o1")]) == 2
+    assert "dtype 'int64' is not a token id type" in capsys.readouterr().err
+    rewrite()
+    (tmp_path / "file").write_text("x")
+    assert cli(["data", "prepare", "--out", str(tmp_path / "file")]) == 2
+    assert f"--out {tmp_path / 'file'} is an existing file, not a directory" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_token_ids_outside_the_vocab_are_bad_input(tmp_path):
+    from trainer.data import TokenLoader
+    prepare(DEFAULT_CORPUS, tmp_path, shard_tokens=1 << 18)
+    with pytest.raises(DataError, match=r"holds token id 2\d\d, outside the model's vocab of 128"):
+        TokenLoader(tmp_path, 64, 4, 4, 0, 1, 0, vocab=128)
+
+
+def test_fewer_steps_than_the_run_already_has_exits_2(tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step_00000030").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000030" / COMPLETE).write_text("{}")
+    assert cli(["train", "--stack", "dev", "--root", str(ROOT), "--local", "--out", str(out), "--steps", "10"]) == 2
+    assert f"--steps 10: the run in {out} is already at step 30; give --steps above 30" in capsys.readouterr().err
+
+
+# 10 ----------------------------------------------------------------------------------------------
+
+def test_prometheus_listens_on_loopback_and_a_busy_port_is_a_plain_error(tmp_path, plan):
+    port = free_port()
+    m = Metrics(tmp_path, plan, world_size=1, device_type="cpu", prometheus_port=port)
+    try:
+        assert m.http.server_address[0] == "127.0.0.1"
+        with pytest.raises(BadInput, match=rf"--prometheus-port {port} on 127.0.0.1 is in use by another process"):
+            Metrics(tmp_path / "b", plan, world_size=1, device_type="cpu", prometheus_port=port)
+    finally:
+        m.close()
