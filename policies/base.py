@@ -66,6 +66,19 @@ def stack_of(resources: Sequence[PolicyResource]) -> Stack:
     return memo["stack"]
 
 
+class MalformedInput(Exception):
+    """A policy could not read a resource's properties: they do not have the shape the provider
+    gives them (a string where an object belongs, a list swapped for a mapping, ...)."""
+
+    def __init__(self, policy: str, where: str, error: Exception):
+        self.policy, self.where = policy, where
+        super().__init__(f"policy {policy} cannot read {where}: {type(error).__name__}: {str(error)[:200]}")
+
+
+# What reading a wrongly shaped property raises (not UnknownValueError: the SDK handles that one).
+_SHAPE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError)
+
+
 class StackPolicy(ChecklistPolicy, StackValidationPolicy):
     def __init__(self, name: str, item: int, description: str, check: StackCheck, *,
                  level: EnforcementLevel = EnforcementLevel.MANDATORY,
@@ -85,6 +98,8 @@ class StackPolicy(ChecklistPolicy, StackValidationPolicy):
             self.check(stack, conf, report)
         except PlanError as e:
             report(stack.plan_config_map(), str(e))
+        except _SHAPE_ERRORS as e:
+            raise MalformedInput(self.name, "the stack's resources", e) from e
 
 
 class ResourcePolicy(ChecklistPolicy, ResourceValidationPolicy):
@@ -105,8 +120,16 @@ class ResourcePolicy(ChecklistPolicy, ResourceValidationPolicy):
 
     def validate(self, args: ResourceValidationArgs, report_violation: ReportViolation) -> None:
         if args.resource_type in self.types:
-            self.check(self._res(args), self.settings_from(args.get_config()),
-                       lambda _res, message: report_violation(message, None))
+            conf = self.settings_from(args.get_config())
+            try:
+                self.check(self._res(args), conf, lambda _res, message: report_violation(message, None))
+            except _SHAPE_ERRORS as e:
+                raise MalformedInput(self.name, args.urn, e) from e
 
     def _remediate(self, args: ResourceValidationArgs) -> Optional[Mapping[str, Any]]:
-        return self.fix(self._res(args)) if self.fix and args.resource_type in self.types else None
+        if not (self.fix and args.resource_type in self.types):
+            return None
+        try:
+            return self.fix(self._res(args))
+        except _SHAPE_ERRORS as e:
+            raise MalformedInput(self.name, args.urn, e) from e

@@ -22,7 +22,7 @@ from pulumi.runtime.proto import analyzer_pb2
 from pulumi_policy import EnforcementLevel
 from pulumi_policy.policy import _PolicyAnalyzerServicer
 
-from policies.base import one_analysis
+from policies.base import MalformedInput, one_analysis
 from policies.pack import BY_NAME, CHECKLIST_ITEMS, PACK_NAME, POLICIES, item_of
 from policies.settings import PolicyConfigError
 
@@ -95,30 +95,71 @@ class PolicyReport:
 
 # -- inputs ---------------------------------------------------------------------------------------
 
+# A prod preview is about 1 MB of JSON; anything near this is not a preview (and reading it whole would hurt).
+MAX_RESOURCES_BYTES = 64 * 2**20
+# protobuf's Struct refuses deeper values; provider inputs nest about ten deep.
+MAX_DEPTH = 64
+MAX_PROBLEMS = 20  # listed in one error; the rest are counted
+
+
+def _quote(value: Any, limit: int = 80) -> str:
+    """A value as an error message quotes it: never more than `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+def _not_json_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON (a number must be finite)")
+
+
+def _too_deep(value: Any, depth: int = 0) -> bool:
+    if depth > MAX_DEPTH:
+        return True
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return any(_too_deep(child, depth + 1) for child in children)
+
+
 def load_resources(path: Path) -> list[dict[str, Any]]:
     """A `supernode preview --json` document or a bare resources list, checked entry by entry."""
+    where = f"--resources {path}"
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        size = Path(path).stat().st_size
+        if size > MAX_RESOURCES_BYTES:
+            raise PolicyInputError(f"{where}: {size:,} bytes, over the {MAX_RESOURCES_BYTES:,}-byte limit for a "
+                                   f"resources file (a prod preview is about 1 MB)")
+        data = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_not_json_constant)
     except FileNotFoundError:
-        raise PolicyInputError(f"--resources {path}: file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PolicyInputError(f"--resources {path}: not a JSON file ({e})") from None
+        raise PolicyInputError(f"{where}: file not found") from None
+    except IsADirectoryError:
+        raise PolicyInputError(f"{where}: is a directory, not a file") from None
+    except RecursionError:
+        raise PolicyInputError(f"{where}: nested deeper than JSON can be read here") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise PolicyInputError(f"{where}: not a JSON file ({str(e)[:200]})") from None
     resources = data.get("resources") if isinstance(data, dict) else data
     if not isinstance(resources, list):
-        raise PolicyInputError(f"--resources {path}: expected a list of resources or an object with a 'resources' "
+        raise PolicyInputError(f"{where}: expected a list of resources or an object with a 'resources' "
                                f"list (the output of `supernode preview --json`), got {type(data).__name__}")
+    if not resources:
+        raise PolicyInputError(f"{where}: holds no resources, so there is nothing to check (a passing check "
+                               f"of nothing would be vacuous); give the output of `supernode preview --json`")
     problems = []
     for i, r in enumerate(resources):
         if not isinstance(r, dict):
-            problems.append(f"resources[{i}]: expected an object, got {r!r}")
+            problems.append(f"resources[{i}]: expected an object, got {_quote(r)}")
             continue
         for key in ("urn", "type", "name"):
             if not isinstance(r.get(key), str) or not r.get(key):
-                problems.append(f"resources[{i}].{key}: required non-empty string (got {r.get(key)!r})")
-        if not isinstance(r.get("inputs", {}), dict):
-            problems.append(f"resources[{i}].inputs: expected an object (got {r.get('inputs')!r})")
+                problems.append(f"resources[{i}].{key}: required non-empty string (got {_quote(r.get(key))})")
+        for key, kind in (("inputs", dict), ("dependencies", list), ("parent", str)):
+            if r.get(key) is not None and not isinstance(r[key], kind):
+                problems.append(f"resources[{i}].{key}: expected {'an object' if kind is dict else 'a list' if kind is list else 'a string'} "
+                                f"(got {_quote(r[key])})")
+        if _too_deep(r.get("inputs")):
+            problems.append(f"resources[{i}].inputs: nested deeper than {MAX_DEPTH} levels")
     if problems:
-        raise PolicyInputError(f"--resources {path}: " + "; ".join(problems))
+        more = f"; and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
+        raise PolicyInputError(f"{where}: " + "; ".join(problems[:MAX_PROBLEMS]) + more)
     return resources
 
 
@@ -194,6 +235,14 @@ def check(resources: list[dict[str, Any]], config: Optional[dict[str, Any]] = No
             report.violations.append(Violation(policy=d.policyName, enforcement=level_name[d.enforcementLevel],
                                                urn=d.urn or urn, message=d.message))
 
+    try:
+        return _analyze(servicer, resources, report, collect)
+    except MalformedInput as e:
+        raise PolicyInputError(f"{e}; the resources must be recorded by `supernode preview --json` (or have the "
+                               f"same shape)") from None
+
+
+def _analyze(servicer: Any, resources: list[dict[str, Any]], report: PolicyReport, collect: Any) -> PolicyReport:
     analyzed = []
     for r in resources:
         props = r.get("inputs") or {}

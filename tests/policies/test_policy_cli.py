@@ -109,3 +109,59 @@ def test_policy_config_of_a_stack_feeds_the_check(capsys):
     cfg = load_stack("prod", ROOT)
     assert conf["data-ready"]["datasetPrefix"] == cfg.storage.dataset_prefix
     assert conf["checkpoint-lifecycle"]["checkpointPrefix"] == cfg.storage.checkpoint_prefix
+
+
+# -- resources files that are JSON but not a preview: each one line, exit 2 (issue 13, item 9) ------
+
+def _reshaped(path, change):
+    doc = json.loads(path.read_text())
+    for r in doc["resources"]:
+        r["inputs"] = {k: change(v) for k, v in r["inputs"].items()}
+    return doc
+
+
+@pytest.mark.parametrize("change,expected", [
+    (lambda v: "x", "TypeError: 'str' object is not a mapping"),  # every input value a string
+    (lambda v: [v] if isinstance(v, dict) else {"a": v} if isinstance(v, list) else v,  # lists and objects swapped
+     "object is not a mapping"),
+])
+def test_wrongly_shaped_inputs_exit_2_naming_the_policy_and_resource(saved_dev_preview, tmp_path, capsys, change,
+                                                                     expected):
+    _, path = saved_dev_preview
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(_reshaped(path, change)))
+    assert main(["policy", "check", "--resources", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read urn:pulumi:dev::" in err and expected in err and "Traceback" not in err
+    assert err.startswith("error: policy ") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("content,expected", [
+    ("[]", "holds no resources, so there is nothing to check"),  # not a vacuous pass
+    ('{"resources": []}', "holds no resources"),
+    ('[{"urn": "u", "type": "t", "name": "n", "inputs": {"size": NaN}}]', "NaN is not JSON"),
+    ('[{"urn": "u", "type": "t", "name": "n", "inputs": ' + '{"a": ' * 100 + "1" + "}" * 100 + "}]",
+     "resources[0].inputs: nested deeper than 64 levels"),
+    ('[{"urn": "u", "type": "t", "name": "n", "inputs": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}]",
+     "nested deeper than JSON can be read here"),
+    ('[{"urn": "u", "type": "t", "name": "n", "dependencies": "urn:x"}]', "resources[0].dependencies: expected a list"),
+])
+def test_unusable_resources_exit_2(tmp_path, capsys, content, expected):
+    f = tmp_path / "r.json"
+    f.write_text(content)
+    assert main(["policy", "check", "--resources", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_a_large_bad_file_gives_a_short_error_and_files_have_a_size_limit(tmp_path, capsys, monkeypatch):
+    from supernode.ops import policycheck
+
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps([{"urn": "x" * 1000, "type": ["y" * 10_000]}] * 5000))  # ~50 MB of problems
+    assert main(["policy", "check", "--resources", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert len(err) < 3000 and "... (10004 chars)" in err and "and 9980 more" in err
+    monkeypatch.setattr(policycheck, "MAX_RESOURCES_BYTES", 1000)
+    assert main(["policy", "check", "--resources", str(f)]) == 2
+    assert "over the 1,000-byte limit for a resources file" in capsys.readouterr().err
