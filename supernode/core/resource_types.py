@@ -70,3 +70,7 @@ DEPLOYMENT = "kubernetes:apps/v1:Deployment"
 STATEFUL_SET = "kubernetes:apps/v1:StatefulSet"
 CRD = "kubernetes:apiextensions.k8s.io/v1:CustomResourceDefinition"
 PYTORCH_JOB = "kubernetes:kubeflow.org/v1:PyTorchJob"
+
+# The engine's own resources.
+STACK = "pulumi:pulumi:Stack"
+STACK_REFERENCE = "pulumi:pulumi:StackReference"

@@ -72,13 +72,13 @@ class CloudMocks(pmocks.Mocks):
 
     def new_resource(self, args: pmocks.MockResourceArgs):
         typ, name = args.typ, args.name
-        if typ == "pulumi:pulumi:StackReference":
+        if typ == T.STACK_REFERENCE:
             stack = args.inputs.get("name") or args.resource_id or name
             return stack, {"name": stack, "outputs": self.stack_outputs.get(stack, {}), "secretOutputNames": []}
         digest = hashlib.sha1(f"{typ}/{name}".encode()).hexdigest()
         prefix = _ID_PREFIX.get(typ)
         rid = f"{prefix}-{digest[:17]}" if prefix else f"{name}-{digest[:8]}"
-        if typ == "aws:s3/bucket:Bucket" and args.inputs.get("bucket"):
+        if typ == T.BUCKET and args.inputs.get("bucket"):
             rid = args.inputs["bucket"]  # a bucket's id is its name
         service = typ.split(":")[1].split("/")[0] if typ.startswith("aws:") else ""
         state = dict(args.inputs)
@@ -122,31 +122,31 @@ _ID_PREFIX = {
 def _computed(typ: str, rid: str, inputs: dict, region: str) -> dict[str, Any]:
     """Plausible computed outputs so dependent resources resolve."""
     name = inputs.get("name") or rid
-    if typ == "aws:eks/cluster:Cluster":
+    if typ == T.EKS_CLUSTER:
         return {"endpoint": f"https://{rid}.gr7.{region}.eks.amazonaws.com",
                 "certificateAuthority": {"data": "bW9jay1jYQ=="},
                 "identities": [{"oidcs": [{"issuer": f"https://oidc.eks.{region}.amazonaws.com/id/{rid.upper()}"}]}],
                 "status": "ACTIVE", "version": inputs.get("version"),
                 "vpcConfig": {**inputs.get("vpcConfig", {}), "clusterSecurityGroupId": f"sg-{rid[-8:]}c1"}}
-    if typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
+    if typ == T.FSX_LUSTRE:
         return {"dnsName": f"{rid}.fsx.{region}.amazonaws.com", "mountName": rid[-8:]}
-    if typ == "aws:kms/key:Key":
+    if typ == T.KMS_KEY:
         key_id = str(uuid.UUID(hashlib.md5(rid.encode()).hexdigest()))
         return {"keyId": key_id, "arn": f"arn:aws:kms:{region}:{ACCOUNT}:key/{key_id}"}
-    if typ == "aws:s3/bucket:Bucket" or typ == "aws:s3/bucketV2:BucketV2":
+    if typ == T.BUCKET:
         bucket = inputs.get("bucket") or rid
         return {"bucket": bucket, "arn": f"arn:aws:s3:::{bucket}", "bucketRegionalDomainName": f"{bucket}.s3.{region}.amazonaws.com"}
-    if typ == "aws:ec2/launchTemplate:LaunchTemplate":
+    if typ == T.LAUNCH_TEMPLATE:
         return {"latestVersion": 1}
-    if typ in ("aws:iam/role:Role", "aws:iam/policy:Policy"):
+    if typ in (T.IAM_ROLE, T.IAM_POLICY):
         return {"arn": f"arn:aws:iam::{ACCOUNT}:{typ.rsplit(':', 1)[-1].lower()}/{name}", "name": name}
-    if typ == "aws:iam/openIdConnectProvider:OpenIdConnectProvider":
+    if typ == T.IAM_OIDC_PROVIDER:
         return {"arn": f"arn:aws:iam::{ACCOUNT}:oidc-provider/{str(inputs.get('url', rid)).removeprefix('https://')}"}
-    if typ == "aws:cloudwatch/logGroup:LogGroup":
+    if typ == T.LOG_GROUP:
         return {"arn": f"arn:aws:logs:{region}:{ACCOUNT}:log-group:{name}"}
-    if typ == "aws:sns/topic:Topic":
+    if typ == T.SNS_TOPIC:
         return {"arn": f"arn:aws:sns:{region}:{ACCOUNT}:{name}"}
-    if typ == "aws:eks/nodeGroup:NodeGroup":
+    if typ == T.NODE_GROUP:
         return {"status": "ACTIVE", "nodeGroupName": inputs.get("nodeGroupName") or rid}
     return {}
 
@@ -160,7 +160,7 @@ class RecordingMonitor(pmocks.MockMonitor):
 
     def RegisterResource(self, request):
         response = super().RegisterResource(request)
-        if request.type != "pulumi:pulumi:Stack":
+        if request.type != T.STACK:
             reg = self.resources.get(response.urn)
             inputs = pulumi.runtime.rpc.deserialize_properties(request.object)
             self.recorded.append(Resource(
