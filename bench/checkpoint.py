@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from supernode.core.config import Model
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, train_state
 from trainer.model import Transformer, loss_fn
 
 GOAL = 0.2
@@ -115,7 +115,7 @@ def _run(args: argparse.Namespace, cfg: Model, root: Path) -> int:
                 c0 = time.perf_counter()
                 if i == 0:
                     save_count += 1
-                    ckpt.save(save_count, model, opt, sched, _Position(), sync=sync)
+                    ckpt.save(save_count, sync=sync)
                 ckpt.poll()
                 blocked += time.perf_counter() - c0
             blocked += step(ckpt)
@@ -125,7 +125,7 @@ def _run(args: argparse.Namespace, cfg: Model, root: Path) -> int:
             blocked += time.perf_counter() - c0
         return time.perf_counter() - t0, blocked
 
-    ckpt = Checkpointer(root, keep=1, async_save=True)
+    ckpt = Checkpointer(root, keep=1, state=train_state(model, opt, sched, _Position()), async_save=True)
     window(ckpt, sync=False)  # warm-up: first DCP save plans and allocates staging buffers
     window(ckpt, sync=True)
     results = {}

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from trainer.dispatcher import AllToAllDispatcher
 from trainer.moe import MoE, grouped_mm_applies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -114,7 +115,7 @@ def _a2a_worker(rank: int, ep: int, workdir: str, args: argparse.Namespace) -> N
     for name in ("w1", "w2", "w3"):
         full = getattr(layer.experts, name)
         setattr(layer.experts, name, torch.nn.Parameter(full.detach()[rank * per:(rank + 1) * per].clone()))
-    layer.ep_group = dist.group.WORLD
+    layer.dispatcher = AllToAllDispatcher(dist.group.WORLD)
     calls: list[int] = []
     real = dist.all_to_all_single
 
@@ -135,7 +136,7 @@ def _a2a_worker(rank: int, ep: int, workdir: str, args: argparse.Namespace) -> N
         dist.all_to_all_single = real
     # Forward calls: token counts, dispatch, combine. Routing-exact minimum: the copies whose expert lives elsewhere.
     counts_bytes, dispatch_bytes, combine_bytes = calls
-    load = layer.tokens_per_expert  # local counts (no stats group)
+    load = layer.tokens_per_expert  # this rank's routed copies (nothing reduced them)
     row_bytes = args.dim * torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
     remote_rows = int(load.sum() - load[rank * per:(rank + 1) * per].sum())
     Path(workdir, f"rank{rank}.json").write_text(json.dumps({

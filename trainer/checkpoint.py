@@ -10,9 +10,11 @@ the same step is moved aside (`.old-step_N`), not deleted, until the new one is 
 `restore` checks the files against the marker's sha256 (rank 0 reads every byte: a full read of the
 checkpoint per start) and falls back to the newest checkpoint that verifies, saying so.
 
-What is saved: model and optimizer through `get_state_dict` (sharded: FSDP/TP/EP DTensors, which DCP
-reshards on load, so a run may resume on another world size or layout), the LR scheduler, the data
-loader position, every rank's RNG states and the step.
+What is saved: the training state registered once with the checkpointer (`train_state`: model and
+optimizer through `get_model_state_dict` / `get_optimizer_state_dict`, sharded FSDP/TP/EP DTensors
+that DCP reshards on load, so a run may resume on another world size or layout; the LR scheduler;
+the data loader position), plus every rank's RNG states and the step. DCP loads each rank's shards
+straight into the sharded tensors: a restore never materialises the full model.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 COMPLETE = "COMPLETE"
 PREFIX, TMP_PREFIX, OLD_PREFIX = "step_", ".tmp-step_", ".old-step_"
@@ -158,6 +161,39 @@ class Stateful(Protocol):
     def load_state_dict(self, sd: dict) -> None: ...
 
 
+class ModelState:
+    """The model's sharded state dict as a Stateful (DCP loads into it in place)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_model_state_dict(self.model, sd)
+
+
+class OptimizerState:
+    """The optimizer's sharded state dict, keyed by parameter name, as a Stateful."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, sd)
+
+
+def train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful,
+                loader: Stateful) -> dict[str, Stateful]:
+    """What a training run registers with its Checkpointer (the keys are those of the files)."""
+    return {"model": ModelState(model), "optim": OptimizerState(model, optimizer), "scheduler": scheduler,
+            "data": loader}
+
+
 def _step_dir(root: Path, step: int, tmp: bool = False) -> Path:
     return root / f"{TMP_PREFIX if tmp else PREFIX}{step:08d}"
 
@@ -188,14 +224,17 @@ def _set_rng_state(state: dict) -> None:
 
 
 class Checkpointer:
-    """Save / restore the training state under `root`, keeping the newest `keep` checkpoints."""
+    """Save / restore the registered training state under `root`, keeping the newest `keep` checkpoints."""
 
-    def __init__(self, root: str | Path, keep: int, async_save: bool = True, meta: Optional[dict] = None,
-                 say: Callable[[str], None] = print):
-        """`meta` (the model and training settings) is recorded in every checkpoint's marker;
+    def __init__(self, root: str | Path, keep: int, state: dict[str, Stateful], async_save: bool = True,
+                 meta: Optional[dict] = None, say: Callable[[str], None] = print):
+        """`state`: the Statefuls saved and restored (`train_state(...)`), registered once; the
+        checkpointer adds the step and every rank's RNG states.
+        `meta` (the model and training settings) is recorded in every checkpoint's marker;
         `say` reports (rank 0) what restore decided, e.g. a fallback past a corrupt checkpoint.
         The caller must own the out directory (OutDirLock): start-up removes leftovers of saves."""
         self.root, self.keep, self.async_save = Path(root), keep, async_save
+        self.state = state
         self.meta, self.say = meta or {}, say
         self.restored_meta: dict = {}  # the marker of the checkpoint restore() loaded
         self._save_bytes = 0  # estimated size of the save in flight, for a "no space" message
@@ -226,14 +265,10 @@ class Checkpointer:
         dist.barrier(group=self.group)
 
     # -- saving ----------------------------------------------------------------------------
-    def _state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful,
-               loader: Stateful, step: int, rng: Any) -> dict:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(),
-                "data": loader.state_dict(), "step": step, "rng": rng}
+    def _state(self, step: int, rng: Any) -> dict:
+        return {**{name: obj.state_dict() for name, obj in self.state.items()}, "step": step, "rng": rng}
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful,
-             loader: Stateful, sync: bool = False) -> None:
+    def save(self, step: int, sync: bool = False) -> None:
         """Start (async) or do (sync) a save of step `step`. Async: returns once the save is
         planned; call `wait_for_staging()` before the next optimizer step changes the weights."""
         t0 = time.perf_counter()
@@ -241,7 +276,7 @@ class Checkpointer:
         ranks: list[Any] = [None] * self.world
         dist.all_gather_object(ranks, _rng_state(), group=self.group)
         rng = {"world_size": self.world, "ranks": pickle.dumps(ranks)}
-        state = self._state(model, optimizer, scheduler, loader, step, rng)
+        state = self._state(step, rng)
         self._save_bytes = _nbytes(state) * self.world
         tmp = _step_dir(self.root, step, tmp=True)
         try:
@@ -368,9 +403,8 @@ class Checkpointer:
                           "to start from step 0, or restore them from a copy")
         return None, None
 
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful,
-                loader: Stateful) -> int:
-        """Load the newest complete checkpoint that verifies into the given objects; returns its
+    def restore(self) -> int:
+        """Load the newest complete checkpoint that verifies into the registered state; returns its
         step (0: none). Raises CheckpointCorrupt when checkpoints exist but none verifies."""
         # Every rank must pick the same checkpoint even if rank 0 commits one meanwhile.
         choice = [self._choose() if self.rank == 0 else None]
@@ -388,7 +422,7 @@ class Checkpointer:
                              if theirs.get(k) != ours.get(k))
             raise CheckpointMismatch(f"checkpoint {path} was written for another model (model.{diff}); resume it "
                                      "with the plan that wrote it, or train into another output directory")
-        state = self._state(model, optimizer, scheduler, loader, 0, {"world_size": 0, "ranks": b""})
+        state = self._state(0, {"world_size": 0, "ranks": b""})
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.group)
         except CheckpointException as e:
@@ -397,13 +431,12 @@ class Checkpointer:
                 f"checkpoint {path} does not fit this model and optimizer ({type(first).__name__}: "
                 f"{str(first).splitlines()[0] if str(first) else ''}); resume it with the plan that wrote it, "
                 "or train into another output directory") from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        scheduler.load_state_dict(state["scheduler"])
-        loader.load_state_dict(state["data"])
+        for name, obj in self.state.items():
+            obj.load_state_dict(state[name])
         if state["rng"]["world_size"] == self.world:  # per-rank streams only map 1:1 at the same size
             _set_rng_state(pickle.loads(state["rng"]["ranks"])[self.rank])
         return int(state["step"])
 
 
 __all__ = ["Checkpointer", "CheckpointMismatch", "CheckpointCorrupt", "NoSpace", "OutDirLock",
-           "complete_checkpoints", "COMPLETE"]
+           "complete_checkpoints", "COMPLETE", "train_state"]

@@ -6,12 +6,14 @@ SwiGLU dense FFN layers and MoE FFN layers placed by `Model.is_moe(layer)`.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils.checkpoint import checkpoint
 
 from supernode.core.config import Model
@@ -104,7 +106,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """Weights are left uninitialised (the model may be built on the meta device): call
-    `init_weights(seed)` before use, and before `trainer.parallel.parallelize`."""
+    `init_weights(seed)` before use; `trainer.parallel.build_model` builds it sharded from the start."""
 
     def __init__(self, cfg: Model):
         super().__init__()
@@ -118,6 +120,14 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # `to_empty` (and `to`) replace each module's parameters one by one, which unties shared
+        # ones: the output projection would get a tensor of its own. Tie them again.
+        super()._apply(fn, recurse)
+        if self.cfg.tie_embeddings and self.output.weight is not self.embed.weight:
+            self.output.weight = self.embed.weight
+        return self
 
     def forward(self, tokens: Tensor) -> Tensor:
         if tokens.shape[1] > self.cfg.seq_len:
@@ -140,42 +150,67 @@ class Transformer(nn.Module):
                 total = total + self.cfg.z_loss_coef * moe.z_loss
         return total
 
-    def expert_load(self) -> Tensor:
-        """Token copies per expert in the last forward, [moe_layers, experts] (global once parallelised)."""
-        layers = self.moe_layers()
-        if not layers:
-            return torch.zeros(0, self.cfg.experts, dtype=torch.long)
-        return torch.stack([m.tokens_per_expert.cpu() for m in layers])
-
-    def update_router_bias(self, load: Optional[Tensor] = None) -> None:
-        """One aux-loss-free bias step per MoE layer from `load` [moe_layers, experts] (e.g. the
-        expert_load() summed over a step's micro-batches); default: the last forward's counts."""
-        layers = self.moe_layers()
-        if load is not None and tuple(load.shape) != (len(layers), self.cfg.experts):
-            raise ValueError(f"load must have shape ({len(layers)}, {self.cfg.experts}), got {tuple(load.shape)}")
-        for i, moe in enumerate(layers):
-            moe.update_bias(self.cfg.bias_update_rate, None if load is None else load[i])
-
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic for a seed and independent of the device: draws on a CPU generator.
+        """Deterministic for a seed, whatever the device and the layout: each rank draws only the
+        values of the shards it holds (see `init_normal_`), so a model built on the meta device,
+        parallelised and materialised with `to_empty` is initialised without ever being whole.
 
-        Also (re)computes the RoPE tables, so a model built on the meta device is complete after it.
+        Also (re)computes the RoPE tables and zeroes the routers' state (the meta device leaves
+        buffers empty).
         """
         cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        gen = torch.Generator().manual_seed(seed)
         std = 0.02
         out_std = std / math.sqrt(2 * self.cfg.layers)  # residual-path outputs, as in GPT-2
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
-            s = out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
-            p.copy_((torch.randn(p.shape, generator=gen) * s).to(p.dtype))
+            init_normal_(p, out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std, seed, name)
         for moe in self.moe_layers():
             moe.router.bias.zero_()
+            moe.tokens_per_expert.zero_()
+
+
+# A parameter is drawn in blocks of whole rows (dim 0) of about this many elements, each block from
+# a generator seeded by (seed, parameter name, block): a shard is filled from the blocks it overlaps.
+INIT_BLOCK_ELEMENTS = 1 << 20
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@torch.no_grad()
+def init_normal_(p: Tensor, std: float, seed: int, name: str) -> None:
+    """Fill `p` (a plain tensor, or this rank's shards of a DTensor) with N(0, std) values that
+    depend only on (seed, name) and the global position: equal on every layout. A rank draws the
+    row blocks its shard overlaps, one at a time (a row-wise tensor-parallel shard, split along
+    dim 1, draws whole rows: at most tp times its size, one block at a time)."""
+    if isinstance(p, DTensor):
+        local = p.to_local()
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        if tuple(shape) != tuple(local.shape):
+            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the region {tuple(shape)} "
+                               "its placements describe")
+    else:
+        local, offset = p, (0,) * p.dim()
+    if local.numel() == 0:
+        return
+    full = tuple(p.shape)
+    row = math.prod(full[1:])
+    per_block = max(1, INIT_BLOCK_ELEMENTS // max(1, row))
+    start, stop = offset[0], offset[0] + local.shape[0]
+    cols = (slice(None),) + tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:]))
+    for block in range(start // per_block, (stop - 1) // per_block + 1):
+        lo = block * per_block
+        rows = torch.randn((min(per_block, full[0] - lo), *full[1:]),
+                           generator=torch.Generator().manual_seed(_block_seed(seed, name, block)))
+        a, b = max(start, lo), min(stop, lo + rows.shape[0])
+        local[a - start:b - start].copy_((rows[a - lo:b - lo][cols] * std).to(local.dtype))
 
 
 def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:

@@ -1,15 +1,10 @@
-"""Mixture-of-experts FFN: router, optional shared expert, stacked routed experts, expert parallel.
+"""Mixture-of-experts FFN: router, optional shared expert, stacked routed experts; expert balancing.
 
-Written for one device; `trainer.parallel` attaches process groups afterwards:
-- `ep_group`: routed experts are split along E over it; token copies travel to their expert's
-  rank and back with `all_to_all_single` with uneven split sizes (dropless: nothing is capped).
-- `tp_group`: tensor-parallel ranks hold the same tokens; each routes and computes only its
-  1/tp slice of them and the outputs are all-gathered, so no token is processed twice.
-- `stats_group`: all ranks that see distinct tokens; token counts are summed over it so the
-  load-balance loss, the expert load and the bias update use global counts.
-- `grad_scale`: FSDP averages a gradient over the group that holds a parameter; MoE parameters
-  collect contributions of tokens from more ranks than the data-parallel degree, so their
-  gradients are rescaled to the data-parallel mean (see parallel.py).
+Written for one device and free of process groups: `trainer.parallel` injects the token dispatcher
+(`trainer.dispatcher`: tensor-parallel token slices, expert-parallel all-to-all) and `grad_scale`:
+FSDP averages a gradient over the group that holds a parameter; MoE parameters collect
+contributions of tokens from more ranks than the data-parallel degree, so their gradients are
+rescaled to the data-parallel mean (see parallel.py).
 """
 
 from __future__ import annotations
@@ -21,6 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+
+from .dispatcher import TokenDispatcher
 
 ProcessGroup = dist.ProcessGroup
 
@@ -115,64 +112,6 @@ def _scale_grad(t: Tensor, scale: float) -> Tensor:
     return t if scale == 1.0 else _ScaleGrad.apply(t, scale)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Uneven all_to_all_single; backward sends gradients back along the same routes.
-
-    With `pending` (a list) the forward is asynchronous: the work handle is appended and the
-    caller must wait on it before reading the output (used to overlap the shared expert).
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group: ProcessGroup,
-                pending: Optional[list] = None) -> Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty(sum(recv), *x.shape[1:])
-        work = dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=pending is not None)
-        if pending is not None:
-            pending.append(work)
-        return out
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        out = g.new_empty(sum(ctx.send), *g.shape[1:])
-        dist.all_to_all_single(out, g.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return out, None, None, None, None
-
-
-class _TokenSlice(torch.autograd.Function):
-    """Forward: this rank's 1/n of replicated rows. Backward: all-gather the slices' gradients."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
-        ctx.group = group
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        return x.chunk(n)[r].contiguous()
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        return _gather_rows(g, ctx.group), None
-
-
-class _TokenGather(torch.autograd.Function):
-    """Forward: all-gather rows. Backward: the gradient is replicated, keep this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _gather_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return g.chunk(n)[r].contiguous(), None
-
-
-def _gather_rows(x: Tensor, group: ProcessGroup) -> Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
-
-
 # -- router and layer ---------------------------------------------------------------------------
 
 class Router(nn.Module):
@@ -197,6 +136,16 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    """Router, routed experts and an optional shared expert; `dispatcher` moves the token copies.
+
+    Statistics stay on the device: `tokens_per_expert` accumulates this rank's routed copies over
+    the forwards of a step (not the recomputations of activation checkpointing) until an
+    `ExpertBalancer` reduces all layers' counts at the optimizer step. The load-balance loss is
+    measured per routing group, the tokens one rank routes in one forward (as in DeepSeek-V3 and
+    torchtitan, local statistics need no collective); `balance_groups` splits the rows into that
+    many groups, so one process reproduces what a parallel layout computes.
+    """
+
     def __init__(self, dim: int, experts: int, top_k: int, hidden: int, shared_experts: int = 0,
                  score: str = "softmax"):
         super().__init__()
@@ -204,95 +153,96 @@ class MoE(nn.Module):
         self.router = Router(dim, experts, top_k, score)
         self.experts = GroupedExperts(experts, dim, hidden)
         self.shared = SwiGLU(dim, hidden * shared_experts) if shared_experts else None
-        # Set by trainer.parallel; the defaults are one device.
-        self.ep_group: Optional[ProcessGroup] = None
-        self.tp_group: Optional[ProcessGroup] = None
-        self.stats_group: Optional[ProcessGroup] = None
-        self.grad_scale = 1.0
-        self.overlap = True
-        # From the last forward.
-        self.tokens_per_expert = torch.zeros(experts, dtype=torch.long)
+        self.dispatcher: TokenDispatcher = TokenDispatcher()  # trainer.parallel injects another
+        self.grad_scale = 1.0  # set by trainer.parallel
+        self.balance_groups = 1
+        self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.long), persistent=False)
+        # Of the last forward.
         self.load_balance_loss = torch.zeros(())
         self.z_loss = torch.zeros(())
 
     def forward(self, rows: Tensor) -> Tensor:
         """rows [tokens, dim] -> [tokens, dim]."""
-        slice_frac = 1.0
-        if self.tp_group is not None:
-            n = dist.get_world_size(self.tp_group)
-            if rows.shape[0] % n:
-                raise ValueError(f"tokens per rank ({rows.shape[0]}) must be divisible by tp ({n}) for the MoE layer")
-            rows, slice_frac = _TokenSlice.apply(rows, self.tp_group), 1.0 / n
-        gs = self.grad_scale
-        weights, ids, logits, scores = _module_scaled(self.router, rows, gs)
+        d = self.dispatcher
+        rows, share = d.scatter(rows)
+        weights, ids, logits, scores = _module_scaled(self.router, rows, self.grad_scale)
         counts = torch.bincount(ids.flatten(), minlength=self.experts_total)
-        self._record_stats(counts, logits, scores, slice_frac)
-
+        self._record_stats(counts, ids, logits, scores, share)
         # Sort token copies by expert (stable: a deterministic order for identical inputs).
         order = torch.argsort(ids.flatten(), stable=True)
         token = order // self.top_k
-        routed = rows[token]
-        if self.ep_group is None:
-            shared = self._shared(rows)
-            out = self.experts(routed, counts)
-        else:
-            out, shared = self._expert_parallel(routed, counts, rows)
+        out, shared = d.compute(self.experts, rows[token], counts, lambda: self._shared(rows))
         out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
         combined = torch.zeros_like(rows).index_add(0, token, out)
         if shared is not None:
             combined = combined + shared
-        if self.tp_group is not None:
-            combined = _TokenGather.apply(combined, self.tp_group)
-        return combined
+        return d.gather(combined)
 
     def _shared(self, rows: Tensor) -> Optional[Tensor]:
         if self.shared is None:
             return None
         return _module_scaled(self.shared, rows, self.grad_scale)
 
-    def _expert_parallel(self, routed: Tensor, counts: Tensor, rows: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        """Dispatch token copies to the rank owning their expert, compute, send the results back."""
-        group = self.ep_group
-        ep = dist.get_world_size(group)
-        local = self.experts_total // ep
-        # Counts first: recv[j * local + e] = tokens rank j sends to my local expert e.
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=group)
-        send_splits = counts.view(ep, local).sum(1).tolist()
-        recv_splits = recv.view(ep, local).sum(1).tolist()
-        pending: Optional[list] = [] if self.overlap else None
-        received = _AllToAll.apply(routed, send_splits, recv_splits, group, pending)
-        shared = self._shared(rows)  # runs while the dispatch is in flight when overlap is on
-        for work in pending or ():
-            work.wait()
-        # Arrived grouped by source rank, then expert; the experts want them grouped by expert.
-        source_expert = torch.repeat_interleave(torch.arange(ep * local, device=recv.device), recv)
-        by_expert = torch.argsort((source_expert % local) * ep + source_expert // local, stable=True)
-        local_counts = recv.view(ep, local).sum(0)
-        computed = self.experts(received[by_expert], local_counts)
-        out = torch.empty_like(computed).index_copy(0, by_expert, computed)
-        return _AllToAll.apply(out, recv_splits, send_splits, group), shared
+    def _record_stats(self, counts: Tensor, ids: Tensor, logits: Tensor, scores: Tensor, share: float) -> None:
+        if torch._C._current_graph_task_id() == -1:  # a forward, not a recomputation inside backward
+            self.tokens_per_expert.add_(counts.detach())
+        # Switch-style balance per routing group: E * sum_i f_i * P_i, averaged over the groups and
+        # scaled by this rank's share of its rows so the sum over tensor-parallel slices is the whole.
+        g, e = self.balance_groups, self.experts_total
+        group_ids = ids.reshape(g, -1)
+        f = torch.zeros(g, e, device=ids.device).scatter_add_(1, group_ids, torch.ones_like(group_ids, dtype=torch.float))
+        f = f / f.sum(-1, keepdim=True).clamp(min=1)
+        probs = (scores / scores.sum(-1, keepdim=True)).reshape(g, -1, e).mean(1)
+        self.load_balance_loss = e * (f * probs).sum(-1).mean() * share
+        self.z_loss = torch.logsumexp(logits, -1).square().mean() * share
 
-    def _record_stats(self, counts: Tensor, logits: Tensor, scores: Tensor, slice_frac: float) -> None:
-        global_counts = counts.detach().clone()
-        if self.stats_group is not None:
-            dist.all_reduce(global_counts, group=self.stats_group)
-        self.tokens_per_expert = global_counts
-        # Switch-style balance: E * sum_i f_i * P_i with global f and this rank's mean P; scaled by
-        # this rank's share of its data-parallel tokens so the sum over tp slices is the whole.
-        f = global_counts.float() / global_counts.sum().clamp(min=1)
-        probs = scores / scores.sum(-1, keepdim=True)
-        self.load_balance_loss = self.experts_total * (f * probs.mean(0)).sum() * slice_frac
-        self.z_loss = torch.logsumexp(logits, -1).square().mean() * slice_frac
+
+class ExpertBalancer:
+    """Aux-loss-free balancing, outside the model: at each optimizer step (a step pre-hook, see
+    `attach`) the step's token counts of every MoE layer are summed over the ranks in one
+    all-reduce, and each router's bias moves toward balance: up for under-loaded experts, down for
+    over-loaded ones. The reduced counts stay on the device (`last_load`) for logging to read."""
+
+    def __init__(self, layers: list[MoE], rate: float, group: Optional[ProcessGroup] = None):
+        """`group`: the ranks that route distinct tokens (default: every rank of the job)."""
+        self.layers, self.rate = layers, rate
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.group = (group or dist.group.WORLD) if distributed else None
+        self.last_load: Optional[Tensor] = None
+
+    def reduce(self) -> Tensor:
+        """The global token copies per expert since the last call, [layers, experts]; restarts the count."""
+        if not self.layers:
+            return torch.zeros(0, 0, dtype=torch.long)
+        load = torch.stack([m.tokens_per_expert for m in self.layers])
+        if self.group is not None:
+            dist.all_reduce(load, group=self.group)
+        self.reset()
+        return load
+
+    def reset(self) -> None:
+        """Forget the counts since the last step (a skipped update must not count twice)."""
+        for m in self.layers:
+            m.tokens_per_expert.zero_()
 
     @torch.no_grad()
-    def update_bias(self, rate: float, load: Optional[Tensor] = None) -> None:
-        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones.
+    def step(self, load: Optional[Tensor] = None) -> Tensor:
+        """One bias step from `load` [layers, experts] (default: `reduce()`); returns the load used."""
+        load = self.reduce() if load is None else load
+        if tuple(load.shape) != (len(self.layers), self.layers[0].experts_total if self.layers else 0):
+            raise ValueError(f"load must have shape ({len(self.layers)}, "
+                             f"{self.layers[0].experts_total if self.layers else 0}), got {tuple(load.shape)}")
+        for moe, counts in zip(self.layers, load):
+            counts = counts.float().to(moe.router.bias.device)
+            moe.router.bias.add_(self.rate * torch.sign(counts.mean() - counts))
+        self.last_load = load
+        return load
 
-        `load`: token counts per expert (default: those of the last forward).
-        """
-        load = (self.tokens_per_expert if load is None else load).float().to(self.router.bias.device)
-        self.router.bias.add_(rate * torch.sign(load.mean() - load))
+    def attach(self, optimizer: torch.optim.Optimizer):
+        """Run `step()` before every `optimizer.step()`; returns the hook's handle."""
+        def hook(opt, args, kwargs) -> None:
+            self.step()
+        return optimizer.register_step_pre_hook(hook)
 
 
 def _module_scaled(module: nn.Module, x: Tensor, scale: float) -> Tensor:

@@ -18,18 +18,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from supernode.core.config import Parallel
+from supernode.core.config import Model, Parallel
 from supernode.core.errors import ConfigError
 from supernode.core.layout import layout_rules
 from supernode.core.plan import Plan
 
+from .dispatcher import AllToAllDispatcher, TokenDispatcher
 from .model import Transformer
 from .moe import MoE
 
@@ -123,25 +123,38 @@ def _size(mesh: Optional[DeviceMesh]) -> int:
     return mesh.size() if mesh is not None else 1
 
 
+def build_model(cfg: Model, dims: ParallelDims, parallel: Parallel, device: torch.device, seed: int,
+                mesh: Optional[Meshes] = None) -> Transformer:
+    """The model sharded from the first byte: built on the meta device, parallelised, then only this
+    rank's shards are allocated (`to_empty`) and initialised in place, equal to the single-process
+    `Transformer.init_weights(seed)` at every layout."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    parallelize(model, dims, mesh or dims.build_mesh(device.type), parallel, device.type)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
 def parallelize(model: Transformer, dims: ParallelDims, mesh: Meshes, parallel: Parallel,
                 device_type: str) -> Transformer:
     """Apply tensor parallel, expert parallel, activation checkpointing and FSDP2, in that order.
 
-    `model` must hold the full, initialised weights on every rank (init_weights with one seed).
-    The layout was checked once, by `ParallelDims.from_plan`.
+    `model` may be on the meta device (then `to_empty` and `init_weights`, as `build_model` does)
+    or hold the same full weights on every rank. The layout was checked once, by
+    `ParallelDims.from_plan`.
     """
     if dims.tp > 1:
         _tensor_parallel(model, mesh.tp)
-    if dims.ep > 1:
-        for moe in model.moe_layers():
+    tp_group = mesh.tp.get_group() if dims.tp > 1 else None
+    for moe in model.moe_layers():
+        if dims.ep > 1:
             for name in ("w1", "w2", "w3"):
                 full = getattr(moe.experts, name)
                 setattr(moe.experts, name, nn.Parameter(distribute_tensor(full.detach(), mesh.ep, [Shard(0)])))
-            moe.ep_group = mesh.ep.get_group()
-    for moe in model.moe_layers():
-        moe.overlap = parallel.overlap
-        if dims.world_size > 1:
-            moe.stats_group = dist.group.WORLD  # pp = 1: every rank holds distinct tokens of the MoE layer
+            moe.dispatcher = AllToAllDispatcher(mesh.ep.get_group(), tp_group, parallel.overlap)
+        else:
+            moe.dispatcher = TokenDispatcher(tp_group)
         # FSDP averages over its mesh; rescale to the mean over the dp_size data-parallel streams.
         moe.grad_scale = _size(mesh.moe) / dims.dp_size
         moe.experts.grad_scale = _size(mesh.expert_dp) / dims.dp_size
@@ -154,9 +167,7 @@ def _tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     for block in model.layers:
         parallelize_module(block.attention, tp_mesh, {
             "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()})
-        if isinstance(block.ffn, MoE):
-            block.ffn.tp_group = tp_mesh.get_group()
-        else:
+        if not isinstance(block.ffn, MoE):  # the MoE layer slices tokens instead (its dispatcher)
             parallelize_module(block.ffn, tp_mesh, {
                 "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
 

@@ -35,75 +35,29 @@ import signal
 import socket
 import sys
 import time
-from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from pydantic import ValidationError
-from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from supernode.core.config import Training
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput, bad_input_lines
 from supernode.core.plan import Plan
 
-from .checkpoint import CheckpointCorrupt, CheckpointMismatch, Checkpointer, NoSpace, OutDirLock, inject
-from .data import DataError, TokenLoader
+from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, inject
 from .metrics import Metrics
-from .model import Transformer, loss_fn
-from .parallel import ParallelDims, parallelize
+from .parallel import ParallelDims
+from .trainer import Trainer
 
-BETAS = (0.9, 0.95)
 EXIT_FILE = ".exit.json"  # why the run stopped for a reason a restart cannot fix (read by restarts and the launcher)
 LAUNCHER_ENV = "SUPERNODE_LAUNCHER_PID"
-# Recorded in each checkpoint and compared on resume: these change the learning-rate curve or update.
-HYPER_PARAMETERS = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "steps", "weight_decay", "grad_clip")
 
 
 class NonFinite(Exception):
     """Training diverged: the loss or gradient norm stayed non-finite (not retryable: it would again)."""
-
-
-def lr_factor(t: Training) -> Callable[[int], float]:
-    """Multiplier of `t.lr` after `step` optimizer steps: linear warmup, then the plan's decay."""
-    floor = t.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        if t.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if t.schedule == "cosine" else 1 - progress
-        return floor + (1 - floor) * decay
-
-    return factor
-
-
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """Global gradient norm over every shard, then clip. Parameters live on different meshes
-    (dense, experts, router), and DTensor norms only combine within one mesh and placement, so
-    the norm is taken per group and the groups' squares are summed."""
-    groups: dict = defaultdict(list)
-    for p in params:
-        if p.grad is not None:
-            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups[key].append(p.grad)
-    total_sq = torch.zeros((), dtype=torch.float64)
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, foreach=False)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total_sq += norm.detach().double().cpu() ** 2
-    total = math.sqrt(total_sq.item())
-    coef = max_norm / (total + 1e-6)
-    if coef < 1:
-        for grads in groups.values():
-            torch._foreach_mul_(grads, coef)
-    return total
 
 
 @contextlib.contextmanager
@@ -311,61 +265,17 @@ def _own_out_dir(out: Path, lock: OutDirLock) -> None:
                        "into another --out")
 
 
-def _finite_params(model: torch.nn.Module) -> bool:
-    """All ranks agree whether every weight is finite (checked before a checkpoint is written)."""
-    ok = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()) for p in model.parameters())
-    flag = torch.tensor(0.0 if ok else 1.0)
-    dist.all_reduce(flag)
-    return flag.item() == 0
-
-
-def _apply_hyper_parameters(t: Training, saved: dict, step: int, optimizer: torch.optim.Optimizer,
-                            scheduler: torch.optim.lr_scheduler.LambdaLR) -> Optional[str]:
-    """A resume with changed hyper-parameters applies the plan's values (the checkpoint's optimizer
-    and scheduler state would silently keep the old lr); returns the line that says so."""
-    ours = {k: getattr(t, k) for k in HYPER_PARAMETERS}
-    if not isinstance(saved, dict):
-        return None
-    changed = {k: (saved[k], v) for k, v in ours.items() if k in saved and saved[k] != v}
-    if not changed:
-        return None
-    factor = lr_factor(t)(scheduler.last_epoch)
-    for group in optimizer.param_groups:
-        group["initial_lr"], group["lr"], group["weight_decay"] = t.lr, t.lr * factor, t.weight_decay
-    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-    diff = ", ".join(f"training.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-    return f"checkpoint of step {step} was trained with other settings: {diff}; the plan's values apply from step {step + 1}"
-
-
 def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, device: torch.device,
          stop: StopRequest) -> int:
     t = plan.training
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(t.seed + rank)
-    model = Transformer(plan.model)
-    model.init_weights(t.seed)
-    model.to(device)
-    model = parallelize(model, dims, dims.build_mesh(device.type), plan.parallel, device.type)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=BETAS, weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t))
-    try:
-        loader = TokenLoader(args.data, plan.model.seq_len, t.global_batch, t.micro_batch,
-                             dims.dp_rank(rank), dims.dp_size, t.seed, vocab=plan.model.vocab)
-    except DataError as e:
-        raise BadInput(str(e)) from None
     say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
-    meta = {"model": plan.model.model_dump(mode="json"), "training": {k: getattr(t, k) for k in HYPER_PARAMETERS}}
-    ckpt = Checkpointer(args.out / "checkpoints", keep=t.keep_checkpoints,
-                        async_save=t.async_checkpoint and not args.sync_checkpoint, meta=meta, say=say)
-    try:
-        start = ckpt.restore(model, optimizer, scheduler, loader)
-    except CheckpointMismatch as e:
-        raise BadInput(str(e)) from None
+    trainer = Trainer(plan, dims, device, args.data, args.out, t.async_checkpoint and not args.sync_checkpoint, say)
+    ckpt = trainer.checkpointer
+    start, changed = trainer.restore()
     if start > steps:
         raise BadInput(f"--steps {steps}: the run in {args.out} is already at step {start}; give --steps above "
                        f"{start} to train on, or another --out to start over")
-    changed = _apply_hyper_parameters(t, ckpt.restored_meta.get("training"), start, optimizer, scheduler) if start else None
     if changed:
         say(changed)
     if start == steps:
@@ -379,7 +289,6 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
                         "else a restarted attempt reads stale addresses (pytorch/pytorch#135712) and cannot connect")
     metrics.message(f"{'resumed from checkpoint at step ' + str(start) if start else 'starting at step 0'}; "
                     f"training to step {steps} on {world} {device.type} rank(s), layout {plan.degrees.model_dump()}")
-    accum = plan.micro_batches_per_step
     gpu = device.type == "cuda"
     tokens_per_step = t.global_batch * plan.model.seq_len
     nan_from = int(inject("nan") or 0)  # test hook: the loss (and so every gradient) is NaN from this step on
@@ -390,53 +299,23 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
             # Also the first and last steps, so a run always shows where its loss started and ended.
             profiled = step % args.log_every == 0 or step in (start + 1, steps)
             t0 = time.perf_counter()
-            micro = loader.next_step()
+            micro = trainer.loader.next_step()
             data_s = time.perf_counter() - t0
             with CommClock(profiled, gpu) as clock:
-                loss_sum = torch.zeros((), device=device)
-                load: Optional[torch.Tensor] = None
-                for i, mb in enumerate(micro):
-                    if hasattr(model, "set_requires_gradient_sync"):  # reduce-scatter once per step
-                        model.set_requires_gradient_sync(i == len(micro) - 1)
-                    mb = mb.to(device, non_blocking=True)
-                    loss = loss_fn(model(mb[:, :-1]), mb[:, 1:])
-                    if nan_from and step >= nan_from:
-                        loss = loss * float("nan")
-                    ((loss + model.aux_loss()) / accum).backward()
-                    loss_sum += loss.detach()
-                    counts = model.expert_load()
-                    load = counts if load is None else load + counts
-                grad_norm = clip_grad_norm(model.parameters(), t.grad_clip)
-                # One collective for the global loss, the stop votes and the non-finite vote, before
-                # the update: every rank skips or applies it, and stops at the same step.
-                bad_local = not (math.isfinite(grad_norm) and bool(torch.isfinite(loss_sum)))
-                sync = torch.stack([loss_sum / accum, torch.tensor(float(stop.term), device=device),
-                                    torch.tensor(float(stop.interrupt), device=device),
-                                    torch.tensor(float(bad_local), device=device)])
-                dist.all_reduce(sync)
-                skipped = sync[3].item() > 0
-                ckpt.wait_for_staging()  # an async save copies the weights while this step computed
-                if skipped:  # a non-finite update would poison the weights and every later checkpoint
-                    optimizer.zero_grad(set_to_none=True)
-                    scheduler.step()  # the schedule follows the step count either way
-                else:
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    model.update_router_bias(load)  # the whole step's tokens, however they were split
+                r = trainer.train_step(micro, stop.term, stop.interrupt, poison=bool(nan_from) and step >= nan_from)
                 if gpu:
                     torch.cuda.synchronize(device)
             step_s = time.perf_counter() - t0
             ckpt.poll()
-            loss_now = sync[0].item() / world
-            if profiled or skipped:
+            if profiled or r.skipped:
                 comm_s = clock.seconds()
-                metrics.log(step, loss=loss_now, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                metrics.log(step, loss=r.loss, lr=trainer.scheduler.get_last_lr()[0], grad_norm=r.grad_norm,
                             tokens=tokens_per_step, step_s=step_s, compute_s=max(0.0, step_s - data_s - comm_s),
-                            comm_s=comm_s, data_s=data_s, expert_load=load, skipped=skipped)
-            if skipped:
+                            comm_s=comm_s, data_s=data_s, expert_load=None if r.skipped else trainer.expert_load(),
+                            skipped=r.skipped)
+            if r.skipped:
                 bad_streak += 1
-                metrics.message(f"step {step}: loss {loss_now}, grad norm {grad_norm}: not finite, update skipped "
+                metrics.message(f"step {step}: loss {r.loss}, grad norm {r.grad_norm}: not finite, update skipped "
                                 f"({bad_streak} in a row of at most {t.max_non_finite_steps})")
                 if bad_streak >= t.max_non_finite_steps:
                     ckpt.close()  # a save in flight is of an earlier, finite step: keep it
@@ -447,21 +326,21 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
                         "lower training.lr or raise training.warmupSteps, then run again")
             else:
                 bad_streak = 0
-            stopping = sync[1].item() > 0 or sync[2].item() > 0
+            stopping = r.stop_term or r.stop_interrupt
             # While updates are skipped the weights are those of the last good step: a periodic save
             # would only rotate good checkpoints out, so it waits.
             if (step % t.checkpoint_interval == 0 and not bad_streak) or step == steps or stopping:
-                if not _finite_params(model):  # never checkpoint a non-finite state
+                if not trainer.finite_params():  # never checkpoint a non-finite state
                     ckpt.close()
                     raise NonFinite(f"step {step}: the weights are not finite; no checkpoint written (the last is "
                                     f"step {last_saved}); lower training.lr, then run again")
-                ckpt.save(step, model, optimizer, scheduler, loader, sync=stopping or step == steps)
+                ckpt.save(step, sync=stopping or step == steps)
                 last_saved = step
-                metrics.message(f"step {step}: loss {loss_now:.4f}; checkpoint "
+                metrics.message(f"step {step}: loss {r.loss:.4f}; checkpoint "
                                 f"{'written' if stopping or step == steps else 'started (async)'}, "
                                 f"training blocked {ckpt.last_stall_s * 1e3:.0f} ms")
             if stopping:
-                if sync[2].item() > 0:
+                if r.stop_interrupt:
                     code = EXIT_INTERRUPTED
                     _report(args.out, code, [f"interrupted at step {step}; checkpoint written; run again to resume"],
                             to_stderr=False)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Optional
+
 from pydantic import BaseModel
 
 from .catalog import GIB, InstanceType
 from .config import Fsx, Model, Parallel, Training
 from .layout import layout_rules
+from .topology import GroupPlacement, Link, all_to_all_seconds, place, ring_seconds
 
 ADAM_STATE_BYTES = 16  # fp32 master + fp32 grad + 2 fp32 moments, per sharded parameter
 CHECKPOINT_BYTES = 12  # fp32 master + 2 moments (gradients are not saved)
@@ -69,7 +72,10 @@ class Memory(BaseModel):
     """Bytes per rank on the busiest pipeline stage."""
 
     params_per_rank: int  # sharded parameter count held by one rank
-    model_states: int  # 16 B per sharded parameter
+    parameters: int  # fp32 sharded master parameters (4 B each)
+    gradients: int  # fp32 sharded gradients (4 B each)
+    optimizer_state: int  # two fp32 Adam moments (8 B each); the step counters (4 B per tensor) live on the host
+    model_states: int  # parameters + gradients + optimizer_state: 16 B per sharded parameter
     fsdp_buffers: int  # unsharded compute copies of two layers (current + prefetch) + one layer's grads
     activations: int
     logits: int
@@ -134,7 +140,8 @@ def memory(m: Model, p: Parallel, t: Training) -> Memory:
     logits = 2 * 4 * tokens * m.vocab // p.tp  # fp32 logits and their gradient
     model_states = params_rank * ADAM_STATE_BYTES
     total = model_states + fsdp_buffers + activations + logits + RUNTIME_RESERVE_BYTES
-    return Memory(params_per_rank=params_rank, model_states=model_states, fsdp_buffers=fsdp_buffers,
+    return Memory(params_per_rank=params_rank, parameters=4 * params_rank, gradients=4 * params_rank,
+                  optimizer_state=8 * params_rank, model_states=model_states, fsdp_buffers=fsdp_buffers,
                   activations=activations, logits=logits, runtime_reserve=RUNTIME_RESERVE_BYTES, total=total)
 
 
@@ -147,44 +154,51 @@ class StepTime(BaseModel):
     step_s: float
     mfu: float
     all_to_all_bytes_per_rank: int  # per step, both directions, fwd + bwd
+    # The link each communication term crosses (NVLink, EFA, or NVLink+EFA for a group spanning
+    # domains); terms that do not occur (degree 1) are absent.
+    links: dict[str, Link] = {}
 
 
-def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType) -> StepTime:
+def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType, domain: Optional[int] = None) -> StepTime:
+    """Compute and communication time of one optimizer step on NVLink domains of `domain` GPUs
+    (default: one instance), each collective costed on its mesh dimension's placement
+    (`supernode.core.topology`)."""
     world = p.world_size
-    gpn = hw.accelerators
     a = 2 if p.mixed_precision == "bf16" else 4
     tokens_step = t.global_batch * m.seq_len
     flops_rank = tokens_step * flops_per_token(m) / world
     compute = flops_rank / (hw.peak_flops * MATMUL_EFFICIENCY)
     nvlink = hw.nvlink_gbytes_s * 1e9 / 2  # one direction
-    efa = hw.efa_gbytes_s * 1e9 / gpn  # per GPU
+    efa = hw.efa_gbytes_s * 1e9 / hw.accelerators  # per GPU
+    groups = {g.dim: g for g in place(p, domain or hw.accelerators)}
+    links: dict[str, Link] = {}
 
-    def bw(group: int, stride: int) -> float:
-        return nvlink if group * stride <= gpn else efa
+    def ring(term: str, buffer_bytes: float, g: GroupPlacement) -> float:
+        if g.size > 1:
+            links[term] = g.link
+        return ring_seconds(buffer_bytes, g, nvlink, efa)
 
     tokens_rank = tokens_step / p.dp  # tp ranks process the same tokens
     a2a_bytes = int(4 * tokens_rank * m.top_k * m.dim * a * (p.ep - 1) / p.ep * m.moe_layers / p.pp)
-    a2a = a2a_bytes / bw(p.ep, 1) if p.ep > 1 else 0.0
+    a2a = all_to_all_seconds(a2a_bytes, groups["ep"], nvlink, efa)
+    if p.ep > 1:
+        links["all_to_all"] = groups["ep"].link
     pc = param_counts(m)
     stage = 1 / p.pp
     nonexpert = (pc.total - pc.experts) * stage / p.tp  # gathered by each rank over dp_shard
     experts = pc.experts * stage / p.ep  # gathered over dp_shard*tp/ep
-    fsdp = 0.0
-    for gathered, n in ((nonexpert, p.dp_shard), (experts, p.dp_shard * p.tp // p.ep)):
-        if n > 1:  # all-gather fwd + bwd in compute dtype, reduce-scatter grads in fp32
-            fsdp += gathered * (2 * a + 4) * (n - 1) / n / bw(n, p.tp if n == p.dp_shard else p.ep)
-    replicate = 0.0
-    if p.dp_replicate > 1:
-        shard_bytes = 4 * pc.total * stage / (p.tp * p.dp_shard)
-        replicate = 2 * shard_bytes * (p.dp_replicate - 1) / p.dp_replicate / efa
-    tpc = 0.0
-    if p.tp > 1:
-        tpc = 4 * (m.layers / p.pp) * 2 * (p.tp - 1) / p.tp * tokens_rank * m.dim * a / nvlink
+    # all-gather fwd + bwd in compute dtype, reduce-scatter grads in fp32
+    fsdp = (ring("fsdp", nonexpert * (2 * a + 4), groups["dp_shard"])
+            + ring("fsdp_experts", experts * (2 * a + 4), groups["edp"]))
+    shard_bytes = 4 * pc.total * stage / (p.tp * p.dp_shard)
+    replicate = ring("replicate", 2 * shard_bytes, groups["dp_replicate"])  # all-reduce = RS + AG
+    # TP: 2 all-reduces (RS + AG) per layer forward and backward of the activations
+    tpc = ring("tensor_parallel", 4 * (m.layers / p.pp) * 2 * tokens_rank * m.dim * a, groups["tp"])
     comm = a2a + fsdp + replicate + tpc
     step = max(compute, comm) if p.overlap else compute + comm
     mfu = flops_rank / (step * hw.peak_flops)
     return StepTime(compute_s=compute, all_to_all_s=a2a, fsdp_s=fsdp, replicate_s=replicate,
-                    tensor_parallel_s=tpc, step_s=step, mfu=mfu, all_to_all_bytes_per_rank=a2a_bytes)
+                    tensor_parallel_s=tpc, step_s=step, mfu=mfu, all_to_all_bytes_per_rank=a2a_bytes, links=links)
 
 
 class CheckpointIO(BaseModel):
@@ -226,6 +240,7 @@ class Suggestion(BaseModel):
     activation_checkpointing: str
     memory_gib: float
     step_s: float
+    ep_inside_domain: bool = True  # every EP group on one NVLink domain
 
 
 def usable_hbm_bytes(p: Parallel, hw: InstanceType) -> int:
@@ -233,13 +248,17 @@ def usable_hbm_bytes(p: Parallel, hw: InstanceType) -> int:
     return int(hw.hbm_bytes * (1 - p.hbm_headroom))
 
 
-def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3) -> list[Suggestion]:
-    """Layouts with the same world size that fit within the usable HBM, fastest first: each one
-    passes the same layout validator and the same fit test as the stack's own layout."""
+def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3,
+            domain: Optional[int] = None) -> list[Suggestion]:
+    """Layouts with the same world size that fit within the usable HBM: each one passes the same
+    layout validator and the same fit test as the stack's own layout. EP inside the NVLink domain
+    first, then fastest, as NVIDIA's GB200 recipes place it (HARDWARE.md: EP in the NVL domain,
+    DP/FSDP across domains); tp up to the domain's GPUs."""
+    domain = domain or hw.accelerators
     world, out = p.world_size, []
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     # pp stays 1: the trainer has no pipeline schedule yet (config rejects pp > 1).
-    for tp, rep, ac in itertools.product([d for d in divisors if d <= hw.accelerators], divisors,
+    for tp, rep, ac in itertools.product([d for d in divisors if d <= domain], divisors,
                                          ("none", "selective", "full")):
         if world % (tp * rep):
             continue
@@ -247,15 +266,16 @@ def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3
         for ep in [d for d in divisors if m.experts % d == 0 and (shard * tp) % d == 0]:
             cand = p.model_copy(update=dict(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=1,
                                             activation_checkpointing=ac))
-            if layout_rules(m, cand, t, world, hw.accelerators):
+            if layout_rules(m, cand, t, world, domain):
                 continue
             mem = memory(m, cand, t)
             if mem.total <= usable_hbm_bytes(cand, hw):
-                st = step_time(m, cand, t, hw)
+                st = step_time(m, cand, t, hw, domain)
+                inside = next(g for g in place(cand, domain) if g.dim == "ep").inside_domain
                 out.append(Suggestion(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=1,
                                       activation_checkpointing=ac, memory_gib=round(mem.total_gib, 2),
-                                      step_s=round(st.step_s, 4)))
-    out.sort(key=lambda s: (s.step_s, s.memory_gib))
+                                      step_s=round(st.step_s, 4), ep_inside_domain=inside))
+    out.sort(key=lambda s: (not s.ep_inside_domain, s.step_s, s.memory_gib))
     return out[:limit]
 
 

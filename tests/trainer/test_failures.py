@@ -22,13 +22,12 @@ from supernode.cli import main as cli
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.errors import BadInput
 from supernode.core.plan import build_local_plan
-from trainer.checkpoint import (COMPLETE, CheckpointCorrupt, CheckpointMismatch, Checkpointer, OutDirLock,
-                                complete_checkpoints)
+from trainer.checkpoint import COMPLETE, CheckpointCorrupt, CheckpointMismatch, OutDirLock, complete_checkpoints
 from trainer.data import DEFAULT_CORPUS, DataError, prepare, verify
 from trainer.metrics import JSONL, Metrics
-from trainer.train import _apply_hyper_parameters, lr_factor
+from trainer.trainer import apply_hyper_parameters, lr_factor
 
-from test_checkpoint import Position, make
+from test_checkpoint import Position, checkpointer, make
 from test_train import ROOT, local_plan, losses, write_plan
 
 
@@ -173,16 +172,19 @@ def flip(path: Path, offset: int = 64) -> None:
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(group, tmp_path):
     model, opt, sched = make(0)
     said: list[str] = []
-    ck = Checkpointer(tmp_path, keep=3, async_save=False, say=said.append)
-    ck.save(2, model, opt, sched, Position(0, 2))
+    position = Position(0, 2)
+    ck = checkpointer(tmp_path, model, opt, sched, position, keep=3, async_save=False, say=said.append)
+    ck.save(2)
     good = model[0].weight.detach().clone()
     with torch.no_grad():
         model[0].weight.add_(1.0)
-    ck.save(4, model, opt, sched, Position(0, 4))
+    position.sd["position"] = 4
+    ck.save(4)
     flip(tmp_path / "step_00000004" / "__0_0.distcp")
 
     model2, opt2, sched2 = make(1)
-    assert ck.restore(model2, opt2, sched2, Position()) == 2
+    ck = checkpointer(tmp_path, model2, opt2, sched2, keep=3, say=said.append)
+    assert ck.restore() == 2
     assert torch.equal(model2[0].weight, good)
     assert said == [f"checkpoint {tmp_path / 'step_00000004'} is corrupt ({tmp_path / 'step_00000004' / '__0_0.distcp'} "
                     "does not match its recorded sha256); resuming from the previous complete checkpoint, step 2"]
@@ -190,7 +192,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(group, tmp_p
     (tmp_path / "step_00000002" / ".metadata").write_bytes(b"garbage")
     with pytest.raises(CheckpointCorrupt, match=r"no usable checkpoint in .*step_00000004 is corrupt.*"
                                                 r"step_00000002 is corrupt \(.*\.metadata does not match"):
-        ck.restore(model2, opt2, sched2, Position())
+        ck.restore()
 
 
 # 4 -----------------------------------------------------------------------------------------------
@@ -214,8 +216,9 @@ def test_a_second_run_on_the_same_out_directory_exits_2(tmp_path, data_dir, caps
 
 def test_a_commit_keeps_the_committed_checkpoint_until_the_new_one_is_in_place(group, tmp_path, monkeypatch):
     model, opt, sched = make(0)
-    ck = Checkpointer(tmp_path, keep=3, async_save=False)
-    ck.save(8, model, opt, sched, Position(0, 8))
+    position = Position(0, 8)
+    ck = checkpointer(tmp_path, model, opt, sched, position, keep=3, async_save=False)
+    ck.save(8)
     before = (tmp_path / "step_00000008" / "__0_0.distcp").read_bytes()
     real = os.replace
 
@@ -225,13 +228,14 @@ def test_a_commit_keeps_the_committed_checkpoint_until_the_new_one_is_in_place(g
         return real(src, dst)
     monkeypatch.setattr("trainer.checkpoint.os.replace", crash_on_publish)
     with pytest.raises(OSError, match="killed"):
-        ck.save(8, model, opt, sched, Position(0, 99))  # the same step again (a resume from an earlier one)
+        position.sd["position"] = 99
+        ck.save(8)  # the same step again (a resume from an earlier one)
     monkeypatch.undo()
-    restarted = Checkpointer(tmp_path, keep=3)  # start-up puts the committed one back
+    data = Position()
+    restarted = checkpointer(tmp_path, *make(1), data, keep=3)  # start-up puts the committed one back
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [8]
     assert (tmp_path / "step_00000008" / "__0_0.distcp").read_bytes() == before
-    data = Position()
-    assert restarted.restore(*make(1), data) == 8 and data.sd == {"epoch": 0, "position": 8}
+    assert restarted.restore() == 8 and data.sd == {"epoch": 0, "position": 8}
 
 
 # 5, 6 --------------------------------------------------------------------------------------------
@@ -289,11 +293,11 @@ def test_a_full_disk_is_reported_once_without_restarts(tmp_path):
 def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(group, tmp_path):
     model, opt, sched = make(0)
     meta = {"model": {"heads": 4, "kv_heads": 2, "top_k": 2, "router": "softmax"}}
-    Checkpointer(tmp_path, keep=1, async_save=False, meta=meta).save(1, model, opt, sched, Position())
+    checkpointer(tmp_path, model, opt, sched, keep=1, async_save=False, meta=meta).save(1)
     other = {"model": {"heads": 8, "kv_heads": 2, "top_k": 1, "router": "sigmoid"}}  # same tensor shapes
     with pytest.raises(CheckpointMismatch, match=r"step_00000001 was written for another model \(model\.heads 4 -> 8, "
                                                  r"router 'softmax' -> 'sigmoid', top_k 2 -> 1\)"):
-        Checkpointer(tmp_path, keep=1, meta=other).restore(*make(1), Position())
+        checkpointer(tmp_path, *make(1), keep=1, meta=other).restore()
 
 
 def test_a_changed_schedule_is_applied_and_said(tmp_path):
@@ -304,14 +308,14 @@ def test_a_changed_schedule_is_applied_and_said(tmp_path):
         g["lr"] = g["initial_lr"] = 0.003
     sched.base_lrs, sched.last_epoch = [0.003], 30
     saved = {k: getattr(old, k) for k in ("lr", "schedule", "steps", "warmup_steps")}
-    line = _apply_hyper_parameters(new, saved, 30, opt, sched)
+    line = apply_hyper_parameters(new, saved, 30, opt, sched)
     assert line == ("checkpoint of step 30 was trained with other settings: training.lr 0.003 -> 0.001, "
                     "training.schedule 'cosine' -> 'constant'; the plan's values apply from step 31")
     assert opt.param_groups[0]["lr"] == pytest.approx(0.001) and sched.get_last_lr() == [pytest.approx(0.001)]
     opt.step()  # no gradients: only the order torch expects
     sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.001)
-    assert _apply_hyper_parameters(new, {k: getattr(new, k) for k in saved}, 30, opt, sched) is None
+    assert apply_hyper_parameters(new, {k: getattr(new, k) for k in saved}, 30, opt, sched) is None
 
 
 @pytest.mark.slow

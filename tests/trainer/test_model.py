@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from supernode.core.config import Model
 from trainer.model import Transformer, apply_rope, loss_fn, rope_tables
+from trainer.moe import ExpertBalancer
 
 CFG = Model(layers=3, dim=32, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=16,
             dense_hidden=48, first_dense_layers=1, vocab=64, seq_len=16, load_balance_coef=0.01, z_loss_coef=0.001)
@@ -48,7 +49,7 @@ def test_layer_kinds_follow_config() -> None:
     cfg = CFG.model_copy(update={"layers": 5, "first_dense_layers": 1, "moe_every": 2})
     model = build(cfg)
     assert [b.moe for b in model.layers] == [False, True, False, True, False]
-    assert model.expert_load().shape == (2, cfg.experts)
+    assert ExpertBalancer(model.moe_layers(), cfg.bias_update_rate).reduce().shape == (2, cfg.experts)
 
 
 def test_causal() -> None:
@@ -87,7 +88,7 @@ def test_aux_loss_weights_and_terms() -> None:
     torch.testing.assert_close(model.aux_loss(), expected)
     # Perfectly balanced routing gives a load-balance loss of ~1 (E * sum(1/E * 1/E) * E); it is >= 1.
     assert moe.load_balance_loss.item() >= 0.99
-    assert model.expert_load().sum(1).tolist() == [x.numel() * CFG.top_k] * CFG.moe_layers
+    assert ExpertBalancer(model.moe_layers(), 0.0).reduce().sum(1).tolist() == [x.numel() * CFG.top_k] * CFG.moe_layers
 
 
 def test_router_bias_changes_selection_not_gate_weights() -> None:
@@ -103,21 +104,52 @@ def test_router_bias_changes_selection_not_gate_weights() -> None:
     torch.testing.assert_close(weights_b, picked / picked.sum(-1, keepdim=True))
 
 
-def test_update_router_bias_moves_toward_balance() -> None:
+def test_balancer_moves_router_bias_toward_balance_at_the_optimizer_step() -> None:
     model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    balancer = ExpertBalancer(model.moe_layers(), CFG.bias_update_rate)
+    balancer.attach(opt)
     model(tokens()[:, :-1])
-    load = model.expert_load()[0].float()
-    model.update_router_bias()
+    model(tokens(seed=1)[:, :-1])  # two micro-batches: their counts add up on the device
+    load = ExpertBalancer(model.moe_layers(), 0.0).reduce()
+    model(tokens()[:, :-1])
+    model(tokens(seed=1)[:, :-1])
+    opt.step()  # the pre-hook reduces the step's counts and moves the biases
+    assert torch.equal(balancer.last_load, load) and load.sum(1).tolist() == [2 * 2 * CFG.seq_len * CFG.top_k] * 2
     bias = model.moe_layers()[0].router.bias
-    expected = CFG.bias_update_rate * torch.sign(load.mean() - load)
+    expected = CFG.bias_update_rate * torch.sign(load[0].float().mean() - load[0].float())
     torch.testing.assert_close(bias, expected)
-    assert bias[load.argmax()] < 0 < bias[load.argmin()]
-    # A step's summed load (e.g. over micro-batches) can be passed instead.
-    step_load = torch.tensor([[1, 9, 5, 5]] * CFG.moe_layers)
-    model.update_router_bias(step_load)
+    assert bias[load[0].argmax()] < 0 < bias[load[0].argmin()]
+    assert all(m.tokens_per_expert.sum() == 0 for m in model.moe_layers()), "a step starts counting afresh"
+    # A given load can be passed instead; a wrong shape is a clear error.
+    balancer.step(torch.tensor([[1, 9, 5, 5]] * CFG.moe_layers))
     torch.testing.assert_close(bias, expected + CFG.bias_update_rate * torch.tensor([1.0, -1.0, 0.0, 0.0]))
     with pytest.raises(ValueError, match=r"load must have shape \(2, 4\), got \(4,\)"):
-        model.update_router_bias(torch.ones(4))
+        balancer.step(torch.ones(4))
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_does_not_count_tokens_twice(mode: str) -> None:
+    model = build()
+    for block in model.layers:
+        block.checkpoint = mode
+    batch = tokens()
+    (loss_fn(model(batch[:, :-1]), batch[:, 1:]) + model.aux_loss()).backward()  # backward recomputes the MoE
+    load = ExpertBalancer(model.moe_layers(), 0.0).reduce()
+    assert load.sum(1).tolist() == [batch[:, :-1].numel() * CFG.top_k] * CFG.moe_layers
+
+
+def test_balance_groups_average_the_loss_over_groups_of_rows() -> None:
+    model = build()
+    moe = model.moe_layers()[0]
+    rows = torch.randn(12, CFG.dim)
+    parts = []
+    for part in rows.chunk(3):  # what three ranks routing 4 rows each compute
+        moe(part)
+        parts.append(moe.load_balance_loss)
+    moe.balance_groups = 3
+    moe(rows)
+    torch.testing.assert_close(moe.load_balance_loss, sum(parts) / 3)
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
@@ -145,11 +177,14 @@ def test_sequence_longer_than_config_is_a_clear_error() -> None:
         build()(torch.zeros(1, 17, dtype=torch.long))
 
 
-def test_meta_device_build_then_init_weights_is_complete() -> None:
+@pytest.mark.parametrize("cfg", [CFG, CFG.model_copy(update={"tie_embeddings": True})])
+def test_meta_device_build_then_init_weights_is_complete(cfg: Model) -> None:
     with torch.device("meta"):
-        model = Transformer(CFG)
+        model = Transformer(cfg)
     model.to_empty(device="cpu")
     model.init_weights(0)
+    if cfg.tie_embeddings:
+        assert model.output.weight is model.embed.weight
     batch = tokens()[:, :-1]
     with torch.no_grad():
-        torch.testing.assert_close(model(batch), build()(batch), rtol=0, atol=0)
+        torch.testing.assert_close(model(batch), build(cfg)(batch), rtol=0, atol=0)

@@ -6,11 +6,11 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from trainer import moe as moe_mod
-from trainer.moe import MoE, expert_ffn, grouped_mm_applies
+from trainer.dispatcher import AllToAllDispatcher
+from trainer.moe import ExpertBalancer, MoE, expert_ffn, grouped_mm_applies
 
 DIM, HIDDEN, EXPERTS, TOP_K = 32, 16, 4, 2
 EMPTY = 3  # this expert is biased out of every top-k: it gets no tokens
@@ -105,10 +105,10 @@ def run_ep(rank: int, world_size: int) -> dict:
             for name in ("w1", "w2", "w3"):  # this rank keeps its experts only
                 full = getattr(layer.experts, name)
                 setattr(layer.experts, name, torch.nn.Parameter(full.detach()[ep_rank * per:(ep_rank + 1) * per].clone()))
-            layer.ep_group, layer.stats_group, layer.overlap = mesh["ep"].get_group(), dist.group.WORLD, overlap
+            layer.dispatcher = AllToAllDispatcher(mesh["ep"].get_group(), overlap=overlap)
             out, dx, grads = fwd_bwd(layer, rows(TOTAL)[rank_rows(rank)], upstream(TOTAL)[rank_rows(rank)])
             results[(ep, overlap)] = {"out": out, "dx": dx, "grads": grads, "ep_rank": ep_rank,
-                                      "load": layer.tokens_per_expert.clone()}
+                                      "load": ExpertBalancer([layer], 0.0).reduce()[0]}  # summed over the ranks
     return results
 
 

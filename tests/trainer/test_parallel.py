@@ -1,9 +1,13 @@
-"""Every parallel layout gives the loss and gradients of one process on the same global batch.
+"""Every parallel layout gives the weights, loss and gradients of one process on the same global batch.
 
 One spawn of 4 gloo ranks runs all layouts in turn (process start-up dominates the cost); each
-rank reads its data-parallel slice, the reference in this process sees the whole batch. Gradients
-are compared as full tensors (DTensor.full_tensor), which also catches FSDP summing instead of
-averaging over data-parallel ranks (a past gloo bug).
+rank builds its shards only (meta device, parallelize, to_empty, init in place) and reads its
+data-parallel slice; the reference in this process builds the whole model and sees the whole
+batch. Weights after init and gradients are compared as full tensors (DTensor.full_tensor), which
+also catches FSDP summing instead of averaging over data-parallel ranks (a past gloo bug). The
+load-balance loss is measured per routing group (the tokens one rank routes), so the reference
+splits its rows into dp*tp groups. Expert counts cross ranks once per step: every all-reduce of
+integer counts is recorded, and there must be exactly one, at the optimizer step.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from supernode.core.config import Model, Parallel
 from trainer.model import Transformer, loss_fn
-from trainer.parallel import ParallelDims, parallelize
+from trainer.moe import ExpertBalancer
+from trainer.parallel import ParallelDims, build_model, parallelize
 
 SEED = 7
 LR = 0.5
@@ -44,25 +49,52 @@ def batch() -> torch.Tensor:
     return torch.randint(0, MODEL.vocab, (BATCH, MODEL.seq_len + 1), generator=torch.Generator().manual_seed(SEED))
 
 
-def second_step(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    """An SGD step and a router-bias step from the first backward, then the next forward's CE."""
-    torch.optim.SGD(model.parameters(), lr=LR).step()
-    model.update_router_bias()
+def second_step(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An SGD step with the router-bias step as its pre-hook (the step's counts reduced once),
+    then the next forward's CE. -> (CE, the step's global expert load)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    balancer = ExpertBalancer(model.moe_layers(), model.cfg.bias_update_rate)
+    balancer.attach(opt)
+    opt.step()
     with torch.no_grad():
-        return loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+        return loss_fn(model(tokens[:, :-1]), tokens[:, 1:]), balancer.last_load
 
 
-def reference(model_cfg: Model) -> dict:
+def reference(model_cfg: Model, groups: int) -> dict:
     model = Transformer(model_cfg)
     model.init_weights(SEED)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for moe in model.moe_layers():
+        moe.balance_groups = groups
     tokens = batch()
     ce = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
     aux = model.aux_loss()
     (ce + aux).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    load = model.expert_load()
-    return {"ce": ce.item(), "aux": aux.item(), "load": load, "grads": grads,
-            "ce_after_step": second_step(model, tokens).item()}
+    ce_after, load = second_step(model, tokens)
+    return {"ce": ce.item(), "aux": aux.item(), "load": load, "grads": grads, "params": params,
+            "ce_after_step": ce_after.item()}
+
+
+class CountReductions:
+    """Records the all-reduces of integer tensors (expert counts) while active."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+        self.phase = "forward/backward"
+
+    def __enter__(self) -> "CountReductions":
+        real = self.real = dist.all_reduce
+
+        def counting(tensor, *args, **kwargs):
+            if not tensor.is_floating_point():
+                self.calls.append((self.phase, tuple(tensor.shape)))
+            return real(tensor, *args, **kwargs)
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = self.real
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -73,16 +105,20 @@ def run_layouts(rank: int, world_size: int) -> dict:
     results = {}
     for name, (dpr, dps, tp, ep, ac, overlap, model_cfg) in LAYOUTS.items():
         dims = ParallelDims(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, pp=1, world_size=world_size)
-        model = Transformer(model_cfg)
-        model.init_weights(SEED)
         parallel = Parallel(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, activation_checkpointing=ac,
                             overlap=overlap, mixed_precision="bf16")  # bf16 must be ignored on CPU
-        # parallelize's device type only decides mixed precision: "cuda" takes the GPU (bf16) path.
-        model = parallelize(model, dims, dims.build_mesh("cpu"), parallel, "cuda" if name == BF16_LAYOUT else "cpu")
+        if name == BF16_LAYOUT:  # parallelize's device type decides mixed precision: "cuda" is the GPU (bf16) path
+            model = Transformer(model_cfg)
+            model.init_weights(SEED)
+            parallelize(model, dims, dims.build_mesh("cpu"), parallel, "cuda")
+        else:
+            model = build_model(model_cfg, dims, parallel, torch.device("cpu"), SEED)
+        params = {n: _full(p.detach()) for n, p in model.named_parameters()}  # collective: every rank
         tokens = batch().chunk(dims.dp_size)[dims.dp_rank(rank)]
         compute_dtypes: set[str] = set()
         for moe in model.moe_layers():
             moe.experts.register_forward_hook(lambda mod, args, out: compute_dtypes.add(str(out.dtype)))
+        counted = CountReductions().__enter__()
         ce = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
         aux = model.aux_loss()
         (ce + aux).backward()
@@ -91,16 +127,22 @@ def run_layouts(rank: int, world_size: int) -> dict:
         dist.all_reduce(stats)
         grads = {n: _full(p.grad) for n, p in model.named_parameters()}  # collective: every rank
         dtypes = {str(p.dtype) for p in model.parameters()}
-        load = model.expert_load()
-        ce_after = second_step(model, tokens) / (dims.dp_size * tp)
+        counted.phase = "step"
+        ce_after, load = second_step(model, tokens)
+        counted.__exit__()
+        ce_after = ce_after / (dims.dp_size * tp)
         dist.all_reduce(ce_after)
-        results[name] = {"ce": stats[0].item(), "aux": stats[1].item(), "load": load,
-                         "grads": grads, "dtypes": dtypes, "compute_dtypes": compute_dtypes, "ce_after_step": ce_after.item()}
+        results[name] = {"ce": stats[0].item(), "aux": stats[1].item(), "load": load, "params": params,
+                         "grads": grads, "dtypes": dtypes, "compute_dtypes": compute_dtypes,
+                         "ce_after_step": ce_after.item(), "count_reductions": counted.calls}
     return results if rank == 0 else {}
 
 
 def check_layout(layout: str, got: dict) -> None:
-    ref = reference(LAYOUTS[layout][-1])
+    dpr, dps, tp, *_, model_cfg = LAYOUTS[layout]
+    ref = reference(model_cfg, groups=dpr * dps * tp)
+    # One reduction of every MoE layer's counts per step, none in forward or backward.
+    assert got["count_reductions"] == [("step", (model_cfg.moe_layers, model_cfg.experts))]
     if layout == BF16_LAYOUT:
         assert got["ce"] == pytest.approx(ref["ce"], rel=2e-2)
         assert got["compute_dtypes"] == {"torch.bfloat16"}
@@ -114,6 +156,9 @@ def check_layout(layout: str, got: dict) -> None:
     assert got["ce"] == pytest.approx(ref["ce"], rel=1e-5)
     assert got["aux"] == pytest.approx(ref["aux"], rel=1e-4)
     assert torch.equal(got["load"], ref["load"]), "expert load must be the global token counts"
+    assert set(got["params"]) == set(ref["params"])
+    for name, w in ref["params"].items():  # sharded init = the single-process init, bit for bit
+        assert torch.equal(got["params"][name], w), f"{name}: initialised differently from the reference"
     assert got["dtypes"] == {"torch.float32"}
     assert got["ce_after_step"] == pytest.approx(ref["ce_after_step"], rel=1e-5)
     assert got["ce_after_step"] < got["ce"] - 0.01, "the step must have changed the model"

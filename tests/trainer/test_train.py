@@ -18,7 +18,7 @@ from supernode.core.config import from_mapping, load_stack
 from supernode.core.plan import Plan, build_local_plan
 from trainer.checkpoint import complete_checkpoints
 from trainer.data import DEFAULT_CORPUS, prepare
-from trainer.train import lr_factor
+from trainer.trainer import lr_factor
 
 ROOT = Path(__file__).resolve().parents[2]
 
