@@ -1,185 +1,202 @@
-"""Token data: a byte-level tokenizer, token shards with a checksummed manifest, and a loader.
+"""The training data loader: memory-mapped token shards, one dataset or a weighted blend.
 
-Layout written by `prepare`:
+Preparing and verifying data lives in trainer.prepare, trainer.tokenizer and trainer.manifest
+(re-exported here). Each dataset is read as one token stream through memory maps of its shards (mmap + np.frombuffer),
+cut into windows of seq_len + 1 tokens (inputs and next-token targets): window w starts at token
+w * seq_len. Windows cross document boundaries; the EOS between documents marks them, so the model
+learns where a document ends. Resident memory does not grow with the dataset: only the pages of
+the windows being read are mapped in (and unmapped after), and the per-epoch order is a keyed
+permutation computed per window (no array of all windows).
 
-    out_dir/shard_00000.bin ...   raw uint8 token ids (byte-level: every id < 256)
-    out_dir/manifest.json         {"tokenizer", "vocab", "dtype", "total_tokens", "shards": [{file, tokens, sha256}]}
-
-The loader reads the shards as one token stream cut into windows of seq_len + 1 tokens (inputs and
-next-token targets). Each epoch visits the windows in a seeded permutation; an optimizer step takes
-the next `global_batch` windows of it and each data-parallel rank takes its own contiguous slice.
-Because the order is global, the state (epoch, position) is the same on every rank and means the
-same thing at any data-parallel size: a run saved on 4 ranks resumes on 2 with the same batches.
+An optimizer step takes the next `global_batch` windows and each data-parallel rank takes its own
+contiguous slice. With one dataset the windows are those of a seeded permutation of its windows,
+epoch after epoch (the ragged tail of an epoch is dropped). A blend (`training.data`) picks the
+dataset of each global sample from a seeded hash of the sample's index, in proportion to the
+weights; each dataset then hands out its own permuted windows. The state (epoch and position per
+dataset, and the blend's sample count) is the same on every rank and means the same thing at any
+data-parallel size: a run saved on 4 ranks resumes on 2 with the same batches.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-import json
-from dataclasses import dataclass
+import mmap
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
-VOCAB = 256
-MANIFEST = "manifest.json"
-DTYPE = np.uint8
-DTYPES = ("uint8", "uint16", "uint32")  # token id types a manifest may name
-DEFAULT_CORPUS = sorted((Path(__file__).parent / "corpus").glob("*.txt"))
+from .manifest import DataError, check_vocab, dataset_dirs, ensure_verified, read_manifest, verify  # noqa: F401
+from .prepare import DEFAULT_CORPUS, prepare  # noqa: F401
+from .tokenizer import byte_tokenizer
 
+VOCAB = 256  # the byte tokenizer's
 
-class DataError(Exception):
-    """Unusable data (missing or corrupt shard, bad manifest, too little data): the message names the file."""
-
-
-# -- tokenizer -------------------------------------------------------------------------------
 
 def encode(text: str) -> np.ndarray:
-    """UTF-8 bytes as token ids: lossless, vocab 256 (valid ids in any larger vocab too)."""
-    return np.frombuffer(text.encode("utf-8"), dtype=DTYPE).copy()
+    """UTF-8 bytes as token ids (the byte tokenizer): lossless, vocab 256."""
+    return byte_tokenizer().encode(text)
 
 
 def decode(tokens: Iterable[int]) -> str:
-    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+    return byte_tokenizer().decode(tokens)
 
 
-# -- shards ----------------------------------------------------------------------------------
+# -- a keyed permutation of range(n), computed per index -----------------------------------------
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def prepare(corpus_paths: Sequence[str | Path], out_dir: str | Path, shard_tokens: int = 1 << 20) -> dict:
-    """Tokenize text files into shards of at most `shard_tokens` tokens plus `manifest.json`."""
-    if shard_tokens < 1:
-        raise DataError(f"shard_tokens must be positive (got {shard_tokens})")
-    parts = []
-    for p in map(Path, corpus_paths):
-        if not p.is_file():
-            raise DataError(f"corpus file not found: {p}")
-        try:
-            parts.append(encode(p.read_text(encoding="utf-8")))
-        except UnicodeDecodeError as e:
-            raise DataError(f"corpus file is not UTF-8 text: {p} ({e})") from None
-    stream = np.concatenate(parts) if parts else np.zeros(0, DTYPE)
-    if stream.size == 0:
-        raise DataError(f"the corpus is empty: {[str(p) for p in corpus_paths]}")
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out} is an existing file, not a directory; give a directory for the shards")
-    out.mkdir(parents=True, exist_ok=True)
-    shards = []
-    for i, start in enumerate(range(0, stream.size, shard_tokens)):
-        path = out / f"shard_{i:05d}.bin"
-        path.write_bytes(stream[start:start + shard_tokens].tobytes())
-        shards.append({"file": path.name, "tokens": int(min(shard_tokens, stream.size - start)),
-                       "sha256": _sha256(path)})
-    manifest = {"tokenizer": "bytes", "vocab": VOCAB, "dtype": np.dtype(DTYPE).name,
-                "total_tokens": int(stream.size), "shards": shards}
-    tmp = out / (MANIFEST + ".tmp")  # the manifest appears only once every shard is written
-    tmp.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-    tmp.replace(out / MANIFEST)
-    return manifest
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 (wrapping arithmetic is the point)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
-def read_manifest(data_dir: str | Path) -> dict:
-    path = Path(data_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(f"no {MANIFEST} in {data_dir}: run `supernode data prepare` first")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        shards = manifest["shards"]
-        for s in shards:
-            s["file"], s["tokens"], s["sha256"]
-    except (ValueError, KeyError, TypeError) as e:  # ValueError: bad JSON or not UTF-8
-        raise DataError(f"{path}: not a valid manifest ({type(e).__name__}: {e})") from None
-    dtype = manifest.get("dtype", "uint8")
-    if dtype not in DTYPES:
-        raise DataError(f"{path}: dtype {dtype!r} is not a token id type; use one of {', '.join(DTYPES)}")
-    for s in shards:
-        if not isinstance(s["tokens"], int) or isinstance(s["tokens"], bool) or s["tokens"] < 0:
-            raise DataError(f"{path}: shard {s['file']!r}: tokens must be a count (got {s['tokens']!r})")
-    total = manifest.get("total_tokens")
-    if total is not None and total != sum(s["tokens"] for s in shards):
-        raise DataError(f"{path}: total_tokens {total!r} is not the sum of the shards' tokens "
-                        f"({sum(s['tokens'] for s in shards)})")
-    return manifest
+def permute(idx: np.ndarray, n: int, key: int) -> np.ndarray:
+    """Position idx of a pseudo-random permutation of range(n) fixed by `key`: a 4-round Feistel
+    network on the smallest even-bit domain >= n, cycle-walking back into range (at most 4x n, so
+    a few rounds on average). Memory is that of `idx`, not of n."""
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keys = _mix(np.arange(4, dtype=np.uint64) + np.uint64(key & 0xFFFFFFFFFFFFFFFF))
+    x = np.asarray(idx, dtype=np.uint64).copy()
+    todo = np.ones(x.shape, bool)
+    while todo.any():
+        left, right = x[todo] >> np.uint64(half), x[todo] & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        x[todo] = (left << np.uint64(half)) | right
+        todo[todo] = x[todo] >= np.uint64(n)
+    return x.astype(np.int64)
 
 
-def verify(data_dir: str | Path) -> dict:
-    """Check every shard against the manifest; a missing or corrupt shard raises DataError naming it."""
-    manifest = read_manifest(data_dir)
-    for s in manifest["shards"]:
-        path = Path(data_dir) / s["file"]
-        if not path.is_file():
-            raise DataError(f"shard {path} is missing (listed in {MANIFEST})")
-        itemsize = np.dtype(manifest.get("dtype", "uint8")).itemsize
-        size, rest = divmod(path.stat().st_size, itemsize)
-        if size != s["tokens"] or rest:
-            raise DataError(f"shard {path} is corrupt: {path.stat().st_size / itemsize:g} tokens of "
-                            f"{manifest.get('dtype', 'uint8')} ({path.stat().st_size} bytes), manifest says "
-                            f"{s['tokens']}: a corrupt shard or a wrong dtype")
-        digest = _sha256(path)
-        if digest != s["sha256"]:
-            raise DataError(f"shard {path} is corrupt: sha256 {digest} does not match the manifest's {s['sha256']}")
-    return manifest
+def _key(*parts: int) -> int:
+    """A 64-bit key for (seed, epoch, ...): the same in every process and Python version."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
 
 
-# -- loader ----------------------------------------------------------------------------------
+# -- one dataset -----------------------------------------------------------------------------------
 
-@dataclass
-class DataState:
-    epoch: int = 0
-    position: int = 0  # windows of this epoch's permutation already consumed (global, all ranks)
+class Dataset:
+    """A prepared dataset's windows through memory maps, and its (epoch, position) in its order."""
+
+    def __init__(self, data_dir: Path, seq_len: int, seed: int, vocab: int | None):
+        manifest = ensure_verified(data_dir)
+        if vocab is not None:  # else an index error in the embedding, on every rank
+            check_vocab(manifest, vocab, data_dir)
+        self.dir, self.seq_len, self.seed = data_dir, seq_len, seed
+        self.dtype = np.dtype(manifest.get("dtype", "uint8"))
+        shards = [s for s in manifest["shards"] if s["tokens"]]
+        self.files = [data_dir / s["file"] for s in shards]
+        self.starts = np.cumsum([0] + [s["tokens"] for s in shards]).tolist()
+        self.maps: dict[int, tuple] = {}  # shard -> (mmap, its tokens), mapped on first read
+        self.tokens = self.starts[-1]
+        self.windows = max(0, (self.tokens - 1) // seq_len)
+        self.epoch = self.position = 0
+
+    def _map(self, i: int) -> tuple[mmap.mmap, np.ndarray]:
+        if i not in self.maps:
+            with open(self.files[i], "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.maps[i] = (mm, np.frombuffer(mm, dtype=self.dtype))
+        return self.maps[i]
+
+    def _read(self, i: int, a: int, b: int) -> np.ndarray:
+        """Tokens [a, b) of shard i, copied out; then the pages are unmapped again (they stay in the
+        page cache). The kernel maps whole large folios on a fault, so without this the mapped,
+        resident part of a long run's shards grows towards all of them."""
+        mm, tokens = self._map(i)
+        out = tokens[a:b].copy()
+        lo = a * self.dtype.itemsize // mmap.PAGESIZE * mmap.PAGESIZE
+        mm.madvise(mmap.MADV_DONTNEED, lo, b * self.dtype.itemsize - lo)
+        return out
+
+    def window(self, w: int) -> np.ndarray:
+        """Tokens [w * seq_len, w * seq_len + seq_len + 1), across shard boundaries if need be."""
+        a, b = w * self.seq_len, w * self.seq_len + self.seq_len + 1
+        i = bisect.bisect_right(self.starts, a) - 1
+        parts = []
+        while a < b:
+            end = min(b, self.starts[i + 1])
+            parts.append(self._read(i, a - self.starts[i], end - self.starts[i]))
+            a, i = end, i + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def take(self, count: int) -> np.ndarray:
+        """The next `count` window ids of this dataset's order; an epoch too short for them ends
+        (its ragged tail is dropped) and the next epoch's order begins."""
+        if self.position + count > self.windows:
+            self.epoch, self.position = self.epoch + 1, 0
+        ids = permute(np.arange(self.position, self.position + count), self.windows, _key(self.seed, self.epoch))
+        self.position += count
+        return ids
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load(self, sd: dict) -> None:
+        self.epoch, self.position = int(sd["epoch"]), int(sd["position"])
 
 
 class TokenLoader:
-    """Per-step micro-batches for one data-parallel rank, deterministic for a seed and resumable."""
+    """Per-step micro-batches for one data-parallel rank, deterministic for a seed and resumable.
+
+    `data_dir` is a prepared dataset, or with `blend` ([{path, weight}], config `training.data`)
+    the directory the blend's paths are relative to."""
 
     def __init__(self, data_dir: str | Path, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_rank: int, dp_size: int, seed: int, vocab: int | None = None):
-        manifest = verify(data_dir)
-        self.tokens = np.concatenate([np.fromfile(Path(data_dir) / s["file"], dtype=manifest.get("dtype", "uint8"))
-                                      for s in manifest["shards"]])
-        top = int(self.tokens.max()) if self.tokens.size else 0
-        if vocab is not None and top >= vocab:  # else an index error in the embedding, on every rank
-            raise DataError(f"{data_dir} holds token id {top}, outside the model's vocab of {vocab} "
-                            f"(manifest dtype {manifest.get('dtype', 'uint8')}, vocab {manifest.get('vocab')})")
+                 dp_rank: int, dp_size: int, seed: int, vocab: int | None = None, blend: Sequence = ()):
+        sources = dataset_dirs(data_dir, list(blend or ()))
+        self.datasets = [Dataset(path, seq_len, seed * 1_000_003 + n, vocab) for n, (path, _) in enumerate(sources)]
+        weights = np.array([w for _, w in sources], dtype=np.float64)
+        self.cumulative = np.cumsum(weights / weights.sum())
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.windows = (self.tokens.size - 1) // seq_len
-        if self.windows < global_batch:
-            raise DataError(f"{data_dir} holds {self.tokens.size} tokens: fewer than one global batch of "
-                            f"{global_batch} x {seq_len + 1}; add text or shrink the batch")
-        self.state = DataState()
-        self._order = self._permutation(0)
+        self.samples = 0  # global samples drawn so far (a blend's choices are a function of it)
+        for d in self.datasets:
+            if d.windows < global_batch:
+                raise DataError(f"{d.dir} holds {d.tokens} tokens: fewer than one global batch of "
+                                f"{global_batch} x {seq_len + 1}; add text or shrink the batch")
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.windows, generator=g)
+    @property
+    def windows(self) -> int:
+        return self.datasets[0].windows
 
     def state_dict(self) -> dict:
-        return {"epoch": self.state.epoch, "position": self.state.position}
+        if len(self.datasets) == 1:
+            return self.datasets[0].state()
+        return {"samples": self.samples, "datasets": [d.state() for d in self.datasets]}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.state = DataState(int(sd["epoch"]), int(sd["position"]))
-        self._order = self._permutation(self.state.epoch)
+        states = sd.get("datasets", [sd])
+        if len(states) != len(self.datasets):
+            raise DataError(f"the checkpoint's data state is of {len(states)} dataset(s), training.data names "
+                            f"{len(self.datasets)}: resume with the blend it was trained on")
+        for d, s in zip(self.datasets, states):
+            d.load(s)
+        self.samples = int(sd.get("samples", 0))
+
+    def choices(self, start: int, count: int) -> np.ndarray:
+        """The dataset of global samples start..start+count: a seeded hash of each index, by weight."""
+        if len(self.datasets) == 1:
+            return np.zeros(count, dtype=np.int64)
+        u = _mix(np.arange(start, start + count, dtype=np.uint64) + np.uint64(_key(self.seed, -1)))
+        return np.searchsorted(self.cumulative, (u >> np.uint64(11)) / float(1 << 53), side="right").clip(
+            max=len(self.datasets) - 1)
 
     def next_step(self) -> list[torch.Tensor]:
         """This rank's micro-batches for the next optimizer step, each [micro_batch, seq_len + 1] int64."""
-        if self.state.position + self.global_batch > self.windows:  # drop the ragged tail, next epoch
-            self.state = DataState(self.state.epoch + 1, 0)
-            self._order = self._permutation(self.state.epoch)
+        pick = self.choices(self.samples, self.global_batch)
+        rows: list = [None] * self.global_batch
+        for n, d in enumerate(self.datasets):  # every rank draws the whole batch: the state stays global
+            where = np.flatnonzero(pick == n)
+            for slot, w in zip(where, d.take(where.size) if where.size else ()):
+                rows[slot] = w
+        self.samples += self.global_batch
         per_rank = self.global_batch // self.dp_size
-        start = self.state.position + self.dp_rank * per_rank
-        ids = self._order[start:start + per_rank].numpy()
-        self.state.position += self.global_batch
-        offsets = ids[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        batch = torch.from_numpy(self.tokens[offsets].astype(np.int64))
-        return list(batch.split(self.micro_batch))
+        mine = range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        batch = np.stack([self.datasets[pick[i]].window(int(rows[i])) for i in mine]).astype(np.int64)
+        return list(torch.from_numpy(batch).split(self.micro_batch))

@@ -107,3 +107,119 @@ def test_missing_manifest_and_too_little_data(tmp_path):
     prepare([tmp_path / "tiny.txt"], tmp_path / "d")
     with pytest.raises(DataError, match="fewer than one global batch"):
         loader(tmp_path / "d")
+
+
+# -- memmap, verification once, permutation, blends (issue 14) ------------------------------------
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from trainer import manifest as manifest_module
+from trainer.data import permute
+from trainer.manifest import VERIFIED, ensure_verified
+from trainer.prepare import ShardWriter, write_manifest
+
+
+def synthetic(out: Path, tokens: int, vocab: int = 1000, seed: int = 0, shard_tokens: int = 1 << 20) -> Path:
+    """Random token shards through the same writer and manifest as `prepare`."""
+    out.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(out, "uint16", shard_tokens)
+    rng = np.random.default_rng(seed)
+    for start in range(0, tokens, 1 << 22):
+        writer.add(rng.integers(1, vocab, size=min(1 << 22, tokens - start), dtype=np.uint16))
+    shards = writer.close()
+    write_manifest(out, {"tokenizer": {"kind": "synthetic"}, "vocab": vocab, "dtype": "uint16", "eos": 0,
+                         "total_tokens": tokens, "max_id": max(s["max_id"] for s in shards), "shards": shards})
+    return out
+
+
+def test_permutation_is_a_bijection_fixed_by_its_key():
+    for n in (1, 2, 7, 1000, 4097):
+        p = permute(np.arange(n), n, key=42)
+        assert sorted(p.tolist()) == list(range(n))
+    assert not np.array_equal(permute(np.arange(1000), 1000, 1), permute(np.arange(1000), 1000, 2))
+    assert np.array_equal(permute(np.arange(5, 9), 1000, 1), permute(np.arange(1000), 1000, 1)[5:9])
+
+
+def test_verification_happens_once_until_a_shard_changes(shards, monkeypatch):
+    ensure_verified(shards)  # prepare left the marker; this reads no shard
+    assert (shards / VERIFIED).is_file()
+
+    def no_hashing(path):
+        raise AssertionError(f"{path} hashed again")
+
+    monkeypatch.setattr(manifest_module, "sha256_file", no_hashing)
+    ensure_verified(shards)
+    loader(shards).next_step()
+    os.utime(shards / "shard_00001.bin")  # rewritten since: verified again, in full
+    with pytest.raises(AssertionError, match=r"shard_00000\.bin hashed again"):
+        ensure_verified(shards)
+
+
+def test_windows_cross_shards_and_read_the_token_stream(tmp_path):
+    d = synthetic(tmp_path / "d", 10_000, shard_tokens=997)
+    stream = np.concatenate([np.fromfile(d / f"shard_{i:05d}.bin", dtype=np.uint16) for i in range(11)])
+    ld = TokenLoader(d, 50, 8, 4, 0, 1, 3)
+    for w in (0, 19, 39, 198):  # 19: tokens 950-1000 straddle shards 0 and 1
+        assert np.array_equal(ld.datasets[0].window(w), stream[w * 50:w * 50 + 51])
+
+
+def test_blend_proportions_and_resume_at_another_world_size(tmp_path):
+    a, b = synthetic(tmp_path / "a", 40_000, seed=1), synthetic(tmp_path / "b", 40_000, seed=2)
+    blend = [{"path": "a", "weight": 3}, {"path": "b", "weight": 1}]
+
+    def make(rank=0, dp=1):
+        return TokenLoader(tmp_path, SEQ, 8, 2, rank, dp, 5, vocab=1000, blend=blend)
+
+    one = make()
+    steps = [torch.cat(one.next_step()) for _ in range(400)]
+    picks = one.choices(0, 400 * 8)
+    assert abs((picks == 0).mean() - 0.75) < 0.03  # 3:1 within tolerance over 400 steps
+    stream_b = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in sorted(b.glob("shard_*.bin"))]).tobytes()
+    from_b = sum(row.numpy().astype(np.uint16).tobytes() in stream_b for step in steps[:50] for row in step)
+    assert from_b == (picks[:400] == 1).sum()  # each sample came from the dataset its pick names
+    assert not torch.equal(torch.cat(TokenLoader(tmp_path, SEQ, 8, 2, 0, 1, 6, blend=blend).next_step()), steps[0])
+    # saved after 100 steps on one rank, resumed on two: the same global batches
+    first = make()
+    for _ in range(100):
+        first.next_step()
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["samples"] == 800 and len(state["datasets"]) == 2
+    ranks = [make(r, 2) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict(state)
+    for expected in steps[100:130]:
+        assert torch.equal(torch.cat([torch.cat(r.next_step()) for r in ranks]), expected)
+    with pytest.raises(DataError, match=r"data state is of 2 dataset\(s\), training.data names 1"):
+        TokenLoader(a, SEQ, 8, 2, 0, 1, 5).load_state_dict(state)
+
+
+def test_vocab_larger_than_the_model_names_both_numbers(tmp_path):
+    d = synthetic(tmp_path / "d", 5_000, vocab=50_000)
+    with pytest.raises(DataError, match=r"tokenizer has 50000 tokens; set model.vocab to at least 50000.* at most 4096"):
+        TokenLoader(d, SEQ, 8, 2, 0, 1, 0, vocab=4096)
+
+
+RSS = """
+import sys, resource
+from trainer.data import TokenLoader
+def anon():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
+before = anon()
+ld = TokenLoader(sys.argv[1], 512, 64, 8, 0, 8, 0)  # 300 steps: 19 MB of windows read
+for _ in range(300):
+    ld.next_step()
+print(anon() - before)
+"""
+
+
+def test_loader_resident_memory_does_not_grow_with_the_dataset(tmp_path):
+    grown = []
+    for mb in (8, 128):
+        d = synthetic(tmp_path / str(mb), mb << 19, shard_tokens=1 << 22)
+        r = subprocess.run([sys.executable, "-c", RSS, str(d)], capture_output=True, text=True, check=True)
+        grown.append(int(r.stdout) / 1024)  # MiB resident (anonymous and mapped file pages) the loader added
+    assert grown[1] - grown[0] < 4, grown  # 16x the data, the same memory (the old loader held it all)

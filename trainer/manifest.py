@@ -1,0 +1,176 @@
+"""A prepared dataset's manifest: reading it, verifying its shards, and checking its vocabulary
+against the model's. Imports neither torch nor the tokenizers library (the CLI's plan and push use it).
+
+    DIR/shard_00000.bin ...   token ids, the manifest's dtype, fixed size (the last may be shorter)
+    DIR/tokenizer.json        the tokenizer, unless it is the byte tokenizer
+    DIR/manifest.json         written last: {"tokenizer": {kind, file, sha256, eos_token}, "vocab",
+                              "dtype", "eos", "documents", "total_tokens", "max_id", "shard_tokens",
+                              "shards": [{file, tokens, sha256, max_id}], ...}
+    DIR/.verified             the key of the manifest and shard files last verified in full
+
+Verification hashes every shard once: `prepare` and `verify` leave `.verified`, and a loader whose
+shards are unchanged since (same manifest, sizes and mtimes) trusts it. Where DIR is read-only, the
+first process on a node verifies under a lock and leaves the marker in the node's temp directory,
+so the other ranks of the node wait for it instead of hashing the same shards again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+MANIFEST = "manifest.json"
+VERIFIED = ".verified"
+DTYPES = ("uint8", "uint16", "uint32")  # token id types a manifest may name
+ITEMSIZE = {"uint8": 1, "uint16": 2, "uint32": 4}
+
+
+class DataError(Exception):
+    """Unusable data (missing or corrupt shard, bad manifest, too little data): the message names the file."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(data_dir: str | Path) -> dict:
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"no {MANIFEST} in {data_dir}: run `supernode data prepare` first")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        shards = manifest["shards"]
+        for s in shards:
+            s["file"], s["tokens"], s["sha256"]
+    except (ValueError, KeyError, TypeError) as e:  # ValueError: bad JSON or not UTF-8
+        raise DataError(f"{path}: not a valid manifest ({type(e).__name__}: {e})") from None
+    dtype = manifest.get("dtype", "uint8")
+    if dtype not in DTYPES:
+        raise DataError(f"{path}: dtype {dtype!r} is not a token id type; use one of {', '.join(DTYPES)}")
+    for s in shards:
+        if not isinstance(s["tokens"], int) or isinstance(s["tokens"], bool) or s["tokens"] < 0:
+            raise DataError(f"{path}: shard {s['file']!r}: tokens must be a count (got {s['tokens']!r})")
+    total = manifest.get("total_tokens")
+    if total is not None and total != sum(s["tokens"] for s in shards):
+        raise DataError(f"{path}: total_tokens {total!r} is not the sum of the shards' tokens "
+                        f"({sum(s['tokens'] for s in shards)})")
+    vocab = manifest.get("vocab")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise DataError(f"{path}: vocab must be the tokenizer's vocabulary size (got {vocab!r})")
+    if vocab > 1 << (8 * ITEMSIZE[dtype]):
+        raise DataError(f"{path}: dtype {dtype} cannot hold the ids of a vocabulary of {vocab}")
+    return manifest
+
+
+def _check_sizes(data_dir: Path, manifest: dict) -> list[tuple[str, int, int]]:
+    """Every shard is there with the size the manifest implies (cheap: a stat each); returns
+    (file, size, mtime_ns) per shard for the verification key."""
+    dtype = manifest.get("dtype", "uint8")
+    stats = []
+    for s in manifest["shards"]:
+        path = data_dir / s["file"]
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise DataError(f"shard {path} is missing (listed in {MANIFEST})") from None
+        tokens, rest = divmod(st.st_size, ITEMSIZE[dtype])
+        if tokens != s["tokens"] or rest:
+            raise DataError(f"shard {path} is corrupt: {st.st_size / ITEMSIZE[dtype]:g} tokens of {dtype} "
+                            f"({st.st_size} bytes), manifest says {s['tokens']}: a corrupt shard or a wrong dtype")
+        stats.append((s["file"], st.st_size, st.st_mtime_ns))
+    return stats
+
+
+def _key(data_dir: Path, stats: list) -> str:
+    text = (data_dir / MANIFEST).read_bytes()
+    return hashlib.sha256(text + json.dumps([str(data_dir.resolve()), stats]).encode()).hexdigest()
+
+
+def verify(data_dir: str | Path) -> dict:
+    """Check every shard against the manifest (size, then sha256), then leave the verified marker.
+    A missing or corrupt shard raises DataError naming it."""
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    stats = _check_sizes(data_dir, manifest)
+    for s in manifest["shards"]:
+        path = data_dir / s["file"]
+        digest = sha256_file(path)
+        if digest != s["sha256"]:
+            raise DataError(f"shard {path} is corrupt: sha256 {digest} does not match the manifest's {s['sha256']}")
+    mark_verified(data_dir, stats)
+    return manifest
+
+
+def mark_verified(data_dir: Path, stats: Optional[list] = None) -> None:
+    key = _key(data_dir, stats if stats is not None else _check_sizes(data_dir, read_manifest(data_dir)))
+    for path in (data_dir / VERIFIED, _node_marker(key)):
+        try:
+            path.write_text(key, encoding="utf-8")
+        except OSError:
+            pass  # a read-only dataset: the node's marker serves
+
+
+def _node_marker(key: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"supernode-verified-{key[:32]}"
+
+
+def ensure_verified(data_dir: str | Path) -> dict:
+    """The manifest, its shards verified in full unless a marker says they already were."""
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    key = _key(data_dir, _check_sizes(data_dir, manifest))
+    node = _node_marker(key)
+
+    def marked() -> bool:
+        return any(p.is_file() and p.read_text(encoding="utf-8", errors="replace") == key
+                   for p in (data_dir / VERIFIED, node))
+
+    if marked():
+        return manifest
+    with open(node.with_suffix(".lock"), "a") as lock:  # one verifier per node; the others wait for it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not marked():
+            verify(data_dir)
+    return manifest
+
+
+def check_vocab(manifest: dict, model_vocab: int, where: str | Path) -> None:
+    """The one comparison of the data's vocabulary with the model's (plan, preview and trainer)."""
+    vocab, top = manifest["vocab"], manifest.get("max_id")
+    if vocab <= model_vocab:
+        return
+    tok = manifest.get("tokenizer")
+    name = tok.get("kind") if isinstance(tok, dict) else tok
+    held = (f"holds token id {top}, outside" if isinstance(top, int) and top >= model_vocab
+            else f"was tokenized with a vocabulary larger than")
+    raise DataError(f"{where} {held} the model's vocab of {model_vocab}: its {name} tokenizer has {vocab} tokens; "
+                    f"set model.vocab to at least {vocab}, or prepare the data with a tokenizer of at most "
+                    f"{model_vocab} tokens")
+
+
+def dataset_dirs(data_dir: str | Path, blend: Sequence = ()) -> list[tuple[Path, float]]:
+    """(directory, weight) of each dataset: the blend's paths under `data_dir`, else `data_dir` itself."""
+    if not blend:
+        return [(Path(data_dir), 1.0)]
+    return [(Path(data_dir) / _get(b, "path"), float(_get(b, "weight"))) for b in blend]
+
+
+def _get(item, name: str):
+    return item[name] if isinstance(item, dict) else getattr(item, name)
+
+
+def check_data(data_dir: str | Path, model_vocab: int, blend: Iterable = ()) -> list[dict]:
+    """For `supernode plan/preview --data DIR`: every dataset's manifest, its vocabulary checked."""
+    manifests = []
+    for path, _ in dataset_dirs(data_dir, list(blend)):
+        manifests.append(read_manifest(path))
+        check_vocab(manifests[-1], model_vocab, path)
+    return manifests
