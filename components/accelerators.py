@@ -1,8 +1,9 @@
 """Accelerator node groups with EFA, and the small system node group (issue 3, part 3).
 
-The EFA layout follows ARCHITECTURE.md §4: one network interface per network card, the count
-taken from `supernode.core.catalog`; card 0 / device 0 is `efa`, or an ENA primary with `efa-only` at
-card 0 / device 1 on instance types with `ena_primary`; every other card is `efa-only` at device 1.
+The EFA layout follows the catalog's card layout (../shared/HARDWARE.md "Network cards"): one
+interface per network card. Card 0 / device 0 is `efa`, or an ENA primary (`interface`) on types
+with `ena_primary`, with `efa-only` beside it at device 1 only where card 0 carries EFA (p6-b300 and
+p6e-gb200 card 0 is ENA-only); every other card is `efa-only` at the type's `efa_only_device_index`.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from .taints import Taint
 GPU_TAINT = Taint("nvidia.com/gpu", "true", "NoSchedule")
 ROOT_VOLUME_GIB = 200  # the NVIDIA AMI and container images; training data lives on NVMe and FSx
 SYSTEM_ROOT_VOLUME_GIB = 50
-# IMDSv2 only. Hop limit 2 (EKS's default) because the Container Insights agent reads instance
-# metadata from a pod; the node role it could reach holds only the four node policies.
+# IMDSv2 only, hop limit 1: a pod in its own network namespace cannot reach the node's credentials.
+# What needs AWS from a pod uses IRSA (docs/security.md); the CloudWatch agent runs in the host
+# network (the add-on's default since 2024), where hop limit 1 still reaches instance metadata.
 IMDS = aws.ec2.LaunchTemplateMetadataOptionsArgs(http_endpoint="enabled", http_tokens="required",
-                                                 http_put_response_hop_limit=2, instance_metadata_tags="disabled")
+                                                 http_put_response_hop_limit=1, instance_metadata_tags="disabled")
 CAPACITY_TYPES = {"on-demand": "ON_DEMAND", "capacity-reservation": "ON_DEMAND", "capacity-block": "CAPACITY_BLOCK"}
 _TAINT_EFFECTS = {"NoSchedule": "NO_SCHEDULE", "NoExecute": "NO_EXECUTE", "PreferNoSchedule": "PREFER_NO_SCHEDULE"}
 
@@ -40,23 +42,34 @@ class InterfaceSlot(NamedTuple):
 
 def efa_interfaces(hw: InstanceType) -> list[InterfaceSlot]:
     """The launch template's interfaces for an instance type: one per network card."""
-    slots = ([InterfaceSlot(0, 0, "interface"), InterfaceSlot(0, 1, "efa-only")] if hw.ena_primary
-             else [InterfaceSlot(0, 0, "efa")])
-    return slots + [InterfaceSlot(card, 1, "efa-only") for card in range(1, hw.efa_interfaces)]
+    if not hw.ena_primary:
+        slots = [InterfaceSlot(0, 0, "efa")]
+    else:  # EC2: an efa-only interface cannot be primary; beside the ENA primary only if card 0 has EFA
+        slots = [InterfaceSlot(0, 0, "interface")] + ([InterfaceSlot(0, 1, "efa-only")] if hw.card0_efa else [])
+    return slots + [InterfaceSlot(card, hw.efa_only_device_index, "efa-only") for card in range(1, hw.network_cards)]
+
+
+# Nodes of one NVLink domain share this label (the node group: one group is one UltraServer). GPU
+# Feature Discovery adds `nvidia.com/gpu.clique` at run time, which the job's pod affinity uses.
+DOMAIN_LABEL = "supernode.io/nvlink-domain"
 
 
 def node_labels(group: AcceleratorNodeGroup) -> dict[str, str]:
     hw = CATALOG[group.instance_type]
-    return {"supernode.io/node-group": group.name, "supernode.io/accelerator": hw.accelerator,
-            "supernode.io/capacity": group.capacity.type, "nvidia.com/gpu.present": "true",
-            "vpc.amazonaws.com/efa.present": "true"}
+    labels = {"supernode.io/node-group": group.name, "supernode.io/accelerator": hw.accelerator,
+              "supernode.io/capacity": group.capacity.type, "nvidia.com/gpu.present": "true",
+              "vpc.amazonaws.com/efa.present": "true"}
+    if group.ultra_server:
+        labels |= {DOMAIN_LABEL: group.name, "supernode.io/ultraserver": group.ultra_server}
+    return labels
 
 
-def ami_parameter(kubernetes_version: str, release: str) -> str:
-    """SSM parameter of the EKS-optimised AL2023 NVIDIA AMI for one release (1.33.5-20251120)."""
+def ami_parameter(kubernetes_version: str, release: str, arch: str = "x86_64") -> str:
+    """SSM parameter of the EKS-optimised AL2023 NVIDIA AMI for one release (1.33.5-20251120) and CPU
+    architecture: x86_64, or arm64 for the Grace CPUs of p6e-gb200 (HARDWARE.md "EKS")."""
     date = release.rsplit("-", 1)[1]
-    return (f"/aws/service/eks/optimized-ami/{kubernetes_version}/amazon-linux-2023/x86_64/nvidia/"
-            f"amazon-eks-node-al2023-x86_64-nvidia-{kubernetes_version}-v{date}/image_id")
+    return (f"/aws/service/eks/optimized-ami/{kubernetes_version}/amazon-linux-2023/{arch}/nvidia/"
+            f"amazon-eks-node-al2023-{arch}-nvidia-{kubernetes_version}-v{date}/image_id")
 
 
 def nodeadm_user_data(cluster_name: str, endpoint: str, ca_data: str, service_cidr: str,
@@ -132,7 +145,7 @@ class GpuNodeGroup(pulumi.ComponentResource):
         interfaces = [aws.ec2.LaunchTemplateNetworkInterfaceArgs(
             network_card_index=s.network_card_index, device_index=s.device_index, interface_type=s.interface_type,
             security_groups=security_groups, delete_on_termination=True) for s in efa_interfaces(hw)]
-        ami = aws.ssm.get_parameter_output(name=ami_parameter(args.kubernetes_version, group.ami_release_version),
+        ami = aws.ssm.get_parameter_output(name=ami_parameter(args.kubernetes_version, group.ami_release_version, hw.arch),
                                            opts=pulumi.InvokeOutputOptions(parent=self))
         user_data = pulumi.Output.all(args.cluster_name, args.cluster_endpoint, args.cluster_certificate_authority).apply(
             lambda a: nodeadm_user_data(a[0], a[1], a[2], args.service_cidr, self.labels, self.taints,

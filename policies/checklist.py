@@ -18,7 +18,7 @@ from supernode.core import capacity as cap
 from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG, gate_floor_gbytes_s
 from supernode.core.config import DIGEST_RE, Fsx
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH
-from supernode.core.resource_types import (BUCKET, BUCKET_LIFECYCLE, DAEMON_SET, EKS_CLUSTER, FSX_DRA, FSX_LUSTRE,
+from supernode.core.resource_types import (BUCKET, COMPUTE_DOMAIN, BUCKET_LIFECYCLE, DAEMON_SET, EKS_CLUSTER, FSX_DRA, FSX_LUSTRE,
                                            IAM_ATTACHMENT, IAM_POLICY, IAM_ROLE, IAM_ROLE_POLICY, LOG_GROUP,
                                            METRIC_ALARM, PLACEMENT_GROUP, SECURITY_GROUP, SG_EGRESS, SG_INGRESS, SG_RULE)
 
@@ -70,7 +70,14 @@ def _memory_fit(stack: Stack, _conf: None, report: Report) -> None:
     plan = stack.plan()
     if plan is None:
         return
-    cm = stack.plan_config_map()
+    cm, topo = stack.plan_config_map(), plan.topology
+    # Item 2's global address space: one replica's state against its shard group's aggregate HBM.
+    domain = ""
+    if not topo.replica_fits:
+        shard = plan.degrees.dp_shard * plan.degrees.tp * plan.degrees.pp
+        domain = (f"One replica's training state is {topo.replica_state_gib:,.0f} GiB but its {shard} shard-group "
+                  f"GPUs ({topo.replica_domains} NVLink domain(s) of {topo.domain_gpus} GPUs, "
+                  f"{topo.domain_hbm_gib:,.0f} GiB each) hold {shard * plan.usable_hbm_gib:,.0f} GiB usable. ")
     if not plan.fits:
         hint = ""
         if plan.suggestions:
@@ -79,9 +86,12 @@ def _memory_fit(stack: Stack, _conf: None, report: Report) -> None:
                     f"activationCheckpointing {s.activation_checkpointing} ({s.memory_gib} GiB);")
         report(cm, f"the plan in {cm.label} needs {plan.memory_per_rank_gib:.1f} GiB per rank but {plan.instance_type} "
                    f"has {plan.hbm_gib:.1f} GiB, {plan.usable_hbm_gib:.1f} GiB with {plan.parallel.hbm_headroom:.0%} "
-                   f"headroom: over by {plan.over_by_gib:.1f} GiB. Fix: change the layout (supernode:parallel);{hint} "
-                   f"or use more activation checkpointing, a smaller microBatch, more nodes or larger-memory GPUs "
-                   f"(`supernode plan` lists layouts that fit).")
+                   f"headroom: over by {plan.over_by_gib:.1f} GiB. {domain}Fix: change the layout (supernode:parallel);"
+                   f"{hint} or use more activation checkpointing, a smaller microBatch, more nodes or larger-memory "
+                   f"GPUs (`supernode plan` lists layouts that fit).")
+    elif domain:  # per-rank fit implies this; a plan saying otherwise was not built by this planner
+        report(cm, f"the plan in {cm.label}: {domain}Fix: shard over more GPUs (supernode:parallel.dpShard up, "
+                   f"dpReplicate down) or add UltraServers / nodes.")
     # The plan's verdict holds only on the GPU it was sized for: nodes with less HBM void it.
     for ng in stack.gpu_node_groups():
         itype = stack.instance_type_of(ng)
@@ -108,13 +118,43 @@ def _efa_interfaces(stack: Stack, _conf: None, report: Report) -> None:
         itype = _instance_type_for_template(stack, lt)
         if itype not in CATALOG:
             continue  # unapproved types are item 1's finding
-        want = CATALOG[itype].efa_interfaces
+        hw = CATALOG[itype]
+        # One EFA interface per EFA-capable card: all cards, or cards 1..n where card 0 is ENA-only.
+        want = list(range(0 if hw.card0_efa else 1, hw.network_cards))
         efa = [ni for ni in items(lt.get("networkInterfaces")) if get(ni, "interfaceType") in EFA_INTERFACE_TYPES]
         cards = sorted({int(get(ni, "networkCardIndex", default=0)) for ni in efa})
-        if len(efa) != want or cards != list(range(want)):
+        if len(efa) != len(want) or cards != want:
             report(lt, f"{lt.label} ({itype}) has {len(efa)} EFA interfaces on network cards {cards}; {itype} has "
-                       f"{want} network cards and needs one EFA interface on each (0..{want - 1}), else NCCL loses "
-                       f"bandwidth. Fix: build networkInterfaces from supernode.core.catalog ({itype}.efa_interfaces).")
+                       f"{hw.efa_interfaces} EFA-capable network cards and needs one EFA interface on each "
+                       f"({want[0]}..{want[-1]}), else NCCL loses bandwidth. Fix: build networkInterfaces from "
+                       f"supernode.core.catalog ({itype}: efa_interfaces, card0_efa).")
+
+
+def _nvlink_domain(stack: Stack, _conf: None, report: Report) -> None:
+    """On a multi-node NVLink domain (GB200 UltraServers) every EP and TP group stays inside one domain,
+    and each job claims the IMEX channel of its own ComputeDomain (without it NCCL cannot use NVLink
+    between the domain's nodes)."""
+    plan = stack.plan()
+    if plan is None or plan.topology.nodes_per_domain <= 1:
+        return
+    cm, topo = stack.plan_config_map(), plan.topology
+    for dim, key in (("ep", "ep"), ("tp", "tp")):
+        g = topo.group(dim)
+        if not g.inside_domain:
+            report(cm, f"the plan in {cm.label} puts each {dim} group of {g.size} GPUs across {g.domains} NVLink "
+                       f"domains of {topo.domain_gpus} ({topo.ultra_server}), so its traffic crosses EFA. Fix: choose "
+                       f"supernode:parallel.{key} dividing {topo.domain_gpus} (EP inside the domain, FSDP/DP "
+                       f"across domains; `supernode plan` suggests such layouts).")
+    domains = {get(cd.props, "metadata", "name"): cd for cd in stack.of(COMPUTE_DOMAIN)}
+    templates = {get(cd.props, "spec", "channel", "resourceClaimTemplate", "name") for cd in domains.values()}
+    for job in [*stack.trainer_jobs(), *stack.gates()]:
+        claimed = {get(c, "resourceClaimTemplateName") for spec in pod_specs(job) for c in items(get(spec, "resourceClaims"))}
+        if not claimed & templates:
+            report(job, f"{job.label} runs on {topo.ultra_server} NVLink domains but its pods claim no ComputeDomain "
+                        f"IMEX channel (ComputeDomains: {', '.join(sorted(map(str, domains))) or 'none'}), so NCCL cannot "
+                        f"use NVLink between nodes. Fix: install the NVIDIA DRA driver (computeDomains.enabled=true), "
+                        f"create a ComputeDomain (resource.nvidia.com/v1beta1) for the job and add its "
+                        f"spec.channel.resourceClaimTemplate.name to the pods' resourceClaims.")
 
 
 def _placement(stack: Stack, _conf: None, report: Report) -> None:
@@ -497,6 +537,8 @@ POLICIES = [
     StackPolicy("memory-fit", 2, "The plan's per-rank memory fits HBM with headroom.", _memory_fit),
     StackPolicy("interconnect-efa-interfaces", 3, "GPU launch templates carry the instance type's full EFA interface count.",
                 _efa_interfaces),
+    StackPolicy("interconnect-nvlink-domain", 3, "On UltraServers, EP and TP groups stay inside one NVLink domain "
+                "and jobs claim a ComputeDomain's IMEX channel.", _nvlink_domain),
     StackPolicy("interconnect-placement", 3, "GPU nodes use a cluster placement group or a targeted reservation.",
                 _placement),
     StackPolicy("interconnect-efa-security-group", 3, "An EFA security group allows all traffic to and from itself.",

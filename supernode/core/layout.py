@@ -2,7 +2,7 @@
 start-up check all call `layout_rules`, so a layout is valid in one place or nowhere.
 
 It checks the degrees against the model (heads, kv heads, experts, layers), the hardware (tp
-inside a node) and the batch (global batch divisible by micro batch x dp), and names every
+inside an NVLink domain: one node, or a whole UltraServer) and the batch (global batch divisible by micro batch x dp), and names every
 problem by its config path.
 """
 
@@ -18,7 +18,7 @@ def layout_rules(m: Model, p: Parallel, t: Training, world_size: int, max_tp: in
                  world_source: str = "") -> list[Issue]:
     """model.dim is divisible by heads with an even head dim (RoPE); heads is a multiple of kvHeads;
     topK <= experts; firstDenseLayers <= layers. dpReplicate x dpShard x tp x pp equals the world
-    size; tp is at most a node's GPUs and divides heads and kvHeads; ep divides experts and
+    size; tp is at most the GPUs of one NVLink domain (a node, or an UltraServer) and divides heads and kvHeads; ep divides experts and
     dpShard x tp; pp divides layers (and pp > 1 is rejected until the trainer has a pipeline
     schedule); training.globalBatch is divisible by microBatch x dpReplicate x dpShard;
     warmupSteps is below steps."""
@@ -40,7 +40,7 @@ def layout_rules(m: Model, p: Parallel, t: Training, world_size: int, max_tp: in
                                     f"{p.world_size}, but the world size is {world_size}{world_source}; "
                                     f"dpShard = {world_size / (p.dp_replicate * p.tp * p.pp):g} would match"))
     if p.tp > max_tp:
-        issues.append(Issue(path=pp_ + "tp", value=p.tp, message=f"tensor parallel must stay inside a node (<= {max_tp})"))
+        issues.append(Issue(path=pp_ + "tp", value=p.tp, message=f"tensor parallel must stay inside an NVLink domain (<= {max_tp} GPUs)"))
     for name, n in (("heads", m.heads), ("kvHeads", m.kv_heads)):
         if n % p.tp:
             issues.append(Issue(path=pp_ + "tp", value=p.tp, message=f"tp must divide model.{name} ({n})"))

@@ -13,8 +13,9 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict
 
 from . import capacity as cap
-from .catalog import CATALOG, GIB, InstanceType, gate_floor_gbytes_s
+from .catalog import CATALOG, GIB, InstanceType, gate_floor_gbytes_s, nvlink_domain_gpus
 from .config import Model, Parallel, StackConfig, Training, with_local_nproc
+from .topology import GroupPlacement, place
 
 
 # In the cluster the Plan travels as this ConfigMap key, mounted read-only in this directory: the
@@ -31,6 +32,28 @@ class Degrees(BaseModel):
     tp: int
     ep: int
     pp: int
+
+
+class Topology(BaseModel):
+    """The NVLink domain and where the mesh lands on it (supernode.core.topology)."""
+
+    model_config = ConfigDict(frozen=True)
+    ultra_server: Optional[str]  # e.g. u-p6e-gb200x72; None: the domain is one instance
+    domain_gpus: int
+    nodes_per_domain: int
+    domains: int  # NVLink domains the job spans (world / domain_gpus, rounded up)
+    # The domain's aggregate HBM: the "global address space" one job's ranks on it share.
+    domain_hbm_gib: float
+    # One replica's training state (16 B per parameter) and the domains its shard group
+    # (dp_shard x tp x pp ranks) spans: that state must fit the aggregate usable HBM of the shard
+    # group's GPUs (checklist item 2, the global address space, beside the per-GPU fit).
+    replica_state_gib: float
+    replica_domains: int
+    replica_fits: bool
+    placement: list[GroupPlacement]
+
+    def group(self, dim: str) -> GroupPlacement:
+        return next(g for g in self.placement if g.dim == dim)
 
 
 class Plan(BaseModel):
@@ -58,6 +81,7 @@ class Plan(BaseModel):
     suggestions: list[cap.Suggestion]
     micro_batches_per_step: int  # gradient accumulation: global_batch / (micro_batch x dp)
     step: cap.StepTime
+    topology: Topology
     checkpoint: cap.CheckpointIO
     # The interconnect gate's all_reduce bus-bandwidth floor in GB/s (catalog baseline x
     # workload.gateMinFraction); None where no baseline is published for the instance type.
@@ -92,26 +116,39 @@ class Plan(BaseModel):
 
 
 def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
-    # Mixed instance types are allowed; the plan is sized for the smallest GPU memory among them.
+    # Mixed instance types are allowed; the plan is sized for the smallest GPU memory among them,
+    # and for the smallest NVLink domain among the groups of that type.
     hw = min((CATALOG[g.instance_type] for g in cfg.accelerator_node_groups), key=lambda t: t.hbm_mib)
     m, p, t = cfg.model, cfg.parallel, cfg.training
     world = cfg.local.nproc if local else cfg.accelerators
+    ultra = None if local else min((g.ultra_server for g in cfg.accelerator_node_groups if g.instance_type == hw.name),
+                                   key=lambda u: nvlink_domain_gpus(hw.name, u))
+    domain = world if local else nvlink_domain_gpus(hw.name, ultra)  # a CPU run: one host, one "domain"
     mem = cap.memory(m, p, t)
     usable = cap.usable_hbm_bytes(p, hw)
     fits = mem.total <= usable
-    st = cap.step_time(m, p, t, hw)
+    st = cap.step_time(m, p, t, hw, domain)
     ckpt = cap.checkpoint_io(m, t, cfg.storage.fsx)
     hours = t.steps * st.step_s / 3600
     per_hour, total = cap.hours_cost(_nodes(cfg), CATALOG, hours)
+    params = cap.param_counts(m)
+    shard_group = p.dp_shard * p.tp * p.pp
+    replica_domains = -(-shard_group // domain)
+    replica_state = cap.ADAM_STATE_BYTES * params.total
+    topology = Topology(
+        ultra_server=ultra, domain_gpus=domain, nodes_per_domain=max(1, domain // hw.accelerators),
+        domains=-(-world // domain), domain_hbm_gib=domain * hw.hbm_gib, replica_state_gib=replica_state / GIB,
+        replica_domains=replica_domains, replica_fits=replica_state <= shard_group * usable,
+        placement=place(p, domain))
     return Plan(
         stack=stack, local=local, instance_type=hw.name, nodes=cfg.nodes, accelerators_per_node=hw.accelerators,
         world_size=world, degrees=Degrees(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep, pp=p.pp),
-        model=m, parallel=p, training=t, params=cap.param_counts(m), flops_per_token=cap.flops_per_token(m),
+        model=m, parallel=p, training=t, params=params, flops_per_token=cap.flops_per_token(m),
         memory=mem, memory_per_rank_gib=mem.total_gib, hbm_gib=hw.hbm_gib, usable_hbm_gib=usable / GIB, fits=fits,
         over_by_gib=max(0.0, (mem.total - usable) / GIB),
-        suggestions=[] if fits or local else cap.suggest(m, p, t, hw),
+        suggestions=[] if fits or local else cap.suggest(m, p, t, hw, domain=domain),
         micro_batches_per_step=t.global_batch // (t.micro_batch * p.dp),
-        step=st, checkpoint=ckpt,
+        step=st, topology=topology, checkpoint=ckpt,
         gate_floor_gbytes_s=gate_floor_gbytes_s(hw.name, cfg.workload.gate_min_fraction),
         pod=cap.PodShape.for_node(hw, cfg.workload.hugepages_2mi_gib), cost_per_hour_usd=per_hour, run_hours=hours, run_cost_usd=total,
     )

@@ -15,7 +15,7 @@ from functools import partial
 from botocore.exceptions import ClientError
 
 from .awscheck import Aws, Check, Step, error_code, failed, passed, run_checks, warned
-from ..core.catalog import CATALOG
+from ..core.catalog import CATALOG, LOCAL_ZONES, zone_group
 from ..core.config import AcceleratorNodeGroup, StackConfig
 
 CATALOG_FIX = "correct supernode/catalog.py (the plan was sized with the catalog's figures), then re-run `supernode plan`"
@@ -36,19 +36,43 @@ def check_offering(aws: Aws, instance_type: str, az: str) -> Check:
     return failed(name, f"EC2 does not offer {instance_type} in {az}", where + " (availabilityZone and the GPU subnet)")
 
 
+def ec2_figures(it: dict) -> dict[str, object]:
+    """The figures of one DescribeInstanceTypes entry that the catalog also holds."""
+    gpus = it.get("GpuInfo", {}).get("Gpus", [])
+    net = it.get("NetworkInfo", {})
+    card0 = next((c for c in net.get("NetworkCards", []) if c.get("NetworkCardIndex") == 0), {})
+    return {
+        "GPUs": sum(g.get("Count", 0) for g in gpus),
+        "accelerator": ",".join(sorted({g.get("Name", "") for g in gpus})),
+        "GPU memory MiB": min((g.get("MemoryInfo", {}).get("SizeInMiB", 0) for g in gpus), default=0),
+        "max EFA interfaces": net.get("EfaInfo", {}).get("MaximumEfaInterfaces", 0),
+        "network cards": net.get("MaximumNetworkCards", 0),
+        "card 0 EFA": bool({"efa", "efa-only"} & set(card0.get("InterfaceTypes", []))),
+        "vCPUs": it.get("VCpuInfo", {}).get("DefaultVCpus", 0),
+        "architecture": ",".join(it.get("ProcessorInfo", {}).get("SupportedArchitectures", [])),
+    }
+
+
+def catalog_figures(instance_type: str) -> dict[str, object]:
+    """The same figures as the catalog states them (what the plan and the launch templates use)."""
+    hw = CATALOG[instance_type]
+    return {"GPUs": hw.accelerators, "accelerator": hw.accelerator, "GPU memory MiB": hw.hbm_mib,
+            "max EFA interfaces": hw.efa_interfaces, "network cards": hw.network_cards, "card 0 EFA": hw.card0_efa,
+            "vCPUs": hw.vcpus, "architecture": hw.arch}
+
+
 def check_instance_type(aws: Aws, instance_type: str) -> Check:
     name = f"instance type {instance_type}"
-    it = aws.client("ec2").describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]
-    gpus = it.get("GpuInfo", {}).get("Gpus", [])
-    reported = {
-        "GPUs": sum(g.get("Count", 0) for g in gpus),
-        "GPU memory MiB": min((g.get("MemoryInfo", {}).get("SizeInMiB", 0) for g in gpus), default=0),
-        "max EFA interfaces": it.get("NetworkInfo", {}).get("EfaInfo", {}).get("MaximumEfaInterfaces", 0),
-        "vCPUs": it.get("VCpuInfo", {}).get("DefaultVCpus", 0),
-    }
-    hw = CATALOG[instance_type]
-    expected = {"GPUs": hw.accelerators, "GPU memory MiB": hw.hbm_mib, "max EFA interfaces": hw.efa_interfaces,
-                "vCPUs": hw.vcpus}
+    try:
+        it = aws.client("ec2").describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]
+    except ClientError as e:
+        if error_code(e) != "InvalidInstanceType":
+            raise
+        # p6e-gb200 is sold only inside UltraServers: not every endpoint (nor moto) describes it.
+        return warned(name, f"EC2 in {aws.region} does not describe {instance_type}: the catalog's figures could not "
+                            f"be compared", f"compare supernode/core/catalog.py with `aws ec2 describe-instance-types "
+                            f"--instance-types {instance_type}` where it is sold")
+    reported, expected = ec2_figures(it), catalog_figures(instance_type)
     wrong = [f"{k}: catalog {expected[k]}, EC2 {reported[k]}" for k in expected if expected[k] != reported[k]]
     if wrong:
         return failed(name, "catalog differs from EC2: " + "; ".join(wrong), CATALOG_FIX)
@@ -87,10 +111,28 @@ def check_reservation(aws: Aws, reservation_id: str, groups: list[AcceleratorNod
     if problems:
         return failed(name, "; ".join(problems), f"fix capacity.* of {users} or the reservation, or use capacity type on-demand")
     detail = f"{rtype} {r.get('InstanceType')} in {az}: {available}/{total} available, {need} needed ({users})"
+    if rtype == "capacity-block":
+        # HARDWARE.md: block instances terminate from 30 min before the end; node groups go to 0 by 40 min before.
+        detail += (f"; window {starts} to {r.get('EndDate', 'unknown')} (instances stop from 30 min before the end: "
+                   f"scale the node groups to 0 by 40 min before)")
     if state == "scheduled":
         return warned(name, f"{detail}; Capacity Block is scheduled, starts {starts}",
                       "deploy the node groups once the block is active (pulumi up before then leaves nodes pending)")
     return passed(name, f"{detail}; {state}")
+
+
+def check_zone_opt_in(aws: Aws, zone: str) -> Check:
+    """A Local Zone (where UltraServers are sold) is usable only once its zone group is opted in."""
+    name = f"zone {zone}"
+    zones = aws.client("ec2").describe_availability_zones(AllAvailabilityZones=True, ZoneNames=[zone])["AvailabilityZones"]
+    if not zones:
+        return failed(name, f"{zone} is not a zone of {aws.region}", "check availabilityZone")
+    z = zones[0]
+    group = z.get("GroupName") or zone_group(zone)
+    if z.get("OptInStatus") == "not-opted-in":
+        return failed(name, f"{zone} ({z.get('ZoneType', 'zone')}) is not opted in",
+                      f"aws ec2 modify-availability-zone-group --group-name {group} --opt-in-status opted-in")
+    return passed(name, f"{zone} ({z.get('ZoneType', 'zone')}, group {group}): {z.get('OptInStatus', 'opted-in')}")
 
 
 def check_quota(aws: Aws, code: str, quota_name: str, vcpus: int, users: str) -> Check:
@@ -206,7 +248,8 @@ def check_kms_key(aws: Aws, key_arn: str) -> Check:
 def preflight_steps(cfg: StackConfig, aws: Aws) -> list[Step]:
     az = cfg.availability_zone
     types = sorted({g.instance_type for g in cfg.accelerator_node_groups})
-    steps = [Step(f"offering {t}", partial(check_offering, aws, t, az)) for t in types]
+    steps = [Step(f"zone {az}", partial(check_zone_opt_in, aws, az))] if az in LOCAL_ZONES.get(cfg.region, ()) else []
+    steps += [Step(f"offering {t}", partial(check_offering, aws, t, az)) for t in types]
     steps += [Step(f"instance type {t}", partial(check_instance_type, aws, t)) for t in types]
 
     reserved: dict[str, list[AcceleratorNodeGroup]] = defaultdict(list)

@@ -15,6 +15,15 @@ from supernode.core import resource_types as T
 
 # What the issue and ARCHITECTURE.md §4 state, written independently of the catalog.
 EXPECTED_EFA = {"p4d.24xlarge": 4, "p4de.24xlarge": 4, "p5.48xlarge": 32, "p5e.48xlarge": 32, "p5en.48xlarge": 16}
+# The P6 types (../shared/HARDWARE.md "Network cards"): (card, device) -> interface type, every slot.
+P6_LAYOUTS = {
+    # 8 cards, each EFA-capable: ENA primary, efa-only beside it on card 0, efa-only at device 0 elsewhere
+    "p6-b200.48xlarge": {(0, 0): "interface", (0, 1): "efa-only", **{(c, 0): "efa-only" for c in range(1, 8)}},
+    # 17 cards, card 0 ENA-only: 16 EFA on cards 1..16
+    "p6-b300.48xlarge": {(0, 0): "interface", **{(c, 0): "efa-only" for c in range(1, 17)}},
+    # card 0 must be `interface`; 4 EFA devices per node (EKS UltraServer guide)
+    "p6e-gb200.36xlarge": {(0, 0): "interface", **{(c, 0): "efa-only" for c in range(1, 5)}},
+}
 SG_IN = T.SG_INGRESS
 SG_OUT = T.SG_EGRESS
 PG = T.PLACEMENT_GROUP
@@ -28,11 +37,35 @@ def with_instance_type(instance_type: str):
 
 
 def test_catalog_covers_the_expected_types():
-    assert set(EXPECTED_EFA) == set(CATALOG)
+    assert set(EXPECTED_EFA) | set(P6_LAYOUTS) == set(CATALOG)
+
+
+def p6_template(instance_type: str):
+    """The launch template of the stack that runs the type: gb200, b300, and b300 on p6-b200."""
+    if instance_type == "p6e-gb200.36xlarge":
+        return preview("gb200").gpu_launch_templates()["nvl72-a"]
+    s = preview("b300", instance_type, with_instance_type(instance_type))
+    return s.gpu_launch_templates()["gpu-b300"]
+
+
+@pytest.mark.parametrize("instance_type", sorted(P6_LAYOUTS))
+def test_p6_launch_templates_follow_the_card_layout(instance_type):
+    lt = p6_template(instance_type)
+    nics = lt.inputs["networkInterfaces"]
+    slots = {(int(n["networkCardIndex"]), int(n["deviceIndex"])): n["interfaceType"] for n in nics}
+    assert len(slots) == len(nics) and slots == P6_LAYOUTS[instance_type]
+    assert lt.inputs["instanceType"] == instance_type
+
+
+def test_p6_b300_has_17_interfaces_with_card_0_ena_only():
+    nics = p6_template("p6-b300.48xlarge").inputs["networkInterfaces"]
+    assert len(nics) == 17
+    assert [n["interfaceType"] for n in nics if int(n["networkCardIndex"]) == 0] == ["interface"]
+    assert sum(n["interfaceType"] == "efa-only" for n in nics) == 16
 
 
 @pytest.mark.parametrize("stack_name", ["dev", "prod"])
-@pytest.mark.parametrize("instance_type", sorted(EXPECTED_EFA))
+@pytest.mark.parametrize("instance_type", sorted(EXPECTED_EFA))  # the P6 types: above
 def test_launch_template_has_one_interface_per_network_card(stack_name, instance_type):
     s = preview(stack_name, instance_type, with_instance_type(instance_type))
     efa_sg = s.outputs["efa_security_group_id"]
@@ -60,6 +93,9 @@ def test_launch_template_has_one_interface_per_network_card(stack_name, instance
 
 
 def test_efa_layout_function_matches_the_facts():
+    b300 = efa_interfaces(CATALOG["p6-b300.48xlarge"])
+    assert [(s.network_card_index, s.device_index, s.interface_type) for s in b300[:3]] == [
+        (0, 0, "interface"), (1, 0, "efa-only"), (2, 0, "efa-only")]
     p5en = efa_interfaces(CATALOG["p5en.48xlarge"])
     assert [(s.network_card_index, s.device_index, s.interface_type) for s in p5en[:3]] == [
         (0, 0, "interface"), (0, 1, "efa-only"), (1, 1, "efa-only")]
@@ -116,7 +152,7 @@ def test_every_launch_template_requires_imdsv2_and_encrypts_root(stack: Stack):
     for lt in templates:
         md = lt.inputs["metadataOptions"]
         assert md["httpTokens"] == "required" and md["httpEndpoint"] == "enabled"
-        assert md["httpPutResponseHopLimit"] <= 2  # the host and one container hop, no further
+        assert md["httpPutResponseHopLimit"] == 1  # the node only: no pod reaches the node role (issue 19)
         root = lt.inputs["blockDeviceMappings"]
         assert root and all(b["ebs"]["encrypted"] == "true" for b in root)
         assert "keyName" not in lt.inputs  # no SSH keys: SSM only
@@ -159,6 +195,28 @@ def test_ami_parameter_pins_the_release():
     assert ami_parameter("1.33", "1.33.5-20251120") == (
         "/aws/service/eks/optimized-ami/1.33/amazon-linux-2023/x86_64/nvidia/"
         "amazon-eks-node-al2023-x86_64-nvidia-1.33-v20251120/image_id")
+
+
+def test_gb200_takes_the_arm64_nvidia_ami():
+    assert ami_parameter("1.33", "1.33.5-20251120", CATALOG["p6e-gb200.36xlarge"].arch) == (
+        "/aws/service/eks/optimized-ami/1.33/amazon-linux-2023/arm64/nvidia/"
+        "amazon-eks-node-al2023-arm64-nvidia-1.33-v20251120/image_id")
+    assert {CATALOG[t].arch for t in CATALOG if t != "p6e-gb200.36xlarge"} == {"x86_64"}
+
+
+def test_ultraserver_groups_buy_capacity_blocks_and_label_their_domain():
+    s = preview("gb200")
+    assert s.all(PG) == []  # Capacity Blocks are already co-located
+    for g in s.cfg.accelerator_node_groups:
+        lt = s.gpu_launch_templates()[g.name]
+        assert lt.inputs["instanceMarketOptions"]["marketType"] == "capacity-block"
+        assert lt.inputs["capacityReservationSpecification"]["capacityReservationTarget"][
+            "capacityReservationId"] == g.capacity.reservation_id
+        ng = s.one(NODE_GROUP, g.name).inputs
+        assert ng["capacityType"] == "CAPACITY_BLOCK" and ng["scalingConfig"]["desiredSize"] == 18
+        assert ng["labels"]["supernode.io/nvlink-domain"] == g.name
+        assert ng["labels"]["supernode.io/ultraserver"] == "u-p6e-gb200x72"
+    assert "supernode.io/nvlink-domain" not in preview("dev").one(NODE_GROUP, "gpu-p5").inputs["labels"]
 
 
 def test_system_node_group(stack: Stack):

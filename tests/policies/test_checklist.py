@@ -227,7 +227,8 @@ def test_efa_count_follows_the_catalog_for_each_instance_type(stack):
         assert "interconnect-efa-interfaces" not in by_policy(ok)
         short = mutate(ok, LT, lambda i: i["networkInterfaces"].pop())
         (v,) = by_policy(short)["interconnect-efa-interfaces"]
-        assert f"needs one EFA interface on each (0..{t.efa_interfaces - 1})" in v.message
+        first = 0 if t.card0_efa else 1  # p6-b300, p6e-gb200: card 0 is ENA-only
+        assert f"needs one EFA interface on each ({first}..{first + t.efa_interfaces - 1})" in v.message
 
 
 def test_reservation_replaces_placement_group(stack):

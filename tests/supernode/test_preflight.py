@@ -106,19 +106,47 @@ def test_type_not_offered_in_the_region_says_so(moto_aws):
     assert offering.fix.startswith("no AZ of us-east-1 offers it: choose another region")
 
 
-@pytest.mark.parametrize("instance_type", sorted(catalog.CATALOG))
+# moto 5.2.5 describes every catalog type but p6e-gb200 (sold only inside UltraServers).
+NOT_IN_MOTO = {"p6e-gb200.36xlarge"}
+
+
+@pytest.mark.parametrize("instance_type", sorted(set(catalog.CATALOG) - NOT_IN_MOTO))
 def test_catalog_against_what_ec2_reports(moto_aws, instance_type):
     """moto carries AWS's DescribeInstanceTypes data: every catalog figure must match it."""
     check = check_instance_type(Aws(REGION), instance_type)
     assert check.result == "pass", check.detail
 
 
+def test_p6_card_layouts_and_architecture_are_compared_with_ec2(moto_aws):
+    """The figures the launch templates are built from, as EC2 reports them (HARDWARE.md)."""
+    b300 = check_instance_type(Aws(REGION), "p6-b300.48xlarge").detail
+    assert "accelerator B300" in b300 and "max EFA interfaces 16" in b300 and "network cards 17" in b300
+    assert "card 0 EFA False" in b300 and "architecture x86_64" in b300 and "GPU memory MiB 275040" in b300
+    b200 = check_instance_type(Aws(REGION), "p6-b200.48xlarge").detail
+    assert "max EFA interfaces 8" in b200 and "network cards 8" in b200 and "card 0 EFA True" in b200
+
+
+def test_type_ec2_does_not_describe_warns_that_it_could_not_be_compared(moto_aws):
+    check = check_instance_type(Aws(REGION), "p6e-gb200.36xlarge")
+    assert check.result == "warn"
+    assert check.detail == ("EC2 in us-east-1 does not describe p6e-gb200.36xlarge: the catalog's figures could not "
+                            "be compared")
+    assert "aws ec2 describe-instance-types --instance-types p6e-gb200.36xlarge" in check.fix
+
+
 def test_catalog_mismatch_names_each_field(moto_aws, monkeypatch):
+    # The network-card count follows the EFA count (plus card 0 where it is ENA-only), so both differ.
     wrong = dataclasses.replace(catalog.CATALOG["p5.48xlarge"], efa_interfaces=16, accelerators=4)
     monkeypatch.setitem(catalog.CATALOG, "p5.48xlarge", wrong)
     check = check_instance_type(Aws(REGION), "p5.48xlarge")
     assert check.result == "fail"
-    assert check.detail == "catalog differs from EC2: GPUs: catalog 4, EC2 8; max EFA interfaces: catalog 16, EC2 32"
+    assert check.detail == ("catalog differs from EC2: GPUs: catalog 4, EC2 8; max EFA interfaces: catalog 16, EC2 32; "
+                            "network cards: catalog 16, EC2 32")
+    arm = dataclasses.replace(catalog.CATALOG["p6-b300.48xlarge"], arch="arm64", card0_efa=True)
+    monkeypatch.setitem(catalog.CATALOG, "p6-b300.48xlarge", arm)
+    check = check_instance_type(Aws(REGION), "p6-b300.48xlarge")
+    assert check.detail == ("catalog differs from EC2: network cards: catalog 16, EC2 17; card 0 EFA: catalog True, "
+                            "EC2 False; architecture: catalog arm64, EC2 x86_64")
 
 
 # -- capacity reservations / Capacity Blocks -----------------------------------------------------
@@ -422,3 +450,49 @@ def test_no_credentials_is_said_once(moto_aws, monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.count("no usable AWS credentials") == 1, out
     assert "fix aws credentials: configure credentials" in out and "1 checks: 0 pass, 1 fail, 0 warn" in out
+
+
+# -- UltraServers: Local Zone opt-in, Capacity Block window ------------------------------------------
+
+def zones_xml(stub, zone: str, status: str):
+    """A DescribeAvailabilityZones answer for a Local Zone as EC2 writes it (moto knows no Local Zones)."""
+    return stub.Answer(body=f"""<?xml version="1.0" encoding="UTF-8"?>
+<DescribeAvailabilityZonesResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">
+  <requestId>stub</requestId>
+  <availabilityZoneInfo><item>
+    <zoneName>{zone}</zoneName><zoneState>available</zoneState><regionName>us-east-1</regionName>
+    <groupName>us-east-1-dfw-2</groupName><optInStatus>{status}</optInStatus><zoneType>local-zone</zoneType>
+  </item></availabilityZoneInfo>
+</DescribeAvailabilityZonesResponse>""")
+
+
+def gb200_config():
+    return from_mapping(read_stack_file(ROOT / "Pulumi.gb200.yaml"))
+
+
+def test_local_zone_must_be_opted_in(moto_aws):
+    moto_aws.answer("DescribeAvailabilityZones", zones_xml(moto_aws, "us-east-1-dfw-2a", "not-opted-in"))
+    checks = by_name(run_preflight(gb200_config()))
+    zone = checks["zone us-east-1-dfw-2a"]
+    assert zone.result == "fail" and zone.detail == "us-east-1-dfw-2a (local-zone) is not opted in"
+    assert zone.fix == "aws ec2 modify-availability-zone-group --group-name us-east-1-dfw-2 --opt-in-status opted-in"
+    assert checks["instance type p6e-gb200.36xlarge"].result == "warn"  # not described: not compared
+    assert f"quota {P_QUOTA_CODE}" not in checks  # Capacity Blocks only
+
+    moto_aws.answer("DescribeAvailabilityZones", zones_xml(moto_aws, "us-east-1-dfw-2a", "opted-in"))
+    ok = by_name(run_preflight(gb200_config()))["zone us-east-1-dfw-2a"]
+    assert ok.result == "pass" and ok.detail == "us-east-1-dfw-2a (local-zone, group us-east-1-dfw-2): opted-in"
+
+
+def test_region_azs_need_no_opt_in_check(moto_aws):
+    assert not [c for c in run_preflight(from_mapping(dev_data())) if c.name.startswith("zone ")]
+
+
+def test_capacity_block_reports_its_window(moto_aws):
+    moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws,
+        "cr-0a1b2c3d4e5f60718", state="active", rtype="capacity-block"))
+    check = by_name(run_preflight(reserved(kind="capacity-block")))["capacity cr-0a1b2c3d4e5f60718"]
+    assert check.result == "pass", check.detail
+    assert "capacity-block p5.48xlarge in us-east-1a: 2/2 available, 2 needed (gpu-p5)" in check.detail
+    assert "window 2026-12-10 11:30:00+00:00 to" in check.detail
+    assert "scale the node groups to 0 by 40 min before" in check.detail

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..args import add_stack_args, stack_from_args
+from .data import add_data_arg, check_plan_data
 from ...core.errors import EXIT_FAILED
 from ...core.catalog import GIB
 from ...core.plan import Plan, build_plan
@@ -18,6 +19,7 @@ def register(sub) -> None:
     add_stack_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--full", action="store_true", help="with --json: the whole serialised plan")
+    add_data_arg(p)
     p.set_defaults(func=run)
 
 
@@ -25,8 +27,33 @@ def plan_json(plan: Plan) -> dict:
     out = plan.summary()
     out.update(json.loads(plan.model_dump_json(include={
         "instance_type", "nodes", "accelerators_per_node", "params", "flops_per_token", "memory", "usable_hbm_gib", "over_by_gib",
-        "suggestions", "step", "checkpoint", "cost_per_hour_usd", "run_hours", "run_cost_usd"})))
+        "suggestions", "step", "topology", "checkpoint", "cost_per_hour_usd", "run_hours", "run_cost_usd"})))
     return out
+
+
+# The step-time terms in the order `render` prints them: (StepTime field, its key in `links`, label).
+COMM_TERMS = (("all_to_all_s", ("all_to_all",), "all-to-all"), ("fsdp_s", ("fsdp", "fsdp_experts"), "FSDP"),
+              ("replicate_s", ("replicate",), "replicate"), ("tensor_parallel_s", ("tensor_parallel",), "TP"))
+
+
+def comm_detail(plan: Plan) -> str:
+    """Each communication term with the link it crosses, as the plan placed it."""
+    s = plan.step
+    parts = []
+    for attr, keys, label in COMM_TERMS:
+        links = sorted({s.links[k] for k in keys if k in s.links})
+        parts.append(f"{label} {getattr(s, attr):.3f}" + (f" ({', '.join(links)})" if links else ""))
+    return f"compute {s.compute_s:.3f}, " + ", ".join(parts) + " s"
+
+
+def placement_detail(plan: Plan) -> str:
+    """Which mesh degrees live inside one NVLink domain and which cross EFA."""
+    inside, across = [], []
+    for g in plan.topology.placement:
+        if g.size > 1:
+            (inside if g.inside_domain else across).append(
+                f"{g.dim} {g.size}" + ("" if g.inside_domain else f" over {g.domains} domains ({g.link})"))
+    return f"inside a domain: {', '.join(inside) or 'none'}; across EFA: {', '.join(across) or 'none'}"
 
 
 def render(plan: Plan, console: Console) -> None:
@@ -43,6 +70,15 @@ def render(plan: Plan, console: Console) -> None:
               f"{plan.parallel.mixed_precision}; overlap {'on' if plan.parallel.overlap else 'off'}")
     t.add_row("parameters", f"{plan.params.total / 1e9:.2f} B", f"{plan.params.active / 1e9:.2f} B active per token; "
               f"experts {plan.params.experts / 1e9:.2f} B")
+    topo = plan.topology
+    kind = topo.ultra_server or "one instance"
+    t.add_row("NVLink domain", f"{topo.domain_gpus} GPUs", f"{kind}: {topo.nodes_per_domain} node(s), "
+              f"{topo.domain_hbm_gib:,.0f} GiB HBM in one address space; the job spans {topo.domains} domain(s)")
+    t.add_row("placement", f"ep {d.ep}", placement_detail(plan))
+    fits_domain = ("[green]fits[/]" if topo.replica_fits else "[red]does not fit[/]")
+    t.add_row("replica state", f"{topo.replica_state_gib:,.0f} GiB",
+              f"{fits_domain} the aggregate HBM of its {d.dp_shard * d.tp * d.pp} shard-group GPUs "
+              f"({topo.replica_domains} domain(s))")
     m = plan.memory
     t.add_row("memory / rank", f"{plan.memory_per_rank_gib:.1f} GiB",
               f"states {m.model_states / GIB:.1f}, FSDP buffers {m.fsdp_buffers / GIB:.1f}, activations "
@@ -51,8 +87,7 @@ def render(plan: Plan, console: Console) -> None:
     fit = f"[green]fits in {within}[/]" if plan.fits else f"[red]does not fit: over by {plan.over_by_gib:.1f} GiB of {within}[/]"
     t.add_row("HBM / rank", f"{plan.hbm_gib:.1f} GiB", fit)
     s = plan.step
-    t.add_row("step time (est.)", f"{s.step_s:.3f} s", f"compute {s.compute_s:.3f}, all-to-all {s.all_to_all_s:.3f}, "
-              f"FSDP {s.fsdp_s:.3f}, replicate {s.replicate_s:.3f}, TP {s.tensor_parallel_s:.3f} s")
+    t.add_row("step time (est.)", f"{s.step_s:.3f} s", comm_detail(plan))
     t.add_row("MFU (est.)", f"{s.mfu:.1%}", f"{plan.flops_per_token / 1e9:.2f} GFLOP/token")
     c = plan.checkpoint
     t.add_row("checkpoint", f"{c.checkpoint_bytes / 1e9:.1f} GB", f"needs {c.required_mb_s:.0f} MB/s; FSx "
@@ -66,11 +101,12 @@ def render(plan: Plan, console: Console) -> None:
                       f"{plan.hbm_gib:.1f} GiB, {plan.usable_hbm_gib:.1f} GiB with {plan.parallel.hbm_headroom:.0%} "
                       f"headroom.[/]")
         if plan.suggestions:
-            console.print("Layouts with the same world size that fit (fastest first):")
+            console.print("Layouts with the same world size that fit (EP inside the NVLink domain first, then fastest):")
             for sug in plan.suggestions:
                 console.print(f"  dpReplicate {sug.dp_replicate}, dpShard {sug.dp_shard}, tp {sug.tp}, ep {sug.ep}, "
                               f"pp {sug.pp}, activationCheckpointing {sug.activation_checkpointing}: "
-                              f"{sug.memory_gib} GiB, ~{sug.step_s} s/step", markup=False)
+                              f"{sug.memory_gib} GiB, ~{sug.step_s} s/step"
+                              f"{'' if sug.ep_inside_domain else ', EP crosses NVLink domains'}", markup=False)
         else:
             console.print("No layout of this world size fits: add nodes, use larger-memory GPUs, "
                           "or shrink micro batch / sequence length.")
@@ -79,6 +115,7 @@ def render(plan: Plan, console: Console) -> None:
 def run(args) -> int:
     stack, cfg = stack_from_args(args)
     plan = build_plan(stack, cfg)
+    check_plan_data(plan, args.data)
     if args.json:
         print(plan.to_json() if args.full else json.dumps(plan_json(plan), indent=2))
     else:

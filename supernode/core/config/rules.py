@@ -8,7 +8,7 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from ..catalog import CATALOG, EKS_ADDON_VERSIONS, REGION_AZS
+from ..catalog import CATALOG, EKS_ADDON_VERSIONS, LOCAL_ZONES, REGION_AZS, ULTRASERVERS, ultraserver_only
 from ..errors import Issue
 from ..layout import P, layout_rules
 from .schema import StackConfig, issues_from_validation
@@ -108,12 +108,16 @@ def _zones_and_network(c: StackConfig) -> list[Issue]:
     region_azs = REGION_AZS.get(c.region)
     valid_azs = [c.region + s for s in region_azs] if region_azs else None
 
-    def check_az(path: str, az: str) -> None:
+    def check_az(path: str, az: str, local_zones: tuple[str, ...] = ()) -> None:
+        if az in local_zones:
+            return
         if not az.startswith(c.region) or (valid_azs is not None and az not in valid_azs):
-            hint = ", ".join(valid_azs) if valid_azs else f"{c.region}<letter>"
+            hint = ", ".join([*valid_azs, *local_zones] if valid_azs else [f"{c.region}<letter>", *local_zones])
             issues.append(Issue(path=path, value=az, message=f"availability zone is not in region {c.region}; valid: {hint}"))
 
-    check_az(P + "availabilityZone", c.availability_zone)
+    # Only the GPU nodes may sit in a Local Zone (where UltraServers are sold); the private subnets
+    # hold the EKS control plane's interfaces, which need the region's own AZs.
+    check_az(P + "availabilityZone", c.availability_zone, LOCAL_ZONES.get(c.region, ()))
     for i, az in enumerate(c.network.availability_zones):
         check_az(f"{P}network.availabilityZones[{i}]", az)
     if len(set(c.network.availability_zones)) != len(c.network.availability_zones):
@@ -146,7 +150,9 @@ def _node_groups(c: StackConfig) -> list[Issue]:
     """Accelerator node group names are unique; every group pins the same amiReleaseVersion, of
     the cluster's Kubernetes version; requireEfa needs an instance type with EFA; capacity types
     other than on-demand need a reservationId and on-demand has none; a reservation's AZ is
-    availabilityZone; a capacity-block group has no placement group."""
+    availabilityZone; a capacity-block group has no placement group. An instance type sold only in
+    UltraServers (p6e-gb200) names its ultraServer; a group with an ultraServer is exactly one
+    UltraServer of that instance type (nodes = its instances), bought as a Capacity Block."""
     issues: list[Issue] = []
     names = [g.name for g in c.accelerator_node_groups]
     amis = {g.ami_release_version for g in c.accelerator_node_groups}
@@ -176,6 +182,28 @@ def _node_groups(c: StackConfig) -> list[Issue]:
         if cap.type == "capacity-block" and g.placement_group:
             issues.append(Issue(path=gp + ".placementGroup", value=True,
                                 message="Capacity Blocks are already co-located and conflict with a placement group; set false"))
+        issues += _ultra_server(g, gp)
+    return issues
+
+
+def _ultra_server(g, gp: str) -> list[Issue]:
+    sizes = [u.name for u in ULTRASERVERS.values() if u.instance_type == g.instance_type]
+    if g.ultra_server is None:
+        return [Issue(path=gp + ".ultraServer", missing=True,
+                      message=f"{g.instance_type} is sold only as UltraServers: set ultraServer to one of "
+                              f"{', '.join(sizes)} (one node group per UltraServer)")] if ultraserver_only(g.instance_type) else []
+    u, issues = ULTRASERVERS[g.ultra_server], []
+    if u.instance_type != g.instance_type:
+        issues.append(Issue(path=gp + ".ultraServer", value=g.ultra_server,
+                            message=f"{g.ultra_server} is made of {u.instance_type}, not {g.instance_type}"))
+    elif g.nodes != u.instances:
+        issues.append(Issue(path=gp + ".nodes", value=g.nodes,
+                            message=f"one node group is one {g.ultra_server}: nodes must be {u.instances} (add a node "
+                                    f"group per further UltraServer, each with its own Capacity Block)"))
+    if g.capacity.type != "capacity-block":
+        issues.append(Issue(path=gp + ".capacity.type", value=g.capacity.type,
+                            message="UltraServers are sold as Capacity Blocks: use capacity-block with the block's "
+                                    "reservationId (cr-...)"))
     return issues
 
 
@@ -213,8 +241,9 @@ def _cluster_version(c: StackConfig) -> list[Issue]:
 
 def _layout(c: StackConfig) -> list[Issue]:
     """The parallel layout passes the layout validator (below) with world size = the sum of nodes x
-    accelerators per node over the accelerator node groups, and tp at most one node's GPUs."""
-    max_tp = min(CATALOG[g.instance_type].accelerators for g in c.accelerator_node_groups)
+    accelerators per node over the accelerator node groups, and tp at most the GPUs of one NVLink
+    domain (a node, or the group's UltraServer)."""
+    max_tp = min(g.nvlink_domain for g in c.accelerator_node_groups)
     return layout_rules(c.model, c.parallel, c.training, c.accelerators, max_tp,
                         world_source=" (sum of nodes x accelerators per node)")
 

@@ -1,0 +1,126 @@
+"""The P6 stacks (gb200: 2 x u-p6e-gb200x72; b300: 4 x p6-b300) through the real program and the pack:
+zero mandatory violations and valid manifests, and the two GB200 mistakes (no ComputeDomain; EP
+crossing NVLink domains) plus a replica that does not fit its GPUs fail with the fix named."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from policies.view import Stack
+from supernode.core import resource_types as T
+from supernode.core.config import load_stack
+from supernode.core.plan import PLAN_CONFIGMAP_KEY, build_plan
+from supernode.ops import manifests as mf
+from supernode.ops.policycheck import check, config_from_stack
+from supernode.ops.preview import run_program
+
+from policy_resources import ROOT
+
+pytestmark = pytest.mark.slow  # runs the Pulumi program under the mock engine (seconds per stack)
+
+
+@pytest.fixture(scope="module", params=["gb200", "b300"])
+def real(request):
+    cfg = load_stack(request.param, ROOT)
+    recorded = run_program(request.param, cfg).resources
+    MANIFESTS[request.param] = mf.from_resources(recorded)
+    return request.param, cfg, [r.to_json() for r in recorded]
+
+
+MANIFESTS: dict[str, list[dict]] = {}  # each stack's Kubernetes objects, as `preview --manifests` writes them
+
+
+@pytest.fixture(scope="module")
+def gb200(real):
+    name, cfg, resources = real
+    if name != "gb200":
+        pytest.skip("gb200 only")
+    return cfg, resources
+
+
+def mandatory(resources: list[dict], cfg) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for v in check(resources, config_from_stack(cfg)).mandatory:
+        out.setdefault(v.policy, []).append(v.message)
+    return out
+
+
+def test_zero_mandatory_violations_and_valid_manifests(real):
+    name, cfg, resources = real
+    assert mandatory(resources, cfg) == {}
+    assert mf.validate(MANIFESTS[name], cfg.cluster.kubernetes_version) == []
+
+
+def test_gb200_jobs_claim_their_compute_domain_and_keep_to_one_clique(gb200):
+    cfg, resources = gb200
+    manifests = MANIFESTS["gb200"]
+    domains = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "ComputeDomain"}
+    assert set(domains) == {"gb200-fabric-gate", "gb200-train"}  # one per job
+    assert any(m["kind"] == "CustomResourceDefinition" and m["metadata"]["name"] == "computedomains.resource.nvidia.com"
+               for m in manifests)  # the CRD the validator checked them against
+    job = next(m for m in manifests if m["kind"] == "PyTorchJob")
+    spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    template = domains["gb200-train"]["spec"]["channel"]["resourceClaimTemplate"]["name"]
+    assert spec["resourceClaims"] == [{"name": "imex-channel", "resourceClaimTemplateName": template}]
+    assert spec["containers"][0]["resources"]["claims"] == [{"name": "imex-channel"}]
+    # 36 pods over two 18-node domains: preferred (a required clique could not hold them all)
+    term = spec["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "nvidia.com/gpu.clique"
+    gate = next(m for m in manifests if m["kind"] == "Job")
+    assert gate["spec"]["template"]["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == (
+        domains["gb200-fabric-gate"]["spec"]["channel"]["resourceClaimTemplate"]["name"])
+
+
+def test_single_node_domains_create_no_compute_domain(real):
+    name, cfg, resources = real
+    if name != "b300":
+        pytest.skip("b300 only")
+    assert not [r for r in resources if r["type"] == T.COMPUTE_DOMAIN]
+    job = next(m for m in MANIFESTS["b300"] if m["kind"] == "PyTorchJob")
+    assert "resourceClaims" not in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+
+
+def test_gb200_without_a_compute_domain_fails_naming_the_fix(gb200):
+    cfg, resources = gb200
+    broken = [r for r in copy.deepcopy(resources) if r["type"] != T.COMPUTE_DOMAIN]
+    messages = mandatory(broken, cfg)["interconnect-nvlink-domain"]
+    assert len(messages) == 2  # the trainer and the gate
+    assert all("claim no ComputeDomain IMEX channel" in m and "install the NVIDIA DRA driver" in m for m in messages)
+
+
+def with_plan(resources: list[dict], plan_json: str) -> list[dict]:
+    out = copy.deepcopy(resources)
+    cm = next(r for r in out if r["type"] == T.CONFIG_MAP and PLAN_CONFIGMAP_KEY in (r["inputs"].get("data") or {}))
+    cm["inputs"]["data"][PLAN_CONFIGMAP_KEY] = plan_json
+    return out
+
+
+def test_gb200_ep_crossing_domains_fails_naming_the_fix(gb200):
+    cfg, resources = gb200
+    crossing = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"dp_replicate": 1, "dp_shard": 144,
+                                                                                  "ep": 144})})
+    plan = build_plan("gb200", crossing)
+    assert not plan.topology.group("ep").inside_domain
+    messages = mandatory(with_plan(resources, plan.to_json()), cfg)["interconnect-nvlink-domain"]
+    assert len(messages) == 1
+    assert "each ep group of 144 GPUs across 2 NVLink domains of 72 (u-p6e-gb200x72)" in messages[0]
+    assert "Fix: choose supernode:parallel.ep dividing 72" in messages[0]
+
+
+def test_replica_state_over_the_domain_memory_fails_item_2(gb200):
+    cfg, resources = gb200
+    plan = json.loads(build_plan("gb200", cfg).to_json())
+    plan["topology"]["replica_fits"] = False  # the plan's verdict, as the policy reads it
+    messages = mandatory(with_plan(resources, json.dumps(plan)), cfg)["memory-fit"]
+    assert len(messages) == 1 and "One replica's training state" in messages[0]
+    assert "72 shard-group GPUs (1 NVLink domain(s) of 72 GPUs" in messages[0] and "dpShard up" in messages[0]
+
+
+def test_policies_see_the_gb200_plan(gb200):
+    cfg, resources = gb200
+    stack = Stack.from_json(resources)
+    assert stack.plan() == build_plan("gb200", cfg)
+    assert len(stack.of(T.COMPUTE_DOMAIN)) == 2 and len(stack.gpu_node_groups()) == 2
