@@ -22,7 +22,11 @@ def test_every_alarm_notifies_the_topic(stack: Stack):
     topic = stack.outputs["sns_topic_arn"]
     found = alarms(stack)
     assert set(found) == {"gpu-util-low", "node-not-ready", "gpu-xid-errors", "nccl-timeouts", "out-of-memory",
-                          "fsx-free-capacity-low"}
+                          "fsx-free-capacity-low",
+                          # training health and operations (issue 18; tests/components/test_training_health.py)
+                          "training-step-stalled", "training-throughput-low", "training-loss-not-finite",
+                          "checkpoint-stale", "training-restarts", "fabric-regressed", "inventory-drift",
+                          "restore-drill-failed"}
     for a in found.values():
         assert a["alarmActions"] == [topic] and a["okActions"] == [topic]
     assert sorted(stack.outputs["alarm_names"]) == sorted(a["name"] for a in found.values())
@@ -84,5 +88,5 @@ def test_observability_addon_and_dashboard(stack: Stack):
     assert addon and addon[0]["serviceAccountRoleArn"].endswith("role/" + stack.one(
         T.IAM_ROLE, "monitoring-cloudwatch-agent").outputs["name"])
     body = json.loads(stack.one(T.DASHBOARD).inputs["dashboardBody"])
-    metrics = [m[1] for w in body["widgets"] for m in w["properties"]["metrics"]]
+    metrics = [m[1] for w in body["widgets"] for m in w["properties"]["metrics"] if isinstance(m, list)]
     assert {"node_gpu_utilization", "FreeDataStorageCapacity", "NcclTimeouts", "OutOfMemory"} <= set(metrics)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,88 @@ def test_bad_sizes_exit_2(sizes, capsys):
 
 def test_sizes_parse_with_units():
     assert fabric.parse_sizes("4096,64K,16M,1G") == [4096, 65536, 16 << 20, 1 << 30]
+
+
+# -- the node-pair matrix -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", range(1, 18))
+def test_pair_rounds_cover_every_pair_exactly_once_in_o_n_rounds(n):
+    rounds = fabric.pair_rounds(n)
+    pairs = [p for r in rounds for p in r]
+    assert sorted(pairs) == [(a, b) for a in range(n) for b in range(a + 1, n)]  # each pair once
+    for r in rounds:  # a node is in at most one pair per round: the pairs of a round run at once
+        busy = [u for p in r for u in p]
+        assert len(busy) == len(set(busy))
+    assert len(rounds) == (0 if n == 1 else n - 1 if n % 2 == 0 else n)
+
+
+def pair(a: str, b: str, gb_s: float, latency_us: float = 50.0) -> dict:
+    return {"pair": [a, b], "gb_s": gb_s, "latency_us": latency_us}
+
+
+def test_a_node_with_most_pairs_slow_is_named_a_bad_link_names_none():
+    healthy = [pair(a, b, 100.0) for a, b in [("n0", "n1"), ("n0", "n3"), ("n1", "n3")]]
+    slow_node = [pair(a, "n2", 40.0) for a in ("n0", "n1")] + [pair("n2", "n3", 100.0, latency_us=400.0)]
+    found = fabric.compare(healthy + slow_node, threshold=0.2)
+    assert found["reference"] == "typical-node" and found["suspect_nodes"] == ["n2"]
+    assert found["fabric_regressed_node_count"] == 1 and len(found["regressed_pairs"]) == 3
+    one_link = healthy + [pair("n0", "n2", 40.0), pair("n1", "n2", 100.0), pair("n2", "n3", 100.0)]
+    found = fabric.compare(one_link, threshold=0.2)
+    assert [p["pair"] for p in found["regressed_pairs"]] == [["n0", "n2"]] and found["suspect_nodes"] == []
+
+
+def test_baseline_compare_matches_pairs_by_node_names_not_order():
+    baseline = [pair("a", "b", 100.0), pair("a", "c", 100.0), pair("b", "c", 100.0)]
+    now = [pair("b", "a", 95.0), pair("c", "a", 70.0), pair("c", "b", 70.0), pair("a", "d", 1.0)]
+    found = fabric.compare(now, threshold=0.2, baseline=baseline)
+    assert found["reference"] == "baseline" and found["suspect_nodes"] == ["c"]
+    assert found["compared_pairs"] == 3 and found["unbaselined_pairs"] == 1  # node d is new: not judged
+    assert found["regressed_pairs"][0]["reference_gb_s"] == 100.0
+    # Within the threshold is no finding; two nodes alone cannot be told apart: both are named.
+    assert fabric.compare(now[:1], threshold=0.2, baseline=baseline)["suspect_nodes"] == []
+    assert fabric.compare([pair("a", "b", 10.0)], 0.2, baseline)["suspect_nodes"] == ["a", "b"]
+
+
+@pytest.mark.parametrize("content", ["not json", '{"pairs": [{"gb_s": 1}]}', "[]"])
+def test_unreadable_baseline_exits_2_before_any_collective(tmp_path: Path, capsys, content):
+    path = tmp_path / "baseline.json"
+    path.write_text(content, encoding="utf-8")
+    assert fabric.main(["--min-busbw-gbytes-s", "1", "--baseline", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--baseline {path}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags", [["--regression", "1.5"], ["--ranks-per-node", "3"]])
+def test_bad_matrix_flags_exit_2(flags, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert fabric.main(["--min-busbw-gbytes-s", "1", *flags]) == 2
+    assert flags[0] in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_four_rank_pair_matrix_names_the_injected_slow_rank_and_records_the_baseline(tmp_path: Path):
+    """The issue's acceptance run: 4 CPU ranks, each its own "node"; rank 2 waits before every send
+    (SUPERNODE_INJECT_FAULT=slow-rank@2). A 20x regression threshold keeps a shared CI host's noise
+    out of the finding; the injected fault is ~50x."""
+    baseline, report = tmp_path / "fabric" / "baseline.json", tmp_path / "last.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "-m", "trainer.fabric", "--min-busbw-gbytes-s", "0.0001", "--sizes", "64K", "--warmup", "1",
+           "--iters", "3", "--ranks-per-node", "1", "--pair-bytes", "4M", "--regression", "0.95",
+           "--baseline", str(baseline), "--report", str(report)]
+    env = {**os.environ, "SUPERNODE_INJECT_FAULT": "slow-rank@2", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 1, run.stderr[-2000:]  # a named node fails the check
+    lines = json_lines(run)
+    matrix = [p for p in lines if "pair" in p and "round" in p]
+    assert len(matrix) == 6 and len({p["round"] for p in matrix}) == 3  # 6 pairs in 3 rounds
+    check = next(p for p in lines if p.get("fabric_check") == "pairs")
+    assert len(check["suspect_nodes"]) == 1 and check["suspect_nodes"][0].endswith("#2")
+    assert check["fabric_regressed_node_count"] == 1
+    assert {tuple(p["pair"]) for p in check["regressed_pairs"]} == {p for p in
+                                                                   (tuple(m["pair"]) for m in matrix) if p[0].endswith("#2") or p[1].endswith("#2")}
+    assert any(p.get("latency") == "all_reduce" and p["time_us"] > 0 for p in lines)
+    assert lines[-1]["gate"] == "all_reduce_busbw" and lines[-1]["passed"] is False
+    saved = json.loads(baseline.read_text(encoding="utf-8"))
+    assert saved == json.loads(report.read_text(encoding="utf-8"))  # the first run is the baseline
+    assert [n["node"] for n in saved["nodes"]] == sorted({n for p in matrix for n in p["pair"]}, key=lambda n: n[-1])
+    assert {"instance_id", "gpus", "efa"} <= set(saved["nodes"][0]) and len(saved["pairs"]) == 6
