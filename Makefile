@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Test workers: CI machines have 2 cores.
 WORKERS ?= 2
 
-.PHONY: demo test test-fast bench docs clean
+.PHONY: demo test test-fast bench docs image addon-digests clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,44 @@ bench: $(STAMP)
 # docs/configuration.md is generated from the schema (a test fails when it is stale).
 docs: $(STAMP)
 	$(BIN)/supernode config reference > docs/configuration.md
+
+# The trainer image (Dockerfile), pushed to the stack's ECR repository (the `trainer_repository_url`
+# output, so after a first `pulumi up`); prints the line for supernode:images.trainer in
+# Pulumi.$(STACK).yaml. Needs docker with buildx, the AWS CLI and the Pulumi CLI, logged in.
+#   make image STACK=prod [IMAGE_TAG=...] [CUDA_DIGEST=sha256:...]
+# The Dockerfile's CUDA_DIGEST default is a placeholder: unless given, the current digest of
+# CUDA_IMAGE is resolved here. Tags are immutable in the repository: a tag is pushed once.
+STACK ?= dev
+CUDA_IMAGE ?= nvidia/cuda:13.0.2-runtime-ubuntu24.04
+IMAGE_TAG ?= $(shell git rev-parse --short=12 HEAD)
+DIGEST_OF = docker buildx imagetools inspect $(1) --format '{{json .Manifest.Digest}}' | tr -d '"'
+
+image:
+	@set -eu; \
+	repo=$$(pulumi stack output trainer_repository_url --stack $(STACK)); \
+	test -n "$$repo" || { echo "no trainer_repository_url output in stack $(STACK): run pulumi up first" >&2; exit 2; }; \
+	cuda_digest="$(CUDA_DIGEST)"; \
+	test -n "$$cuda_digest" || cuda_digest=$$($(call DIGEST_OF,$(CUDA_IMAGE))); \
+	test -n "$$cuda_digest" || { echo "cannot resolve $(CUDA_IMAGE): set CUDA_DIGEST=sha256:..." >&2; exit 2; }; \
+	echo "base $(CUDA_IMAGE)@$$cuda_digest -> $$repo:$(IMAGE_TAG)"; \
+	region=$$(echo "$$repo" | cut -d. -f4); \
+	aws ecr get-login-password --region "$$region" | docker login --username AWS --password-stdin "$${repo%%/*}"; \
+	mkdir -p out; \
+	docker buildx build --platform linux/amd64 --build-arg CUDA_IMAGE=$(CUDA_IMAGE) \
+	  --build-arg CUDA_DIGEST="$$cuda_digest" --tag "$$repo:$(IMAGE_TAG)" --push \
+	  --metadata-file out/image.json .; \
+	digest=$$(python3 -c "import json; print(json.load(open('out/image.json'))['containerimage.digest'])"); \
+	echo "supernode:images.trainer for Pulumi.$(STACK).yaml:"; \
+	echo "    trainer: $$repo@$$digest"
+
+# The add-on images' digests (components/addons/ pin tags): paste under supernode:images as `addons:`.
+addon-digests: $(STAMP)
+	@echo "    addons:"
+	@$(BIN)/python -c "from components.workload_addons import addon_images as a; print(*(f'{n} {i}' for n, i in a().items()), sep='\n')" | \
+	while read -r name image; do \
+	  digest=$$($(call DIGEST_OF,$$image)) && test -n "$$digest" || { echo "cannot resolve $$image" >&2; exit 2; }; \
+	  echo "      $$name: $$image@$$digest"; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache out

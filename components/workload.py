@@ -20,7 +20,7 @@ from .context import StackContext
 from .taints import Taint
 from .workload_addons import AddonArgs, ClusterAddons
 from .workload_common import GpuNodes, dns_name
-from .workload_jobs import InterconnectGate, JobArgs, TrainerArgs, TrainerJob
+from .workload_jobs import InterconnectGate, JobArgs, TrainerArgs, TrainerJob, spans_nodes_over_nvlink
 from .workload_namespace import PRIORITY_CLASS, Fsx, NamespaceArgs, TrainingNamespace
 
 __all__ = ["TrainingWorkload", "WorkloadArgs", "Fsx", "GpuNodes", "StackContext", "Taint"]
@@ -52,7 +52,9 @@ class TrainingWorkload(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self, providers={"kubernetes": self.provider})
         plan, wl = args.plan, args.workload
 
-        self.addons = ClusterAddons(f"{name}-addons", AddonArgs(region=args.ctx.region, gpu_nodes=args.gpu_nodes),
+        self.addons = ClusterAddons(f"{name}-addons", AddonArgs(region=args.ctx.region, gpu_nodes=args.gpu_nodes,
+                                                              images=args.images.addons,
+                                                              compute_domains=spans_nodes_over_nvlink(plan)),
                                     child)
         self.training = TrainingNamespace(f"{name}-ns", NamespaceArgs(
             namespace=wl.namespace, service_account=wl.service_account, trainer_role_arn=args.trainer_role_arn,
@@ -60,7 +62,8 @@ class TrainingWorkload(pulumi.ComponentResource):
             fsx=args.fsx, plan=plan), child)
         job = JobArgs(namespace=self.training.name, image=args.images.trainer, gpu_nodes=args.gpu_nodes, plan=plan,
                       plan_config_map=self.training.plan_config_map.metadata.name,
-                      priority_class=self.training.priority_class.metadata.name)
+                      priority_class=self.training.priority_class.metadata.name,
+                      wait_for=self.addons.compute_domain_ready)
         self.gate = InterconnectGate(
             f"{name}-gate", replace(job, image=args.images.fabric_check or args.images.trainer),
             job_name=dns_name(plan.stack, "fabric-gate"), opts=child)

@@ -6,14 +6,15 @@ plugins, the DCGM exporter with a Prometheus scrape endpoint, and the Kubeflow t
 The manifests are third-party software, so they live as pinned YAML files in `components/addons/`
 (and the CRD in `components/crds/`), reviewed and bumped as files. This module loads them and
 patches only what depends on the stack: the add-ons' namespace, ownership labels, which nodes
-the DaemonSets run on (GpuNodes), the EKS registry's region, and the references between objects.
+the DaemonSets run on (GpuNodes), the images (supernode:images.addons pins them by digest), the EKS
+registry's region, and the references between objects.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -24,6 +25,9 @@ from .workload_common import GpuNodes, PART_OF, load_addon, load_crd, meta
 
 SYSTEM_NAMESPACE = "supernode-system"  # where the add-on files place their namespaced objects
 OPERATOR = "training-operator"
+ADDON_FILES = ("nvidia-device-plugin.yaml", "aws-efa-k8s-device-plugin.yaml", "dcgm-exporter.yaml",
+               "training-operator.yaml")
+WORKLOADS = ("DaemonSet", "Deployment")  # the kinds in the add-on files that run containers
 
 # The typed resource for each kind in the add-on files: typed resources are what the engine records,
 # `preview --manifests` validates and the policies read (a generic YAML resource would hide them).
@@ -45,6 +49,12 @@ KINDS = {
 class AddonArgs:
     region: str
     gpu_nodes: GpuNodes
+    # Container name -> image (supernode:images.addons): digests in prod; an add-on not named runs the
+    # tag its file pins.
+    images: Mapping[str, str] = field(default_factory=dict)
+    # The plan spans nodes over NVLink (GB200 UltraServers): install the ComputeDomain CRD the jobs'
+    # ComputeDomains need (components/crds/computedomain.yaml).
+    compute_domains: bool = False
 
 
 def _efa_instance_types() -> list[str]:
@@ -73,7 +83,20 @@ def regional_image(image: str, region: str) -> str:
 
 def _image_tag(obj: dict[str, Any]) -> tuple[str, str]:
     c = _pod_spec(obj)["containers"][0]
-    return c["name"], c["image"].rsplit(":", 1)[1]
+    return c["name"], c["image"].split("@", 1)[0].rsplit(":", 1)[1]
+
+
+def addon_images() -> dict[str, str]:
+    """Each add-on container's image as its file pins it (by tag): what supernode:images.addons overrides."""
+    return {c["name"]: c["image"] for f in ADDON_FILES for obj in load_addon(f).values() if obj["kind"] in WORKLOADS
+            for c in _pod_spec(obj)["containers"]}
+
+
+def with_images(obj: dict[str, Any], images: Mapping[str, str]) -> dict[str, Any]:
+    """An add-on workload with the stack's image for each container it names (by container name)."""
+    for c in _pod_spec(obj)["containers"]:
+        c["image"] = images.get(c["name"], c["image"])
+    return obj
 
 
 def _snake(field: str) -> str:
@@ -90,16 +113,17 @@ class ClusterAddons(pulumi.ComponentResource):
         self.namespace = k8s.core.v1.Namespace(f"{name}-ns", metadata=meta(SYSTEM_NAMESPACE), opts=self._child)
         self._ns = self.namespace.metadata.name
 
-        nvidia = load_addon("nvidia-device-plugin.yaml")["DaemonSet"]
+        nvidia = with_images(load_addon("nvidia-device-plugin.yaml")["DaemonSet"], args.images)
         self.nvidia_device_plugin = self._create(f"{name}-nvidia-device-plugin", on_gpu_nodes(nvidia, gpu))
 
-        efa = load_addon("aws-efa-k8s-device-plugin.yaml")["DaemonSet"]
+        efa = with_images(load_addon("aws-efa-k8s-device-plugin.yaml")["DaemonSet"], args.images)
         for c in _pod_spec(efa)["containers"]:
             c["image"] = regional_image(c["image"], args.region)
         efa_nodes = {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": _efa_instance_types()}
         self.efa_device_plugin = self._create(f"{name}-efa-device-plugin", on_gpu_nodes(efa, gpu, [efa_nodes]))
 
         dcgm = load_addon("dcgm-exporter.yaml")
+        with_images(dcgm["DaemonSet"], args.images)
         self.dcgm_exporter = self._create(f"{name}-dcgm-exporter", on_gpu_nodes(dcgm["DaemonSet"], gpu))
         self.dcgm_service = self._create(f"{name}-dcgm-exporter", dcgm["Service"])
         svc = dcgm["Service"]
@@ -107,8 +131,15 @@ class ClusterAddons(pulumi.ComponentResource):
         port = svc["spec"]["ports"][0]["port"]
         self.dcgm_endpoint = pulumi.Output.concat(f"http://{svc['metadata']['name']}.", self._ns, f".svc:{port}/metrics")
 
-        operator = self._training_operator(name)
+        operator = self._training_operator(name, args.images)
         self.ready = [self.pytorchjob_crd, self.operator]
+        # What a job's ComputeDomain waits for (none without multi-node NVLink).
+        self.compute_domain_ready: list[pulumi.Resource] = []
+        if args.compute_domains:
+            crd = load_crd("computedomain.yaml")
+            crd["metadata"]["labels"] = dict(PART_OF)
+            self.compute_domain_ready.append(k8s.apiextensions.v1.CustomResourceDefinition(
+                f"{name}-computedomain-crd", metadata=crd["metadata"], spec=crd["spec"], opts=self._child))
         self.versions = dict(_image_tag(obj) for obj in (nvidia, efa, dcgm["DaemonSet"], operator))
         self.register_outputs({"versions": self.versions, "dcgm_endpoint": self.dcgm_endpoint,
                                "scrape_annotations": self.scrape_annotations})
@@ -123,7 +154,7 @@ class ClusterAddons(pulumi.ComponentResource):
         return KINDS[obj["kind"]](resource_name, metadata=meta(md["name"], namespace, md.get("labels"),
                                                               md.get("annotations")), opts=opts, **body)
 
-    def _training_operator(self, name: str) -> dict[str, Any]:
+    def _training_operator(self, name: str, images: Mapping[str, str]) -> dict[str, Any]:
         """Kubeflow training operator limited to PyTorchJob: CRD, RBAC, validating webhook, Deployment.
         References between its objects are pointed at the created objects' outputs, so Pulumi
         creates each object after the ones it names (and deletes it before them)."""
@@ -155,7 +186,7 @@ class ClusterAddons(pulumi.ComponentResource):
         # ... and the caBundle it injects into the webhook configuration.
         self._create(f"{name}-{OPERATOR}-webhook", webhook, ignore_changes=["webhooks[*].clientConfig.caBundle"])
 
-        deployment = op["Deployment"]
+        deployment = with_images(op["Deployment"], images)
         pod = _pod_spec(deployment)
         pod["serviceAccountName"] = sa.metadata.name
         for volume in pod["volumes"]:

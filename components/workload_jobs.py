@@ -43,6 +43,8 @@ class JobArgs:
     plan: Plan  # node count, pod shape, gate floor, training settings
     plan_config_map: pulumi.Input[str]  # the plan as the core serialised it; both jobs mount it
     priority_class: pulumi.Input[str]  # both jobs hold whole GPU nodes: same priority
+    # What a job's custom resources need first: the ComputeDomain CRD where the plan spans nodes over NVLink.
+    wait_for: Sequence[pulumi.Resource] = ()
 
 
 # Both jobs read the plan file rather than figures copied onto their command lines.
@@ -61,18 +63,64 @@ def pod_metadata(args: JobArgs, mesh: str) -> dict[str, Any]:
     return {"labels": {MESH_LABEL: mesh}, "annotations": {"supernode.io/plan-sha256": plan_hash}}
 
 
+# Multi-node NVLink (GB200 UltraServers): each job's pods claim the IMEX channel of the job's own
+# ComputeDomain (NVIDIA DRA driver), and GPU Feature Discovery labels the nodes of one NVLink domain
+# with the same clique (../shared/HARDWARE.md "EKS").
+IMEX_CLAIM = "imex-channel"
+CLIQUE_LABEL = "nvidia.com/gpu.clique"
+
+
+def spans_nodes_over_nvlink(plan: Plan) -> bool:
+    """The plan's NVLink domain is larger than one node: the job needs IMEX channels."""
+    return plan.topology.nodes_per_domain > 1
+
+
+def imex_channel_template(mesh: str) -> str:
+    """The ResourceClaimTemplate the job's ComputeDomain generates (and its pods claim)."""
+    return f"{mesh}-imex-channel"
+
+
+def compute_domain(name: str, namespace: pulumi.Input[str], mesh: str,
+                   opts: pulumi.ResourceOptions) -> k8s.apiextensions.CustomResource:
+    """One ComputeDomain per job: the driver starts IMEX daemons on the job's nodes as its pods arrive.
+    numNodes 0: with the driver's default IMEXDaemonsWithDNSNames (25.8+) it only feeds the status,
+    and the job (torchrun's rendezvous) is its own source of truth for the workers online."""
+    return k8s.apiextensions.CustomResource(name, api_version="resource.nvidia.com/v1beta1", kind="ComputeDomain",
+                                            metadata=meta(mesh, namespace), spec={
+        "numNodes": 0, "channel": {"resourceClaimTemplate": {"name": imex_channel_template(mesh)}}}, opts=opts)
+
+
+def nvlink_domain_affinity(plan: Plan, mesh: str) -> dict[str, Any]:
+    """Pods of the job on as few NVLink domains as possible: required to share one clique when the job
+    fits in a domain, else preferred (each UltraServer node group then fills whole domains, and the
+    trainer's rank order, supernode.core.topology.rank_order, keeps every EP/TP group inside one)."""
+    term = {"labelSelector": {"matchLabels": {MESH_LABEL: mesh}}, "topologyKey": CLIQUE_LABEL}
+    if plan.nodes <= plan.topology.nodes_per_domain:
+        return {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+    return {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]}
+
+
 def gpu_pod_spec(args: JobArgs, mesh: str, container: dict[str, Any], volumes: Sequence[dict[str, Any]] = (),
                  **spec: Any) -> dict[str, Any]:
-    """A pod owning one whole GPU node: all its GPUs and EFA devices, one pod of the mesh per node."""
+    """A pod owning one whole GPU node: all its GPUs and EFA devices, one pod of the mesh per node,
+    and on UltraServers the IMEX channel of the job's ComputeDomain."""
+    imex = spans_nodes_over_nvlink(args.plan)
+    resources = pod_resources(args.plan.pod)
+    if imex:
+        resources["claims"] = [{"name": IMEX_CLAIM}]
+        spec = {"resourceClaims": [{"name": IMEX_CLAIM, "resourceClaimTemplateName": imex_channel_template(mesh)}],
+                **spec}
     c = {**container,
          "env": [{"name": k, "value": v} for k, v in FABRIC_ENV.items()] + container.get("env", []),
-         "resources": pod_resources(args.plan.pod),
+         "resources": resources,
          # EFA pins memory for RDMA: IPC_LOCK, and nothing else beyond the runtime defaults.
          "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}},
          "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}] + container.get("volumeMounts", [])}
     affinity = args.gpu_nodes.affinity()
     affinity["podAntiAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [{
         "labelSelector": {"matchLabels": {MESH_LABEL: mesh}}, "topologyKey": "kubernetes.io/hostname"}]}
+    if imex:
+        affinity["podAffinity"] = nvlink_domain_affinity(args.plan, mesh)
     return {
         "tolerations": args.gpu_nodes.tolerations(),
         "affinity": affinity,
@@ -114,6 +162,10 @@ class InterconnectGate(pulumi.ComponentResource):
                                   f"all_reduce baseline for it (supernode.core.catalog.ALL_REDUCE_BASELINE_GBYTES_S)")
         self.min_busbw_gbytes_s = plan.gate_floor_gbytes_s
         self.policy = mesh_policy(f"{name}-mesh", args.namespace, mesh, child)
+        after: list[pulumi.Resource] = [self.policy]
+        if spans_nodes_over_nvlink(plan):
+            after.append(compute_domain(f"{name}-compute-domain", args.namespace, mesh,
+                                        pulumi.ResourceOptions(parent=self, depends_on=list(args.wait_for))))
         # Headless Service: stable DNS names <job>-<index>.<service> for the pods of the Indexed Job.
         self.service = k8s.core.v1.Service(f"{name}-svc", metadata=meta(job_name, args.namespace), spec={
             "clusterIP": "None", "publishNotReadyAddresses": True,
@@ -141,7 +193,7 @@ class InterconnectGate(pulumi.ComponentResource):
             "template": {"metadata": pod_metadata(args, mesh), "spec": gpu_pod_spec(
                 args, mesh, container, [plan_volume(args)], restartPolicy="Never", subdomain=job_name,
                 automountServiceAccountToken=False)},
-        }, opts=pulumi.ResourceOptions(parent=self, depends_on=[self.policy, self.service],
+        }, opts=pulumi.ResourceOptions(parent=self, depends_on=[*after, self.service],
                                        delete_before_replace=True,
                                        custom_timeouts=pulumi.CustomTimeouts(create=f"{GATE_DEADLINE_S // 60 + 10}m")))
         self.register_outputs({"job": self.job.metadata.name, "min_busbw_gbytes_s": self.min_busbw_gbytes_s})
@@ -168,6 +220,10 @@ class TrainerJob(pulumi.ComponentResource):
         plan, mesh = args.job.plan, job_name
         self.name = job_name
         self.policy = mesh_policy(f"{name}-mesh", args.job.namespace, mesh, pulumi.ResourceOptions(parent=self))
+        after: list[pulumi.Resource] = [self.policy]
+        if spans_nodes_over_nvlink(plan):
+            after.append(compute_domain(f"{name}-compute-domain", args.job.namespace, mesh,
+                                        pulumi.ResourceOptions(parent=self, depends_on=list(args.job.wait_for))))
         container = {
             "name": "pytorch",  # the operator injects the PET_* rendezvous env into this container name
             "image": args.job.image,
@@ -197,7 +253,7 @@ class TrainerJob(pulumi.ComponentResource):
                               "maxRestarts": plan.training.max_restarts},
             "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": plan.training.max_restarts},
             "pytorchReplicaSpecs": {"Worker": {"replicas": nodes, "restartPolicy": "OnFailure", "template": template}},
-        }, opts=pulumi.ResourceOptions(parent=self, depends_on=[self.policy, *args.wait_for],
+        }, opts=pulumi.ResourceOptions(parent=self, depends_on=[*after, *args.wait_for],
                                        delete_before_replace=True, replace_on_changes=["spec"],
                                        custom_timeouts=pulumi.CustomTimeouts(create="30m")))
         self.register_outputs({"job": job_name, "workers": nodes, "nproc_per_node": plan.accelerators_per_node})

@@ -1,5 +1,6 @@
 """Checklist item 10, access control and keys: least-privilege IAM, encrypted and private storage,
-a private EKS API, IMDSv2, rotated KMS keys, no ingress from the internet.
+a private EKS API, IMDSv2 out of pods' reach, rotated KMS keys, no ingress from the internet, and the
+containers the stack deploys: images pinned by digest (never the placeholder), CPU and memory bounded.
 
 Two remediations, both safe because they only tighten a setting and never change what a workload
 can reach inside the VPC: IMDSv2 on launch templates and an all-true S3 public-access block.
@@ -11,13 +12,17 @@ from typing import Any, Optional
 
 from pulumi_policy import EnforcementLevel
 
-from supernode.core.resource_types import (BUCKET, BUCKET_LOGGING, BUCKET_PAB, BUCKET_POLICY, BUCKET_SSE, EKS_CLUSTER,
-                                           IAM_GROUP_POLICY, IAM_POLICY, IAM_ROLE, IAM_ROLE_POLICY, IAM_USER_POLICY,
-                                           KMS_KEY, KMS_KEY_POLICY, LAUNCH_TEMPLATE, SECURITY_GROUP, SG_INGRESS, SG_RULE,
-                                           SNS_TOPIC_POLICY)
+from supernode.core.config import DIGEST_RE
+from supernode.core.config.schema import PLACEHOLDER_DIGEST
+from supernode.core.resource_types import (BUCKET, BUCKET_LOGGING, BUCKET_PAB, BUCKET_POLICY, BUCKET_SSE, DAEMON_SET,
+                                           DEPLOYMENT, EKS_CLUSTER, IAM_GROUP_POLICY, IAM_POLICY, IAM_ROLE,
+                                           IAM_ROLE_POLICY, IAM_USER_POLICY, K8S_JOB, KMS_KEY, KMS_KEY_POLICY,
+                                           LAUNCH_TEMPLATE, POD, PYTORCH_JOB, SECURITY_GROUP, SG_INGRESS, SG_RULE,
+                                           SNS_TOPIC_POLICY, STATEFUL_SET)
 
 from .base import Report, ResourcePolicy, StackPolicy
-from .view import OPEN_CIDRS, Res, Stack, as_list, get, is_true, items, json_doc, plain, statements
+from .view import (OPEN_CIDRS, Res, Stack, as_list, containers, get, is_true, items, json_doc, plain,
+                   statements)
 
 REMEDIATE = EnforcementLevel.REMEDIATE
 PAB_FLAGS = ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")
@@ -133,7 +138,7 @@ def _imdsv2(res: Res, _conf: None, report: Report) -> None:
     if res.get("metadataOptions", "httpTokens") != "required":
         report(res, f"{res.label} allows IMDSv1 (metadataOptions.httpTokens "
                     f"{res.get('metadataOptions', 'httpTokens')!r}), which SSRF can use to steal node credentials. "
-                    f"Fix: metadataOptions {{httpTokens: 'required', httpPutResponseHopLimit: 2}}.")
+                    f"Fix: metadataOptions {{httpTokens: 'required', httpPutResponseHopLimit: 1}}.")
 
 
 def _imdsv2_fix(res: Res) -> Optional[dict[str, Any]]:
@@ -142,6 +147,15 @@ def _imdsv2_fix(res: Res) -> Optional[dict[str, Any]]:
     props = plain(res.props)
     props["metadataOptions"] = {**(props.get("metadataOptions") or {}), "httpTokens": "required"}
     return props
+
+
+def _imds_hop_limit(res: Res, _conf: None, report: Report) -> None:
+    hops = res.get("metadataOptions", "httpPutResponseHopLimit")
+    if hops != 1:
+        report(res, f"{res.label} lets IMDS answers travel {hops if hops is not None else 'the default number of'} "
+                    f"hops, so a pod in its own network namespace can take the node role's credentials. Fix: "
+                    f"metadataOptions.httpPutResponseHopLimit 1, and give pods that call AWS an IRSA or Pod Identity "
+                    f"role.")
 
 
 def _kms_rotation(res: Res, _conf: None, report: Report) -> None:
@@ -168,6 +182,45 @@ def _open_ingress(res: Res, _conf: None, report: Report) -> None:
                         f"or a named security group; reach nodes through SSM, not the internet.")
 
 
+# -- containers the stack deploys ------------------------------------------------------------------
+
+WORKLOADS = (POD, K8S_JOB, DAEMON_SET, DEPLOYMENT, STATEFUL_SET, PYTORCH_JOB)
+BOUNDED = ("cpu", "memory")
+
+
+def _all_containers(stack: Stack) -> list[tuple[Res, Any]]:
+    return [(w, c) for w in stack.of(*WORKLOADS) for c in containers(w, init=True)]
+
+
+def _image_digests(stack: Stack, _conf: None, report: Report) -> None:
+    # The trainer job and the gate are the checklist's (images-pinned, code-config-ready): not reported twice.
+    jobs = {r.urn for r in stack.trainer_jobs() + stack.gates()}
+    for w, c in _all_containers(stack):
+        image = str(get(c, "image", default=""))
+        if w.urn not in jobs and not DIGEST_RE.match(image):
+            report(w, f"{w.label} container '{get(c, 'name')}' runs {image!r}, a tag that can be re-pointed. Fix: pin "
+                      f"it by digest in supernode:images.addons (`make addon-digests` prints the mapping).")
+
+
+def _image_placeholder(stack: Stack, _conf: None, report: Report) -> None:
+    for w, c in _all_containers(stack):
+        image = str(get(c, "image", default=""))
+        if image.endswith("@" + PLACEHOLDER_DIGEST):
+            report(w, f"{w.label} container '{get(c, 'name')}' runs the placeholder digest {image!r}: no such image "
+                      f"exists, so its pods never start. Fix: `make image STACK=<stack>` and put the digest it prints "
+                      f"in supernode:images.trainer.")
+
+
+def _container_resources(stack: Stack, _conf: None, report: Report) -> None:
+    for w, c in _all_containers(stack):
+        missing = [f"{kind}.{r}" for kind in ("requests", "limits") for r in BOUNDED
+                   if get(c, "resources", kind, r) in (None, "")]
+        if missing:
+            report(w, f"{w.label} container '{get(c, 'name')}' sets no {', '.join(missing)}, so it can starve its "
+                      f"node's other pods. Fix: set CPU and memory requests and limits (add-ons: their file in "
+                      f"components/addons/).")
+
+
 POLICIES = [
     ResourcePolicy("iam-no-wildcards", 10, "IAM documents allow no wildcard actions and no '*' resource beyond "
                    "read-only calls.", (IAM_ROLE, IAM_ROLE_POLICY, IAM_POLICY, IAM_USER_POLICY, IAM_GROUP_POLICY,
@@ -182,7 +235,16 @@ POLICIES = [
                    _eks_endpoint),
     ResourcePolicy("ec2-imdsv2", 10, "Launch templates require IMDSv2.", (LAUNCH_TEMPLATE,), _imdsv2,
                    level=REMEDIATE, remediate=_imdsv2_fix),
+    ResourcePolicy("ec2-imds-hop-limit", 10, "Launch templates keep IMDS answers on the node (hop limit 1).",
+                   (LAUNCH_TEMPLATE,), _imds_hop_limit),
     ResourcePolicy("kms-key-rotation", 10, "KMS keys rotate.", (KMS_KEY,), _kms_rotation),
     ResourcePolicy("no-open-ingress", 10, "No security group allows ingress from 0.0.0.0/0 or ::/0.",
                    (SECURITY_GROUP, SG_RULE, SG_INGRESS), _open_ingress),
+    # Both image policies are mandatory unless the stack says otherwise (supernode:images.requireDigests
+    # false, a dev stack: `supernode policy config` makes them advisory).
+    StackPolicy("image-digests", 10, "Every container image the stack deploys is pinned by digest.", _image_digests),
+    StackPolicy("image-placeholder", 10, "No container runs the placeholder image digest.", _image_placeholder),
+    StackPolicy("container-resources", 10, "Every container sets CPU and memory requests and limits.",
+                _container_resources),
 ]
+IMAGE_POLICIES = ("image-digests", "image-placeholder")

@@ -29,7 +29,12 @@ EXIT_CODES = "exit codes: 0 ok; 1 a check, policy or run failed; 2 bad input (ev
 EXAMPLES = {
     "bench": ["supernode bench preview", "supernode bench moe --help"],
     "config reference": ["supernode config reference > docs/configuration.md"],
-    "data prepare": ["supernode data prepare --corpus notes.txt --out data/"],
+    "drill restore": ["supernode drill restore --stack prod --outputs out.json",
+                      "supernode drill restore --stack dev --local --outputs out.json --json"],
+    "data prepare": ["supernode data prepare --corpus notes.txt --out data/",
+                     "supernode data prepare --corpus docs.jsonl --train-bpe 4096 --out data/bpe"],
+    "data push": ["supernode data push --stack dev data/bpe --outputs out.json"],
+    "data verify": ["supernode data verify data/bpe"],
     "plan": ["supernode plan --stack prod", "supernode plan --config Pulumi.p4d.yaml --json"],
     "policy check": ["supernode preview --stack prod --json > preview.json",
                      "supernode policy check --resources preview.json --junit report.xml"],

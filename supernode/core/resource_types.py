@@ -52,6 +52,10 @@ IAM_OIDC_PROVIDER = "aws:iam/openIdConnectProvider:OpenIdConnectProvider"
 KMS_KEY = "aws:kms/key:Key"
 KMS_KEY_POLICY = "aws:kms/keyPolicy:KeyPolicy"
 
+# -- AWS: registry ------------------------------------------------------------------------------
+ECR_REPOSITORY = "aws:ecr/repository:Repository"
+ECR_LIFECYCLE_POLICY = "aws:ecr/lifecyclePolicy:LifecyclePolicy"
+
 # -- AWS: monitoring ------------------------------------------------------------------------------
 LOG_GROUP = "aws:cloudwatch/logGroup:LogGroup"
 LOG_METRIC_FILTER = "aws:cloudwatch/logMetricFilter:LogMetricFilter"
@@ -74,3 +78,4 @@ PYTORCH_JOB = "kubernetes:kubeflow.org/v1:PyTorchJob"
 # The engine's own resources.
 STACK = "pulumi:pulumi:Stack"
 STACK_REFERENCE = "pulumi:pulumi:StackReference"
+COMPUTE_DOMAIN = "kubernetes:resource.nvidia.com/v1beta1:ComputeDomain"

@@ -24,6 +24,7 @@ from pulumi_policy.policy import _PolicyAnalyzerServicer
 
 from policies.base import MalformedInput, one_analysis
 from policies.pack import BY_NAME, CHECKLIST_ITEMS, PACK_NAME, POLICIES, item_of
+from policies.security import IMAGE_POLICIES
 from policies.settings import PolicyConfigError
 
 from ..core.config import StackConfig
@@ -178,9 +179,13 @@ def load_policy_config(path: Path) -> dict[str, Any]:
 
 
 def config_from_stack(cfg: StackConfig) -> dict[str, Any]:
-    """What `supernode preview` tells the pack about the stack (a real CLI run passes the same file)."""
+    """What `supernode preview` tells the pack about the stack (a real CLI run passes the same file).
+    The image policies are mandatory in the pack; a stack with images.requireDigests false (dev) lowers
+    them to advisory, so its add-on tags and placeholder trainer digest warn instead of failing."""
+    images = "mandatory" if cfg.images.require_digests else "advisory"
     return {"data-ready": {"datasetPrefix": cfg.storage.dataset_prefix},
-            "checkpoint-lifecycle": {"checkpointPrefix": cfg.storage.checkpoint_prefix}}
+            "checkpoint-lifecycle": {"checkpointPrefix": cfg.storage.checkpoint_prefix},
+            **{name: {"enforcementLevel": images} for name in IMAGE_POLICIES}}
 
 
 def _configure_request(config: dict[str, Any]) -> tuple[analyzer_pb2.ConfigureAnalyzerRequest, dict[str, str]]:

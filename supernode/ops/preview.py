@@ -1,4 +1,5 @@
-"""Offline preview: run `__main__.py` in-process under Pulumi's mock engine (docs/architecture.md §3).
+"""Offline preview: run the Pulumi program (components/program.py) in-process under Pulumi's mock
+engine (docs/architecture.md §3).
 
 Pulumi's `MockMonitor` stands in for the engine and the cloud. `RecordingMonitor` keeps every
 registration (URN, type, name, parent, inputs, dependencies) — that list *is* the preview — and
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.util
 import json
 import runpy
 import uuid
@@ -27,8 +29,9 @@ from ..core.config import NAMESPACE, StackConfig
 from ..core import resource_types as T
 from ..core.plan import PLAN_CONFIGMAP_KEY, Plan
 
-ROOT = Path(__file__).resolve().parents[2]
-PROGRAM = ROOT / "__main__.py"
+# The Pulumi program, found as a module (not imported: it runs on import), so an installed package
+# previews the program it ships wherever the command runs; the root __main__.py only imports it.
+PROGRAM = Path(str(importlib.util.find_spec("components.program").origin))
 ACCOUNT = "123456789012"
 
 
@@ -146,6 +149,8 @@ def _computed(typ: str, rid: str, inputs: dict, region: str) -> dict[str, Any]:
         return {"arn": f"arn:aws:logs:{region}:{ACCOUNT}:log-group:{name}"}
     if typ == T.SNS_TOPIC:
         return {"arn": f"arn:aws:sns:{region}:{ACCOUNT}:{name}"}
+    if typ == T.ECR_REPOSITORY:
+        return {"repositoryUrl": f"{ACCOUNT}.dkr.ecr.{region}.amazonaws.com/{name}"}
     if typ == T.NODE_GROUP:
         return {"status": "ACTIVE", "nodeGroupName": inputs.get("nodeGroupName") or rid}
     return {}

@@ -22,7 +22,12 @@ def test_preview_writes_manifests_that_all_validate(tmp_path: Path) -> None:
     out.mkdir()
     stale = out / "999-job-training-old.yaml"
     stale.write_text("kind: Job\n")
-    assert main(["preview", "--stack", "prod", "--root", str(ROOT), "--json", "--manifests", str(out)]) == EXIT_OK
+    # The repository's prod stack has no built images yet (placeholder digest, add-on tags): its image
+    # policies would exit 1; this test is about the manifests, so they only warn here.
+    lenient = tmp_path / "images-advisory.json"
+    lenient.write_text('{"image-digests": "advisory", "image-placeholder": "advisory"}')
+    assert main(["preview", "--stack", "prod", "--root", str(ROOT), "--json", "--manifests", str(out),
+                 "--policy-config", str(lenient)]) == EXIT_OK
 
     files = sorted(out.glob("*.yaml"))
     assert stale not in files, "an earlier run's manifests must not linger"

@@ -14,11 +14,16 @@ from typing import Any, Callable, Optional
 
 from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
-from supernode.core.config import StackConfig
+from supernode.core.config import StackConfig, from_mapping
 from supernode.core.plan import PLAN_MOUNT_DIR, PLAN_MOUNT_PATH, Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCOUNT = "123456789012"
+
+
+def bounded() -> dict[str, dict[str, str]]:
+    """CPU and memory requests and limits (container-resources), a fresh dict per container."""
+    return {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
 
 
 def urn(typ: str, name: str) -> str:
@@ -35,20 +40,23 @@ def doc(*statements: dict) -> str:
 
 
 def efa_interfaces(instance_type: str) -> list[dict[str, Any]]:
-    n = CATALOG[instance_type].efa_interfaces
+    """One EFA interface per EFA-capable card (cards 1..n where card 0 is ENA-only, as on p6-b300)."""
+    t = CATALOG[instance_type]
+    first = 0 if t.card0_efa else 1
     return [{"networkCardIndex": i, "deviceIndex": 0 if i == 0 else 1, "interfaceType": "efa" if i == 0 else "efa-only",
-             "securityGroups": ["sg-efa"]} for i in range(n)]
+             "securityGroups": ["sg-efa"]} for i in range(first, first + t.efa_interfaces)]
 
 
 def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
     g = cfg.accelerator_node_groups[0]
-    itype, image = g.instance_type, cfg.images.trainer
+    # A built image: the stack files carry the placeholder digest until `make image` runs.
+    itype, image = g.instance_type, cfg.images.trainer.split("@")[0] + "@sha256:" + "a" * 64
     k8s = cfg.cluster.kubernetes_version
     bucket = "supernode-test-data"
     pg = res(T.PLACEMENT_GROUP, "gpu", {"name": "gpu-cluster", "strategy": "cluster"})
     sg = res(T.SECURITY_GROUP, "efa", {"description": "EFA", "vpcId": "vpc-1"})
     lt = res(T.LAUNCH_TEMPLATE, "gpu", {"instanceType": itype, "networkInterfaces": efa_interfaces(itype),
-                              "metadataOptions": {"httpTokens": "required", "httpPutResponseHopLimit": 2},
+                              "metadataOptions": {"httpTokens": "required", "httpPutResponseHopLimit": 1},
                               "placement": {"groupName": "gpu-cluster"}}, deps=(pg["urn"],))
     ng = res(T.NODE_GROUP, "gpu", {"clusterName": "c", "amiType": "AL2023_x86_64_NVIDIA", "releaseVersion": g.ami_release_version,
                               "version": k8s, "scalingConfig": {"desiredSize": g.nodes, "minSize": g.nodes, "maxSize": g.nodes},
@@ -101,14 +109,16 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
                                                       "data": {"plan.json": plan.to_json()}})
     # The gate reads its bus-bandwidth floor from the plan, mounted like the trainer's.
     gate = res(T.K8S_JOB, "gate", {"spec": {"template": {"spec": {
-        "containers": [{"name": "fabric", "image": image,
+        "containers": [{"name": "fabric", "image": image, "resources": bounded(),
                         "command": ["python", "-m", "trainer.fabric", "--plan", PLAN_MOUNT_PATH],
                         "volumeMounts": [{"name": "plan", "mountPath": PLAN_MOUNT_DIR}]}],
         "volumes": [{"name": "plan", "configMap": {"name": "supernode-plan"}}]}}}}, deps=(cm["urn"],))
     worker = {"name": "trainer", "image": image,
               "command": ["python", "-m", "trainer.train", "--plan", PLAN_MOUNT_PATH],
-              "resources": {"limits": {"nvidia.com/gpu": CATALOG[itype].accelerators,
-                                       "vpc.amazonaws.com/efa": CATALOG[itype].efa_interfaces}},
+              "resources": {"requests": bounded()["requests"],
+                            "limits": {"nvidia.com/gpu": CATALOG[itype].accelerators,
+                                       "vpc.amazonaws.com/efa": CATALOG[itype].efa_interfaces,
+                                       **bounded()["limits"]}},
               "volumeMounts": [{"name": "plan", "mountPath": PLAN_MOUNT_DIR}]}
     job = res(T.PYTORCH_JOB, "trainer", {
         "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
@@ -116,13 +126,26 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
             "containers": [worker], "volumes": [{"name": "plan", "configMap": {"name": "supernode-plan"}}]}}}}}},
         deps=(gate["urn"], cm["urn"]))
     dcgm = res(T.DAEMON_SET, "dcgm-exporter", {"spec": {"template": {"spec": {"containers": [
-        {"name": "dcgm-exporter", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3-4.1.3-ubuntu22.04"}]}}}})
+        {"name": "dcgm-exporter", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3-4.1.3-ubuntu22.04@sha256:" + "b" * 64,
+         "resources": bounded()}]}}}})
     return [pg, sg,
             res(T.SG_INGRESS, "efa-self", {"securityGroupId": "sg-efa", "referencedSecurityGroupId": "sg-efa", "ipProtocol": "-1"},
                 deps=(sg["urn"],)),
             res(T.SG_EGRESS, "efa-self", {"securityGroupId": "sg-efa", "referencedSecurityGroupId": "sg-efa", "ipProtocol": "-1"},
                 deps=(sg["urn"],)),
             lt, ng, key, cluster, *s3, fsx, dra, role, role_policy, *alarms, log_group, cm, gate, job, dcgm]
+
+
+def built_images(cfg: StackConfig) -> StackConfig:
+    """The stack as deployed: the trainer image built (`make image`) and every add-on pinned by digest
+    (`make addon-digests`) instead of the placeholder digest and the tags the repository carries."""
+    from components.workload_addons import addon_images
+
+    data = cfg.to_mapping()
+    images = data["images"]
+    images["trainer"] = images["trainer"].split("@")[0] + "@sha256:" + "a" * 64
+    images["addons"] = {name: f"{image}@sha256:{'c' * 64}" for name, image in addon_images().items()}
+    return from_mapping(data, "built images")
 
 
 def find(resources: list[dict], typ: str, name: Optional[str] = None) -> dict:

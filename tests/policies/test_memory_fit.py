@@ -101,6 +101,9 @@ def _prod_file(tmp_path, name: str, instance_type: str, parallel: dict | None = 
     conf = doc["config"]
     for g in conf["supernode:acceleratorNodeGroups"]:
         g["instanceType"] = instance_type
+    # The repository's prod has no built images (placeholder digest, add-on tags), which fails prod's
+    # image policies (issue 19); this test is about memory fit, so they only warn here.
+    conf["supernode:images"]["requireDigests"] = False
     if parallel:
         conf["supernode:parallel"].update(parallel)
         if parallel.get("tp", 1) > 1:  # the local CPU layout (no tp of its own) inherits tp otherwise

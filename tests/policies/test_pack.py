@@ -31,7 +31,7 @@ def test_main_serves_the_pack_over_grpc(tmp_path):
             gate = next(p for p in info.policies if p.name == "interconnect-gate")
             assert "minGateFraction" in gate.configSchema.properties  # schema generated from the settings model
             props = struct_pb2.Struct()
-            props.update({"metadataOptions": {"httpTokens": "optional"}})
+            props.update({"metadataOptions": {"httpTokens": "optional", "httpPutResponseHopLimit": 1}})
             reply = stub.Analyze(analyzer_pb2.AnalyzeRequest(
                 type=LAUNCH_TEMPLATE, urn=f"urn:pulumi:s::p::{LAUNCH_TEMPLATE}::lt",
                 name="lt", properties=props), timeout=30)

@@ -1,4 +1,8 @@
-"""The real dev and prod stacks (offline preview of __main__.py) pass, and the policies really see them."""
+"""The real dev and prod stacks (offline preview of the program) pass, and the policies really see them.
+
+prod is previewed as deployed, with its images built and pinned (`make image`, `make addon-digests`):
+the repository's Pulumi.prod.yaml carries the placeholder trainer digest and add-on tags, which prod's
+image policies fail on purpose (tests/policies/test_security_images.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from supernode.core.plan import build_plan
 from supernode.ops.policycheck import check, config_from_stack
 from supernode.ops.preview import run_program
 
-from policy_resources import ROOT
+from policy_resources import ROOT, built_images
 
 pytestmark = pytest.mark.slow  # runs the Pulumi program under the mock engine (seconds per stack)
 
@@ -26,6 +30,7 @@ def real(request, saved_dev_preview):
     if name == "dev":  # reuse the CLI's saved preview rather than running the program again
         resources = json.loads(saved_dev_preview[1].read_text())["resources"]
     else:
+        cfg = built_images(cfg)
         resources = [r.to_json() for r in run_program(name, cfg).resources]
     return name, cfg, resources
 

@@ -10,6 +10,8 @@ BENCHES = {
     "preview": "bench.preview",  # offline preview cost: prod vs a 4x larger stack
     "moe": "bench.moe",  # MoE layer throughput and all-to-all volume
     "checkpoint": "bench.checkpoint",  # async vs sync checkpoint stall
+    "data": "bench.data",  # loader tokens/s vs the plan's need; resident memory at 0.5 vs 2 GB
+    "memory": "bench.memory",  # the planner's memory per rank against a real build and step
 }
 
 

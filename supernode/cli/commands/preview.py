@@ -15,6 +15,7 @@ from ...core.errors import EXIT_FAILED
 from ...ops.manifests import export as export_manifests
 from ...ops.preview import PreviewResult, run_program
 from ...ops.policycheck import config_from_stack
+from .data import add_data_arg, check_plan_data
 from .plan import render as render_plan
 from .policy import add_policy_args, policy_config, render as render_policy, run_pack
 
@@ -27,6 +28,7 @@ def register(sub) -> None:
                                                        "(default: counts per type)")
     p.add_argument("--manifests", type=Path, metavar="DIR",
                    help="write every Kubernetes object as YAML to DIR and validate it (exit 1 if invalid)")
+    add_data_arg(p)
     add_policy_args(p)  # the policy pack runs on every preview; exit 1 on a mandatory violation
     p.set_defaults(func=run)
 
@@ -63,6 +65,7 @@ def run(args) -> int:
     stack, cfg = stack_from_args(args)
     result = run_program(stack, cfg)
     plan = result.plan()  # the plan the program deployed, not a second one built here
+    check_plan_data(plan, args.data)
     manifests = export_manifests(result.resources, args.manifests, cfg.cluster.kubernetes_version) \
         if args.manifests else None
     report = run_pack([r.to_json() for r in result.resources],

@@ -25,6 +25,7 @@ VALIDATED = {
     ("Monitoring", "log_retention_days"): "one of " + ", ".join(map(str, CW_RETENTION_DAYS)),
     ("Images", "trainer"): f"pinned by digest: `{DIGEST_RE.pattern}`",
     ("Images", "fabric_check"): f"pinned by digest: `{DIGEST_RE.pattern}`",
+    ("Images", "addons"): "keys as listed; each value an image by tag (not `latest`) or digest",
 }
 
 
@@ -44,6 +45,8 @@ def _type(annotation: Any) -> str:
         return " or ".join(_type(a) for a in inner) + (" (optional)" if len(inner) < len(args) else "")
     if origin is list:
         return f"list of {_type(args[0])}"
+    if origin is dict:
+        return f"mapping of {_type(args[0])} to {_type(args[1])}"
     if _model_of(annotation) is not None:
         return "mapping"
     if args and hasattr(annotation, "__metadata__"):  # Annotated[str, Field(...)]

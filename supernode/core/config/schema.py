@@ -10,10 +10,10 @@ import difflib
 import re
 from typing import Annotated, Any, Literal, Optional, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic.alias_generators import to_camel
 
-from ..catalog import CATALOG, SYSTEM_INSTANCE_TYPES
+from ..catalog import CATALOG, SYSTEM_INSTANCE_TYPES, ULTRASERVERS, nvlink_domain_gpus
 from ..errors import Issue
 
 NAMESPACE = "supernode"
@@ -73,6 +73,9 @@ class AcceleratorNodeGroup(_Base):
     ami_release_version: str = Field(pattern=r"^1\.\d+\.\d+-\d{8}$")
     placement_group: Optional[bool] = None  # default: on, unless a reservation is targeted
     require_efa: bool = True
+    ultra_server: Optional[str] = Field(default=None, description="the UltraServer this group is (e.g. "
+                                        "u-p6e-gb200x72): its instances form one NVLink domain, bought as one "
+                                        "Capacity Block (capacity.reservationId)")
 
     @field_validator("instance_type")
     @classmethod
@@ -80,6 +83,18 @@ class AcceleratorNodeGroup(_Base):
         if v not in CATALOG:
             raise ValueError(f"instance type is not in the accelerator catalog; valid: {', '.join(CATALOG)}")
         return v
+
+    @field_validator("ultra_server")
+    @classmethod
+    def _ultra_server(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and v not in ULTRASERVERS:
+            raise ValueError(f"not a known UltraServer type; valid: {', '.join(ULTRASERVERS)}")
+        return v
+
+    @property
+    def nvlink_domain(self) -> int:
+        """GPUs in one NVLink domain of this group: its UltraServer's, else one node's."""
+        return nvlink_domain_gpus(self.instance_type, self.ultra_server)
 
     @property
     def use_placement_group(self) -> bool:
@@ -153,6 +168,12 @@ class Monitoring(_Base):
     gpu_util_window_minutes: int = Field(default=30, ge=5, le=1440)
     notification_email: str = Field(pattern=r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$")
     fsx_free_capacity_floor_percent: float = Field(default=10.0, gt=0, lt=100)
+    step_stall_minutes: int = Field(default=15, ge=5, le=1440,
+                                    description="alarm when the trainer's step has not advanced for this long")
+    throughput_floor_fraction: float = Field(default=0.5, gt=0, le=1,
+                                             description="alarm below this fraction of the plan's tokens/s estimate")
+    restart_alarm_count: int = Field(default=2, ge=1, description="alarm when the trainer starts more often "
+                                     "than this within an hour (each restart resumes from a checkpoint)")
 
     @field_validator("log_retention_days")
     @classmethod
@@ -162,9 +183,34 @@ class Monitoring(_Base):
         return v
 
 
+# The digest the stack files ship with while no image has been built: `make image` prints the real
+# one. The image-placeholder policy reports every image that still carries it.
+PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
+# The add-on containers (components/addons/*.yaml) whose image a stack may set in images.addons.
+AddonImage = Literal["aws-efa-k8s-device-plugin", "dcgm-exporter", "nvidia-device-plugin", "training-operator"]
+IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*[a-z0-9](:[\w][\w.-]{0,127})?(@sha256:[0-9a-f]{64})?$")
+
+
+def _image_reference(v: str) -> str:
+    """An image by tag (not `latest`) or digest: what an add-on may run."""
+    named = "@" in v or ":" in v.rsplit("/", 1)[-1]
+    if not IMAGE_RE.match(v) or not named or v.split("@")[0].endswith(":latest"):
+        raise ValueError("not an image pinned by tag or digest; use REPOSITORY:TAG@sha256:<64 hex digits>")
+    return v
+
+
+ImageReference = Annotated[str, AfterValidator(_image_reference)]
+
+
 class Images(_Base):
     trainer: str
     fabric_check: Optional[str] = None  # default: the trainer image (it carries trainer.fabric)
+    addons: dict[AddonImage, ImageReference] = Field(
+        default={}, description="add-on container -> image, pinned as REPOSITORY:TAG@sha256:<digest>; an add-on "
+                                "not listed runs the tag its file in components/addons/ pins")
+    require_digests: bool = Field(
+        default=False, description="true (prod): the image-digests and image-placeholder policies are mandatory; "
+                                   "false: advisory, so a dev stack may run add-ons by tag")
 
     @field_validator("trainer", "fabric_check")
     @classmethod
@@ -229,6 +275,12 @@ class Parallel(_Base):
         return self.dp_replicate * self.dp_shard
 
 
+class DataSource(_Base):
+    path: str = Field(min_length=1, description="a prepared dataset directory, relative to the trainer's --data "
+                                                 "(in the cluster the FSx /datasets mount)")
+    weight: float = Field(default=1.0, gt=0, description="share of the samples, relative to the blend's other weights")
+
+
 class Training(_Base):
     global_batch: int = Field(ge=1, description="sequences per optimizer step")
     micro_batch: int = Field(ge=1)
@@ -249,6 +301,9 @@ class Training(_Base):
     seed: int = 0
     weights_uri: Optional[str] = None
     weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    data: list[DataSource] = Field(default_factory=list, description="a blend of prepared datasets, sampled by "
+                                   "weight (deterministic for the seed); empty: the dataset at the trainer's --data. "
+                                   "Windows may cross documents (EOS separates them)")
 
 
 class Workload(_Base):
@@ -258,6 +313,12 @@ class Workload(_Base):
                                      description="interconnect gate: fraction of the catalog baseline")
     termination_grace_s: int = Field(default=900, ge=30)
     hugepages_2mi_gib: int = Field(default=5, ge=0)
+    fabric_check_schedule: str = Field(default="0 3 * * 0", pattern=r"^\S+( \S+){4}$", description="cron "
+                                       "schedule of the fabric re-run compared with the deploy-time baseline")
+    fabric_regression: float = Field(default=0.2, gt=0, lt=1, description="a node pair regresses below (1 - this) "
+                                     "x its baseline bandwidth (or above its latency / (1 - this))")
+    restore_drill_schedule: str = Field(default="0 5 1 * *", pattern=r"^\S+( \S+){4}$",
+                                        description="cron schedule of the checkpoint restore drill")
 
 
 def _partial(model: type[_Base]) -> type[_Base]:
