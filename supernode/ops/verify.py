@@ -99,6 +99,34 @@ def check_nodegroup(aws: Aws, cluster: str, name: str, instance_type: str, sizes
     return passed(check, f"ACTIVE, {instance_type}, " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
 
 
+def check_ultraserver(aws: Aws, name: str, nodes: int, ultra_server: str) -> Check:
+    """The node group's running instances share one NVLink domain: EC2's instance topology gives
+    every UltraServer instance the capacity block that is its domain (../shared/HARDWARE.md), so
+    one `CapacityBlockId` for all of them, and as many instances as the UltraServer has."""
+    check = f"ultraserver {name}"
+    ec2 = aws.client("ec2")
+    reservations = ec2.describe_instances(Filters=[
+        {"Name": "tag:eks:nodegroup-name", "Values": [name]},
+        {"Name": "instance-state-name", "Values": ["pending", "running"]}])["Reservations"]
+    ids = sorted(i["InstanceId"] for r in reservations for i in r["Instances"])
+    if not ids:
+        return failed(check, f"no running instances in node group {name}", PULUMI_UP + " and wait for the nodes")
+    topology = ec2.describe_instance_topology(InstanceIds=ids)["Instances"]
+    domains = {t.get("CapacityBlockId") for t in topology}
+    problems = []
+    if len(ids) != nodes:
+        problems.append(f"{len(ids)} instances running, the {ultra_server} has {nodes}")
+    if None in domains or len(domains) != 1:
+        problems.append(f"instances span {len(domains - {None})} UltraServer(s) {sorted(domains - {None})}"
+                        + (f" and {sum(t.get('CapacityBlockId') is None for t in topology)} outside any"
+                           if None in domains else ""))
+    if problems:
+        return failed(check, "; ".join(problems) + f" ({', '.join(ids)})",
+                      "the group must be one UltraServer Capacity Block: check its reservation id and that no "
+                      "other capacity backs it")
+    return passed(check, f"{len(ids)} instances in one NVLink domain ({domains.pop()})")
+
+
 def check_nodegroup_count(names: list[str], expected: int) -> Check:
     check = "eks nodegroups"
     if len(names) != expected:
@@ -283,6 +311,10 @@ def verify_steps(cfg: StackConfig, plan: Plan, outs: StackOutputs, aws: Aws) -> 
     for name, g in zip(outs.node_group_names, cfg.accelerator_node_groups):
         steps.append(Step(f"eks nodegroup {name}", partial(check_nodegroup, aws, cluster, name, g.instance_type,
                                                              {"desiredSize": g.nodes})))
+        if g.ultra_server:
+            steps.append(Step(f"ultraserver {name}", partial(check_ultraserver, aws, name, g.nodes, g.ultra_server),
+                              on_unsupported="warn",
+                              hint="`aws ec2 describe-instance-topology` lists each instance's capacityBlockId"))
     sng = cfg.system_node_group
     steps.append(Step(f"eks nodegroup {outs.system_node_group_name}", partial(
         check_nodegroup, aws, cluster, outs.system_node_group_name, sng.instance_type,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import boto3
@@ -372,3 +373,53 @@ def test_without_outputs_file_or_pulumi_cli_exits_2(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("PATH", str(tmp_path))  # no pulumi on PATH
     assert main(["verify", "--stack", "dev", "--root", str(ROOT)]) == 2
     assert "the pulumi CLI is not on PATH: pass --outputs FILE" in capsys.readouterr().err
+
+
+# -- UltraServers: one NVLink domain per node group (DescribeInstanceTopology) ---------------------
+
+def _ultraserver_instances(stub, group: str, count: int) -> list[str]:
+    import boto3
+
+    ec2 = boto3.client("ec2", region_name=REGION)
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    run = ec2.run_instances(ImageId=image, MinCount=count, MaxCount=count, InstanceType="m5.large",
+                            TagSpecifications=[{"ResourceType": "instance",
+                                                "Tags": [{"Key": "eks:nodegroup-name", "Value": group}]}])
+    return [i["InstanceId"] for i in run["Instances"]]
+
+
+def _topology(stub, blocks: dict[str, str | None]) -> None:
+    """moto lacks DescribeInstanceTopology: answer as EC2 does, one capacity block per instance."""
+    items = "".join(f"<item><instanceId>{i}</instanceId><instanceType>p6e-gb200.36xlarge</instanceType>"
+                    + (f"<capacityBlockId>{b}</capacityBlockId>" if b else "") + "</item>"
+                    for i, b in blocks.items())
+    stub.answer("DescribeInstanceTopology", stub.Answer(
+        200, f'<DescribeInstanceTopologyResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">'
+             f"<requestId>stub</requestId><instanceSet>{items}</instanceSet></DescribeInstanceTopologyResponse>"))
+
+
+def test_ultraserver_group_in_one_nvlink_domain_passes_and_a_split_one_fails(moto_aws):
+    from supernode.ops.verify import check_ultraserver
+
+    group = moto_aws.unique("gb200")
+    ids = _ultraserver_instances(moto_aws, group, 3)
+    _topology(moto_aws, {i: "cb-0123456789abcdef0" for i in ids})
+    check = check_ultraserver(Aws(REGION), group, 3, "u-p6e-gb200x36")
+    assert check.result == "pass" and check.detail == "3 instances in one NVLink domain (cb-0123456789abcdef0)"
+    _topology(moto_aws, {ids[0]: "cb-0123456789abcdef0", ids[1]: "cb-0fedcba9876543210", ids[2]: None})
+    check = check_ultraserver(Aws(REGION), group, 4, "u-p6e-gb200x36")
+    assert check.result == "fail"
+    assert "3 instances running, the u-p6e-gb200x36 has 4" in check.detail
+    assert "instances span 2 UltraServer(s)" in check.detail and "1 outside any" in check.detail
+
+
+def test_ultraserver_check_without_the_api_warns(moto_aws):
+    from supernode.ops.awscheck import Step, run_checks
+    from supernode.ops.verify import check_ultraserver
+
+    group = moto_aws.unique("gb200")
+    _ultraserver_instances(moto_aws, group, 1)
+    moto_aws.answer("DescribeInstanceTopology", moto_aws.ec2_error("InvalidAction", "not implemented"))
+    [check] = run_checks([Step("ultraserver g", partial(check_ultraserver, Aws(REGION), group, 1, "u-p6e-gb200x36"),
+                               on_unsupported="warn", hint="by hand")])
+    assert check.result == "warn" and "cannot be checked" in check.detail
