@@ -105,8 +105,23 @@ def verify(data_dir: str | Path) -> dict:
         digest = sha256_file(path)
         if digest != s["sha256"]:
             raise DataError(f"shard {path} is corrupt: sha256 {digest} does not match the manifest's {s['sha256']}")
+    _verify_tokenizer(data_dir, manifest)
     mark_verified(data_dir, stats)
     return manifest
+
+
+def _verify_tokenizer(data_dir: Path, manifest: dict) -> None:
+    """The tokenizer file the data was made with (and that an export ships) is the one recorded."""
+    tok = manifest.get("tokenizer") or {}
+    if not tok.get("file"):
+        return  # the byte tokenizer has no file
+    path = data_dir / tok["file"]
+    if not path.is_file():
+        raise DataError(f"tokenizer {path} is missing (listed in {MANIFEST})")
+    digest = sha256_file(path)
+    if tok.get("sha256") and digest != tok["sha256"]:
+        raise DataError(f"tokenizer {path} is corrupt or replaced: sha256 {digest} does not match the manifest's "
+                        f"{tok['sha256']}")
 
 
 def mark_verified(data_dir: Path, stats: Optional[list] = None) -> None:

@@ -165,3 +165,17 @@ def test_a_demo_sized_run_trains_on_a_trained_bpe(tmp_path, capsys):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if isinstance(r.get("loss"), float)]
     assert losses[0] > 7.5 and losses[-1] < losses[0] - 0.5  # ln 4096 = 8.3 at the start, then it learns
+
+
+def test_verify_checks_the_tokenizer_file_too(bpe, tmp_path):
+    import shutil
+
+    data = tmp_path / "d"
+    shutil.copytree(bpe, data)
+    verify(data)
+    (data / "tokenizer.json").write_text((data / "tokenizer.json").read_text().replace('"<|endoftext|>"', '"<|eot|>"'))
+    with pytest.raises(DataError, match=r"tokenizer .*tokenizer.json is corrupt or replaced: sha256"):
+        verify(data)
+    (data / "tokenizer.json").unlink()
+    with pytest.raises(DataError, match=r"tokenizer .*tokenizer.json is missing"):
+        verify(data)
