@@ -171,7 +171,11 @@ class MoE(nn.Module):
         # Sort token copies by expert (stable: a deterministic order for identical inputs).
         order = torch.argsort(ids.flatten(), stable=True)
         token = order // self.top_k
-        out, shared = d.compute(self.experts, rows[token], counts, lambda: self._shared(rows))
+        # On CPU index_select, not rows[token]: a cheaper gather, and its backward is one index_add
+        # instead of advanced indexing's slower accumulating index_put. (CUDA keeps rows[token], whose
+        # backward is deterministic there.)
+        routed = rows.index_select(0, token) if rows.device.type == "cpu" else rows[token]
+        out, shared = d.compute(self.experts, routed, counts, lambda: self._shared(rows))
         out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
         combined = torch.zeros_like(rows).index_add(0, token, out)
         if shared is not None:

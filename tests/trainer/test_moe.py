@@ -56,6 +56,35 @@ def test_grouped_mm_equals_loop_values_and_grads(dtype: torch.dtype, tol: dict) 
     assert grads_g["experts.w1"][EMPTY].abs().sum() == 0  # an idle expert gets a zero gradient
 
 
+def per_token_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer's function written token by token: sum_k w_k * SwiGLU_{e_k}(x_t), plus the shared expert."""
+    weights, ids, _, _ = layer.router(x)
+    ex, f = layer.experts, torch.nn.functional
+    out = []
+    for t in range(x.shape[0]):
+        y = sum(weights[t, j] * ((f.silu(x[t] @ ex.w1[e]) * (x[t] @ ex.w3[e])) @ ex.w2[e])
+                for j, e in enumerate(ids[t].tolist()))
+        out.append(y + layer.shared(x[t:t + 1])[0] if layer.shared is not None else y)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("grouped", [None, False])
+def test_layer_equals_the_per_token_reference_values_and_grads(grouped) -> None:
+    # The token permutation (gather by expert, weighted scatter back) against a formulation without one.
+    layer, x = make_moe(), rows(23)
+    layer.experts.use_grouped_mm = grouped
+    upstream = torch.randn(23, DIM, generator=torch.Generator().manual_seed(3))
+    out, dx, grads = fwd_bwd(layer, x, upstream)
+    ref_x = x.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    ref = per_token_reference(layer, ref_x)
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(out, ref.detach())
+    torch.testing.assert_close(dx, ref_x.grad)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+
+
 def test_expert_ffn_is_swiglu_per_expert() -> None:
     x, counts = rows(7), torch.tensor([2, 0, 5])
     w1, w3 = torch.randn(3, DIM, HIDDEN), torch.randn(3, DIM, HIDDEN)

@@ -1,0 +1,71 @@
+"""`supernode bench moe --compare torchtitan`: a clear exit 2 without torchtitan; with it (outside the
+project: $SUPERNODE_TORCHTITAN_PATH, see bench/moe.py), the same function and a measured ratio."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from unittest import mock
+
+import pytest
+
+from bench import moe as bench_moe
+
+TT_MODULES = ("torchtitan", "torchtitan.models", "torchtitan.models.common", "torchtitan.models.common.moe")
+TINY = ["--tokens", "64", "--dim", "32", "--hidden", "64", "--experts", "4", "--topk", "2", "--threads", "1",
+        "--repeat", "1"]
+
+
+def test_without_torchtitan_exit_2_says_how_to_install(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("SUPERNODE_TORCHTITAN_PATH", raising=False)
+    with mock.patch.dict(sys.modules, {name: None for name in TT_MODULES}):  # import fails as if absent
+        assert bench_moe.main(["--compare", "torchtitan", *TINY]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "torchtitan's MoE is not importable" in err and "pip install --target DIR --no-deps torchtitan==0.3.0" in err
+
+
+def test_a_missing_torchtitan_path_is_exit_2(capsys, tmp_path) -> None:
+    assert bench_moe.main(["--compare", "torchtitan", "--torchtitan-path", str(tmp_path / "nope"), *TINY]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_compare_refuses_float32(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_moe.main(["--compare", "torchtitan", "--dtype", "float32", *TINY])
+    assert exc.value.code == 2
+    assert "needs --dtype bfloat16" in capsys.readouterr().err
+
+
+def _torchtitan():
+    try:
+        return bench_moe.import_torchtitan(os.environ.get("SUPERNODE_TORCHTITAN_PATH"))
+    except ImportError:
+        pytest.skip("torchtitan not importable (set SUPERNODE_TORCHTITAN_PATH; see bench/moe.py)")
+
+
+@pytest.mark.parametrize("extra", [[], ["--shared", "1", "--score", "sigmoid"]])
+def test_side_by_side_is_the_same_function(capsys, extra) -> None:
+    _torchtitan()
+    assert bench_moe.main(["--compare", "torchtitan", *TINY, *extra]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["measurement"] == "moe_layer_vs_torchtitan" and line["torchtitan_version"] == "0.3.0"
+    assert line["same_function"] is True and line["routing_agreement"] >= 0.99
+    assert line["other_routing_all_bf16_near_ties"] is True
+    assert line["ours_tokens_per_s"] > 0 and line["torchtitan_tokens_per_s"] > 0 and line["speedup_vs_torchtitan"] > 0
+
+
+def test_different_weights_void_the_comparison(capsys) -> None:
+    _torchtitan()
+    real = bench_moe.build_torchtitan
+
+    def one_expert_differs(tt, ours, args):
+        layer = real(tt, ours, args)
+        with __import__("torch").no_grad():
+            layer.routed_experts.inner_experts.w2_EDF[0].mul_(2)
+        return layer
+
+    with mock.patch.object(bench_moe, "build_torchtitan", one_expert_differs):
+        assert bench_moe.main(["--compare", "torchtitan", *TINY]) == 1
+    assert json.loads(capsys.readouterr().out)["same_function"] is False
