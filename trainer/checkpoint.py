@@ -13,7 +13,11 @@ checkpoint per start) and falls back to the newest checkpoint that verifies, say
 What is saved: the training state registered once with the checkpointer (`train_state`: model and
 optimizer through `get_model_state_dict` / `get_optimizer_state_dict`, sharded FSDP/TP/EP DTensors
 that DCP reshards on load, so a run may resume on another world size or layout; the LR scheduler;
-the data loader position), plus every rank's RNG states and the step. DCP loads each rank's shards
+the data loader position), plus every rank's RNG states and the step. Keys are the whole model's
+parameter names whatever the layout: a pipeline stage keeps each layer under its global index
+(`trainer.pipeline`), and the optimizer state is flattened to one key per parameter and setting
+(no per-rank list of parameter groups), so a run saved at one (pp, dp) resumes at another, pp 1
+included. DCP loads each rank's shards
 straight into the sharded tensors: a restore never materialises the full model.
 """
 
@@ -39,8 +43,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 COMPLETE = "COMPLETE"
 PREFIX, TMP_PREFIX, OLD_PREFIX = "step_", ".tmp-step_", ".old-step_"
@@ -175,16 +180,20 @@ class ModelState:
 
 
 class OptimizerState:
-    """The optimizer's sharded state dict, keyed by parameter name, as a Stateful."""
+    """The optimizer's sharded state dict, keyed by parameter name, as a Stateful. Flattened
+    ("state.<name>.exp_avg", "param_groups.<name>.lr"): each pipeline stage saves and loads only
+    the keys of its own parameters."""
+
+    OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self.OPTIONS)
 
     def load_state_dict(self, sd: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, sd)
+        set_optimizer_state_dict(self.model, self.optimizer, sd, options=self.OPTIONS)
 
 
 def train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful,

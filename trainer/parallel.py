@@ -1,7 +1,9 @@
 """Parallelism from the Plan: degrees, device meshes, and `parallelize` (TP -> EP -> AC -> FSDP2).
 
-Rank layout (row-major, tp fastest): rank = (r_replicate * dp_shard + r_shard) * tp + r_tp.
-Three meshes over the same ranks, dims of degree 1 left out:
+Rank layout (row-major, tp fastest, pp outermost as in torchtitan):
+rank = ((r_pp * dp_replicate + r_replicate) * dp_shard + r_shard) * tp + r_tp. Each pipeline stage
+is a block of world/pp consecutive ranks; inside it, three meshes (each with the "pp" dim in front,
+dims of degree 1 left out):
 - `dense` ("dp_replicate", "dp_shard", "tp"): attention, dense FFN, embeddings (TP + FSDP/HSDP);
 - `experts` ("dp_replicate", "edp", "ep"): the EP group is carved out of dp_shard*tp (consecutive
   ranks), edp = dp_shard*tp/ep ranks hold the same experts and FSDP-shard them;
@@ -10,6 +12,7 @@ Three meshes over the same ranks, dims of degree 1 left out:
   on every rank and their gradients are reduced over dp_shard*tp, not only over dp_shard.
 FSDP averages over the ranks of its mesh; MoE gradients are rescaled so that every parameter ends
 up with the data-parallel mean, exactly what one process computes on the global batch.
+With pp > 1 the model is built as pipeline stages (`trainer.pipeline`), each parallelised here.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -64,8 +68,11 @@ class ParallelDims:
         return self.dp_shard * self.tp // self.ep
 
     def dp_rank(self, rank: int) -> int:
-        """Which data shard `rank` reads; tensor-parallel ranks read the same one."""
-        return rank // self.tp
+        """Which data shard `rank` reads; tensor-parallel ranks and the stages of one pipeline read the same one."""
+        return rank % (self.dp_size * self.tp) // self.tp
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // (self.dp_size * self.tp)
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
@@ -74,10 +81,15 @@ class ParallelDims:
         return rank % self.ep
 
     def build_mesh(self, device_type: str) -> "Meshes":
+        pp = (("pp", self.pp),)
         return Meshes(
-            dense=_mesh(device_type, (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))),
-            experts=_mesh(device_type, (("dp_replicate", self.dp_replicate), ("edp", self.edp), ("ep", self.ep))),
-            moe=_mesh(device_type, (("dp_replicate", self.dp_replicate), ("dp_shard_tp", self.dp_shard * self.tp))),
+            dense=_mesh(device_type, pp + (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))),
+            experts=_mesh(device_type, pp + (("dp_replicate", self.dp_replicate), ("edp", self.edp), ("ep", self.ep))),
+            moe=_mesh(device_type, pp + (("dp_replicate", self.dp_replicate), ("dp_shard_tp", self.dp_shard * self.tp))),
+            # The ranks of one stage, for what sums over all of its tokens (the expert counts); kept
+            # even with one rank per stage, where None would mean the whole job.
+            stage=(init_device_mesh(device_type, (self.pp, self.world_size // self.pp), mesh_dim_names=("pp", "stage"))
+                   if self.pp > 1 else None),
         )
 
 
@@ -93,6 +105,7 @@ class Meshes:
     dense: Optional[DeviceMesh]
     experts: Optional[DeviceMesh]
     moe: Optional[DeviceMesh]
+    stage: Optional[DeviceMesh] = None
 
     @staticmethod
     def sub(mesh: Optional[DeviceMesh], *names: str) -> Optional[DeviceMesh]:
@@ -111,6 +124,20 @@ class Meshes:
         return self.sub(self.dense, "dp_replicate", "dp_shard")
 
     @property
+    def pp(self) -> Optional[DeviceMesh]:
+        return self.sub(self.dense, "pp")
+
+    @property
+    def router(self) -> Optional[DeviceMesh]:
+        """The router's and shared expert's FSDP mesh (see the module docstring)."""
+        return self.sub(self.moe, "dp_replicate", "dp_shard_tp")
+
+    @property
+    def stage_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks of this rank's pipeline stage; None at pp 1: every rank of the job."""
+        return self.stage["stage"].get_group() if self.stage is not None else None
+
+    @property
     def ep(self) -> Optional[DeviceMesh]:
         return self.sub(self.experts, "ep")
 
@@ -127,13 +154,25 @@ def build_model(cfg: Model, dims: ParallelDims, parallel: Parallel, device: torc
                 mesh: Optional[Meshes] = None) -> Transformer:
     """The model sharded from the first byte: built on the meta device, parallelised, then only this
     rank's shards are allocated (`to_empty`) and initialised in place, equal to the single-process
-    `Transformer.init_weights(seed)` at every layout."""
+    `Transformer.init_weights(seed)` at every layout. (pp > 1: `trainer.pipeline.build_pipeline`.)"""
     with torch.device("meta"):
         model = Transformer(cfg)
     parallelize(model, dims, mesh or dims.build_mesh(device.type), parallel, device.type)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
+
+
+def compute_dtype(mesh: Meshes, parallel: Parallel, device_type: str) -> torch.dtype:
+    """The dtype activations flow in: bf16 where FSDP's mixed precision applies (see `_fully_shard`)."""
+    bf16 = parallel.mixed_precision == "bf16" and device_type == "cuda" and mesh.dp is not None
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a model or of a pipeline stage (whose layers keep their global index)."""
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
 def parallelize(model: Transformer, dims: ParallelDims, mesh: Meshes, parallel: Parallel,
@@ -156,15 +195,15 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: Meshes, parallel: 
         else:
             moe.dispatcher = TokenDispatcher(tp_group)
         # FSDP averages over its mesh; rescale to the mean over the dp_size data-parallel streams.
-        moe.grad_scale = _size(mesh.moe) / dims.dp_size
+        moe.grad_scale = _size(mesh.router) / dims.dp_size
         moe.experts.grad_scale = _size(mesh.expert_dp) / dims.dp_size
     _activation_checkpointing(model, parallel.activation_checkpointing)
-    _fully_shard(model, mesh, parallel, device_type)
+    _fully_shard(model, mesh, parallel, device_type, pipelined=dims.pp > 1)
     return model
 
 
 def _tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    for block in model.layers:
+    for block in blocks(model):
         parallelize_module(block.attention, tp_mesh, {
             "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()})
         if not isinstance(block.ffn, MoE):  # the MoE layer slices tokens instead (its dispatcher)
@@ -173,11 +212,11 @@ def _tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
 
 
 def _activation_checkpointing(model: Transformer, mode: str) -> None:
-    for block in model.layers:
+    for block in blocks(model):
         block.checkpoint = mode
 
 
-def _fully_shard(model: Transformer, mesh: Meshes, parallel: Parallel, device_type: str) -> None:
+def _fully_shard(model: Transformer, mesh: Meshes, parallel: Parallel, device_type: str, pipelined: bool) -> None:
     # bf16 compute with fp32 reduction on GPUs only: CPU matmuls in bf16 are slow and imprecise.
     # Inputs are not cast: activations are bf16 anyway (bf16 weights), and the RoPE tables passed
     # to every block stay fp32.
@@ -187,21 +226,25 @@ def _fully_shard(model: Transformer, mesh: Meshes, parallel: Parallel, device_ty
     # Experts that no other rank holds (ep = dp_shard*tp, no replicas) stay out of FSDP: they are
     # DTensors on the EP mesh, and there is nothing to shard or reduce them over.
     unsharded = set()
-    blocks = []
-    for block in model.layers:
+    sharded = []
+    # Pipelined, a block runs once per micro-batch before its backward: resharding after each forward
+    # would all-gather it again for every micro-batch (torchtitan's default keeps it gathered).
+    reshard = not pipelined
+    for block in blocks(model):
         if isinstance(block.ffn, MoE):
             experts = block.ffn.experts
             if mesh.expert_dp is not None:
-                fully_shard(experts, mesh=mesh.expert_dp, mp_policy=mp)
+                fully_shard(experts, mesh=mesh.expert_dp, mp_policy=mp, reshard_after_forward=reshard)
             else:
                 unsharded |= set(experts.parameters())
-            if mesh.moe is not None:
-                fully_shard(block.ffn, mesh=mesh.moe, mp_policy=mp, ignored_params=unsharded or None)
+            if mesh.router is not None:
+                fully_shard(block.ffn, mesh=mesh.router, mp_policy=mp, ignored_params=unsharded or None,
+                            reshard_after_forward=reshard)
         if dp is not None:
-            fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=unsharded or None)
-            blocks.append(block)
+            fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=unsharded or None, reshard_after_forward=reshard)
+            sharded.append(block)
     if dp is not None:
         fully_shard(model, mesh=dp, mp_policy=mp, reshard_after_forward=False, ignored_params=unsharded or None)
         if parallel.overlap:  # gather the next block's weights while this one computes
-            for this, nxt in zip(blocks, blocks[1:]):
+            for this, nxt in zip(sharded, sharded[1:]):
                 this.set_modules_to_forward_prefetch([nxt])

@@ -5,6 +5,9 @@ the optimizer, the LR schedule, the expert balancer (a step pre-hook of the opti
 loader and the checkpointer, with the training state registered with the checkpointer once.
 `train_step` runs one optimizer step over the plan's micro-batches; the step's figures stay on the
 device until the one vote all ranks take on the loss, the gradient norm and the stop requests.
+With pp > 1 the model is this rank's pipeline stages (`trainer.pipeline`): the schedule runs the
+micro-batches, the loss lives on the last stage, the gradient norm is summed across stages, and
+the vote spans every stage, so all ranks skip or apply the same update.
 The run's policy (logging, the non-finite streak, when to save, signals) is `trainer.train`'s.
 """
 
@@ -29,6 +32,7 @@ from .data import DataError, TokenLoader
 from .model import loss_fn
 from .moe import ExpertBalancer
 from .parallel import ParallelDims, build_model
+from .pipeline import build_pipeline
 
 BETAS = (0.9, 0.95)
 # Recorded in each checkpoint and compared on resume: these change the learning-rate curve or update.
@@ -51,10 +55,12 @@ def lr_factor(t: Training) -> Callable[[int], float]:
     return factor
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float,
+                   pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Global gradient norm over every shard (a device tensor: no host sync), then clip. Parameters
     live on different meshes (dense, experts, router), and DTensor norms only combine within one
-    mesh and placement, so the norm is taken per group and the groups' squares are summed."""
+    mesh and placement, so the norm is taken per group and the groups' squares are summed; with
+    pipeline stages (`pp_group`), also over the stages."""
     groups: dict = defaultdict(list)
     for p in params:
         if p.grad is not None:
@@ -64,9 +70,12 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tor
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, foreach=False)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).double())
-    if not norms:
+    if not norms and pp_group is None:
         return torch.zeros((), dtype=torch.float64)
-    total = torch.stack(norms).square().sum().sqrt()
+    square = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64)
+    if pp_group is not None:
+        dist.all_reduce(square, group=pp_group)
+    total = square.sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grads in groups.values():
         torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef.to(grads[0].dtype))
@@ -108,10 +117,20 @@ class Trainer:
         self.plan, self.dims, self.device = plan, dims, device
         rank = dist.get_rank()
         torch.manual_seed(t.seed + rank)
-        self.model = build_model(plan.model, dims, plan.parallel, device, t.seed)
+        mesh = dims.build_mesh(device.type)
+        self.pipeline, self.pp_group, self._poison = None, None, False
+        if dims.pp > 1:
+            self.pipeline = build_pipeline(plan.model, dims, plan.parallel, device, t.seed, t.micro_batch,
+                                           plan.micro_batches_per_step, self._stage_loss, mesh=mesh,
+                                           sizes=plan.pipeline.stage_layers)
+            self.model = self.pipeline.parts  # the stages under the whole model's names
+            self.pp_group = mesh.pp.get_group()
+        else:
+            self.model = build_model(plan.model, dims, plan.parallel, device, t.seed, mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=BETAS, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(t))
-        self.balancer = ExpertBalancer(self.model.moe_layers(), plan.model.bias_update_rate)
+        # The counts of a stage's layers are summed over the ranks of that stage.
+        self.balancer = ExpertBalancer(self.model.moe_layers(), plan.model.bias_update_rate, group=mesh.stage_group)
         self.balancer.attach(self.optimizer)  # the router biases move with every applied update
         try:
             self.loader = TokenLoader(data, plan.model.seq_len, t.global_batch, t.micro_batch,
@@ -140,16 +159,19 @@ class Trainer:
         non-finite figure, no update. `poison`: a test hook, the loss becomes NaN."""
         model, accum, device = self.model, len(micro), self.device
         loss_sum = torch.zeros((), device=device)
-        for i, mb in enumerate(micro):
-            if hasattr(model, "set_requires_gradient_sync"):  # reduce-scatter once per step
-                model.set_requires_gradient_sync(i == accum - 1)
-            mb = mb.to(device, non_blocking=True)
-            loss = loss_fn(model(mb[:, :-1]), mb[:, 1:])
-            if poison:
-                loss = loss * float("nan")
-            ((loss + model.aux_loss()) / accum).backward()
-            loss_sum += loss.detach()
-        grad_norm = clip_grad_norm(model.parameters(), self.plan.training.grad_clip).to(device)
+        self._poison = poison
+        if self.pipeline is not None:  # the schedule runs the micro-batches; the losses are the last stage's
+            for loss in self.pipeline.step(torch.cat(micro).to(device, non_blocking=True)):
+                loss_sum += loss.detach()
+        else:
+            for i, mb in enumerate(micro):
+                if hasattr(model, "set_requires_gradient_sync"):  # reduce-scatter once per step
+                    model.set_requires_gradient_sync(i == accum - 1)
+                mb = mb.to(device, non_blocking=True)
+                loss = self._stage_loss(model(mb[:, :-1]), mb[:, 1:])
+                ((loss + model.aux_loss()) / accum).backward()
+                loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(model.parameters(), self.plan.training.grad_clip, self.pp_group).to(device)
         # One collective for the global loss, the stop votes and the non-finite vote, before the
         # update: every rank skips or applies it, and stops at the same step. Its .tolist() is the
         # step's one host synchronisation.
@@ -167,13 +189,27 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()  # the schedule follows the step count either way
-        return StepResult(loss=loss_total / dist.get_world_size(), grad_norm=float(grad_norm), skipped=skipped,
-                          stop_term=term > 0, stop_interrupt=interrupt > 0)
+        # Every rank of the last stage holds its data-parallel slice's loss (tensor-parallel ranks alike).
+        return StepResult(loss=loss_total / (dist.get_world_size() // self.dims.pp), grad_norm=float(grad_norm),
+                          skipped=skipped, stop_term=term > 0, stop_interrupt=interrupt > 0)
+
+    def _stage_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(logits, targets)
+        return loss * float("nan") if self._poison else loss
 
     def expert_load(self) -> Optional[torch.Tensor]:
-        """The last applied step's global token counts per MoE layer and expert, on the host (log steps only)."""
+        """The last applied step's global token counts per MoE layer and expert, on the host (log steps
+        only; with pp > 1 a collective: every stage adds its layers' rows to the whole table)."""
         load = self.balancer.last_load
-        return None if load is None else load.cpu()
+        if self.pipeline is None or load is None:
+            return None if load is None else load.cpu()
+        cfg = self.plan.model
+        table = torch.zeros(cfg.moe_layers, cfg.experts, dtype=torch.long, device=self.device)
+        ids = self.model.moe_layer_ids()
+        if ids:
+            table[ids] = load.to(self.device, torch.long)
+        dist.all_reduce(table, group=self.pp_group)
+        return table.cpu()
 
     def finite_params(self) -> bool:
         """All ranks agree whether every weight is finite (checked before a checkpoint is written)."""

@@ -9,6 +9,9 @@ out (docs/architecture.md §6):
   then sharded by FSDP over dp_shard. Expert weights are split by ep and FSDP-sharded over
   dp_shard*tp/ep, so each rank holds experts/(dp_shard*tp) of them.
 - Activations are itemised per token per layer (see `activation_terms`); no sequence parallel.
+- Pipeline (`pipeline`): stages by layer (`layout.stage_layers`), the busiest rank is pp rank 0
+  (the most micro-batches in flight); the bubble is (pp-1)/(m*v + pp-1) of a step for m
+  micro-batches per step and v virtual stages per rank.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from pydantic import BaseModel
 
 from .catalog import GIB, InstanceType
 from .config import Fsx, Model, Parallel, Training
-from .layout import layout_rules
-from .topology import GroupPlacement, Link, all_to_all_seconds, place, ring_seconds
+from .layout import layout_rules, stage_layers
+from .topology import GroupPlacement, Link, all_to_all_seconds, group_span, place, ring_seconds
 
 ADAM_STATE_BYTES = 16  # fp32 master + fp32 grad + 2 fp32 moments, per sharded parameter
 CHECKPOINT_BYTES = 12  # fp32 master + 2 moments (gradients are not saved)
@@ -104,11 +107,56 @@ def activation_terms(m: Model, p: Parallel, tokens: int) -> dict[str, int]:
             "layer_input": layer_input}
 
 
+class Pipeline(BaseModel):
+    """How a layout pipelines one step (pp 1: one stage, no bubble)."""
+
+    pp: int
+    schedule: str  # parallel.ppSchedule
+    virtual_stages: int
+    micro_batches: int  # per optimizer step on each data-parallel rank: global_batch / (micro_batch x dp)
+    stage_layers: list[int]  # layers of each stage, in stage order; stage s runs on pp rank s % pp
+    bubble: float  # idle fraction of a step on every rank: (pp-1)/(m*v + pp-1)
+    # Micro-batches whose activations pp rank 0 (the busiest) holds at the peak, each through one
+    # (virtual) stage: gpipe m, 1f1b min(pp, m), interleaved1f1b min(m*v, (v-1)*pp + 2*(pp-1) + 1).
+    in_flight: int
+    p2p_bytes_per_rank: int  # activations sent forward plus their gradients sent back, per step
+
+    @property
+    def busiest_rank_layers(self) -> int:
+        """Layers held by the rank with the most (the sum over its virtual stages)."""
+        return max(sum(self.stage_layers[r::self.pp]) for r in range(self.pp))
+
+
+def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Idle share of a pipelined step: (pp-1) stage-times of fill and drain over m*v + pp-1 in all."""
+    return (pp - 1) / (micro_batches * virtual_stages + pp - 1)
+
+
+def pipeline(m: Model, p: Parallel, t: Training) -> Pipeline:
+    mbs = max(1, t.global_batch // (t.micro_batch * p.dp))
+    v = p.pp_virtual_stages if p.pp > 1 else 1
+    sizes = stage_layers(m.layers, p.pp * v, p.pp_first_stage_fewer_layers if p.pp > 1 else 0,
+                         p.pp_last_stage_fewer_layers if p.pp > 1 else 0)
+    if p.pp == 1:
+        in_flight = 1
+    elif p.pp_schedule == "gpipe":
+        in_flight = mbs
+    elif p.pp_schedule == "1f1b":
+        in_flight = min(p.pp, mbs)
+    else:  # torch's Interleaved1F1B: warm-up forwards of rank 0, then one more before its first backward
+        in_flight = min(mbs * v, (v - 1) * p.pp + 2 * (p.pp - 1) + 1)
+    a = 2 if p.mixed_precision == "bf16" else 4
+    # Each of the rank's v stages sends every micro-batch's output on and its input gradient back.
+    p2p = 2 * mbs * v * t.micro_batch * m.seq_len * m.dim * a if p.pp > 1 else 0
+    return Pipeline(pp=p.pp, schedule=p.pp_schedule, virtual_stages=v, micro_batches=mbs, stage_layers=sizes,
+                    bubble=bubble_fraction(p.pp, mbs, v), in_flight=in_flight, p2p_bytes_per_rank=p2p)
+
+
 def memory(m: Model, p: Parallel, t: Training) -> Memory:
     pc = param_counts(m)
     compute_bytes = 2 if p.mixed_precision == "bf16" else 4
-    layers_per_stage = m.layers // p.pp
-    stage = layers_per_stage / m.layers
+    pipe = pipeline(m, p, t)
+    stage = pipe.busiest_rank_layers / m.layers
     outer = pc.embedding + pc.head if p.pp == 1 else max(pc.embedding, pc.head)  # first/last stage
     tp_split = (pc.attention + pc.shared_experts + pc.dense_ffn) * stage / p.tp + outer / p.tp
     replicated = (pc.norms + pc.router) * stage
@@ -129,14 +177,16 @@ def memory(m: Model, p: Parallel, t: Training) -> Memory:
     moe_frac = m.moe_layers / m.layers
     ffn = moe_frac * act["moe_ffn"] + (1 - moe_frac) * act["dense_ffn"]
     full_layer = act["attention"] + ffn
+    # Layer x micro-batch activations held at the peak: the in-flight micro-batches, each through
+    # one (virtual) stage; plus one layer's recomputation at a time under activation checkpointing.
+    held = pipe.in_flight * max(pipe.stage_layers)
     if p.activation_checkpointing == "none":
-        per_mb = layers_per_stage * full_layer
+        activations = held * full_layer
     elif p.activation_checkpointing == "selective":  # keep attention and FFN inputs, recompute FFN internals
-        per_mb = layers_per_stage * (act["attention"] + act["ffn_inputs"]) + (ffn - act["ffn_inputs"])
+        activations = held * (act["attention"] + act["ffn_inputs"]) + (ffn - act["ffn_inputs"])
     else:  # full: keep each layer's input, recompute one layer at a time
-        per_mb = layers_per_stage * act["layer_input"] + full_layer
-    in_flight = min(p.pp, max(1, t.global_batch // (t.micro_batch * p.dp))) if p.pp > 1 else 1
-    activations = int(per_mb * in_flight)
+        activations = held * act["layer_input"] + full_layer
+    activations = int(activations)
     logits = 2 * 4 * tokens * m.vocab // p.tp  # fp32 logits and their gradient
     model_states = params_rank * ADAM_STATE_BYTES
     total = model_states + fsdp_buffers + activations + logits + RUNTIME_RESERVE_BYTES
@@ -154,6 +204,9 @@ class StepTime(BaseModel):
     step_s: float
     mfu: float
     all_to_all_bytes_per_rank: int  # per step, both directions, fwd + bwd
+    # Pipeline: the bubble (idle compute-time: compute x (pp-1)/(m*v)) and the stage-to-stage sends.
+    pipeline_bubble_s: float = 0.0
+    p2p_s: float = 0.0
     # The link each communication term crosses (NVLink, EFA, or NVLink+EFA for a group spanning
     # domains); terms that do not occur (degree 1) are absent.
     links: dict[str, Link] = {}
@@ -194,11 +247,20 @@ def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType, domain: Opti
     replicate = ring("replicate", 2 * shard_bytes, groups["dp_replicate"])  # all-reduce = RS + AG
     # TP: 2 all-reduces (RS + AG) per layer forward and backward of the activations
     tpc = ring("tensor_parallel", 4 * (m.layers / p.pp) * 2 * tokens_rank * m.dim * a, groups["tp"])
-    comm = a2a + fsdp + replicate + tpc
-    step = max(compute, comm) if p.overlap else compute + comm
+    pipe = pipeline(m, p, t)
+    bubble = compute * (p.pp - 1) / (pipe.micro_batches * pipe.virtual_stages)
+    p2p = 0.0
+    if p.pp > 1:  # stage neighbours are world/pp ranks apart: EFA once a pipeline leaves the domain
+        spans, _ = group_span(p.pp, world // p.pp, world, domain or hw.accelerators)
+        links["p2p"] = "NVLink" if spans == 1 else "EFA"
+        p2p = pipe.p2p_bytes_per_rank / (nvlink if spans == 1 else efa)
+    comm = a2a + fsdp + replicate + tpc + p2p
+    # The bubble is idle time on the critical path: nothing overlaps it.
+    step = (max(compute, comm) if p.overlap else compute + comm) + bubble
     mfu = flops_rank / (step * hw.peak_flops)
     return StepTime(compute_s=compute, all_to_all_s=a2a, fsdp_s=fsdp, replicate_s=replicate,
-                    tensor_parallel_s=tpc, step_s=step, mfu=mfu, all_to_all_bytes_per_rank=a2a_bytes, links=links)
+                    tensor_parallel_s=tpc, step_s=step, mfu=mfu, all_to_all_bytes_per_rank=a2a_bytes, links=links,
+                    pipeline_bubble_s=bubble, p2p_s=p2p)
 
 
 class CheckpointIO(BaseModel):
@@ -238,6 +300,8 @@ class Suggestion(BaseModel):
     ep: int
     pp: int
     activation_checkpointing: str
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
     memory_gib: float
     step_s: float
     ep_inside_domain: bool = True  # every EP group on one NVLink domain
@@ -257,24 +321,29 @@ def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3
     domain = domain or hw.accelerators
     world, out = p.world_size, []
     divisors = [n for n in range(1, world + 1) if world % n == 0]
-    # pp stays 1: the trainer has no pipeline schedule yet (config rejects pp > 1).
-    for tp, rep, ac in itertools.product([d for d in divisors if d <= domain], divisors,
-                                         ("none", "selective", "full")):
-        if world % (tp * rep):
+    # Pipelines: 1f1b, and interleaved with 2 virtual stages where the layers allow; the bubble
+    # slows them, so they rank after the layouts without one that fit, and show where pp helps fit.
+    pipelines = [(1, "1f1b", 1)] + [(pp, sched, v) for pp in divisors if 1 < pp <= m.layers
+                                     for sched, v in (("1f1b", 1), ("interleaved1f1b", 2)) if pp * v <= m.layers]
+    for (pp, sched, v), tp, rep, ac in itertools.product(pipelines, [d for d in divisors if d <= domain], divisors,
+                                                         ("none", "selective", "full")):
+        if world % (tp * rep * pp):
             continue
-        shard = world // (tp * rep)
+        shard = world // (tp * rep * pp)
         for ep in [d for d in divisors if m.experts % d == 0 and (shard * tp) % d == 0]:
-            cand = p.model_copy(update=dict(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=1,
-                                            activation_checkpointing=ac))
+            cand = p.model_copy(update=dict(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=pp, pp_schedule=sched,
+                                            pp_virtual_stages=v, activation_checkpointing=ac,
+                                            pp_first_stage_fewer_layers=0, pp_last_stage_fewer_layers=0))
             if layout_rules(m, cand, t, world, domain):
                 continue
             mem = memory(m, cand, t)
             if mem.total <= usable_hbm_bytes(cand, hw):
                 st = step_time(m, cand, t, hw, domain)
                 inside = next(g for g in place(cand, domain) if g.dim == "ep").inside_domain
-                out.append(Suggestion(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=1,
-                                      activation_checkpointing=ac, memory_gib=round(mem.total_gib, 2),
-                                      step_s=round(st.step_s, 4), ep_inside_domain=inside))
+                out.append(Suggestion(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=pp, pp_schedule=sched,
+                                      pp_virtual_stages=v, activation_checkpointing=ac,
+                                      memory_gib=round(mem.total_gib, 2), step_s=round(st.step_s, 4),
+                                      ep_inside_domain=inside))
     out.sort(key=lambda s: (not s.ep_inside_domain, s.step_s, s.memory_gib))
     return out[:limit]
 

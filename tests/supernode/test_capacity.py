@@ -138,3 +138,72 @@ def test_local_plan_world_size_is_nproc():
     assert local.local and local.world_size == cfg.local.nproc
     assert local.model.vocab == 256
     assert local.memory.total < 4 * GIB
+
+
+# -- pipeline parallel ---------------------------------------------------------------------------
+FOUR = TINY.model_copy(update={"layers": 4})  # layer 0 dense, 1-3 MoE
+PP_TRAIN = Training(global_batch=16, micro_batch=2, steps=10, lr=1e-3, checkpoint_interval=5)  # m = 16/(2*2) = 4
+
+
+def pp_layout(schedule: str, virtual: int = 1) -> Parallel:
+    return Parallel(dp_shard=2, ep=2, pp=2, pp_schedule=schedule, pp_virtual_stages=virtual, mixed_precision="fp32")
+
+
+def test_pipeline_bubble_by_hand():
+    hw = CATALOG["p5.48xlarge"]
+    one = cap.pipeline(FOUR, pp_layout("1f1b"), PP_TRAIN)
+    # 1F1B: (pp-1)/(m + pp-1) = 1/(4+1); the stages split 4 layers 2 + 2
+    assert (one.micro_batches, one.stage_layers, one.bubble) == (4, [2, 2], pytest.approx(1 / 5))
+    inter = cap.pipeline(FOUR, pp_layout("interleaved1f1b", 2), PP_TRAIN)
+    # interleaved, v = 2: (pp-1)/(m*v + pp-1) = 1/(4*2 + 1) = 1/9; four stages of one layer
+    assert (inter.stage_layers, inter.bubble) == ([1, 1, 1, 1], pytest.approx(1 / 9))
+    # each of a rank's 2 stages sends 4 micro-batches of [2, 16, 64] fp32 on and their gradients back
+    assert inter.p2p_bytes_per_rank == 2 * 4 * 2 * (2 * 16 * 64 * 4) == 131072
+    st = cap.step_time(FOUR, pp_layout("interleaved1f1b", 2), PP_TRAIN, hw)
+    # the bubble is idle compute time: compute x (pp-1)/(m*v), on top of the overlapped compute/comm
+    assert st.pipeline_bubble_s == pytest.approx(st.compute_s * 1 / 8)
+    comm = st.all_to_all_s + st.fsdp_s + st.replicate_s + st.tensor_parallel_s + st.p2p_s
+    assert st.step_s == pytest.approx(max(st.compute_s, comm) + st.compute_s / 8)
+    assert st.links["p2p"] == "NVLink"  # 4 ranks on one 8-GPU node
+    flat = cap.step_time(FOUR, Parallel(dp_shard=4, ep=2, mixed_precision="fp32"), PP_TRAIN, hw)
+    assert flat.pipeline_bubble_s == 0 and flat.p2p_s == 0
+    assert cap.bubble_fraction(8, 32, 1) == pytest.approx(7 / 39)  # a deeper pipeline: 7/(32+7)
+
+
+def test_in_flight_activations_follow_the_schedule():
+    # rank 0 at the peak: gpipe all m = 4 micro-batches, 1f1b pp = 2, interleaved
+    # (v-1)*pp + 2*(pp-1) + 1 = 2 + 2 + 1 = 5 micro-batches through a one-layer virtual stage
+    flights = {s: cap.pipeline(FOUR, pp_layout(s, v), PP_TRAIN).in_flight
+               for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2))}
+    assert flights == {"gpipe": 4, "1f1b": 2, "interleaved1f1b": 5}
+    act = {s: cap.memory(FOUR, pp_layout(s, v), PP_TRAIN).activations
+           for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2))}
+    # layer x micro-batch activations held: gpipe 4 x 2 layers, 1f1b 2 x 2, interleaved 5 x 1
+    assert act["gpipe"] == 2 * act["1f1b"] and act["interleaved1f1b"] * 4 == act["1f1b"] * 5
+
+
+def test_suggestions_consider_pipeline_stages_where_nothing_else_fits():
+    # kvHeads 1 keeps tp at 1, and 48 sequences per step do not divide over dp 32 on 32 GPUs: only
+    # pp fills the world (pp 2: dp 16, 3 micro-batches; pp 4: dp 8, 6 micro-batches).
+    m = FOUR.model_copy(update={"kv_heads": 1, "heads": 4})
+    t = Training(global_batch=48, micro_batch=1, steps=10, lr=1e-3, checkpoint_interval=5)
+    p = Parallel(dp_shard=16, pp=2)
+    found = cap.suggest(m, p, t, CATALOG["p5.48xlarge"], limit=50)
+    assert found and all(s.pp >= 2 for s in found)
+    assert {s.pp for s in found} == {2, 4}
+    for s in found:  # each passes the same validator as a stack's own layout
+        cand = p.model_copy(update=dict(dp_replicate=s.dp_replicate, dp_shard=s.dp_shard, tp=s.tp, ep=s.ep, pp=s.pp,
+                                        pp_schedule=s.pp_schedule, pp_virtual_stages=s.pp_virtual_stages))
+        assert not cap.layout_rules(m, cand, t, 32, 8)
+
+
+def test_plan_carries_the_pipeline():
+    cfg = load_stack("dev", ROOT)
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={
+        "pp": 2, "tp": 1, "dp_shard": 8, "ep": 8, "pp_schedule": "interleaved1f1b", "pp_virtual_stages": 2})})
+    plan = build_plan("dev", cfg)
+    # 128 sequences / (4 x dp 8) = 4 micro-batches; 12 layers over 4 stages
+    assert (plan.degrees.pp, plan.pipeline.schedule, plan.pipeline.virtual_stages) == (2, "interleaved1f1b", 2)
+    assert plan.pipeline.micro_batches == plan.micro_batches_per_step == 4
+    assert plan.pipeline.stage_layers == [3, 3, 3, 3] and plan.pipeline.bubble == pytest.approx(1 / 9)
+    assert Plan.from_json(plan.to_json()) == plan

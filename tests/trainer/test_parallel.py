@@ -211,8 +211,12 @@ def test_dims_from_degrees_and_errors() -> None:
         ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=4, tp=1, ep=1, pp=1), 6)
     with pytest.raises(ConfigError, match=r"plan:parallel.ep: ep must divide dpShard\*tp"):
         ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=4, tp=1, ep=3, pp=1), 4)
-    with pytest.raises(ConfigError, match=r"plan:parallel.pp: pipeline parallel is not supported.*pp: 1"):
-        ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=2, tp=1, ep=1, pp=2), 4)
+    # pp > 1 is accepted (trainer.pipeline); its rules are the core's too, e.g. a stage per layer at least.
+    with pytest.raises(ConfigError, match=r"plan:parallel.pp: every pipeline stage needs a layer"):
+        ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=1, tp=1, ep=1, pp=4), 4)
+    dims = ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=1, tp=1, ep=1, pp=2), 2)
+    assert (dims.pp, dims.dp_size) == (2, 1)
+    assert [dims.pp_rank(r) for r in range(2)] == [0, 1] and [dims.dp_rank(r) for r in range(2)] == [0, 0]
     with pytest.raises(ValidationError, match=r"tp\n.*greater than or equal to 1"):
         Parallel(dp_replicate=1, dp_shard=2, tp=0, ep=1, pp=1)
 

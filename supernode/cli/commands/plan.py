@@ -27,7 +27,7 @@ def plan_json(plan: Plan) -> dict:
     out = plan.summary()
     out.update(json.loads(plan.model_dump_json(include={
         "instance_type", "nodes", "accelerators_per_node", "params", "flops_per_token", "memory", "usable_hbm_gib", "over_by_gib",
-        "suggestions", "step", "topology", "checkpoint", "cost_per_hour_usd", "run_hours", "run_cost_usd"})))
+        "suggestions", "step", "pipeline", "topology", "checkpoint", "cost_per_hour_usd", "run_hours", "run_cost_usd"})))
     return out
 
 
@@ -43,7 +43,24 @@ def comm_detail(plan: Plan) -> str:
     for attr, keys, label in COMM_TERMS:
         links = sorted({s.links[k] for k in keys if k in s.links})
         parts.append(f"{label} {getattr(s, attr):.3f}" + (f" ({', '.join(links)})" if links else ""))
+    if plan.degrees.pp > 1:
+        parts.append(f"p2p {s.p2p_s:.3f} ({s.links.get('p2p', 'NVLink')}), bubble {s.pipeline_bubble_s:.3f}")
     return f"compute {s.compute_s:.3f}, " + ", ".join(parts) + " s"
+
+
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "interleaved 1F1B"}
+
+
+def pipeline_detail(plan: Plan) -> str:
+    """The bubble as the planner computes it, with the figures it comes from."""
+    p = plan.pipeline
+    m, v, pp = p.micro_batches, p.virtual_stages, p.pp
+    return (f"{SCHEDULE_NAMES[p.schedule]}, pp {pp} x {v} virtual = {pp * v} stages, layers per stage "
+            f"{p.stage_layers}; bubble (pp-1)/(m*v + pp-1) = {pp - 1}/({m}*{v} + {pp - 1}) = {p.bubble:.1%} of each "
+            f"step idle (+{plan.step.pipeline_bubble_s:.3f} s) for m = {m} micro-batches per step; pp rank 0 holds "
+            f"{p.in_flight} micro-batch x stage activations at the peak; "
+            f"{p.p2p_bytes_per_rank / 1e6:,.1f} MB sent per rank per step; more micro-batches (or virtual stages) "
+            "shrink the bubble")
 
 
 def placement_detail(plan: Plan) -> str:
@@ -76,6 +93,8 @@ def render(plan: Plan, console: Console) -> None:
               f"{topo.domain_hbm_gib:,.0f} GiB HBM in one address space; the job spans {topo.domains} domain(s)")
     t.add_row("placement", f"ep {d.ep}", placement_detail(plan))
     fits_domain = ("[green]fits[/]" if topo.replica_fits else "[red]does not fit[/]")
+    if d.pp > 1:
+        t.add_row("pipeline", f"bubble {plan.pipeline.bubble:.1%}", pipeline_detail(plan))
     t.add_row("replica state", f"{topo.replica_state_gib:,.0f} GiB",
               f"{fits_domain} the aggregate HBM of its {d.dp_shard * d.tp * d.pp} shard-group GPUs "
               f"({topo.replica_domains} domain(s))")
@@ -103,8 +122,10 @@ def render(plan: Plan, console: Console) -> None:
         if plan.suggestions:
             console.print("Layouts with the same world size that fit (EP inside the NVLink domain first, then fastest):")
             for sug in plan.suggestions:
+                pipe = (f" ({sug.pp_schedule}" + (f", ppVirtualStages {sug.pp_virtual_stages}" if sug.pp_virtual_stages > 1
+                                                  else "") + ")") if sug.pp > 1 else ""
                 console.print(f"  dpReplicate {sug.dp_replicate}, dpShard {sug.dp_shard}, tp {sug.tp}, ep {sug.ep}, "
-                              f"pp {sug.pp}, activationCheckpointing {sug.activation_checkpointing}: "
+                              f"pp {sug.pp}{pipe}, activationCheckpointing {sug.activation_checkpointing}: "
                               f"{sug.memory_gib} GiB, ~{sug.step_s} s/step"
                               f"{'' if sug.ep_inside_domain else ', EP crosses NVLink domains'}", markup=False)
         else:
