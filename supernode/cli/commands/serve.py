@@ -1,0 +1,68 @@
+"""`supernode serve --stack S --local`: vLLM's OpenAI-compatible server on this machine, for the
+exported model, after verifying every file's sha256 against the export's manifest (a mismatch:
+exit 2 naming the file; the server never starts). With --prompt it answers those prompts, prints
+each completion with its latency and stops; without, it serves until Ctrl-C. In the cluster the
+stack's serving workload does the same (components/serving.py)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from ..args import add_stack_args, stack_from_args
+from ...core.errors import BadInput, EXIT_FAILED
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve the exported model with vLLM locally (weights verified first)")
+    add_stack_args(p)
+    p.add_argument("--local", action="store_true", help="run on this machine (the cluster serves through the stack)")
+    p.add_argument("--model", type=Path, default=None, help="the exported model directory (default: out/export-STACK)")
+    p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free port)")
+    p.add_argument("--prompt", action="append", default=[], help="complete this prompt, print it with its latency, "
+                   "stop (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per completion (default 48)")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if not args.local:
+        raise BadInput("cluster serving is the stack's serving workload (pulumi up deploys it from the inference "
+                       "section); use --local to serve on this machine")
+    if not 0 <= args.port < 65536:
+        raise BadInput(f"--port must be between 0 and 65535 (got {args.port})")
+    if args.max_tokens < 1:
+        raise BadInput(f"--max-tokens must be at least 1 (got {args.max_tokens})")
+    stack, cfg = stack_from_args(args)
+    from ...ops.serve import LocalServer, ServerFailed, complete, serve_python, verify_export
+
+    model = args.model or Path("out") / f"export-{stack}"
+    manifest = verify_export(model)  # before anything starts: a changed file is bad input
+    print(f"verified {len(manifest['files'])} files of {model} against manifest.json (sha256); "
+          f"{manifest['architecture']}, {manifest['dtype']}")
+    inf = cfg.inference
+    server = LocalServer(model.resolve(), serve_python(args.root), port=args.port, ready_timeout_s=args.ready_timeout,
+                         max_num_seqs=min(inf.max_concurrency, 16) if inf else 16)
+    try:
+        server.start()
+        print(f"vLLM serving {manifest['architecture']} at {server.url}/v1 (log {server.log})", flush=True)
+        if not args.prompt:
+            print("Ctrl-C stops it", flush=True)
+            # SIGTERM as Ctrl-C: either way the finally below stops the server's process group.
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
+            rc = server.proc.wait()
+            print(f"vLLM exited ({rc}):\n{server.tail()}")
+            return EXIT_FAILED
+        for prompt in args.prompt:
+            c = complete(server.url, prompt, args.max_tokens, model=server.name)
+            print(f"\n>>> {prompt}{c.text}")
+            print(f"    {c.tokens} tokens: first token {c.ttft_s * 1e3:.0f} ms, total {c.total_s * 1e3:.0f} ms, "
+                  f"inter-token {c.itl_s * 1e3:.1f} ms, "
+                  f"{c.tokens / c.total_s:.1f} tokens/s")
+        return 0
+    except ServerFailed as e:
+        print(f"serving failed: {e}")
+        return EXIT_FAILED
+    finally:
+        server.stop()

@@ -1,0 +1,202 @@
+"""Inference from the training plan: which served architecture our model is, and the serving plan.
+
+Two things, both pure:
+
+- **The mapping** (`served_architecture`, `hf_config`). Our model is exported (trainer.export) as a
+  Hugging Face model directory of an architecture vLLM and SGLang serve, and the mapping is exact:
+  - sigmoid router + aux-loss-free bias + shared experts (+ leading dense layers): DeepSeek-V3
+    style, GLM-4.5's `Glm4MoeForCausalLM` (`e_score_correction_bias`, `n_group = topk_group = 1`,
+    `norm_topk_prob`, `routed_scaling_factor = 1`);
+  - softmax router without shared experts: `Qwen3MoeForCausalLM` (`norm_topk_prob`; dense layers as
+    `mlp_only_layers`). Qwen3 always normalises q and k per head, so this needs `model.qkNorm`, and
+    it has no selection bias, so `model.biasUpdateRate` must be 0.
+  Anything else is rejected with every reason at once. RoPE: ours rotates (even, odd) pairs, both
+  targets rotate halves; the export permutes the rows of wq/wk (and the qk-norm weights) per head,
+  which leaves q.k unchanged (the Llama conversion's trick), so the model needs no change.
+
+- **The inference plan** (`build_inference_plan`): weights and KV cache per GPU, fit against HBM
+  with training's headroom rule (`parallel.hbmHeadroom`), the smallest tensor-parallel degree that
+  fits, and decode tokens/s bounded by HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+from .capacity import param_counts
+from .catalog import CATALOG, GIB, InstanceType
+from .config import StackConfig
+from .config.schema import Model
+from .errors import BadInput
+
+GLM4_MOE, QWEN3_MOE = "Glm4MoeForCausalLM", "Qwen3MoeForCausalLM"
+RMS_NORM_EPS = 1e-6  # trainer.model.RMSNorm's
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# What a vLLM replica holds besides weights and KV cache: CUDA context, CUDA graphs, the activations
+# of one prefill chunk, NCCL buffers. vLLM profiles it at start; 2 GiB per GPU is its usual order on
+# H100 for models of this size (stated, not measured here: no GPU).
+RUNTIME_OVERHEAD_GIB = 2.0
+# Fraction of peak HBM bandwidth a decode step reaches (memory-bound GEMV/attention kernels).
+HBM_EFFICIENCY = 0.7
+
+
+def architecture_problems(m: Model) -> list[str]:
+    """Why no served architecture represents `m` exactly ([] when one does)."""
+    problems = []
+    if m.dim % m.heads:
+        problems.append(f"model.dim {m.dim} is not a multiple of model.heads {m.heads}")
+    if m.heads % m.kv_heads:
+        problems.append(f"model.heads {m.heads} is not a multiple of model.kvHeads {m.kv_heads}")
+    if m.head_dim % 2:
+        problems.append(f"head dim {m.head_dim} (dim / heads) is odd: RoPE rotates pairs")
+    if m.router == "sigmoid":
+        if m.shared_experts < 1:
+            problems.append(f"model.router sigmoid maps to {GLM4_MOE}, which has shared experts: "
+                            "model.sharedExperts must be at least 1 (got 0)")
+        if m.moe_every != 1:
+            problems.append(f"model.moeEvery {m.moe_every}: {GLM4_MOE} makes every layer after "
+                            "model.firstDenseLayers MoE; use moeEvery 1")
+    else:
+        if m.shared_experts:
+            problems.append(f"model.router softmax maps to {QWEN3_MOE}, which has no shared experts: "
+                            f"model.sharedExperts must be 0 (got {m.shared_experts}); or use router sigmoid ({GLM4_MOE})")
+        if not m.qk_norm:
+            problems.append(f"model.router softmax maps to {QWEN3_MOE}, which normalises q and k per head: "
+                            "set model.qkNorm: true (and train with it)")
+        if m.bias_update_rate:
+            problems.append(f"model.router softmax maps to {QWEN3_MOE}, which has no expert selection bias: "
+                            f"model.biasUpdateRate must be 0 (got {m.bias_update_rate})")
+    return problems
+
+
+def served_architecture(m: Model) -> str:
+    """The Hugging Face architecture our model is; BadInput naming every reason when there is none."""
+    problems = architecture_problems(m)
+    if problems:
+        raise BadInput("no served architecture represents this model exactly: " + "; ".join(problems))
+    return GLM4_MOE if m.router == "sigmoid" else QWEN3_MOE
+
+
+def hf_config(m: Model, dtype: str = "bf16", eos: Optional[int] = None, bos: Optional[int] = None) -> dict:
+    """config.json for the exported model (transformers 5 / vLLM field names)."""
+    arch = served_architecture(m)
+    common = {
+        "architectures": [arch], "vocab_size": m.vocab, "hidden_size": m.dim, "num_hidden_layers": m.layers,
+        "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim,
+        "max_position_embeddings": m.seq_len, "rms_norm_eps": RMS_NORM_EPS, "hidden_act": "silu",
+        "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "use_cache": True, "torch_dtype": TORCH_DTYPE[dtype], "dtype": TORCH_DTYPE[dtype],
+        "intermediate_size": m.dense_hidden, "moe_intermediate_size": m.expert_hidden,
+        "num_experts_per_tok": m.top_k, "norm_topk_prob": True,
+        "bos_token_id": bos, "eos_token_id": eos,
+    }
+    if arch == GLM4_MOE:
+        return {**common, "model_type": "glm4_moe", "n_routed_experts": m.experts, "n_shared_experts": m.shared_experts,
+                "first_k_dense_replace": m.first_dense_layers, "n_group": 1, "topk_group": 1,
+                "routed_scaling_factor": 1.0, "partial_rotary_factor": 1.0, "use_qk_norm": m.qk_norm}
+    return {**common, "model_type": "qwen3_moe", "num_experts": m.experts, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(m.layers) if not m.is_moe(i)], "router_aux_loss_coef": 0.0,
+            "output_router_logits": False, "sliding_window": None, "use_sliding_window": False}
+
+
+# -- the inference plan -------------------------------------------------------------------------
+
+class InferencePlan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    architecture: str
+    instance_type: str
+    dtype: str
+    tp: int
+    pp: int
+    gpus_per_replica: int
+    pods_per_replica: int  # > 1: the replica spans nodes (a LeaderWorkerSet)
+    workload_kind: Literal["Deployment", "LeaderWorkerSet"]
+    max_seq_len: int
+    max_concurrency: int
+    replicas_min: int
+    replicas_max: int
+    weights_gib: float  # the whole model at dtype
+    weights_per_gpu_gib: float
+    kv_per_sequence_gib: float  # at max_seq_len, all layers (the whole replica)
+    kv_per_gpu_gib: float  # for max_concurrency sequences at max_seq_len
+    overhead_per_gpu_gib: float
+    memory_per_gpu_gib: float
+    hbm_gib: float
+    usable_hbm_gib: float  # HBM less parallel.hbmHeadroom, as for training
+    fits: bool
+    over_by_gib: float
+    suggested_tp: Optional[int]  # the smallest tp (at this pp) that fits; None if none within a node
+    hbm_gbytes_s: float
+    decode_step_s: float  # one decode step at max_concurrency, full context
+    decode_tokens_s: float  # per replica, at max_concurrency
+    decode_tokens_s_single: float  # one sequence alone
+    itl_ms: float  # inter-token latency at max_concurrency (= decode_step_s)
+    itl_target_ms: Optional[float]
+    meets_itl_target: Optional[bool]
+
+
+def kv_bytes_per_token(m: Model, dtype: str, tp: int = 1, pp: int = 1) -> float:
+    """K and V of one token on one GPU: layers / pp, kv heads / tp (a kv head is replicated, not split,
+    when tp exceeds the kv heads)."""
+    return 2 * math.ceil(m.layers / pp) * math.ceil(m.kv_heads / tp) * m.head_dim * DTYPE_BYTES[dtype]
+
+
+def weight_bytes(m: Model, dtype: str) -> int:
+    return param_counts(m).total * DTYPE_BYTES[dtype]
+
+
+def _decode_read_bytes(m: Model, dtype: str, batch: int, context: int, tp: int, pp: int) -> float:
+    """Bytes one GPU reads from HBM in one decode step of `batch` sequences: the weights its stages
+    use (of each MoE layer only the experts some token picks: E * (1 - (1 - k/E)^batch) expected)
+    and the batch's KV cache at `context` tokens."""
+    p = param_counts(m)
+    touched = m.experts * (1 - (1 - m.top_k / m.experts) ** batch) if m.experts else 0
+    expert_bytes = p.experts * (touched / m.experts if m.experts else 0)
+    weights = (p.total - p.experts + expert_bytes) * DTYPE_BYTES[dtype] / (tp * pp)
+    return weights + batch * context * kv_bytes_per_token(m, dtype, tp, pp)
+
+
+def _memory(m: Model, dtype: str, tp: int, pp: int, seq: int, conc: int) -> tuple[float, float, float]:
+    w = weight_bytes(m, dtype) / (tp * pp)
+    kv = conc * seq * kv_bytes_per_token(m, dtype, tp, pp)
+    return w, kv, w + kv + RUNTIME_OVERHEAD_GIB * GIB
+
+
+def build_inference_plan(cfg: StackConfig, hw: Optional[InstanceType] = None) -> Optional[InferencePlan]:
+    """The serving plan of the stack's `inference` section (None without one)."""
+    inf = cfg.inference
+    if inf is None:
+        return None
+    m = cfg.model
+    hw = hw or min((CATALOG[g.instance_type] for g in cfg.accelerator_node_groups), key=lambda t: t.hbm_mib)
+    arch = served_architecture(m)
+    usable = hw.hbm_bytes * (1 - cfg.parallel.hbm_headroom)
+    seq, conc, tp, pp = inf.max_seq_len, inf.max_concurrency, inf.tp, inf.pp
+    w, kv, total = _memory(m, inf.dtype, tp, pp, seq, conc)
+    suggested = next((t for t in (1, 2, 4, 8, 16, 32, 64) if t <= hw.accelerators and m.heads % t == 0
+                      and _memory(m, inf.dtype, t, pp, seq, conc)[2] <= usable), None)
+    step_s = _decode_read_bytes(m, inf.dtype, conc, seq, tp, pp) / (hw.hbm_gbytes_s * 1e9 * HBM_EFFICIENCY)
+    # Pipeline stages run one after another for one token: pp stages' reads in series.
+    step_s *= pp
+    single_s = pp * _decode_read_bytes(m, inf.dtype, 1, seq, tp, pp) / (hw.hbm_gbytes_s * 1e9 * HBM_EFFICIENCY)
+    gpus = tp * pp
+    itl_ms = step_s * 1e3
+    return InferencePlan(
+        architecture=arch, instance_type=hw.name, dtype=inf.dtype, tp=tp, pp=pp, gpus_per_replica=gpus,
+        pods_per_replica=-(-gpus // hw.accelerators),
+        workload_kind="Deployment" if gpus <= hw.accelerators else "LeaderWorkerSet",
+        max_seq_len=seq, max_concurrency=conc, replicas_min=inf.replicas_min, replicas_max=inf.replicas_max,
+        weights_gib=weight_bytes(m, inf.dtype) / GIB, weights_per_gpu_gib=w / GIB,
+        kv_per_sequence_gib=seq * kv_bytes_per_token(m, inf.dtype) / GIB, kv_per_gpu_gib=kv / GIB,
+        overhead_per_gpu_gib=RUNTIME_OVERHEAD_GIB, memory_per_gpu_gib=total / GIB, hbm_gib=hw.hbm_gib,
+        usable_hbm_gib=usable / GIB, fits=total <= usable, over_by_gib=max(0.0, (total - usable) / GIB),
+        suggested_tp=suggested, hbm_gbytes_s=hw.hbm_gbytes_s, decode_step_s=step_s,
+        decode_tokens_s=conc / step_s, decode_tokens_s_single=1 / single_s, itl_ms=itl_ms,
+        itl_target_ms=inf.itl_target_ms,
+        meets_itl_target=None if inf.itl_target_ms is None else itl_ms <= inf.itl_target_ms)

@@ -1,0 +1,125 @@
+"""The serving workload in the prod preview: its manifests validate, the serving policies pass on it
+and fail on the mutations they exist for."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from supernode.core import resource_types as T
+from supernode.core.config import load_stack
+from supernode.ops.policycheck import check, config_from_stack
+from supernode.ops.preview import run_program
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVING_POLICIES = {"serving-weights-verified", "serving-availability", "serving-not-public", "serving-plan-fits"}
+
+
+@pytest.fixture(scope="module")
+def prod():
+    cfg = load_stack("prod", ROOT)
+    result = run_program("prod", cfg)
+    return cfg, [r if isinstance(r, dict) else r.to_json() for r in result.resources]
+
+
+def _find(resources: list[dict], typ: str, component: str = "serving") -> dict:
+    return next(r for r in resources if r["type"] == typ and
+                ((r["inputs"].get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") == component)
+
+
+def _serving_findings(resources: list[dict], cfg) -> dict[str, list[str]]:
+    report = check(resources, config_from_stack(cfg))
+    out: dict[str, list[str]] = {}
+    for v in report.violations:
+        if v.policy in SERVING_POLICIES:
+            out.setdefault(v.policy, []).append(v.message)
+    return out
+
+
+def test_prod_serving_workload_passes_the_serving_policies(prod):
+    cfg, resources = prod
+    dep = _find(resources, T.DEPLOYMENT)
+    spec = dep["inputs"]["spec"]["template"]["spec"]
+    assert [c["name"] for c in spec["initContainers"]] == ["verify-weights"]
+    server = spec["containers"][0]
+    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(server)
+    assert server["resources"]["requests"]["nvidia.com/gpu"] == "4"  # tp 4 from the inference plan
+    assert dep["inputs"]["spec"]["replicas"] == 2
+    assert _serving_findings(resources, cfg) == {}
+
+
+def _mutated(resources: list[dict], typ: str, change: Callable[[dict], None]) -> list[dict]:
+    out = copy.deepcopy(resources)
+    change(_find(out, typ))
+    return out
+
+
+def _drop_init(r: dict) -> None:
+    r["inputs"]["spec"]["template"]["spec"].pop("initContainers")
+
+
+def _one_replica(r: dict) -> None:
+    r["inputs"]["spec"]["replicas"] = 1
+
+
+def _public_service(r: dict) -> None:
+    r["inputs"]["spec"]["type"] = "LoadBalancer"
+
+
+def _open_ingress(r: dict) -> None:
+    r["inputs"]["spec"]["ingress"] = [{"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}]
+
+
+@pytest.mark.parametrize("typ,change,policy,needle", [
+    (T.DEPLOYMENT, _drop_init, "serving-weights-verified", "without weights verified by digest"),
+    (T.DEPLOYMENT, _one_replica, "serving-availability", "1 replica(s) in prod"),
+    (T.K8S_SERVICE, _public_service, "serving-not-public", "LoadBalancer"),
+    (T.NETWORK_POLICY, _open_ingress, "serving-not-public", "open to the world"),
+])
+def test_serving_policies_fail_on_their_mutation(prod, typ, change, policy, needle):
+    cfg, resources = prod
+    findings = _serving_findings(_mutated(resources, typ, change), cfg)
+    assert policy in findings and any(needle in m for m in findings[policy])
+
+
+def test_missing_pdb_is_reported(prod):
+    cfg, resources = prod
+    without = [r for r in resources if r["type"] != T.PDB]
+    assert any("no PodDisruptionBudget" in m for m in _serving_findings(without, cfg)["serving-availability"])
+
+
+def test_inference_plan_that_does_not_fit_is_reported(prod):
+    cfg, resources = prod
+    from supernode.core.plan import PLAN_CONFIGMAP_KEY, build_plan
+    tp1 = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"tp": 1})})
+    plan_json = build_plan("prod", tp1).to_json()
+    out = copy.deepcopy(resources)
+    for r in out:
+        if r["type"] == T.CONFIG_MAP and PLAN_CONFIGMAP_KEY in (r["inputs"].get("data") or {}):
+            r["inputs"]["data"][PLAN_CONFIGMAP_KEY] = plan_json
+    findings = _serving_findings(out, cfg)
+    assert any("Fix: use inference.tp 4" in m for m in findings["serving-plan-fits"])
+
+
+def test_verify_script_blocks_a_corrupted_file(tmp_path):
+    """The init container's script: copies and verifies; one changed byte stops the pod (exit 1)."""
+    from components.serving import VERIFY_SCRIPT
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model-00001.safetensors").write_bytes(b"weights" * 100)
+    import hashlib
+    (src / "manifest.json").write_text(json.dumps({"files": {"model-00001.safetensors": {
+        "sha256": hashlib.sha256(b"weights" * 100).hexdigest()}}}))
+    script = tmp_path / "verify.py"
+    script.write_text(VERIFY_SCRIPT)
+    ok = subprocess.run([sys.executable, str(script), str(src), str(tmp_path / "dst")], capture_output=True, text=True)
+    assert ok.returncode == 0 and "1 files verified" in ok.stdout
+    (src / "model-00001.safetensors").write_bytes(b"weightz" * 100)
+    bad = subprocess.run([sys.executable, str(script), str(src), str(tmp_path / "dst2")], capture_output=True, text=True)
+    assert bad.returncode == 1 and "model-00001.safetensors sha256" in bad.stderr
