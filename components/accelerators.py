@@ -72,10 +72,41 @@ def ami_parameter(kubernetes_version: str, release: str, arch: str = "x86_64") -
             f"amazon-eks-node-al2023-{arch}-nvidia-{kubernetes_version}-v{date}/image_id")
 
 
+# The host baseline (the EFA and NCCL guides' settings), checked on every node by trainer.inventory
+# (its HOST_SYSCTLS / MIN_NOFILE; a test keeps them equal).
+HOST_SYSCTLS = {"vm.max_map_count": 1048576,  # EFA/NCCL register many memory regions, one mapping each
+                "kernel.numa_balancing": 0}  # page migration under pinned RDMA/CUDA buffers stalls transfers
+NOFILE = 1048576
+AMAZON_TIME_SYNC = "169.254.169.123"
+
+
+def host_baseline_script(hugepages_2mi: int) -> str:
+    """Bootstrap shell: sysctls (persisted), nofile/memlock limits for logins and for containerd (its
+    pods inherit them: EFA locks memory without bound), and chrony on Amazon Time Sync. Runs before
+    nodeadm starts containerd and kubelet, so they start with these settings."""
+    sysctls = {"vm.nr_hugepages": hugepages_2mi, **HOST_SYSCTLS}
+    conf = "".join(f"{k} = {v}\n" for k, v in sysctls.items())
+    return (
+        "#!/bin/bash\nset -euo pipefail\n"
+        f"cat > /etc/sysctl.d/99-supernode.conf <<'EOF'\n{conf}EOF\nsysctl -e -p /etc/sysctl.d/99-supernode.conf\n"
+        "cat > /etc/security/limits.d/99-supernode.conf <<'EOF'\n"
+        f"* soft nofile {NOFILE}\n* hard nofile {NOFILE}\n* soft memlock unlimited\n* hard memlock unlimited\nEOF\n"
+        "mkdir -p /etc/systemd/system/containerd.service.d\n"
+        "cat > /etc/systemd/system/containerd.service.d/99-supernode-limits.conf <<'EOF'\n"
+        f"[Service]\nLimitNOFILE={NOFILE}\nLimitMEMLOCK=infinity\nEOF\nsystemctl daemon-reload\n"
+        # The AMI points chrony at Amazon Time Sync; make sure, then wait briefly for sync. A slow sync
+        # does not fail the boot: the inventory reports the offset and flags it beyond the bound.
+        f"grep -q '{AMAZON_TIME_SYNC}' /etc/chrony.conf /etc/chrony.d/* 2>/dev/null || {{ "
+        f"echo 'server {AMAZON_TIME_SYNC} prefer iburst minpoll 4 maxpoll 4' >> /etc/chrony.conf; "
+        "systemctl restart chronyd; }\n"
+        "chronyc waitsync 6 0.01 || echo 'supernode: chrony not yet within 10 ms of Amazon Time Sync' >&2\n")
+
+
 def nodeadm_user_data(cluster_name: str, endpoint: str, ca_data: str, service_cidr: str,
                       labels: Mapping[str, str], taints: Sequence[Taint], hugepages_2mi: int) -> str:
     """MIME user data: nodeadm NodeConfig (a custom AMI joins with it) with the local NVMe as RAID0,
-    and the 2 MiB huge pages EFA pods request, set before kubelet starts and advertises them."""
+    and the host baseline (host_baseline_script): the 2 MiB huge pages EFA pods request, sysctls,
+    limits and time sync, set before kubelet starts and advertises them."""
     node_config = {
         "apiVersion": "node.eks.aws/v1alpha1", "kind": "NodeConfig",
         "spec": {
@@ -91,7 +122,7 @@ def nodeadm_user_data(cluster_name: str, endpoint: str, ca_data: str, service_ci
     text = (f'MIME-Version: 1.0\nContent-Type: multipart/mixed; boundary="{boundary}"\n\n'
             f"--{boundary}\nContent-Type: application/node.eks.aws\n\n{yaml.safe_dump(node_config, sort_keys=False)}\n"
             f'--{boundary}\nContent-Type: text/x-shellscript; charset="us-ascii"\n\n'
-            f"#!/bin/bash\nset -euo pipefail\nsysctl -w vm.nr_hugepages={hugepages_2mi}\n\n--{boundary}--\n")
+            f"{host_baseline_script(hugepages_2mi)}\n--{boundary}--\n")
     return base64.b64encode(text.encode()).decode()
 
 

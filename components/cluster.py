@@ -108,10 +108,11 @@ class Cluster(pulumi.ComponentResource):
 
     def addon(self, addon: str, service_account_role_arn: Optional[pulumi.Input[str]] = None,
               depends_on: Sequence[pulumi.Resource] = (),
-              parent: Optional[pulumi.Resource] = None) -> aws.eks.Addon:
+              parent: Optional[pulumi.Resource] = None, configuration_values: Optional[str] = None) -> aws.eks.Addon:
         return aws.eks.Addon(
             f"{self._addon_prefix}-{addon}", cluster_name=self.cluster.name, addon_name=addon,
             addon_version=self.addon_versions[addon], service_account_role_arn=service_account_role_arn,
+            configuration_values=configuration_values,
             resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="PRESERVE",
             opts=pulumi.ResourceOptions(parent=parent or self, depends_on=list(depends_on)))
 

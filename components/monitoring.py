@@ -31,12 +31,19 @@ from .identity import irsa_trust_policy, managed_policy_arn
 
 CONTAINER_INSIGHTS = "ContainerInsights"
 # Container Insights writes to these groups; creating them first sets retention and KMS.
-INSIGHTS_LOG_GROUPS = ("application", "dataplane", "host", "performance")
+INSIGHTS_LOG_GROUPS = ("application", "dataplane", "host", "performance", "prometheus")
 CW_AGENT = ("amazon-cloudwatch", "cloudwatch-agent")  # the add-on's namespace and service account
 PERIOD_S = 60
 # Where the CloudWatch agent's Prometheus scrape puts the trainer's gauges, and their dimensions.
 PROMETHEUS_NAMESPACE = "ContainerInsights/Prometheus"
 TRAINER_SCRAPE_JOB = "supernode-trainer"  # the scrape job name; a dimension of every trainer metric
+# One GPU exporter: ours (components/addons/dcgm-exporter.yaml, its counters CSV), scraped into
+# PROMETHEUS_NAMESPACE like the trainer. The add-on's own NVIDIA GPU collection is switched off, so
+# no second exporter's series exist to be confused with ours.
+DCGM_SCRAPE_JOB = "dcgm-exporter"
+GPU_UTIL_METRIC, GPU_MEMORY_METRIC = "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED"
+AGENT_CONFIGURATION = {"agent": {"config": {"logs": {"metrics_collected": {"kubernetes": {
+    "enhanced_container_insights": True, "accelerated_compute_metrics": False}}}}}}
 
 
 class LogPattern:
@@ -97,8 +104,10 @@ class Monitoring(pulumi.ComponentResource):
             args.cluster.oidc_provider_arn, args.cluster.oidc_issuer_url, *CW_AGENT))
         attach = aws.iam.RolePolicyAttachment(f"{name}-cloudwatch-agent", role=agent_role.name,
                                               policy_arn=managed_policy_arn("CloudWatchAgentServerPolicy"), opts=child)
-        args.cluster.addon("amazon-cloudwatch-observability", service_account_role_arn=agent_role.arn, parent=self,
-                           depends_on=[attach, *groups.values(), *args.node_groups])
+        self.agent_addon = args.cluster.addon(
+            "amazon-cloudwatch-observability", service_account_role_arn=agent_role.arn, parent=self,
+            depends_on=[attach, *groups.values(), *args.node_groups],
+            configuration_values=json.dumps(AGENT_CONFIGURATION, sort_keys=True))
 
         # Each filter: (log group, pattern, metric value: 1 per line or a JSON field of the line).
         filters = {
@@ -127,8 +136,9 @@ class Monitoring(pulumi.ComponentResource):
         checkpoint_window_s = checkpoint_window(args.plan)
         self.alarms = [
             self._alarm(name, "gpu-util-low", f"GPU utilisation below {m.gpu_util_floor_percent}% for "
-                        f"{m.gpu_util_window_minutes} min (DCGM via Container Insights)",
-                        namespace=CONTAINER_INSIGHTS, metric_name="node_gpu_utilization", dimensions=insights,
+                        f"{m.gpu_util_window_minutes} min (DCGM exporter, mean over the GPUs)",
+                        namespace=PROMETHEUS_NAMESPACE, metric_name=GPU_UTIL_METRIC,
+                        dimensions=dcgm_dimensions(cluster_name),
                         statistic="Average", threshold=m.gpu_util_floor_percent, comparison="LessThanThreshold",
                         periods=window, missing="notBreaching"),
             self._alarm(name, "node-not-ready", "a node is not ready",
@@ -212,6 +222,11 @@ class Monitoring(pulumi.ComponentResource):
             **single)
 
 
+def dcgm_dimensions(cluster_name: pulumi.Input[str]) -> dict:
+    """The cluster-wide dimension set the agent's declaration gives the DCGM exporter's fields."""
+    return {"ClusterName": cluster_name, "job": DCGM_SCRAPE_JOB}
+
+
 def training_dimensions(cluster_name: pulumi.Input[str], namespace: str) -> dict:
     """The dimensions the agent's embedded-metric declaration gives every trainer gauge."""
     return {"ClusterName": cluster_name, "Namespace": namespace, "job": TRAINER_SCRAPE_JOB}
@@ -271,9 +286,10 @@ def dashboard(region: str, cluster_name: str, namespace: str, fsx_id: str, m: Mo
                  "id": f"{label}s", "label": label}]
 
     return {"widgets": [
-        metric("GPU utilisation (%)", [[CONTAINER_INSIGHTS, "node_gpu_utilization", "ClusterName", cluster_name]],
-               m.gpu_util_floor_percent),
-        metric("GPU memory used (%)", [[CONTAINER_INSIGHTS, "node_gpu_memory_utilization", "ClusterName", cluster_name]]),
+        metric("GPU utilisation (%)", [[PROMETHEUS_NAMESPACE, GPU_UTIL_METRIC, "ClusterName", cluster_name,
+                                         "job", DCGM_SCRAPE_JOB]], m.gpu_util_floor_percent),
+        metric("GPU memory used (MiB)", [[PROMETHEUS_NAMESPACE, GPU_MEMORY_METRIC, "ClusterName", cluster_name,
+                                          "job", DCGM_SCRAPE_JOB]]),
         metric("Failed nodes", [[CONTAINER_INSIGHTS, "cluster_failed_node_count", "ClusterName", cluster_name]]),
         metric("Training failures", [[namespace, "NcclTimeouts"], [namespace, "OutOfMemory"], [namespace, "GpuXidErrors"],
                                      [namespace, "NonFiniteSteps"], [namespace, "TrainerStarts"]]),

@@ -88,4 +88,6 @@ workload = TrainingWorkload("workload", WorkloadArgs(
             size_gib=storage.fsx_capacity_gib, data_dir=storage.dataset_dir, checkpoint_dir=storage.checkpoint_dir),
     trainer_role_arn=trainer_role.arn, gpu_nodes=GpuNodes.for_groups(accelerators.labels, accelerators.taints),
     plan=plan, images=config.images, workload=config.workload, identity=config.identity,
-    after=[*accelerators.node_groups, *workload_addons]))
+    baseline_dir=storage.baseline_dir, config=config, bucket_name=storage.bucket_name, cluster_name=cluster_name,
+    # the CloudWatch add-on creates amazon-cloudwatch, where the scrape configuration goes
+    after=[*accelerators.node_groups, *workload_addons, monitoring.agent_addon]))

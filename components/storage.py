@@ -19,6 +19,7 @@ from .identity import policy_document
 LUSTRE_PORTS = ((988, 988), (1018, 1023))  # LNet, and the Lustre service ports
 CHECKPOINT_STORAGE_CLASS = "GLACIER_IR"  # cheaper, still millisecond reads for a restart; no 30-day minimum
 AUTO_EVENTS = ["NEW", "CHANGED", "DELETED"]
+BASELINE_PREFIX = "baselines/"  # fabric baseline (operations): kept, unlike checkpoints/ which expire
 
 
 def deny_insecure_transport(bucket_arn: str) -> dict:
@@ -111,10 +112,13 @@ class Storage(pulumi.ComponentResource):
             tags=args.ctx.tagged({"Name": f"supernode-{args.ctx.stack}"}), opts=self._child)
         self.fsx_id, self.fsx_dns_name, self.fsx_mount_name = self.fsx.id, self.fsx.dns_name, self.fsx.mount_name
         self.fsx_capacity_gib = ckpt.fsx_capacity_gib
-        # Datasets flow in from S3; checkpoints flow both ways (written on FSx, exported to S3).
+        # Datasets flow in from S3; checkpoints flow both ways (written on FSx, exported to S3); so do the
+        # operations baselines (fabric matrix), under a prefix of their own that no lifecycle rule expires.
         self.dataset_dir, self.checkpoint_dir = "/datasets", "/checkpoints"  # paths inside the file system
+        self.baseline_dir = "/baselines"
         for path, prefix, export in ((self.dataset_dir, s.dataset_prefix, False),
-                                     (self.checkpoint_dir, s.checkpoint_prefix, True)):
+                                     (self.checkpoint_dir, s.checkpoint_prefix, True),
+                                     (self.baseline_dir, BASELINE_PREFIX, True)):
             aws.fsx.DataRepositoryAssociation(
                 f"{name}{path.replace('/', '-')}", file_system_id=self.fsx.id, file_system_path=path,
                 data_repository_path=pulumi.Output.concat("s3://", self.bucket_name, "/", prefix),

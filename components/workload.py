@@ -13,14 +13,17 @@ from typing import Optional, Sequence
 import pulumi
 import pulumi_kubernetes as k8s
 
-from supernode.core.config import Images, Identity, Workload
+from supernode.core.config import Images, Identity, StackConfig, Workload
 from supernode.core.plan import Plan
 
 from .context import StackContext
+from .operations import Operations, OperationsArgs
+from .queues import SERVING, TRAINING, Queues, QueuesArgs, gpu_pools, job_labels
+from .serving import ServingArgs, ServingWorkload
 from .taints import Taint
 from .workload_addons import AddonArgs, ClusterAddons
 from .workload_common import GpuNodes, dns_name
-from .workload_jobs import InterconnectGate, JobArgs, TrainerArgs, TrainerJob, spans_nodes_over_nvlink
+from .workload_jobs import BaselineStore, InterconnectGate, JobArgs, TrainerArgs, TrainerJob, spans_nodes_over_nvlink
 from .workload_namespace import PRIORITY_CLASS, Fsx, NamespaceArgs, TrainingNamespace
 
 __all__ = ["TrainingWorkload", "WorkloadArgs", "Fsx", "GpuNodes", "StackContext", "Taint"]
@@ -41,6 +44,13 @@ class WorkloadArgs:
     # What the cluster needs before any workload object (GPU node groups, EKS add-ons such as the
     # FSx CSI driver and CoreDNS): the Kubernetes provider, and so everything here, waits for them.
     after: Sequence[pulumi.Resource] = ()
+    # Operations (components/operations.py): the FSx directory of the baselines (storage.baseline_dir,
+    # exported to S3), the whole config (Kueue pools from the node groups; the restore drill's stack
+    # file) and the bucket the drill restores from. Without config and bucket: no drill CronJob.
+    baseline_dir: str = "/baselines"
+    config: Optional[StackConfig] = None
+    bucket_name: Optional[pulumi.Input[str]] = None
+    cluster_name: str = ""
 
 
 class TrainingWorkload(pulumi.ComponentResource):
@@ -64,15 +74,37 @@ class TrainingWorkload(pulumi.ComponentResource):
                       plan_config_map=self.training.plan_config_map.metadata.name,
                       priority_class=self.training.priority_class.metadata.name,
                       wait_for=self.addons.compute_domain_ready)
-        self.gate = InterconnectGate(
-            f"{name}-gate", replace(job, image=args.images.fabric_check or args.images.trainer),
-            job_name=dns_name(plan.stack, "fabric-gate"), opts=child)
+        fabric = replace(job, image=args.images.fabric_check or args.images.trainer)
+        store = BaselineStore(pvc=self.training.claim.metadata.name, subpath=args.baseline_dir.strip("/"),
+                              regression=wl.fabric_regression)
+        self.gate = InterconnectGate(f"{name}-gate", fabric, job_name=dns_name(plan.stack, "fabric-gate"), opts=child,
+                                     baseline=store)
+        # Serving (the inference section): vLLM on the verified export, at serving priority in the same pools.
+        inference = args.config.inference if args.config else None
+        self.serving = None if plan.inference is None or inference is None else ServingWorkload(
+            f"{name}-serving", ServingArgs(plan=plan, inference=inference, gpu_nodes=args.gpu_nodes, fsx_id=args.fsx.id,
+                                           fsx_dns_name=args.fsx.dns_name, fsx_mount_name=args.fsx.mount_name,
+                                           queue_labels=job_labels(plan, SERVING)),
+            pulumi.ResourceOptions(parent=self, providers={"kubernetes": self.provider}, depends_on=[*self.addons.ready]))
+        serving_ns = [self.serving.namespace] if self.serving else []
+        # Kueue: a ClusterQueue per GPU pool; the trainer is admitted through its LocalQueue, all workers or none.
+        groups = args.config.accelerator_node_groups if args.config else ()
+        self.queues = Queues(f"{name}-queues", QueuesArgs(
+            pools=gpu_pools(groups, plan), namespaces=[wl.namespace] + ([inference.namespace] if serving_ns else []),
+            after=[self.training.namespace, *serving_ns]), child)
         self.trainer = TrainerJob(f"{name}-trainer", TrainerArgs(
             job=job, service_account=self.training.service_account.metadata.name,
             pvc=self.training.claim.metadata.name,
             data_subpath=args.fsx.data_dir.strip("/"), checkpoint_subpath=args.fsx.checkpoint_dir.strip("/"),
             termination_grace_s=wl.termination_grace_s,
-            wait_for=[self.gate.job, *self.addons.ready]), job_name=dns_name(plan.stack, "train"), opts=child)
+            wait_for=[self.gate.job, *self.addons.ready, *self.queues.ready],
+            queue_labels=job_labels(plan, TRAINING)), job_name=dns_name(plan.stack, "train"), opts=child)
+        self.operations = Operations(f"{name}-ops", OperationsArgs(
+            job=fabric, workload=wl, pvc=self.training.claim.metadata.name, baseline_subpath=store.subpath,
+            service_account=self.training.service_account.metadata.name,
+            cluster_name=args.cluster_name or f"supernode-{plan.stack}", region=args.ctx.region,
+            config=args.config, bucket_name=args.bucket_name), pulumi.ResourceOptions(
+                parent=self, providers={"kubernetes": self.provider}, depends_on=[*self.queues.ready]))
 
         self.outputs = {
             "namespace": self.training.name,
@@ -81,5 +113,6 @@ class TrainingWorkload(pulumi.ComponentResource):
             "gate_min_busbw_gbytes_s": plan.gate_floor_gbytes_s,  # what the gate reads from the plan
             "dcgm_metrics_endpoint": self.addons.dcgm_endpoint,
             "priority_class": PRIORITY_CLASS,
+            **(self.serving.outputs if self.serving else {}),
         }
         self.register_outputs(self.outputs)

@@ -35,6 +35,7 @@ KINDS = {
     "DaemonSet": k8s.apps.v1.DaemonSet,
     "Deployment": k8s.apps.v1.Deployment,
     "Service": k8s.core.v1.Service,
+    "ConfigMap": k8s.core.v1.ConfigMap,
     "ServiceAccount": k8s.core.v1.ServiceAccount,
     "Secret": k8s.core.v1.Secret,
     "ClusterRole": k8s.rbac.v1.ClusterRole,
@@ -124,6 +125,10 @@ class ClusterAddons(pulumi.ComponentResource):
 
         dcgm = load_addon("dcgm-exporter.yaml")
         with_images(dcgm["DaemonSet"], args.images)
+        counters = self._create(f"{name}-dcgm-exporter-counters", dcgm["ConfigMap"])
+        for volume in _pod_spec(dcgm["DaemonSet"])["volumes"]:
+            if "configMap" in volume:  # the exporter starts after (and restarts with) its counters
+                volume["configMap"]["name"] = counters.metadata.name
         self.dcgm_exporter = self._create(f"{name}-dcgm-exporter", on_gpu_nodes(dcgm["DaemonSet"], gpu))
         self.dcgm_service = self._create(f"{name}-dcgm-exporter", dcgm["Service"])
         svc = dcgm["Service"]

@@ -7,8 +7,8 @@ and read the plan from the same ConfigMap mount (`--plan PLAN_MOUNT_PATH`).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -33,6 +33,15 @@ FABRIC_ENV = {
 }
 # torchrun reads PET_* variables for its flags; the PyTorchJob operator sets them for the trainer.
 TORCHRUN = ["python", "-m", "torch.distributed.run", "--module"]
+# The fabric baseline: a directory of its own on FSx, exported to S3 (storage.baseline_dir -> the
+# bucket's baselines/ prefix, which no lifecycle rule expires, unlike checkpoints/).
+BASELINE_MOUNT = "/baselines"
+FABRIC_BASELINE = f"{BASELINE_MOUNT}/fabric/baseline.json"  # recorded by the first gate, compared with after
+# The trainer's Prometheus endpoint (rank 0), on the pod IP so the CloudWatch agent can scrape it.
+METRICS_PORT = 9090
+SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
+                      "prometheus.io/path": "/metrics"}
+METRICS_SCRAPER_NAMESPACE = "amazon-cloudwatch"  # the CloudWatch observability add-on's agent
 
 
 @dataclass(frozen=True)
@@ -56,11 +65,62 @@ def plan_volume(args: JobArgs) -> dict[str, Any]:
                                           "items": [{"key": PLAN_CONFIGMAP_KEY, "path": PLAN_CONFIGMAP_KEY}]}}
 
 
-def pod_metadata(args: JobArgs, mesh: str) -> dict[str, Any]:
+def pod_metadata(args: JobArgs, mesh: str, annotations: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
     """The job's pod labels and the plan's hash: the pods read the plan from a ConfigMap, so without
     the hash in the spec a changed plan would not replace (re-run) the job."""
     plan_hash = hashlib.sha256(args.plan.to_json().encode()).hexdigest()
-    return {"labels": {MESH_LABEL: mesh}, "annotations": {"supernode.io/plan-sha256": plan_hash}}
+    return {"labels": {MESH_LABEL: mesh}, "annotations": {"supernode.io/plan-sha256": plan_hash, **(annotations or {})}}
+
+
+def field_env(name: str, path: str) -> dict[str, Any]:
+    """An environment variable from the downward API."""
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+@dataclass(frozen=True)
+class BaselineStore:
+    """Where fabric pods keep the baseline: the FSx claim and the directory in it (exported to S3)."""
+    pvc: pulumi.Input[str]
+    subpath: str  # relative to the file system's root, e.g. "baselines"
+    regression: float  # supernode:workload.fabricRegression
+
+
+def fabric_pod_template(args: JobArgs, mesh: str, service: str, store: Optional[BaselineStore], report: str,
+                        job_name: Optional[str] = None) -> dict[str, Any]:
+    """The pod of an Indexed fabric-check Job: one per GPU node, torchrun's static rendezvous on
+    index 0 (`<job>-0.<service>`). With a baseline store it compares with the baseline (recording it
+    when there is none) and writes its report as `report` next to it. `job_name` None: the Job's
+    name is generated (a CronJob's), and is read from the pod's own job-name label."""
+    if job_name is None:
+        master = [field_env("JOB_NAME", "metadata.labels['batch.kubernetes.io/job-name']"),
+                  {"name": "PET_MASTER_ADDR", "value": f"$(JOB_NAME)-0.{service}"}]
+    else:
+        master = [{"name": "PET_MASTER_ADDR", "value": f"{job_name}-0.{service}"}]
+    env = [{"name": "PET_NNODES", "value": str(args.plan.nodes)},
+           {"name": "PET_NPROC_PER_NODE", "value": str(args.plan.accelerators_per_node)},
+           field_env("PET_NODE_RANK", "metadata.annotations['batch.kubernetes.io/job-completion-index']"),
+           *master, {"name": "PET_MASTER_PORT", "value": str(MASTER_PORT)},
+           # The pair matrix names nodes by the Kubernetes node (the pod's host name is its job index,
+           # which lands on another node next time: the baseline would compare the wrong pairs).
+           field_env("NODE_NAME", "spec.nodeName")]
+    mounts, volumes = [PLAN_VOLUME_MOUNT], [plan_volume(args)]
+    fabric = ["--plan", PLAN_MOUNT_PATH]
+    if store is not None:
+        mounts.append({"name": "baselines", "mountPath": BASELINE_MOUNT, "subPath": store.subpath})
+        volumes.append({"name": "baselines", "persistentVolumeClaim": {"claimName": store.pvc}})
+        fabric += ["--baseline", FABRIC_BASELINE, "--report", f"{BASELINE_MOUNT}/fabric/{report}",
+                   "--regression", f"{store.regression:g}"]
+    container = {"name": "fabric", "image": args.image, "command": TORCHRUN + ["trainer.fabric"], "args": fabric,
+                 "env": env, "volumeMounts": mounts}
+    return {"metadata": pod_metadata(args, mesh), "spec": gpu_pod_spec(
+        args, mesh, container, volumes, restartPolicy="Never", subdomain=service, automountServiceAccountToken=False)}
+
+
+def fabric_job_spec(args: JobArgs, template: dict[str, Any]) -> dict[str, Any]:
+    nodes = args.plan.nodes
+    return {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
+            "backoffLimit": 0,  # a slow or broken fabric is a finding, not something to retry
+            "activeDeadlineSeconds": GATE_DEADLINE_S, "template": template}
 
 
 # Multi-node NVLink (GB200 UltraServers): each job's pods claim the IMEX channel of the job's own
@@ -145,17 +205,26 @@ def mesh_policy(name: str, namespace: pulumi.Input[str], mesh: str, opts: pulumi
     }, opts=opts)
 
 
+def headless_service(name: str, service: str, namespace: pulumi.Input[str], mesh: str,
+                     opts: pulumi.ResourceOptions) -> k8s.core.v1.Service:
+    return k8s.core.v1.Service(name, metadata=meta(service, namespace), spec={
+        "clusterIP": "None", "publishNotReadyAddresses": True,
+        "selector": {MESH_LABEL: mesh},
+        "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT}],
+    }, opts=opts)
+
+
 class InterconnectGate(pulumi.ComponentResource):
     """Indexed Job, one pod per GPU node, running `trainer.fabric` (all_reduce and all_to_all bus
     bandwidth) under torchrun; it fails below the plan's floor (`gate_floor_gbytes_s`, read from the
     mounted plan file). Pulumi waits for a Job to complete, so anything that depends on `job` is
     created only after the fabric passed."""
 
-    def __init__(self, name: str, args: JobArgs, job_name: str, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: JobArgs, job_name: str, opts: Optional[pulumi.ResourceOptions] = None,
+                 baseline: Optional[BaselineStore] = None):
         super().__init__("supernode:workload:InterconnectGate", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         plan, mesh = args.plan, job_name
-        nodes = plan.nodes
         if plan.gate_floor_gbytes_s is None:
             # The fabric check would refuse the plan (exit 2) only once the GPU nodes are up: say so now.
             raise pulumi.RunError(f"no interconnect gate floor for {plan.instance_type}: the catalog publishes no "
@@ -167,33 +236,14 @@ class InterconnectGate(pulumi.ComponentResource):
             after.append(compute_domain(f"{name}-compute-domain", args.namespace, mesh,
                                         pulumi.ResourceOptions(parent=self, depends_on=list(args.wait_for))))
         # Headless Service: stable DNS names <job>-<index>.<service> for the pods of the Indexed Job.
-        self.service = k8s.core.v1.Service(f"{name}-svc", metadata=meta(job_name, args.namespace), spec={
-            "clusterIP": "None", "publishNotReadyAddresses": True,
-            "selector": {MESH_LABEL: mesh},
-            "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT}],
-        }, opts=child)
-        env = [{"name": "PET_NNODES", "value": str(nodes)},
-               {"name": "PET_NPROC_PER_NODE", "value": str(args.plan.accelerators_per_node)},
-               {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {
-                   "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
-               {"name": "PET_MASTER_ADDR", "value": f"{job_name}-0.{job_name}"},
-               {"name": "PET_MASTER_PORT", "value": str(MASTER_PORT)}]
-        container = {"name": "fabric", "image": args.image,
-                     "command": TORCHRUN + ["trainer.fabric"],
-                     "args": ["--plan", PLAN_MOUNT_PATH],
-                     "env": env,
-                     "volumeMounts": [PLAN_VOLUME_MOUNT]}
+        self.service = headless_service(f"{name}-svc", job_name, args.namespace, mesh, child)
+        # The first gate records the fabric baseline, every later one compares with it (and fails when a node regressed).
+        template = fabric_pod_template(args, mesh, job_name, baseline, "gate.json", job_name=job_name)
         # Pulumi waits for the Job to complete and fails the update if it fails; replaceUnready makes
         # the next `pulumi up` run a fresh gate instead of waiting on the failed one.
         self.job = k8s.batch.v1.Job(f"{name}-job", metadata=meta(job_name, args.namespace, annotations={
-            "pulumi.com/replaceUnready": "true"}), spec={
-            "completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
-            "backoffLimit": 0,  # a slow or broken fabric is a finding, not something to retry
-            "activeDeadlineSeconds": GATE_DEADLINE_S,
-            "template": {"metadata": pod_metadata(args, mesh), "spec": gpu_pod_spec(
-                args, mesh, container, [plan_volume(args)], restartPolicy="Never", subdomain=job_name,
-                automountServiceAccountToken=False)},
-        }, opts=pulumi.ResourceOptions(parent=self, depends_on=[*after, self.service],
+            "pulumi.com/replaceUnready": "true"}), spec=fabric_job_spec(args, template),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[*after, self.service],
                                        delete_before_replace=True,
                                        custom_timeouts=pulumi.CustomTimeouts(create=f"{GATE_DEADLINE_S // 60 + 10}m")))
         self.register_outputs({"job": self.job.metadata.name, "min_busbw_gbytes_s": self.min_busbw_gbytes_s})
@@ -208,8 +258,11 @@ class TrainerArgs:
     checkpoint_subpath: str
     termination_grace_s: int
     # Created only after these: the interconnect gate's Job (which Pulumi awaits to completion),
-    # the PyTorchJob CRD and the operator that admits it.
+    # the PyTorchJob CRD and the operator that admits it (and the job's Kueue LocalQueue).
     wait_for: Sequence[pulumi.Resource] = ()
+    # Kueue's queue-name and priority-class labels (components/queues.job_labels): the job is admitted
+    # as one Workload, all of its workers or none.
+    queue_labels: Mapping[str, str] = field(default_factory=dict)
 
 
 class TrainerJob(pulumi.ComponentResource):
@@ -220,7 +273,14 @@ class TrainerJob(pulumi.ComponentResource):
         plan, mesh = args.job.plan, job_name
         self.name = job_name
         self.policy = mesh_policy(f"{name}-mesh", args.job.namespace, mesh, pulumi.ResourceOptions(parent=self))
-        after: list[pulumi.Resource] = [self.policy]
+        # The namespace denies all ingress: let the CloudWatch agent reach the metrics port, nothing else.
+        self.scrape_policy = k8s.networking.v1.NetworkPolicy(
+            f"{name}-scrape", metadata=meta(f"allow-scrape-{mesh}", args.job.namespace), spec={
+                "podSelector": {"matchLabels": {MESH_LABEL: mesh}}, "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": METRICS_SCRAPER_NAMESPACE}}}],
+                    "ports": [{"protocol": "TCP", "port": METRICS_PORT}]}]}, opts=pulumi.ResourceOptions(parent=self))
+        after: list[pulumi.Resource] = [self.policy, self.scrape_policy]
         if spans_nodes_over_nvlink(plan):
             after.append(compute_domain(f"{name}-compute-domain", args.job.namespace, mesh,
                                         pulumi.ResourceOptions(parent=self, depends_on=list(args.job.wait_for))))
@@ -228,7 +288,11 @@ class TrainerJob(pulumi.ComponentResource):
             "name": "pytorch",  # the operator injects the PET_* rendezvous env into this container name
             "image": args.job.image,
             "command": TORCHRUN + ["trainer.train"],
-            "args": ["--plan", PLAN_MOUNT_PATH, "--data", DATA_PATH, "--out", CHECKPOINT_PATH],
+            # Rank 0 serves its gauges on the pod IP (not loopback) for the CloudWatch agent's scrape.
+            "args": ["--plan", PLAN_MOUNT_PATH, "--data", DATA_PATH, "--out", CHECKPOINT_PATH,
+                     "--prometheus-port", str(METRICS_PORT), "--prometheus-addr", "$(POD_IP)"],
+            "env": [field_env("POD_IP", "status.podIP")],
+            "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
             "volumeMounts": [
                 PLAN_VOLUME_MOUNT,
                 {"name": "fsx", "mountPath": DATA_PATH, "subPath": args.data_subpath, "readOnly": True},
@@ -238,7 +302,7 @@ class TrainerJob(pulumi.ComponentResource):
         volumes = [plan_volume(args.job),
                    {"name": "fsx", "persistentVolumeClaim": {"claimName": args.pvc}}]
         # A changed plan replaces the job (the spec changes with its hash); checkpoints carry the run over.
-        template = {"metadata": pod_metadata(args.job, mesh),
+        template = {"metadata": pod_metadata(args.job, mesh, SCRAPE_ANNOTATIONS),
                     "spec": gpu_pod_spec(args.job, mesh, container, volumes,
                                          serviceAccountName=args.service_account,
                                          # the trainer writes a checkpoint on SIGTERM before exiting
@@ -246,7 +310,8 @@ class TrainerJob(pulumi.ComponentResource):
         nodes = plan.nodes
         # `pulumi up` succeeds once the workers run (admitted, scheduled, images pulled), not at creation.
         self.job = k8s.apiextensions.CustomResource(f"{name}-job", api_version="kubeflow.org/v1", kind="PyTorchJob",
-                                                    metadata=meta(job_name, args.job.namespace, annotations={
+                                                    metadata=meta(job_name, args.job.namespace,
+                                                                  labels=args.queue_labels, annotations={
                                                         "pulumi.com/waitFor": "condition=Running"}), spec={
             "nprocPerNode": str(plan.accelerators_per_node),
             "elasticPolicy": {"rdzvBackend": "c10d", "minReplicas": nodes, "maxReplicas": nodes,

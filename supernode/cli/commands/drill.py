@@ -18,8 +18,11 @@ def register(sub) -> None:
     r = drills.add_parser("restore", help="restore the newest complete checkpoint from S3 into a fresh directory, "
                                           "verify its checksums, load it with the plan's model; time it")
     add_stack_args(r)
-    r.add_argument("--outputs", type=Path, help="JSON of `pulumi stack output --json --show-secrets` (bucket and "
-                                                "checkpoint prefix; default: ask the pulumi CLI)")
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--outputs", type=Path, help="JSON of `pulumi stack output --json --show-secrets` (bucket and "
+                                                  "checkpoint prefix; default: ask the pulumi CLI)")
+    src.add_argument("--bucket", help="the stack's bucket, with the config's checkpoint prefix, instead of the "
+                                      "outputs (the cluster CronJob, which has no pulumi CLI)")
     r.add_argument("--local", action="store_true", help="load with the stack's local (CPU-scale) plan: what "
                                                         "`supernode train --local` writes")
     r.add_argument("--dest", type=Path, default=None, help="where to restore (default: a temporary directory)")
@@ -34,16 +37,20 @@ def run(args) -> int:
     from ...ops.drill import cleanup, restore_drill
 
     stack, cfg = stack_from_args(args)
-    try:
-        outs = load_outputs(args.outputs) if args.outputs else outputs_from_pulumi(stack, args.root)
-    except OutputsError as e:
-        raise BadInput(str(e)) from None
+    if args.bucket is not None:
+        bucket, prefix = args.bucket, cfg.storage.checkpoint_prefix
+    else:
+        try:
+            outs = load_outputs(args.outputs) if args.outputs else outputs_from_pulumi(stack, args.root)
+        except OutputsError as e:
+            raise BadInput(str(e)) from None
+        bucket, prefix = outs.bucket_name, outs.checkpoint_prefix
     if args.dest is not None and args.dest.exists() and not args.dest.is_dir():
         raise BadInput(f"--dest {args.dest} is an existing file, not a directory")
     if args.dest is not None:
         args.dest.mkdir(parents=True, exist_ok=True)
     plan = build_local_plan(stack, cfg) if args.local else build_plan(stack, cfg)
-    result = restore_drill(Aws(cfg.region, read_timeout=60), outs.bucket_name, outs.checkpoint_prefix, plan,
+    result = restore_drill(Aws(cfg.region, read_timeout=60), bucket, prefix, plan,
                            args.dest, load=not args.no_load)
     if not args.keep:
         cleanup(result)

@@ -1,0 +1,174 @@
+"""Operations in the cluster (issue 18): the scheduled fabric check against the deploy-time baseline,
+the trainer's metrics endpoint and its scrape, the inventory DaemonSet, the restore-drill CronJob and
+the one GPU exporter, each read from the dev preview and checked against what its reader expects."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import pytest
+import yaml
+
+from aws_preview import Stack, preview
+from components import monitoring
+from components.operations import METRIC_DECLARATIONS, OPS_NAMESPACE
+from components.workload_common import load_addon
+from components.workload_jobs import BASELINE_MOUNT, FABRIC_BASELINE, METRICS_PORT
+from supernode.core import resource_types as T
+from supernode.core.config import load_file
+from supernode.core.plan import build_plan
+from supernode.ops import manifests as mf
+
+pytestmark = pytest.mark.slow  # one preview of the dev program under the mock engine
+
+
+@pytest.fixture(scope="module")
+def stack() -> Stack:
+    return preview("dev")
+
+
+@pytest.fixture(scope="module")
+def objects(stack) -> dict[tuple[str, str], dict]:
+    return {(m["kind"], m["metadata"]["name"]): m for m in mf.from_resources(stack.result.resources)}
+
+
+def container(pod_spec: dict) -> dict:
+    [c] = pod_spec["containers"]
+    return c
+
+
+def argv(c: dict) -> list[str]:
+    return c.get("command", []) + c.get("args", [])
+
+
+def flag(c: dict, name: str) -> str:
+    a = argv(c)
+    return a[a.index(name) + 1]
+
+
+def env(c: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+def test_gate_records_and_cron_compares_the_fabric_baseline_outside_the_checkpoints(stack, objects):
+    wl = stack.cfg.workload
+    [gate] = [r.inputs for r in stack.all(T.K8S_JOB)]
+    cron = objects[("CronJob", "dev-fabric-check")]
+    assert cron["spec"]["schedule"] == wl.fabric_check_schedule and cron["spec"]["concurrencyPolicy"] == "Forbid"
+    job = cron["spec"]["jobTemplate"]["spec"]
+    for spec in (gate["spec"], job):
+        pod = spec["template"]["spec"]
+        c = container(pod)
+        assert "trainer.fabric" in argv(c) and flag(c, "--baseline") == FABRIC_BASELINE
+        assert float(flag(c, "--regression")) == wl.fabric_regression
+        [mount] = [m for m in c["volumeMounts"] if m["mountPath"] == BASELINE_MOUNT]
+        [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        # the FSx directory exported to s3://BUCKET/baselines/ (not checkpoints/, which expire)
+        assert mount["subPath"] == "baselines" and volume["persistentVolumeClaim"]["claimName"] == "fsx"
+        assert env(c)["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}  # pairs named by node
+        assert spec["completionMode"] == "Indexed" and spec["completions"] == build_plan("dev", stack.cfg).nodes
+    assert flag(container(job["template"]["spec"]), "--report") == f"{BASELINE_MOUNT}/fabric/latest.json"
+    # the generated Job's rank 0 is found through the pod's job-name label and the headless Service
+    c = container(job["template"]["spec"])
+    assert env(c)["PET_MASTER_ADDR"] == "$(JOB_NAME)-0.dev-fabric-check"
+    assert job["template"]["spec"]["subdomain"] == "dev-fabric-check" in {n for k, n in objects if k == "Service"}
+    summary = json.loads(objects[("ConfigMap", "fabric-baseline")]["data"]["summary.json"])
+    assert summary["baseline"] == FABRIC_BASELINE and summary["s3_prefix"] == "baselines/fabric/"
+    # the scheduled check prints the field the fabric-regressed alarm reads
+    assert "fabric_regressed_node_count" in monitoring.LogPattern.FABRIC_REGRESSED
+
+
+def test_trainer_serves_metrics_on_the_pod_ip_and_may_be_scraped(stack, objects):
+    [job] = [r.inputs for r in stack.all(T.PYTORCH_JOB)]
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    c = container(template["spec"])
+    assert flag(c, "--prometheus-port") == str(METRICS_PORT) and flag(c, "--prometheus-addr") == "$(POD_IP)"
+    assert env(c)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(METRICS_PORT)
+    policy = objects[("NetworkPolicy", "allow-scrape-dev-train")]
+    [rule] = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": METRICS_PORT}]
+    assert rule["from"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] == "amazon-cloudwatch"
+    scrape = yaml.safe_load(objects[("ConfigMap", "prometheus-config")]["data"]["prometheus.yaml"])
+    jobs = {j["job_name"]: j for j in scrape["scrape_configs"]}
+    assert jobs[monitoring.TRAINER_SCRAPE_JOB]["kubernetes_sd_configs"][0]["namespaces"]["names"] == [
+        stack.cfg.workload.namespace]
+
+
+def _read_metrics(stack) -> list[tuple[str, frozenset]]:
+    """(metric, dimension names) of every alarm and dashboard series in the Prometheus namespace."""
+    out = []
+    for a in stack.all(T.METRIC_ALARM):
+        queries = [q["metric"] for q in a.inputs.get("metricQueries") or [] if q.get("metric")]
+        for m in [a.inputs, *queries]:
+            if m.get("namespace") == monitoring.PROMETHEUS_NAMESPACE:
+                out.append((m["metricName"], frozenset(m["dimensions"])))
+    body = json.loads(stack.one(T.DASHBOARD).inputs["dashboardBody"])
+    for w in body["widgets"]:
+        for series in w["properties"]["metrics"]:
+            if isinstance(series, list) and series[0] == monitoring.PROMETHEUS_NAMESPACE:
+                out.append((series[1], frozenset(series[2::2])))
+    return out
+
+
+def test_every_prometheus_metric_read_is_declared_with_its_dimensions(stack, objects):
+    agent = json.loads(objects[("ConfigMap", "prometheus-cwagentconfig")]["data"]["cwagentconfig.json"])
+    emf = agent["logs"]["metrics_collected"]["prometheus"]["emf_processor"]
+    assert emf["metric_namespace"] == monitoring.PROMETHEUS_NAMESPACE and emf["metric_declaration"] == METRIC_DECLARATIONS
+    read = _read_metrics(stack)
+    assert {"supernode_train_tokens_per_s", "supernode_train_step", monitoring.GPU_UTIL_METRIC} <= {m for m, _ in read}
+    for metric, dims in read:
+        assert any(any(re.search(sel, metric) for sel in d["metric_selectors"]) and dims in map(frozenset, d["dimensions"])
+                   for d in METRIC_DECLARATIONS), (metric, sorted(dims))
+
+
+def test_one_gpu_exporter_whose_counters_are_the_metrics_read(stack, objects):
+    counters = load_addon("dcgm-exporter.yaml")["ConfigMap"]["data"]["counters.csv"]
+    fields = {row[0].strip() for row in csv.reader(counters.splitlines()) if row and not row[0].startswith("#")}
+    read = {m for m, _ in _read_metrics(stack) if m.startswith("DCGM_")}
+    assert read and read <= fields  # the exporter emits each counter under its DCGM field name
+    alarm = [a.inputs for a in stack.all(T.METRIC_ALARM) if a.inputs["name"].endswith("gpu-util-low")][0]
+    assert (alarm["namespace"], alarm["metricName"]) == (monitoring.PROMETHEUS_NAMESPACE, "DCGM_FI_DEV_GPU_UTIL")
+    ds = objects[("DaemonSet", "dcgm-exporter")]["spec"]["template"]["spec"]
+    c = container(ds)
+    [mount] = [m for m in c["volumeMounts"] if env(c)["DCGM_EXPORTER_COLLECTORS"].startswith(m["mountPath"])]
+    assert {v["name"]: v for v in ds["volumes"]}[mount["name"]]["configMap"]["name"] == "dcgm-exporter-counters"
+    # the CloudWatch add-on's own GPU collection is off: one exporter
+    [addon] = [r.inputs for r in stack.all(T.EKS_ADDON) if r.inputs["addonName"] == "amazon-cloudwatch-observability"]
+    kube = json.loads(addon["configurationValues"])["agent"]["config"]["logs"]["metrics_collected"]["kubernetes"]
+    assert kube["accelerated_compute_metrics"] is False
+
+
+def test_inventory_daemonset_on_gpu_nodes_keeps_baselines_it_cannot_rewrite(stack, objects):
+    wl = stack.cfg.workload
+    ds = objects[("DaemonSet", "inventory")]
+    assert ds["metadata"]["namespace"] == OPS_NAMESPACE
+    pod = ds["spec"]["template"]["spec"]
+    c = container(pod)
+    assert argv(c)[:4] == ["python", "-m", "trainer.inventory", "watch"]
+    assert flag(c, "--namespace") == OPS_NAMESPACE and flag(c, "--interval-s") == str(wl.inventory_interval_minutes * 60)
+    assert float(flag(c, "--max-clock-offset-ms")) == wl.max_clock_offset_ms
+    assert pod["tolerations"] and pod["affinity"]["nodeAffinity"]
+    [rule] = objects[("Role", "inventory-baselines")]["rules"]
+    assert sorted(rule["verbs"]) == ["create", "get"] and rule["resources"] == ["configmaps"]
+
+
+def test_restore_drill_cronjob_runs_the_cli_on_the_stack_file(stack, objects, tmp_path):
+    cron = objects[("CronJob", "dev-restore-drill")]
+    assert cron["spec"]["schedule"] == stack.cfg.workload.restore_drill_schedule
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    c = container(pod)
+    assert argv(c)[:3] == ["supernode", "drill", "restore"] and "--json" in argv(c)
+    assert pod["serviceAccountName"] == stack.cfg.workload.service_account  # IRSA: reads the checkpoints
+    # the mounted stack file is this stack's config
+    path = flag(c, "--config")
+    name = path.rsplit("/", 1)[1]
+    stack_file = tmp_path / name
+    stack_file.write_text(objects[("ConfigMap", "supernode-stack")]["data"][name])
+    assert load_file(stack_file) == stack.cfg
+    # and the CLI accepts exactly this command line
+    from supernode.cli import build_parser
+    args = build_parser().parse_args(argv(c)[1:])
+    assert args.bucket == "$(BUCKET)" and args.config is not None
