@@ -14,11 +14,11 @@ from pulumi_policy import EnforcementLevel
 
 from supernode.core.config import DIGEST_RE
 from supernode.core.config.schema import PLACEHOLDER_DIGEST
-from supernode.core.resource_types import (BUCKET, BUCKET_LOGGING, BUCKET_PAB, BUCKET_POLICY, BUCKET_SSE, DAEMON_SET,
-                                           DEPLOYMENT, EKS_CLUSTER, IAM_GROUP_POLICY, IAM_POLICY, IAM_ROLE,
+from supernode.core.resource_types import (BUCKET, BUCKET_LOGGING, BUCKET_PAB, BUCKET_POLICY, BUCKET_SSE, CRON_JOB,
+                                           DAEMON_SET, DEPLOYMENT, EKS_CLUSTER, IAM_GROUP_POLICY, IAM_POLICY, IAM_ROLE,
                                            IAM_ROLE_POLICY, IAM_USER_POLICY, K8S_JOB, KMS_KEY, KMS_KEY_POLICY,
-                                           LAUNCH_TEMPLATE, POD, PYTORCH_JOB, SECURITY_GROUP, SG_INGRESS, SG_RULE,
-                                           SNS_TOPIC_POLICY, STATEFUL_SET)
+                                           LAUNCH_TEMPLATE, LEADER_WORKER_SET, POD, PYTORCH_JOB, SECURITY_GROUP,
+                                           SG_INGRESS, SG_RULE, SNS_TOPIC_POLICY, STATEFUL_SET)
 
 from .base import Report, ResourcePolicy, StackPolicy
 from .view import (OPEN_CIDRS, Res, Stack, as_list, containers, get, is_true, items, json_doc, plain,
@@ -184,7 +184,7 @@ def _open_ingress(res: Res, _conf: None, report: Report) -> None:
 
 # -- containers the stack deploys ------------------------------------------------------------------
 
-WORKLOADS = (POD, K8S_JOB, DAEMON_SET, DEPLOYMENT, STATEFUL_SET, PYTORCH_JOB)
+WORKLOADS = (POD, K8S_JOB, CRON_JOB, DAEMON_SET, DEPLOYMENT, STATEFUL_SET, PYTORCH_JOB, LEADER_WORKER_SET)
 BOUNDED = ("cpu", "memory")
 
 

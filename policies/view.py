@@ -19,7 +19,8 @@ from pydantic import ValidationError
 
 from supernode.core.catalog import CATALOG
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
-from supernode.core.resource_types import CONFIG_MAP, K8S_JOB, LAUNCH_TEMPLATE, NODE_GROUP, POD, PYTORCH_JOB
+from supernode.core.resource_types import (CONFIG_MAP, CRON_JOB, K8S_JOB, LAUNCH_TEMPLATE, LEADER_WORKER_SET,
+                                          NODE_GROUP, POD, PYTORCH_JOB)
 
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 EFA_INTERFACE_TYPES = ("efa", "efa-only")
@@ -219,12 +220,18 @@ def _plan_from_json(text: str) -> Plan:
 
 
 def pod_specs(res: Res) -> list[Any]:
-    """Pod specs of a workload object: PyTorchJob replica specs, or the template of Job/Deployment/..."""
+    """Pod specs of a workload object: PyTorchJob replica specs, a CronJob's job template, a
+    LeaderWorkerSet's leader and worker templates, or the template of Job/Deployment/..."""
     if res.type == PYTORCH_JOB:
         specs = res.get("spec", "pytorchReplicaSpecs", default={})
         return [s for role in specs if (s := get(specs, role, "template", "spec")) is not None]
     if res.type == POD:
         return [s] if (s := res.get("spec")) is not None else []
+    if res.type == CRON_JOB:
+        return [s] if (s := res.get("spec", "jobTemplate", "spec", "template", "spec")) is not None else []
+    if res.type == LEADER_WORKER_SET:
+        lws = res.get("spec", "leaderWorkerTemplate", default={})
+        return [s for role in ("leaderTemplate", "workerTemplate") if (s := get(lws, role, "spec")) is not None]
     return [s] if (s := res.get("spec", "template", "spec")) is not None else []
 
 

@@ -27,7 +27,8 @@ DESCRIPTION = ("Mixture-of-Experts training on GPU supernode clusters, declared 
 EXIT_CODES = "exit codes: 0 ok; 1 a check, policy or run failed; 2 bad input (every problem printed, no traceback)"
 # One or two commands a user would type, per command (leaf commands by their full name).
 EXAMPLES = {
-    "bench": ["supernode bench preview", "supernode bench moe --help"],
+    "bench": ["supernode bench preview", "supernode bench moe --help",
+              "supernode bench serve --model out/demo/model --concurrency 1,4,16"],
     "config reference": ["supernode config reference > docs/configuration.md"],
     "drill restore": ["supernode drill restore --stack prod --outputs out.json",
                       "supernode drill restore --stack dev --local --outputs out.json --json"],
@@ -42,6 +43,10 @@ EXAMPLES = {
                       "pulumi preview --policy-pack policies --policy-pack-config pc.json"],
     "preflight": ["supernode preflight --stack prod", "AWS_PROFILE=ml supernode preflight --stack prod --json"],
     "preview": ["supernode preview --stack dev", "supernode preview --stack prod --tree --manifests out/manifests"],
+    "export": ["supernode export --stack dev --local --checkpoint out/demo/checkpoints --data out/demo/data "
+               "--out out/demo/model"],
+    "serve": ["supernode serve --stack dev --local --model out/demo/model --prompt 'def '",
+              "supernode serve --stack dev --local --model out/demo/model --port 8000"],
     "train": ["supernode train --stack dev --local --steps 40", "supernode train --stack dev --local --nproc 4"],
     "verify": ["pulumi stack output --json --show-secrets > out.json",
                "supernode verify --stack prod --outputs out.json"],

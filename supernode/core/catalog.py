@@ -42,6 +42,10 @@ class InstanceType:
     # validated with; 0 in EC2's current guidance (efa-acc-inst-types), used for the P6 types.
     efa_only_device_index: int = 1
     arch: Literal["x86_64", "arm64"] = "x86_64"
+    # HBM bandwidth per GPU, GB/s (vendor datasheets: A100 40/80 GB SXM 1555/2039, H100 SXM 3350,
+    # H200 4800, B200/B300/GB200 8000). Decoding reads every weight once per step, so this bounds
+    # the inference planner's decode tokens/s. 0: unknown.
+    hbm_gbytes_s: float = 0.0
 
     @property
     def family(self) -> str:
@@ -83,17 +87,23 @@ class InstanceType:
 CATALOG: dict[str, InstanceType] = {
     t.name: t
     for t in [
-        InstanceType("p4d.24xlarge", "A100", 8, 40960, 4, 100, 600, 312.0, 96, 1152, True, False, 21.96),
-        InstanceType("p4de.24xlarge", "A100", 8, 81920, 4, 100, 600, 312.0, 96, 1152, True, False, 27.45),
-        InstanceType("p5.48xlarge", "H100", 8, 81920, 32, 100, 900, 989.0, 192, 2048, True, False, 55.04),
-        InstanceType("p5e.48xlarge", "H200", 8, 144384, 32, 100, 900, 989.0, 192, 2048, True, False, 60.70),
-        InstanceType("p5en.48xlarge", "H200", 8, 144384, 16, 200, 900, 989.0, 192, 2048, True, True, 63.30),
+        InstanceType("p4d.24xlarge", "A100", 8, 40960, 4, 100, 600, 312.0, 96, 1152, True, False, 21.96,
+                     hbm_gbytes_s=1555.0),
+        InstanceType("p4de.24xlarge", "A100", 8, 81920, 4, 100, 600, 312.0, 96, 1152, True, False, 27.45,
+                     hbm_gbytes_s=2039.0),
+        InstanceType("p5.48xlarge", "H100", 8, 81920, 32, 100, 900, 989.0, 192, 2048, True, False, 55.04,
+                     hbm_gbytes_s=3350.0),
+        InstanceType("p5e.48xlarge", "H200", 8, 144384, 32, 100, 900, 989.0, 192, 2048, True, False, 60.70,
+                     hbm_gbytes_s=4800.0),
+        InstanceType("p5en.48xlarge", "H200", 8, 144384, 16, 200, 900, 989.0, 192, 2048, True, True, 63.30,
+                     hbm_gbytes_s=4800.0),
         InstanceType("p6-b200.48xlarge", "B200", 8, 183359, 8, 400, 1800, 2250.0, 192, 2048, True, True, 113.93,
-                     efa_only_device_index=0),
+                     efa_only_device_index=0, hbm_gbytes_s=8000.0),
         InstanceType("p6-b300.48xlarge", "B300", 8, 275040, 16, 400, 1800, 2250.0, 192, 4096, True, True, 142.42,
-                     card0_efa=False, efa_only_device_index=0),
+                     card0_efa=False, efa_only_device_index=0, hbm_gbytes_s=8000.0),
         InstanceType("p6e-gb200.36xlarge", "GB200", 4, 189440, 4, 400, 1800, 2500.0, 144, 960, True, True,
-                     round(761.90 / 18, 2), card0_efa=False, efa_only_device_index=0, arch="arm64"),
+                     round(761.90 / 18, 2), card0_efa=False, efa_only_device_index=0, arch="arm64",
+                     hbm_gbytes_s=8000.0),
     ]
 }
 

@@ -188,7 +188,7 @@ def test_user_data_joins_with_nodeadm_raid0_and_the_same_labels(stack: Stack):
         assert "--register-with-taints=nvidia.com/gpu=true:NoSchedule" in flags
         labels = stack.one(NODE_GROUP, g.name).inputs["labels"]
         assert f"--node-labels={','.join(f'{k}={v}' for k, v in sorted(labels.items()))}" in flags
-        assert f"vm.nr_hugepages={stack.cfg.workload.hugepages_2mi_gib * 512}" in text
+        assert f"vm.nr_hugepages = {stack.cfg.workload.hugepages_2mi_gib * 512}" in text
 
 
 def test_ami_parameter_pins_the_release():

@@ -35,8 +35,9 @@ def test_every_alarm_notifies_the_topic(stack: Stack):
 def test_gpu_utilisation_alarm_uses_floor_and_window(stack: Stack):
     m = stack.cfg.monitoring
     a = alarms(stack)["gpu-util-low"]
-    assert (a["namespace"], a["metricName"]) == ("ContainerInsights", "node_gpu_utilization")
-    assert a["dimensions"] == {"ClusterName": stack.outputs["cluster_name"]}
+    # our DCGM exporter's field, scraped by the CloudWatch agent (the one GPU exporter, issue 18 item 7)
+    assert (a["namespace"], a["metricName"]) == ("ContainerInsights/Prometheus", "DCGM_FI_DEV_GPU_UTIL")
+    assert a["dimensions"] == {"ClusterName": stack.outputs["cluster_name"], "job": "dcgm-exporter"}
     assert a["threshold"] == m.gpu_util_floor_percent and a["comparisonOperator"] == "LessThanThreshold"
     assert a["period"] * a["evaluationPeriods"] == m.gpu_util_window_minutes * 60
     assert a["datapointsToAlarm"] == a["evaluationPeriods"]  # below the floor for the whole window
@@ -89,4 +90,4 @@ def test_observability_addon_and_dashboard(stack: Stack):
         T.IAM_ROLE, "monitoring-cloudwatch-agent").outputs["name"])
     body = json.loads(stack.one(T.DASHBOARD).inputs["dashboardBody"])
     metrics = [m[1] for w in body["widgets"] for m in w["properties"]["metrics"] if isinstance(m, list)]
-    assert {"node_gpu_utilization", "FreeDataStorageCapacity", "NcclTimeouts", "OutOfMemory"} <= set(metrics)
+    assert {"DCGM_FI_DEV_GPU_UTIL", "FreeDataStorageCapacity", "NcclTimeouts", "OutOfMemory"} <= set(metrics)

@@ -102,9 +102,12 @@ def test_fsx_is_persistent2_sized_by_the_planner(stack: Stack):
 def test_data_repository_associations(stack: Stack):
     bucket, s = stack.outputs["bucket_name"], stack.cfg.storage
     dras = {r.inputs["fileSystemPath"]: r.inputs for r in stack.all(DRA)}
-    assert set(dras) == {"/datasets", "/checkpoints"}
+    assert set(dras) == {"/datasets", "/checkpoints", "/baselines"}
     assert dras["/datasets"]["dataRepositoryPath"] == f"s3://{bucket}/{s.dataset_prefix}"
     assert dras["/checkpoints"]["dataRepositoryPath"] == f"s3://{bucket}/{s.checkpoint_prefix}"
+    # the fabric baseline outlives the checkpoints: its own prefix, exported, expired by no lifecycle rule
+    assert dras["/baselines"]["dataRepositoryPath"] == f"s3://{bucket}/baselines/"
+    assert dras["/baselines"]["s3"]["autoExportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
     for d in dras.values():
         assert d["fileSystemId"] == stack.outputs["fsx_id"]
         assert d["s3"]["autoImportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]

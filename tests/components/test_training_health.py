@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from aws_preview import ROOT, Stack, preview
-from components.monitoring import PROMETHEUS_NAMESPACE, LogPattern
+from components.monitoring import PROMETHEUS_NAMESPACE, TRAINER_SCRAPE_JOB, LogPattern
 from supernode.core import resource_types as T
 from supernode.core.config import load_stack
 from supernode.core.plan import build_local_plan, build_plan
@@ -108,7 +108,8 @@ def test_cloudwatch_dashboard_reads_only_exported_trainer_metrics(stack: Stack, 
     names = set()
     for w in body["widgets"]:
         for m in w["properties"]["metrics"]:
-            if isinstance(m, list) and m[0] == PROMETHEUS_NAMESPACE:
+            # the trainer's series (the DCGM exporter's share the namespace: test_operations checks those)
+            if isinstance(m, list) and m[0] == PROMETHEUS_NAMESPACE and TRAINER_SCRAPE_JOB in m:
                 names.add(m[1])
             elif isinstance(m, dict):
                 names |= set(re.findall(r'MetricName=\\?"(\w+)\\?"', m["expression"]))

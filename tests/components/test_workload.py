@@ -110,7 +110,9 @@ def check_trainer(cfg: StackConfig, plan: Plan, result: PreviewResult) -> None:
     assert res["limits"]["hugepages-2Mi"] == f"{cfg.workload.hugepages_2mi_gib}Gi"
     assert 0 < int(res["limits"]["cpu"]) < hw.vcpus
     assert 0 < int(res["limits"]["memory"].removesuffix("Gi")) < hw.memory_gib
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    # the metrics endpoint listens on the pod IP (downward API), for the CloudWatch agent's scrape
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
     assert env | {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
                   "NCCL_SOCKET_IFNAME": "^lo", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "WARN",
                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} == env
@@ -196,7 +198,7 @@ def test_trainer_waits_for_the_interconnect_gate(stack: str) -> None:
     plan = build_plan(stack, cfg)
     gate = one(result, T.K8S_JOB, f"{stack}-fabric-gate")
     trainer = one(result, T.PYTORCH_JOB)
-    crd = one(result, T.CRD)
+    crd = one(result, T.CRD, "pytorchjobs.kubeflow.org")
     operator = one(result, T.DEPLOYMENT, "training-operator")
     assert {gate.urn, crd.urn, operator.urn} <= set(trainer.dependencies)
 
@@ -244,7 +246,12 @@ def test_network_policies_deny_by_default_and_allow_narrowly() -> None:
     assert rule["ports"] == [{"port": 443, "protocol": "TCP"}]
     assert rule["to"] == [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}}]
 
-    assert set(policies) == {"allow-mesh-prod-train", "allow-mesh-prod-fabric-gate"}
+    scrape = policies.pop("allow-scrape-prod-train")  # only the metrics port, only from the CloudWatch agent
+    assert scrape["policyTypes"] == ["Ingress"] and [r["ports"] for r in scrape["ingress"]] == [
+        [{"port": 9090, "protocol": "TCP"}]]
+    assert policies.pop("inventory")["podSelector"] == {}  # the supernode-ops namespace's own policy
+
+    assert set(policies) == {"allow-mesh-prod-train", "allow-mesh-prod-fabric-gate", "allow-mesh-prod-fabric-check"}
     for name, spec in policies.items():
         mesh = {"matchLabels": {"supernode.io/fabric-mesh": name.removeprefix("allow-mesh-")}}
         assert spec["podSelector"] == mesh

@@ -41,8 +41,9 @@ def test_preview_writes_manifests_that_all_validate(tmp_path: Path) -> None:
     kinds = [m["kind"] for m in manifests]
     assert kinds.index("Namespace") < kinds.index("CustomResourceDefinition") < kinds.index("PyTorchJob")
     # the workload wiring in __main__.py feeds the AWS outputs in
-    (pv,) = [m for m in manifests if m["kind"] == "PersistentVolume"]
-    assert pv["spec"]["csi"]["volumeHandle"] and pv["spec"]["csi"]["volumeAttributes"]["dnsname"].endswith(".amazonaws.com")
+    pvs = [m for m in manifests if m["kind"] == "PersistentVolume"]  # FSx, for training and for serving
+    assert pvs and all(pv["spec"]["csi"]["volumeHandle"] and
+                       pv["spec"]["csi"]["volumeAttributes"]["dnsname"].endswith(".amazonaws.com") for pv in pvs)
 
 
 def test_preview_manifests_into_a_file_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

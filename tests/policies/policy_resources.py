@@ -137,14 +137,16 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
 
 
 def built_images(cfg: StackConfig) -> StackConfig:
-    """The stack as deployed: the trainer image built (`make image`) and every add-on pinned by digest
-    (`make addon-digests`) instead of the placeholder digest and the tags the repository carries."""
+    """The stack as deployed: the trainer image built (`make image`), every add-on pinned by digest
+    (`make addon-digests`) and vLLM's image pinned, instead of the placeholders and tags the repository carries."""
     from components.workload_addons import addon_images
 
     data = cfg.to_mapping()
     images = data["images"]
     images["trainer"] = images["trainer"].split("@")[0] + "@sha256:" + "a" * 64
     images["addons"] = {name: f"{image}@sha256:{'c' * 64}" for name, image in addon_images().items()}
+    if data.get("inference"):  # the vLLM image, pinned like the others
+        data["inference"]["image"] = data["inference"]["image"].split("@")[0] + "@sha256:" + "d" * 64
     return from_mapping(data, "built images")
 
 

@@ -30,6 +30,7 @@ def _variant(cfg: StackConfig, instance_type: str | None = None, training: dict 
 
 def _with_layout(cfg: StackConfig, s: Suggestion) -> StackConfig:
     return _variant(cfg, dp_replicate=s.dp_replicate, dp_shard=s.dp_shard, tp=s.tp, ep=s.ep, pp=s.pp,
+                    pp_schedule=s.pp_schedule, pp_virtual_stages=s.pp_virtual_stages,
                     activation_checkpointing=s.activation_checkpointing)
 
 
@@ -104,10 +105,10 @@ def _prod_file(tmp_path, name: str, instance_type: str, parallel: dict | None = 
     # The repository's prod has no built images (placeholder digest, add-on tags), which fails prod's
     # image policies (issue 19); this test is about memory fit, so they only warn here.
     conf["supernode:images"]["requireDigests"] = False
-    if parallel:
+    # prod's vLLM plan (tp 4) does not fit 40 GB GPUs: serve at tp 8 there, as serving-plan-fits says
+    conf["supernode:inference"]["tp"] = 8
+    if parallel:  # the local CPU run keeps its own mesh (it does not inherit the cluster's degrees)
         conf["supernode:parallel"].update(parallel)
-        if parallel.get("tp", 1) > 1:  # the local CPU layout (no tp of its own) inherits tp otherwise
-            conf["supernode:local"]["parallel"]["tp"] = 1
     path = tmp_path / f"Pulumi.{name}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return str(path)
@@ -131,7 +132,8 @@ def test_plan_and_preview_agree_on_fit_for_p4d(tmp_path, capsys, monkeypatch):
 
     for s in plan["suggestions"][:1]:  # the planner's first choice, applied as the user would
         fit = _prod_file(tmp_path, "prod-p4d-fit", "p4d.24xlarge", {
-            "dpReplicate": s["dp_replicate"], "dpShard": s["dp_shard"], "tp": s["tp"], "ep": s["ep"],
+            "dpReplicate": s["dp_replicate"], "dpShard": s["dp_shard"], "tp": s["tp"], "ep": s["ep"], "pp": s["pp"],
+            "ppSchedule": s["pp_schedule"], "ppVirtualStages": s["pp_virtual_stages"],
             "activationCheckpointing": s["activation_checkpointing"]})
         rc, plan_fit = _run(capsys, "plan", "--config", fit, "--json")
         assert rc == 0 and plan_fit["fits"] is True

@@ -73,7 +73,11 @@ def test_the_repositorys_stacks_warn_in_dev_and_fail_in_prod(stack_name, level):
     assert set(by_policy) == set(IMAGE_POLICIES)
     assert {v.enforcement for vs in by_policy.values() for v in vs} == {level}
     assert len(by_policy["image-digests"]) == 4  # the four add-ons, by tag
-    assert len(by_policy["image-placeholder"]) == 2  # the trainer job and the gate
+    # every workload of the trainer image (job, gate, scheduled fabric check, restore drill, inventory) and
+    # vLLM's server and weight check: CronJobs and init containers included
+    assert {v.urn.rsplit("::", 1)[-1] for v in by_policy["image-placeholder"]} == {
+        "workload-trainer-job", "workload-gate-job", "workload-ops-fabric-check", "workload-ops-restore-drill",
+        "workload-ops-inventory", "workload-serving-server"}
     assert report.passed is (level == "advisory")
 
 

@@ -22,23 +22,28 @@ from policy_resources import ROOT
 pytestmark = pytest.mark.slow  # runs the Pulumi program under the mock engine (seconds per stack)
 
 
-@pytest.fixture(scope="module", params=["gb200", "b300"])
-def real(request):
-    cfg = load_stack(request.param, ROOT)
-    recorded = run_program(request.param, cfg).resources
-    MANIFESTS[request.param] = mf.from_resources(recorded)
-    return request.param, cfg, [r.to_json() for r in recorded]
-
-
 MANIFESTS: dict[str, list[dict]] = {}  # each stack's Kubernetes objects, as `preview --manifests` writes them
+_PREVIEWS: dict[str, tuple] = {}
 
 
-@pytest.fixture(scope="module")
-def gb200(real):
-    name, cfg, resources = real
-    if name != "gb200":
-        pytest.skip("gb200 only")
-    return cfg, resources
+def previewed(name: str) -> tuple:
+    """(config, recorded resources) of one stack, previewed once per test process."""
+    if name not in _PREVIEWS:
+        cfg = load_stack(name, ROOT)
+        recorded = run_program(name, cfg).resources
+        MANIFESTS[name] = mf.from_resources(recorded)
+        _PREVIEWS[name] = cfg, [r.to_json() for r in recorded]
+    return _PREVIEWS[name]
+
+
+@pytest.fixture
+def gb200():
+    return previewed("gb200")
+
+
+@pytest.fixture
+def b300():
+    return previewed("b300")
 
 
 def mandatory(resources: list[dict], cfg) -> dict[str, list[str]]:
@@ -48,8 +53,9 @@ def mandatory(resources: list[dict], cfg) -> dict[str, list[str]]:
     return out
 
 
-def test_zero_mandatory_violations_and_valid_manifests(real):
-    name, cfg, resources = real
+@pytest.mark.parametrize("name", ["gb200", "b300"])
+def test_zero_mandatory_violations_and_valid_manifests(name):
+    cfg, resources = previewed(name)
     assert mandatory(resources, cfg) == {}
     assert mf.validate(MANIFESTS[name], cfg.cluster.kubernetes_version) == []
 
@@ -58,7 +64,8 @@ def test_gb200_jobs_claim_their_compute_domain_and_keep_to_one_clique(gb200):
     cfg, resources = gb200
     manifests = MANIFESTS["gb200"]
     domains = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "ComputeDomain"}
-    assert set(domains) == {"gb200-fabric-gate", "gb200-train"}  # one per job
+    # one per job: the trainer, the interconnect gate and the scheduled fabric check
+    assert set(domains) == {"gb200-fabric-gate", "gb200-train", "gb200-fabric-check"}
     assert any(m["kind"] == "CustomResourceDefinition" and m["metadata"]["name"] == "computedomains.resource.nvidia.com"
                for m in manifests)  # the CRD the validator checked them against
     job = next(m for m in manifests if m["kind"] == "PyTorchJob")
@@ -72,12 +79,14 @@ def test_gb200_jobs_claim_their_compute_domain_and_keep_to_one_clique(gb200):
     gate = next(m for m in manifests if m["kind"] == "Job")
     assert gate["spec"]["template"]["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == (
         domains["gb200-fabric-gate"]["spec"]["channel"]["resourceClaimTemplate"]["name"])
+    check = next(m for m in manifests if m["kind"] == "CronJob" and "fabric" in m["metadata"]["name"])
+    pod = check["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    assert pod["resourceClaims"][0]["resourceClaimTemplateName"] == (
+        domains["gb200-fabric-check"]["spec"]["channel"]["resourceClaimTemplate"]["name"])
 
 
-def test_single_node_domains_create_no_compute_domain(real):
-    name, cfg, resources = real
-    if name != "b300":
-        pytest.skip("b300 only")
+def test_single_node_domains_create_no_compute_domain(b300):
+    cfg, resources = b300
     assert not [r for r in resources if r["type"] == T.COMPUTE_DOMAIN]
     job = next(m for m in MANIFESTS["b300"] if m["kind"] == "PyTorchJob")
     assert "resourceClaims" not in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
@@ -123,4 +132,4 @@ def test_policies_see_the_gb200_plan(gb200):
     cfg, resources = gb200
     stack = Stack.from_json(resources)
     assert stack.plan() == build_plan("gb200", cfg)
-    assert len(stack.of(T.COMPUTE_DOMAIN)) == 2 and len(stack.gpu_node_groups()) == 2
+    assert len(stack.of(T.COMPUTE_DOMAIN)) == 3 and len(stack.gpu_node_groups()) == 2

@@ -89,19 +89,37 @@ def test_cross_field_rule_names_its_path(dev_data, path, value, expected):
     assert expected in issue_paths(mutated(dev_data, path, value))
 
 
-def test_pp_must_divide_layers(dev_data):
-    data = mutated(dev_data, "parallel", dict(dev_data["parallel"], pp=2, tp=1, dpShard=8))
-    data = mutated(data, "model.layers", 7)
-    data = mutated(data, "model.firstDenseLayers", 0)
-    assert "supernode:parallel.pp" in issue_paths(data)
+def pipelined(data: dict, **parallel) -> dict:
+    """The dev stack with these parallel keys (pp 2 over 16 GPUs by default); its CPU layout stays pp 1."""
+    data = mutated(data, "parallel", dict(data["parallel"], **{"pp": 2, "tp": 1, "dpShard": 8, **parallel}))
+    return mutated(data, "local.parallel", dict(data["local"]["parallel"], pp=1))
 
 
-def test_pipeline_parallel_is_rejected_until_the_trainer_runs_it(dev_data):
-    data = mutated(dev_data, "parallel", dict(dev_data["parallel"], pp=2, tp=1, dpShard=8))
-    with pytest.raises(ConfigError) as e:
-        from_mapping(data)
-    assert any(i.path == "supernode:parallel.pp" and "not supported by the trainer" in i.message
-               for i in e.value.issues)
+def test_pipeline_parallel_is_accepted_with_uneven_stages(dev_data):
+    # pp > 1 used to be rejected until the trainer had a schedule; layers need not divide by pp.
+    cfg = from_mapping(mutated(pipelined(dev_data), "model.layers", 7))
+    assert (cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.pp_virtual_stages) == (2, "1f1b", 1)
+    cfg = from_mapping(pipelined(dev_data, ppSchedule="interleaved1f1b", ppVirtualStages=2, ppFirstStageFewerLayers=1))
+    assert cfg.parallel.stages == 4
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"model.layers": 1, "model.firstDenseLayers": 0}, "supernode:parallel.pp"),  # 2 stages, 1 layer
+    ({"parallel.ppFirstStageFewerLayers": 12}, "supernode:parallel.ppFirstStageFewerLayers"),
+    ({"parallel.ppLastStageFewerLayers": 12}, "supernode:parallel.ppLastStageFewerLayers"),
+    ({"training.microBatch": 16}, "supernode:training.microBatch"),  # 128 / (16 * 8) = 1 micro-batch < pp
+    ({"parallel.ppVirtualStages": 2}, "supernode:parallel.ppVirtualStages"),  # needs interleaved1f1b
+    ({"parallel.ppSchedule": "interleaved1f1b"}, "supernode:parallel.ppVirtualStages"),  # needs >= 2
+    ({"parallel.ppSchedule": "interleaved1f1b", "parallel.ppVirtualStages": 2, "parallel.pp": 4,
+      "parallel.dpShard": 4, "training.globalBatch": 96}, "supernode:training.microBatch"),  # 6 % 4
+    ({"model.tieEmbeddings": True}, "supernode:model.tieEmbeddings"),
+    ({"parallel.ppSchedule": "zero-bubble"}, "supernode:parallel.ppSchedule"),
+])
+def test_pipeline_rules_name_their_path(dev_data, changes, expected):
+    data = pipelined(dev_data)
+    for path, value in changes.items():
+        data = mutated(data, path, value)
+    assert expected in issue_paths(data)
 
 
 def test_every_problem_is_reported_at_once(dev_data):
@@ -313,3 +331,18 @@ def test_field_and_cross_field_errors_come_in_one_round(tmp_path):
     assert "supernode:network.vpcCidr" in paths  # a cross-field rule over a section that passed the schema
     # Rules over the failed section do not run on made-up defaults (no world-size complaint about dpShard 1).
     assert "supernode:parallel.dpShard" not in paths
+
+
+def test_a_suggestion_copied_into_the_stack_keeps_the_local_run_valid(tmp_path):
+    """The local layout does not inherit the cluster's mesh degrees (a 128-GPU layout never fits 2
+    CPU processes): copying a planner suggestion into `parallel` must not break `local`."""
+    doc = yaml.safe_load((ROOT / "Pulumi.prod.yaml").read_text())
+    par = doc["config"]["supernode:parallel"]
+    par.update(dpReplicate=1, dpShard=16, tp=2, ep=8, pp=4, ppSchedule="interleaved1f1b", ppVirtualStages=2)
+    del doc["config"]["supernode:local"]["parallel"]
+    path = tmp_path / "Pulumi.copied.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cfg = load_file(path)
+    local = cfg.local_config().parallel
+    assert (local.dp_replicate, local.dp_shard, local.tp, local.ep, local.pp) == (1, cfg.local.nproc, 1, 1, 1)
+    assert local.activation_checkpointing == cfg.parallel.activation_checkpointing  # the rest is inherited

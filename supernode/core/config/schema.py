@@ -240,6 +240,8 @@ class Model(_Base):
     bias_update_rate: float = Field(default=1e-3, ge=0, description="aux-loss-free expert bias step")
     rope_theta: float = Field(default=10000.0, gt=0)
     tie_embeddings: bool = False
+    qk_norm: bool = Field(default=False, description="RMS-normalise q and k per head before RoPE (Qwen3's "
+                          "attention; needed to export a softmax-router model as Qwen3MoeForCausalLM)")
 
     @property
     def head_dim(self) -> int:
@@ -253,12 +255,26 @@ class Model(_Base):
         return sum(self.is_moe(i) for i in range(self.layers))
 
 
+# Parallel keys that describe the mesh: sized per world, so `local` does not inherit them.
+LOCAL_LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "pp_schedule", "pp_virtual_stages",
+                     "pp_first_stage_fewer_layers", "pp_last_stage_fewer_layers")
+
+
 class Parallel(_Base):
     dp_replicate: int = Field(default=1, ge=1)
     dp_shard: int = Field(default=1, ge=1)
     tp: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1)
-    pp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1, description="pipeline stages (layers split by stage; the outermost mesh dim)")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = Field(
+        default="1f1b", description="pipeline schedule (pp > 1): gpipe holds every micro-batch's activations, 1f1b "
+                                    "at most pp, interleaved1f1b (ppVirtualStages >= 2) shrinks the bubble")
+    pp_virtual_stages: int = Field(default=1, ge=1, description="stages per rank (interleaved1f1b): the bubble is "
+                                   "(pp-1)/(m*v + pp-1) for m micro-batches per step and v virtual stages")
+    pp_first_stage_fewer_layers: int = Field(default=0, ge=0, description="the first stage holds this many layers "
+                                             "fewer than an even split (it also embeds)")
+    pp_last_stage_fewer_layers: int = Field(default=0, ge=0, description="the last stage holds this many layers "
+                                            "fewer than an even split (it also runs the norm, head and loss)")
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     overlap: bool = True
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
@@ -273,6 +289,11 @@ class Parallel(_Base):
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all: pp ranks x virtual stages per rank."""
+        return self.pp * self.pp_virtual_stages
 
 
 class DataSource(_Base):
@@ -319,6 +340,54 @@ class Workload(_Base):
                                      "x its baseline bandwidth (or above its latency / (1 - this))")
     restore_drill_schedule: str = Field(default="0 5 1 * *", pattern=r"^\S+( \S+){4}$",
                                         description="cron schedule of the checkpoint restore drill")
+    inventory_interval_minutes: int = Field(default=60, ge=5, le=1440, description="how often the inventory "
+                                            "DaemonSet compares each GPU node with its baseline")
+    max_clock_offset_ms: float = Field(default=10.0, gt=0, le=1000, description="the inventory flags a GPU node "
+                                       "whose clock offset (chrony, or the kernel's estimated error) exceeds this")
+
+
+class Inference(_Base):
+    """Serving the training run's export with vLLM: in the cluster (components/serving.py) and
+    locally (`supernode serve --local`). Sized by the inference planner (supernode/core/inference.py)."""
+
+    image: str = Field(description="the vLLM server image, pinned by digest: REPOSITORY@sha256:<64 hex digits>")
+    weights_prefix: str = Field(default="models/", pattern=r"^[A-Za-z0-9._/-]+/$",
+                                description="where `supernode export` output is pushed, under the stack's bucket; "
+                                            "the pods copy it from the FSx mount (/models) and verify it")
+    manifest_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$",
+                                           description="sha256 of the export's manifest.json: pins the weights "
+                                                       "the init container verifies file by file")
+    tp: int = Field(default=1, ge=1, description="tensor-parallel degree of one replica")
+    pp: int = Field(default=1, ge=1, description="pipeline stages of one replica (> 1 node: a LeaderWorkerSet)")
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    max_seq_len: int = Field(default=4096, ge=16, description="vLLM --max-model-len")
+    max_concurrency: int = Field(default=64, ge=1, description="sequences batched at once (vLLM --max-num-seqs)")
+    replicas_min: int = Field(default=1, ge=1)
+    replicas_max: int = Field(default=1, ge=1)
+    target_running_per_replica: int = Field(default=32, ge=1, description="autoscaling: add a replica when "
+                                            "requests running + waiting per replica exceed this")
+    ttft_target_ms: Optional[float] = Field(default=None, gt=0, description="time to first token, p99")
+    itl_target_ms: Optional[float] = Field(default=None, gt=0, description="inter-token latency, p99")
+    namespace: str = Field(default="serving", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    allowed_client_namespaces: list[str] = Field(default=["gateway"], description="namespaces whose pods may "
+                                                 "reach the server (NetworkPolicy); nothing else may")
+    gpu_quota: Optional[int] = Field(default=None, ge=1, description="GPUs the serving namespace may request "
+                                     "(ResourceQuota); default replicasMax x GPUs per replica")
+
+    @field_validator("image")
+    @classmethod
+    def _digest(cls, v: str) -> str:
+        if not DIGEST_RE.match(v):
+            raise ValueError("image must be pinned by digest: REPOSITORY@sha256:<64 hex digits>")
+        return v
+
+    @field_validator("replicas_max")
+    @classmethod
+    def _replicas(cls, v: int, info) -> int:
+        low = info.data.get("replicas_min")
+        if low is not None and v < low:
+            raise ValueError(f"replicasMax must be at least replicasMin ({low})")
+        return v
 
 
 def _partial(model: type[_Base]) -> type[_Base]:
@@ -333,7 +402,9 @@ TrainingOverride = _partial(Training)
 
 
 class Local(_Base):
-    """Scales the same plan down for a CPU run (gloo): world size = nproc."""
+    """Scales the same plan down for a CPU run (gloo): world size = nproc. model and training keys
+    override the stack's; the mesh degrees (dpReplicate, dpShard, tp, ep, pp and the pipeline keys)
+    come from local.parallel only (default 1, dpShard filling nproc), the rest of parallel is inherited."""
 
     nproc: int = Field(default=2, ge=1, le=16)
     model: ModelOverride = ModelOverride()  # type: ignore[valid-type]
@@ -356,6 +427,7 @@ class StackConfig(_Base):
     parallel: Parallel = Parallel()
     training: Training
     workload: Workload = Workload()
+    inference: Optional[Inference] = None
     local: Local = Local()
 
     # -- derived ---------------------------------------------------------------------------
@@ -368,14 +440,26 @@ class StackConfig(_Base):
         return sum(g.nodes for g in self.accelerator_node_groups)
 
     def to_mapping(self) -> dict[str, Any]:
-        """The `supernode:` keys as Pulumi config holds them (camelCase, defaults included)."""
-        return self.model_dump(by_alias=True, mode="json")
+        """The `supernode:` keys as Pulumi config holds them (camelCase, defaults included; an absent
+        optional section, e.g. `inference`, stays absent: Pulumi config has no null)."""
+        return {k: v for k, v in self.model_dump(by_alias=True, mode="json").items() if v is not None}
 
     def local_config(self) -> "StackConfig":
-        """This stack with the `local` overrides applied; the layout then has world size nproc."""
+        """This stack with the `local` overrides applied; the layout then has world size nproc.
+
+        The mesh degrees are not inherited: a layout sized for the cluster's world never fits nproc
+        CPU processes, so copying a planner suggestion into `parallel` must not break the local run.
+        They come from `local.parallel` (default 1), dpShard filling the rest of nproc; everything
+        else in `parallel` (activation checkpointing, precision, overlap, headroom) is inherited."""
         data = self.model_dump(by_alias=False)
-        for section in ("model", "parallel", "training"):
+        for section in ("model", "training"):
             data[section].update(getattr(self.local, section).model_dump(exclude_none=True))
+        layout = self.local.parallel.model_dump(exclude_none=True)
+        parallel = {k: v for k, v in data["parallel"].items() if k not in LOCAL_LAYOUT_KEYS} | layout
+        if "dp_shard" not in layout:
+            rest = parallel.get("dp_replicate", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
+            parallel["dp_shard"] = max(1, self.local.nproc // rest)
+        data["parallel"] = parallel
         return StackConfig.model_validate(data)
 def _value_at(data: Any, loc: tuple) -> Any:
     for part in loc:
