@@ -33,6 +33,7 @@ FABRIC_ENV = {
 }
 # torchrun reads PET_* variables for its flags; the PyTorchJob operator sets them for the trainer.
 TORCHRUN = ["python", "-m", "torch.distributed.run", "--module"]
+LAUNCH = ["python", "-m", "trainer.launch", "--module"]
 # The fabric baseline: a directory of its own on FSx, exported to S3 (storage.baseline_dir -> the
 # bucket's baselines/ prefix, which no lifecycle rule expires, unlike checkpoints/).
 BASELINE_MOUNT = "/baselines"
@@ -287,7 +288,9 @@ class TrainerJob(pulumi.ComponentResource):
         container = {
             "name": "pytorch",  # the operator injects the PET_* rendezvous env into this container name
             "image": args.job.image,
-            "command": TORCHRUN + ["trainer.train"],
+            # trainer.launch: torchrun whose exit code says a recorded failure (bad input 2, failed 1)
+            # apart from a signal, so the ExitCode restart policy below retries only what can recover.
+            "command": LAUNCH + ["trainer.train"],
             # Rank 0 serves its gauges on the pod IP (not loopback) for the CloudWatch agent's scrape.
             "args": ["--plan", PLAN_MOUNT_PATH, "--data", DATA_PATH, "--out", CHECKPOINT_PATH,
                      "--prometheus-port", str(METRICS_PORT), "--prometheus-addr", "$(POD_IP)"],
@@ -317,7 +320,10 @@ class TrainerJob(pulumi.ComponentResource):
             "elasticPolicy": {"rdzvBackend": "c10d", "minReplicas": nodes, "maxReplicas": nodes,
                               "maxRestarts": plan.training.max_restarts},
             "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": plan.training.max_restarts},
-            "pytorchReplicaSpecs": {"Worker": {"replicas": nodes, "restartPolicy": "OnFailure", "template": template}},
+            # ExitCode: the operator restarts a pod for a signal (128-255: OOM kill, node loss) and
+            # fails the job for 1-127, which trainer.launch returns only once torchrun's own elastic
+            # restarts are spent or the failure is recorded as one no restart can fix.
+            "pytorchReplicaSpecs": {"Worker": {"replicas": nodes, "restartPolicy": "ExitCode", "template": template}},
         }, opts=pulumi.ResourceOptions(parent=self, depends_on=[*after, *args.wait_for],
                                        delete_before_replace=True, replace_on_changes=["spec"],
                                        custom_timeouts=pulumi.CustomTimeouts(create="30m")))

@@ -48,12 +48,11 @@ from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED,
 from supernode.core.plan import Plan
 
 from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, inject
+from .launch import EXIT_FILE, LAUNCHER_ENV  # where a failure a restart cannot fix is recorded
 from .metrics import Metrics
 from .parallel import ParallelDims
 from .trainer import Trainer
 
-EXIT_FILE = ".exit.json"  # why the run stopped for a reason a restart cannot fix (read by restarts and the launcher)
-LAUNCHER_ENV = "SUPERNODE_LAUNCHER_PID"
 
 
 class NonFinite(Exception):

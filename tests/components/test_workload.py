@@ -100,6 +100,7 @@ def check_trainer(cfg: StackConfig, plan: Plan, result: PreviewResult) -> None:
     (c,) = pod["containers"]
     assert job["spec"]["nprocPerNode"] == str(plan.accelerators_per_node) == str(hw.accelerators)
     assert w["replicas"] == plan.nodes == cfg.nodes
+    assert w["restartPolicy"] == "ExitCode"  # signals are retried, a recorded failure is not
     elastic = job["spec"]["elasticPolicy"]
     assert elastic == {"rdzvBackend": "c10d", "minReplicas": plan.nodes, "maxReplicas": plan.nodes,
                        "maxRestarts": cfg.training.max_restarts}
@@ -125,7 +126,9 @@ def check_trainer(cfg: StackConfig, plan: Plan, result: PreviewResult) -> None:
     (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert {"key": "supernode.io/node-group", "operator": "In", "values": ["gpu-a", "gpu-b"]} in term["matchExpressions"]
     args = c["args"]
-    assert c["command"][-1] == "trainer.train"
+    # trainer.launch (torchrun with a recorded failure as its exit code) and ExitCode restarts: the
+    # operator retries a signal (128-255), never bad input or a full disk recorded by the trainer
+    assert c["command"][:3] == ["python", "-m", "trainer.launch"] and c["command"][-1] == "trainer.train"
     assert args[args.index("--plan") + 1] == "/etc/supernode/plan.json"
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}

@@ -174,3 +174,19 @@ def test_saved_at_world_size_4_resumed_at_2_gives_the_same_loss(tmp_path, data_d
     # and one optimizer step later: the resharded Adam moments, schedule and router bias carried over
     assert losses(narrow)[6] == pytest.approx(losses(wide)[6], rel=1e-4)
     assert losses(narrow)[5] != pytest.approx(losses(wide)[1], rel=1e-2)  # really a later state
+
+
+@pytest.mark.slow
+def test_cluster_launcher_exits_with_the_recorded_code_without_restarts_or_traceback(tmp_path, data_dir):
+    """The PyTorchJob's entry point: bad input under torchrun with restarts left is reported once,
+    exit 2 (the ExitCode policy then does not restart the pod), no ChildFailedError traceback."""
+    plan = write_plan(local_plan(2), tmp_path / "plan.json")  # a 2-rank plan on 3 ranks: bad input
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    r = subprocess.run([sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node", "3",
+                        "--max-restarts", "2", "--module", "trainer.train", "--plan", str(plan), "--data",
+                        str(data_dir), "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.count("the world size is 3 (WORLD_SIZE of this job)") == 1  # once: rank 0, no restart
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
+    assert json.loads((tmp_path / "out" / ".exit.json").read_text())["code"] == 2

@@ -15,7 +15,6 @@ restarts nor prints a traceback; the exit code is the recorded one.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import subprocess
@@ -81,7 +80,7 @@ def run(args) -> int:
 
     from trainer.checkpoint import OutDirLock, complete_checkpoints  # torch only for this command
     from trainer.data import DEFAULT_CORPUS, DataError, prepare, verify
-    from trainer.train import EXIT_FILE, LAUNCHER_ENV
+    from trainer.launch import EXIT_FILE, LAUNCHER_ENV
     lock = OutDirLock(out)  # before anything in OUT is written: plan.json belongs to the holder
     holder = lock.acquire()
     if holder is not None:
@@ -103,13 +102,13 @@ def run(args) -> int:
         except DataError as e:
             raise BadInput(str(e)) from None
         (out / EXIT_FILE).unlink(missing_ok=True)
-        return _launch(args, stack, plan, plan_path, data, out, steps, LAUNCHER_ENV, EXIT_FILE)
+        return _launch(args, stack, plan, plan_path, data, out, steps, LAUNCHER_ENV)
     finally:
         lock.release()
 
 
 def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path, steps: int,
-            launcher_env: str, exit_file: str) -> int:
+            launcher_env: str) -> int:
     m, d = plan.model, plan.degrees
     print(f"training {stack} (local): {plan.params.total / 1e6:.2f} M parameters ({m.layers} layers, dim {m.dim}, "
           f"{m.experts} experts top-{m.top_k}) on {plan.world_size} CPU processes, dp_shard {d.dp_shard} x tp {d.tp}, "
@@ -141,12 +140,11 @@ def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    try:
-        outcome = json.loads((out / exit_file).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        outcome = {}
-    if outcome.get("code"):  # a worker printed why (bad input, full disk, divergence, interrupted)
-        return int(outcome["code"])
+    from trainer.launch import recorded_code
+
+    code = recorded_code(out)
+    if code:  # a worker printed why (bad input, full disk, divergence, interrupted)
+        return code
     if forwarded and rc == 0:  # stopped by SIGTERM; the worker said at which step
         return EXIT_INTERRUPTED
     if rc != 0:
