@@ -44,7 +44,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
 
 from supernode.core.errors import EXIT_BAD_INPUT, BadInput
 from supernode.core.plan import Plan
@@ -290,15 +289,7 @@ def write_report(path: Path, doc: dict) -> None:
 
 def plan_floor(path: str) -> float:
     """The gate floor (GB/s) of a plan file, as `supernode plan --json --full` or the plan ConfigMap holds it."""
-    try:
-        plan = Plan.read(path)
-    except UnicodeDecodeError as e:
-        raise BadInput(f"--plan {path}: not UTF-8 text (byte {e.start}); give the JSON of `supernode plan --json --full`") from None
-    except OSError as e:
-        raise BadInput(f"--plan {path}: cannot be read ({e.strerror})") from None
-    except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        raise BadInput(f"--plan {path}: not a valid plan: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    plan = Plan.read(path)
     if plan.gate_floor_gbytes_s is None:
         raise BadInput(f"--plan {path}: the plan has no interconnect gate floor (gate_floor_gbytes_s is null: the "
                        f"catalog publishes no all_reduce baseline for {plan.instance_type}); pass --min-busbw-gbytes-s")

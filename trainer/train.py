@@ -41,7 +41,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
 from torch.profiler import ProfilerActivity, profile
 
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput, bad_input_lines
@@ -202,24 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_plan(path: Path) -> Plan:
-    try:
-        return Plan.read(path)
-    except FileNotFoundError:
-        raise BadInput(f"--plan {path}: file not found") from None
-    except IsADirectoryError:
-        raise BadInput(f"--plan {path}: is a directory, not a plan file") from None
-    except UnicodeDecodeError as e:
-        raise BadInput(f"--plan {path}: not UTF-8 text (byte {e.start}); give the JSON of `supernode plan --json --full`") from None
-    except OSError as e:
-        raise BadInput(f"--plan {path}: cannot be read ({e.strerror})") from None
-    except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        raise BadInput(f"--plan {path}: not a valid plan: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-
-
 def train(args: argparse.Namespace, stop: StopRequest) -> int:
-    plan = _load_plan(args.plan)
+    plan = Plan.read(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     gpu = torch.cuda.is_available()
     # The core's layout validator, before any collective: a mismatch must not hang. tp stays in a node.

@@ -10,11 +10,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from . import capacity as cap
 from .catalog import CATALOG, GIB, InstanceType, gate_floor_gbytes_s, nvlink_domain_gpus
 from .config import Model, Parallel, StackConfig, Training, with_local_nproc
+from .errors import BadInput
 from .topology import GroupPlacement, place
 from .inference import InferencePlan, build_inference_plan
 
@@ -111,7 +112,22 @@ class Plan(BaseModel):
 
     @classmethod
     def read(cls, path: str | Path) -> "Plan":
-        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+        """A plan file as the trainer and the gate read it (`--plan`): every unusable file is
+        BadInput naming it and why, never a traceback."""
+        where = f"--plan {path}"
+        try:
+            return cls.from_json(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise BadInput(f"{where}: file not found") from None
+        except IsADirectoryError:
+            raise BadInput(f"{where}: is a directory, not a plan file") from None
+        except UnicodeDecodeError as e:
+            raise BadInput(f"{where}: not UTF-8 text (byte {e.start}); give the JSON of `supernode plan --json --full`") from None
+        except OSError as e:
+            raise BadInput(f"{where}: cannot be read ({e.strerror})") from None
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
+            raise BadInput(f"{where}: not a valid plan: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
 
     def summary(self) -> dict:
         """The contract keys (docs/architecture.md §7) plus the headline figures."""
