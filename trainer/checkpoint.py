@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import pickle
@@ -46,6 +45,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+
+from supernode.core.files import sha256_file
 
 COMPLETE = "COMPLETE"
 PREFIX, TMP_PREFIX, OLD_PREFIX = "step_", ".tmp-step_", ".old-step_"
@@ -73,14 +74,6 @@ def inject(fault: str) -> Optional[str]:
         if name == fault:
             return arg
     return None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _nbytes(obj: Any) -> int:
@@ -349,7 +342,7 @@ class Checkpointer:
         if self.rank != 0:
             return
         tmp, final = _step_dir(self.root, step, tmp=True), _step_dir(self.root, step)
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         marker = tmp / COMPLETE
         with marker.open("w", encoding="utf-8") as f:
             json.dump({"step": step, "world_size": self.world, "time": time.time(), "files": files, **self.meta}, f)
@@ -390,7 +383,7 @@ class Checkpointer:
             f = path / name
             if not f.is_file():
                 return f"{f} is missing"
-            if _sha256(f) != digest:
+            if sha256_file(f) != digest:
                 return f"{f} does not match its recorded sha256"
         return None
 

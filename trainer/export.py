@@ -22,7 +22,6 @@ aux-loss-free bias becomes `e_score_correction_bias` (GLM-4.5) or must be zero (
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from supernode.core.config.schema import Model
 from supernode.core.errors import BadInput
+from supernode.core.files import sha256_file
 from supernode.core.inference import GLM4_MOE, hf_config, served_architecture
 
 from .checkpoint import COMPLETE, Checkpointer, complete_checkpoints
@@ -44,14 +44,6 @@ MANIFEST = "manifest.json"
 FORMAT = "supernode-export/1"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PREFIX = "model."  # the model's keys in the training checkpoint (trainer.checkpoint.train_state)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def resolve_checkpoint(path: Path) -> Path:

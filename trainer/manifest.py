@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from supernode.core.files import sha256_file
+
 MANIFEST = "manifest.json"
 VERIFIED = ".verified"
 DTYPES = ("uint8", "uint16", "uint32")  # token id types a manifest may name
@@ -31,14 +33,6 @@ ITEMSIZE = {"uint8": 1, "uint16": 2, "uint32": 4}
 
 class DataError(Exception):
     """Unusable data (missing or corrupt shard, bad manifest, too little data): the message names the file."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_manifest(data_dir: str | Path) -> dict:

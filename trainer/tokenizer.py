@@ -8,13 +8,14 @@ the smallest unsigned type that holds the vocabulary (`dtype_for`).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
+
+from supernode.core.files import sha256_file
 
 from .manifest import DataError
 
@@ -30,14 +31,6 @@ def dtype_for(vocab: int) -> str:
     if vocab <= 1 << 8:
         return "uint8"
     return "uint16" if vocab <= 1 << 16 else "uint32"
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -102,7 +95,7 @@ def from_file(path: Path, eos_token: Optional[str] = None, kind: str = "huggingf
     if eos is None:
         raise DataError(f"--tokenizer {path}: no end-of-document token {' / '.join(names)} in its vocabulary; "
                         "name the one it has with --eos TOKEN")
-    return Tokenizer(kind, hf.get_vocab_size(with_added_tokens=True), eos[1], eos[0], path, file_sha256(path))
+    return Tokenizer(kind, hf.get_vocab_size(with_added_tokens=True), eos[1], eos[0], path, sha256_file(path))
 
 
 def train_bpe(texts: Iterator[str], vocab: int, out: Path) -> Tokenizer:

@@ -12,7 +12,6 @@ the file, and the server never starts (checklist item 7: weights verified before
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import json
 import os
@@ -27,6 +26,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from ..core.errors import BadInput
+from ..core.files import sha256_file
 
 MANIFEST = "manifest.json"
 SERVE_VENV = ".venv-serve"
@@ -38,14 +38,6 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 CPU_MEMORY_UTILIZATION = 0.3
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify_export(model_dir: Path, manifest_sha256: Optional[str] = None) -> dict:
     """The export's manifest once every file matches it; BadInput naming the first file that does not.
     `manifest_sha256` (the inference config's pin) also checks the manifest itself."""
@@ -54,8 +46,8 @@ def verify_export(model_dir: Path, manifest_sha256: Optional[str] = None) -> dic
     if not path.is_file():
         raise BadInput(f"--model {model_dir}: no {MANIFEST}; export a checkpoint first "
                        "(supernode export --stack S --local --checkpoint DIR --out DIR)")
-    if manifest_sha256 and _sha256(path) != manifest_sha256:
-        raise BadInput(f"{path}: sha256 {_sha256(path)} is not inference.manifestSha256 {manifest_sha256}")
+    if manifest_sha256 and sha256_file(path) != manifest_sha256:
+        raise BadInput(f"{path}: sha256 {sha256_file(path)} is not inference.manifestSha256 {manifest_sha256}")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         files = {str(k): str(v["sha256"]) for k, v in manifest["files"].items()}
@@ -65,7 +57,7 @@ def verify_export(model_dir: Path, manifest_sha256: Optional[str] = None) -> dic
         f = model_dir / name
         if not f.is_file():
             raise BadInput(f"{f}: listed in {MANIFEST} but missing; re-export or restore it")
-        actual = _sha256(f)
+        actual = sha256_file(f)
         if actual != digest:
             raise BadInput(f"{f}: sha256 {actual} does not match {MANIFEST} ({digest}); the weights were changed "
                            "or corrupted since export: re-export, and do not serve them")

@@ -17,7 +17,8 @@ import torch.distributed.checkpoint as dcp
 from supernode.core.config import Model
 from supernode.core.errors import BadInput
 from supernode.core.inference import GLM4_MOE, QWEN3_MOE
-from trainer.checkpoint import COMPLETE, _sha256
+from supernode.core.files import sha256_file
+from trainer.checkpoint import COMPLETE
 from trainer.export import MANIFEST, export, rope_halves
 from trainer.model import Transformer, apply_rope, rope_tables
 
@@ -45,7 +46,7 @@ def _checkpoint(tmp: Path, m: Model, seed: int = 0, bias: bool = True) -> tuple[
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
-    files = {f.name: _sha256(f) for f in path.iterdir()}
+    files = {f.name: sha256_file(f) for f in path.iterdir()}
     (path / COMPLETE).write_text(json.dumps({"step": 7, "files": files, "model": m.model_dump(mode="json")}))
     return model.eval(), path
 
@@ -118,7 +119,7 @@ def test_manifest_lists_every_file_with_its_sha256(tmp_path):
     manifest = json.loads((out / MANIFEST).read_text())
     on_disk = {f.name for f in out.iterdir()} - {MANIFEST}
     assert set(manifest["files"]) == on_disk
-    assert all(manifest["files"][n]["sha256"] == _sha256(out / n) for n in on_disk)
+    assert all(manifest["files"][n]["sha256"] == sha256_file(out / n) for n in on_disk)
     assert not (tmp_path / "hf.tmp").exists()
 
 
