@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 
 from supernode.core.config import Model
 from supernode.core.errors import BadInput
-from supernode.core.inference import GLM4_MOE, QWEN3_MOE
 from supernode.core.files import sha256_file
+from supernode.core.inference import GLM4_MOE, QWEN3_MOE
 from trainer.checkpoint import COMPLETE
 from trainer.export import MANIFEST, export, rope_halves
 from trainer.model import Transformer, apply_rope, rope_tables
