@@ -54,7 +54,7 @@ def param_counts(m: Model) -> ParamCounts:
     embedding = m.vocab * d
     head = 0 if m.tie_embeddings else m.vocab * d
     attention = m.layers * (d * q_dim + 2 * d * kv_dim + q_dim * d)
-    norms = m.layers * 2 * d + d
+    norms = m.layers * 2 * d + d + (m.layers * 2 * hd if m.qk_norm else 0)  # + per-head q/k norms
     router = moe * d * m.experts
     experts = moe * m.experts * 3 * d * m.expert_hidden
     shared = moe * m.shared_experts * 3 * d * m.expert_hidden
@@ -158,9 +158,12 @@ def memory(m: Model, p: Parallel, t: Training) -> Memory:
     pipe = pipeline(m, p, t)
     stage = pipe.busiest_rank_layers / m.layers
     outer = pc.embedding + pc.head if p.pp == 1 else max(pc.embedding, pc.head)  # first/last stage
-    tp_split = (pc.attention + pc.shared_experts + pc.dense_ffn) * stage / p.tp + outer / p.tp
-    replicated = (pc.norms + pc.router) * stage
-    nonexpert_rank = (tp_split + replicated) / p.dp_shard
+    # As the trainer lays them out: attention and dense FFN split by tp; embedding, output head and
+    # norms not tensor-parallel; the router and shared expert live in the MoE layer, FSDP-sharded
+    # over dp_shard x tp (each tp rank routes its own tokens); then all of it sharded over dp_shard.
+    tp_split = (pc.attention + pc.dense_ffn) * stage / p.tp
+    not_split = pc.norms * stage + outer
+    nonexpert_rank = (tp_split + not_split) / p.dp_shard + (pc.router + pc.shared_experts) * stage / (p.dp_shard * p.tp)
     expert_rank = pc.experts * stage / (p.dp_shard * p.tp)
     params_rank = math.ceil(nonexpert_rank + expert_rank)
 
@@ -187,7 +190,7 @@ def memory(m: Model, p: Parallel, t: Training) -> Memory:
     else:  # full: keep each layer's input, recompute one layer at a time
         activations = held * act["layer_input"] + full_layer
     activations = int(activations)
-    logits = 2 * 4 * tokens * m.vocab // p.tp  # fp32 logits and their gradient
+    logits = 2 * 4 * tokens * m.vocab  # fp32 logits and their gradient (the output head is not tensor-parallel)
     model_states = params_rank * ADAM_STATE_BYTES
     total = model_states + fsdp_buffers + activations + logits + RUNTIME_RESERVE_BYTES
     return Memory(params_per_rank=params_rank, parameters=4 * params_rank, gradients=4 * params_rank,

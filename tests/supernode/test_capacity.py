@@ -74,8 +74,10 @@ def test_bf16_halves_activations_and_tp_splits_weights():
     assert bf16.model_states == fp32.model_states  # fp32 master/grads/moments either way
     assert bf16.activations < fp32.activations
     tp2 = cap.memory(TINY, Parallel(dp_shard=1, tp=2, ep=2, mixed_precision="fp32"), TRAIN)
-    # (attention + shared + dense + embedding + head = 68096) / tp 2 + 576 replicated; experts 24576 / (1 * 2)
-    assert tp2.params_per_rank == 68096 // 2 + 576 + 12288
+    # As the trainer lays it out: (attention 24576 + dense 24576) / tp 2; norms 320 + embedding 6400 + head
+    # 6400 not tensor-parallel; (router 256 + shared 6144) / (dp_shard 1 x tp 2); experts 24576 / (1 x 2)
+    assert tp2.params_per_rank == 49152 // 2 + 13120 + 6400 // 2 + 12288
+    assert tp2.logits == cap.memory(TINY, FP32_EP2, TRAIN).logits  # the output head is not split by tp
 
 
 def test_checkpoint_size_and_fsx_sizing():

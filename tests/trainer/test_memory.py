@@ -77,3 +77,25 @@ def test_bench_memory_full_plan_without_gpus_exits_2(capsys) -> None:
         pytest.skip("this machine can run the full dev plan")
     assert main(["--stack", "dev", "--root", str(ROOT)]) == 2
     assert "measures the full plan on 16 GPUs; this machine has" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_memory_state_terms_equal_the_plan_under_tensor_parallel(tmp_path, capsys) -> None:
+    """tp 2: the planner's layout (embedding, head and norms not split by tp; router and shared expert
+    over dp_shard x tp) is the trainer's, byte for byte."""
+    import yaml
+
+    from bench.memory import main
+
+    doc = yaml.safe_load((ROOT / "Pulumi.dev.yaml").read_text())
+    local = doc["config"]["supernode:local"]
+    local["nproc"] = 4
+    local["model"].update(heads=4, kvHeads=2, sharedExperts=1)
+    local["parallel"].update(dpShard=2, tp=2, ep=2)
+    (tmp_path / "Pulumi.tp.yaml").write_text(yaml.safe_dump(doc))
+    assert main(["--stack", "tp", "--root", str(tmp_path), "--local", "--nproc", "4"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["rank"] for x in lines] == [0, 1, 2, 3]
+    for x in lines:
+        for term in ("parameters", "gradients", "optimizer_state"):
+            assert x[term]["plan"] == x[term]["measured"] > 0, (x["rank"], term, x[term])
