@@ -38,12 +38,13 @@ MICRO_BATCHES = 4  # per data-parallel rank and step
 MODEL = Model(layers=4, dim=32, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=16,
               dense_hidden=48, first_dense_layers=1, vocab=64, seq_len=16, load_balance_coef=0.1, z_loss_coef=0.01)
 
-# name: (world, dp_shard, ep, pp, schedule, virtual stages, activation checkpointing)
+# name: (world, dp_shard, ep, pp, schedule, virtual stages, activation checkpointing, tp)
 LAYOUTS = {
-    "pp2": (2, 1, 1, 2, "1f1b", 1, "none"),
-    "pp2_dp2": (4, 2, 1, 2, "1f1b", 1, "selective"),
-    "pp2_ep2": (4, 2, 2, 2, "gpipe", 1, "none"),
-    "pp2_v2_dp2_interleaved": (4, 2, 1, 2, "interleaved1f1b", 2, "full"),
+    "pp2": (2, 1, 1, 2, "1f1b", 1, "none", 1),
+    "pp2_dp2": (4, 2, 1, 2, "1f1b", 1, "selective", 1),
+    "pp2_ep2": (4, 2, 2, 2, "gpipe", 1, "none", 1),
+    "pp2_v2_dp2_interleaved": (4, 2, 1, 2, "interleaved1f1b", 2, "full", 1),
+    "pp2_tp2": (4, 1, 1, 2, "1f1b", 1, "none", 2),
 }
 
 
@@ -76,9 +77,9 @@ def reference(groups: int) -> dict:
 def run_layouts(rank: int, world_size: int, names: list[str]) -> dict:
     results = {}
     for name in names:
-        _, dps, ep, pp, schedule, virtual, ac = LAYOUTS[name]
-        dims = ParallelDims(dp_replicate=1, dp_shard=dps, tp=1, ep=ep, pp=pp, world_size=world_size)
-        parallel = Parallel(dp_shard=dps, ep=ep, pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual,
+        _, dps, ep, pp, schedule, virtual, ac, tp = LAYOUTS[name]
+        dims = ParallelDims(dp_replicate=1, dp_shard=dps, tp=tp, ep=ep, pp=pp, world_size=world_size)
+        parallel = Parallel(dp_shard=dps, tp=tp, ep=ep, pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual,
                             activation_checkpointing=ac)
         mesh = dims.build_mesh("cpu")
         tokens = batch().chunk(dims.dp_size)[dims.dp_rank(rank)]
@@ -113,11 +114,11 @@ def run_layouts(rank: int, world_size: int, names: list[str]) -> dict:
 
 
 def check_layout(name: str, per_rank: list[dict]) -> None:
-    world, dps, *_ = LAYOUTS[name]
-    ref = reference(groups=dps * MICRO_BATCHES)
+    world, dps, *_, tp = LAYOUTS[name]
+    ref = reference(groups=dps * tp * MICRO_BATCHES)  # each tp rank routes its own 1/tp of the tokens
     got = [r[name] for r in per_rank]
-    ces = [ce for g in got for ce in g["ce"]]  # the last stage's ranks, each its micro-batches
-    assert len(ces) == dps * MICRO_BATCHES, "the loss lives on the last stage only"
+    ces = [ce for g in got for ce in g["ce"]]  # the last stage's ranks (tp ranks alike), each its micro-batches
+    assert len(ces) == dps * tp * MICRO_BATCHES, "the loss lives on the last stage only"
     assert sum(ces) / len(ces) == pytest.approx(ref["ce"], rel=1e-5)
     for g in got:  # expert counts: none in forward/backward, one reduction at the step (if the stage has ranks to reduce over)
         assert g["count_reductions_in_backward"] == []
