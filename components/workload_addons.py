@@ -1,7 +1,8 @@
 """Cluster add-ons the training job needs, as explicit objects (so `supernode preview --manifests`
 can render and validate them offline, which Helm releases cannot): the NVIDIA and EFA device
-plugins, the DCGM exporter with a Prometheus scrape endpoint, and the Kubeflow training operator
-(PyTorchJob only). The FSx CSI driver is an EKS add-on on the AWS side, so it is not here.
+plugins, the DCGM exporter with a Prometheus scrape endpoint, the Kubeflow training operator
+(PyTorchJob only) and, where the plan's NVLink domain spans nodes (GB200 UltraServers), the NVIDIA DRA
+driver in ComputeDomain mode with the ComputeDomain CRD. The FSx CSI driver is an EKS add-on on the AWS side, so it is not here.
 
 The manifests are third-party software, so they live as pinned YAML files in `components/addons/`
 (and the CRD in `components/crds/`), reviewed and bumped as files. This module loads them and
@@ -18,16 +19,22 @@ from typing import Any, Mapping, Optional, Sequence
 
 import pulumi
 import pulumi_kubernetes as k8s
+import yaml
 
 from supernode.core.catalog import CATALOG
 
-from .workload_common import GpuNodes, PART_OF, load_addon, load_crd, meta
+from .workload_common import ADDON_DIR, GpuNodes, PART_OF, load_addon, load_crd, meta
 
 SYSTEM_NAMESPACE = "supernode-system"  # where the add-on files place their namespaced objects
 OPERATOR = "training-operator"
 ADDON_FILES = ("nvidia-device-plugin.yaml", "aws-efa-k8s-device-plugin.yaml", "dcgm-exporter.yaml",
                "training-operator.yaml")
 WORKLOADS = ("DaemonSet", "Deployment")  # the kinds in the add-on files that run containers
+# The NVIDIA DRA driver (ComputeDomain mode), only on plans whose NVLink domain spans nodes. One image
+# for all its containers (and the compute-domain daemons its controller launches): its images.addons
+# entry is named after the driver, not after a container.
+DRA_DRIVER = "nvidia-dra-driver-gpu"
+DRA_DRIVER_FILE = "nvidia-dra-driver.yaml"
 
 # The typed resource for each kind in the add-on files: typed resources are what the engine records,
 # `preview --manifests` validates and the policies read (a generic YAML resource would hide them).
@@ -43,6 +50,7 @@ KINDS = {
     "Role": k8s.rbac.v1.Role,
     "RoleBinding": k8s.rbac.v1.RoleBinding,
     "ValidatingWebhookConfiguration": k8s.admissionregistration.v1.ValidatingWebhookConfiguration,
+    "DeviceClass": k8s.resource.v1beta1.DeviceClass,  # resource.k8s.io/v1beta1: Kubernetes 1.33 and 1.34
 }
 
 
@@ -54,7 +62,7 @@ class AddonArgs:
     # tag its file pins.
     images: Mapping[str, str] = field(default_factory=dict)
     # The plan spans nodes over NVLink (GB200 UltraServers): install the ComputeDomain CRD the jobs'
-    # ComputeDomains need (components/crds/computedomain.yaml).
+    # ComputeDomains need (components/crds/computedomain.yaml) and the NVIDIA DRA driver that serves them.
     compute_domains: bool = False
 
 
@@ -87,10 +95,23 @@ def _image_tag(obj: dict[str, Any]) -> tuple[str, str]:
     return c["name"], c["image"].split("@", 1)[0].rsplit(":", 1)[1]
 
 
+def load_addon_objects(filename: str) -> list[dict[str, Any]]:
+    """Every object of an add-on file, in file order (for files with several objects of one kind)."""
+    return [obj for obj in yaml.safe_load_all((ADDON_DIR / filename).read_text(encoding="utf-8")) if obj]
+
+
+def _dra_driver_image() -> str:
+    """The DRA driver image as its file pins it (by tag)."""
+    return next(_pod_spec(obj)["containers"][0]["image"] for obj in load_addon_objects(DRA_DRIVER_FILE)
+                if obj["kind"] == "Deployment")
+
+
 def addon_images() -> dict[str, str]:
-    """Each add-on container's image as its file pins it (by tag): what supernode:images.addons overrides."""
-    return {c["name"]: c["image"] for f in ADDON_FILES for obj in load_addon(f).values() if obj["kind"] in WORKLOADS
-            for c in _pod_spec(obj)["containers"]}
+    """Each add-on container's image as its file pins it (by tag), and the DRA driver's image: what
+    supernode:images.addons overrides."""
+    images = {c["name"]: c["image"] for f in ADDON_FILES for obj in load_addon(f).values() if obj["kind"] in WORKLOADS
+              for c in _pod_spec(obj)["containers"]}
+    return {**images, DRA_DRIVER: _dra_driver_image()}
 
 
 def with_images(obj: dict[str, Any], images: Mapping[str, str]) -> dict[str, Any]:
@@ -143,9 +164,12 @@ class ClusterAddons(pulumi.ComponentResource):
         if args.compute_domains:
             crd = load_crd("computedomain.yaml")
             crd["metadata"]["labels"] = dict(PART_OF)
-            self.compute_domain_ready.append(k8s.apiextensions.v1.CustomResourceDefinition(
-                f"{name}-computedomain-crd", metadata=crd["metadata"], spec=crd["spec"], opts=self._child))
+            cd_crd = k8s.apiextensions.v1.CustomResourceDefinition(
+                f"{name}-computedomain-crd", metadata=crd["metadata"], spec=crd["spec"], opts=self._child)
+            self.compute_domain_ready += [cd_crd, *self._dra_driver(name, args, cd_crd)]
         self.versions = dict(_image_tag(obj) for obj in (nvidia, efa, dcgm["DaemonSet"], operator))
+        if args.compute_domains:
+            self.versions[DRA_DRIVER] = self.dra_driver_version
         self.register_outputs({"versions": self.versions, "dcgm_endpoint": self.dcgm_endpoint,
                                "scrape_annotations": self.scrape_annotations})
 
@@ -158,6 +182,48 @@ class ClusterAddons(pulumi.ComponentResource):
         opts = pulumi.ResourceOptions.merge(self._child, pulumi.ResourceOptions(**options))
         return KINDS[obj["kind"]](resource_name, metadata=meta(md["name"], namespace, md.get("labels"),
                                                               md.get("annotations")), opts=opts, **body)
+
+    def _dra_driver(self, name: str, args: AddonArgs, crd: pulumi.Resource) -> list[pulumi.Resource]:
+        """The NVIDIA DRA driver (ComputeDomain mode): service accounts, RBAC, DeviceClasses, the controller
+        Deployment and the kubelet-plugin DaemonSet on the GPU nodes. Returns what a ComputeDomain waits
+        for: both workloads ready (so their RBAC and the CRD exist) and the DeviceClasses."""
+        objs = load_addon_objects(DRA_DRIVER_FILE)
+        image = args.images.get(DRA_DRIVER, _dra_driver_image())
+        self.dra_driver_version = image.split("@", 1)[0].rsplit(":", 1)[1]
+        by_kind: dict[str, list[dict[str, Any]]] = {}
+        for obj in objs:
+            by_kind.setdefault(obj["kind"], []).append(obj)
+
+        def create(obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
+            return self._create(f"{name}-dra-{obj['kind'].lower()}-{obj['metadata']['name']}", obj, **options)
+
+        accounts = {o["metadata"]["name"]: create(o) for o in by_kind["ServiceAccount"]}
+        roles = {(o["kind"], o["metadata"]["name"]): create(o) for o in by_kind["ClusterRole"] + by_kind["Role"]}
+        bindings = []
+        for binding in by_kind["ClusterRoleBinding"] + by_kind["RoleBinding"]:
+            ref = binding["roleRef"]
+            ref["name"] = roles[ref["kind"], ref["name"]].metadata.name
+            for subject in binding["subjects"]:
+                subject.update(name=accounts[subject["name"]].metadata.name, namespace=self._ns)
+            bindings.append(create(binding))
+        classes = [create(o) for o in by_kind["DeviceClass"]]
+
+        def patched(obj: dict[str, Any]) -> dict[str, Any]:
+            pod = _pod_spec(obj)
+            pod["serviceAccountName"] = accounts[pod["serviceAccountName"]].metadata.name
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                c["image"] = image
+                for env in c.get("env", []):
+                    if env["name"] == "IMAGE_NAME":  # what the compute-domain daemons run
+                        env["value"] = image
+            return obj
+
+        after = [crd, *bindings]
+        (controller,) = by_kind["Deployment"]
+        (plugin,) = by_kind["DaemonSet"]
+        self.dra_controller = create(patched(controller), depends_on=after)
+        self.dra_kubelet_plugin = create(on_gpu_nodes(patched(plugin), args.gpu_nodes), depends_on=after)
+        return [self.dra_controller, self.dra_kubelet_plugin, *classes]
 
     def _training_operator(self, name: str, images: Mapping[str, str]) -> dict[str, Any]:
         """Kubeflow training operator limited to PyTorchJob: CRD, RBAC, validating webhook, Deployment.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from components.taints import Taint
-from components.workload_addons import regional_image
+from components.workload_addons import DRA_DRIVER, DRA_DRIVER_FILE, addon_images, load_addon_objects, regional_image
 from components.workload_common import ADDON_DIR, PART_OF, GpuNodes
 from test_workload import objects, stack_preview
 
@@ -15,10 +15,11 @@ GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true",
 def test_addon_files_pin_every_image() -> None:
     files = sorted(ADDON_DIR.glob("*.yaml"))
     assert {f.name for f in files} >= {"nvidia-device-plugin.yaml", "aws-efa-k8s-device-plugin.yaml",
-                                        "dcgm-exporter.yaml", "training-operator.yaml"}
-    images = [c["image"] for f in files for obj in yaml.safe_load_all(f.read_text()) if obj
-              for c in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])]
-    assert len(images) == 4
+                                        "dcgm-exporter.yaml", "training-operator.yaml", "nvidia-dra-driver.yaml"}
+    pods = [obj.get("spec", {}).get("template", {}).get("spec", {}) for f in files
+            for obj in yaml.safe_load_all(f.read_text()) if obj]
+    images = [c["image"] for pod in pods for c in pod.get("initContainers", []) + pod.get("containers", [])]
+    assert len(images) == 7  # 4 add-ons, and the DRA driver's controller, kubelet plugin and its init container
     for image in images:
         tag = image.rsplit("/", 1)[-1].partition(":")[2]
         assert tag and tag != "latest", image
@@ -57,3 +58,22 @@ def test_one_taint_type_from_node_groups_to_tolerations() -> None:
     assert nodes.taints == [gpu, Taint("z", "1", "NoExecute")]  # deduplicated across groups, sorted
     assert nodes.tolerations()[0] == GPU_TOLERATION
     assert gpu.kubelet_flag() == "nvidia.com/gpu=true:NoSchedule"
+
+
+def test_the_dra_driver_is_one_pinned_image_in_compute_domain_mode_only() -> None:
+    objs = load_addon_objects(DRA_DRIVER_FILE)
+    pods = {o["kind"]: o["spec"]["template"]["spec"] for o in objs if o["kind"] in ("Deployment", "DaemonSet")}
+    containers = [c for pod in pods.values() for c in pod.get("initContainers", []) + pod["containers"]]
+    assert {c["image"] for c in containers} == {addon_images()[DRA_DRIVER]}
+    # ComputeDomains only (the chart's resources.gpus.enabled=false): no gpus kubelet plugin
+    assert [c["name"] for c in pods["DaemonSet"]["containers"]] == ["compute-domains"]
+    assert [c["name"] for c in pods["Deployment"]["containers"]] == ["compute-domain"]
+    # least privilege: nothing but what the driver reads and writes, and no wildcards
+    rules = [r for o in objs if o["kind"] in ("ClusterRole", "Role") for r in o["rules"]]
+    assert all("*" not in r["verbs"] + r["resources"] + r["apiGroups"] for r in rules)
+    assert {g for r in rules for g in r["apiGroups"]} == {"", "apps", "resource.k8s.io", "resource.nvidia.com"}
+
+
+def test_the_dra_driver_only_where_the_nvlink_domain_spans_nodes() -> None:
+    _, result = stack_preview("prod")
+    assert not [key for key in objects(result) if key[0] == "DeviceClass" or "dra-driver" in key[1]]

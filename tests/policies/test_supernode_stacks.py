@@ -92,6 +92,57 @@ def test_single_node_domains_create_no_compute_domain(b300):
     assert "resourceClaims" not in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
 
 
+DRA = "nvidia-dra-driver-gpu"
+
+
+def dra_driver(manifests: list[dict]) -> list[dict]:
+    return [m for m in manifests if m["metadata"].get("labels", {}).get("app.kubernetes.io/name") == DRA
+            or m["kind"] == "DeviceClass"]
+
+
+def test_gb200_installs_the_dra_driver_in_compute_domain_mode_before_its_jobs(gb200):
+    cfg, resources = gb200
+    objs = {(m["kind"], m["metadata"]["name"]): m for m in dra_driver(MANIFESTS["gb200"])}
+    controller = objs["Deployment", f"{DRA}-controller"]
+    plugin = objs["DaemonSet", f"{DRA}-kubelet-plugin"]
+    pod = controller["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert c["command"][0] == "compute-domain-controller"
+    assert env["IMAGE_NAME"] == c["image"] and c["image"].startswith("nvcr.io/nvidia/k8s-dra-driver-gpu:v25.8")
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert pod["serviceAccountName"] == f"{DRA}-controller"
+    # ComputeDomains only (resources.gpus.enabled=false): the compute-domains plugin, no gpus container
+    pod = plugin["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["name"] == "compute-domains" and c["command"][0] == "compute-domain-kubelet-plugin"
+    assert {e["name"]: e.get("value") for e in c["env"]}["KUBELET_PLUGINS_DIRECTORY_PATH"] == "/var/lib/kubelet/plugins"
+    assert {v["hostPath"]["path"] for v in pod["volumes"]} >= {"/var/lib/kubelet/plugins_registry",
+                                                              "/var/lib/kubelet/plugins", "/var/run/cdi"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"  # on the GPU node groups
+    assert pod["serviceAccountName"] == f"{DRA}-kubeletplugin"
+    assert {c["image"] for c in pod["initContainers"] + pod["containers"]} == {controller["spec"]["template"]["spec"][
+        "containers"][0]["image"]}
+    # the channel and daemon classes, at the DRA version the 1.33 cluster serves
+    classes = {n: m["apiVersion"] for (k, n), m in objs.items() if k == "DeviceClass"}
+    assert classes == {"compute-domain-daemon.nvidia.com": "resource.k8s.io/v1beta1",
+                       "compute-domain-default-channel.nvidia.com": "resource.k8s.io/v1beta1"}
+    # the daemons the controller launches run as the account its template names
+    assert ("ServiceAccount", "compute-domain-daemon-service-account") in objs
+    # every ComputeDomain, so the trainer and the gate, waits for the driver's workloads
+    urns = {r["inputs"]["metadata"]["name"]: r["urn"] for r in resources
+            if r["type"] in (T.DEPLOYMENT, T.DAEMON_SET) and r["inputs"]["metadata"].get("name", "").startswith(DRA)}
+    assert set(urns) == {f"{DRA}-controller", f"{DRA}-kubelet-plugin"}
+    domains = [r for r in resources if r["type"] == T.COMPUTE_DOMAIN]
+    assert len(domains) == 3
+    for cd in domains:
+        assert set(urns.values()) <= set(cd["dependencies"]), cd["name"]
+
+
+def test_single_node_domains_install_no_dra_driver(b300):
+    assert dra_driver(MANIFESTS["b300"]) == []
+
+
 def test_gb200_without_a_compute_domain_fails_naming_the_fix(gb200):
     cfg, resources = gb200
     broken = [r for r in copy.deepcopy(resources) if r["type"] != T.COMPUTE_DOMAIN]

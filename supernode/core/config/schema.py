@@ -186,8 +186,10 @@ class Monitoring(_Base):
 # The digest the stack files ship with while no image has been built: `make image` prints the real
 # one. The image-placeholder policy reports every image that still carries it.
 PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
-# The add-on containers (components/addons/*.yaml) whose image a stack may set in images.addons.
-AddonImage = Literal["aws-efa-k8s-device-plugin", "dcgm-exporter", "nvidia-device-plugin", "training-operator"]
+# The add-on containers (components/addons/*.yaml) whose image a stack may set in images.addons, and the
+# NVIDIA DRA driver (one image for all its containers; installed where the NVLink domain spans nodes).
+AddonImage = Literal["aws-efa-k8s-device-plugin", "dcgm-exporter", "nvidia-device-plugin", "nvidia-dra-driver-gpu",
+                     "training-operator"]
 IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*[a-z0-9](:[\w][\w.-]{0,127})?(@sha256:[0-9a-f]{64})?$")
 
 
