@@ -4,7 +4,7 @@ labelled `app.kubernetes.io/component: serving` (components/serving.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from supernode.core.resource_types import DEPLOYMENT, K8S_SERVICE, LEADER_WORKER_SET, NETWORK_POLICY, PDB
 

@@ -159,7 +159,7 @@ def check_vocab(manifest: dict, model_vocab: int, where: str | Path) -> None:
     tok = manifest.get("tokenizer")
     name = tok.get("kind") if isinstance(tok, dict) else tok
     held = (f"holds token id {top}, outside" if isinstance(top, int) and top >= model_vocab
-            else f"was tokenized with a vocabulary larger than")
+            else "was tokenized with a vocabulary larger than")
     raise DataError(f"{where} {held} the model's vocab of {model_vocab}: its {name} tokenizer has {vocab} tokens; "
                     f"set model.vocab to at least {vocab}, or prepare the data with a tokenizer of at most "
                     f"{model_vocab} tokens")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import shutil
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -28,7 +28,7 @@ from trainer.metrics import JSONL, Metrics
 from trainer.trainer import apply_hyper_parameters, lr_factor
 
 from test_checkpoint import Position, checkpointer, make
-from test_train import ROOT, local_plan, losses, write_plan
+from test_train import ROOT, losses, write_plan
 
 
 def one_rank_plan(model: dict | None = None, **training):

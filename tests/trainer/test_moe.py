@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from trainer import moe as moe_mod
 from trainer.dispatcher import AllToAllDispatcher
 from trainer.moe import ExpertBalancer, MoE, expert_ffn, grouped_mm_applies
 

@@ -82,7 +82,7 @@ def render(report: PolicyReport, console: Console) -> None:
         detail = v.message.split("\n", 1)[-1]  # the SDK prefixes the policy description
         console.print(Text.assemble((v.enforcement, colour), " ", (v.policy, "bold"), ": ", detail))
     n = len(report.mandatory)
-    console.print(f"[green]all mandatory policies pass[/]" if not n else
+    console.print("[green]all mandatory policies pass[/]" if not n else
                   f"[bold red]{n} mandatory violation(s)[/]: fix them before deploying")
 
 

@@ -9,7 +9,6 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from ..catalog import CATALOG, SYSTEM_INSTANCE_TYPES
 from ..layout import layout_rules
