@@ -22,28 +22,20 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from supernode.core.config import load_stack
 from supernode.core.plan import Plan, build_plan
-from trainer.prepare import ShardWriter, write_manifest
+from trainer.prepare import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 32768
 
 
 def synthetic(out: Path, gb: float, shard_tokens: int = 1 << 27) -> Path:
+    """A dataset of `gb` GB of uint16 ids, kept between runs (`--dir`)."""
     if (out / "manifest.json").is_file():
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    tokens = int(gb * 1e9) // 2
-    writer, rng = ShardWriter(out, "uint16", shard_tokens), np.random.default_rng(0)
-    for start in range(0, tokens, 1 << 25):
-        writer.add(rng.integers(1, VOCAB, size=min(1 << 25, tokens - start), dtype=np.uint16))
-    shards = writer.close()
-    write_manifest(out, {"tokenizer": {"kind": "synthetic"}, "vocab": VOCAB, "dtype": "uint16", "eos": 0,
-                         "total_tokens": tokens, "max_id": max(s["max_id"] for s in shards), "shards": shards})
-    return out
+    return write_synthetic(out, int(gb * 1e9) // 2, VOCAB, shard_tokens=shard_tokens)
 
 
 def _status() -> dict:

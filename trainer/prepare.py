@@ -156,6 +156,19 @@ def write_manifest(out: Path, manifest: dict) -> dict:
     return manifest
 
 
+def write_synthetic(out: Path, tokens: int, vocab: int, seed: int = 0, shard_tokens: int = 1 << 20) -> Path:
+    """Random uint16 token ids (1..vocab-1) through the same shard writer and manifest as `prepare`:
+    datasets of any size for tests and benchmarks, written in 4 Mi-token blocks."""
+    out.mkdir(parents=True, exist_ok=True)
+    writer, rng = ShardWriter(out, "uint16", shard_tokens), np.random.default_rng(seed)
+    for start in range(0, tokens, 1 << 22):
+        writer.add(rng.integers(1, vocab, size=min(1 << 22, tokens - start), dtype=np.uint16))
+    shards = writer.close()
+    write_manifest(out, {"tokenizer": {"kind": "synthetic"}, "vocab": vocab, "dtype": "uint16", "eos": 0,
+                         "total_tokens": tokens, "max_id": max(s["max_id"] for s in shards), "shards": shards})
+    return out
+
+
 def _settings_key(paths: Sequence[Path], tokenizer: str, shard_tokens: int, chunk_bytes: int) -> str:
     inputs = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in paths]
     return hashlib.sha256(json.dumps([FORMAT, inputs, tokenizer, shard_tokens, chunk_bytes]).encode()).hexdigest()

@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -53,3 +54,12 @@ def spawn(fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any) ->
     if missing:
         raise AssertionError(f"ranks {missing} exited without a result (crashed or killed)")
     return [found[rank][0] for rank in range(world_size)]
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A one-rank gloo process group, for code that needs torch.distributed without spawning."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import random
 import shutil
-from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from trainer.checkpoint import COMPLETE, CheckpointMismatch, Checkpointer, complete_checkpoints, train_state
 
@@ -47,14 +45,6 @@ def train_steps(model, opt, sched, n: int) -> None:
         opt.step()
         sched.step()
         opt.zero_grad()
-
-
-@pytest.fixture
-def group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("async_save", [True, False])

@@ -120,20 +120,11 @@ import numpy as np
 from trainer import manifest as manifest_module
 from trainer.data import permute
 from trainer.manifest import VERIFIED, ensure_verified
-from trainer.prepare import ShardWriter, write_manifest
+from trainer.prepare import write_synthetic
 
 
 def synthetic(out: Path, tokens: int, vocab: int = 1000, seed: int = 0, shard_tokens: int = 1 << 20) -> Path:
-    """Random token shards through the same writer and manifest as `prepare`."""
-    out.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(out, "uint16", shard_tokens)
-    rng = np.random.default_rng(seed)
-    for start in range(0, tokens, 1 << 22):
-        writer.add(rng.integers(1, vocab, size=min(1 << 22, tokens - start), dtype=np.uint16))
-    shards = writer.close()
-    write_manifest(out, {"tokenizer": {"kind": "synthetic"}, "vocab": vocab, "dtype": "uint16", "eos": 0,
-                         "total_tokens": tokens, "max_id": max(s["max_id"] for s in shards), "shards": shards})
-    return out
+    return write_synthetic(out, tokens, vocab, seed, shard_tokens)
 
 
 def test_permutation_is_a_bijection_fixed_by_its_key():

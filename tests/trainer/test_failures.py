@@ -11,12 +11,10 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from supernode.cli import main as cli
 from supernode.core.config import from_mapping, load_stack
@@ -104,14 +102,6 @@ def data_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tokens")
     prepare(DEFAULT_CORPUS, out, shard_tokens=1 << 16)
     return out
-
-
-@pytest.fixture
-def group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
