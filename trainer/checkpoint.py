@@ -88,20 +88,28 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-def _is_no_space(exc: BaseException) -> bool:
-    seen: set[int] = set()
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc`, its causes and contexts, and the per-rank failures a CheckpointException carries."""
+    seen: dict[int, BaseException] = {}
     todo = [exc]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
             continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
+        seen[id(e)] = e
         if isinstance(e, CheckpointException):
             todo.extend(f[0] if isinstance(f, tuple) else f for f in e.failures.values())
         todo.extend([e.__cause__, e.__context__])
-    return False
+    return list(seen.values())
+
+
+def _is_no_space(exc: BaseException) -> bool:
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _chain(exc))
+
+
+def _is_write_error(exc: BaseException) -> bool:
+    """A failed write without an errno: torch's zip writer reports a full disk as "unexpected pos"."""
+    return any(isinstance(e, OSError) or "unexpected pos" in str(e) for e in _chain(exc))
 
 
 class OutDirLock:
@@ -279,7 +287,8 @@ class Checkpointer:
         dist.all_gather_object(ranks, _rng_state(), group=self.group)
         rng = {"world_size": self.world, "ranks": pickle.dumps(ranks)}
         state = self._state(step, rng)
-        self._save_bytes = _nbytes(state) * self.world
+        self._rank_bytes = _nbytes(state)  # what this rank writes
+        self._save_bytes = self._rank_bytes * self.world
         tmp = _step_dir(self.root, step, tmp=True)
         try:
             if inject("enospc") == str(step):
@@ -301,8 +310,9 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(self.root).free if self.root.exists() else 0
-        # torch's zip writer reports a full disk as "unexpected pos", so also judge by the free space.
-        if _is_no_space(exc) or free < self._save_bytes:
+        # A write error without an errno counts as a full disk only when this rank's own part would not
+        # fit: other failures (a lost peer) stay retryable, however large the whole checkpoint is.
+        if _is_no_space(exc) or (_is_write_error(exc) and free < self._rank_bytes):
             raise NoSpace(f"no space left on {self.root}: the checkpoint of step {step} needs "
                           f"~{self._save_bytes / 1e6:,.0f} MB, {free / 1e6:,.0f} MB are free; free space, "
                           "then run again to resume from the last checkpoint") from None

@@ -49,6 +49,7 @@ from supernode.core.errors import EXIT_BAD_INPUT, BadInput
 from supernode.core.plan import Plan
 
 from .checkpoint import inject
+from .inventory import instance_id
 
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
@@ -130,13 +131,9 @@ def node_identity() -> dict[str, Any]:
     """What names this node in a report: the Kubernetes node (downward API NODE_NAME) or host name,
     the EC2 instance id (Nitro publishes it as the DMI board asset tag, readable without the
     instance metadata service, which pods may not reach), and the GPU and EFA device counts."""
-    try:
-        asset = Path("/sys/devices/virtual/dmi/id/board_asset_tag").read_text(encoding="utf-8").strip()
-    except OSError:
-        asset = ""
     efa = Path("/sys/class/infiniband")
     return {"node": os.environ.get("NODE_NAME") or socket.gethostname(),
-            "instance_id": asset if asset.startswith("i-") else None,
+            "instance_id": instance_id(),
             "gpus": torch.cuda.device_count(),
             "efa": len(list(efa.iterdir())) if efa.is_dir() else 0}
 

@@ -179,7 +179,7 @@ class Trainer:
         sync = torch.stack([loss_sum / accum, torch.tensor(float(stop_term), device=device),
                             torch.tensor(float(stop_interrupt), device=device), bad.float()])
         dist.all_reduce(sync)
-        loss_total, term, interrupt, bad_ranks = sync.tolist()
+        loss_total, term, interrupt, bad_ranks, norm = torch.cat([sync, grad_norm.reshape(1)]).tolist()
         self.checkpointer.wait_for_staging()  # an async save copies the weights while this step computed
         skipped = bad_ranks > 0
         if skipped:  # a non-finite update would poison the weights and every later checkpoint
@@ -190,7 +190,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()  # the schedule follows the step count either way
         # Every rank of the last stage holds its data-parallel slice's loss (tensor-parallel ranks alike).
-        return StepResult(loss=loss_total / (dist.get_world_size() // self.dims.pp), grad_norm=float(grad_norm),
+        return StepResult(loss=loss_total / (dist.get_world_size() // self.dims.pp), grad_norm=norm,
                           skipped=skipped, stop_term=term > 0, stop_interrupt=interrupt > 0)
 
     def _stage_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -213,8 +213,9 @@ class Trainer:
 
     def finite_params(self) -> bool:
         """All ranks agree whether every weight is finite (checked before a checkpoint is written)."""
-        ok = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
-                 for p in self.model.parameters())
-        flag = torch.tensor(0.0 if ok else 1.0, device=self.device)
+        # One reduction on the device, one host read: not a sync per parameter.
+        finite = torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
+                              for p in self.model.parameters()]).all()
+        flag = (~finite).float().to(self.device)
         dist.all_reduce(flag)
         return flag.item() == 0

@@ -14,6 +14,10 @@ from pydantic import BaseModel
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
+# Errors about a path itself (not the disk or the device): what a user fixes by giving another path.
+PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
 class BadInput(Exception):
     """A flag, file or value the user gave is unusable: printed as one message, exit 2."""
 
@@ -45,4 +49,6 @@ def bad_input_lines(exc: BaseException) -> Optional[list[str]]:
         return [head, *(f"  {issue}" for issue in exc.issues)]
     if isinstance(exc, BadInput):
         return [f"error: {exc}"]
+    if isinstance(exc, PATH_ERRORS) and exc.filename:  # a path the user gave cannot be used as given
+        return [f"error: {exc.filename}: {exc.strerror}"]
     return None

@@ -163,6 +163,7 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
         domains=-(-world // domain), domain_hbm_gib=domain * hw.hbm_gib, replica_state_gib=replica_state / GIB,
         replica_domains=replica_domains, replica_fits=replica_state <= shard_group * usable,
         placement=place(p, domain))
+    pipe = cap.pipeline(m, p, t)  # micro-batches per step, stages, bubble: one figure for all readers
     return Plan(
         stack=stack, local=local, instance_type=hw.name, nodes=cfg.nodes, accelerators_per_node=hw.accelerators,
         world_size=world, degrees=Degrees(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep, pp=p.pp),
@@ -170,7 +171,7 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
         memory=mem, memory_per_rank_gib=mem.total_gib, hbm_gib=hw.hbm_gib, usable_hbm_gib=usable / GIB, fits=fits,
         over_by_gib=max(0.0, (mem.total - usable) / GIB),
         suggestions=[] if fits or local else cap.suggest(m, p, t, hw, domain=domain),
-        micro_batches_per_step=t.global_batch // (t.micro_batch * p.dp), pipeline=cap.pipeline(m, p, t),
+        micro_batches_per_step=pipe.micro_batches, pipeline=pipe,
         step=st, topology=topology, checkpoint=ckpt,
         gate_floor_gbytes_s=gate_floor_gbytes_s(hw.name, cfg.workload.gate_min_fraction),
         pod=cap.PodShape.for_node(hw, cfg.workload.hugepages_2mi_gib), cost_per_hour_usd=per_hour, run_hours=hours, run_cost_usd=total,

@@ -10,7 +10,6 @@ differs from ours is deleted before anything is uploaded, for the same reason.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,6 +18,8 @@ from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import ClientError
 
 from trainer.manifest import MANIFEST, ensure_verified
+
+from ..core.files import sha256_file
 
 PART_BYTES = 64 << 20
 
@@ -37,7 +38,7 @@ def objects(data_dir: Path, manifest: dict) -> list[tuple[str, str]]:
     tok = manifest.get("tokenizer")
     if isinstance(tok, dict) and tok.get("file"):
         files.append((tok["file"], tok["sha256"]))
-    return files + [(MANIFEST, hashlib.sha256((data_dir / MANIFEST).read_bytes()).hexdigest())]
+    return files + [(MANIFEST, sha256_file(data_dir / MANIFEST))]
 
 
 def _remote(s3: Any, bucket: str, key: str) -> Optional[str]:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..core.plan import Plan
+from ..core.plan import PLAN_MOUNT_PATH, Plan
 from .awscheck import Aws, describe_error
 
 STEP_MARKER = re.compile(r"^(?P<dir>(?:.*/)?step_(?P<step>\d{8})/)COMPLETE$")
@@ -105,7 +105,7 @@ def cluster_command(plan: Plan, path: str) -> list[str]:
     """How a model too large for one CPU host is loaded: a resume from the restored directory on the
     GPU nodes (torchrun per node, as the PyTorchJob runs the trainer)."""
     return ["python", "-m", "torch.distributed.run", "--nnodes", str(plan.nodes), "--nproc-per-node",
-            str(plan.accelerators_per_node), "-m", "trainer.train", "--plan", "/etc/supernode/plan.json",
+            str(plan.accelerators_per_node), "-m", "trainer.train", "--plan", PLAN_MOUNT_PATH,
             "--out", path]
 
 

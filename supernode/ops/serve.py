@@ -46,8 +46,8 @@ def verify_export(model_dir: Path, manifest_sha256: Optional[str] = None) -> dic
     if not path.is_file():
         raise BadInput(f"--model {model_dir}: no {MANIFEST}; export a checkpoint first "
                        "(supernode export --stack S --local --checkpoint DIR --out DIR)")
-    if manifest_sha256 and sha256_file(path) != manifest_sha256:
-        raise BadInput(f"{path}: sha256 {sha256_file(path)} is not inference.manifestSha256 {manifest_sha256}")
+    if manifest_sha256 and (digest := sha256_file(path)) != manifest_sha256:
+        raise BadInput(f"{path}: sha256 {digest} is not inference.manifestSha256 {manifest_sha256}")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         files = {str(k): str(v["sha256"]) for k, v in manifest["files"].items()}
