@@ -32,7 +32,9 @@ import yaml
 from supernode.core.config import StackConfig
 from supernode.core.config import Workload as WorkloadConfig
 
+from .monitoring import DCGM_SCRAPE_JOB, PROMETHEUS_NAMESPACE, TRAINER_SCRAPE_JOB
 from .queues import EXPERIMENTS, job_labels
+from .workload_addons import SYSTEM_NAMESPACE
 from .workload_common import MESH_LABEL, GpuNodes, dns_name, meta
 from .workload_jobs import (BASELINE_MOUNT, FABRIC_BASELINE, METRICS_SCRAPER_NAMESPACE, BaselineStore, JobArgs,
                             compute_domain, fabric_job_spec, fabric_pod_template, headless_service, mesh_policy,
@@ -42,9 +44,7 @@ OPS_NAMESPACE = "supernode-ops"
 INVENTORY_SA = "inventory"
 STACK_CONFIGMAP, STACK_MOUNT = "supernode-stack", "/etc/supernode-stack"
 DRILL_MOUNT = "/restore"  # the drill restores into FSx (drills/): a checkpoint may not fit a node's disk
-PROMETHEUS_NAMESPACE = "ContainerInsights/Prometheus"  # as components/monitoring.py reads it
-TRAINER_SCRAPE_JOB, DCGM_SCRAPE_JOB = "supernode-trainer", "dcgm-exporter"
-DCGM_NAMESPACE = "supernode-system"  # components/workload_addons.SYSTEM_NAMESPACE
+DCGM_NAMESPACE = SYSTEM_NAMESPACE  # where the add-ons (our DCGM exporter among them) run
 # Which scraped series become CloudWatch metrics, and their dimensions (one declaration per set).
 METRIC_DECLARATIONS = [
     {"source_labels": ["job"], "label_matcher": f"^{TRAINER_SCRAPE_JOB}$",
