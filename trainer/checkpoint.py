@@ -3,12 +3,17 @@
 A checkpoint for step N is written into `ROOT/.tmp-step_0000000N/`; when every rank has written it
 (DCP's coordinator writes `.metadata` last), rank 0 writes the `COMPLETE` marker into it (the sha256
 of every file, the step, and the run's model and training settings) and renames it to
-`ROOT/step_0000000N/`. `latest()` considers only directories with the marker, so a crash at any
+`ROOT/step_0000000N/`. Each rank hashes its own files while it writes them, in the background
+save (`_DigestingWriter`: ~1/128 of a prod checkpoint per rank, not all of it on rank 0), and leaves
+the digests in `.sha256.<rank>`; the commit merges those small files and refuses a checkpoint with
+a file no rank vouched for. `latest()` considers only directories with the marker, so a crash at any
 moment of a save leaves the previous checkpoint as the one to resume from. A committed checkpoint of
 the same step is moved aside (`.old-step_N`), not deleted, until the new one is in place.
 
-`restore` checks the files against the marker's sha256 (rank 0 reads every byte: a full read of the
-checkpoint per start) and falls back to the newest checkpoint that verifies, saying so.
+`restore` checks the files against the marker's sha256, split across the ranks (file i of the sorted
+names by rank i % world, whatever world size wrote it; one all_gather for the verdict), and falls
+back to the newest checkpoint that verifies, saying so. `Checkpointer.problem(path)` alone checks
+every file in one process (the restore drill, the export).
 
 What is saved: the training state registered once with the checkpointer (`train_state`: model and
 optimizer through `get_model_state_dict` / `get_optimizer_state_dict`, sharded FSDP/TP/EP DTensors
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
+import io
 import json
 import os
 import pickle
@@ -33,6 +40,7 @@ import shutil
 import socket
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
@@ -41,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
@@ -50,6 +59,7 @@ from supernode.core.files import sha256_file
 
 COMPLETE = "COMPLETE"
 PREFIX, TMP_PREFIX, OLD_PREFIX = "step_", ".tmp-step_", ".old-step_"
+DIGESTS = ".sha256."  # `.sha256.<rank>`: the digests of the files one rank wrote, in a save's temporary directory
 LOCK = ".lock"
 # Test hook: "enospc@N" makes the save of step N fail as a full disk does (errno ENOSPC).
 INJECT_ENV = "SUPERNODE_INJECT_FAULT"
@@ -65,6 +75,10 @@ class CheckpointCorrupt(Exception):
 
 class NoSpace(Exception):
     """A checkpoint could not be written for lack of space: retrying onto the same disk cannot help."""
+
+
+class MissingDigest(Exception):
+    """A save left a file that no rank's digest file covers: it is not committed."""
 
 
 def inject(fault: str) -> Optional[str]:
@@ -160,6 +174,87 @@ class OutDirLock:
         if self._f is not None:
             self._f.close()  # closing the descriptor drops the flock
             self._f = None
+
+
+class _Digesting:
+    """A checkpoint file being written, hashed on the way: DCP writes each file front to back, so
+    the digest is the file's without reading it back (9 GB per rank at prod scale)."""
+
+    def __init__(self, f: Any):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, b: Any) -> int:
+        self.sha.update(b)
+        return self.f.write(b)
+
+    def writelines(self, lines: Any) -> None:
+        for b in lines:
+            self.write(b)
+
+    def seek(self, *args: Any) -> int:  # a rewrite would make the digest wrong: fail loudly, never silently
+        raise io.UnsupportedOperation("checkpoint files are hashed while written: front to back only")
+
+    truncate = seek
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno (for fsync), close
+        return getattr(self.f, name)
+
+
+class _DigestingFileSystem(FileSystem):
+    def __init__(self) -> None:
+        self.digests: dict[str, str] = {}  # file name -> sha256 of what was written
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str):
+        with super().create_stream(path, mode) as f:
+            if "w" not in mode:
+                yield f
+                return
+            stream = _Digesting(f)
+            yield stream
+        self.digests[Path(path).name] = stream.sha.hexdigest()  # only once written and closed
+
+
+class _DigestingWriter(FileSystemWriter):
+    """DCP's file writer, plus: each rank records the sha256 of the files it wrote (`__<rank>_*`) in
+    `.sha256.<rank>` once they are written, and the coordinator that of `.metadata` in
+    `.sha256.metadata`. DCP finishes on the coordinator only after every rank's write_data has
+    returned, so all digest files exist when rank 0 commits: no extra collective, no re-read."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.fs = _DigestingFileSystem()
+
+    def _record(self, who: str) -> None:
+        digests, self.fs.digests = self.fs.digests, {}
+        with (Path(self.path) / f"{DIGESTS}{who}").open("w", encoding="utf-8") as f:
+            json.dump(digests, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+        written.wait()  # FileSystemWriter writes synchronously; raises if a write failed
+        self._record(str(self.rank))
+        return written
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)  # writes `.metadata.tmp`, then renames it `.metadata`
+        self.fs.digests = {name.removesuffix(".tmp"): d for name, d in self.fs.digests.items()}
+        self._record("metadata")
+
+
+def _merge_digests(tmp: Path) -> dict[str, str]:
+    """The marker's files: every file of a written save with the digest its writer recorded."""
+    digests: dict[str, str] = {}
+    for part in sorted(tmp.glob(DIGESTS + "*")):
+        digests.update(json.loads(part.read_text(encoding="utf-8")))
+    files = sorted(p.name for p in tmp.iterdir() if p.is_file() and not p.name.startswith(DIGESTS))
+    undigested = [name for name in files if name not in digests]
+    if undigested:
+        raise MissingDigest(f"checkpoint {tmp} not committed: no rank recorded a sha256 for "
+                            f"{', '.join(undigested)} (its {DIGESTS}<rank> file is missing)")
+    return {name: digests[name] for name in files}
 
 
 class Stateful(Protocol):
@@ -294,10 +389,11 @@ class Checkpointer:
             if inject("enospc") == str(step):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
             if self.async_save and not sync:
-                response = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, async_stager=self._stager)
+                response = dcp.async_save(state, storage_writer=_DigestingWriter(tmp), process_group=self.group,
+                                          async_stager=self._stager)
                 self._staging, self._pending = response.staging_completion, (step, response.upload_completion)
             else:
-                dcp.save(state, checkpoint_id=tmp, process_group=self.group)
+                dcp.save(state, storage_writer=_DigestingWriter(tmp), process_group=self.group)
                 self._commit(step)
         except Exception as e:
             self._failed(e, step)
@@ -341,23 +437,25 @@ class Checkpointer:
             self._pending = None
             try:
                 fut.result()  # raises if the write failed: the checkpoint then stays uncommitted
+                self._commit(step)
             except Exception as e:
                 self._failed(e, step)
                 raise
-            self._commit(step)
 
     def _commit(self, step: int) -> None:
         # DCP's coordinator (rank 0) finishes only after every rank's writes are reported, so
-        # rank 0 alone can publish the directory.
+        # rank 0 alone can publish the directory. No collective here: ranks poll at different times.
         if self.rank != 0:
             return
         tmp, final = _step_dir(self.root, step, tmp=True), _step_dir(self.root, step)
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = _merge_digests(tmp)
         marker = tmp / COMPLETE
         with marker.open("w", encoding="utf-8") as f:
             json.dump({"step": step, "world_size": self.world, "time": time.time(), "files": files, **self.meta}, f)
             f.flush()
             os.fsync(f.fileno())
+        for part in tmp.glob(DIGESTS + "*"):  # merged into the marker
+            part.unlink()
         aside = self.root / (OLD_PREFIX + final.name[len(PREFIX):])
         if final.exists():  # the same step again (a resume from an earlier one, or a leftover): keep it
             os.replace(final, aside)  # until the new one is in place; start-up puts it back after a crash
@@ -383,33 +481,45 @@ class Checkpointer:
             return {}
 
     @classmethod
-    def problem(cls, path: Path) -> Optional[str]:
-        """Why the checkpoint at `path` cannot be trusted (a file missing or not matching its
-        recorded sha256), or None. Checkpoints from before checksums carry no "files": trusted."""
+    def problem(cls, path: Path, share: tuple[int, int] = (0, 1)) -> Optional[str]:
+        """Why the checkpoint at `path` cannot be trusted (a file missing, unreadable or not matching
+        its recorded sha256), or None. Checkpoints from before checksums carry no "files": trusted.
+        `share` (rank, world): check only the files whose index in name order is rank modulo world,
+        so that `world` processes check every file once between them; (0, 1), all: one process."""
         files = cls.marker(path).get("files")
         if not isinstance(files, dict):
             return None if (path / COMPLETE).is_file() else f"{path / COMPLETE} is unreadable"
-        for name, digest in files.items():
+        rank, world = share
+        for name in sorted(files)[rank::world]:
             f = path / name
             if not f.is_file():
                 return f"{f} is missing"
-            if sha256_file(f) != digest:
-                return f"{f} does not match its recorded sha256"
+            try:
+                if sha256_file(f) != files[name]:
+                    return f"{f} does not match its recorded sha256"
+            except OSError as e:  # one rank's read error must not leave the others waiting for its verdict
+                return f"{f} cannot be read ({e.strerror or e})"
         return None
 
     def _choose(self) -> tuple[Optional[tuple[int, Path]], Optional[str]]:
-        """Rank 0: the newest checkpoint that verifies, or (None, why none can be used)."""
-        found = complete_checkpoints(self.root)
+        """The newest checkpoint that verifies, or (None, why none can be used). Collective: every
+        rank checks its share of each candidate's files and all take the same verdict."""
+        found = [complete_checkpoints(self.root) if self.rank == 0 else None]
+        # Every rank must consider the same checkpoints, as rank 0 lists them.
+        dist.broadcast_object_list(found, src=0, group=self.group)
+        say = self.say if self.rank == 0 else (lambda line: None)
         bad = []
-        for step, path in reversed(found):
-            why = self.problem(path)
+        for step, path in reversed(found[0]):
+            verdicts: list[Optional[str]] = [None] * self.world
+            dist.all_gather_object(verdicts, self.problem(path, (self.rank, self.world)), group=self.group)
+            why = next((v for v in verdicts if v is not None), None)
             if why is None:
                 if bad:
-                    self.say(f"checkpoint {bad[0]}; resuming from the previous complete checkpoint, step {step}")
+                    say(f"checkpoint {bad[0]}; resuming from the previous complete checkpoint, step {step}")
                 return (step, path), None
             bad.append(f"{path} is corrupt ({why})")
             if len(bad) > 1:
-                self.say(f"checkpoint {bad[-1]}")
+                say(f"checkpoint {bad[-1]}")
         if bad:
             return None, (f"no usable checkpoint in {self.root}: {'; '.join(bad)}; move the corrupt ones away "
                           "to start from step 0, or restore them from a copy")
@@ -418,10 +528,7 @@ class Checkpointer:
     def restore(self) -> int:
         """Load the newest complete checkpoint that verifies into the registered state; returns its
         step (0: none). Raises CheckpointCorrupt when checkpoints exist but none verifies."""
-        # Every rank must pick the same checkpoint even if rank 0 commits one meanwhile.
-        choice = [self._choose() if self.rank == 0 else None]
-        dist.broadcast_object_list(choice, src=0, group=self.group)
-        picked, error = choice[0]
+        picked, error = self._choose()
         if error:
             raise CheckpointCorrupt(error)
         if picked is None:
@@ -450,5 +557,5 @@ class Checkpointer:
         return int(state["step"])
 
 
-__all__ = ["Checkpointer", "CheckpointMismatch", "CheckpointCorrupt", "NoSpace", "OutDirLock",
+__all__ = ["Checkpointer", "CheckpointMismatch", "CheckpointCorrupt", "NoSpace", "MissingDigest", "OutDirLock",
            "complete_checkpoints", "COMPLETE", "train_state"]

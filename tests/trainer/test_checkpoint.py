@@ -1,16 +1,24 @@
 """Checkpoints: async and sync saves round-trip the whole training state, commits are atomic,
-only complete checkpoints are resumed from, and only the newest `keep` are kept."""
+only complete checkpoints are resumed from, and only the newest `keep` are kept. Each rank hashes
+the files it wrote; a restore verifies each file once, split across the ranks at any world size."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
-from trainer.checkpoint import COMPLETE, CheckpointMismatch, Checkpointer, complete_checkpoints, train_state
+import trainer.checkpoint
+from supernode.core.files import sha256_file
+from trainer.checkpoint import (COMPLETE, CheckpointMismatch, Checkpointer, MissingDigest, complete_checkpoints,
+                                train_state)
 
 
 class Position:
@@ -26,9 +34,15 @@ class Position:
         self.sd = dict(sd)
 
 
-def make(seed: int):
+def make(seed: int, world: int = 1):
+    """A small model, optimizer and schedule; with `world` > 1 its parameters are sharded over the
+    ranks (FSDP2, uneven shards), as the trainer shards them."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     return model, opt, sched
@@ -45,6 +59,25 @@ def train_steps(model, opt, sched, n: int) -> None:
         opt.step()
         sched.step()
         opt.zero_grad()
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def counting_hashes():
+    """The names of the files the checkpointer hashes in this process, in order."""
+    hashed: list[str] = []
+
+    def counted(path):
+        hashed.append(Path(path).name)
+        return sha256_file(path)
+    trainer.checkpoint.sha256_file = counted
+    try:
+        yield hashed
+    finally:
+        trainer.checkpoint.sha256_file = sha256_file
 
 
 @pytest.mark.parametrize("async_save", [True, False])
@@ -154,3 +187,88 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(group, tmp_path):
     with pytest.raises(CheckpointMismatch, match=r"step_00000001 does not fit this model and optimizer .*Size mismatch"):
         checkpointer(tmp_path / "ck", other, other_opt, torch.optim.lr_scheduler.LambdaLR(other_opt, lambda s: 1.0),
                      keep=1).restore()
+
+
+# -- checksums at scale: each rank hashes its own files, a restore splits the check --------------
+
+def save_three_steps(rank: int, world: int, root: Path):
+    """Rank `rank` of `world`: saves steps 2, 4, 6 (async), each stopped between the write and the
+    commit so that rank 0 can read the ranks' digest files; the digest of rank 1 is removed before
+    step 6 commits. Returns (rank 0) {step: (digest files, data files)} and the weights of step 4."""
+    model, opt, sched = make(0, world)
+    ck = checkpointer(root, model, opt, sched, keep=3)
+    seen, saved = {}, {}
+    for step in (2, 4, 6):
+        train_steps(model, opt, sched, 1)
+        ck.save(step)
+        if step == 4:
+            saved = full_weights(model)
+        ck.wait_for_staging()
+        ck._pending[1].result()  # written by every rank, not committed yet
+        dist.barrier()
+        tmp = root / f".tmp-step_{step:08d}"
+        if rank == 0:
+            seen[step] = ({p.name: json.loads(p.read_text()) for p in tmp.glob(".sha256.*")},
+                          sorted(p.name for p in tmp.iterdir() if not p.name.startswith(".sha256.")))
+        if step == 6 and rank == 0:
+            (tmp / ".sha256.1").unlink()
+            with pytest.raises(MissingDigest, match=rf"checkpoint {tmp} not committed: no rank recorded a sha256 "
+                                                    r"for __1_0\.distcp \(its \.sha256\.<rank> file is missing\)"):
+                ck.wait()
+        else:
+            ck.wait()
+        dist.barrier()
+    ck.close()
+    return seen, saved
+
+
+def restore_counting_hashes(rank: int, world: int, root: Path):
+    model, opt, sched = make(1, world)
+    with counting_hashes() as hashed:
+        step = checkpointer(root, model, opt, sched, keep=3).restore()
+    return step, hashed, full_weights(model)
+
+
+@pytest.mark.slow
+def test_each_rank_hashes_its_files_and_a_restore_at_another_world_size_checks_each_once(tmp_path):
+    from conftest import spawn
+    root = tmp_path / "ck"
+    seen, saved = spawn(save_three_steps, 3, tmp_path / "save", root)[0]
+    for step, (digests, files) in seen.items():
+        assert sorted(digests) == [".sha256.0", ".sha256.1", ".sha256.2", ".sha256.metadata"]
+        for rank in range(3):  # exactly the files rank r wrote, with the digests of their bytes
+            assert sorted(digests[f".sha256.{rank}"]) == [f for f in files if f.startswith(f"__{rank}_")] != []
+        assert list(digests[".sha256.metadata"]) == [".metadata"]
+        assert len(files) == 4
+    # Step 6 lacked rank 1's digests: not committed, its partial directory gone.
+    assert [s for s, _ in complete_checkpoints(root)] == [2, 4]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
+    for step, path in complete_checkpoints(root):  # the merged marker is the serial hash of every file
+        on_disk = {p.name: sha256_file(p) for p in path.iterdir() if p.name != COMPLETE}
+        assert Checkpointer.marker(path)["files"] == on_disk
+        assert sorted(on_disk) == seen[step][1]  # the digest files were merged, not kept
+        assert Checkpointer.problem(path) is None  # one process checks every file (drill, export)
+
+    ranks = spawn(restore_counting_hashes, 2, tmp_path / "restore", root)  # written by 3 ranks, read by 2
+    assert [step for step, _, _ in ranks] == [4, 4]
+    hashed = [names for _, names, _ in ranks]
+    assert all(hashed) and sorted(hashed[0] + hashed[1]) == sorted(seen[4][1])  # every file once, none twice
+    for _, _, weights in ranks:
+        assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in saved)
+
+
+def test_a_save_with_a_missing_digest_file_is_not_committed(group, tmp_path):
+    model, opt, sched = make(0)
+    ck = checkpointer(tmp_path, model, opt, sched, keep=2)
+    ck.save(1)
+    ck.wait()
+    ck.save(2)
+    ck.wait_for_staging()
+    ck._pending[1].result()
+    (tmp_path / ".tmp-step_00000002" / ".sha256.metadata").unlink()
+    with pytest.raises(MissingDigest, match=r"no rank recorded a sha256 for \.metadata"):
+        ck.wait()
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [1] and not list(tmp_path.glob(".tmp-*"))
+    ck.save(3)  # the next save is unaffected
+    ck.close()
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [1, 3]

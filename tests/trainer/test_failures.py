@@ -15,17 +15,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from supernode.cli import main as cli
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.errors import BadInput
 from supernode.core.plan import build_local_plan
-from trainer.checkpoint import COMPLETE, CheckpointCorrupt, CheckpointMismatch, OutDirLock, complete_checkpoints
+from trainer.checkpoint import (COMPLETE, CheckpointCorrupt, CheckpointMismatch, Checkpointer, OutDirLock,
+                                complete_checkpoints)
 from trainer.data import DEFAULT_CORPUS, DataError, prepare, verify
 from trainer.metrics import JSONL, Metrics
 from trainer.trainer import apply_hyper_parameters, lr_factor
 
-from test_checkpoint import Position, checkpointer, make
+from test_checkpoint import Position, checkpointer, counting_hashes, make, train_steps
 from test_train import ROOT, losses, write_plan
 
 
@@ -183,6 +185,41 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(group, tmp_p
     with pytest.raises(CheckpointCorrupt, match=r"no usable checkpoint in .*step_00000004 is corrupt.*"
                                                 r"step_00000002 is corrupt \(.*\.metadata does not match"):
         ck.restore()
+
+
+def corrupt_a_file_rank_1_checks(rank: int, world: int, root: Path):
+    """Two ranks save steps 2 and 4; rank 0 flips bytes in the file of step 4 that rank 1 checks on
+    restore (the second in name order), then both restore, counting what each hashes."""
+    model, opt, sched = make(0, world)
+    ck = checkpointer(root, model, opt, sched, keep=3, async_save=False)
+    ck.save(2)
+    train_steps(model, opt, sched, 1)
+    ck.save(4)
+    dist.barrier()  # rank 0 has committed step 4
+    path = root / "step_00000004"
+    corrupt = sorted(Checkpointer.marker(path)["files"])[1]
+    if rank == 0:
+        flip(path / corrupt)
+    dist.barrier()
+    said: list[str] = []
+    with counting_hashes() as hashed:
+        step = checkpointer(root, *make(1, world), keep=3, say=said.append).restore()
+    return step, said, hashed, corrupt
+
+
+@pytest.mark.slow
+def test_a_corrupt_file_that_another_rank_checks_still_falls_back(tmp_path):
+    from conftest import spawn
+    root = tmp_path / "ck"
+    ranks = spawn(corrupt_a_file_rank_1_checks, 2, tmp_path, root)
+    (step0, said0, hashed0, corrupt), (step1, said1, hashed1, _) = ranks
+    assert corrupt == "__0_0.distcp"  # written by rank 0, checked by rank 1
+    assert corrupt in hashed1 and corrupt not in hashed0
+    assert step0 == step1 == 2  # both ranks fall back together
+    path = root / "step_00000004"
+    assert said0 == [f"checkpoint {path} is corrupt ({path / corrupt} does not match its recorded sha256); "
+                     "resuming from the previous complete checkpoint, step 2"]
+    assert said1 == []  # said once, by rank 0
 
 
 # 4 -----------------------------------------------------------------------------------------------

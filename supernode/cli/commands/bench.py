@@ -9,7 +9,7 @@ from ...core.errors import BadInput
 BENCHES = {
     "preview": "bench.preview",  # offline preview cost: prod vs a 4x larger stack
     "moe": "bench.moe",  # MoE layer throughput and all-to-all volume; --compare torchtitan: side by side
-    "checkpoint": "bench.checkpoint",  # async vs sync checkpoint stall
+    "checkpoint": "bench.checkpoint",  # async vs sync checkpoint stall; per-rank vs rank-0 sha256
     "data": "bench.data",  # loader tokens/s vs the plan's need; resident memory at 0.5 vs 2 GB
     "memory": "bench.memory",  # the planner's memory per rank against a real build and step
     "gpu": "bench.gpu",  # on a GPU machine: MoE layer (NCCL EP), bench memory vs the planner, model MFU
