@@ -4,7 +4,10 @@ Preparing and verifying data lives in trainer.prepare, trainer.tokenizer and tra
 (re-exported here). Each dataset is read as one token stream through memory maps of its shards (mmap + np.frombuffer),
 cut into windows of seq_len + 1 tokens (inputs and next-token targets): window w starts at token
 w * seq_len. Windows cross document boundaries; the EOS between documents marks them, so the model
-learns where a document ends. Resident memory does not grow with the dataset: only the pages of
+learns where a document ends. By default a window is one causal sequence (a token sees across an
+EOS into the previous document); with `training.documentMasking` the loader names the datasets'
+EOS id (`eos`) and the trainer keeps attention, positions and the loss within each document
+(`trainer.model.inputs_and_targets`). Resident memory does not grow with the dataset: only the pages of
 the windows being read are mapped in (and unmapped after), and the per-epoch order is a keyed
 permutation computed per window (no array of all windows).
 
@@ -28,7 +31,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from .manifest import DataError, check_vocab, dataset_dirs, ensure_verified, read_manifest, verify  # noqa: F401
+from .manifest import (DataError, check_vocab, dataset_dirs, document_eos, ensure_verified,  # noqa: F401
+                       read_manifest, verify)
 from .prepare import DEFAULT_CORPUS, prepare  # noqa: F401
 from .tokenizer import byte_tokenizer
 
@@ -88,6 +92,7 @@ class Dataset:
         if vocab is not None:  # else an index error in the embedding, on every rank
             check_vocab(manifest, vocab, data_dir)
         self.dir, self.seq_len, self.seed = data_dir, seq_len, seed
+        self.manifest = manifest
         self.dtype = np.dtype(manifest.get("dtype", "uint8"))
         shards = [s for s in manifest["shards"] if s["tokens"]]
         self.files = [data_dir / s["file"] for s in shards]
@@ -145,10 +150,12 @@ class TokenLoader:
     """Per-step micro-batches for one data-parallel rank, deterministic for a seed and resumable.
 
     `data_dir` is a prepared dataset, or with `blend` ([{path, weight}], config `training.data`)
-    the directory the blend's paths are relative to."""
+    the directory the blend's paths are relative to. With `documents` (`training.documentMasking`)
+    `eos` is the id that ends the datasets' documents (DataError if a manifest records none), else None."""
 
     def __init__(self, data_dir: str | Path, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_rank: int, dp_size: int, seed: int, vocab: int | None = None, blend: Sequence = ()):
+                 dp_rank: int, dp_size: int, seed: int, vocab: int | None = None, blend: Sequence = (),
+                 documents: bool = False):
         sources = dataset_dirs(data_dir, list(blend or ()))
         self.datasets = [Dataset(path, seq_len, seed * 1_000_003 + n, vocab) for n, (path, _) in enumerate(sources)]
         weights = np.array([w for _, w in sources], dtype=np.float64)
@@ -156,6 +163,7 @@ class TokenLoader:
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.samples = 0  # global samples drawn so far (a blend's choices are a function of it)
+        self.eos = document_eos([(d.dir, d.manifest) for d in self.datasets]) if documents else None
         for d in self.datasets:
             if d.windows < global_batch:
                 raise DataError(f"{d.dir} holds {d.tokens} tokens: fewer than one global batch of "

@@ -61,6 +61,9 @@ def read_manifest(data_dir: str | Path) -> dict:
         raise DataError(f"{path}: vocab must be the tokenizer's vocabulary size (got {vocab!r})")
     if vocab > 1 << (8 * ITEMSIZE[dtype]):
         raise DataError(f"{path}: dtype {dtype} cannot hold the ids of a vocabulary of {vocab}")
+    eos = manifest.get("eos")  # absent: documents cannot be told apart (training.documentMasking refuses it)
+    if eos is not None and (not isinstance(eos, int) or isinstance(eos, bool) or not 0 <= eos < vocab):
+        raise DataError(f"{path}: eos must be a token id below the vocab of {vocab} (got {eos!r})")
     return manifest
 
 
@@ -163,6 +166,21 @@ def check_vocab(manifest: dict, model_vocab: int, where: str | Path) -> None:
     raise DataError(f"{where} {held} the model's vocab of {model_vocab}: its {name} tokenizer has {vocab} tokens; "
                     f"set model.vocab to at least {vocab}, or prepare the data with a tokenizer of at most "
                     f"{model_vocab} tokens")
+
+
+def document_eos(manifests: Sequence[tuple[Path, dict]]) -> int:
+    """The EOS id that ends the documents of every dataset, for `training.documentMasking`."""
+    eos = {str(path): m.get("eos") for path, m in manifests}
+    missing = [path for path, e in eos.items() if e is None]
+    if missing:
+        raise DataError(f"training.documentMasking is true but {Path(missing[0]) / MANIFEST} records no eos (the "
+                        "document separator's id), so its documents cannot be told apart; prepare it again with "
+                        "`supernode data prepare`, or set training.documentMasking to false")
+    if len(set(eos.values())) > 1:
+        listed = ", ".join(f"{path}: {e}" for path, e in eos.items())
+        raise DataError(f"training.documentMasking is true but the blend's datasets end documents with different "
+                        f"eos ids ({listed}); prepare them with one tokenizer")
+    return next(iter(eos.values()))
 
 
 def dataset_dirs(data_dir: str | Path, blend: Sequence = ()) -> list[tuple[Path, float]]:

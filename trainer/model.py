@@ -2,12 +2,19 @@
 
 RMSNorm, rotary position embeddings, grouped-query attention through `scaled_dot_product_attention`,
 SwiGLU dense FFN layers and MoE FFN layers placed by `Model.is_moe(layer)`.
+
+Documents (`training.documentMasking`): a window of the token stream holds the end of one document,
+whole ones, the start of another, each ended by its EOS. Given the document index of each token
+(`inputs_and_targets`), a token attends only to the earlier tokens of its own document and RoPE
+positions restart at 0 with each document: a packed window computes what each of its documents
+would alone. Without it the window is one causal sequence (what serving sees: one document).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +46,11 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tens
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [b, s, heads, head_dim]; rotates the (even, odd) pairs of each head."""
-    s = x.shape[1]
-    cos, sin = cos[:s, None, :], sin[:s, None, :]
+    """x [b, s, heads, head_dim]; rotates the (even, odd) pairs of each head. cos/sin: the tables
+    (position p at row p: positions 0..s-1 are taken), or per token [b, s, head_dim / 2]."""
+    if cos.dim() == 2:
+        cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.type_as(x)
@@ -61,7 +70,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        """mask: None for causal attention over the whole sequence, else [b, 1, s, s] (True: may attend)."""
         b, s, _ = x.shape
         # Head counts come from the (possibly tensor-parallel, i.e. local) projection widths.
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -74,7 +84,7 @@ class Attention(nn.Module):
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -92,13 +102,13 @@ class Block(nn.Module):
         # in backward, "full" the whole block.
         self.checkpoint = "none"
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         if self.checkpoint == "full" and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
+        return self._forward(x, cos, sin, mask)
 
-    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         h = self.ffn_norm(x)
         if self.moe:  # the MoE layer works on rows of tokens
             return x + self._ffn(h.flatten(0, -2)).view_as(h)
@@ -135,12 +145,15 @@ class Transformer(nn.Module):
             self.output.weight = self.embed.weight
         return self
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, documents: Optional[Tensor] = None) -> Tensor:
+        """Logits [b, s, vocab] of tokens [b, s]; `documents` [b, s]: each token's document index in
+        its window (see `inputs_and_targets`), None for one causal sequence."""
         if tokens.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.seqLen {self.cfg.seq_len}")
         x = self.embed(tokens)
+        cos, sin, mask = document_attention(self.rope_cos, self.rope_sin, documents)
         for block in self.layers:
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, cos, sin, mask)
         return self.output(self.norm(x)).float()
 
     def moe_layers(self) -> list[MoE]:
@@ -219,6 +232,49 @@ def init_normal_(p: Tensor, std: float, seed: int, name: str) -> None:
         local[a - start:b - start].copy_((rows[a - lo:b - lo][cols] * std).to(local.dtype))
 
 
-def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy; logits [b, s, vocab], targets [b, s]."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+IGNORE = -100  # a target the loss does not count (cross_entropy's ignore_index)
+
+
+def inputs_and_targets(windows: Tensor, eos: Optional[int] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Inputs, next-token targets and, given the EOS id (`training.documentMasking`), the document
+    index of each input token, of windows [b, seq + 1]. A document ends with its EOS (the model
+    learns to predict it), so the token after an EOS starts the next document: the target at an
+    EOS, the next document's first token, would be predicted across the boundary and is IGNORE."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    if eos is None:
+        return inputs, targets, None
+    ends = (inputs == eos).long()
+    return inputs, targets.masked_fill(ends.bool(), IGNORE), ends.cumsum(-1) - ends
+
+
+def document_attention(cos: Tensor, sin: Tensor, documents: Optional[Tensor]
+                       ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(cos, sin, mask) for the blocks. Without documents: the RoPE tables and no mask (SDPA's
+    causal kernel). With documents [b, s]: each token's RoPE row at its position in its document,
+    and the mask [b, 1, s, s] of the earlier tokens of the same document.
+
+    A dense boolean mask through SDPA, not FlexAttention's block mask (what torchtitan uses):
+    FlexAttention has no backward on CPU (torch 2.13), where every test runs. The cost shows at
+    prod scale: the mask is s^2 bytes per sequence (16 MiB at prod's seqLen 4096, 1 GiB at 32k),
+    and SDPA given a mask cannot use FlashAttention on GPU: the memory-efficient kernel computes
+    every block, the upper triangle and other documents' included, twice the causal kernel's
+    attention FLOPs, +7% of the prod model's step FLOPs. A block mask would skip those blocks;
+    it is the way to long sequences."""
+    if documents is None:
+        return cos, sin, None
+    s = documents.shape[1]
+    idx = torch.arange(s, device=documents.device)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    positions = idx - torch.where(starts, idx, 0).cummax(-1).values
+    mask = (documents[:, :, None] == documents[:, None, :]) & (idx[:, None] >= idx[None, :])
+    return cos[positions], sin[positions], mask[:, None]
+
+
+def loss_fn(logits: Tensor, targets: Tensor, counted: Optional[Tensor | float] = None) -> Tensor:
+    """Next-token cross-entropy summed over the counted targets (not IGNORE) and divided by
+    `counted`; default: the counted targets here, i.e. their mean. logits [b, s, vocab], targets [b, s].
+    The trainer passes the step's counted targets per micro-batch (`trainer.counted_per_micro_batch`):
+    every counted token of the step then weighs the same, wherever documents end."""
+    total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    return total / (counted if counted is not None else (targets != IGNORE).sum().clamp(min=1))

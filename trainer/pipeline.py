@@ -15,6 +15,10 @@ The loss is the last stage's; every stage's auxiliary (load-balance, z) loss rid
 (`_AuxLoss`), so one backward through the schedule gives each MoE layer the gradient the
 single-process step would. The schedule divides the gradients by the micro-batches, as the
 accumulating loop of pp 1 does.
+
+With document masking each micro-batch's document indices go to every stage as a keyword
+argument of the schedule (split into micro-batches like the inputs; only activations travel
+between stages), and each stage builds its attention mask and RoPE positions from them.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from supernode.core.config import Model, Parallel
 from supernode.core.layout import stage_layers
 
-from .model import Transformer
+from .model import Transformer, document_attention, inputs_and_targets
 from .moe import MoE
 from .parallel import Meshes, ParallelDims, compute_dtype, parallelize
 
@@ -72,12 +76,14 @@ class Stage(nn.Module):
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Tokens [b, s] on the first stage, else the previous stage's activations [b, s, dim]."""
+    def forward(self, x: Tensor, documents: Optional[Tensor] = None) -> Tensor:
+        """Tokens [b, s] on the first stage, else the previous stage's activations [b, s, dim];
+        `documents` as `Transformer.forward`'s."""
         if self.embed is not None:
             x = self.embed(x)
+        cos, sin, mask = document_attention(self.rope_cos, self.rope_sin, documents)
         for block in self.layers.values():
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, cos, sin, mask)
         aux = self.aux_loss()  # of this forward's MoE layers
         if aux.requires_grad and torch.is_grad_enabled():
             x = _AuxLoss.apply(x, aux)
@@ -130,17 +136,21 @@ class Pipeline:
     has_last: bool
     micro_batches: int
 
-    def step(self, tokens: Tensor) -> list[Tensor]:
+    def step(self, tokens: Tensor, eos: Optional[int] = None, counted: Optional[Tensor | float] = None) -> list[Tensor]:
         """Forward and backward of one step's tokens [micro_batches x micro_batch, seq + 1]; returns
-        the last stage's loss per micro-batch (empty elsewhere). Gradients are left on the stages."""
+        the last stage's loss per micro-batch (empty elsewhere). Gradients are left on the stages.
+        `eos`: attend within documents (`inputs_and_targets`); `counted`: the loss's divisor (`loss_fn`)."""
         losses: list[Tensor] = []
-        args = (tokens[:, :-1],) if self.has_first else ()
-        self.schedule.step(*args, target=tokens[:, 1:] if self.has_last else None, losses=losses)
+        inputs, targets, documents = inputs_and_targets(tokens, eos)
+        args = (inputs,) if self.has_first else ()
+        kwargs = {} if documents is None else {"documents": documents}
+        self.schedule.step(*args, target=targets if self.has_last else None, losses=losses,
+                           loss_kwargs=None if counted is None else {"counted": counted}, **kwargs)
         return losses
 
 
 def build_pipeline(cfg: Model, dims: ParallelDims, parallel: Parallel, device: torch.device, seed: int,
-                   micro_batch: int, micro_batches: int, loss_fn: Callable[[Tensor, Tensor], Tensor],
+                   micro_batch: int, micro_batches: int, loss_fn: Callable[..., Tensor],
                    mesh: Optional[Meshes] = None, sizes: Optional[list[int]] = None) -> Pipeline:
     """This rank's stages, each built like `trainer.parallel.build_model` (meta device, parallelise,
     `to_empty`, init in place), and the plan's schedule over `micro_batches` micro-batches of

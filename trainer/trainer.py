@@ -29,14 +29,15 @@ from supernode.core.plan import Plan
 
 from .checkpoint import CheckpointMismatch, Checkpointer, train_state
 from .data import DataError, TokenLoader
-from .model import loss_fn
+from .model import inputs_and_targets, loss_fn
 from .moe import ExpertBalancer
 from .parallel import ParallelDims, build_model
 from .pipeline import build_pipeline
 
 BETAS = (0.9, 0.95)
 # Recorded in each checkpoint and compared on resume: these change the learning-rate curve or update.
-HYPER_PARAMETERS = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "steps", "weight_decay", "grad_clip")
+HYPER_PARAMETERS = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "steps", "weight_decay", "grad_clip",
+                    "document_masking")
 
 
 def lr_factor(t: Training) -> Callable[[int], float]:
@@ -82,6 +83,24 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float,
     return total
 
 
+def counted_per_micro_batch(micro: list[torch.Tensor], eos: Optional[int], device: torch.device) -> torch.Tensor | float:
+    """The divisor of each micro-batch's summed cross-entropy (`loss_fn`'s `counted`): the step's counted
+    targets over every rank and micro-batch, per micro-batch of one rank. A micro-batch's loss is then
+    its share of the step's mean, and the data-parallel mean of the micro-batches' gradients is the
+    gradient of the global sum over the global count: every counted token weighs the same, not a
+    mean of means that would weigh a token of a micro-batch or rank with more document ends more.
+
+    Without `eos` every target counts: micro_batch x seq_len on every rank, a plain mean, no
+    collective. With it, one all-reduce of a scalar over all ranks, left on the device (no host
+    sync): tensor- and pipeline-parallel ranks hold copies of their data-parallel rank's windows,
+    so the mean over all ranks is the mean over the data-parallel ranks."""
+    if eos is None:
+        return float(micro[0].shape[0] * (micro[0].shape[1] - 1))
+    counted = torch.stack([(mb[:, :-1] != eos).sum() for mb in micro]).sum().to(device)
+    dist.all_reduce(counted)
+    return counted.clamp(min=1).float() / (dist.get_world_size() * len(micro))
+
+
 def apply_hyper_parameters(t: Training, saved: dict, step: int, optimizer: torch.optim.Optimizer,
                            scheduler: torch.optim.lr_scheduler.LambdaLR) -> Optional[str]:
     """A resume with changed hyper-parameters applies the plan's values (the checkpoint's optimizer
@@ -103,7 +122,7 @@ def apply_hyper_parameters(t: Training, saved: dict, step: int, optimizer: torch
 
 @dataclass
 class StepResult:
-    loss: float  # mean cross-entropy over the global batch
+    loss: float  # mean cross-entropy over the global batch's counted targets
     grad_norm: float
     skipped: bool  # non-finite loss or gradient norm on some rank: no update
     stop_term: bool  # some rank got SIGTERM / SIGINT
@@ -134,7 +153,8 @@ class Trainer:
         self.balancer.attach(self.optimizer)  # the router biases move with every applied update
         try:
             self.loader = TokenLoader(data, plan.model.seq_len, t.global_batch, t.micro_batch,
-                                      dims.dp_rank(rank), dims.dp_size, t.seed, vocab=plan.model.vocab, blend=t.data)
+                                      dims.dp_rank(rank), dims.dp_size, t.seed, vocab=plan.model.vocab, blend=t.data,
+                                      documents=t.document_masking)
         except DataError as e:
             raise BadInput(str(e)) from None
         meta = {"model": plan.model.model_dump(mode="json"), "training": {k: getattr(t, k) for k in HYPER_PARAMETERS}}
@@ -157,18 +177,19 @@ class Trainer:
         """Forward/backward over the micro-batches, clip, one all-reduce of (loss, votes), then the
         update (the balancer's pre-hook reduces the expert counts once) or, if any rank saw a
         non-finite figure, no update. `poison`: a test hook, the loss becomes NaN."""
-        model, accum, device = self.model, len(micro), self.device
+        model, accum, device, eos = self.model, len(micro), self.device, self.loader.eos
         loss_sum = torch.zeros((), device=device)
         self._poison = poison
+        counted = counted_per_micro_batch(micro, eos, device)
         if self.pipeline is not None:  # the schedule runs the micro-batches; the losses are the last stage's
-            for loss in self.pipeline.step(torch.cat(micro).to(device, non_blocking=True)):
+            for loss in self.pipeline.step(torch.cat(micro).to(device, non_blocking=True), eos, counted):
                 loss_sum += loss.detach()
         else:
             for i, mb in enumerate(micro):
                 if hasattr(model, "set_requires_gradient_sync"):  # reduce-scatter once per step
                     model.set_requires_gradient_sync(i == accum - 1)
-                mb = mb.to(device, non_blocking=True)
-                loss = self._stage_loss(model(mb[:, :-1]), mb[:, 1:])
+                inputs, targets, documents = inputs_and_targets(mb.to(device, non_blocking=True), eos)
+                loss = self._stage_loss(model(inputs, documents), targets, counted)
                 ((loss + model.aux_loss()) / accum).backward()
                 loss_sum += loss.detach()
         grad_norm = clip_grad_norm(model.parameters(), self.plan.training.grad_clip, self.pp_group).to(device)
@@ -193,8 +214,8 @@ class Trainer:
         return StepResult(loss=loss_total / (dist.get_world_size() // self.dims.pp), grad_norm=norm,
                           skipped=skipped, stop_term=term > 0, stop_interrupt=interrupt > 0)
 
-    def _stage_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn(logits, targets)
+    def _stage_loss(self, logits: torch.Tensor, targets: torch.Tensor, counted=None) -> torch.Tensor:
+        loss = loss_fn(logits, targets, counted)
         return loss * float("nan") if self._poison else loss
 
     def expert_load(self) -> Optional[torch.Tensor]:

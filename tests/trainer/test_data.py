@@ -214,3 +214,26 @@ def test_loader_resident_memory_does_not_grow_with_the_dataset(tmp_path):
         r = subprocess.run([sys.executable, "-c", RSS, str(d)], capture_output=True, text=True, check=True)
         grown.append(int(r.stdout) / 1024)  # MiB resident (anonymous and mapped file pages) the loader added
     assert grown[1] - grown[0] < 4, grown  # 16x the data, the same memory (the old loader held it all)
+
+
+def test_document_masking_takes_the_eos_id_from_the_manifests(tmp_path):
+    a, b = synthetic(tmp_path / "a", 5_000), synthetic(tmp_path / "b", 5_000)
+    blend = [{"path": "a", "weight": 1}, {"path": "b", "weight": 1}]
+    assert TokenLoader(tmp_path, SEQ, 8, 2, 0, 1, 0, blend=blend).eos is None  # off: the windows are one sequence
+    assert TokenLoader(tmp_path, SEQ, 8, 2, 0, 1, 0, blend=blend, documents=True).eos == 0
+
+    def rewrite(path: Path, **changes):
+        manifest = {k: v for k, v in json.loads((path / "manifest.json").read_text()).items() if k != "eos"}
+        (path / "manifest.json").write_text(json.dumps({**manifest, **changes}))
+
+    rewrite(b, eos=7)
+    with pytest.raises(DataError, match=rf"training.documentMasking is true but the blend's datasets end documents "
+                                        rf"with different eos ids \({a}: 0, {b}: 7\); prepare them with one tokenizer"):
+        TokenLoader(tmp_path, SEQ, 8, 2, 0, 1, 0, blend=blend, documents=True)
+    rewrite(b)  # no eos recorded
+    with pytest.raises(DataError, match=rf"training.documentMasking is true but {b / 'manifest.json'} records no eos"):
+        TokenLoader(tmp_path, SEQ, 8, 2, 0, 1, 0, blend=blend, documents=True)
+    assert TokenLoader(b, SEQ, 8, 2, 0, 1, 0).eos is None  # needed only with document masking
+    rewrite(b, eos=1000)
+    with pytest.raises(DataError, match=r"eos must be a token id below the vocab of 1000 \(got 1000\)"):
+        read_manifest(b)

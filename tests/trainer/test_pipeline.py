@@ -7,6 +7,11 @@ reference in this process sees the whole batch. The load-balance loss is measure
 group (the tokens of one micro-batch on one rank), so the reference splits its rows into
 dp x micro-batches groups. The aux-loss coefficients are large here so that a stage that dropped
 its aux loss from backward would fail the gradient comparison.
+
+With document masking (an EOS id given) the windows hold documents of varied lengths, so the
+micro-batches and data-parallel ranks count different numbers of targets: the pipeline's loss
+and gradients equal the reference's only if the document indices reach every stage and the loss
+is normalised by the step's global count of targets.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -25,10 +31,11 @@ from torch.distributed.tensor import DTensor
 
 from supernode.core.config import Model, Parallel, from_mapping, load_stack
 from supernode.core.layout import stage_layers
-from trainer.model import Transformer, loss_fn
+from trainer.model import Transformer, inputs_and_targets, loss_fn
 from trainer.moe import ExpertBalancer
 from trainer.parallel import ParallelDims
 from trainer.pipeline import Stage, StageParts, build_pipeline, rank_stages
+from trainer.trainer import counted_per_micro_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = 7
@@ -48,22 +55,28 @@ LAYOUTS = {
 }
 
 
-def batch() -> torch.Tensor:
-    return torch.randint(0, MODEL.vocab, (BATCH, MODEL.seq_len + 1), generator=torch.Generator().manual_seed(SEED))
+def batch(eos: Optional[int] = None) -> torch.Tensor:
+    """Random tokens; with `eos`, tokens other than it and about one in five replaced by it (documents)."""
+    g = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, MODEL.vocab, (BATCH, MODEL.seq_len + 1), generator=g)
+    if eos is None:
+        return tokens
+    tokens[tokens == eos] = eos + 1
+    return tokens.masked_fill(torch.rand(tokens.shape, generator=g) < 0.2, eos)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference(groups: int) -> dict:
+def reference(groups: int, eos: Optional[int] = None) -> dict:
     """One process, the whole batch: CE + aux, its gradients, then an SGD step with the router-bias step."""
     model = Transformer(MODEL)
     model.init_weights(SEED)
     for moe in model.moe_layers():
         moe.balance_groups = groups
-    tokens = batch()
-    ce = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+    inputs, targets, documents = inputs_and_targets(batch(eos), eos)
+    ce = loss_fn(model(inputs, documents), targets)  # the mean over every counted target of the batch
     (ce + model.aux_loss()).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -74,7 +87,7 @@ def reference(groups: int) -> dict:
             "biases": {i: m.router.bias.clone() for i, m in enumerate(model.moe_layers())}}
 
 
-def run_layouts(rank: int, world_size: int, names: list[str]) -> dict:
+def run_layouts(rank: int, world_size: int, names: list[str], eos: Optional[int] = None) -> dict:
     results = {}
     for name in names:
         _, dps, ep, pp, schedule, virtual, ac, tp = LAYOUTS[name]
@@ -82,9 +95,10 @@ def run_layouts(rank: int, world_size: int, names: list[str]) -> dict:
         parallel = Parallel(dp_shard=dps, tp=tp, ep=ep, pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual,
                             activation_checkpointing=ac)
         mesh = dims.build_mesh("cpu")
-        tokens = batch().chunk(dims.dp_size)[dims.dp_rank(rank)]
+        tokens = batch(eos).chunk(dims.dp_size)[dims.dp_rank(rank)]
         pipe = build_pipeline(MODEL, dims, parallel, torch.device("cpu"), SEED, tokens.shape[0] // MICRO_BATCHES,
                               MICRO_BATCHES, loss_fn, mesh=mesh)
+        counted = counted_per_micro_batch(list(tokens.chunk(MICRO_BATCHES)), eos, torch.device("cpu"))
         parts = pipe.parts
         reductions: list[tuple[int, ...]] = []
         real = dist.all_reduce
@@ -95,7 +109,7 @@ def run_layouts(rank: int, world_size: int, names: list[str]) -> dict:
             return real(tensor, *args, **kwargs)
         dist.all_reduce = counting
         try:
-            losses = pipe.step(tokens)
+            losses = pipe.step(tokens, eos, counted)
             grads = {n: _full(p.grad) for n, p in parts.named_parameters()}  # collectives of this stage's ranks
             in_backward = list(reductions)
             opt = torch.optim.SGD(parts.parameters(), lr=LR)
@@ -113,9 +127,9 @@ def run_layouts(rank: int, world_size: int, names: list[str]) -> dict:
     return results
 
 
-def check_layout(name: str, per_rank: list[dict]) -> None:
+def check_layout(name: str, per_rank: list[dict], eos: Optional[int] = None) -> None:
     world, dps, *_, tp = LAYOUTS[name]
-    ref = reference(groups=dps * tp * MICRO_BATCHES)  # each tp rank routes its own 1/tp of the tokens
+    ref = reference(groups=dps * tp * MICRO_BATCHES, eos=eos)  # each tp rank routes its own 1/tp of the tokens
     got = [r[name] for r in per_rank]
     ces = [ce for g in got for ce in g["ce"]]  # the last stage's ranks (tp ranks alike), each its micro-batches
     assert len(ces) == dps * tp * MICRO_BATCHES, "the loss lives on the last stage only"
@@ -150,6 +164,26 @@ def test_pipelines_match_single_process(tmp_path) -> None:
                 check_layout(name, per_rank)
             except AssertionError as e:
                 failures.append(f"{name}: {e}")
+    assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.slow
+def test_pipelines_with_document_masking_match_single_process(tmp_path) -> None:
+    """The data-parallel, interleaved (several stages per rank) and tensor-parallel pipelines."""
+    from conftest import spawn
+
+    eos = 0
+    tokens = batch(eos)
+    counts = [int((mb[:, :-1] != eos).sum()) for mb in tokens.chunk(2 * MICRO_BATCHES)]
+    assert len(set(counts)) > 1, "the micro-batches must count different numbers of targets to test the normaliser"
+    names = ["pp2_dp2", "pp2_v2_dp2_interleaved", "pp2_tp2"]
+    per_rank = spawn(run_layouts, 4, tmp_path, names, eos)
+    failures = []
+    for name in names:
+        try:
+            check_layout(name, per_rank, eos)
+        except AssertionError as e:
+            failures.append(f"{name}: {e}")
     assert not failures, "\n\n".join(failures)
 
 

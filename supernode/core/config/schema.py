@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import difflib
 import re
+from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal, Optional, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic.alias_generators import to_camel
 
 from ..catalog import CATALOG, SYSTEM_INSTANCE_TYPES, ULTRASERVERS, nvlink_domain_gpus
@@ -59,10 +60,26 @@ class Network(_Base):
         return self.nat_gateway if self.nat_gateway is not None else self.existing_vpc_id is None
 
 
+# Capacity Blocks: EC2 terminates the instances from 30 min before the end; EKS wants the node group at 0
+# by 40 min before (../shared/HARDWARE.md "Buying and placing").
+CAPACITY_BLOCK_DRAIN = timedelta(minutes=40)
+
+
 class Capacity(_Base):
     type: Literal["on-demand", "capacity-reservation", "capacity-block"] = "on-demand"
     reservation_id: Optional[str] = Field(default=None, pattern=r"^cr-[0-9a-f]{8,17}$")
     availability_zone: Optional[str] = None
+    ends_at: Optional[AwareDatetime] = Field(
+        default=None, description="capacity-block only, required there: the block's end (EC2's EndDate) as an ISO "
+        "date-time with its offset, e.g. 2026-03-14T11:30:00Z. The node group is scaled to 0 forty minutes before "
+        "(EC2 terminates the instances from 30 minutes before); preflight compares it with EC2")
+
+    @property
+    def scale_to_zero_at(self) -> Optional[datetime]:
+        """When a capacity-block node group goes to 0 nodes (UTC): EKS's guide says 40 minutes before
+        the block's end, 10 before EC2 starts terminating its instances, so pods are drained (the
+        trainer checkpoints on SIGTERM) instead of killed."""
+        return None if self.ends_at is None else (self.ends_at - CAPACITY_BLOCK_DRAIN).astimezone(timezone.utc)
 
 
 class AcceleratorNodeGroup(_Base):
@@ -188,7 +205,8 @@ class Monitoring(_Base):
 PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
 # The add-on containers (components/addons/*.yaml) whose image a stack may set in images.addons, and the
 # NVIDIA DRA driver (one image for all its containers; installed where the NVLink domain spans nodes).
-AddonImage = Literal["aws-efa-k8s-device-plugin", "dcgm-exporter", "nvidia-device-plugin", "nvidia-dra-driver-gpu",
+AddonImage = Literal["aws-efa-k8s-device-plugin", "cloudwatch-agent", "dcgm-exporter", "kueue",
+                     "nvidia-device-plugin", "nvidia-dra-driver-gpu", "prometheus", "prometheus-adapter",
                      "training-operator"]
 IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*[a-z0-9](:[\w][\w.-]{0,127})?(@sha256:[0-9a-f]{64})?$")
 
@@ -326,7 +344,13 @@ class Training(_Base):
     weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     data: list[DataSource] = Field(default_factory=list, description="a blend of prepared datasets, sampled by "
                                    "weight (deterministic for the seed); empty: the dataset at the trainer's --data. "
-                                   "Windows may cross documents (EOS separates them)")
+                                   "Windows may cross documents (EOS separates them; see documentMasking)")
+    document_masking: bool = Field(default=False, description="false: a window of seqLen tokens cut from the "
+                                   "token stream is one causal sequence, so a token may attend across the EOS into "
+                                   "the previous document; true: each token attends only within its own document, "
+                                   "RoPE positions restart at each document and the target after an EOS (the next "
+                                   "document's first token) is not counted in the loss, which is divided by the "
+                                   "step's counted tokens. Needs the datasets' manifests to record their EOS id")
 
 
 class Workload(_Base):
