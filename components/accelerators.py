@@ -30,6 +30,7 @@ SYSTEM_ROOT_VOLUME_GIB = 50
 # network (the add-on's default since 2024), where hop limit 1 still reaches instance metadata.
 IMDS = aws.ec2.LaunchTemplateMetadataOptionsArgs(http_endpoint="enabled", http_tokens="required",
                                                  http_put_response_hop_limit=1, instance_metadata_tags="disabled")
+AWS_TIME = "%Y-%m-%dT%H:%M:%SZ"  # a scheduled action's start time, in UTC
 CAPACITY_TYPES = {"on-demand": "ON_DEMAND", "capacity-reservation": "ON_DEMAND", "capacity-block": "CAPACITY_BLOCK"}
 _TAINT_EFFECTS = {"NoSchedule": "NO_SCHEDULE", "NoExecute": "NO_EXECUTE", "PreferNoSchedule": "PREFER_NO_SCHEDULE"}
 
@@ -150,7 +151,8 @@ class AcceleratorsArgs:
 
 
 class GpuNodeGroup(pulumi.ComponentResource):
-    """One accelerator node group: placement group, EFA launch template, managed node group."""
+    """One accelerator node group: placement group, EFA launch template, managed node group, and on a
+    Capacity Block the scheduled scale to 0 before the block ends."""
 
     def __init__(self, name: str, group: AcceleratorNodeGroup, args: AcceleratorsArgs,
                  efa_security_group_id: pulumi.Input[str], opts: Optional[pulumi.ResourceOptions] = None):
@@ -201,6 +203,15 @@ class GpuNodeGroup(pulumi.ComponentResource):
             node_repair_config=aws.eks.NodeGroupNodeRepairConfigArgs(enabled=True),
             tags=tags, opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.node_dependencies)))
         self.name_output = self.node_group.node_group_name
+        self.scale_to_zero = None
+        if cap.scale_to_zero_at is not None:
+            # The Capacity Block's end: 0 nodes before EC2 terminates them, so the pods drain (the
+            # trainer checkpoints on SIGTERM). On the group's Auto Scaling group, which EKS creates.
+            self.scale_to_zero = aws.autoscaling.Schedule(
+                f"{name}-block-end", scheduled_action_name=f"{group.name}-capacity-block-end",
+                autoscaling_group_name=self.node_group.resources.apply(lambda rs: rs[0].autoscaling_groups[0].name),
+                start_time=cap.scale_to_zero_at.strftime(AWS_TIME), min_size=0, max_size=0, desired_capacity=0,
+                opts=child)
         self.register_outputs({"node_group_name": self.name_output, "launch_template_id": self.launch_template.id})
 
 

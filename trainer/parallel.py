@@ -1,9 +1,10 @@
 """Parallelism from the Plan: degrees, device meshes, and `parallelize` (TP -> EP -> AC -> FSDP2).
 
 Rank layout (row-major, tp fastest, pp outermost as in torchtitan):
-rank = ((r_pp * dp_replicate + r_replicate) * dp_shard + r_shard) * tp + r_tp. Each pipeline stage
-is a block of world/pp consecutive ranks; inside it, three meshes (each with the "pp" dim in front,
-dims of degree 1 left out):
+rank = ((r_pp * dp_replicate + r_replicate) * dp_shard + r_shard) * tp + r_tp, with the ranks
+numbered NVLink domain by domain (`renumber_by_domain`), so every EP and TP group lies inside one
+domain whatever order torchrun handed them out in. Each pipeline stage is a block of world/pp
+consecutive ranks; inside it, three meshes (each with the "pp" dim in front, dims of degree 1 left out):
 - `dense` ("dp_replicate", "dp_shard", "tp"): attention, dense FFN, embeddings (TP + FSDP/HSDP);
 - `experts` ("dp_replicate", "edp", "ep"): the EP group is carved out of dp_shard*tp (consecutive
   ranks), edp = dp_shard*tp/ep ranks hold the same experts and FSDP-shard them;
@@ -17,8 +18,14 @@ With pp > 1 the model is built as pipeline stages (`trainer.pipeline`), each par
 
 from __future__ import annotations
 
+import ctypes
+import math
+import os
+import socket
+import uuid
 from dataclasses import dataclass
-from typing import Optional
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,9 +36,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from supernode.core.config import Model, Parallel
-from supernode.core.errors import ConfigError
+from supernode.core.errors import BadInput, ConfigError
 from supernode.core.layout import layout_rules
 from supernode.core.plan import Plan
+from supernode.core.topology import GroupPlacement, rank_order
 
 from .dispatcher import AllToAllDispatcher, TokenDispatcher
 from .model import Transformer
@@ -98,6 +106,88 @@ def _mesh(device_type: str, dims: tuple[tuple[str, int], ...]) -> Optional[Devic
     if not kept:
         return None
     return init_device_mesh(device_type, tuple(n for _, n in kept), mesh_dim_names=tuple(name for name, _ in kept))
+
+
+# This rank's NVLink domain: GPUs that reach each other's memory over NVLink (a node, or on GB200 an
+# UltraServer's nodes). Set it to override what NVML says (tests; a job whose nodes' clique is known).
+DOMAIN_ENV = "SUPERNODE_NVLINK_DOMAIN"
+GROUPED_DIMS = ("ep", "tp")  # the all-to-all and per-layer collectives: each group inside one domain
+
+
+def nvlink_domain() -> str:
+    """This rank's NVLink domain label: `SUPERNODE_NVLINK_DOMAIN` if set, else the GPU's NVLink
+    fabric clique as GPU Feature Discovery writes `nvidia.com/gpu.clique` (GB200), else the node
+    (p5/p6: the NVLink domain is one instance)."""
+    return os.environ.get(DOMAIN_ENV) or nvml_clique() or socket.gethostname()
+
+
+def nvml_clique() -> Optional[str]:
+    """`<clusterUuid>.<cliqueId>` of this node's GPUs once their NVLink fabric is up; None without
+    pynvml, a GPU, or a multi-node fabric (pre-GB200 GPUs report the state not supported). GPU 0
+    speaks for the node: GPU Feature Discovery, too, labels a node with one clique."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            info = pynvml.c_nvmlGpuFabricInfo_t()
+            pynvml.nvmlDeviceGetGpuFabricInfo(pynvml.nvmlDeviceGetHandleByIndex(0), ctypes.byref(info))
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+    cluster = bytes(info.clusterUuid)
+    if (info.state != pynvml.NVML_GPU_FABRIC_STATE_COMPLETED or info.status != pynvml.NVML_SUCCESS
+            or not any(cluster)):  # a fabric not (yet) formed: only the node's own NVLink is usable
+        return None
+    return f"{uuid.UUID(bytes=cluster)}.{info.cliqueId}"
+
+
+def domain_order(dims: ParallelDims, placement: Sequence[GroupPlacement], say: Callable[[str], None]) -> list[int]:
+    """torchrun's ranks in the order to number them, NVLink domain by domain
+    (`supernode.core.topology.rank_order`), so that every EP and TP group the plan places inside a
+    domain (`placement`, the Plan's topology) lies inside one. One all_gather_object of the domain labels: the only collective, and
+    every rank then computes the same order. A group the plan lets cross domains by design (EP wider
+    than a domain) is said once; the ranks are still ordered domain by domain, as the plan's costs
+    assume. Raises BadInput (on every rank alike) when the labels cannot keep a group inside."""
+    labels: list[Optional[str]] = [None] * dims.world_size
+    dist.all_gather_object(labels, nvlink_domain())
+    placed = {g.dim: g for g in placement if g.dim in GROUPED_DIMS and g.size > 1}
+    inside = [g for g in placed.values() if g.inside_domain]
+    crossing = [g for g in placed.values() if not g.inside_domain]
+    if crossing:
+        say("; ".join(f"{g.dim} {g.size} spans {g.domains} NVLink domains by the plan's design ({g.link})"
+                      for g in crossing) + ": those groups cross domains over EFA")
+    try:
+        return rank_order(labels, math.lcm(1, *(g.size for g in inside)))
+    except ValueError as e:
+        kept = " and ".join(f"{g.dim} {g.size}" for g in inside)
+        raise BadInput(f"rank order: {e}; the plan keeps {kept} inside one domain: check the nodes' "
+                       f"nvidia.com/gpu.clique labels (NVLink fabric up?) or {DOMAIN_ENV}") from None
+
+
+def renumber_by_domain(dims: ParallelDims, placement: Sequence[GroupPlacement], backend: str, timeout: timedelta,
+                       say: Callable[[str], None]) -> None:
+    """Number the ranks of the default process group NVLink domain by domain (`domain_order`), so the
+    row-major meshes put every EP and TP group inside one domain and everything that derives a
+    coordinate from the rank (data shard, stage, rank 0's duties) follows. Where torchrun's order is
+    already that order (the usual case), nothing is re-initialised.
+
+    Why renumber rather than build the meshes over a permuted rank tensor: c10d numbers a group's
+    members by ascending global rank and DTensor/FSDP assemble shards in that order, not by mesh
+    coordinate, so a mesh whose ranks do not ascend along every dim silently scrambles sharded
+    tensors (tests/trainer/test_parallel.py shows it). Rank 0 keeps rank 0: the first domain is
+    rank 0's and ranks ascend inside a domain."""
+    order = domain_order(dims, placement, say)
+    if order == sorted(order):
+        return
+    rank = order.index(dist.get_rank())
+    # Re-rendezvous on the job's store (a fresh prefix), as the same processes under new numbers.
+    store = dist.PrefixStore("supernode/domain-order/", dist.distributed_c10d._get_default_store())
+    dist.destroy_process_group()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=dims.world_size, timeout=timeout)
 
 
 @dataclass(frozen=True)

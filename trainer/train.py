@@ -49,7 +49,7 @@ from supernode.core.plan import Plan
 from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, inject
 from .launch import EXIT_FILE, LAUNCHER_ENV  # where a failure a restart cannot fix is recorded
 from .metrics import Metrics
-from .parallel import ParallelDims
+from .parallel import ParallelDims, renumber_by_domain
 from .trainer import Trainer
 
 
@@ -213,9 +213,12 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("cuda:nccl,cpu:gloo" if gpu else "gloo", timeout=timedelta(seconds=t.collective_timeout_s))
+    backend, timeout = "cuda:nccl,cpu:gloo" if gpu else "gloo", timedelta(seconds=t.collective_timeout_s)
+    dist.init_process_group(backend, timeout=timeout)
     lock = OutDirLock(args.out)
     try:
+        renumber_by_domain(dims, plan.topology.placement, backend, timeout,
+                           say=lambda line: print(line, flush=True) if dist.get_rank() == 0 else None)
         _own_out_dir(args.out, lock)
         return _run(args, plan, dims, steps, device, stop)
     except Exception as e:
@@ -265,7 +268,8 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
         ckpt.close()
         return EXIT_OK
     metrics = Metrics(args.out, plan, world, device.type, rank, args.prometheus_port,
-                      progress=args.progress, total_steps=steps, start_step=start, prometheus_addr=args.prometheus_addr)
+                      progress=args.progress, total_steps=steps, start_step=start, prometheus_addr=args.prometheus_addr,
+                      checkpoints=ckpt.root)  # the checkpoint-age gauges follow its commits
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
         metrics.message("warning: torchrun restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, "
                         "else a restarted attempt reads stale addresses (pytorch/pytorch#135712) and cannot connect")

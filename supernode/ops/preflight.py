@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from functools import partial
 
 from botocore.exceptions import ClientError
@@ -105,20 +106,36 @@ def check_reservation(aws: Aws, reservation_id: str, groups: list[AcceleratorNod
     if available < need:
         problems.append(f"{available} of {total} instances available, {users} need {need}")
     state = r.get("State")
-    starts = r.get("StartDate")
+    starts, ends = r.get("StartDate"), r.get("EndDate")
     if state != "active" and not (state == "scheduled" and rtype == "capacity-block"):
         problems.append(f"state {state}, not active")
+    if kind == "capacity-block" and rtype == "capacity-block":
+        problems += block_end_problems(groups, ends)
     if problems:
         return failed(name, "; ".join(problems), f"fix capacity.* of {users} or the reservation, or use capacity type on-demand")
     detail = f"{rtype} {r.get('InstanceType')} in {az}: {available}/{total} available, {need} needed ({users})"
     if rtype == "capacity-block":
         # HARDWARE.md: block instances terminate from 30 min before the end; node groups go to 0 by 40 min before.
-        detail += (f"; window {starts} to {r.get('EndDate', 'unknown')} (instances stop from 30 min before the end: "
-                   f"scale the node groups to 0 by 40 min before)")
+        detail += (f"; window {starts} to {ends} (instances stop from 30 min before the end: the node groups scale "
+                   f"to 0 at {groups[0].capacity.scale_to_zero_at})")
     if state == "scheduled":
         return warned(name, f"{detail}; Capacity Block is scheduled, starts {starts}",
                       "deploy the node groups once the block is active (pulumi up before then leaves nodes pending)")
     return passed(name, f"{detail}; {state}")
+
+
+def block_end_problems(groups: list[AcceleratorNodeGroup], ends: datetime | None) -> list[str]:
+    """The groups' capacity.endsAt against EC2's EndDate of their Capacity Block (the node groups'
+    scale to 0 is timed from endsAt), and that scale-down still ahead (AWS refuses a scheduled
+    action whose start time is past)."""
+    if ends is None:
+        return ["EC2 reports no EndDate for the Capacity Block"]
+    problems = [f"{g.name}: capacity.endsAt {g.capacity.ends_at} but EC2's EndDate is {ends}"
+                for g in groups if g.capacity.ends_at != ends]
+    if not problems and groups[0].capacity.scale_to_zero_at <= datetime.now(timezone.utc):
+        problems.append(f"the block ends {ends}: its node groups' scale to 0 at "
+                        f"{groups[0].capacity.scale_to_zero_at} is past (buy a new block)")
+    return problems
 
 
 def check_zone_opt_in(aws: Aws, zone: str) -> Check:

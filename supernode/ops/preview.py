@@ -152,7 +152,9 @@ def _computed(typ: str, rid: str, inputs: dict, region: str) -> dict[str, Any]:
     if typ == T.ECR_REPOSITORY:
         return {"repositoryUrl": f"{ACCOUNT}.dkr.ecr.{region}.amazonaws.com/{name}"}
     if typ == T.NODE_GROUP:
-        return {"status": "ACTIVE", "nodeGroupName": inputs.get("nodeGroupName") or rid}
+        ng = inputs.get("nodeGroupName") or rid  # EKS names the group's Auto Scaling group eks-<name>-<uuid>
+        return {"status": "ACTIVE", "nodeGroupName": ng, "resources": [{
+            "autoscalingGroups": [{"name": f"eks-{ng}-{uuid.UUID(hashlib.md5(rid.encode()).hexdigest())}"}]}]}
     return {}
 
 

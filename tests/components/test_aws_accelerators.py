@@ -27,6 +27,7 @@ P6_LAYOUTS = {
 SG_IN = T.SG_INGRESS
 SG_OUT = T.SG_EGRESS
 PG = T.PLACEMENT_GROUP
+SCHEDULE = T.ASG_SCHEDULE
 
 
 def with_instance_type(instance_type: str):
@@ -128,7 +129,7 @@ def test_reservation_targeted_without_placement_group():
 def test_capacity_block_uses_its_market_type():
     def change(data: dict) -> None:
         for g in data["acceleratorNodeGroups"]:
-            g["capacity"]["type"] = "capacity-block"
+            g["capacity"] |= {"type": "capacity-block", "endsAt": "2027-03-01T05:30:00-06:00"}  # 11:30 UTC
     s = preview("prod", "capacity-block", change)
     assert s.all(PG) == []
     for g in s.cfg.accelerator_node_groups:
@@ -137,6 +138,26 @@ def test_capacity_block_uses_its_market_type():
         assert lt.inputs["capacityReservationSpecification"]["capacityReservationTarget"][
             "capacityReservationId"] == g.capacity.reservation_id
         assert s.one(NODE_GROUP, g.name).inputs["capacityType"] == "CAPACITY_BLOCK"
+    # The block's end given with an offset: the scale to 0 is still 40 min before it, in UTC.
+    assert {r.inputs["startTime"] for r in s.all(SCHEDULE)} == {"2027-03-01T10:50:00Z"}
+
+
+def test_capacity_block_groups_scale_to_zero_40_minutes_before_the_block_ends():
+    """HARDWARE.md: instances terminate from 30 min before the end; EKS wants 0 nodes by 40 min before.
+    Every capacity-block group has one schedule, on its own node group's Auto Scaling group."""
+    s = preview("gb200")
+    groups = s.all(GPU_GROUP)
+    assert len(groups) == 2 and len(s.all(SCHEDULE)) == 2
+    for grp, g in zip(groups, s.cfg.accelerator_node_groups):
+        assert g.capacity.type == "capacity-block"
+        (schedule,) = s.children(grp, SCHEDULE)
+        asg = s.one(NODE_GROUP, g.name).outputs["resources"][0]["autoscalingGroups"][0]["name"]
+        assert schedule.inputs == {"scheduledActionName": f"{g.name}-capacity-block-end", "autoscalingGroupName": asg,
+                                   "minSize": 0, "maxSize": 0, "desiredCapacity": 0,
+                                   # Pulumi.gb200.yaml: endsAt 2027-01-14T11:30:00Z
+                                   "startTime": "2027-01-14T10:50:00Z"}
+    assert s.all(SCHEDULE)[0].inputs["autoscalingGroupName"] != s.all(SCHEDULE)[1].inputs["autoscalingGroupName"]
+    assert preview("prod").all(SCHEDULE) == []  # no block, nothing ends
 
 
 def test_placement_group_can_be_forced_on_with_a_reservation():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import boto3
@@ -24,19 +25,22 @@ from supernode.ops.preflight import (P_QUOTA_CODE, check_bucket, check_instance_
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
+# A Capacity Block's end (they end at 11:30 UTC), two weeks ahead: its scale to 0 must not be past.
+BLOCK_END = (datetime.now(timezone.utc) + timedelta(days=14)).replace(hour=11, minute=30, second=0, microsecond=0)
 
 
 def dev_data() -> dict:
     return read_stack_file(ROOT / "Pulumi.dev.yaml")
 
 
-def reserved(kind: str = "capacity-reservation"):
+def reserved(kind: str = "capacity-reservation", ends_at: str | None = None):
     """dev (2 x p5.48xlarge) targeting reservation cr-0a1b2c3d4e5f60718."""
     data = dev_data()
     group = data["acceleratorNodeGroups"][0]
     group["capacity"] = {"type": kind, "reservationId": "cr-0a1b2c3d4e5f60718", "availabilityZone": "us-east-1a"}
     if kind == "capacity-block":
         group["placementGroup"] = False
+        group["capacity"]["endsAt"] = ends_at or BLOCK_END.isoformat()
     return from_mapping(data)
 
 
@@ -45,7 +49,7 @@ def by_name(checks: list[Check]) -> dict[str, Check]:
 
 
 def reservation_xml(stub, cr: str, state: str = "active", az: str = "us-east-1a", total: int = 2, available: int = 2,
-                    rtype: str = "default", itype: str = "p5.48xlarge"):
+                    rtype: str = "default", itype: str = "p5.48xlarge", end: datetime | None = None):
     """A DescribeCapacityReservations answer as EC2 writes it (moto does not implement the API)."""
     return stub.Answer(body=f"""<?xml version="1.0" encoding="UTF-8"?>
 <DescribeCapacityReservationsResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">
@@ -55,7 +59,7 @@ def reservation_xml(stub, cr: str, state: str = "active", az: str = "us-east-1a"
     <instancePlatform>Linux/UNIX</instancePlatform><availabilityZone>{az}</availabilityZone>
     <totalInstanceCount>{total}</totalInstanceCount><availableInstanceCount>{available}</availableInstanceCount>
     <state>{state}</state><reservationType>{rtype}</reservationType>
-    <startDate>2026-12-10T11:30:00.000Z</startDate>
+    <startDate>2026-12-10T11:30:00.000Z</startDate>{f"<endDate>{end:%Y-%m-%dT%H:%M:%S.000Z}</endDate>" if end else ""}
   </item></capacityReservationSet>
 </DescribeCapacityReservationsResponse>""")
 
@@ -184,7 +188,7 @@ def test_unknown_reservation_fails(moto_aws):
 
 def test_scheduled_capacity_block_warns_and_a_plain_reservation_is_not_a_block(moto_aws):
     moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws,
-        "cr-0a1b2c3d4e5f60718", state="scheduled", rtype="capacity-block"))
+        "cr-0a1b2c3d4e5f60718", state="scheduled", rtype="capacity-block", end=BLOCK_END))
     cfg = reserved(kind="capacity-block")
     checks = by_name(run_preflight(cfg))
     block = checks["capacity cr-0a1b2c3d4e5f60718"]
@@ -490,9 +494,29 @@ def test_region_azs_need_no_opt_in_check(moto_aws):
 
 def test_capacity_block_reports_its_window(moto_aws):
     moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws,
-        "cr-0a1b2c3d4e5f60718", state="active", rtype="capacity-block"))
+        "cr-0a1b2c3d4e5f60718", state="active", rtype="capacity-block", end=BLOCK_END))
     check = by_name(run_preflight(reserved(kind="capacity-block")))["capacity cr-0a1b2c3d4e5f60718"]
     assert check.result == "pass", check.detail
     assert "capacity-block p5.48xlarge in us-east-1a: 2/2 available, 2 needed (gpu-p5)" in check.detail
-    assert "window 2026-12-10 11:30:00+00:00 to" in check.detail
-    assert "scale the node groups to 0 by 40 min before" in check.detail
+    assert f"window 2026-12-10 11:30:00+00:00 to {BLOCK_END}" in check.detail
+    assert f"the node groups scale to 0 at {BLOCK_END - timedelta(minutes=40)}" in check.detail
+
+
+def test_capacity_block_end_must_be_ec2s_end_date_and_ahead(moto_aws):
+    """The node group's scale to 0 is timed from capacity.endsAt: it must be the block's EndDate."""
+    cr = "cr-0a1b2c3d4e5f60718"
+    moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws, cr, rtype="capacity-block", end=BLOCK_END))
+    a_day_late = (BLOCK_END + timedelta(days=1)).isoformat()
+    check = by_name(run_preflight(reserved("capacity-block", ends_at=a_day_late)))[f"capacity {cr}"]
+    assert check.result == "fail"
+    assert (f"gpu-p5: capacity.endsAt {BLOCK_END + timedelta(days=1)} but EC2's EndDate is {BLOCK_END}"
+            in check.detail)
+    # The same instant written with another offset is the same end.
+    same = BLOCK_END.astimezone(timezone(timedelta(hours=-6))).isoformat()
+    assert by_name(run_preflight(reserved("capacity-block", ends_at=same)))[f"capacity {cr}"].result == "pass"
+    # A block ending within 40 minutes: the scale to 0 is past, and AWS would refuse its schedule.
+    soon = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(minutes=20)
+    moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws, cr, rtype="capacity-block", end=soon))
+    check = by_name(run_preflight(reserved("capacity-block", ends_at=soon.isoformat())))[f"capacity {cr}"]
+    assert check.result == "fail"
+    assert f"the block ends {soon}: its node groups' scale to 0 at {soon - timedelta(minutes=40)} is past" in check.detail

@@ -12,10 +12,13 @@ integer counts is recorded, and there must be exactly one, at the optimizer step
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from supernode.core.config import Model, Parallel
 from trainer.model import Transformer, loss_fn
@@ -101,18 +104,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def run_layouts(rank: int, world_size: int) -> dict:
+def layout(name: str, world_size: int) -> tuple[ParallelDims, Parallel]:
+    dpr, dps, tp, ep, ac, overlap, _ = LAYOUTS[name]
+    return (ParallelDims(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, pp=1, world_size=world_size),
+            Parallel(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, activation_checkpointing=ac,
+                     overlap=overlap, mixed_precision="bf16"))  # bf16 must be ignored on CPU
+
+
+def run_layouts(rank: int, world_size: int, names=tuple(LAYOUTS)) -> dict:
     results = {}
-    for name, (dpr, dps, tp, ep, ac, overlap, model_cfg) in LAYOUTS.items():
-        dims = ParallelDims(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, pp=1, world_size=world_size)
-        parallel = Parallel(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, activation_checkpointing=ac,
-                            overlap=overlap, mixed_precision="bf16")  # bf16 must be ignored on CPU
+    for name in names:
+        dims, parallel = layout(name, world_size)
+        tp, model_cfg = dims.tp, LAYOUTS[name][-1]
+        mesh = dims.build_mesh("cpu")
         if name == BF16_LAYOUT:  # parallelize's device type decides mixed precision: "cuda" is the GPU (bf16) path
             model = Transformer(model_cfg)
             model.init_weights(SEED)
-            parallelize(model, dims, dims.build_mesh("cpu"), parallel, "cuda")
+            parallelize(model, dims, mesh, parallel, "cuda")
         else:
-            model = build_model(model_cfg, dims, parallel, torch.device("cpu"), SEED)
+            model = build_model(model_cfg, dims, parallel, torch.device("cpu"), SEED, mesh)
         params = {n: _full(p.detach()) for n, p in model.named_parameters()}  # collective: every rank
         tokens = batch().chunk(dims.dp_size)[dims.dp_rank(rank)]
         compute_dtypes: set[str] = set()
@@ -182,6 +192,70 @@ def test_every_layout_matches_single_process(tmp_path) -> None:
     assert not failures, "\n\n".join(failures)
 
 
+# Ranks 0, 2 in NVLink domain a and 1, 3 in b: torchrun's row-major order would pair (0, 1) and
+# (2, 3), each EP and TP group across the two domains.
+DOMAINS = ("a", "b", "a", "b")
+ORDERED_LAYOUT = "ep_fsdp_tp"  # ep 2, tp 2, dp_shard 2
+
+
+def run_domain_ordered(rank: int, world_size: int) -> dict:
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from supernode.core.errors import BadInput
+    from supernode.core.topology import place
+    from trainer.parallel import DOMAIN_ENV, domain_order, renumber_by_domain
+
+    os.environ[DOMAIN_ENV] = DOMAINS[rank]  # as the PyTorchJob sets it per node (here per rank)
+    out: dict = {}
+    # Why the ranks are renumbered rather than the mesh permuted: DTensor assembles a permuted
+    # mesh's shards in rank order, not mesh order (if torch ever changes that, this fails).
+    permuted = DeviceMesh("cpu", torch.tensor([0, 2, 1, 3]), mesh_dim_names=("x",))
+    out["permuted_gather"] = DTensor.from_local(torch.tensor([float(rank)]), permuted, [Shard(0)]).full_tensor().tolist()
+    # EP 4 in domains of 2: where the plan keeps it inside one domain every rank refuses alike (no
+    # hang); where the plan lets it cross by design, the ranks are ordered and that is said.
+    wide, wide_parallel = layout("ep", world_size)
+    try:
+        domain_order(wide, place(wide_parallel, domain=4), print)
+    except BadInput as e:
+        out["refused"] = str(e)
+    out["design_said"] = []
+    out["by_design"] = domain_order(wide, place(wide_parallel, domain=2), out["design_said"].append)
+
+    dims, parallel = layout(ORDERED_LAYOUT, world_size)
+    said: list[str] = []
+    renumber_by_domain(dims, place(parallel, domain=2), "gloo", timedelta(seconds=60), said.append)
+    new_rank = dist.get_rank()
+    mesh = dims.build_mesh("cpu")
+    out |= {"said": said, "new_rank": new_rank, "ep": mesh.ep.mesh.tolist(), "tp": mesh.tp.mesh.tolist(),
+            "figures": run_layouts(new_rank, world_size, (ORDERED_LAYOUT,)).get(ORDERED_LAYOUT)}
+    return out
+
+
+@pytest.mark.slow
+def test_domain_order_keeps_ep_and_tp_groups_inside_a_domain_and_the_losses(tmp_path) -> None:
+    from conftest import spawn
+
+    got = spawn(run_domain_ordered, 4, tmp_path)
+    assert got[0]["permuted_gather"] == [0.0, 1.0, 2.0, 3.0]  # mesh order would read [0, 2, 1, 3]
+    domain_of = {g["new_rank"]: DOMAINS[old] for old, g in enumerate(got)}
+    assert [g["new_rank"] for g in got] == [0, 2, 1, 3]  # old rank r is now rank order.index(r); rank 0 stays 0
+    for g in got:
+        for dim in ("ep", "tp"):
+            assert g["new_rank"] in g[dim] and len({domain_of[r] for r in g[dim]}) == 1, (g["new_rank"], dim, g[dim])
+        assert g["said"] == []
+        assert g["refused"] == ("rank order: NVLink domain 'a' holds 2 ranks, not a multiple of the EP/TP group size 4: "
+                                "a group would cross domains; the plan keeps ep 4 inside one domain: check the nodes' "
+                                "nvidia.com/gpu.clique labels (NVLink fabric up?) or SUPERNODE_NVLINK_DOMAIN")
+        assert g["by_design"] == [0, 2, 1, 3]
+        assert g["design_said"] == ["ep 4 spans 2 NVLink domains by the plan's design (NVLink+EFA): those groups "
+                                    "cross domains over EFA"]
+    # torchrun's order would have split every EP/TP group across the domains: the test means something.
+    assert DOMAINS[0] != DOMAINS[1] and DOMAINS[2] != DOMAINS[3]
+    check_layout(ORDERED_LAYOUT, got[0]["figures"])  # renumbered, the figures are the single-process reference's
+
+
 def _dev_local_plan():
     from pathlib import Path
 
@@ -238,3 +312,56 @@ def test_dims_from_the_dev_stack_plan() -> None:
     assert ParallelDims.from_plan(full, full.world_size).dp_size == full.parallel.dp
     with pytest.raises(ConfigError, match=f"the world size is {local.world_size + 1}"):
         ParallelDims.from_plan(local, local.world_size + 1)
+
+
+class FakeNvml:
+    """pynvml's fabric-info surface (nvidia-ml-py: the struct, byref call, constants), answering as a
+    GB200 whose NVLink fabric is in `state`; the real library needs a GPU and its driver."""
+
+    NVML_SUCCESS, NVML_GPU_FABRIC_STATE_COMPLETED = 0, 3
+
+    class NVMLError(Exception):
+        pass
+
+    class c_nvmlGpuFabricInfo_t(ctypes.Structure):
+        _fields_ = [("clusterUuid", ctypes.c_uint8 * 16), ("status", ctypes.c_uint), ("cliqueId", ctypes.c_uint32),
+                    ("state", ctypes.c_uint)]
+
+    def __init__(self, cluster: bytes, clique: int, state: int = 3, fail: bool = False):
+        self.cluster, self.clique, self.state, self.fail = cluster, clique, state, fail
+
+    def nvmlInit(self) -> None:
+        if self.fail:
+            raise self.NVMLError("NVML Shared Library Not Found")
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetGpuFabricInfo(self, handle: int, ref) -> int:
+        info = ref._obj
+        info.clusterUuid[:] = self.cluster
+        info.cliqueId, info.state, info.status = self.clique, self.state, 0
+        return 0
+
+
+def test_nvlink_domain_label_from_the_env_then_nvml_clique_then_the_node(monkeypatch) -> None:
+    import socket
+    import sys
+
+    from trainer.parallel import DOMAIN_ENV, nvlink_domain
+
+    cluster = bytes.fromhex("5f0e3a1c2b7d4e8f9a0b1c2d3e4f5a6b")
+    monkeypatch.delenv(DOMAIN_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(cluster, 32766))
+    # What GPU Feature Discovery writes into nvidia.com/gpu.clique: <clusterUuid>.<cliqueId>
+    assert nvlink_domain() == "5f0e3a1c-2b7d-4e8f-9a0b-1c2d3e4f5a6b.32766"
+    monkeypatch.setenv(DOMAIN_ENV, "nvl72-a")
+    assert nvlink_domain() == "nvl72-a"  # the override wins
+    monkeypatch.delenv(DOMAIN_ENV)
+    # A fabric not formed yet, a GPU without one (zero cluster), no driver, no pynvml: the node.
+    for nvml in (FakeNvml(cluster, 1, state=2), FakeNvml(bytes(16), 0), FakeNvml(cluster, 1, fail=True), None):
+        monkeypatch.setitem(sys.modules, "pynvml", nvml)  # None: the import fails
+        assert nvlink_domain() == socket.gethostname()

@@ -7,7 +7,7 @@ import inspect
 import types
 from typing import Any, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel
+from pydantic import AwareDatetime, BaseModel
 from pydantic.fields import FieldInfo
 
 from ..catalog import CATALOG, SYSTEM_INSTANCE_TYPES
@@ -50,7 +50,8 @@ def _type(annotation: Any) -> str:
         return "mapping"
     if args and hasattr(annotation, "__metadata__"):  # Annotated[str, Field(...)]
         return _type(args[0])
-    return {str: "string", int: "integer", float: "number", bool: "boolean"}.get(annotation, str(annotation))
+    return {str: "string", int: "integer", float: "number", bool: "boolean",
+            AwareDatetime: "ISO 8601 date-time with its offset"}.get(annotation, str(annotation))
 
 
 def _allowed(model: type[BaseModel], name: str, field: FieldInfo) -> str:

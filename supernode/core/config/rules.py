@@ -150,7 +150,8 @@ def _node_groups(c: StackConfig) -> list[Issue]:
     """Accelerator node group names are unique; every group pins the same amiReleaseVersion, of
     the cluster's Kubernetes version; requireEfa needs an instance type with EFA; capacity types
     other than on-demand need a reservationId and on-demand has none; a reservation's AZ is
-    availabilityZone; a capacity-block group has no placement group. An instance type sold only in
+    availabilityZone; a capacity-block group has no placement group and names its block's end
+    (endsAt), which no other capacity type has. An instance type sold only in
     UltraServers (p6e-gb200) names its ultraServer; a group with an ultraServer is exactly one
     UltraServer of that instance type (nodes = its instances), bought as a Capacity Block."""
     issues: list[Issue] = []
@@ -179,6 +180,13 @@ def _node_groups(c: StackConfig) -> list[Issue]:
         if cap.availability_zone and cap.availability_zone != c.availability_zone:
             issues.append(Issue(path=gp + ".capacity.availabilityZone", value=cap.availability_zone,
                                 message=f"the reservation's AZ must be the GPU subnet's AZ {c.availability_zone}"))
+        if cap.type == "capacity-block" and cap.ends_at is None:
+            issues.append(Issue(path=gp + ".capacity.endsAt", missing=True,
+                                message="a Capacity Block needs its end time (EC2's EndDate, e.g. 2026-03-14T11:30:00Z): "
+                                        "the node group is scaled to 0 forty minutes before it"))
+        if cap.type != "capacity-block" and cap.ends_at is not None:
+            issues.append(Issue(path=gp + ".capacity.endsAt", value=cap.ends_at.isoformat(),
+                                message=f"endsAt is a Capacity Block's end; capacity type {cap.type} has none: remove it"))
         if cap.type == "capacity-block" and g.placement_group:
             issues.append(Issue(path=gp + ".placementGroup", value=True,
                                 message="Capacity Blocks are already co-located and conflict with a placement group; set false"))
