@@ -1,4 +1,5 @@
-"""Identity: KMS keys, the node role and the trainer pod role (issue 3, part 5).
+"""Identity: KMS keys, the node role, the trainer pod role (issue 3, part 5) and the cluster agents'
+service-account roles.
 
 IAM documents are built here in Python (`policy_document`, `pulumi.Output.json_dumps`) rather
 than through the getPolicyDocument invoke, so they are plain data a test or policy can read.
@@ -194,5 +195,44 @@ class TrainerRole(pulumi.ComponentResource):
             aws.eks.PodIdentityAssociation(name, cluster_name=args.cluster_name, namespace=args.namespace,
                                            service_account=args.service_account, role_arn=self.role.arn,
                                            tags=args.ctx.tagged(), opts=child)
+        self.arn = self.role.arn
+        self.register_outputs({"arn": self.arn})
+
+
+# -- service-account roles of the cluster's agents ---------------------------------------------
+
+def metrics_agent_policy(log_group_arn: str) -> dict[str, Any]:
+    """The CloudWatch agent's Prometheus scrape (cwagent-prometheus): it writes the scraped series as
+    embedded-metric-format log events into the Prometheus log group and CloudWatch Logs extracts the
+    metrics from them (the agent's awsemf exporter), so it creates streams and puts events there and
+    nothing else: no cloudwatch:PutMetricData (no metric goes through that API), no CreateLogGroup
+    (Monitoring creates the group, with its retention and key)."""
+    return policy_document({"Sid": "WriteEmfEvents", "Effect": "Allow",
+                            "Action": ["logs:CreateLogStream", "logs:PutLogEvents"],
+                            "Resource": [log_group_arn, f"{log_group_arn}:log-stream:*"]})
+
+
+@dataclass
+class ServiceAccountRoleArgs:
+    ctx: StackContext
+    namespace: str
+    service_account: str
+    oidc_provider_arn: pulumi.Input[str]
+    oidc_issuer_url: pulumi.Input[str]
+    policy: pulumi.Input[str]  # the one inline policy (JSON)
+    description: str
+
+
+class ServiceAccountRole(pulumi.ComponentResource):
+    """The IAM role of one Kubernetes service account (IRSA, as the CloudWatch add-on's agent), with
+    one inline policy."""
+
+    def __init__(self, name: str, args: ServiceAccountRoleArgs, opts: Optional[pulumi.ResourceOptions] = None):
+        super().__init__("supernode:identity:ServiceAccountRole", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        self.role = aws.iam.Role(name, description=args.description, tags=args.ctx.tagged(), opts=child,
+                                 assume_role_policy=irsa_trust_policy(args.oidc_provider_arn, args.oidc_issuer_url,
+                                                                      args.namespace, args.service_account))
+        aws.iam.RolePolicy(name, role=self.role.id, policy=args.policy, opts=child)
         self.arn = self.role.arn
         self.register_outputs({"arn": self.arn})

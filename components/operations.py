@@ -13,17 +13,20 @@ and validates it.
   (the inventory-drift alarm) every `workload.inventoryIntervalMinutes`.
 - **Restore drill** (CronJob, `workload.restoreDrillSchedule`): `supernode drill restore --json`
   from the trainer image, as the trainer's service account (read access to the checkpoints).
-- **Training-health scrape**: the CloudWatch agent's Prometheus configuration (the two ConfigMaps
-  of AWS's "CloudWatch agent with Prometheus monitoring" setup for EKS): the trainer pods (by their
+- **Training-health scrape**: AWS's "CloudWatch agent with Prometheus monitoring" for EKS
+  (components/addons/cwagent-prometheus.yaml) and its two ConfigMaps: the trainer pods (by their
   prometheus.io annotations) and our DCGM exporter, as embedded-metric-format metrics in
-  ContainerInsights/Prometheus with the dimensions the alarms and dashboard use.
+  ContainerInsights/Prometheus with the dimensions the alarms and dashboard use. The agent lists pods
+  only in the namespaces its scrape configuration names and writes only to the Prometheus log group
+  (IRSA: identity.metrics_agent_policy).
 """
 
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -34,8 +37,8 @@ from supernode.core.config import Workload as WorkloadConfig
 
 from .monitoring import DCGM_SCRAPE_JOB, PROMETHEUS_NAMESPACE, TRAINER_SCRAPE_JOB
 from .queues import EXPERIMENTS, job_labels
-from .workload_addons import SYSTEM_NAMESPACE
-from .workload_common import MESH_LABEL, GpuNodes, dns_name, meta
+from .workload_addons import SYSTEM_NAMESPACE, addon_resource, with_config_hash, with_images
+from .workload_common import MESH_LABEL, GpuNodes, dns_name, load_addon, meta
 from .workload_jobs import (BASELINE_MOUNT, FABRIC_BASELINE, METRICS_SCRAPER_NAMESPACE, BaselineStore, JobArgs,
                             compute_domain, fabric_job_spec, fabric_pod_template, headless_service, mesh_policy,
                             spans_nodes_over_nvlink)
@@ -45,11 +48,17 @@ INVENTORY_SA = "inventory"
 STACK_CONFIGMAP, STACK_MOUNT = "supernode-stack", "/etc/supernode-stack"
 DRILL_MOUNT = "/restore"  # the drill restores into FSx (drills/): a checkpoint may not fit a node's disk
 DCGM_NAMESPACE = SYSTEM_NAMESPACE  # where the add-ons (our DCGM exporter among them) run
+PROMETHEUS_AGENT_FILE = "cwagent-prometheus.yaml"
+# The agent's two ConfigMaps, by the names AWS's manifest mounts: what to scrape, what becomes a metric.
+SCRAPE_CONFIGMAP, AGENT_CONFIGMAP = "prometheus-config", "prometheus-cwagentconfig"
+# The agent's namespace and service account, which its IAM role trusts (components/program.py).
+PROMETHEUS_AGENT_SA = (METRICS_SCRAPER_NAMESPACE,
+                       load_addon(PROMETHEUS_AGENT_FILE)["ServiceAccount"]["metadata"]["name"])
 # Which scraped series become CloudWatch metrics, and their dimensions (one declaration per set).
 METRIC_DECLARATIONS = [
     {"source_labels": ["job"], "label_matcher": f"^{TRAINER_SCRAPE_JOB}$",
      "dimensions": [["ClusterName", "Namespace", "job"]],
-     "metric_selectors": ["^supernode_train_(loss|lr|grad_norm|tokens_per_s|flops_per_s_per_rank|mfu|step_seconds|step)$"]},
+     "metric_selectors": ["^supernode_train_(loss|lr|grad_norm|tokens_per_s|flops_per_s_per_rank|mfu|step_seconds|step|last_checkpoint_timestamp_seconds|last_checkpoint_step)$"]},
     {"source_labels": ["job"], "label_matcher": f"^{TRAINER_SCRAPE_JOB}$",
      "dimensions": [["ClusterName", "Namespace", "job", "phase"]],
      "metric_selectors": ["^supernode_train_phase_seconds$"]},
@@ -74,11 +83,20 @@ class OperationsArgs:
     region: str
     config: Optional[StackConfig] = None  # the drill's stack file; None: no drill CronJob
     bucket_name: Optional[pulumi.Input[str]] = None
+    # The IAM role of the CloudWatch agent's Prometheus scrape (identity.ServiceAccountRole); None: no agent.
+    metrics_agent_role_arn: Optional[pulumi.Input[str]] = None
+    addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
 
 
 def stack_file(cfg: StackConfig) -> str:
     """The config as a Pulumi.<stack>.yaml (what `supernode drill restore --config` reads)."""
     return yaml.safe_dump({"config": {f"supernode:{k}": v for k, v in cfg.to_mapping().items()}}, sort_keys=False)
+
+
+def scraped_namespaces(scrape: dict[str, Any]) -> list[str]:
+    """Every namespace a Prometheus scrape configuration discovers pods in."""
+    return sorted({n for job in scrape["scrape_configs"] for sd in job["kubernetes_sd_configs"]
+                   for n in sd["namespaces"]["names"]})
 
 
 def prometheus_scrape_config(training_namespace: str) -> dict[str, Any]:
@@ -132,14 +150,17 @@ class Operations(pulumi.ComponentResource):
         self.inventory = self._inventory(name, job.image, job.gpu_nodes, wl)
         self.restore_drill = (self._restore_drill(name, job, wl, args, stack)
                               if args.config is not None and args.bucket_name is not None else None)
-        scrape = yaml.safe_dump(prometheus_scrape_config(wl.namespace), sort_keys=False)
+        scrape = prometheus_scrape_config(wl.namespace)
+        scrape_yaml = yaml.safe_dump(scrape, sort_keys=False)
+        agent_json = json.dumps(cloudwatch_agent_config(args.cluster_name, args.region), indent=1)
         self.scrape_config = [
-            k8s.core.v1.ConfigMap(f"{name}-prometheus-config", metadata=meta("prometheus-config", METRICS_SCRAPER_NAMESPACE),
-                                  data={"prometheus.yaml": scrape}, opts=self._child),
+            k8s.core.v1.ConfigMap(f"{name}-prometheus-config", metadata=meta(SCRAPE_CONFIGMAP, METRICS_SCRAPER_NAMESPACE),
+                                  data={"prometheus.yaml": scrape_yaml}, opts=self._child),
             k8s.core.v1.ConfigMap(f"{name}-prometheus-cwagentconfig",
-                                  metadata=meta("prometheus-cwagentconfig", METRICS_SCRAPER_NAMESPACE),
-                                  data={"cwagentconfig.json": json.dumps(cloudwatch_agent_config(
-                                      args.cluster_name, args.region), indent=1)}, opts=self._child)]
+                                  metadata=meta(AGENT_CONFIGMAP, METRICS_SCRAPER_NAMESPACE),
+                                  data={"cwagentconfig.json": agent_json}, opts=self._child)]
+        self.prometheus_agent = None if args.metrics_agent_role_arn is None else self._prometheus_agent(
+            name, args, scraped_namespaces(scrape), (scrape_yaml, agent_json))
         self.register_outputs({"fabric_check": self.fabric_check.metadata.name,
                                "inventory": self.inventory.metadata.name})
 
@@ -210,6 +231,34 @@ class Operations(pulumi.ComponentResource):
                 "serviceAccountName": sa.metadata.name, "tolerations": gpu.tolerations(), "affinity": gpu.affinity(),
                 "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}, "containers": [container]}},
         }, opts=pulumi.ResourceOptions(parent=self, depends_on=[role]))
+
+    def _prometheus_agent(self, name: str, args: OperationsArgs, namespaces: list[str],
+                          config: tuple[str, str]) -> pulumi.CustomResource:
+        """AWS's cwagent-prometheus on the two ConfigMaps above: its pod-reading ClusterRole bound only
+        in the namespaces the scrape discovers pods in; IRSA lets it write the Prometheus log group."""
+        objs = load_addon(PROMETHEUS_AGENT_FILE)
+        ns, child = METRICS_SCRAPER_NAMESPACE, self._child
+
+        def create(obj: dict[str, Any], suffix: str = "", namespace: Optional[str] = ns) -> pulumi.CustomResource:
+            return addon_resource(f"{name}-{obj['kind'].lower()}-{obj['metadata']['name']}{suffix}", obj, child, namespace)
+
+        sa_obj = objs["ServiceAccount"]
+        sa_obj["metadata"]["annotations"] = {"eks.amazonaws.com/role-arn": args.metrics_agent_role_arn,
+                                             "eks.amazonaws.com/sts-regional-endpoints": "true"}
+        sa = create(sa_obj)
+        role = create(objs["ClusterRole"], namespace=None)
+        for scraped in namespaces:
+            binding = copy.deepcopy(objs["RoleBinding"])  # one per namespace
+            binding["roleRef"]["name"] = role.metadata.name
+            binding["subjects"][0].update(name=sa.metadata.name, namespace=ns)
+            create(binding, f"-{scraped}", namespace=scraped)
+        deployment = with_config_hash(with_images(objs["Deployment"], args.addon_images), *config)
+        pod = deployment["spec"]["template"]["spec"]
+        pod["serviceAccountName"] = sa.metadata.name
+        created = dict(zip((SCRAPE_CONFIGMAP, AGENT_CONFIGMAP), self.scrape_config))
+        for volume in pod["volumes"]:  # the agent starts after its configuration exists
+            volume["configMap"]["name"] = created[volume["configMap"]["name"]].metadata.name
+        return create(deployment)
 
     def _restore_drill(self, name: str, job: JobArgs, wl: WorkloadConfig, args: OperationsArgs,
                        stack: str) -> k8s.batch.v1.CronJob:

@@ -4,15 +4,19 @@ It runs on import. The Pulumi CLI imports it through the root `__main__.py`; `su
 this file under the mock engine. Living in the package, it ships in the wheel (`pip install .`).
 """
 
+import json
+
 import pulumi
 import pulumi_aws as aws
 
 from components.accelerators import Accelerators, AcceleratorsArgs
 from components.cluster import NODE_ADDONS, SERVICE_CIDR, WORKLOAD_ADDONS, Cluster, ClusterArgs
 from components.context import StackContext
-from components.identity import Keys, KeysArgs, NodeRole, TrainerRole, TrainerRoleArgs
+from components.identity import (Keys, KeysArgs, NodeRole, ServiceAccountRole, ServiceAccountRoleArgs, TrainerRole,
+                                 TrainerRoleArgs, metrics_agent_policy)
 from components.monitoring import Monitoring, MonitoringArgs
 from components.network import Network, NetworkArgs
+from components.operations import PROMETHEUS_AGENT_SA
 from components.outputs import export_stack_outputs
 from components.registry import Registry, RegistryArgs
 from components.storage import Storage, StorageArgs
@@ -52,7 +56,8 @@ workload_addons = cluster.install_addons(WORKLOAD_ADDONS, depends_on=accelerator
 storage = Storage("storage", StorageArgs(
     ctx=ctx, storage=config.storage, plan=plan, vpc_id=network.vpc_id, fsx_subnet_id=network.gpu_subnet_id,
     node_security_group_id=accelerators.efa_security_group_id, data_kms_key_arn=keys.data_key_arn,
-    logs_kms_key_arn=keys.ops.arn, log_retention_days=retention))
+    logs_kms_key_arn=keys.ops.arn, log_retention_days=retention,
+    weights_prefix=config.inference.weights_prefix if config.inference else None))
 trainer_role = TrainerRole("trainer-role", TrainerRoleArgs(
     ctx=ctx, identity=config.identity, storage=config.storage, namespace=config.workload.namespace,
     service_account=config.workload.service_account, cluster_name=cluster.cluster.name,
@@ -63,6 +68,11 @@ monitoring = Monitoring("monitoring", MonitoringArgs(
     ctx=ctx, monitoring=config.monitoring, cluster=cluster, fsx_id=storage.fsx_id,
     fsx_capacity_gib=storage.fsx_capacity_gib, ops_kms_key_arn=keys.ops.arn, node_groups=accelerators.node_groups,
     plan=plan, training_namespace=config.workload.namespace))
+metrics_agent_role = ServiceAccountRole("metrics-agent-role", ServiceAccountRoleArgs(
+    ctx=ctx, namespace=PROMETHEUS_AGENT_SA[0], service_account=PROMETHEUS_AGENT_SA[1],
+    oidc_provider_arn=cluster.oidc_provider_arn, oidc_issuer_url=cluster.oidc_issuer_url,
+    policy=monitoring.prometheus_log_group_arn.apply(lambda arn: json.dumps(metrics_agent_policy(arn))),
+    description=f"supernode {stack}: the CloudWatch agent's Prometheus scrape (training health, DCGM)"))
 
 log_groups = [cluster.log_group_name, storage.fsx_log_group_name, *monitoring.log_group_names]
 if network.flow_log_group_name is not None:
@@ -89,5 +99,6 @@ workload = TrainingWorkload("workload", WorkloadArgs(
     trainer_role_arn=trainer_role.arn, gpu_nodes=GpuNodes.for_groups(accelerators.labels, accelerators.taints),
     plan=plan, images=config.images, workload=config.workload, identity=config.identity,
     baseline_dir=storage.baseline_dir, config=config, bucket_name=storage.bucket_name, cluster_name=cluster_name,
+    metrics_agent_role_arn=metrics_agent_role.arn,
     # the CloudWatch add-on creates amazon-cloudwatch, where the scrape configuration goes
     after=[*accelerators.node_groups, *workload_addons, monitoring.agent_addon]))

@@ -10,32 +10,44 @@
   Workload: quota for all of its pods or none (no half-scheduled job holding GPUs); the controller's
   waitForPodsReady evicts and requeues a job whose admitted pods do not all become ready.
 
-The CRDs are the trimmed schemas in components/crds/kueue-*.yaml, installed here so that the objects
-are validated against them (`supernode preview --manifests`).
+The controller (`KueueController`) is the pinned add-on file components/addons/kueue.yaml: its
+configuration turns on waitForPodsReady with blockAdmission, and its webhooks admit jobs and serving pods
+in the queued namespaces only. It comes first: everything its webhooks intercept (the jobs, the serving
+workload) and the queue objects themselves are created after it is ready, and deleted before it, so its
+finalizers are always removed. The CRDs are the trimmed schemas in components/crds/kueue-*.yaml, installed
+with the controller (it will not start without them), so the objects are validated against them
+(`supernode preview --manifests`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
 
 import pulumi
 import pulumi_kubernetes as k8s
+import yaml
 
 from supernode.core.capacity import PodShape
 from supernode.core.catalog import CATALOG
 from supernode.core.config import AcceleratorNodeGroup
 from supernode.core.plan import Plan
 
-from .workload_common import PART_OF, dns_name, gib, load_crd, meta
+from .workload_addons import addon_resource, with_config_hash, with_images
+from .workload_common import PART_OF, dns_name, gib, load_addon, load_crd, meta
 
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 ACCELERATOR_LABEL = "supernode.io/accelerator"  # set on every GPU node by its node group
 COHORT = "supernode-gpu"
+# Every kind the controller watches (it will not start without their CRDs), the stack's objects' first.
 CRD_FILES = ("kueue-resourceflavors.yaml", "kueue-clusterqueues.yaml", "kueue-localqueues.yaml",
-             "kueue-workloadpriorityclasses.yaml")
+             "kueue-workloadpriorityclasses.yaml", "kueue-workloads.yaml", "kueue-admissionchecks.yaml",
+             "kueue-cohorts.yaml")
+CONTROLLER_FILE = "kueue.yaml"  # its container `kueue` is its images.addons entry
+CONTROLLER_NAMESPACE = "kueue-system"  # where the file places its namespaced objects (and its configuration says)
+CONFIG_KEY = "controller_manager_config.yaml"  # the Configuration in the ConfigMap
 # Kueue priorities (higher first). Serving is user-facing; a training job checkpoints on SIGTERM and
 # resumes, so it yields to serving; experiments (ad-hoc runs, the scheduled fabric check) yield to both.
 PRIORITIES = {"supernode-serving": (1000, "inference serving: preempts training and experiments"),
@@ -92,12 +104,17 @@ def job_labels(plan: Plan, priority: str) -> dict[str, str]:
     return {QUEUE_LABEL: queue_name(plan.hardware.accelerator), PRIORITY_LABEL: priority}
 
 
+def namespace_selector(namespaces: Sequence[str]) -> dict[str, Any]:
+    """The queued namespaces, by name: whom a ClusterQueue serves and whose jobs the controller manages."""
+    return {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In",
+                                  "values": sorted(namespaces)}]}
+
+
 def cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
     quota = pool.quota()
     return {
         "cohort": COHORT,
-        "namespaceSelector": {"matchExpressions": [
-            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(namespaces)}]},
+        "namespaceSelector": namespace_selector(namespaces),
         # A big job at the head does not block smaller ones that fit (they cannot starve it: it keeps
         # its place, and preemption below frees nodes for higher priorities).
         "queueingStrategy": "BestEffortFIFO",
@@ -122,17 +139,34 @@ class TopLevelResource(pulumi.CustomResource):
                          {"apiVersion": api_version, "kind": kind, "metadata": metadata, **fields}, opts)
 
 
+def controller_configuration(namespaces: Sequence[str]) -> dict[str, Any]:
+    """The controller's Configuration as shipped, managing the jobs of the queued namespaces only."""
+    config = yaml.safe_load(load_addon(CONTROLLER_FILE)["ConfigMap"]["data"][CONFIG_KEY])
+    config["managedJobsNamespaceSelector"] = namespace_selector(namespaces)
+    return config
+
+
+def _intercepts_jobs(hook: dict[str, Any]) -> bool:
+    """A webhook on a workload kind (pods, jobs, ...), not on Kueue's own API."""
+    return any(group != KUEUE_API.split("/")[0] for rule in hook["rules"] for group in rule["apiGroups"])
+
+
 @dataclass(frozen=True)
-class QueuesArgs:
-    pools: Sequence[Pool]
-    namespaces: Sequence[str]  # namespaces with a LocalQueue per pool (training; serving when it exists)
-    after: Sequence[pulumi.Resource] = ()  # the namespaces themselves
+class KueueArgs:
+    namespaces: Sequence[str]  # the queued namespaces: training; serving when it exists
+    # images.addons: the `kueue` entry pins the controller by digest; without it, the file's tag.
+    images: Mapping[str, str] = field(default_factory=dict)
 
 
-class Queues(pulumi.ComponentResource):
-    def __init__(self, name: str, args: QueuesArgs, opts: Optional[pulumi.ResourceOptions] = None):
-        super().__init__("supernode:workload:Queues", name, None, opts)
+class KueueController(pulumi.ComponentResource):
+    """Kueue's CRDs and controller-manager (components/addons/kueue.yaml) in a namespace of its own (its
+    Role reads the Secrets there: none but its certificate's). `ready`: the controller answers its
+    webhooks, and so admits what the queued namespaces create."""
+
+    def __init__(self, name: str, args: KueueArgs, opts: Optional[pulumi.ResourceOptions] = None):
+        super().__init__("supernode:workload:Kueue", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
+        self.namespaces = sorted(args.namespaces)
         self.crds = {}
         for filename in CRD_FILES:
             crd = load_crd(filename)
@@ -140,10 +174,76 @@ class Queues(pulumi.ComponentResource):
             kind = crd["spec"]["names"]["kind"]
             self.crds[kind] = k8s.apiextensions.v1.CustomResourceDefinition(
                 f"{name}-{kind.lower()}-crd", metadata=crd["metadata"], spec=crd["spec"], opts=child)
+        self.namespace = k8s.core.v1.Namespace(f"{name}-ns", metadata=meta(CONTROLLER_NAMESPACE, labels={
+            "pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/warn": "restricted"}),
+            opts=child)
+        ns = self.namespace.metadata.name
+        objs = load_addon(CONTROLLER_FILE)
+
+        def create(suffix: str, obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
+            namespace = ns if "namespace" in obj["metadata"] else None
+            return addon_resource(f"{name}-{suffix}", obj, pulumi.ResourceOptions.merge(
+                child, pulumi.ResourceOptions(**options)), namespace)
+
+        account = create("sa", objs["ServiceAccount"])
+
+        def bind(binding: dict[str, Any], role: pulumi.CustomResource) -> dict[str, Any]:
+            binding["roleRef"]["name"] = role.metadata.name
+            for subject in binding["subjects"]:
+                subject.update(name=account.metadata.name, namespace=ns)
+            return binding
+
+        bindings = [create("manager", bind(objs["ClusterRoleBinding"], create("manager", objs["ClusterRole"]))),
+                    create("namespace", bind(objs["RoleBinding"], create("namespace", objs["Role"])))]
+        # Kueue writes and rotates the certificate in this Secret, and injects its CA into both webhook
+        # configurations: Pulumi must not fight over either.
+        cert = create("webhook-cert", objs["Secret"], ignore_changes=["data"])
+        service = create("webhook", objs["Service"])
+        config = yaml.safe_dump(controller_configuration(self.namespaces), sort_keys=False)
+        config_map = create("config", {**objs["ConfigMap"], "data": {CONFIG_KEY: config}})
+        webhooks = []
+        for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+            for hook in objs[kind]["webhooks"]:
+                hook["clientConfig"]["service"].update(name=service.metadata.name, namespace=ns)
+                if _intercepts_jobs(hook):  # fails closed: only where jobs are queued
+                    hook["namespaceSelector"] = namespace_selector(self.namespaces)
+            webhooks.append(create(kind.removesuffix("Configuration").lower(), objs[kind],
+                                   ignore_changes=["webhooks[*].clientConfig.caBundle"]))
+
+        # Its pods restart with a changed configuration (read once at start).
+        deployment = with_config_hash(with_images(objs["Deployment"], args.images), config)
+        pod = deployment["spec"]["template"]["spec"]
+        pod["serviceAccountName"] = account.metadata.name
+        for volume in pod["volumes"]:
+            if "configMap" in volume:
+                volume["configMap"]["name"] = config_map.metadata.name
+            if "secret" in volume:
+                volume["secret"]["secretName"] = cert.metadata.name
+        (container,) = pod["containers"]
+        self.version = container["image"].split("@", 1)[0].rsplit(":", 1)[1]
+        # After its CRDs, its rights and its webhook configurations: it reports ready once it has put its CA
+        # into them, so what their webhooks intercept may be created from then on.
+        self.deployment = create("controller", deployment, depends_on=[*self.crds.values(), *bindings, *webhooks])
+        self.ready: list[pulumi.Resource] = [self.deployment]
+        self.register_outputs({"namespaces": self.namespaces, "version": self.version})
+
+
+@dataclass(frozen=True)
+class QueuesArgs:
+    pools: Sequence[Pool]
+    kueue: KueueController  # its CRDs, the namespaces it queues (a LocalQueue per pool in each), its readiness
+    after: Sequence[pulumi.Resource] = ()  # the queued namespaces themselves
+
+
+class Queues(pulumi.ComponentResource):
+    def __init__(self, name: str, args: QueuesArgs, opts: Optional[pulumi.ResourceOptions] = None):
+        super().__init__("supernode:workload:Queues", name, None, opts)
+        kueue = args.kueue
 
         def custom(resource: str, kind: str, metadata: dict, after: Sequence[pulumi.Resource] = (),
                    **body: Any) -> pulumi.CustomResource:
-            opts = pulumi.ResourceOptions(parent=self, depends_on=[self.crds[kind], *after])
+            # After the controller: its webhooks admit these objects, and it removes their finalizers on delete.
+            opts = pulumi.ResourceOptions(parent=self, depends_on=[kueue.crds[kind], *kueue.ready, *after])
             if set(body) == {"spec"}:
                 return k8s.apiextensions.CustomResource(resource, api_version=KUEUE_API, kind=kind, metadata=metadata,
                                                         spec=body["spec"], opts=opts)
@@ -157,9 +257,9 @@ class Queues(pulumi.ComponentResource):
             flavor = custom(f"{name}-{pool.name}-flavor", "ResourceFlavor", meta(pool.name),
                             spec={"nodeLabels": {ACCELERATOR_LABEL: pool.accelerator}})
             cq = custom(f"{name}-{pool.name}", "ClusterQueue", meta(pool.name), after=[flavor],
-                        spec=cluster_queue_spec(pool, args.namespaces))
+                        spec=cluster_queue_spec(pool, kueue.namespaces))
             self.cluster_queues.append(cq)
-            for ns in args.namespaces:
+            for ns in kueue.namespaces:
                 self.local_queues.append(custom(
                     f"{name}-{ns}-{pool.name}", "LocalQueue", meta(queue_name(pool.accelerator), ns),
                     after=[cq, *args.after], spec={"clusterQueue": pool.name}))

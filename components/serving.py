@@ -14,6 +14,13 @@
   exposed by a Prometheus adapter rule, `ADAPTER_RULE`), target `targetRunningPerReplica`. Why HPA
   over KEDA: the HPA is core Kubernetes (validated against the cluster's own schemas, no extra
   controller or CRD), and with an adapter it reads the same signal KEDA's Prometheus scaler would.
+  The metric's path, installed with serving only (namespace `monitoring`, add-on files in
+  components/addons/): a one-replica Prometheus scraping vLLM's /metrics on the serving pods alone
+  and keeping only the two gauges the rule reads (so its memory is a few series per pod), and
+  prometheus-adapter serving `custom.metrics.k8s.io` (APIService) from it with `ADAPTER_RULE` as
+  its only rule. Why not the CloudWatch agent's scrape, which already runs: the HPA reads the
+  custom metrics API, which only an adapter in the cluster serves, and CloudWatch's minute-scale
+  delivery would slow scaling; training health needs CloudWatch (one alerting path), the HPA does not.
 - **Sharing the GPU pool with training** (the rule): serving pods run at PriorityClass
   `supernode-serving` (above `supernode-training`) and in Kueue's serving priority, so when the pool
   is full serving preempts training, which checkpoints on SIGTERM and resumes when GPUs free up;
@@ -26,17 +33,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 import pulumi
 import pulumi_kubernetes as k8s
+import yaml
 
 from supernode.core.config.schema import Inference
 from supernode.core.inference import InferencePlan
 from supernode.core.plan import Plan
 
+from .workload_addons import addon_resource, load_addon_objects, with_config_hash, with_images
 from .workload_common import GpuNodes, dns_name, gib, load_crd, meta
+from .workload_jobs import METRICS_SCRAPER_NAMESPACE
 
 PORT = 8000
 PRIORITY_CLASS = "supernode-serving"
@@ -44,7 +55,10 @@ PRIORITY_VALUE = 200000  # above supernode-training (100000, workload_namespace.
 MODELS = "/models"  # the verified local copy vLLM serves
 FSX_MOUNT = "/fsx"
 VERIFY_CONFIGMAP = "weights-verify"
-METRICS_NAMESPACES = ("amazon-cloudwatch", "monitoring")  # scrapers of /metrics
+MONITORING_NAMESPACE = "monitoring"  # the serving Prometheus and the adapter behind the HPA
+METRICS_NAMESPACES = (METRICS_SCRAPER_NAMESPACE, MONITORING_NAMESPACE)  # scrapers of /metrics
+PROMETHEUS_FILE, ADAPTER_FILE = "prometheus.yaml", "prometheus-adapter.yaml"
+PROMETHEUS_CONFIG, ADAPTER_CONFIG = "prometheus.yaml", "config.yaml"  # the files their Deployments read
 HPA_METRIC = "vllm_requests_in_flight"
 # The Prometheus adapter rule behind HPA_METRIC (install the adapter with this rule).
 ADAPTER_RULE = {"seriesQuery": 'vllm:num_requests_running{namespace!="",pod!=""}',
@@ -89,6 +103,7 @@ class ServingArgs:
     fsx_dns_name: pulumi.Input[str]
     fsx_mount_name: pulumi.Input[str]
     queue_labels: Optional[dict[str, str]] = None  # Kueue LocalQueue and priority (components/queues.py)
+    addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
 
 
 def server_args(ip: InferencePlan, inf: Inference, name: str) -> list[str]:
@@ -99,6 +114,36 @@ def server_args(ip: InferencePlan, inf: Inference, name: str) -> list[str]:
             # the planner's headroom rule: vLLM may use HBM less parallel.hbmHeadroom
             "--gpu-memory-utilization", f"{ip.usable_hbm_gib / ip.hbm_gib:.2f}",
             "--host", "0.0.0.0", "--port", str(PORT)]
+
+
+def rule_series(rule: Mapping[str, Any]) -> list[str]:
+    """The vLLM series an adapter rule's query reads."""
+    return sorted(set(re.findall(r"(vllm:\w+)\{", rule["metricsQuery"])))
+
+
+def serving_scrape_config(namespace: str, pod_labels: Mapping[str, str]) -> dict[str, Any]:
+    """The serving Prometheus' one job: vLLM's /metrics on PORT of the pods with the serving labels in
+    the serving namespace, keeping only the series ADAPTER_RULE reads, each labelled `namespace` and
+    `pod` (the rule's resource overrides)."""
+    selected = [{"source_labels": [f"__meta_kubernetes_pod_label_{re.sub(r'[^A-Za-z0-9_]', '_', k)}"],
+                 "action": "keep", "regex": re.escape(v)} for k, v in sorted(pod_labels.items())]
+    return {"global": {"scrape_interval": "15s", "scrape_timeout": "10s"},  # the HPA re-reads every 15 s
+            "scrape_configs": [{
+                "job_name": "vllm", "metrics_path": "/metrics",
+                "kubernetes_sd_configs": [{"role": "pod", "namespaces": {"names": [namespace]}}],
+                "relabel_configs": [
+                    *selected,
+                    # one target per pod: the server's port (the init container declares none)
+                    {"source_labels": ["__meta_kubernetes_pod_container_port_number"], "action": "keep",
+                     "regex": str(PORT)},
+                    {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+                    {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"}],
+                "metric_relabel_configs": [{"source_labels": ["__name__"], "action": "keep",
+                                            "regex": "|".join(map(re.escape, rule_series(ADAPTER_RULE)))}]}]}
+
+
+def adapter_config() -> dict[str, Any]:
+    return {"rules": [ADAPTER_RULE]}
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
@@ -211,12 +256,14 @@ class ServingWorkload(pulumi.ComponentResource):
         self.service = k8s.core.v1.Service(f"{name}-svc", metadata=meta(app, ns, labels=labels), spec={
             "type": "ClusterIP", "selector": labels, "ports": [{"name": "http", "port": PORT, "targetPort": PORT}]},
             opts=child)
+        self.metrics_api = self._autoscaling_metrics(name, args, ns, labels)
         self.hpa = k8s.autoscaling.v2.HorizontalPodAutoscaler(f"{name}-hpa", metadata=meta(app, ns, labels=labels), spec={
             "scaleTargetRef": target, "minReplicas": ip.replicas_min, "maxReplicas": ip.replicas_max,
             "metrics": [{"type": "Pods", "pods": {"metric": {"name": HPA_METRIC}, "target": {
                 "type": "AverageValue", "averageValue": str(inf.target_running_per_replica)}}}],
             # Loading weights takes minutes: scale up promptly, scale down slowly.
-            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}}}, opts=child)
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}}},
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.metrics_api]))
         self.pdb = k8s.policy.v1.PodDisruptionBudget(f"{name}-pdb", metadata=meta(app, ns, labels=labels), spec={
             "maxUnavailable": 1, "selector": {"matchLabels": labels}}, opts=child)
         peers = [{"podSelector": {"matchLabels": labels}}]  # the replica's own pods (LeaderWorkerSet groups)
@@ -233,6 +280,67 @@ class ServingWorkload(pulumi.ComponentResource):
                         "serving_kind": ip.workload_kind}
         self.register_outputs(self.outputs)
 
+    def _autoscaling_metrics(self, name: str, args: ServingArgs, serving_ns: pulumi.Input[str],
+                             pod_labels: Mapping[str, str]) -> pulumi.CustomResource:
+        """The serving Prometheus and prometheus-adapter (namespace `monitoring`) from their add-on files,
+        each object's references pointed at the created objects (so Pulumi orders them), the images of
+        supernode:images.addons, and each Deployment's ConfigMap built here. Returns the APIService."""
+        child = pulumi.ResourceOptions(parent=self)
+        mon = k8s.core.v1.Namespace(f"{name}-monitoring-ns", metadata=meta(MONITORING_NAMESPACE, labels={
+            "pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/warn": "restricted"}),
+            opts=child).metadata.name
+        # The files place objects in `monitoring`, the serving namespace (as "serving") or kube-system.
+        namespaces = {MONITORING_NAMESPACE: mon, "serving": serving_ns}
+
+        def create(obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
+            md = obj["metadata"]
+            return addon_resource(f"{name}-{obj['kind'].lower()}-{md['name'].replace(':', '-')}", obj,
+                                  pulumi.ResourceOptions(parent=self, **options), namespaces.get(md.get("namespace", "")))
+
+        def install(filename: str, config: str, data: str) -> dict[str, Any]:
+            """Creates the file's service account, roles and bindings, and the Deployment's ConfigMap
+            (`data` as its file `config`); returns the file's objects by kind, the Deployment patched
+            (service account, image, configuration) for the caller to create with the rest."""
+            loaded = load_addon_objects(filename)
+            objs = {o["kind"]: o for o in loaded}  # by kind, for the kinds of one object in the file
+            sa = create(objs["ServiceAccount"])
+            roles = {o["metadata"]["name"]: create(o) for o in loaded if o["kind"] == "ClusterRole"}
+            for o in loaded:
+                if o["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+                    ref = o["roleRef"]  # ours by their created names; the cluster's (system:...) as named
+                    ref["name"] = roles[ref["name"]].metadata.name if ref["name"] in roles else ref["name"]
+                    for subject in o["subjects"]:
+                        subject.update(name=sa.metadata.name, namespace=mon)
+                    create(o)
+            deployment = with_config_hash(with_images(objs["Deployment"], args.addon_images), data)
+            pod = deployment["spec"]["template"]["spec"]
+            pod["serviceAccountName"] = sa.metadata.name
+            [volume] = [v for v in pod["volumes"] if "configMap" in v]
+            cm = k8s.core.v1.ConfigMap(f"{name}-{volume['configMap']['name']}", data={config: data},
+                                       metadata=meta(volume["configMap"]["name"], mon), opts=child)
+            volume["configMap"]["name"] = cm.metadata.name
+            return objs
+
+        prometheus = install(PROMETHEUS_FILE, PROMETHEUS_CONFIG, yaml.safe_dump(
+            serving_scrape_config(args.inference.namespace, pod_labels), sort_keys=False))
+        self.prometheus = create(prometheus["Deployment"])
+        svc, port = create(prometheus["Service"]), prometheus["Service"]["spec"]["ports"][0]["port"]
+
+        adapter = install(ADAPTER_FILE, ADAPTER_CONFIG, yaml.safe_dump(adapter_config(), sort_keys=False))
+        [server] = adapter["Deployment"]["spec"]["template"]["spec"]["containers"]
+        server["args"] = [pulumi.Output.concat("--prometheus-url=http://", svc.metadata.name, ".", mon, f".svc:{port}/")
+                          if a.startswith("--prometheus-url=") else a for a in server["args"]]
+        self.adapter = create(adapter["Deployment"])
+        adapter_svc = create(adapter["Service"])
+        # Only the adapter reads Prometheus. (The API server reaches the adapter from the control plane.)
+        k8s.networking.v1.NetworkPolicy(f"{name}-prometheus-netpol", metadata=meta("prometheus", mon), spec={
+            "podSelector": {"matchLabels": prometheus["Deployment"]["spec"]["selector"]["matchLabels"]},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": adapter["Deployment"]["spec"]["selector"]["matchLabels"]}}],
+                         "ports": [{"protocol": "TCP", "port": port}]}]}, opts=child)
+        api = adapter["APIService"]
+        api["spec"]["service"].update(name=adapter_svc.metadata.name, namespace=mon)
+        return create(api, depends_on=[self.adapter])
 
 def _worker(template: dict[str, Any]) -> dict[str, Any]:
     """A LeaderWorkerSet worker: the same pod (it joins the leader's Ray cluster through vLLM), without

@@ -18,7 +18,7 @@ from supernode.core.plan import Plan
 
 from .context import StackContext
 from .operations import Operations, OperationsArgs
-from .queues import SERVING, TRAINING, Queues, QueuesArgs, gpu_pools, job_labels
+from .queues import SERVING, TRAINING, KueueArgs, KueueController, Queues, QueuesArgs, gpu_pools, job_labels
 from .serving import ServingArgs, ServingWorkload
 from .taints import Taint
 from .workload_addons import AddonArgs, ClusterAddons
@@ -51,6 +51,8 @@ class WorkloadArgs:
     config: Optional[StackConfig] = None
     bucket_name: Optional[pulumi.Input[str]] = None
     cluster_name: str = ""
+    # The IAM role of the CloudWatch agent's Prometheus scrape (program.py); None: the agent is not deployed.
+    metrics_agent_role_arn: Optional[pulumi.Input[str]] = None
 
 
 class TrainingWorkload(pulumi.ComponentResource):
@@ -66,6 +68,11 @@ class TrainingWorkload(pulumi.ComponentResource):
                                                               images=args.images.addons,
                                                               compute_domains=spans_nodes_over_nvlink(plan)),
                                     child)
+        # Kueue's controller first: its webhooks admit every job and serving pod of the queued namespaces.
+        inference = args.config.inference if args.config else None
+        serves = plan.inference is not None and inference is not None
+        self.kueue = KueueController(f"{name}-kueue", KueueArgs(
+            namespaces=[wl.namespace] + ([inference.namespace] if serves else []), images=args.images.addons), child)
         self.training = TrainingNamespace(f"{name}-ns", NamespaceArgs(
             namespace=wl.namespace, service_account=wl.service_account, trainer_role_arn=args.trainer_role_arn,
             pod_identity=args.identity.pod_identity == "pod-identity", cluster_version=args.cluster_version,
@@ -77,21 +84,21 @@ class TrainingWorkload(pulumi.ComponentResource):
         fabric = replace(job, image=args.images.fabric_check or args.images.trainer)
         store = BaselineStore(pvc=self.training.claim.metadata.name, subpath=args.baseline_dir.strip("/"),
                               regression=wl.fabric_regression)
-        self.gate = InterconnectGate(f"{name}-gate", fabric, job_name=dns_name(plan.stack, "fabric-gate"), opts=child,
-                                     baseline=store)
+        self.gate = InterconnectGate(f"{name}-gate", fabric, job_name=dns_name(plan.stack, "fabric-gate"),
+                                     opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
+                                         depends_on=self.kueue.ready)), baseline=store)
         # Serving (the inference section): vLLM on the verified export, at serving priority in the same pools.
-        inference = args.config.inference if args.config else None
-        self.serving = None if plan.inference is None or inference is None else ServingWorkload(
+        self.serving = None if not serves else ServingWorkload(
             f"{name}-serving", ServingArgs(plan=plan, inference=inference, gpu_nodes=args.gpu_nodes, fsx_id=args.fsx.id,
                                            fsx_dns_name=args.fsx.dns_name, fsx_mount_name=args.fsx.mount_name,
-                                           queue_labels=job_labels(plan, SERVING)),
-            pulumi.ResourceOptions(parent=self, providers={"kubernetes": self.provider}, depends_on=[*self.addons.ready]))
+                                           queue_labels=job_labels(plan, SERVING), addon_images=args.images.addons),
+            pulumi.ResourceOptions(parent=self, providers={"kubernetes": self.provider},
+                                   depends_on=[*self.addons.ready, *self.kueue.ready]))
         serving_ns = [self.serving.namespace] if self.serving else []
         # Kueue: a ClusterQueue per GPU pool; the trainer is admitted through its LocalQueue, all workers or none.
         groups = args.config.accelerator_node_groups if args.config else ()
         self.queues = Queues(f"{name}-queues", QueuesArgs(
-            pools=gpu_pools(groups, plan), namespaces=[wl.namespace] + ([inference.namespace] if serving_ns else []),
-            after=[self.training.namespace, *serving_ns]), child)
+            pools=gpu_pools(groups, plan), kueue=self.kueue, after=[self.training.namespace, *serving_ns]), child)
         self.trainer = TrainerJob(f"{name}-trainer", TrainerArgs(
             job=job, service_account=self.training.service_account.metadata.name,
             pvc=self.training.claim.metadata.name,
@@ -103,8 +110,10 @@ class TrainingWorkload(pulumi.ComponentResource):
             job=fabric, workload=wl, pvc=self.training.claim.metadata.name, baseline_subpath=store.subpath,
             service_account=self.training.service_account.metadata.name,
             cluster_name=args.cluster_name or f"supernode-{plan.stack}", region=args.ctx.region,
-            config=args.config, bucket_name=args.bucket_name), pulumi.ResourceOptions(
-                parent=self, providers={"kubernetes": self.provider}, depends_on=[*self.queues.ready]))
+            config=args.config, bucket_name=args.bucket_name, metrics_agent_role_arn=args.metrics_agent_role_arn,
+            addon_images=args.images.addons), pulumi.ResourceOptions(
+                parent=self, providers={"kubernetes": self.provider},
+                depends_on=[*self.queues.ready, self.addons.namespace]))  # the agent reads pods there (DCGM)
 
         self.outputs = {
             "namespace": self.training.name,

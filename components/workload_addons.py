@@ -13,6 +13,7 @@ registry's region, and the references between objects.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
@@ -28,8 +29,12 @@ from .workload_common import ADDON_DIR, GpuNodes, PART_OF, load_addon, load_crd,
 SYSTEM_NAMESPACE = "supernode-system"  # where the add-on files place their namespaced objects
 OPERATOR = "training-operator"
 ADDON_FILES = ("nvidia-device-plugin.yaml", "aws-efa-k8s-device-plugin.yaml", "dcgm-exporter.yaml",
-               "training-operator.yaml")
+               "training-operator.yaml", "kueue.yaml")  # kueue.yaml: installed by components/queues.py
+# The metrics pipelines: the CloudWatch agent's Prometheus scrape (components/operations.py) and, with
+# serving, the Prometheus and adapter behind the serving HPA (components/serving.py).
+METRICS_ADDON_FILES = ("cwagent-prometheus.yaml", "prometheus.yaml", "prometheus-adapter.yaml")
 WORKLOADS = ("DaemonSet", "Deployment")  # the kinds in the add-on files that run containers
+CONFIG_HASH = "supernode.io/config-sha256"  # on a pod template: the configuration its pods started with
 # The NVIDIA DRA driver (ComputeDomain mode), only on plans whose NVLink domain spans nodes. One image
 # for all its containers (and the compute-domain daemons its controller launches): its images.addons
 # entry is named after the driver, not after a container.
@@ -50,7 +55,9 @@ KINDS = {
     "Role": k8s.rbac.v1.Role,
     "RoleBinding": k8s.rbac.v1.RoleBinding,
     "ValidatingWebhookConfiguration": k8s.admissionregistration.v1.ValidatingWebhookConfiguration,
+    "MutatingWebhookConfiguration": k8s.admissionregistration.v1.MutatingWebhookConfiguration,
     "DeviceClass": k8s.resource.v1beta1.DeviceClass,  # resource.k8s.io/v1beta1: Kubernetes 1.33 and 1.34
+    "APIService": k8s.apiregistration.v1.APIService,
 }
 
 
@@ -109,8 +116,8 @@ def _dra_driver_image() -> str:
 def addon_images() -> dict[str, str]:
     """Each add-on container's image as its file pins it (by tag), and the DRA driver's image: what
     supernode:images.addons overrides."""
-    images = {c["name"]: c["image"] for f in ADDON_FILES for obj in load_addon(f).values() if obj["kind"] in WORKLOADS
-              for c in _pod_spec(obj)["containers"]}
+    images = {c["name"]: c["image"] for f in ADDON_FILES + METRICS_ADDON_FILES for obj in load_addon_objects(f)
+              if obj["kind"] in WORKLOADS for c in _pod_spec(obj)["containers"]}
     return {**images, DRA_DRIVER: _dra_driver_image()}
 
 
@@ -121,8 +128,26 @@ def with_images(obj: dict[str, Any], images: Mapping[str, str]) -> dict[str, Any
     return obj
 
 
+def with_config_hash(obj: dict[str, Any], *config: str) -> dict[str, Any]:
+    """An add-on workload whose pods roll when the configuration they mount changes: the kubelet
+    updates a mounted ConfigMap in place, and these programs read theirs only at start."""
+    digest = hashlib.sha256("\0".join(config).encode()).hexdigest()
+    obj["spec"]["template"].setdefault("metadata", {}).setdefault("annotations", {})[CONFIG_HASH] = digest
+    return obj
+
+
 def _snake(field: str) -> str:
     return re.sub(r"(?<!^)([A-Z])", r"_\1", field).lower()  # roleRef -> role_ref, as the SDK names arguments
+
+
+def addon_resource(resource_name: str, obj: dict[str, Any], opts: pulumi.ResourceOptions,
+                   namespace: Optional[pulumi.Input[str]] = None) -> pulumi.CustomResource:
+    """The typed resource (KINDS) for one object of an add-on file, with the ownership labels, in
+    `namespace` (a created Namespace's name, so after it) or else the file's own."""
+    md = obj["metadata"]
+    body = {_snake(k): v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")}
+    return KINDS[obj["kind"]](resource_name, metadata=meta(md["name"], namespace or md.get("namespace"),
+                                                          md.get("labels"), md.get("annotations")), opts=opts, **body)
 
 
 class ClusterAddons(pulumi.ComponentResource):
@@ -176,12 +201,9 @@ class ClusterAddons(pulumi.ComponentResource):
     def _create(self, resource_name: str, obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
         """The typed resource for one object of an add-on file, with the ownership labels; an object
         the file places in SYSTEM_NAMESPACE goes into the Namespace created above (so after it)."""
-        md = obj["metadata"]
-        namespace = self._ns if md.get("namespace") == SYSTEM_NAMESPACE else md.get("namespace")
-        body = {_snake(k): v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")}
+        namespace = self._ns if obj["metadata"].get("namespace") == SYSTEM_NAMESPACE else None
         opts = pulumi.ResourceOptions.merge(self._child, pulumi.ResourceOptions(**options))
-        return KINDS[obj["kind"]](resource_name, metadata=meta(md["name"], namespace, md.get("labels"),
-                                                              md.get("annotations")), opts=opts, **body)
+        return addon_resource(resource_name, obj, opts, namespace)
 
     def _dra_driver(self, name: str, args: AddonArgs, crd: pulumi.Resource) -> list[pulumi.Resource]:
         """The NVIDIA DRA driver (ComputeDomain mode): service accounts, RBAC, DeviceClasses, the controller

@@ -43,7 +43,7 @@ APPLY_ORDER = ("Namespace", "CustomResourceDefinition", "PriorityClass", "Cluste
                "RoleBinding",
                "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "ServiceAccount", "Secret", "ConfigMap",
                "ResourceQuota", "LimitRange", "NetworkPolicy", "PersistentVolume", "PersistentVolumeClaim", "Service",
-               "DaemonSet", "Deployment", "ValidatingWebhookConfiguration", "Job")
+               "DaemonSet", "Deployment", "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration", "Job")
 
 
 def _apply_key(m: Manifest) -> tuple:
@@ -128,9 +128,19 @@ def _pytorchjob_templates(m: Manifest) -> Iterator[tuple[str, Any]]:
         yield f"spec.pytorchReplicaSpecs.{role}.template", replica.get("template", {})
 
 
+def _leaderworkerset_templates(m: Manifest) -> Iterator[tuple[str, Any]]:
+    lwt = m.get("spec", {}).get("leaderWorkerTemplate") or {}
+    for role in ("leaderTemplate", "workerTemplate"):
+        if role in lwt:
+            yield f"spec.leaderWorkerTemplate.{role}", lwt[role]
+
+
 # Pod templates inside custom resources whose CRD schema leaves them open (validated as PodTemplate).
+# Built-in kinds (Deployment, DaemonSet, Job, CronJob's jobTemplate) need none: their schemas include
+# the pod template, checked strictly. The other CRDs we ship (Kueue, ComputeDomain) embed no pod.
 EMBEDDED_POD_TEMPLATES: dict[str, Callable[[Manifest], Iterator[tuple[str, Any]]]] = {
     "kubeflow.org/PyTorchJob": _pytorchjob_templates,
+    "leaderworkerset.x-k8s.io/LeaderWorkerSet": _leaderworkerset_templates,
 }
 
 

@@ -74,7 +74,7 @@ def test_kueue_objects_in_the_preview_are_wired_and_valid():
                                                                   q.PRIORITY_LABEL: q.EXPERIMENTS}
     ours = [m for m in manifests if m["apiVersion"].startswith("kueue.x-k8s.io/")
             or m["metadata"]["name"].endswith(".kueue.x-k8s.io")]
-    assert len(ours) == 4 + 3 + 1 + 1 + len(served)
+    assert len(ours) == 7 + 3 + 1 + 1 + len(served)  # CRDs (the controller's included), priorities, flavor, queues
     assert mf.validate(manifests, stack.cfg.cluster.kubernetes_version) == []
     # The schemas are closed and keep Kueue's constraints: a misspelt field or a bad policy is caught.
     broken = copy.deepcopy(cq)

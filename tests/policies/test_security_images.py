@@ -72,7 +72,9 @@ def test_the_repositorys_stacks_warn_in_dev_and_fail_in_prod(stack_name, level):
         by_policy.setdefault(v.policy, []).append(v)
     assert set(by_policy) == set(IMAGE_POLICIES)
     assert {v.enforcement for vs in by_policy.values() for v in vs} == {level}
-    assert len(by_policy["image-digests"]) == 4  # the four add-ons, by tag
+    # the add-on workloads, by tag: both device plugins, DCGM, the training operator, the Kueue controller,
+    # the CloudWatch agent's Prometheus scrape, and serving's Prometheus and adapter
+    assert len(by_policy["image-digests"]) == 8
     # every workload of the trainer image (job, gate, scheduled fabric check, restore drill, inventory) and
     # vLLM's server and weight check: CronJobs and init containers included
     assert {v.urn.rsplit("::", 1)[-1] for v in by_policy["image-placeholder"]} == {
