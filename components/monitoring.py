@@ -37,6 +37,7 @@ PERIOD_S = 60
 # Where the CloudWatch agent's Prometheus scrape puts the trainer's gauges, and their dimensions.
 PROMETHEUS_NAMESPACE = "ContainerInsights/Prometheus"
 TRAINER_SCRAPE_JOB = "supernode-trainer"  # the scrape job name; a dimension of every trainer metric
+CHECKPOINT_TIME_METRIC = "supernode_train_last_checkpoint_timestamp_seconds"  # when the newest checkpoint committed
 # One GPU exporter: ours (components/addons/dcgm-exporter.yaml, its counters CSV), scraped into
 # PROMETHEUS_NAMESPACE like the trainer. The add-on's own NVIDIA GPU collection is switched off, so
 # no second exporter's series exist to be confused with ours.
@@ -99,6 +100,7 @@ class Monitoring(pulumi.ComponentResource):
                 retention_in_days=m.log_retention_days, kms_key_id=args.ops_kms_key_arn, tags=tags, opts=child)
         self.log_group_names = [g.name for g in groups.values()]
         self.training_log_group_name = groups["application"].name  # where the trainer pods' stdout lands
+        self.prometheus_log_group_arn = groups["prometheus"].arn  # where the Prometheus scrape writes (operations.py)
 
         agent_role = aws.iam.Role(f"{name}-cloudwatch-agent", tags=tags, opts=child, assume_role_policy=irsa_trust_policy(
             args.cluster.oidc_provider_arn, args.cluster.oidc_issuer_url, *CW_AGENT))
@@ -203,7 +205,7 @@ class Monitoring(pulumi.ComponentResource):
             name, dashboard_name=f"supernode-{ctx.stack}", opts=child,
             dashboard_body=pulumi.Output.all(args.fsx_id).apply(
                 lambda a: json.dumps(dashboard(ctx.region, cluster_name, self.namespace, a[0], m,
-                                               args.training_namespace, floor))))
+                                               args.training_namespace, floor, checkpoint_window_s))))
         self.register_outputs({"topic_arn": self.topic_arn, "alarm_names": self.alarm_names})
 
     def _alarm(self, name: str, short: str, description: str, *, threshold: float, comparison: str, periods: int,
@@ -265,11 +267,11 @@ def fsx_free_floor_bytes(capacity_gib: int, floor_percent: float) -> float:
 
 
 def dashboard(region: str, cluster_name: str, namespace: str, fsx_id: str, m: MonitoringConfig,
-              training_namespace: str, throughput_floor: float) -> dict:
-    def metric(title: str, metrics: list, annotation: Optional[float] = None) -> dict:
+              training_namespace: str, throughput_floor: float, checkpoint_window_s: int) -> dict:
+    def metric(title: str, metrics: list, annotation: Optional[float] = None, label: str = "floor") -> dict:
         props = {"title": title, "region": region, "metrics": metrics, "period": PERIOD_S, "view": "timeSeries"}
         if annotation is not None:
-            props["annotations"] = {"horizontal": [{"label": "floor", "value": annotation}]}
+            props["annotations"] = {"horizontal": [{"label": label, "value": annotation}]}
         return {"type": "metric", "width": 12, "height": 6, "properties": props}
 
     dims = training_dimensions(cluster_name, training_namespace)
@@ -300,7 +302,10 @@ def dashboard(region: str, cluster_name: str, namespace: str, fsx_id: str, m: Mo
         metric("Step time by phase (s)", by_label("supernode_train_phase_seconds", "phase")),
         metric("Expert load (max/mean per MoE layer; 1 = balanced)",
                by_label("supernode_train_expert_load_max_over_mean", "layer")),
-        metric("Checkpoints saved (an empty window is checkpoint age)", [[namespace, "CheckpointsSaved"]]),
+        # The trainer's commit-time gauge; EPOCH gives each datapoint's own time, so age = EPOCH(ts) - ts.
+        metric("Checkpoint age (s)", [trainer(CHECKPOINT_TIME_METRIC) + [{"id": "ts", "stat": "Maximum", "visible": False}],
+                                      {"expression": "EPOCH(ts) - ts", "id": "age", "label": "since the last commit"}],
+               checkpoint_window_s, "checkpoint-stale alarm"),
         metric("Fabric, inventory and restore drill", [[namespace, "FabricRegressedNodes"], [namespace, "InventoryDrift"],
                                                        [namespace, "RestoreDrillFailures"]]),
         metric("FSx free capacity (bytes)", [["AWS/FSx", "FreeDataStorageCapacity", "FileSystemId", fsx_id]]),

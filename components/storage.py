@@ -65,6 +65,7 @@ class StorageArgs:
     data_kms_key_arn: pulumi.Input[str]
     logs_kms_key_arn: pulumi.Input[str]
     log_retention_days: int
+    weights_prefix: Optional[str] = None  # inference.weightsPrefix: `supernode model push` uploads the export there
 
 
 class Storage(pulumi.ComponentResource):
@@ -116,9 +117,11 @@ class Storage(pulumi.ComponentResource):
         # operations baselines (fabric matrix), under a prefix of their own that no lifecycle rule expires.
         self.dataset_dir, self.checkpoint_dir = "/datasets", "/checkpoints"  # paths inside the file system
         self.baseline_dir = "/baselines"
-        for path, prefix, export in ((self.dataset_dir, s.dataset_prefix, False),
-                                     (self.checkpoint_dir, s.checkpoint_prefix, True),
-                                     (self.baseline_dir, BASELINE_PREFIX, True)):
+        links = [(self.dataset_dir, s.dataset_prefix, False), (self.checkpoint_dir, s.checkpoint_prefix, True),
+                 (self.baseline_dir, BASELINE_PREFIX, True)]
+        if args.weights_prefix:  # served weights flow in only: the serving init container reads /fsx/<prefix>
+            links.append(("/" + args.weights_prefix.strip("/"), args.weights_prefix, False))
+        for path, prefix, export in links:
             aws.fsx.DataRepositoryAssociation(
                 f"{name}{path.replace('/', '-')}", file_system_id=self.fsx.id, file_system_path=path,
                 data_repository_path=pulumi.Output.concat("s3://", self.bucket_name, "/", prefix),

@@ -15,8 +15,12 @@ What it measures, rank 0 printing one JSON line each:
   exchanging with local rank i of the other (every GPU's own NIC at once). Pairs run in rounds of
   disjoint pairs (round-robin tournament): n-1 rounds for n nodes (n when n is odd), not n(n-1)/2.
   A pair regresses when its bandwidth drops, or its latency grows, beyond `--regression` of its
-  reference: the baseline's figure for the same two nodes, or without a baseline the typical
-  node's (the median over nodes of each node's median pair). Each figure is the median over iterations (a hiccup of a shared host is no finding).
+  reference: the baseline's figure for the same two nodes; for a pair the baseline lacks (a node
+  that replaced a failed one) the baseline's typical node (the median over nodes of each node's
+  median pair); without a baseline, this run's typical node. Each figure is the median over
+  iterations (a hiccup of a shared host is no finding). A new node that is not named is added to
+  the baseline (its pairs that did not regress; the file rewritten atomically, `rebaselined` saying
+  when and which), so a replaced node needs no manual re-baseline.
   A node is named when more than half of its compared pairs regressed (one bad link regresses one
   pair; a bad node regresses all of its pairs), and the line `fabric_regressed_node_count` is what
   the monitoring's log metric filter turns into an alarm.
@@ -227,26 +231,36 @@ def measure_pairs(ranks_per_node: int, nbytes: int, device: torch.device, warmup
             "bytes": 4 * max(1, nbytes // 4), "pairs": matrix}
 
 
+def _key(p: dict) -> tuple[str, str]:
+    a, b = p["pair"]
+    return (a, b) if a <= b else (b, a)
+
+
+def typical(pairs: list[dict]) -> dict[str, float]:
+    """The typical node's figures: the median over nodes of each node's median pair, which one bad
+    node (or link) cannot drag down. Empty without pairs."""
+    per_node: dict[str, list[dict]] = {}
+    for p in pairs:
+        for n in p["pair"]:
+            per_node.setdefault(n, []).append(p)
+    return {k: statistics.median(statistics.median(q[k] for q in ps) for ps in per_node.values())
+            for k in ("gb_s", "latency_us")} if per_node else {}
+
+
 def compare(pairs: list[dict], threshold: float, baseline: Optional[list[dict]] = None) -> dict:
     """Which pairs regressed beyond `threshold` (a fraction) of their reference, and which nodes:
     those with more than half of their compared pairs regressed. The reference is the baseline's
-    pair of the same two nodes, or without a baseline the typical node's: the median over nodes of
-    each node's median pair, which one bad node (or link) cannot drag down."""
-    def key(p: dict) -> tuple[str, str]:
-        a, b = p["pair"]
-        return (a, b) if a <= b else (b, a)
-
+    pair of the same two nodes; a pair the baseline lacks (a node that joined since, e.g. one that
+    replaced a failed node) is held to the baseline's fleet figures (`typical` over its pairs),
+    with the same threshold. Without a baseline every pair is held to this run's typical node."""
     if baseline is not None:
-        ref = {key(p): p for p in baseline}
-        compared = [(p, ref[key(p)]) for p in pairs if key(p) in ref]
+        ref, fleet = {_key(p): p for p in baseline}, typical(baseline)
+        compared = [(p, ref.get(_key(p), fleet)) for p in pairs if _key(p) in ref or fleet]
+        known = {n for p in baseline for n in p["pair"]}
+        new_nodes = sorted({n for p in pairs for n in p["pair"]} - known)
     else:
-        per_node: dict[str, list[dict]] = {}
-        for p in pairs:
-            for n in p["pair"]:
-                per_node.setdefault(n, []).append(p)
-        typical = {k: statistics.median(statistics.median(q[k] for q in ps) for ps in per_node.values())
-                   for k in ("gb_s", "latency_us")} if per_node else {}
-        compared = [(p, typical) for p in pairs]
+        fleet, new_nodes = typical(pairs), []
+        compared = [(p, fleet) for p in pairs]
     regressed, counts, totals = [], {}, {}
     for p, r in compared:
         slow = p["gb_s"] < (1 - threshold) * r["gb_s"] or p["latency_us"] * (1 - threshold) > r["latency_us"]
@@ -257,8 +271,24 @@ def compare(pairs: list[dict], threshold: float, baseline: Optional[list[dict]] 
             regressed.append({**p, "reference_gb_s": r["gb_s"], "reference_latency_us": r["latency_us"]})
     suspects = sorted(n for n in totals if counts[n] * 2 > totals[n])
     return {"reference": "baseline" if baseline is not None else "typical-node", "compared_pairs": len(compared),
-            "unbaselined_pairs": len(pairs) - len(compared), "regressed_pairs": regressed,
+            "unbaselined_pairs": len(pairs) - len(compared), "new_nodes": new_nodes, "regressed_pairs": regressed,
             "suspect_nodes": suspects, "fabric_regressed_node_count": len(suspects)}
+
+
+def extend_baseline(baseline: dict, matrix: dict, found: dict, when: float) -> Optional[dict]:
+    """The baseline with the healthy new nodes added, or None when there are none: their identities,
+    and those of their pairs that did not regress (a pair with a bad old node is left out and stays
+    held to the fleet figures). The old nodes' pairs are kept as recorded; `rebaselined` says when
+    and which nodes were added."""
+    healthy = [n for n in found["new_nodes"] if n not in found["suspect_nodes"]]
+    if not healthy:
+        return None
+    slow = {_key(p) for p in found["regressed_pairs"]}
+    known = {_key(p) for p in baseline["pairs"]}
+    added = [p for p in matrix["pairs"] if set(p["pair"]) & set(healthy) and _key(p) not in slow | known]
+    return {**baseline, "pairs": baseline["pairs"] + added,
+            "nodes": baseline.get("nodes", []) + [n for n in matrix["nodes"] if n["node"] in healthy],
+            "rebaselined": baseline.get("rebaselined", []) + [{"time": when, "nodes": healthy, "pairs": len(added)}]}
 
 
 def read_report(path: Path, flag: str) -> dict:
@@ -366,12 +396,16 @@ def main(argv: list[str] | None = None) -> int:
             passed = passed and not found["suspect_nodes"]
             report = {"time": time.time(), "world_size": dist.get_world_size(), "ranks_per_node": per_node,
                       "collectives": points, "latency": lat, **matrix, "compare": found}
+            extended = extend_baseline(baseline, matrix, found, report["time"]) if baseline else None
             try:
                 if args.report:
                     write_report(args.report, report)
                 if args.baseline and baseline is None:
                     write_report(args.baseline, report)
                     say({"fabric_baseline": "recorded", "path": str(args.baseline), "nodes": len(matrix["nodes"])})
+                if extended is not None:
+                    write_report(args.baseline, extended)
+                    say({"fabric_baseline": "extended", "path": str(args.baseline), **extended["rebaselined"][-1]})
             except OSError as e:  # a lost report is a failed check, said once; the peers still exit
                 print(f"error: report not written: {e.filename}: {e.strerror}", file=sys.stderr, flush=True)
                 passed = False

@@ -5,6 +5,13 @@ Only rank 0 writes. Per logged step: loss, lr, grad norm, tokens/s, achieved FLO
 CPU has no catalog peak, so MFU is null there), the step time split into compute /
 communication / data wait, and the expert load per MoE layer as max/mean token share (1.0 is a
 perfect balance; E means every token went to one expert).
+
+Checkpoint age: `supernode_train_last_checkpoint_timestamp_seconds` is when the newest complete
+checkpoint was committed (its COMPLETE marker's mtime; `..._step` its step), so age = now - it. It is
+read from the checkpoints directory, the commit's own record, at start (a resumed run shows its
+checkpoint at once) and with every logged step (an async save commits in a later step's poll): a
+stat of the few step directories `keep` leaves, nothing next to a step's time. NaN until there is
+one, so no age is shown for a run that never checkpointed.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server, write
 
 from supernode.core.errors import BadInput
 from supernode.core.plan import Plan
+
+from .checkpoint import COMPLETE, complete_checkpoints
 
 JSONL, PROM, LOSS_PNG, LOAD_PNG = "metrics.jsonl", "metrics.prom", "loss.png", "expert_load.png"
 
@@ -81,8 +90,10 @@ class StepRecord:
 class Metrics:
     def __init__(self, out_dir: str | Path, plan: Plan, world_size: int, device_type: str, rank: int = 0,
                  prometheus_port: Optional[int] = None, progress: bool = False, total_steps: int = 0,
-                 start_step: int = 0, prometheus_addr: str = "127.0.0.1"):
+                 start_step: int = 0, prometheus_addr: str = "127.0.0.1", checkpoints: Optional[Path] = None):
+        """`checkpoints`: the checkpointer's root, whose newest complete checkpoint the age gauges show."""
         self.out = Path(out_dir)
+        self.checkpoints = checkpoints
         self.plan, self.world, self.rank = plan, world_size, rank
         self.peak = plan.hardware.peak_flops if device_type == "cuda" else None
         self.records: list[StepRecord] = []
@@ -102,6 +113,14 @@ class Metrics:
         self.phase = Gauge("supernode_train_phase_seconds", "step time by phase", ["phase"], registry=self.registry)
         self.load = Gauge("supernode_train_expert_load_max_over_mean", "max/mean expert token share",
                           ["layer"], registry=self.registry)
+        self.checkpoint_time = Gauge("supernode_train_last_checkpoint_timestamp_seconds", "unix time the newest "
+                                     "complete checkpoint was committed (checkpoint age = now - this)",
+                                     registry=self.registry)
+        self.checkpoint_step = Gauge("supernode_train_last_checkpoint_step", "step of the newest complete checkpoint",
+                                     registry=self.registry)
+        self.checkpoint_time.set(float("nan"))
+        self.checkpoint_step.set(float("nan"))
+        self._checkpoint_gauges()
         if prometheus_port is not None:
             try:
                 self.http, _ = start_http_server(prometheus_port, addr=prometheus_addr, registry=self.registry)
@@ -170,7 +189,16 @@ class Metrics:
             self.phase.labels(phase).set(getattr(rec, phase + "_s"))
         for layer, v in enumerate(rec.expert_load_max_over_mean):
             self.load.labels(str(layer)).set(v)
+        self._checkpoint_gauges()
         write_to_textfile(str(self.out / PROM), self.registry)
+
+    def _checkpoint_gauges(self) -> None:
+        """The newest complete checkpoint's commit time and step (unchanged when there is none)."""
+        found = complete_checkpoints(self.checkpoints) if self.checkpoints is not None else []
+        if found:
+            step, path = found[-1]
+            self.checkpoint_time.set((path / COMPLETE).stat().st_mtime)
+            self.checkpoint_step.set(step)
 
     def message(self, text: str) -> None:
         """A line above the progress bar (or plain stdout without one), rank 0 only."""

@@ -36,6 +36,8 @@ EXAMPLES = {
                      "supernode data prepare --corpus docs.jsonl --train-bpe 4096 --out data/bpe"],
     "data push": ["supernode data push --stack dev data/bpe --outputs out.json"],
     "data verify": ["supernode data verify data/bpe"],
+    "model push": ["supernode model push --stack dev out/demo/model --outputs out.json",
+                   "supernode model push --stack prod out/model"],
     "plan": ["supernode plan --stack prod", "supernode plan --config Pulumi.p4d.yaml --json"],
     "policy check": ["supernode preview --stack prod --json > preview.json",
                      "supernode policy check --resources preview.json --junit report.xml"],

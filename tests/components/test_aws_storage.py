@@ -102,7 +102,11 @@ def test_fsx_is_persistent2_sized_by_the_planner(stack: Stack):
 def test_data_repository_associations(stack: Stack):
     bucket, s = stack.outputs["bucket_name"], stack.cfg.storage
     dras = {r.inputs["fileSystemPath"]: r.inputs for r in stack.all(DRA)}
-    assert set(dras) == {"/datasets", "/checkpoints", "/baselines"}
+    weights = "/" + stack.cfg.inference.weights_prefix.strip("/")  # the stack serves: its weights are imported
+    assert set(dras) == {"/datasets", "/checkpoints", "/baselines", weights}
+    # `supernode model push` uploads to this prefix; the serving init container copies /fsx/<prefix>
+    assert dras[weights]["dataRepositoryPath"] == f"s3://{bucket}/{stack.cfg.inference.weights_prefix}"
+    assert "autoExportPolicy" not in dras[weights]["s3"]  # serving never writes weights back
     assert dras["/datasets"]["dataRepositoryPath"] == f"s3://{bucket}/{s.dataset_prefix}"
     assert dras["/checkpoints"]["dataRepositoryPath"] == f"s3://{bucket}/{s.checkpoint_prefix}"
     # the fabric baseline outlives the checkpoints: its own prefix, exported, expired by no lifecycle rule

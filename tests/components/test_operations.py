@@ -109,7 +109,8 @@ def _read_metrics(stack) -> list[tuple[str, frozenset]]:
     for w in body["widgets"]:
         for series in w["properties"]["metrics"]:
             if isinstance(series, list) and series[0] == monitoring.PROMETHEUS_NAMESPACE:
-                out.append((series[1], frozenset(series[2::2])))
+                names = [s for s in series if not isinstance(s, dict)]  # a trailing dict is rendering options
+                out.append((names[1], frozenset(names[2::2])))
     return out
 
 

@@ -113,8 +113,24 @@ def test_cloudwatch_dashboard_reads_only_exported_trainer_metrics(stack: Stack, 
             elif isinstance(m, dict):
                 names |= set(re.findall(r'MetricName=\\?"(\w+)\\?"', m["expression"]))
     assert {"supernode_train_loss", "supernode_train_tokens_per_s", "supernode_train_mfu",
-            "supernode_train_phase_seconds", "supernode_train_expert_load_max_over_mean"} <= names
+            "supernode_train_phase_seconds", "supernode_train_expert_load_max_over_mean",
+            "supernode_train_last_checkpoint_timestamp_seconds"} <= names
     assert names <= exported
+
+
+def test_checkpoint_age_panels_read_the_commit_time_gauge(stack: Stack, exported):
+    """Age = now - the trainer's commit-time gauge: CloudWatch's EPOCH of each datapoint, Grafana's time()."""
+    body = json.loads(stack.one(T.DASHBOARD).inputs["dashboardBody"])
+    age = next(w["properties"] for w in body["widgets"] if w["properties"]["title"].startswith("Checkpoint age"))
+    ts, expr = age["metrics"]
+    assert ts[1] == "supernode_train_last_checkpoint_timestamp_seconds" in exported and ts[-1]["id"] == "ts"
+    assert expr["expression"] == "EPOCH(ts) - ts"
+    window = queried(alarms(stack)["checkpoint-stale"])["saved"]["metric"]["period"]
+    assert age["annotations"]["horizontal"][0]["value"] == window  # the line where the alarm fires
+    doc = json.loads(GRAFANA.read_text(encoding="utf-8"))
+    panel = next(p for p in doc["panels"] if p["title"] == "Checkpoint age")
+    assert panel["targets"][0]["expr"].startswith("time() - supernode_train_last_checkpoint_timestamp_seconds{")
+    assert panel["fieldConfig"]["defaults"]["unit"] == "s"
 
 
 PROMQL_WORDS = {"rate", "irate", "sum", "avg", "max", "min", "by", "without", "on", "time", "increase", "delta",

@@ -136,14 +136,52 @@ def test_a_node_with_most_pairs_slow_is_named_a_bad_link_names_none():
 
 def test_baseline_compare_matches_pairs_by_node_names_not_order():
     baseline = [pair("a", "b", 100.0), pair("a", "c", 100.0), pair("b", "c", 100.0)]
-    now = [pair("b", "a", 95.0), pair("c", "a", 70.0), pair("c", "b", 70.0), pair("a", "d", 1.0)]
+    now = [pair("b", "a", 95.0), pair("c", "a", 70.0), pair("c", "b", 70.0), pair("a", "d", 100.0)]
     found = fabric.compare(now, threshold=0.2, baseline=baseline)
     assert found["reference"] == "baseline" and found["suspect_nodes"] == ["c"]
-    assert found["compared_pairs"] == 3 and found["unbaselined_pairs"] == 1  # node d is new: not judged
+    assert found["compared_pairs"] == 4 and found["unbaselined_pairs"] == 0  # node d is new: held to the fleet
+    assert found["new_nodes"] == ["d"]
     assert found["regressed_pairs"][0]["reference_gb_s"] == 100.0
     # Within the threshold is no finding; two nodes alone cannot be told apart: both are named.
     assert fabric.compare(now[:1], threshold=0.2, baseline=baseline)["suspect_nodes"] == []
     assert fabric.compare([pair("a", "b", 10.0)], 0.2, baseline)["suspect_nodes"] == ["a", "b"]
+
+
+def test_a_node_absent_from_the_baseline_is_held_to_the_baselines_fleet_figures():
+    """A replaced node (d for c) has no baseline pairs: its pairs are compared with the baseline's
+    typical node (the median of medians: 100 GB/s, 50 us here; one slow old pair cannot move it)."""
+    old = [pair("a", "b", 100.0), pair("a", "c", 100.0), pair("b", "c", 100.0), pair("a", "e", 100.0),
+           pair("b", "e", 100.0), pair("c", "e", 30.0)]
+    base = {"pairs": old, "nodes": [{"node": n} for n in "abce"]}
+    healthy = [pair("a", "b", 98.0), pair("a", "e", 99.0), pair("b", "e", 97.0),
+               pair("a", "d", 90.0), pair("b", "d", 85.0), pair("d", "e", 95.0)]
+    found = fabric.compare(healthy, 0.2, old)
+    assert found["new_nodes"] == ["d"] and found["suspect_nodes"] == [] and found["compared_pairs"] == 6
+    matrix = {"pairs": healthy, "nodes": [{"node": n, "instance_id": f"i-{n}"} for n in "abde"]}
+    grown = fabric.extend_baseline(base, matrix, found, when=1234.5)
+    assert grown["pairs"][:len(old)] == old  # the old nodes' pairs (the departed c's too) kept as recorded
+    assert {tuple(p["pair"]) for p in grown["pairs"][len(old):]} == {("a", "d"), ("b", "d"), ("d", "e")}
+    assert grown["nodes"][-1] == {"node": "d", "instance_id": "i-d"} and len(grown["nodes"]) == 5
+    assert grown["rebaselined"] == [{"time": 1234.5, "nodes": ["d"], "pairs": 3}]
+    # Next time d is known: its pairs have their own baseline figures.
+    assert fabric.compare(healthy, 0.2, grown["pairs"])["new_nodes"] == []
+
+    # The same new node, slow (60-70 GB/s against the fleet's 100): named, and not added.
+    slow = healthy[:3] + [pair("a", "d", 60.0), pair("b", "d", 65.0), pair("d", "e", 70.0, latency_us=400.0)]
+    found = fabric.compare(slow, 0.2, old)
+    assert found["suspect_nodes"] == ["d"] and found["fabric_regressed_node_count"] == 1
+    assert {p["reference_gb_s"] for p in found["regressed_pairs"]} == {100.0}
+    assert fabric.extend_baseline(base, {**matrix, "pairs": slow}, found, when=1.0) is None
+    # A healthy new node keeps out its pair with a bad old node (that pair stays held to the fleet).
+    with_bad_e = healthy[:3] + [pair("a", "d", 95.0), pair("b", "d", 96.0), pair("d", "e", 20.0)]
+    found = fabric.compare(with_bad_e, 0.2, old)
+    grown = fabric.extend_baseline(base, {**matrix, "pairs": with_bad_e}, found, when=2.0)
+    assert found["suspect_nodes"] == [] and {tuple(p["pair"]) for p in grown["pairs"][len(old):]} == {("a", "d"), ("b", "d")}
+
+
+def test_an_empty_baseline_judges_no_pair():
+    found = fabric.compare([pair("a", "b", 1.0)], 0.2, [])
+    assert found["compared_pairs"] == 0 and found["unbaselined_pairs"] == 1 and found["suspect_nodes"] == []
 
 
 @pytest.mark.parametrize("content", ["not json", '{"pairs": [{"gb_s": 1}]}', "[]"])
@@ -189,3 +227,54 @@ def test_four_rank_pair_matrix_names_the_injected_slow_rank_and_records_the_base
     assert saved == json.loads(report.read_text(encoding="utf-8"))  # the first run is the baseline
     assert [n["node"] for n in saved["nodes"]] == sorted({n for p in matrix for n in p["pair"]}, key=lambda n: n[-1])
     assert {"instance_id", "gpus", "efa"} <= set(saved["nodes"][0]) and len(saved["pairs"]) == 6
+
+
+def four_rank_pairs(*flags: str, fault: str = "") -> subprocess.CompletedProcess:
+    """4 CPU ranks, each its own "node" (names end in #0..#3); a 20x regression threshold keeps a
+    shared CI host's noise out of the finding (an injected slow rank is ~50x)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "-m", "trainer.fabric", "--min-busbw-gbytes-s", "0.0001", "--sizes", "64K", "--warmup", "1",
+           "--iters", "3", "--ranks-per-node", "1", "--pair-bytes", "4M", "--regression", "0.95", *flags]
+    env = {**os.environ, "SUPERNODE_INJECT_FAULT": fault, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+
+
+@pytest.mark.slow
+def test_a_replaced_node_is_judged_against_the_fleet_then_added_to_the_baseline(tmp_path: Path):
+    """The baseline was recorded before node #3 replaced a failed node: it has the failed node's
+    pairs, none of #3's. Slow, #3 is named and the baseline is left alone; healthy, its pairs join it."""
+    recorded = tmp_path / "recorded.json"
+    first = four_rank_pairs("--baseline", str(recorded))
+    assert first.returncode == 0, first.stderr[-2000:]
+    doc = json.loads(recorded.read_text(encoding="utf-8"))
+    new = next(n["node"] for n in doc["nodes"] if n["node"].endswith("#3"))
+
+    def renamed(name: str) -> str:
+        return "failed-node" if name == new else name
+
+    doc["pairs"] = [{**p, "pair": [renamed(n) for n in p["pair"]]} for p in doc["pairs"]]
+    doc["nodes"] = [{**n, "node": renamed(n["node"])} for n in doc["nodes"]]
+    before = json.dumps(doc, indent=1, sort_keys=True) + "\n"
+
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(before, encoding="utf-8")
+    slow = four_rank_pairs("--baseline", str(baseline), fault="slow-rank@3")
+    assert slow.returncode == 1, slow.stderr[-2000:]
+    check = next(p for p in json_lines(slow) if p.get("fabric_check") == "pairs")
+    assert check["new_nodes"] == [new] and check["suspect_nodes"] == [new] and check["compared_pairs"] == 6
+    assert {p["reference_gb_s"] for p in check["regressed_pairs"] if new in p["pair"]} == {fabric.typical(doc["pairs"])["gb_s"]}
+    assert baseline.read_text(encoding="utf-8") == before  # a regressed node is not baselined
+
+    healthy = four_rank_pairs("--baseline", str(baseline))
+    assert healthy.returncode == 0, healthy.stderr[-2000:]
+    lines = json_lines(healthy)
+    check = next(p for p in lines if p.get("fabric_check") == "pairs")
+    assert check["new_nodes"] == [new] and check["suspect_nodes"] == []
+    said = next(p for p in lines if p.get("fabric_baseline") == "extended")
+    assert said["nodes"] == [new] and said["pairs"] == 3
+    grown = json.loads(baseline.read_text(encoding="utf-8"))
+    assert grown["pairs"][:6] == doc["pairs"]  # the old nodes' pairs kept as recorded
+    assert sorted(new in p["pair"] for p in grown["pairs"]) == [False] * 6 + [True] * 3
+    assert [n["node"] for n in grown["nodes"]][-1] == new and len(grown["nodes"]) == 5
+    assert grown["rebaselined"][0]["nodes"] == [new] and grown["rebaselined"][0]["time"] > doc["time"]
+    assert not (tmp_path / "baseline.json.tmp").exists()  # written through a temporary file, renamed

@@ -100,3 +100,42 @@ def test_prometheus_http_endpoint_serves_the_same_gauges(tmp_path, plan):
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "supernode_train_loss 2.25" in body and "supernode_train_step 7.0" in body
     assert 'supernode_train_expert_load_max_over_mean{layer="0"} 1.5' in body
+
+
+def test_checkpoint_age_gauges_follow_the_commits(tmp_path, plan, group):
+    """The gauges are NaN before any checkpoint (no age to show), then the newest commit's time and
+    step: an async save counts once committed, not when started; a restarted run shows it at once."""
+    import time
+
+    from trainer.checkpoint import COMPLETE, Checkpointer
+
+    def gauges(m: Metrics) -> tuple[float, float]:
+        return (m.registry.get_sample_value("supernode_train_last_checkpoint_timestamp_seconds"),
+                m.registry.get_sample_value("supernode_train_last_checkpoint_step"))
+
+    root = tmp_path / "checkpoints"
+    ckpt = Checkpointer(root, keep=2, state={"model": torch.nn.Linear(4, 4)}, async_save=True, say=lambda s: None)
+    m = Metrics(tmp_path, plan, world_size=1, device_type="cpu", checkpoints=root)
+    assert all(v != v for v in gauges(m))  # NaN
+    ckpt.save(1)
+    ckpt.wait_for_staging()
+    log(m, 1, 5.0, None)
+    assert all(v != v for v in gauges(m))  # started, not committed (commits happen in poll / wait)
+    t0 = time.time()
+    ckpt.wait()  # the commit
+    log(m, 2, 4.5, None)
+    first = gauges(m)
+    assert first == ((root / "step_00000001" / COMPLETE).stat().st_mtime, 1)
+    assert t0 - 1 <= first[0] <= time.time()
+    time.sleep(0.05)
+    ckpt.save(2, sync=True)
+    log(m, 3, 4.0, None)
+    second = gauges(m)
+    assert second[1] == 2 and second[0] > first[0]
+    families = {f.name: f for f in text_string_to_metric_families((tmp_path / PROM).read_text())}
+    assert families["supernode_train_last_checkpoint_step"].samples[0].value == 2  # scraped from the file too
+    m.close()
+    ckpt.close()
+    resumed = Metrics(tmp_path, plan, world_size=1, device_type="cpu", start_step=3, checkpoints=root)
+    assert gauges(resumed) == second
+    resumed.close()

@@ -35,9 +35,14 @@ def register(sub) -> None:
     add_stack_args(push)
     push.add_argument("dir", type=Path, help="a prepared dataset")
     push.add_argument("--name", help="dataset name under datasetPrefix (default: DIR's name)")
-    push.add_argument("--bucket", help="bucket (default: storage.bucketName, else --outputs' bucket_name)")
-    push.add_argument("--outputs", type=Path, help="JSON of `pulumi stack output --json` (for a generated bucket name)")
+    add_bucket_args(push)
     push.set_defaults(func=run_push)
+
+
+def add_bucket_args(p) -> None:
+    """Where a push goes: the stack's bucket, named in the config or in the stack outputs."""
+    p.add_argument("--bucket", help="bucket (default: storage.bucketName, else --outputs' bucket_name)")
+    p.add_argument("--outputs", type=Path, help="JSON of `pulumi stack output --json` (for a generated bucket name)")
 
 
 def _positive(flag: str, value) -> None:
@@ -74,50 +79,65 @@ def run_verify(args) -> int:
 
 
 def run_push(args) -> int:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-    from ...ops.awscheck import Aws, describe_error
-    from ...ops.dataset import push, push_bytes
-    from ...ops.verify import OutputsError, load_outputs
+    from ...ops.push import base_key, dataset_objects
     from trainer.manifest import DataError
 
     stack, cfg = stack_from_args(args)
     name = args.name or args.dir.resolve().name
     if not NAME_RE.match(name):
         raise BadInput(f"--name {name!r}: a dataset name is letters, digits, '.', '_' and '-'")
-    prefix, bucket = cfg.storage.dataset_prefix, args.bucket or cfg.storage.bucket_name
-    if bucket is None:
-        if args.outputs is None:
-            raise BadInput(f"stack {stack} has no storage.bucketName (the name is generated at deploy): give "
-                           "--outputs FILE (`pulumi stack output --json > FILE`) or --bucket NAME")
-        try:
-            outs = load_outputs(args.outputs)
-        except OutputsError as e:
-            raise BadInput(str(e)) from None
-        bucket, prefix = outs.bucket_name, outs.dataset_prefix
+    bucket, outs = bucket_from_args(args, stack, cfg)
+    prefix = outs.dataset_prefix if outs is not None else cfg.storage.dataset_prefix
     try:
-        total = push_bytes(args.dir)
+        objects = dataset_objects(args.dir)
     except DataError as e:
         raise BadInput(str(e)) from None
-    s3 = Aws(cfg.region, read_timeout=120).client("s3")
-    bar = Progress(TextColumn("pushing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TextColumn("{task.fields[file]}"), console=err)
-    task = bar.add_task("push", total=total, file="")
-    try:
-        with bar:
-            result = push(s3, args.dir, bucket, prefix, name, on_bytes=lambda n: bar.advance(task, n),
-                          on_file=lambda f, up: bar.update(task, file=f))
-    except DataError as e:
-        raise BadInput(str(e)) from None
-    except Exception as e:  # an AWS error: said in one line, the objects already sent stay (a rerun skips them)
-        detail, fix = describe_error(e)
-        err.print(f"push to s3://{bucket}/{prefix}{name}/ stopped: {detail}; {fix}, then run the push again "
-                  "(objects already uploaded are skipped)", markup=False)
+    result = push_with_progress(cfg.region, args.dir, objects, bucket, base_key(prefix, name))
+    if result is None:
         return EXIT_FAILED
     print(f"{result.uri}: {len(result.uploaded)} object(s) uploaded ({result.bytes_uploaded:,} bytes), "
           f"{len(result.skipped)} already there; manifest last. FSx imports it as /datasets/{name}; the trainer reads it with "
           f"training.data: [{{path: {name}}}] (its --data is the FSx /datasets mount)")
     return 0
+
+
+def bucket_from_args(args, stack: str, cfg):
+    """(bucket, the stack outputs when they named it, else None): --bucket, storage.bucketName, or --outputs."""
+    from ...ops.verify import OutputsError, load_outputs
+
+    bucket = args.bucket or cfg.storage.bucket_name
+    if bucket is not None:
+        return bucket, None
+    if args.outputs is None:
+        raise BadInput(f"stack {stack} has no storage.bucketName (the name is generated at deploy): give "
+                       "--outputs FILE (`pulumi stack output --json > FILE`) or --bucket NAME")
+    try:
+        outs = load_outputs(args.outputs)
+    except OutputsError as e:
+        raise BadInput(str(e)) from None
+    return outs.bucket_name, outs
+
+
+def push_with_progress(region: str, directory: Path, objects, bucket: str, base: str):
+    """`ops.push.push` behind a progress bar on stderr; None (said in one line) when AWS stops it."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from ...ops.awscheck import Aws, describe_error
+    from ...ops.push import push, push_bytes
+
+    s3 = Aws(region, read_timeout=120).client("s3")
+    bar = Progress(TextColumn("pushing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TextColumn("{task.fields[file]}"), console=err)
+    task = bar.add_task("push", total=push_bytes(directory, objects), file="")
+    try:
+        with bar:
+            return push(s3, directory, objects, bucket, base, on_bytes=lambda n: bar.advance(task, n),
+                        on_file=lambda f, up: bar.update(task, file=f))
+    except Exception as e:  # an AWS error: said in one line, the objects already sent stay (a rerun skips them)
+        detail, fix = describe_error(e)
+        err.print(f"push to s3://{bucket}/{base} stopped: {detail}; {fix}, then run the push again "
+                  "(objects already uploaded are skipped)", markup=False)
+        return None
 
 
 def add_data_arg(p) -> None:
