@@ -194,10 +194,13 @@ def _get(item, name: str):
     return item[name] if isinstance(item, dict) else getattr(item, name)
 
 
-def check_data(data_dir: str | Path, model_vocab: int, blend: Iterable = ()) -> list[dict]:
-    """For `supernode plan/preview --data DIR`: every dataset's manifest, its vocabulary checked."""
+def check_data(data_dir: str | Path, model_vocab: int, blend: Iterable = (), documents: bool = False) -> list[dict]:
+    """For `supernode plan/preview --data DIR`: every dataset's manifest, its vocabulary checked, and
+    with `documents` (training.documentMasking) the EOS that separates its documents."""
     manifests = []
     for path, _ in dataset_dirs(data_dir, list(blend)):
-        manifests.append(read_manifest(path))
-        check_vocab(manifests[-1], model_vocab, path)
-    return manifests
+        manifests.append((path, read_manifest(path)))
+        check_vocab(manifests[-1][1], model_vocab, path)
+    if documents:
+        document_eos(manifests)
+    return [m for _, m in manifests]

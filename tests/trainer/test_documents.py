@@ -184,3 +184,21 @@ def test_document_masking_on_a_dataset_without_eos_exits_2(tmp_path, documents_d
     assert r.returncode == 2, (r.stdout + r.stderr)[-4000:]
     assert f"error: training.documentMasking is true but {data / 'manifest.json'} records no eos" in r.stderr
     assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_plan_and_preview_refuse_document_masking_on_data_without_eos(tmp_path, documents_data, capsys) -> None:
+    from supernode.cli import main as cli
+
+    data = tmp_path / "tokens"
+    shutil.copytree(documents_data, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    del manifest["eos"]
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    config = load_stack("dev", ROOT).to_mapping()
+    config["training"]["documentMasking"] = True
+    stack = tmp_path / "Pulumi.dev.yaml"
+    stack.write_text(yaml.safe_dump({"config": {f"supernode:{k}": v for k, v in config.items()}}))
+    for command in ("plan", "preview"):
+        assert cli([command, "--config", str(stack), "--data", str(data), "--json"]) == 2
+        assert f"training.documentMasking is true but {data / 'manifest.json'} records no eos" in capsys.readouterr().err
+    assert cli(["plan", "--config", str(stack), "--data", str(documents_data), "--json"]) == 0  # it has one

@@ -147,11 +147,12 @@ def add_data_arg(p) -> None:
 
 
 def check_plan_data(plan, data_dir) -> None:
-    """Exit 2 (BadInput) when the data's vocabulary does not fit the plan's model.vocab."""
+    """Exit 2 (BadInput) when the data's vocabulary does not fit the plan's model.vocab, or
+    training.documentMasking is on and the data records no document separator."""
     from trainer.manifest import DataError, check_data
 
     if data_dir is not None:
         try:
-            check_data(data_dir, plan.model.vocab, plan.training.data)
+            check_data(data_dir, plan.model.vocab, plan.training.data, plan.training.document_masking)
         except DataError as e:
             raise BadInput(str(e)) from None
