@@ -34,7 +34,7 @@ from supernode.core.config import AcceleratorNodeGroup
 from supernode.core.plan import Plan
 
 from .workload_addons import addon_resource, with_config_hash, with_images
-from .workload_common import PART_OF, dns_name, gib, load_addon, load_crd, meta
+from .workload_common import crd_kind, dns_name, gib, load_addon, meta, shipped_crd
 
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -167,13 +167,8 @@ class KueueController(pulumi.ComponentResource):
         super().__init__("supernode:workload:Kueue", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.namespaces = sorted(args.namespaces)
-        self.crds = {}
-        for filename in CRD_FILES:
-            crd = load_crd(filename)
-            crd["metadata"]["labels"] = dict(PART_OF)
-            kind = crd["spec"]["names"]["kind"]
-            self.crds[kind] = k8s.apiextensions.v1.CustomResourceDefinition(
-                f"{name}-{kind.lower()}-crd", metadata=crd["metadata"], spec=crd["spec"], opts=child)
+        self.crds = {kind: shipped_crd(f"{name}-{kind.lower()}-crd", filename, child)
+                     for kind, filename in ((crd_kind(f), f) for f in CRD_FILES)}
         self.namespace = k8s.core.v1.Namespace(f"{name}-ns", metadata=meta(CONTROLLER_NAMESPACE, labels={
             "pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/warn": "restricted"}),
             opts=child)

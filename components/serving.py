@@ -46,7 +46,7 @@ from supernode.core.inference import InferencePlan
 from supernode.core.plan import Plan
 
 from .workload_addons import addon_resource, load_addon_objects, with_config_hash, with_images
-from .workload_common import GpuNodes, dns_name, gib, load_crd, meta
+from .workload_common import GpuNodes, dns_name, gib, meta, shipped_crd
 from .workload_jobs import METRICS_SCRAPER_NAMESPACE
 
 PORT = 8000
@@ -240,9 +240,7 @@ class ServingWorkload(pulumi.ComponentResource):
                 "template": template}, opts=depends)
             target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": app}
         else:
-            self.crd = k8s.apiextensions.v1.CustomResourceDefinition(f"{name}-lws-crd",
-                                                                     **_crd_args(load_crd("leaderworkerset.yaml")),
-                                                                     opts=child)
+            self.crd = shipped_crd(f"{name}-lws-crd", "leaderworkerset.yaml", child)
             self.server = k8s.apiextensions.CustomResource(
                 f"{name}-server", api_version="leaderworkerset.x-k8s.io/v1", kind="LeaderWorkerSet",
                 metadata=workload_meta, spec={
@@ -350,5 +348,3 @@ def _worker(template: dict[str, Any]) -> dict[str, Any]:
     return {**template, "spec": spec}
 
 
-def _crd_args(crd: dict[str, Any]) -> dict[str, Any]:
-    return {"metadata": crd["metadata"], "spec": crd["spec"]}

@@ -24,7 +24,7 @@ import yaml
 
 from supernode.core.catalog import CATALOG
 
-from .workload_common import ADDON_DIR, GpuNodes, PART_OF, load_addon, load_crd, meta
+from .workload_common import ADDON_DIR, GpuNodes, load_addon, meta, shipped_crd
 
 SYSTEM_NAMESPACE = "supernode-system"  # where the add-on files place their namespaced objects
 OPERATOR = "training-operator"
@@ -187,10 +187,7 @@ class ClusterAddons(pulumi.ComponentResource):
         # What a job's ComputeDomain waits for (none without multi-node NVLink).
         self.compute_domain_ready: list[pulumi.Resource] = []
         if args.compute_domains:
-            crd = load_crd("computedomain.yaml")
-            crd["metadata"]["labels"] = dict(PART_OF)
-            cd_crd = k8s.apiextensions.v1.CustomResourceDefinition(
-                f"{name}-computedomain-crd", metadata=crd["metadata"], spec=crd["spec"], opts=self._child)
+            cd_crd = shipped_crd(f"{name}-computedomain-crd", "computedomain.yaml", self._child)
             self.compute_domain_ready += [cd_crd, *self._dra_driver(name, args, cd_crd)]
         self.versions = dict(_image_tag(obj) for obj in (nvidia, efa, dcgm["DaemonSet"], operator))
         if args.compute_domains:
@@ -251,10 +248,7 @@ class ClusterAddons(pulumi.ComponentResource):
         """Kubeflow training operator limited to PyTorchJob: CRD, RBAC, validating webhook, Deployment.
         References between its objects are pointed at the created objects' outputs, so Pulumi
         creates each object after the ones it names (and deletes it before them)."""
-        crd = load_crd("pytorchjob.yaml")
-        crd["metadata"]["labels"] = dict(PART_OF)
-        self.pytorchjob_crd = k8s.apiextensions.v1.CustomResourceDefinition(
-            f"{name}-pytorchjob-crd", metadata=crd["metadata"], spec=crd["spec"], opts=self._child)
+        self.pytorchjob_crd = shipped_crd(f"{name}-pytorchjob-crd", "pytorchjob.yaml", self._child)
 
         op = load_addon("training-operator.yaml")
         sa = self._create(f"{name}-{OPERATOR}", op["ServiceAccount"])

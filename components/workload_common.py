@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import pulumi
+import pulumi_kubernetes as k8s
 import yaml
 
 from supernode.core.capacity import PodShape
@@ -69,6 +70,19 @@ def dns_name(*parts: str) -> str:
 
 def load_crd(filename: str) -> dict[str, Any]:
     return yaml.safe_load((CRD_DIR / filename).read_text(encoding="utf-8"))
+
+
+def crd_kind(filename: str) -> str:
+    return load_crd(filename)["spec"]["names"]["kind"]
+
+
+def shipped_crd(resource_name: str, filename: str,
+                opts: pulumi.ResourceOptions) -> k8s.apiextensions.v1.CustomResourceDefinition:
+    """A CRD shipped in components/crds/, labelled as part of the stack."""
+    crd = load_crd(filename)
+    crd["metadata"]["labels"] = {**crd["metadata"].get("labels", {}), **PART_OF}
+    return k8s.apiextensions.v1.CustomResourceDefinition(resource_name, metadata=crd["metadata"], spec=crd["spec"],
+                                                         opts=opts)
 
 
 def load_addon(filename: str) -> dict[str, dict[str, Any]]:
