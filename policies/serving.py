@@ -9,7 +9,7 @@ from typing import Any
 from supernode.core.resource_types import DEPLOYMENT, K8S_SERVICE, LEADER_WORKER_SET, NETWORK_POLICY, PDB
 
 from .base import Report, StackPolicy
-from .view import Res, Stack, get, items
+from .view import Res, Stack, get, items, pod_templates
 
 COMPONENT = "app.kubernetes.io/component"
 VERIFY_CONTAINER = "verify-weights"
@@ -21,15 +21,8 @@ def serving_workloads(stack: Stack) -> list[Res]:
     return [r for r in stack.of(DEPLOYMENT, LEADER_WORKER_SET) if r.get("metadata", "labels", COMPONENT) == "serving"]
 
 
-def _templates(res: Res) -> list[Any]:
-    if res.type == LEADER_WORKER_SET:
-        lwt = res.get("spec", "leaderWorkerTemplate", default={})
-        return [t for t in (get(lwt, "leaderTemplate"), get(lwt, "workerTemplate")) if t is not None]
-    return [t for t in [res.get("spec", "template")] if t is not None]
-
-
 def _pod_labels(res: Res) -> dict:
-    return dict(get(_templates(res)[0], "metadata", "labels", default={}) or {}) if _templates(res) else {}
+    return dict(get(pod_templates(res)[0], "metadata", "labels", default={}) or {}) if pod_templates(res) else {}
 
 
 def _selects(selector: Any, labels: dict) -> bool:
@@ -39,7 +32,7 @@ def _selects(selector: Any, labels: dict) -> bool:
 
 def _weights_verified(stack: Stack, _conf: None, report: Report) -> None:
     for res in serving_workloads(stack):
-        for template in _templates(res):
+        for template in pod_templates(res):
             spec = get(template, "spec", default={})
             inits = [c for c in items(get(spec, "initContainers")) if get(c, "name") == VERIFY_CONTAINER]
             servers = items(get(spec, "containers"))

@@ -219,20 +219,27 @@ def _plan_from_json(text: str) -> Plan:
     return Plan.from_json(text)
 
 
-def pod_specs(res: Res) -> list[Any]:
-    """Pod specs of a workload object: PyTorchJob replica specs, a CronJob's job template, a
+def pod_templates(res: Res) -> list[Any]:
+    """Pod templates of a workload object: PyTorchJob replica specs, a CronJob's job template, a
     LeaderWorkerSet's leader and worker templates, or the template of Job/Deployment/..."""
     if res.type == PYTORCH_JOB:
         specs = res.get("spec", "pytorchReplicaSpecs", default={})
-        return [s for role in specs if (s := get(specs, role, "template", "spec")) is not None]
+        found = [get(specs, role, "template") for role in specs]
+    elif res.type == CRON_JOB:
+        found = [res.get("spec", "jobTemplate", "spec", "template")]
+    elif res.type == LEADER_WORKER_SET:
+        lws = res.get("spec", "leaderWorkerTemplate", default={})
+        found = [get(lws, role) for role in ("leaderTemplate", "workerTemplate")]
+    else:
+        found = [res.get("spec", "template")]
+    return [t for t in found if t is not None]
+
+
+def pod_specs(res: Res) -> list[Any]:
+    """Pod specs of a workload object (a Pod's own, else its templates')."""
     if res.type == POD:
         return [s] if (s := res.get("spec")) is not None else []
-    if res.type == CRON_JOB:
-        return [s] if (s := res.get("spec", "jobTemplate", "spec", "template", "spec")) is not None else []
-    if res.type == LEADER_WORKER_SET:
-        lws = res.get("spec", "leaderWorkerTemplate", default={})
-        return [s for role in ("leaderTemplate", "workerTemplate") if (s := get(lws, role, "spec")) is not None]
-    return [s] if (s := res.get("spec", "template", "spec")) is not None else []
+    return [s for t in pod_templates(res) if (s := get(t, "spec")) is not None]
 
 
 def containers(res: Res, init: bool = False) -> list[Any]:
