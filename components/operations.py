@@ -40,8 +40,7 @@ from .queues import EXPERIMENTS, job_labels
 from .workload_addons import SYSTEM_NAMESPACE, addon_resource, with_config_hash, with_images
 from .workload_common import MESH_LABEL, GpuNodes, dns_name, load_addon, meta
 from .workload_jobs import (BASELINE_MOUNT, FABRIC_BASELINE, METRICS_SCRAPER_NAMESPACE, BaselineStore, JobArgs,
-                            compute_domain, fabric_job_spec, fabric_pod_template, headless_service, mesh_policy,
-                            spans_nodes_over_nvlink)
+                            fabric_job_spec, fabric_mesh, fabric_pod_template)
 
 OPS_NAMESPACE = "supernode-ops"
 INVENTORY_SA = "inventory"
@@ -179,12 +178,7 @@ class Operations(pulumi.ComponentResource):
     def _fabric_check(self, name: str, job: JobArgs, wl: WorkloadConfig, store: BaselineStore,
                       service: str) -> k8s.batch.v1.CronJob:
         mesh = service
-        policy = mesh_policy(f"{name}-fabric-mesh", job.namespace, mesh, self._child)
-        svc = headless_service(f"{name}-fabric-svc", service, job.namespace, mesh, self._child)
-        after: list[pulumi.Resource] = [policy, svc]
-        if spans_nodes_over_nvlink(job.plan):  # its pods claim the IMEX channel of a ComputeDomain of their own
-            after.append(compute_domain(f"{name}-fabric-compute-domain", job.namespace, mesh,
-                                        pulumi.ResourceOptions(parent=self, depends_on=list(job.wait_for))))
+        after = fabric_mesh(f"{name}-fabric", job, mesh, self)
         template = fabric_pod_template(job, mesh, service, store, "latest.json")
         return k8s.batch.v1.CronJob(f"{name}-fabric-check", metadata=meta(service, job.namespace), spec={
             "schedule": wl.fabric_check_schedule,

@@ -215,6 +215,19 @@ def headless_service(name: str, service: str, namespace: pulumi.Input[str], mesh
     }, opts=opts)
 
 
+def fabric_mesh(name: str, args: JobArgs, mesh: str, parent: pulumi.Resource) -> list[pulumi.Resource]:
+    """What the pods of a fabric run (the gate, the scheduled check) need before they start: the mesh
+    NetworkPolicy, the headless Service giving them stable DNS names <job>-<index>.<mesh>, and where
+    the plan spans nodes over NVLink a ComputeDomain of their own whose IMEX channel they claim."""
+    child = pulumi.ResourceOptions(parent=parent)
+    needs: list[pulumi.Resource] = [mesh_policy(f"{name}-mesh", args.namespace, mesh, child),
+                                    headless_service(f"{name}-svc", mesh, args.namespace, mesh, child)]
+    if spans_nodes_over_nvlink(args.plan):
+        needs.append(compute_domain(f"{name}-compute-domain", args.namespace, mesh,
+                                    pulumi.ResourceOptions(parent=parent, depends_on=list(args.wait_for))))
+    return needs
+
+
 class InterconnectGate(pulumi.ComponentResource):
     """Indexed Job, one pod per GPU node, running `trainer.fabric` (all_reduce and all_to_all bus
     bandwidth) under torchrun; it fails below the plan's floor (`gate_floor_gbytes_s`, read from the
@@ -224,27 +237,20 @@ class InterconnectGate(pulumi.ComponentResource):
     def __init__(self, name: str, args: JobArgs, job_name: str, opts: Optional[pulumi.ResourceOptions] = None,
                  baseline: Optional[BaselineStore] = None):
         super().__init__("supernode:workload:InterconnectGate", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
         plan, mesh = args.plan, job_name
         if plan.gate_floor_gbytes_s is None:
             # The fabric check would refuse the plan (exit 2) only once the GPU nodes are up: say so now.
             raise pulumi.RunError(f"no interconnect gate floor for {plan.instance_type}: the catalog publishes no "
                                   f"all_reduce baseline for it (supernode.core.catalog.ALL_REDUCE_BASELINE_GBYTES_S)")
         self.min_busbw_gbytes_s = plan.gate_floor_gbytes_s
-        self.policy = mesh_policy(f"{name}-mesh", args.namespace, mesh, child)
-        after: list[pulumi.Resource] = [self.policy]
-        if spans_nodes_over_nvlink(plan):
-            after.append(compute_domain(f"{name}-compute-domain", args.namespace, mesh,
-                                        pulumi.ResourceOptions(parent=self, depends_on=list(args.wait_for))))
-        # Headless Service: stable DNS names <job>-<index>.<service> for the pods of the Indexed Job.
-        self.service = headless_service(f"{name}-svc", job_name, args.namespace, mesh, child)
+        after = fabric_mesh(name, args, mesh, self)
         # The first gate records the fabric baseline, every later one compares with it (and fails when a node regressed).
         template = fabric_pod_template(args, mesh, job_name, baseline, "gate.json", job_name=job_name)
         # Pulumi waits for the Job to complete and fails the update if it fails; replaceUnready makes
         # the next `pulumi up` run a fresh gate instead of waiting on the failed one.
         self.job = k8s.batch.v1.Job(f"{name}-job", metadata=meta(job_name, args.namespace, annotations={
             "pulumi.com/replaceUnready": "true"}), spec=fabric_job_spec(args, template),
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[*after, self.service],
+            opts=pulumi.ResourceOptions(parent=self, depends_on=after,
                                        delete_before_replace=True,
                                        custom_timeouts=pulumi.CustomTimeouts(create=f"{GATE_DEADLINE_S // 60 + 10}m")))
         self.register_outputs({"job": self.job.metadata.name, "min_busbw_gbytes_s": self.min_busbw_gbytes_s})
