@@ -46,7 +46,7 @@ from supernode.core.inference import InferencePlan
 from supernode.core.plan import Plan
 
 from .workload_addons import addon_resource, load_addon_objects, with_config_hash, with_images
-from .workload_common import GpuNodes, dns_name, gib, meta, shipped_crd
+from .workload_common import GpuNodes, dns_name, fsx_claim, gib, meta, shipped_crd
 from .workload_jobs import METRICS_SCRAPER_NAMESPACE
 
 PORT = 8000
@@ -177,16 +177,8 @@ class ServingWorkload(pulumi.ComponentResource):
             "hard": {"requests.nvidia.com/gpu": str(quota), "limits.nvidia.com/gpu": str(quota)}}, opts=child)
 
         size = max(1, int(plan.inference.weights_gib * 1.2) + 1)
-        self.volume = k8s.core.v1.PersistentVolume(f"{name}-fsx-pv", metadata=meta(f"{ns_name}-fsx"), spec={
-            "capacity": {"storage": gib(size)}, "volumeMode": "Filesystem", "accessModes": ["ReadOnlyMany"],
-            "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-            "claimRef": {"namespace": ns_name, "name": "fsx-models"},
-            "csi": {"driver": "fsx.csi.aws.com", "volumeHandle": args.fsx_id, "readOnly": True,
-                    "volumeAttributes": {"dnsname": args.fsx_dns_name, "mountname": args.fsx_mount_name}}},
-            opts=child)
-        self.claim = k8s.core.v1.PersistentVolumeClaim(f"{name}-fsx-pvc", metadata=meta("fsx-models", ns), spec={
-            "accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": self.volume.metadata.name,
-            "resources": {"requests": {"storage": gib(size)}}}, opts=child)
+        self.claim = fsx_claim(name, args.fsx_id, args.fsx_dns_name, args.fsx_mount_name, ns_name, "fsx-models",
+                               gib(size), read_only=True, opts=pulumi.ResourceOptions(parent=self, depends_on=[self.namespace]))
         self.verify_script = k8s.core.v1.ConfigMap(f"{name}-verify", metadata=meta(VERIFY_CONFIGMAP, ns),
                                                    data={"verify.py": VERIFY_SCRIPT}, opts=child)
 

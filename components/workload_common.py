@@ -109,3 +109,26 @@ def pod_resources(shape: PodShape) -> dict[str, Any]:
     if shape.hugepages_gib:
         amounts["hugepages-2Mi"] = gib(shape.hugepages_gib)
     return {"requests": amounts, "limits": dict(amounts)}
+
+
+def fsx_claim(name: str, fsx_id: pulumi.Input[str], dns_name: pulumi.Input[str], mount_name: pulumi.Input[str],
+              namespace: str, claim: str, size: pulumi.Input[str], read_only: bool,
+              opts: pulumi.ResourceOptions) -> k8s.core.v1.PersistentVolumeClaim:
+    """A static FSx for Lustre volume bound to one claim in `namespace`: the file system exists (AWS
+    side), the PV only points at it. The Lustre client runs in the node's kernel, so its traffic is not
+    pod traffic (no network policy). Read-write volumes mount with `flock` (the trainer's out-directory
+    lock); read-only ones are read-only at the CSI driver too."""
+    access = "ReadOnlyMany" if read_only else "ReadWriteMany"
+    csi: dict[str, Any] = {"driver": "fsx.csi.aws.com", "volumeHandle": fsx_id,
+                           "volumeAttributes": {"dnsname": dns_name, "mountname": mount_name}}
+    spec: dict[str, Any] = {"capacity": {"storage": size}, "volumeMode": "Filesystem", "accessModes": [access],
+                            "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                            "claimRef": {"namespace": namespace, "name": claim}, "csi": csi}
+    if read_only:
+        csi["readOnly"] = True
+    else:
+        spec["mountOptions"] = ["flock"]
+    volume = k8s.core.v1.PersistentVolume(f"{name}-fsx-pv", metadata=meta(f"{namespace}-fsx"), spec=spec, opts=opts)
+    return k8s.core.v1.PersistentVolumeClaim(f"{name}-fsx-pvc", metadata=meta(claim, namespace), spec={
+        "accessModes": [access], "storageClassName": "", "volumeName": volume.metadata.name,
+        "resources": {"requests": {"storage": size}}}, opts=opts)

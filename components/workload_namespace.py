@@ -12,7 +12,7 @@ import pulumi_kubernetes as k8s
 
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
 
-from .workload_common import MESH_LABEL, gib, meta
+from .workload_common import MESH_LABEL, fsx_claim, gib, meta
 
 PLAN_CONFIGMAP = "supernode-plan"
 PVC_NAME = "fsx"
@@ -99,26 +99,9 @@ class TrainingNamespace(pulumi.ComponentResource):
             preemption_policy="PreemptLowerPriority",
             description="supernode training jobs: above batch work, below system-critical pods", opts=child)
 
-        # Static FSx for Lustre volume: the file system exists (AWS side); the PV only points at it.
-        # The Lustre client runs in the node's kernel, so its traffic is not pod traffic (no policy).
-        size = pulumi.Output.from_input(args.fsx.size_gib).apply(gib)
-        self.volume = k8s.core.v1.PersistentVolume(f"{name}-fsx-pv", metadata=meta(f"{args.namespace}-fsx"), spec={
-            "capacity": {"storage": size},
-            "volumeMode": "Filesystem",
-            "accessModes": ["ReadWriteMany"],
-            "persistentVolumeReclaimPolicy": "Retain",
-            "storageClassName": "",
-            "mountOptions": ["flock"],
-            "claimRef": {"namespace": args.namespace, "name": PVC_NAME},
-            "csi": {"driver": "fsx.csi.aws.com", "volumeHandle": args.fsx.id,
-                    "volumeAttributes": {"dnsname": args.fsx.dns_name, "mountname": args.fsx.mount_name}},
-        }, opts=child)
-        self.claim = k8s.core.v1.PersistentVolumeClaim(f"{name}-fsx-pvc", metadata=meta(PVC_NAME, ns), spec={
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": "",
-            "volumeName": self.volume.metadata.name,
-            "resources": {"requests": {"storage": size}},
-        }, opts=child)
+        self.claim = fsx_claim(name, args.fsx.id, args.fsx.dns_name, args.fsx.mount_name, args.namespace, PVC_NAME,
+                               pulumi.Output.from_input(args.fsx.size_gib).apply(gib), read_only=False,
+                               opts=pulumi.ResourceOptions(parent=self, depends_on=[self.namespace]))
 
         # The plan exactly as the core serialises it: the trainer reads this file.
         self.plan_config_map = k8s.core.v1.ConfigMap(f"{name}-plan", metadata=meta(PLAN_CONFIGMAP, ns),
