@@ -34,7 +34,7 @@ from supernode.core.config import AcceleratorNodeGroup
 from supernode.core.plan import Plan
 
 from .workload_addons import addon_resource, with_config_hash, with_images
-from .workload_common import crd_kind, dns_name, gib, load_addon, meta, shipped_crd
+from .workload_common import crd_kind, dns_name, load_addon, meta, pod_resources, shipped_crd
 
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -70,12 +70,7 @@ class Pool:
 
     def quota(self) -> dict[str, str]:
         """Nominal quota: the pool's nodes x the node's pod shape (Kubernetes quantities)."""
-        n, s = self.nodes, self.shape
-        quota = {"nvidia.com/gpu": str(n * s.gpus), "vpc.amazonaws.com/efa": str(n * s.efa), "cpu": str(n * s.cpu),
-                 "memory": gib(n * s.memory_gib)}
-        if s.hugepages_gib:
-            quota["hugepages-2Mi"] = gib(n * s.hugepages_gib)
-        return quota
+        return pod_resources(self.shape.times(self.nodes))["requests"]
 
 
 def gpu_pools(groups: Sequence[AcceleratorNodeGroup], plan: Plan) -> list[Pool]:

@@ -375,3 +375,7 @@ class PodShape(BaseModel):
         keep = 1 - NODE_RESERVE_FRACTION
         return cls(gpus=hw.accelerators, efa=hw.efa_interfaces, cpu=int(hw.vcpus * keep),
                    memory_gib=int(hw.memory_gib * keep) - hugepages_gib, hugepages_gib=hugepages_gib)
+
+    def times(self, n: int) -> "PodShape":
+        """What n such pods take together (a pool's quota)."""
+        return PodShape(**{field: n * value for field, value in self.model_dump().items()})
