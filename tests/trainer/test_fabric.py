@@ -252,7 +252,12 @@ def test_a_replaced_node_is_judged_against_the_fleet_then_added_to_the_baseline(
     def renamed(name: str) -> str:
         return "failed-node" if name == new else name
 
-    doc["pairs"] = [{**p, "pair": [renamed(n) for n in p["pair"]]} for p in doc["pairs"]]
+    # On this shared host a gloo pair's latency varies >10x between runs (143-1,775 us in one healthy
+    # run, measured), so an old pair could pass the 20x threshold by load alone: the recorded
+    # latencies are made 10x more lenient (200x). Bandwidth is steadier (0.6-1.1 GB/s) and the
+    # injected slow rank is 50-60x off in it (0.016 GB/s), so the new node is still found.
+    doc["pairs"] = [{**p, "pair": [renamed(n) for n in p["pair"]], "latency_us": p["latency_us"] * 10}
+                    for p in doc["pairs"]]
     doc["nodes"] = [{**n, "node": renamed(n["node"])} for n in doc["nodes"]]
     before = json.dumps(doc, indent=1, sort_keys=True) + "\n"
 
