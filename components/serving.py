@@ -67,28 +67,33 @@ ADAPTER_RULE = {"seriesQuery": 'vllm:num_requests_running{namespace!="",pod!=""}
                 "metricsQuery": "sum(vllm:num_requests_running{<<.LabelMatchers>>} + "
                                 "vllm:num_requests_waiting{<<.LabelMatchers>>}) by (<<.GroupBy>>)"}
 
-# Runs in the init container (the vLLM image's Python, standard library only): copy, then verify.
+# Runs in the init container (the vLLM image's Python, standard library only): each file is hashed as
+# it is copied (one read of FSx, not a copy and a re-read), several files at once (hashlib and file I/O
+# release the GIL): a 700 B model's 1.4 TB export is ~23 min of one core's sha256, ~3 min on 8.
 VERIFY_SCRIPT = r'''
-import hashlib, json, os, shutil, sys
+import concurrent.futures, hashlib, json, os, shutil, sys
 src, dst, pin = sys.argv[1], sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else "")
-def sha(p):
+def copy(name):
     h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for b in iter(lambda: f.read(1 << 22), b""):
+    with open(os.path.join(src, name), "rb") as r, open(os.path.join(dst, name), "wb") as w:
+        for b in iter(lambda: r.read(1 << 24), b""):
             h.update(b)
+            w.write(b)
     return h.hexdigest()
 man = os.path.join(src, "manifest.json")
 if not os.path.isfile(man):
     sys.exit(f"weights: no manifest.json in {src}")
-if pin and sha(man) != pin:
-    sys.exit(f"weights: {man} sha256 {sha(man)} is not the pinned {pin}")
+with open(man, "rb") as f:
+    got = hashlib.sha256(f.read()).hexdigest()
+if pin and got != pin:
+    sys.exit(f"weights: {man} sha256 {got} is not the pinned {pin}")
 files = json.load(open(man))["files"]
 os.makedirs(dst, exist_ok=True)
-for name, entry in sorted(files.items()):
-    shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
-    got = sha(os.path.join(dst, name))
-    if got != entry["sha256"]:
-        sys.exit(f"weights: {name} sha256 {got} does not match manifest.json ({entry['sha256']}): not serving")
+names = sorted(files)
+with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+    for name, got in zip(names, pool.map(copy, names)):
+        if got != files[name]["sha256"]:
+            sys.exit(f"weights: {name} sha256 {got} does not match manifest.json ({files[name]['sha256']}): not serving")
 shutil.copyfile(man, os.path.join(dst, "manifest.json"))
 print(f"weights: {len(files)} files verified against manifest.json")
 '''
