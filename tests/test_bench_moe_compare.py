@@ -54,6 +54,8 @@ def test_side_by_side_is_the_same_function(capsys, extra) -> None:
     assert line["same_function"] is True and line["routing_agreement"] >= 0.99
     assert line["other_routing_all_bf16_near_ties"] is True
     assert line["ours_tokens_per_s"] > 0 and line["torchtitan_tokens_per_s"] > 0 and line["speedup_vs_torchtitan"] > 0
+    low, high = line["paired_speedup_quartiles"]
+    assert 0 < low <= line["paired_speedup_median"] <= high
 
 
 def test_different_weights_void_the_comparison(capsys) -> None:

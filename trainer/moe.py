@@ -9,6 +9,7 @@ rescaled to the data-parallel mean (see parallel.py).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -22,7 +23,7 @@ from .dispatcher import TokenDispatcher
 ProcessGroup = dist.ProcessGroup
 
 
-# -- grouped matmul ----------------------------------------------------------------------------
+# -- expert matmuls -----------------------------------------------------------------------------
 
 def grouped_mm_applies(x: Tensor, w: Tensor) -> bool:
     """`torch._grouped_mm` needs fp32/bf16 (bf16 on sm90+ on CUDA) and 16-byte row strides."""
@@ -37,6 +38,45 @@ def grouped_mm_applies(x: Tensor, w: Tensor) -> bool:
     return all((n * size) % 16 == 0 for n in (w.shape[1], w.shape[2]))
 
 
+# On CPU the experts run as batched matmuls over blocks of consecutive experts, each expert's rows
+# padded with zeros to the block's largest count rounded up to PAD_ROWS (`expert_blocks`). oneDNN's
+# AMX/AVX-512 matmuls pay a fixed cost per call and per new shape and run at full speed on row
+# counts that are multiples of 32, which a matmul per expert of ragged size (what
+# `torch._grouped_mm` does on CPU) never gets. A block grows to BLOCK_ROWS padded rows while its
+# padding stays within BLOCK_WASTE of its routed rows. Measured with `bench moe --compare
+# torchtitan` (figures in docs/architecture.md).
+PAD_ROWS = 32
+BLOCK_ROWS = 4096
+BLOCK_WASTE = 1.2
+
+
+def _round_up(n: int) -> int:
+    return -(-n // PAD_ROWS) * PAD_ROWS
+
+
+def expert_blocks(sizes: list[int]) -> list[tuple[slice, int]]:
+    """Blocks of consecutive experts for routed-row counts `sizes`: (experts, padded rows per expert)."""
+    blocks, start = [], 0
+    while start < len(sizes):
+        stop, most = start + 1, sizes[start]
+        while stop < len(sizes):
+            grown = max(most, sizes[stop])
+            padded = (stop + 1 - start) * _round_up(grown)
+            if padded > BLOCK_ROWS or padded > BLOCK_WASTE * sum(sizes[start:stop + 1]):
+                break
+            stop, most = stop + 1, grown
+        blocks.append((slice(start, stop), _round_up(most)))
+        start = stop
+    return blocks
+
+
+def expert_strategy(x: Tensor, w1: Tensor) -> str:
+    """'padded' (CPU), 'grouped' (`torch._grouped_mm`, GPU) or 'loop' (a matmul per expert)."""
+    if x.device.type == "cpu" and x.dtype == w1.dtype and x.dtype.is_floating_point:
+        return "padded"
+    return "grouped" if grouped_mm_applies(x, w1) else "loop"
+
+
 def _contiguous_grad(t: Tensor) -> Tensor:
     # grouped_mm's backward rejects gradients with zero strides (e.g. from `.sum()`).
     if t.requires_grad:
@@ -44,22 +84,106 @@ def _contiguous_grad(t: Tensor) -> Tensor:
     return t
 
 
-def expert_ffn(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, grouped: Optional[bool] = None) -> Tensor:
+def expert_ffn(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, strategy: Optional[str] = None) -> Tensor:
     """SwiGLU per expert on rows sorted by expert: rows [sum(counts[:e]), sum(counts[:e+1])) use expert e.
 
-    `grouped=None` picks `torch._grouped_mm` when it applies; the loop is the same math per expert.
+    `strategy=None` picks with `expert_strategy`; every strategy computes the same function.
     """
-    if grouped is None:  # w1's shape [E, dim, hidden] covers every operand's row stride
-        grouped = grouped_mm_applies(x, w1)
-    if grouped:
+    strategy = strategy or expert_strategy(x, w1)
+    if strategy == "padded":
+        return _PaddedSwiGLU.apply(x, w1, w2, w3, counts.tolist())
+    if strategy == "grouped":
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         h = F.silu(_contiguous_grad(torch._grouped_mm(x, w1, offs=offs))) * _contiguous_grad(
             torch._grouped_mm(x, w3, offs=offs))
         return _contiguous_grad(torch._grouped_mm(h, w2, offs=offs))
+    if strategy != "loop":
+        raise ValueError(f"expert strategy must be padded, grouped or loop, got {strategy!r}")
     outs = []
     for e, rows in enumerate(torch.split(x, counts.tolist())):
         outs.append((F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e])
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+
+def _pad(out: Tensor, rows: Tensor, sizes: list[int]) -> Tensor:
+    """Rows sorted by expert -> out [len(sizes), padded rows, d]: each expert's rows, then zeros."""
+    out.zero_()
+    start = 0
+    for e, n in enumerate(sizes):
+        out[e, :n] = rows[start:start + n]
+        start += n
+    return out
+
+
+def _unpad(out: Tensor, padded: Tensor, sizes: list[int]) -> None:
+    """The inverse of `_pad`, into out [sum(sizes), d]."""
+    start = 0
+    for e, n in enumerate(sizes):
+        out[start:start + n] = padded[e, :n]
+        start += n
+
+
+_SCRATCH: dict[tuple, Tensor] = {}
+
+
+def _scratch(name: str, like: Tensor, *shape: int) -> Tensor:
+    """A temporary reused from call to call (one per name, dtype and device; grown on demand).
+
+    Fresh memory is expensive on CPU: glibc gives large freed blocks back to the kernel, and each
+    4 KiB page then faults again on its first write (a page fault per 4 KiB made up most of the
+    difference between this layer and torchtitan's, counted with getrusage). Only for values that
+    die within one forward or one backward: autograd on CPU runs those one at a time."""
+    key, n = (name, like.dtype, like.device), math.prod(shape)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH[key] = like.new_empty(n)
+    return buf[:n].view(shape)
+
+
+class _PaddedSwiGLU(torch.autograd.Function):
+    """SwiGLU of every expert as batched matmuls, block by block (`expert_blocks`); forward and
+    backward by hand, so that a block's elementwise work follows its matmuls while their outputs
+    are in cache, and what dies within the call lives in scratch memory. Padding rows are zero in,
+    zero out and add nothing to any gradient: this is exactly the per-expert function."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, sizes: list[int]) -> Tensor:
+        dim = w1.shape[1]
+        blocks, saved, start = expert_blocks(sizes), [], 0
+        y = x.new_empty(x.shape[0], dim)
+        for s, rows in blocks:
+            n, shape = sum(sizes[s]), (s.stop - s.start, rows)
+            xp = _pad(x.new_empty(*shape, dim), x[start:start + n], sizes[s])
+            a, b = torch.bmm(xp, w1[s]), torch.bmm(xp, w3[s])
+            act = F.silu(a)
+            h = act * b
+            _unpad(y[start:start + n], torch.bmm(h, w2[s], out=_scratch("y", x, *shape, dim)), sizes[s])
+            saved += [xp, a, b, act, h]
+            start += n
+        ctx.save_for_backward(w1, w2, w3, *saved)
+        ctx.sizes, ctx.blocks = sizes, blocks
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        w1, w2, w3, *saved = ctx.saved_tensors
+        sizes, (dim, hidden) = ctx.sizes, w1.shape[1:]
+        gx, g1, g2, g3 = grad.new_empty(grad.shape[0], dim), *(torch.empty_like(w) for w in (w1, w2, w3))
+        start = 0
+        for i, (s, rows) in enumerate(ctx.blocks):
+            xp, a, b, act, h = saved[5 * i:5 * i + 5]
+            n, shape = sum(sizes[s]), (s.stop - s.start, rows)
+            gy = _pad(_scratch("gy", grad, *shape, dim), grad[start:start + n], sizes[s])
+            torch.bmm(h.transpose(1, 2), gy, out=g2[s])
+            gh = torch.bmm(gy, w2[s].transpose(1, 2), out=_scratch("gh", grad, *shape, hidden))
+            gb = torch.mul(act, gh, out=_scratch("gb", grad, *shape, hidden))
+            ga = torch.ops.aten.silu_backward.grad_input(gh.mul_(b), a, grad_input=gh)
+            torch.bmm(xp.transpose(1, 2), ga, out=g1[s])
+            torch.bmm(xp.transpose(1, 2), gb, out=g3[s])
+            gxp = torch.bmm(ga, w1[s].transpose(1, 2), out=_scratch("gx", grad, *shape, dim))
+            _unpad(gx[start:start + n], gxp.baddbmm_(gb, w3[s].transpose(1, 2)), sizes[s])
+            start += n
+        return gx, g1, g2, g3, None
 
 
 class GroupedExperts(nn.Module):
@@ -70,7 +194,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
-        self.use_grouped_mm: Optional[bool] = None  # None: where it applies
+        self.strategy: Optional[str] = None  # None: `expert_strategy` picks per call
         self.grad_scale = 1.0  # set by trainer.parallel
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
@@ -79,7 +203,7 @@ class GroupedExperts(nn.Module):
         # Experts outside FSDP (no replicas to shard over) miss its bf16 cast: match the input.
         w1, w2, w3 = (_scale_grad(w.to_local() if isinstance(w, DTensor) else w, self.grad_scale).to(x.dtype)
                       for w in (self.w1, self.w2, self.w3))
-        return expert_ffn(x, counts, w1, w2, w3, self.use_grouped_mm)
+        return expert_ffn(x, counts, w1, w2, w3, self.strategy)
 
 
 class SwiGLU(nn.Module):

@@ -1,4 +1,5 @@
-"""MoE layer: grouped_mm equals the per-expert loop; expert-parallel dispatch/combine is exact."""
+"""MoE layer: every expert strategy (padded, grouped_mm) equals the per-expert loop; expert-parallel
+dispatch/combine is exact."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.dispatcher import AllToAllDispatcher
-from trainer.moe import ExpertBalancer, MoE, expert_ffn, grouped_mm_applies
+from trainer.moe import (BLOCK_ROWS, BLOCK_WASTE, PAD_ROWS, ExpertBalancer, MoE, expert_blocks, expert_ffn,
+                         expert_strategy, grouped_mm_applies)
 
 DIM, HIDDEN, EXPERTS, TOP_K = 32, 16, 4, 2
 EMPTY = 3  # this expert is biased out of every top-k: it gets no tokens
@@ -37,22 +39,63 @@ def fwd_bwd(layer: MoE, x: torch.Tensor, upstream: torch.Tensor):
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
+@pytest.mark.parametrize("strategy", ["padded", "grouped"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, {}), (torch.bfloat16, {"rtol": 2e-2, "atol": 2e-2})])
-def test_grouped_mm_equals_loop_values_and_grads(dtype: torch.dtype, tol: dict) -> None:
+def test_each_strategy_equals_the_loop_values_and_grads(strategy: str, dtype: torch.dtype, tol: dict) -> None:
     layer, x = make_moe(dtype=dtype), rows(37, dtype=dtype)
     upstream = torch.randn(37, DIM, generator=torch.Generator().manual_seed(2)).to(dtype)
-    assert grouped_mm_applies(x, layer.experts.w1)
-    with mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm) as spy:
-        out_g, dx_g, grads_g = fwd_bwd(layer, x, upstream)
-    assert spy.call_count == 3, "the grouped path must actually run"
+    assert expert_strategy(x, layer.experts.w1) == "padded"  # the CPU default
+    layer.experts.strategy = strategy
+    with mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm) as grouped, \
+            mock.patch.object(torch, "bmm", wraps=torch.bmm) as batched:
+        out_s, dx_s, grads_s = fwd_bwd(layer, x, upstream)
+    # The path asked for actually ran: 3 grouped matmuls, or 3 batched ones per block and 6 back.
+    assert (grouped.call_count, batched.call_count > 0) == ((3, False) if strategy == "grouped" else (0, True))
     assert layer.tokens_per_expert[EMPTY] == 0 and layer.tokens_per_expert.sum() == 37 * TOP_K
-    layer.experts.use_grouped_mm = False
+    layer.experts.strategy = "loop"
     out_l, dx_l, grads_l = fwd_bwd(layer, x, upstream)
-    torch.testing.assert_close(out_g, out_l, **tol)
-    torch.testing.assert_close(dx_g, dx_l, **tol)
+    torch.testing.assert_close(out_s, out_l, **tol)
+    torch.testing.assert_close(dx_s, dx_l, **tol)
     for name in grads_l:
-        torch.testing.assert_close(grads_g[name], grads_l[name], **tol, msg=lambda m: f"{name}: {m}")
-    assert grads_g["experts.w1"][EMPTY].abs().sum() == 0  # an idle expert gets a zero gradient
+        torch.testing.assert_close(grads_s[name], grads_l[name], **tol, msg=lambda m: f"{name}: {m}")
+    assert grads_s["experts.w1"][EMPTY].abs().sum() == 0  # an idle expert gets a zero gradient
+
+
+def test_expert_blocks_pad_little_and_cover_every_expert() -> None:
+    sizes = [206, 373, 324, 279, 0, 245, 237, 5000, 172, 241, 1, 271, 203]
+    blocks = expert_blocks(sizes)
+    assert [e for s, _ in blocks for e in range(s.start, s.stop)] == list(range(len(sizes)))
+    for s, rows in blocks:
+        assert rows % PAD_ROWS == 0 and rows >= max(sizes[s])
+        if s.stop - s.start > 1:  # a block of several experts stays small and little padded
+            assert (s.stop - s.start) * rows <= min(BLOCK_ROWS, BLOCK_WASTE * sum(sizes[s]))
+    assert (slice(7, 8), 5024) in blocks  # an expert larger than a block is a block alone
+    assert expert_blocks([0, 0]) == [(slice(0, 2), 0)]  # idle experts cost nothing
+
+
+def test_padded_path_is_exact_for_skewed_empty_and_large_experts() -> None:
+    # Counts that make blocks of one, several and an empty expert; more rows than one block holds.
+    sizes = [0, 700, 3, 5000, 0, 64, 65]
+    x = torch.randn(sum(sizes), DIM, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    weights = [torch.randn(len(sizes), *shape, generator=torch.Generator().manual_seed(5 + i)).mul_(0.2)
+               .requires_grad_() for i, shape in enumerate([(DIM, HIDDEN), (HIDDEN, DIM), (DIM, HIDDEN)])]
+    upstream = torch.randn(sum(sizes), DIM, generator=torch.Generator().manual_seed(9))
+    results = {}
+    for strategy in ("padded", "loop"):
+        for t in [x, *weights]:
+            t.grad = None
+        out = expert_ffn(x, torch.tensor(sizes), *weights, strategy=strategy)
+        out.backward(upstream, retain_graph=True)
+        first = [t.grad.clone() for t in [x, *weights]]
+        for t in [x, *weights]:
+            t.grad = None
+        out.backward(upstream)  # a second backward through the same graph gives the same gradients
+        assert all(torch.equal(g, t.grad) for g, t in zip(first, [x, *weights]))
+        results[strategy] = (out.detach(), first)
+    torch.testing.assert_close(results["padded"][0], results["loop"][0], rtol=1e-5, atol=1e-5)
+    for padded, loop in zip(results["padded"][1], results["loop"][1]):
+        torch.testing.assert_close(padded, loop, rtol=1e-4, atol=1e-4)
+    assert results["padded"][1][1][0].abs().sum() == 0 and results["padded"][1][1][4].abs().sum() == 0
 
 
 def per_token_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -67,11 +110,11 @@ def per_token_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("grouped", [None, False])
-def test_layer_equals_the_per_token_reference_values_and_grads(grouped) -> None:
+@pytest.mark.parametrize("strategy", [None, "grouped", "loop"])
+def test_layer_equals_the_per_token_reference_values_and_grads(strategy) -> None:
     # The token permutation (gather by expert, weighted scatter back) against a formulation without one.
     layer, x = make_moe(), rows(23)
-    layer.experts.use_grouped_mm = grouped
+    layer.experts.strategy = strategy
     upstream = torch.randn(23, DIM, generator=torch.Generator().manual_seed(3))
     out, dx, grads = fwd_bwd(layer, x, upstream)
     ref_x = x.clone().requires_grad_()
@@ -93,13 +136,16 @@ def test_expert_ffn_is_swiglu_per_expert() -> None:
     torch.testing.assert_close(expert_ffn(x, counts, w1, w2, w3), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_unaligned_rows_fall_back_to_the_loop() -> None:
-    # 6 fp32 columns = 24-byte rows: grouped_mm would reject them (16-byte strides).
-    x, w = torch.randn(5, 6), torch.randn(2, 6, 8)
+def test_unaligned_rows_are_fine_on_cpu_and_refused_by_grouped_mm() -> None:
+    # 6 fp32 columns = 24-byte rows: grouped_mm would reject them (16-byte strides); the padded path
+    # (the CPU default) and the loop take any shape.
+    x, w, w2 = torch.randn(5, 6), torch.randn(2, 6, 8), torch.randn(2, 8, 6)
     assert not grouped_mm_applies(x, w)
     assert not grouped_mm_applies(torch.randn(0, 8), torch.randn(2, 8, 8))  # no rows at all
-    out = expert_ffn(x, torch.tensor([3, 2]), w, torch.randn(2, 8, 6), w.clone())
-    assert out.shape == (5, 6)
+    counts = torch.tensor([3, 2])
+    torch.testing.assert_close(expert_ffn(x, counts, w, w2, w.clone()), expert_ffn(x, counts, w, w2, w.clone(), "loop"))
+    with pytest.raises(ValueError, match="padded, grouped or loop, got 'fused'"):
+        expert_ffn(x, counts, w, w2, w.clone(), "fused")
 
 
 def test_sigmoid_router_weights_sum_to_one() -> None:
@@ -180,9 +226,9 @@ def test_bench_moe_reports_both_paths_and_minimal_all_to_all_bytes(capsys) -> No
     assert main(["--tokens", "256", "--dim", "32", "--hidden", "64", "--experts", "4", "--topk", "2",
                  "--threads", "1", "--repeat", "1", "--ep", "2"]) == 0
     layer, a2a = (json.loads(line) for line in capsys.readouterr().out.splitlines())
-    assert layer["measurement"] == "moe_layer_fwd_bwd" and layer["grouped_mm_used"] is True
-    assert layer["grouped_mm_tokens_per_s"] > 0 and layer["naive_loop_tokens_per_s"] > 0
-    assert layer["grouped_mm_gflop_per_s"] > 0
+    assert layer["measurement"] == "moe_layer_fwd_bwd" and layer["expert_strategy"] == "padded"
+    assert layer["layer_tokens_per_s"] > 0 and layer["naive_loop_tokens_per_s"] > 0
+    assert layer["layer_gflop_per_s"] > 0
     assert a2a["ratio_vs_routing_minimum"] == pytest.approx(1.0, abs=1e-3)  # only the counts are extra
     assert a2a["ratio_vs_analytic"] < 1.3  # routing of 512 copies is only roughly uniform
 
