@@ -46,7 +46,10 @@ def grouped_mm_applies(x: Tensor, w: Tensor) -> bool:
 # padded rows stay within BLOCK_WASTE times its routed rows: fewer, larger batches beat less
 # padding (32 experts, 4k tokens: blocks limited at 1.2x, 7 of them, ran ~5% slower than at 1.6x,
 # 3 of them, in 5 of 6 paired runs); the limit keeps a skewed expert from padding its block.
-# Measured with `bench moe --compare torchtitan` (figures in docs/architecture.md).
+# Measured with `bench moe --compare torchtitan` (figures in docs/architecture.md). The padded rows
+# are saved for backward too: on CPU the experts' activations are up to BLOCK_WASTE times the
+# routed rows' (plus < PAD_ROWS rows per expert), which the planner does not model; the GPU path,
+# what the prod stacks run, pads nothing.
 PAD_ROWS = 32
 BLOCK_ROWS = 4096
 BLOCK_WASTE = 1.6
