@@ -345,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.dtype != "bfloat16":
         problems.append(f"--compare torchtitan needs --dtype bfloat16 (got {args.dtype}): torchtitan's experts "
                         "always compute in bf16, so another dtype would not be the same function")
+    if args.compare:  # torchtitan's experts always take torch._grouped_mm: rows of a multiple of 16 bytes
+        problems += [f"--compare torchtitan needs --{k} to be a multiple of 8 (got {getattr(args, k)}): torchtitan's "
+                     "experts use torch._grouped_mm, which needs bf16 rows of a multiple of 16 bytes"
+                     for k in ("dim", "hidden") if getattr(args, k) % 8]
     if problems:
         ap.error("; ".join(problems))  # exit 2
     if args.compare:

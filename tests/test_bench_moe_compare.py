@@ -38,6 +38,15 @@ def test_compare_refuses_float32(capsys) -> None:
     assert "needs --dtype bfloat16" in capsys.readouterr().err
 
 
+def test_compare_refuses_rows_grouped_mm_cannot_take(capsys) -> None:
+    # Refused before torchtitan is even imported: its experts would fail inside torch._grouped_mm.
+    with pytest.raises(SystemExit) as exc:
+        bench_moe.main(["--compare", "torchtitan", *TINY, "--dim", "6", "--hidden", "20"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "needs --dim to be a multiple of 8 (got 6)" in err and "needs --hidden to be a multiple of 8 (got 20)" in err
+
+
 def _torchtitan():
     try:
         return bench_moe.import_torchtitan(os.environ.get("SUPERNODE_TORCHTITAN_PATH"))
