@@ -20,8 +20,11 @@
    (noise hits both alike): medians, tokens/s, `speedup_vs_torchtitan` and the median (and
    quartiles) of the repetition-by-repetition ratios, `paired_speedup_median` (the goal is >= 1.3 at
    bf16, 2 threads; on a machine shared with other work the 2-thread medians mostly measure the
-   scheduler: `load_average_1m` says how busy it was, and --threads 1 is steadier). torchtitan is
-   not a project dependency: install it beside the project, e.g.
+   scheduler: `load_average_1m` says how busy it was, and --threads 1 is steadier), with each
+   layer's `minor_page_faults_per_step`: fresh memory faults once per 4 KiB page on first touch,
+   and how much of it a layer allocates afresh is part of its speed. Then both run again after
+   glibc is told to keep freed memory (`freed_memory_kept`): what is left without page faults.
+   torchtitan is not a project dependency: install it beside the project, e.g.
 
        pip install --target /tmp/tt --no-deps torchtitan==0.3.0 einops safetensors tyro spmd-types docstring-parser triton
        supernode bench moe --compare torchtitan --torchtitan-path /tmp/tt --dtype bfloat16
@@ -33,10 +36,12 @@ One JSON line per measurement.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import importlib.metadata
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -272,21 +277,35 @@ def compare_torchtitan(args: argparse.Namespace, tt) -> dict:
     near_tie = (scores.gather(-1, ids_tt).min(-1).values >= kth * (1 - 2.0 ** -7) - 1e-6)
     same_function = bool(agreement >= 0.5 and near_tie[~same].all() and diff <= 0.05 * max(scale, 1e-6))
 
-    times: dict[str, list[float]] = {k: [] for k in impls}
-    for layer in (ours, theirs):
-        layer.zero_grad(set_to_none=True)
-    for fn in impls.values():  # warm-up
-        _timed(fn, x, upstream)
-    for _ in range(args.repeat):  # alternate, so the machine's noise hits both alike
-        for name, fn in impls.items():
-            for layer in (ours, theirs):
-                layer.zero_grad(set_to_none=True)
-            times[name].append(_timed(fn, x, upstream))
+    def alternate() -> tuple[dict[str, list[float]], dict[str, float]]:
+        """Both, repetition by repetition (noise hits both alike): times, and minor page faults per step."""
+        times: dict[str, list[float]] = {k: [] for k in impls}
+        faults = dict.fromkeys(impls, 0)
+        for fn in impls.values():  # warm-up
+            _timed(fn, x, upstream)
+        for _ in range(args.repeat):
+            for name, fn in impls.items():
+                for layer in (ours, theirs):
+                    layer.zero_grad(set_to_none=True)
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                times[name].append(_timed(fn, x, upstream))
+                faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        return times, {k: round(v / args.repeat) for k, v in faults.items()}
+
+    times, faults = alternate()
     med = {k: statistics.median(v) for k, v in times.items()}
-    # Each repetition ran both back to back: the median of those paired ratios is steadier than the
-    # ratio of the medians when the machine's speed drifts during the run.
-    paired = sorted(t / o for o, t in zip(times["ours"], times["torchtitan"]))
+    paired = _paired(times)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    # Then with freed memory kept by the C allocator, for both: what is left without page faults.
+    kept = None
+    if _keep_freed_memory():
+        kept_times, kept_faults = alternate()
+        kept_paired = _paired(kept_times)
+        kept = {"paired_speedup_median": round(statistics.median(kept_paired), 3),
+                "paired_speedup_quartiles": _quartiles(kept_paired),
+                "ours_median_s": round(statistics.median(kept_times["ours"]), 5),
+                "torchtitan_median_s": round(statistics.median(kept_times["torchtitan"]), 5),
+                "minor_page_faults_per_step": kept_faults}
     return {
         "measurement": "moe_layer_vs_torchtitan", "torchtitan_version": _version("torchtitan"),
         "tokens": args.tokens, "dim": args.dim, "hidden": args.hidden, "experts": args.experts, "topk": args.topk,
@@ -297,12 +316,33 @@ def compare_torchtitan(args: argparse.Namespace, tt) -> dict:
         "ours_tokens_per_s": round(args.tokens / med["ours"], 1),
         "torchtitan_tokens_per_s": round(args.tokens / med["torchtitan"], 1),
         "speedup_vs_torchtitan": round(med["torchtitan"] / med["ours"], 3),
-        "paired_speedup_median": round(statistics.median(paired), 3),
-        "paired_speedup_quartiles": [round(paired[len(paired) // 4], 3), round(paired[(3 * len(paired)) // 4], 3)],
+        "paired_speedup_median": round(statistics.median(paired), 3), "paired_speedup_quartiles": _quartiles(paired),
         "ours_median_s": round(med["ours"], 5), "torchtitan_median_s": round(med["torchtitan"], 5),
         "ours_min_s": round(min(times["ours"]), 5), "torchtitan_min_s": round(min(times["torchtitan"]), 5),
-        "load_average_1m": load,
+        "minor_page_faults_per_step": faults, "freed_memory_kept": kept, "load_average_1m": load,
     }
+
+
+def _paired(times: dict[str, list[float]]) -> list[float]:
+    """Each repetition ran both back to back: the ratios of those pairs, sorted. Their median is
+    steadier than the ratio of the medians when the machine's speed drifts during the run."""
+    return sorted(t / o for o, t in zip(times["ours"], times["torchtitan"]))
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    return [round(values[len(values) // 4], 3), round(values[(3 * len(values)) // 4], 3)]
+
+
+def _keep_freed_memory() -> bool:
+    """Make glibc keep freed memory for reuse (no returning it to the kernel, no fresh mappings for
+    blocks up to 32 MiB, its ceiling): freshly mapped memory page-faults on first touch, once per
+    4 KiB. For this process, for good: the comparison runs it last. False where it cannot."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 def _version(dist: str) -> str | None:

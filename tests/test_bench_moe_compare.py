@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from unittest import mock
 
@@ -57,7 +58,9 @@ def _torchtitan():
 @pytest.mark.parametrize("extra", [[], ["--shared", "1", "--score", "sigmoid"]])
 def test_side_by_side_is_the_same_function(capsys, extra) -> None:
     _torchtitan()
-    assert bench_moe.main(["--compare", "torchtitan", *TINY, *extra]) == 0
+    # The second phase changes the C allocator for good: not in the test process.
+    with mock.patch.object(bench_moe, "_keep_freed_memory", return_value=True):
+        assert bench_moe.main(["--compare", "torchtitan", *TINY, *extra]) == 0
     line = json.loads(capsys.readouterr().out)
     assert line["measurement"] == "moe_layer_vs_torchtitan" and line["torchtitan_version"] == "0.3.0"
     assert line["same_function"] is True and line["routing_agreement"] >= 0.99
@@ -65,6 +68,31 @@ def test_side_by_side_is_the_same_function(capsys, extra) -> None:
     assert line["ours_tokens_per_s"] > 0 and line["torchtitan_tokens_per_s"] > 0 and line["speedup_vs_torchtitan"] > 0
     low, high = line["paired_speedup_quartiles"]
     assert 0 < low <= line["paired_speedup_median"] <= high
+    kept = line["freed_memory_kept"]
+    assert 0 < kept["paired_speedup_quartiles"][0] <= kept["paired_speedup_median"] <= kept["paired_speedup_quartiles"][1]
+    for faults in (line["minor_page_faults_per_step"], kept["minor_page_faults_per_step"]):
+        assert set(faults) == {"ours", "torchtitan"} and min(faults.values()) >= 0
+
+
+def test_keeping_freed_memory_stops_the_page_faults_of_reallocation() -> None:
+    # In a child: it changes the process's allocator for good.
+    code = """
+import resource, torch
+from bench.moe import _keep_freed_memory
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        torch.empty(4 << 20).fill_(1)  # 16 MiB, freed at once
+        torch.empty(2 << 20).fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+default = faults()
+assert _keep_freed_memory()
+faults()  # the first round maps what is then kept
+print(default, faults())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    default, kept = map(int, out.split())
+    assert default > 5000 and kept < default / 20, (default, kept)  # a fault per 4 KiB: 6144 for 24 MiB
 
 
 def test_different_weights_void_the_comparison(capsys) -> None:

@@ -10,15 +10,15 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.dispatcher import AllToAllDispatcher
-from trainer.moe import (BLOCK_ROWS, BLOCK_WASTE, PAD_ROWS, ExpertBalancer, MoE, expert_blocks, expert_ffn,
-                         expert_strategy, grouped_mm_applies)
+from trainer.moe import (BLOCK_ROWS, BLOCK_WASTE, PAD_ROWS, ExpertBalancer, MoE, _BufferPool, expert_blocks,
+                         expert_ffn, expert_strategy, grouped_mm_applies)
 
 DIM, HIDDEN, EXPERTS, TOP_K = 32, 16, 4, 2
 EMPTY = 3  # this expert is biased out of every top-k: it gets no tokens
 
 
-def make_moe(seed: int = 0, shared: int = 1, dtype: torch.dtype = torch.float32) -> MoE:
-    layer = MoE(DIM, EXPERTS, TOP_K, HIDDEN, shared_experts=shared)
+def make_moe(seed: int = 0, shared: int = 1, dtype: torch.dtype = torch.float32, top_k: int = TOP_K) -> MoE:
+    layer = MoE(DIM, EXPERTS, top_k, HIDDEN, shared_experts=shared)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in layer.parameters():
@@ -89,7 +89,10 @@ def test_padded_path_is_exact_for_skewed_empty_and_large_experts() -> None:
         first = [t.grad.clone() for t in [x, *weights]]
         for t in [x, *weights]:
             t.grad = None
-        out.backward(upstream)  # a second backward through the same graph gives the same gradients
+        # A second backward through the same graph gives the same gradients, even after another
+        # forward: retained activations are not handed back to the pool to be overwritten.
+        expert_ffn(x.detach() * 3, torch.tensor(sizes), *(w.detach() for w in weights), strategy=strategy)
+        out.backward(upstream)
         assert all(torch.equal(g, t.grad) for g, t in zip(first, [x, *weights]))
         results[strategy] = (out.detach(), first)
     torch.testing.assert_close(results["padded"][0], results["loop"][0], rtol=1e-5, atol=1e-5)
@@ -110,10 +113,10 @@ def per_token_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("strategy", [None, "grouped", "loop"])
-def test_layer_equals_the_per_token_reference_values_and_grads(strategy) -> None:
-    # The token permutation (gather by expert, weighted scatter back) against a formulation without one.
-    layer, x = make_moe(), rows(23)
+@pytest.mark.parametrize("strategy, top_k", [(None, 2), ("grouped", 2), ("loop", 2), (None, 1), (None, 3)])
+def test_layer_equals_the_per_token_reference_values_and_grads(strategy, top_k) -> None:
+    # The token permutation (gather by expert, gate-weighted sum back) against a formulation without one.
+    layer, x = make_moe(top_k=top_k), rows(23)
     layer.experts.strategy = strategy
     upstream = torch.randn(23, DIM, generator=torch.Generator().manual_seed(3))
     out, dx, grads = fwd_bwd(layer, x, upstream)
@@ -125,6 +128,61 @@ def test_layer_equals_the_per_token_reference_values_and_grads(strategy) -> None
     torch.testing.assert_close(dx, ref_x.grad)
     for name, p in layer.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_buffer_pool_lends_a_buffer_to_one_taker_at_a_time() -> None:
+    pool, like = _BufferPool(), torch.zeros(1)
+    a = pool.take(like, 4, 8)
+    b = pool.take(like, 4, 8)
+    assert a.shape == (4, 8) and a.data_ptr() != b.data_ptr()
+    pool.give(a)
+    pool.give(a)  # twice: ignored, or two takers would share it
+    pool.give(torch.empty(4, 8))  # not lent: ignored
+    c, d = pool.take(like, 3, 10), pool.take(like, 4, 8)
+    assert c.data_ptr() == a.data_ptr() and d.data_ptr() not in (a.data_ptr(), b.data_ptr())
+    pool.give(c)
+    assert pool.take(like, 1000).data_ptr() != c.data_ptr()  # too small a buffer serves no one
+    assert pool.take(like, 2).data_ptr() != c.data_ptr()  # nor one over twice the size asked
+
+
+def test_padded_experts_reuse_their_memory_and_survive_checkpointing(monkeypatch) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    from trainer import moe
+
+    sizes = torch.tensor([300, 0, 41, 97])
+    x = torch.randn(int(sizes.sum()), DIM, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    weights = [torch.randn(4, *shape, generator=torch.Generator().manual_seed(5 + i)).mul_(0.2).requires_grad_()
+               for i, shape in enumerate([(DIM, HIDDEN), (HIDDEN, DIM), (DIM, HIDDEN)])]
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(9))
+    pool = moe._BufferPool()
+    monkeypatch.setattr(moe, "_POOL", pool)
+
+    def step(checkpointed: bool) -> list[torch.Tensor]:
+        for t in [x, *weights]:
+            t.grad = None
+        if checkpointed:
+            out = checkpoint(expert_ffn, x, sizes, *weights, use_reentrant=False)
+        else:
+            out = expert_ffn(x, sizes, *weights)
+        out.backward(upstream)
+        return [t.grad for t in [x, *weights]]
+
+    def buffers() -> dict[int, int]:
+        return {id(b): b.numel() for free in pool._free.values() for b in free}
+
+    reference = step(False)
+    after_one = buffers()
+    assert after_one and not pool._lent  # everything lent came back at the end of backward
+    grads = step(False)
+    assert buffers() == after_one, "a step re-uses the memory of the last one, nothing more"
+    # Checkpointed, the forward's activations are dropped, not given back; the recomputation in
+    # backward takes new ones and gives them back: the pool keeps the same sizes, no more.
+    grads_checkpointed = step(True)
+    assert sorted(buffers().values()) == sorted(after_one.values()) and not pool._lent
+    for got in (grads, grads_checkpointed):
+        for g, ref in zip(got, reference):
+            torch.testing.assert_close(g, ref, rtol=0, atol=0)
 
 
 def test_expert_ffn_is_swiglu_per_expert() -> None:
