@@ -43,16 +43,15 @@ def grouped_mm_applies(x: Tensor, w: Tensor) -> bool:
 # padded with zeros to the block's largest count rounded up to PAD_ROWS (`expert_blocks`). oneDNN's
 # AMX/AVX-512 matmuls pay a fixed cost per call and per new shape and run at full speed on row
 # counts that are multiples of 32, which a matmul per expert of ragged size (what
-# `torch._grouped_mm` does on CPU) never gets. A block grows to BLOCK_ROWS padded rows while its
-# padded rows stay within BLOCK_WASTE times its routed rows: fewer, larger batches beat less
-# padding (32 experts, 4k tokens: blocks limited at 1.2x, 7 of them, ran ~5% slower than at 1.6x,
-# 3 of them, in 5 of 6 paired runs); the limit keeps a skewed expert from padding its block.
-# Measured with `bench moe --compare torchtitan` (figures in docs/architecture.md). The padded rows
-# are saved for backward too: on CPU the experts' activations are up to BLOCK_WASTE times the
-# routed rows' (plus < PAD_ROWS rows per expert), which the planner does not model; the GPU path,
-# what the prod stacks run, pads nothing.
+# `torch._grouped_mm` does on CPU) never gets. A block grows while its padded rows stay within
+# BLOCK_WASTE times its routed rows: fewer, larger batches beat less padding (with memory pooled,
+# 4k tokens, paired in one process: one block per layer ran 8-10% faster than blocks capped at
+# 4,096 padded rows at 8, 16 and 32 experts; at 32 experts a limit of 1.25x instead of 1.6x was
+# no faster); the limit keeps a skewed expert from padding its neighbours. The padded rows are
+# saved for backward too: on CPU the experts' activations are up to BLOCK_WASTE times the routed
+# rows' (plus < PAD_ROWS rows per expert), which the planner does not model; the GPU path, what
+# the prod stacks run, pads nothing.
 PAD_ROWS = 32
-BLOCK_ROWS = 4096
 BLOCK_WASTE = 1.6
 
 
@@ -68,7 +67,7 @@ def expert_blocks(sizes: list[int]) -> list[tuple[slice, int]]:
         while stop < len(sizes):
             grown = max(most, sizes[stop])
             padded = (stop + 1 - start) * _round_up(grown)
-            if padded > BLOCK_ROWS or padded > BLOCK_WASTE * sum(sizes[start:stop + 1]):
+            if padded > BLOCK_WASTE * sum(sizes[start:stop + 1]):
                 break
             stop, most = stop + 1, grown
         blocks.append((slice(start, stop), _round_up(most)))
