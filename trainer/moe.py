@@ -217,12 +217,14 @@ class _PaddedSwiGLU(torch.autograd.Function):
             torch.bmm(h.transpose(1, 2), gy, out=g2[s])
             gh = torch.bmm(gy, w2[s].transpose(1, 2), out=take(grad, *shape, hidden))
             gb = torch.mul(act, gh, out=take(grad, *shape, hidden))
-            ga = torch.ops.aten.silu_backward.grad_input(gh.mul_(b), a, grad_input=gh)
+            # Out of place into fresh buffers: in place (gh.mul_(b)), bf16 mul runs at half the speed.
+            gh_b = torch.mul(gh, b, out=take(grad, *shape, hidden))
+            ga = torch.ops.aten.silu_backward.grad_input(gh_b, a, grad_input=gh)
             torch.bmm(xp.transpose(1, 2), ga, out=g1[s])
             torch.bmm(xp.transpose(1, 2), gb, out=g3[s])
             gxp = torch.bmm(ga, w1[s].transpose(1, 2), out=gy)  # gy is read for the last time above
             _unpad(gx[start:start + n], gxp.baddbmm_(gb, w3[s].transpose(1, 2)), sizes[s])
-            _POOL.give(gy, gh, gb)
+            _POOL.give(gy, gh, gb, gh_b)
             if _last_backward():
                 _POOL.give(xp, a, b, act, h)
             start += n
