@@ -112,10 +112,10 @@ def expert_ffn(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, st
 
 def _pad(out: Tensor, rows: Tensor, sizes: list[int]) -> Tensor:
     """Rows sorted by expert -> out [len(sizes), padded rows, d]: each expert's rows, then zeros."""
-    out.zero_()
     start = 0
     for e, n in enumerate(sizes):
         out[e, :n] = rows[start:start + n]
+        out[e, n:].zero_()
         start += n
     return out
 
