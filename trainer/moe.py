@@ -179,10 +179,9 @@ def _last_backward() -> bool:
 
 class _PaddedSwiGLU(torch.autograd.Function):
     """SwiGLU of every expert as batched matmuls, block by block (`expert_blocks`); forward and
-    backward by hand, so that a block's elementwise work follows its matmuls while their outputs
-    are in cache, and temporaries and saved activations live in pooled memory (`_BufferPool`).
-    Padding rows are zero in, zero out and add nothing to any gradient: this is exactly the
-    per-expert function."""
+    backward by hand, so that temporaries and saved activations live in pooled memory
+    (`_BufferPool`) and each elementwise pass writes where it is cheapest. Padding rows are zero
+    in, zero out and add nothing to any gradient: this is exactly the per-expert function."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, sizes: list[int]) -> Tensor:
@@ -217,7 +216,7 @@ class _PaddedSwiGLU(torch.autograd.Function):
             torch.bmm(h.transpose(1, 2), gy, out=g2[s])
             gh = torch.bmm(gy, w2[s].transpose(1, 2), out=take(grad, *shape, hidden))
             gb = torch.mul(act, gh, out=take(grad, *shape, hidden))
-            # Out of place into fresh buffers: in place (gh.mul_(b)), bf16 mul runs at half the speed.
+            # Into another buffer: in place (gh.mul_(b)), a bf16 product of two tensors runs at half speed.
             gh_b = torch.mul(gh, b, out=take(grad, *shape, hidden))
             ga = torch.ops.aten.silu_backward.grad_input(gh_b, a, grad_input=gh)
             torch.bmm(xp.transpose(1, 2), ga, out=g1[s])
@@ -239,7 +238,7 @@ class _PaddedSwiGLU(torch.autograd.Function):
 
 def _sum_copies(copies: Tensor, inverse: Tensor, k: int, weights: Optional[Tensor] = None) -> Tensor:
     """copies [T*k, d] sorted by expert -> [T, d]: each token's copies (times `weights` [T, k]) summed."""
-    unsorted = torch.index_select(copies, 0, inverse, out=_POOL.take(copies, *copies.shape))
+    unsorted = torch.index_select(copies, 0, inverse, out=_POOL.take(copies, inverse.numel(), copies.shape[-1]))
     by_token = unsorted.view(-1, k, copies.shape[-1])
     if weights is not None:
         by_token.mul_(weights.unsqueeze(-1))
