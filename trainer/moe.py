@@ -9,6 +9,7 @@ rescaled to the data-parallel mean (see parallel.py).
 
 from __future__ import annotations
 
+import bisect
 import math
 import weakref
 from typing import Optional
@@ -151,12 +152,11 @@ class _BufferPool:
         if like.device.type != "cpu":
             return like.new_empty(shape)
         n = math.prod(shape)
-        free = self._free.setdefault((like.dtype, like.device), [])
-        fits = [i for i, flat in enumerate(free) if n <= flat.numel() <= 2 * n]
+        free = self._free.setdefault((like.dtype, like.device), [])  # sorted by size
         # The smallest that fits leaves the larger ones to larger requests; a new one has a little
         # headroom: the next step's blocks are a few rows larger or smaller.
-        best = min(fits, key=lambda i: free[i].numel(), default=None)
-        flat = like.new_empty(n + n // 4) if best is None else free.pop(best)
+        i = bisect.bisect_left(free, n, key=Tensor.numel)
+        flat = free.pop(i) if i < len(free) and free[i].numel() <= 2 * n else like.new_empty(n + n // 4)
         self._lent[id(flat)] = flat
         return flat[:n].view(shape)
 
@@ -166,7 +166,7 @@ class _BufferPool:
             flat = t._base
             if flat is not None and self._lent.get(id(flat)) is flat:
                 del self._lent[id(flat)]
-                self._free[(flat.dtype, flat.device)].append(flat)
+                bisect.insort(self._free[(flat.dtype, flat.device)], flat, key=Tensor.numel)
 
 
 _POOL = _BufferPool()
@@ -208,7 +208,7 @@ class _PaddedSwiGLU(torch.autograd.Function):
         w1, w2, w3, *saved = ctx.saved_tensors
         sizes, (dim, hidden), take = ctx.sizes, w1.shape[1:], _POOL.take
         gx, g1, g2, g3 = grad.new_empty(grad.shape[0], dim), *(torch.empty_like(w) for w in (w1, w2, w3))
-        start = 0
+        start, recycle = 0, _last_backward()
         for i, (s, rows) in enumerate(ctx.blocks):
             xp, a, b, act, h = saved[5 * i:5 * i + 5]
             n, shape = sum(sizes[s]), (s.stop - s.start, rows)
@@ -224,7 +224,7 @@ class _PaddedSwiGLU(torch.autograd.Function):
             gxp = torch.bmm(ga, w1[s].transpose(1, 2), out=gy)  # gy is read for the last time above
             _unpad(gx[start:start + n], gxp.baddbmm_(gb, w3[s].transpose(1, 2)), sizes[s])
             _POOL.give(gy, gh, gb, gh_b)
-            if _last_backward():
+            if recycle:
                 _POOL.give(xp, a, b, act, h)
             start += n
         return gx, g1, g2, g3, None
