@@ -63,8 +63,18 @@ class _Position:
 
 
 def _model(args: argparse.Namespace) -> Model:
-    return Model(layers=args.layers, dim=args.dim, heads=4, kv_heads=2, experts=args.experts, top_k=2,
-                 expert_hidden=2 * args.dim, dense_hidden=4 * args.dim, vocab=256, seq_len=args.seq)
+    return Model(
+        layers=args.layers,
+        dim=args.dim,
+        heads=4,
+        kv_heads=2,
+        experts=args.experts,
+        top_k=2,
+        expert_hidden=2 * args.dim,
+        dense_hidden=4 * args.dim,
+        vocab=256,
+        seq_len=args.seq,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,8 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stack", default="prod", help="the stack whose checkpoint the measured rate is projected to")
     p.add_argument("--root", type=Path, default=ROOT, help="directory holding Pulumi.<stack>.yaml")
     args = p.parse_args(argv)
-    for name, least in (("dim", 1), ("layers", 1), ("experts", 1), ("seq", 1), ("batch", 1), ("window", 1),
-                        ("repeats", 1), ("ranks", 2)):
+    for name, least in (
+        ("dim", 1),
+        ("layers", 1),
+        ("experts", 1),
+        ("seq", 1),
+        ("batch", 1),
+        ("window", 1),
+        ("repeats", 1),
+        ("ranks", 2),
+    ):
         if getattr(args, name) < least:
             print(f"error: --{name} must be at least {least} (got {getattr(args, name)})", file=sys.stderr)
             return 2
@@ -100,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     root = args.out or work / "ckpt"
     try:
         if args.part != "hash":
-            dist.init_process_group("gloo", init_method=f"file://{work}/rdzv", rank=0, world_size=1,
-                                    timeout=timedelta(seconds=600))
+            dist.init_process_group(
+                "gloo", init_method=f"file://{work}/rdzv", rank=0, world_size=1, timeout=timedelta(seconds=600)
+            )
             try:
                 _run(args, cfg, root)
             finally:
@@ -135,8 +154,9 @@ def _run(args: argparse.Namespace, cfg: Model, root: Path) -> int:
 
     step()  # optimizer state exists from here on: the checkpoint holds params + Adam moments
     state_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 1e6
-    state_mb += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                    if torch.is_tensor(v)) / 1e6
+    state_mb += (
+        sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)) / 1e6
+    )
     save_count = 0
 
     def window(ckpt: Checkpointer | None, sync: bool) -> tuple[float, float]:
@@ -171,17 +191,32 @@ def _run(args: argparse.Namespace, cfg: Model, root: Path) -> int:
             with_save.append(total)
             blocked.append(b)
         results[mode] = statistics.median(blocked)
-        print(json.dumps({"bench": "checkpoint", "mode": mode, "state_mb": round(state_mb, 1),
-                          "stall_s": round(results[mode], 4), "window_steps": args.window,
-                          "window_s": round(statistics.median(base), 4),
-                          "window_with_save_s": round(statistics.median(with_save), 4)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "checkpoint",
+                    "mode": mode,
+                    "state_mb": round(state_mb, 1),
+                    "stall_s": round(results[mode], 4),
+                    "window_steps": args.window,
+                    "window_s": round(statistics.median(base), 4),
+                    "window_with_save_s": round(statistics.median(with_save), 4),
+                }
+            ),
+            flush=True,
+        )
     ratio = results["async"] / results["sync"] if results["sync"] > 0 else float("inf")
-    print(json.dumps({"bench": "checkpoint", "async_over_sync_stall": round(ratio, 4), "goal": GOAL,
-                      "met": ratio <= GOAL}), flush=True)
+    print(
+        json.dumps(
+            {"bench": "checkpoint", "async_over_sync_stall": round(ratio, 4), "goal": GOAL, "met": ratio <= GOAL}
+        ),
+        flush=True,
+    )
     return 0
 
 
 # -- checksums: rank 0 alone vs each rank its own files -----------------------------------------------
+
 
 def _sha256_gb_s(mb: int, repeats: int) -> tuple[float, float]:
     """(best, median) GB/s of sha256 on one core, in the 4 MiB blocks sha256_file reads."""
@@ -190,7 +225,7 @@ def _sha256_gb_s(mb: int, repeats: int) -> tuple[float, float]:
     for _ in range(max(repeats, 3)):
         h, t0 = hashlib.sha256(), time.perf_counter()
         for i in range(0, len(data), 1 << 22):
-            h.update(data[i:i + (1 << 22)])
+            h.update(data[i : i + (1 << 22)])
         rates.append(len(data) / (time.perf_counter() - t0) / 1e9)
     return max(rates), statistics.median(rates)
 
@@ -199,9 +234,11 @@ def _save_rank(rank: int, world: int, work: str, cfg: Model) -> None:
     """One of `world` ranks: the bench model FSDP-sharded, with Adam moments, saved once (sync)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{work}/rdzv-save", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{work}/rdzv-save", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     try:
         torch.manual_seed(0)
         model = Transformer(cfg)
@@ -212,8 +249,13 @@ def _save_rank(rank: int, world: int, work: str, cfg: Model) -> None:
             param.grad = torch.zeros_like(param)
         opt.step()
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        ckpt = Checkpointer(Path(work) / "sharded", keep=1, state=train_state(model, opt, sched, _Position()),
-                            async_save=False, say=lambda line: None)
+        ckpt = Checkpointer(
+            Path(work) / "sharded",
+            keep=1,
+            state=train_state(model, opt, sched, _Position()),
+            async_save=False,
+            say=lambda line: None,
+        )
         ckpt.save(1, sync=True)
         ckpt.close()
         dist.barrier()
@@ -241,18 +283,31 @@ def _check_share(path: Path, rank: int, world: int) -> float:
 
 def _hashes(args: argparse.Namespace, cfg: Model, work: Path, plan) -> None:
     rate, median = _sha256_gb_s(256, args.repeats)
-    print(json.dumps({"bench": "checkpoint", "measure": "sha256", "gb_s_per_core": round(rate, 3),
-                      "gb_s_per_core_median": round(median, 3), "buffer_mb": 256, "cores": os.cpu_count()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "checkpoint",
+                "measure": "sha256",
+                "gb_s_per_core": round(rate, 3),
+                "gb_s_per_core_median": round(median, 3),
+                "buffer_mb": 256,
+                "cores": os.cpu_count(),
+            }
+        ),
+        flush=True,
+    )
     n = args.ranks
     mp.start_processes(_save_rank, args=(n, str(work), cfg), nprocs=n, start_method="spawn", join=True)
-    (_, path), = complete_checkpoints(work / "sharded")
+    ((_, path),) = complete_checkpoints(work / "sharded")
     names = sorted(Checkpointer.marker(path)["files"])
     size = {name: (path / name).stat().st_size for name in names}
-    own = [[name for name in names if name.startswith(f"__{r}_") or (r == 0 and name == ".metadata")]
-           for r in range(n)]  # what each rank writes, so hashes while writing
+    own = [
+        [name for name in names if name.startswith(f"__{r}_") or (r == 0 and name == ".metadata")] for r in range(n)
+    ]  # what each rank writes, so hashes while writing
 
     def best(fn, *a) -> float:  # the least contended run: a core's cost, not the neighbours' load
         return min(_timed(fn, *a) for _ in range(args.repeats))
+
     rank0_all = best(_hash_all, [path / name for name in names])
     per_rank = [best(_hash_all, [path / name for name in mine]) for mine in own]
     check_all = best(Checkpointer.problem, path)
@@ -261,20 +316,44 @@ def _hashes(args: argparse.Namespace, cfg: Model, work: Path, plan) -> None:
         list(pool.map(_check_share, [path] * n, range(n), [n] * n))  # warm: imports, page cache
         together = min(max(pool.map(_check_share, [path] * n, range(n), [n] * n)) for _ in range(args.repeats))
     total = sum(size.values())
-    print(json.dumps({
-        "bench": "checkpoint", "measure": "hash_split", "ranks": n, "files": len(names),
-        "checkpoint_mb": round(total / 1e6, 1), "rank_mb": [round(sum(size[f] for f in m) / 1e6, 1) for m in own],
-        "commit_rank0_all_s": round(rank0_all, 4), "commit_per_rank_s": [round(t, 4) for t in per_rank],
-        "commit_speedup": round(rank0_all / max(per_rank), 2),
-        "restore_rank0_all_s": round(check_all, 4), "restore_per_rank_s": [round(t, 4) for t in check_share],
-        "restore_speedup": round(check_all / max(check_share), 2),
-        "restore_all_ranks_at_once_s": round(together, 4), "cores": os.cpu_count()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "checkpoint",
+                "measure": "hash_split",
+                "ranks": n,
+                "files": len(names),
+                "checkpoint_mb": round(total / 1e6, 1),
+                "rank_mb": [round(sum(size[f] for f in m) / 1e6, 1) for m in own],
+                "commit_rank0_all_s": round(rank0_all, 4),
+                "commit_per_rank_s": [round(t, 4) for t in per_rank],
+                "commit_speedup": round(rank0_all / max(per_rank), 2),
+                "restore_rank0_all_s": round(check_all, 4),
+                "restore_per_rank_s": [round(t, 4) for t in check_share],
+                "restore_speedup": round(check_all / max(check_share), 2),
+                "restore_all_ranks_at_once_s": round(together, 4),
+                "cores": os.cpu_count(),
+            }
+        ),
+        flush=True,
+    )
     ckpt_bytes, world = plan.checkpoint.checkpoint_bytes, plan.world_size
-    print(json.dumps({
-        "bench": "checkpoint", "measure": "projection", "stack": plan.stack,
-        "checkpoint_gb": round(ckpt_bytes / 1e9, 1), "ranks": world, "per_rank_gb": round(ckpt_bytes / world / 1e9, 3), "gb_s_per_core": round(rate, 3),
-        "rank0_all_s": round(ckpt_bytes / rate / 1e9, 1), "per_rank_s": round(ckpt_bytes / world / rate / 1e9, 2)}),
-        flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "checkpoint",
+                "measure": "projection",
+                "stack": plan.stack,
+                "checkpoint_gb": round(ckpt_bytes / 1e9, 1),
+                "ranks": world,
+                "per_rank_gb": round(ckpt_bytes / world / 1e9, 3),
+                "gb_s_per_core": round(rate, 3),
+                "rank0_all_s": round(ckpt_bytes / rate / 1e9, 1),
+                "per_rank_s": round(ckpt_bytes / world / rate / 1e9, 2),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,13 @@ def measure(data: str, plan_path: str, steps: int) -> dict:
 def _child(data: Path, plan: Plan, steps: int, scratch: Path) -> dict:
     plan_path = scratch / f"plan-{plan.stack}.json"
     plan_path.write_text(plan.to_json())
-    r = subprocess.run([sys.executable, "-m", "bench.data", "--measure", str(data), str(plan_path), str(steps)],
-                       capture_output=True, text=True, check=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.data", "--measure", str(data), str(plan_path), str(steps)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     return json.loads(r.stdout)
 
 
@@ -90,18 +95,50 @@ def main(argv: list[str] | None = None) -> int:
             t, dp = plan.training, plan.degrees.dp_replicate * plan.degrees.dp_shard
             need = t.global_batch * plan.model.seq_len / dp / plan.step.step_s
             got = _child(sets[args.sizes_gb[0]], plan, args.steps, scratch)["tokens_per_s"]
-            print(json.dumps({"bench": "data", "measure": "throughput", "stack": stack, "seq_len": plan.model.seq_len,
-                              "per_rank_batch": t.global_batch // dp, "loader_tokens_per_s": round(got),
-                              "needed_tokens_per_s": round(need), "headroom_x": round(got / need, 1)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "bench": "data",
+                        "measure": "throughput",
+                        "stack": stack,
+                        "seq_len": plan.model.seq_len,
+                        "per_rank_batch": t.global_batch // dp,
+                        "loader_tokens_per_s": round(got),
+                        "needed_tokens_per_s": round(need),
+                        "headroom_x": round(got / need, 1),
+                    }
+                ),
+                flush=True,
+            )
         memory = {}
         for gb, data in sets.items():
             memory[gb] = _child(data, plans["prod"], args.steps, scratch)["kb"]
-            print(json.dumps({"bench": "data", "measure": "resident_memory", "dataset_gb": gb, "steps": args.steps,
-                              **{f"{k}_kb": v for k, v in memory[gb].items()}}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "bench": "data",
+                        "measure": "resident_memory",
+                        "dataset_gb": gb,
+                        "steps": args.steps,
+                        **{f"{k}_kb": v for k, v in memory[gb].items()},
+                    }
+                ),
+                flush=True,
+            )
         lo, hi = memory[min(memory)], memory[max(memory)]
-        print(json.dumps({"bench": "data", "measure": "memory_growth", "datasets_gb": [min(memory), max(memory)],
-                          "anon_growth_kb": hi["RssAnon"] - lo["RssAnon"], "rss_growth_kb": hi["VmRSS"] - lo["VmRSS"],
-                          "goal": "a few MB at most"}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "data",
+                    "measure": "memory_growth",
+                    "datasets_gb": [min(memory), max(memory)],
+                    "anon_growth_kb": hi["RssAnon"] - lo["RssAnon"],
+                    "rss_growth_kb": hi["VmRSS"] - lo["VmRSS"],
+                    "goal": "a few MB at most",
+                }
+            ),
+            flush=True,
+        )
     finally:
         if args.dir is None:
             shutil.rmtree(scratch, ignore_errors=True)

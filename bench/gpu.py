@@ -47,12 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="model MFU: timed training steps")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():  # before anything slow: this benchmark measures GPUs only
-        print("error: python -m bench.gpu needs a CUDA GPU and this machine has none "
-              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); run it on a GPU node, "
-              "e.g. a p5 pod with the trainer image", file=sys.stderr)
+        print(
+            "error: python -m bench.gpu needs a CUDA GPU and this machine has none "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); run it on a GPU node, "
+            "e.g. a p5 pod with the trainer image",
+            file=sys.stderr,
+        )
         return 2
-    problems = [f"--{k} must be >= 1 (got {getattr(args, k)})" for k in ("tokens", "dim", "hidden", "experts", "topk",
-                                                                        "repeat", "steps") if getattr(args, k) < 1]
+    problems = [
+        f"--{k} must be >= 1 (got {getattr(args, k)})"
+        for k in ("tokens", "dim", "hidden", "experts", "topk", "repeat", "steps")
+        if getattr(args, k) < 1
+    ]
     if args.topk > args.experts:
         problems.append(f"--topk must be at most --experts ({args.experts}) (got {args.topk})")
     if problems:
@@ -76,16 +82,33 @@ def main(argv: list[str] | None = None) -> int:
     gpus = torch.cuda.device_count()
     if gpus > 1:
         if args.experts % gpus:
-            print(json.dumps({"measurement": "moe_layer_expert_parallel", "skipped": True,
-                              "reason": f"--experts {args.experts} is not divisible by the {gpus} GPUs"}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "measurement": "moe_layer_expert_parallel",
+                        "skipped": True,
+                        "reason": f"--experts {args.experts} is not divisible by the {gpus} GPUs",
+                    }
+                ),
+                flush=True,
+            )
         else:
             for line in _spawn(_ep_worker, gpus, "cuda", args, peak):
                 print(json.dumps(line), flush=True)
     for line in _spawn(_model_worker, plan.world_size, "cuda", plan.model_dump_json(), layout, args.steps, peak):
         print(json.dumps(line), flush=True)
     elapsed = time.monotonic() - start
-    print(json.dumps({"measurement": "gpu_bench_wall", "seconds": round(elapsed, 1), "budget_s": BUDGET_S,
-                      "within_budget": elapsed <= BUDGET_S}), flush=True)
+    print(
+        json.dumps(
+            {
+                "measurement": "gpu_bench_wall",
+                "seconds": round(elapsed, 1),
+                "budget_s": BUDGET_S,
+                "within_budget": elapsed <= BUDGET_S,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 
@@ -103,22 +126,34 @@ def gpu_plan(stack: str, root: Path, gpus: int):
     data = cfg.to_mapping()
     p = cfg.parallel
     ep = gpus if cfg.model.experts % gpus == 0 else 1
-    data["local"] = {"nproc": gpus, "model": {}, "training": {},
-                     "parallel": {"dpReplicate": 1, "dpShard": gpus, "tp": 1, "ep": ep, "pp": 1,
-                                  "mixedPrecision": p.mixed_precision,
-                                  "activationCheckpointing": p.activation_checkpointing}}
+    data["local"] = {
+        "nproc": gpus,
+        "model": {},
+        "training": {},
+        "parallel": {
+            "dpReplicate": 1,
+            "dpShard": gpus,
+            "tp": 1,
+            "ep": ep,
+            "pp": 1,
+            "mixedPrecision": p.mixed_precision,
+            "activationCheckpointing": p.activation_checkpointing,
+        },
+    }
     plan = build_local_plan(stack, from_mapping(data, f"{stack} on {gpus} GPU(s)"))
     return plan, f"the stack's model on {gpus} GPU(s) (dpShard={gpus}, ep={ep}); its full plan needs {full.world_size}"
 
 
 # -- spawned ranks (NCCL, one GPU each; gloo on CPU for the tests) --------------------------------
 
+
 def _spawn(worker, world: int, device_type: str, *args) -> list[dict]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as workdir:
-        mp.start_processes(_entry, args=(world, workdir, device_type, worker, args), nprocs=world,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _entry, args=(world, workdir, device_type, worker, args), nprocs=world, start_method="spawn", join=True
+        )
         lines: list[dict] = []
         for rank in range(world):
             lines += json.loads(Path(workdir, f"rank{rank}.json").read_text())
@@ -131,13 +166,24 @@ def _entry(rank: int, world: int, workdir: str, device_type: str, worker, args: 
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=300), device_id=device)
+        dist.init_process_group(
+            "cuda:nccl,cpu:gloo",
+            init_method=f"file://{workdir}/rendezvous",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=300),
+            device_id=device,
+        )
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{workdir}/rendezvous",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=300),
+        )
     try:
         lines = worker(rank, world, device, *args)
         Path(workdir, f"rank{rank}.json").write_text(json.dumps(lines))
@@ -161,11 +207,11 @@ def _ep_worker(rank: int, world: int, device: torch.device, args: argparse.Names
     layer = MoE(args.dim, args.experts, args.topk, args.hidden).to(device, torch.bfloat16)
     with torch.no_grad():
         for p in layer.parameters():
-            p.normal_(0, args.dim ** -0.5)
+            p.normal_(0, args.dim**-0.5)
     per = args.experts // world
     for name in ("w1", "w2", "w3"):
         full = getattr(layer.experts, name)
-        setattr(layer.experts, name, torch.nn.Parameter(full.detach()[rank * per:(rank + 1) * per].clone()))
+        setattr(layer.experts, name, torch.nn.Parameter(full.detach()[rank * per : (rank + 1) * per].clone()))
     layer.dispatcher = AllToAllDispatcher(dist.group.WORLD)
     gen = torch.Generator(device=device).manual_seed(10 + rank)
     x = torch.randn(args.tokens, args.dim, device=device, dtype=torch.bfloat16, generator=gen, requires_grad=True)
@@ -180,15 +226,28 @@ def _ep_worker(rank: int, world: int, device: torch.device, args: argparse.Names
     _sync(device)
     step = (time.perf_counter() - start) / args.repeat
     flops = moe_layer_flops(args.tokens, args.dim, args.hidden, args.experts, args.topk)
-    return [{"measurement": "moe_layer_expert_parallel", "rank": rank, "ep": world,
-             "backend": dist.get_backend(),
-             "tokens_per_rank": args.tokens, "dim": args.dim, "hidden": args.hidden, "experts": args.experts,
-             "topk": args.topk, "dtype": "bfloat16", "step_s": round(step, 6),
-             "tokens_per_s": round(args.tokens / step, 1), "mfu": round(flops / step / peak, 4)}]
+    return [
+        {
+            "measurement": "moe_layer_expert_parallel",
+            "rank": rank,
+            "ep": world,
+            "backend": dist.get_backend(),
+            "tokens_per_rank": args.tokens,
+            "dim": args.dim,
+            "hidden": args.hidden,
+            "experts": args.experts,
+            "topk": args.topk,
+            "dtype": "bfloat16",
+            "step_s": round(step, 6),
+            "tokens_per_s": round(args.tokens / step, 1),
+            "mfu": round(flops / step / peak, 4),
+        }
+    ]
 
 
-def _model_worker(rank: int, world: int, device: torch.device, plan_json: str, layout: str, steps: int,
-                  peak: float) -> list[dict]:
+def _model_worker(
+    rank: int, world: int, device: torch.device, plan_json: str, layout: str, steps: int, peak: float
+) -> list[dict]:
     from bench.memory import measure
     from supernode.core.plan import Plan
     from trainer.model import loss_fn
@@ -202,8 +261,9 @@ def _model_worker(rank: int, world: int, device: torch.device, plan_json: str, l
     t = plan.training
     model = build_model(plan.model, ParallelDims.from_plan(plan, world), plan.parallel, device, t.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr)
-    tokens = torch.randint(0, plan.model.vocab, (t.micro_batch, plan.model.seq_len + 1),
-                           generator=torch.Generator().manual_seed(rank)).to(device)
+    tokens = torch.randint(
+        0, plan.model.vocab, (t.micro_batch, plan.model.seq_len + 1), generator=torch.Generator().manual_seed(rank)
+    ).to(device)
 
     def step() -> None:
         (loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) + model.aux_loss()).backward()
@@ -221,12 +281,21 @@ def _model_worker(rank: int, world: int, device: torch.device, plan_json: str, l
     per_gpu = t.micro_batch * plan.model.seq_len / step_s
     # Data-parallel ranks read distinct tokens; tensor-parallel ranks share theirs (tp = 1 in the GPU layout).
     per_gpu /= plan.degrees.tp * plan.degrees.pp
-    mfu = {"measurement": "model_mfu", "stack": plan.stack, "rank": rank, "world_size": world, "layout": layout,
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "micro_batch": t.micro_batch, "seq_len": plan.model.seq_len,
-           "flops_per_token": plan.flops_per_token, "step_s": round(step_s, 5),
-           "tokens_per_s_per_gpu": round(per_gpu, 1), "mfu": round(per_gpu * plan.flops_per_token / peak, 4),
-           "planned_mfu": round(plan.step.mfu, 4)}  # the planner's estimate for its layout (the full plan's on p5)
+    mfu = {
+        "measurement": "model_mfu",
+        "stack": plan.stack,
+        "rank": rank,
+        "world_size": world,
+        "layout": layout,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "micro_batch": t.micro_batch,
+        "seq_len": plan.model.seq_len,
+        "flops_per_token": plan.flops_per_token,
+        "step_s": round(step_s, 5),
+        "tokens_per_s_per_gpu": round(per_gpu, 1),
+        "mfu": round(per_gpu * plan.flops_per_token / peak, 4),
+        "planned_mfu": round(plan.step.mfu, 4),
+    }  # the planner's estimate for its layout (the full plan's on p5)
     return [memory, mfu]
 
 

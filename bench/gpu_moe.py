@@ -33,7 +33,9 @@ def peak_flops(device_name: str) -> tuple[str, float]:
     for t in CATALOG.values():
         if t.accelerator in device_name:
             return t.accelerator, t.peak_flops
-    raise SystemExit(f"no catalog entry for GPU {device_name!r}; known: {sorted({t.accelerator for t in CATALOG.values()})}")
+    raise SystemExit(
+        f"no catalog entry for GPU {device_name!r}; known: {sorted({t.accelerator for t in CATALOG.values()})}"
+    )
 
 
 def layer_mfu(args: argparse.Namespace, peak: float) -> dict:
@@ -43,7 +45,7 @@ def layer_mfu(args: argparse.Namespace, peak: float) -> dict:
     layer = MoE(args.dim, args.experts, args.topk, args.hidden).cuda().to(torch.bfloat16)
     with torch.no_grad():
         for p in layer.parameters():
-            p.normal_(0, args.dim ** -0.5)
+            p.normal_(0, args.dim**-0.5)
     x = torch.randn(args.tokens, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     upstream = torch.randn_like(x)
     for _ in range(3):  # warm-up
@@ -55,10 +57,20 @@ def layer_mfu(args: argparse.Namespace, peak: float) -> dict:
     torch.cuda.synchronize()
     step = (time.perf_counter() - start) / args.repeat
     flops = moe_layer_flops(args.tokens, args.dim, args.hidden, args.experts, args.topk)
-    return {"measurement": "moe_layer_mfu", "device": torch.cuda.get_device_name(), "tokens": args.tokens,
-            "dim": args.dim, "hidden": args.hidden, "experts": args.experts, "topk": args.topk, "dtype": "bfloat16",
-            "grouped_mm_used": grouped_mm_applies(x, layer.experts.w1), "step_s": round(step, 6),
-            "tflops": round(flops / step / 1e12, 2), "mfu": round(flops / step / peak, 4)}
+    return {
+        "measurement": "moe_layer_mfu",
+        "device": torch.cuda.get_device_name(),
+        "tokens": args.tokens,
+        "dim": args.dim,
+        "hidden": args.hidden,
+        "experts": args.experts,
+        "topk": args.topk,
+        "dtype": "bfloat16",
+        "grouped_mm_used": grouped_mm_applies(x, layer.experts.w1),
+        "step_s": round(step, 6),
+        "tflops": round(flops / step / 1e12, 2),
+        "mfu": round(flops / step / peak, 4),
+    }
 
 
 def peak_memory_vs_plan(args: argparse.Namespace) -> dict:
@@ -99,11 +111,17 @@ def peak_memory_vs_plan(args: argparse.Namespace) -> dict:
     peak = torch.cuda.max_memory_allocated()
     dist.destroy_process_group()
     expected = predicted.total - predicted.runtime_reserve
-    return {"measurement": "peak_memory_vs_plan", "stack": args.stack, "micro_batch": t.micro_batch,
-            "seq_len": m.seq_len, "activation_checkpointing": p.activation_checkpointing,
-            "measured_peak_gib": round(peak / 2**30, 3), "planned_gib": round(expected / 2**30, 3),
-            "planned_terms_gib": {k: round(v / 2**30, 3) for k, v in predicted.model_dump().items()},
-            "measured_over_planned": round(peak / expected, 3)}
+    return {
+        "measurement": "peak_memory_vs_plan",
+        "stack": args.stack,
+        "micro_batch": t.micro_batch,
+        "seq_len": m.seq_len,
+        "activation_checkpointing": p.activation_checkpointing,
+        "measured_peak_gib": round(peak / 2**30, 3),
+        "planned_gib": round(expected / 2**30, 3),
+        "planned_terms_gib": {k: round(v / 2**30, 3) for k, v in predicted.model_dump().items()},
+        "measured_over_planned": round(peak / expected, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,9 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=0, help="0: the stack's training.microBatch")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print(json.dumps({"measurement": "gpu_moe", "skipped": True,
-                          "reason": "CUDA is not available on this machine; run this on a GPU node "
-                                    "(e.g. a p5 pod with the trainer image)"}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "measurement": "gpu_moe",
+                    "skipped": True,
+                    "reason": "CUDA is not available on this machine; run this on a GPU node "
+                    "(e.g. a p5 pod with the trainer image)",
+                }
+            ),
+            flush=True,
+        )
         return 0
     try:
         load_stack(args.stack)

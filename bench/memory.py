@@ -62,25 +62,35 @@ def measure(rank: int, world: int, plan: Plan, device: torch.device) -> dict:
     build_peak = resident_bytes("VmHWM") - baseline
     params = local_bytes(model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr)
-    tokens = torch.randint(0, plan.model.vocab, (t.micro_batch, plan.model.seq_len + 1),
-                           generator=torch.Generator().manual_seed(rank)).to(device)
+    tokens = torch.randint(
+        0, plan.model.vocab, (t.micro_batch, plan.model.seq_len + 1), generator=torch.Generator().manual_seed(rank)
+    ).to(device)
     (loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) + model.aux_loss()).backward()
     grads = local_bytes(p.grad for p in model.parameters() if p.grad is not None)
     optimizer.step()
     moments = local_bytes(v for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))
     line = {
-        "measurement": "memory_per_rank", "stack": plan.stack, "rank": rank, "world_size": world,
-        "device": device.type, "degrees": plan.degrees.model_dump(),
+        "measurement": "memory_per_rank",
+        "stack": plan.stack,
+        "rank": rank,
+        "world_size": world,
+        "device": device.type,
+        "degrees": plan.degrees.model_dump(),
         "parameters": {"plan": mem.parameters, "measured": params},
         "gradients": {"plan": mem.gradients, "measured": grads},
         "optimizer_state": {"plan": mem.optimizer_state, "measured": moments},
         "peak_resident_at_build": {"plan": mem.parameters, "measured": build_peak},
-        "peak_resident_after_step": {"plan": mem.total - mem.runtime_reserve,
-                                     "measured": resident_bytes("VmHWM") - baseline},
+        "peak_resident_after_step": {
+            "plan": mem.total - mem.runtime_reserve,
+            "measured": resident_bytes("VmHWM") - baseline,
+        },
     }
     if device.type == "cuda":
         torch.cuda.synchronize()
-        line["allocator_peak"] = {"plan": mem.total - mem.runtime_reserve, "measured": torch.cuda.max_memory_allocated()}
+        line["allocator_peak"] = {
+            "plan": mem.total - mem.runtime_reserve,
+            "measured": torch.cuda.max_memory_allocated(),
+        }
     return line
 
 
@@ -89,8 +99,13 @@ def _worker(rank: int, world: int, workdir: str, plan_json: str, gpu: bool) -> N
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("cuda:nccl,cpu:gloo" if gpu else "gloo", init_method=f"file://{workdir}/rendezvous",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "cuda:nccl,cpu:gloo" if gpu else "gloo",
+        init_method=f"file://{workdir}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
+    )
     try:
         line = measure(rank, world, Plan.model_validate_json(plan_json), device)
         Path(workdir, f"rank{rank}.json").write_text(json.dumps(line))
@@ -116,12 +131,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gpu = not args.local
     if gpu and torch.cuda.device_count() < plan.world_size:
-        print(f"error: --stack {args.stack} without --local measures the full plan on {plan.world_size} GPUs; this "
-              f"machine has {torch.cuda.device_count()} (give --local for the local plan on CPU)", file=sys.stderr)
+        print(
+            f"error: --stack {args.stack} without --local measures the full plan on {plan.world_size} GPUs; this "
+            f"machine has {torch.cuda.device_count()} (give --local for the local plan on CPU)",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory() as workdir:
-        mp.start_processes(_worker, args=(plan.world_size, workdir, plan.model_dump_json(), gpu),
-                           nprocs=plan.world_size, start_method="spawn", join=True)
+        mp.start_processes(
+            _worker,
+            args=(plan.world_size, workdir, plan.model_dump_json(), gpu),
+            nprocs=plan.world_size,
+            start_method="spawn",
+            join=True,
+        )
         for rank in range(plan.world_size):
             print(Path(workdir, f"rank{rank}.json").read_text(), flush=True)
     return 0

@@ -121,14 +121,21 @@ def layer_throughput(args: argparse.Namespace) -> dict:
             times[name].append(_timed(fn, x, upstream))
     best = {k: min(v) for k, v in times.items()}
     return {
-        "measurement": "moe_layer_fwd_bwd", "tokens": args.tokens, "dim": args.dim, "hidden": args.hidden,
-        "experts": args.experts, "topk": args.topk, "dtype": args.dtype, "threads": args.threads,
+        "measurement": "moe_layer_fwd_bwd",
+        "tokens": args.tokens,
+        "dim": args.dim,
+        "hidden": args.hidden,
+        "experts": args.experts,
+        "topk": args.topk,
+        "dtype": args.dtype,
+        "threads": args.threads,
         "expert_strategy": expert_strategy(x, layer.experts.w1),
         "layer_tokens_per_s": round(args.tokens / best["layer"], 1),
         "naive_loop_tokens_per_s": round(args.tokens / best["naive_loop"], 1),
         "speedup_vs_naive": round(best["naive_loop"] / best["layer"], 3),
         "layer_gflop_per_s": round(
-            moe_layer_flops(args.tokens, args.dim, args.hidden, args.experts, args.topk) / best["layer"] / 1e9, 1),
+            moe_layer_flops(args.tokens, args.dim, args.hidden, args.experts, args.topk) / best["layer"] / 1e9, 1
+        ),
         "fraction_of_dense_ceiling": round(best["dense_ceiling"] / best["layer"], 3),
         "layer_median_s": round(statistics.median(times["layer"]), 5),
         "naive_loop_median_s": round(statistics.median(times["naive_loop"]), 5),
@@ -137,6 +144,7 @@ def layer_throughput(args: argparse.Namespace) -> dict:
 
 # -- all-to-all bytes ---------------------------------------------------------------------------
 
+
 def _a2a_worker(rank: int, ep: int, workdir: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=ep)
@@ -144,7 +152,7 @@ def _a2a_worker(rank: int, ep: int, workdir: str, args: argparse.Namespace) -> N
     per = args.experts // ep
     for name in ("w1", "w2", "w3"):
         full = getattr(layer.experts, name)
-        setattr(layer.experts, name, torch.nn.Parameter(full.detach()[rank * per:(rank + 1) * per].clone()))
+        setattr(layer.experts, name, torch.nn.Parameter(full.detach()[rank * per : (rank + 1) * per].clone()))
     layer.dispatcher = AllToAllDispatcher(dist.group.WORLD)
     calls: list[int] = []
     real = dist.all_to_all_single
@@ -168,10 +176,18 @@ def _a2a_worker(rank: int, ep: int, workdir: str, args: argparse.Namespace) -> N
     counts_bytes, dispatch_bytes, combine_bytes = calls
     load = layer.tokens_per_expert  # this rank's routed copies (nothing reduced them)
     row_bytes = args.dim * torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
-    remote_rows = int(load.sum() - load[rank * per:(rank + 1) * per].sum())
-    Path(workdir, f"rank{rank}.json").write_text(json.dumps({
-        "counts_bytes": counts_bytes, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes,
-        "routing_minimum_bytes": remote_rows * row_bytes, "forward_s": elapsed}))
+    remote_rows = int(load.sum() - load[rank * per : (rank + 1) * per].sum())
+    Path(workdir, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "counts_bytes": counts_bytes,
+                "dispatch_bytes": dispatch_bytes,
+                "combine_bytes": combine_bytes,
+                "routing_minimum_bytes": remote_rows * row_bytes,
+                "forward_s": elapsed,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
@@ -184,9 +200,15 @@ def all_to_all_bytes(args: argparse.Namespace, ep: int) -> dict:
     sent = statistics.mean(r["counts_bytes"] + r["dispatch_bytes"] for r in ranks)
     routing_min = statistics.mean(r["routing_minimum_bytes"] for r in ranks)
     return {
-        "measurement": "all_to_all_dispatch_bytes", "ep": ep, "tokens_per_rank": args.tokens, "dim": args.dim,
-        "topk": args.topk, "dtype": args.dtype, "bytes_sent_per_rank": round(sent),
-        "analytic_minimum_bytes": round(analytic), "ratio_vs_analytic": round(sent / analytic, 4),
+        "measurement": "all_to_all_dispatch_bytes",
+        "ep": ep,
+        "tokens_per_rank": args.tokens,
+        "dim": args.dim,
+        "topk": args.topk,
+        "dtype": args.dtype,
+        "bytes_sent_per_rank": round(sent),
+        "analytic_minimum_bytes": round(analytic),
+        "ratio_vs_analytic": round(sent / analytic, 4),
         "ratio_vs_routing_minimum": round(sent / routing_min, 4) if routing_min else None,
         "combine_bytes_per_rank": round(statistics.mean(r["combine_bytes"] for r in ranks)),
         "forward_s": round(max(r["forward_s"] for r in ranks), 5),
@@ -196,8 +218,10 @@ def all_to_all_bytes(args: argparse.Namespace, ep: int) -> dict:
 # -- torchtitan side by side ------------------------------------------------------------------------
 
 TORCHTITAN_VERSION = "0.3.0"
-TORCHTITAN_INSTALL = ("pip install --target DIR --no-deps torchtitan==0.3.0 einops safetensors tyro spmd-types "
-                      "docstring-parser triton, then pass --torchtitan-path DIR (not into the project's venv)")
+TORCHTITAN_INSTALL = (
+    "pip install --target DIR --no-deps torchtitan==0.3.0 einops safetensors tyro spmd-types "
+    "docstring-parser triton, then pass --torchtitan-path DIR (not into the project's venv)"
+)
 
 
 def import_torchtitan(path: str | None):
@@ -224,18 +248,31 @@ def build_torchtitan(tt, ours: MoE, args: argparse.Namespace):
         num_experts=e,
         routed_experts=tt.RoutedExperts.Config(
             inner_experts=tt.GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=e),
-            token_dispatcher=LocalTokenDispatcher.Config(num_experts=e, top_k=k)),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=e, top_k=k),
+        ),
         # Ours: top-k of the scores plus the balancing bias, weights renormalised to sum to 1.
-        router=tt.TokenChoiceTopKRouter.Config(num_experts=e, gate=linear(dim, e), top_k=k, score_func=args.score,
-                                               route_norm=True, route_scale=1.0),
+        router=tt.TokenChoiceTopKRouter.Config(
+            num_experts=e, gate=linear(dim, e), top_k=k, score_func=args.score, route_norm=True, route_scale=1.0
+        ),
         load_balance_coeff=1e-3,  # keeps its expert bias (zero here, as ours), like our aux-loss-free bias
-        shared_experts=(FeedForward.Config(w1=linear(dim, hidden * args.shared), w2=linear(hidden * args.shared, dim),
-                                           w3=linear(dim, hidden * args.shared)) if args.shared else None))
+        shared_experts=(
+            FeedForward.Config(
+                w1=linear(dim, hidden * args.shared),
+                w2=linear(hidden * args.shared, dim),
+                w3=linear(dim, hidden * args.shared),
+            )
+            if args.shared
+            else None
+        ),
+    )
     layer = cfg.build()
     with torch.no_grad():
         inner = layer.routed_experts.inner_experts
-        for theirs, mine in ((inner.w1_EFD, ours.experts.w1), (inner.w3_EFD, ours.experts.w3),
-                             (inner.w2_EDF, ours.experts.w2)):
+        for theirs, mine in (
+            (inner.w1_EFD, ours.experts.w1),
+            (inner.w3_EFD, ours.experts.w3),
+            (inner.w2_EDF, ours.experts.w2),
+        ):
             theirs.copy_(mine.transpose(1, 2))
         layer.router.gate.weight.copy_(ours.router.gate.weight)
         if args.shared:
@@ -274,7 +311,7 @@ def compare_torchtitan(args: argparse.Namespace, tt) -> dict:
     scale = out_ours.abs().max().item()
     agreement = same.float().mean().item()
     kth = scores.gather(-1, ids_ours).min(-1).values
-    near_tie = (scores.gather(-1, ids_tt).min(-1).values >= kth * (1 - 2.0 ** -7) - 1e-6)
+    near_tie = scores.gather(-1, ids_tt).min(-1).values >= kth * (1 - 2.0**-7) - 1e-6
     same_function = bool(agreement >= 0.5 and near_tie[~same].all() and diff <= 0.05 * max(scale, 1e-6))
 
     def alternate() -> tuple[dict[str, list[float]], dict[str, float]]:
@@ -301,25 +338,43 @@ def compare_torchtitan(args: argparse.Namespace, tt) -> dict:
     if _keep_freed_memory():
         kept_times, kept_faults = alternate()
         kept_paired = _paired(kept_times)
-        kept = {"paired_speedup_median": round(statistics.median(kept_paired), 3),
-                "paired_speedup_quartiles": _quartiles(kept_paired),
-                "ours_median_s": round(statistics.median(kept_times["ours"]), 5),
-                "torchtitan_median_s": round(statistics.median(kept_times["torchtitan"]), 5),
-                "minor_page_faults_per_step": kept_faults}
+        kept = {
+            "paired_speedup_median": round(statistics.median(kept_paired), 3),
+            "paired_speedup_quartiles": _quartiles(kept_paired),
+            "ours_median_s": round(statistics.median(kept_times["ours"]), 5),
+            "torchtitan_median_s": round(statistics.median(kept_times["torchtitan"]), 5),
+            "minor_page_faults_per_step": kept_faults,
+        }
     return {
-        "measurement": "moe_layer_vs_torchtitan", "torchtitan_version": _version("torchtitan"),
-        "tokens": args.tokens, "dim": args.dim, "hidden": args.hidden, "experts": args.experts, "topk": args.topk,
-        "shared_experts": args.shared, "score": args.score, "dtype": args.dtype, "threads": args.threads,
-        "repeat": args.repeat, "routing_agreement": round(agreement, 5),
+        "measurement": "moe_layer_vs_torchtitan",
+        "torchtitan_version": _version("torchtitan"),
+        "tokens": args.tokens,
+        "dim": args.dim,
+        "hidden": args.hidden,
+        "experts": args.experts,
+        "topk": args.topk,
+        "shared_experts": args.shared,
+        "score": args.score,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "repeat": args.repeat,
+        "routing_agreement": round(agreement, 5),
         "other_routing_all_bf16_near_ties": bool(near_tie[~same].all()),
-        "max_abs_diff_same_routing": round(diff, 6), "output_abs_max": round(scale, 6), "same_function": same_function,
+        "max_abs_diff_same_routing": round(diff, 6),
+        "output_abs_max": round(scale, 6),
+        "same_function": same_function,
         "ours_tokens_per_s": round(args.tokens / med["ours"], 1),
         "torchtitan_tokens_per_s": round(args.tokens / med["torchtitan"], 1),
         "speedup_vs_torchtitan": round(med["torchtitan"] / med["ours"], 3),
-        "paired_speedup_median": round(statistics.median(paired), 3), "paired_speedup_quartiles": _quartiles(paired),
-        "ours_median_s": round(med["ours"], 5), "torchtitan_median_s": round(med["torchtitan"], 5),
-        "ours_min_s": round(min(times["ours"]), 5), "torchtitan_min_s": round(min(times["torchtitan"]), 5),
-        "minor_page_faults_per_step": faults, "freed_memory_kept": kept, "load_average_1m": load,
+        "paired_speedup_median": round(statistics.median(paired), 3),
+        "paired_speedup_quartiles": _quartiles(paired),
+        "ours_median_s": round(med["ours"], 5),
+        "torchtitan_median_s": round(med["torchtitan"], 5),
+        "ours_min_s": round(min(times["ours"]), 5),
+        "torchtitan_min_s": round(min(times["torchtitan"]), 5),
+        "minor_page_faults_per_step": faults,
+        "freed_memory_kept": kept,
+        "load_average_1m": load,
     }
 
 
@@ -361,52 +416,84 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--shared", type=int, default=0, help="shared experts (0: none)")
     ap.add_argument("--score", choices=("softmax", "sigmoid"), default="softmax", help="router score function")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="default float32; bfloat16 with --compare (torchtitan's experts compute in bf16 only)")
+    ap.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="default float32; bfloat16 with --compare (torchtitan's experts compute in bf16 only)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=None, help="default 5; 15 with --compare")
-    ap.add_argument("--ep", type=int, nargs="*", default=[2, 4], help="expert-parallel sizes for all-to-all (none: skip)")
-    ap.add_argument("--compare", choices=("torchtitan",), default=None,
-                    help="only the side-by-side comparison with torchtitan's MoE layer (see above)")
-    ap.add_argument("--torchtitan-path", default=os.environ.get("SUPERNODE_TORCHTITAN_PATH"),
-                    help="directory holding torchtitan and its imports (default: $SUPERNODE_TORCHTITAN_PATH)")
+    ap.add_argument(
+        "--ep", type=int, nargs="*", default=[2, 4], help="expert-parallel sizes for all-to-all (none: skip)"
+    )
+    ap.add_argument(
+        "--compare",
+        choices=("torchtitan",),
+        default=None,
+        help="only the side-by-side comparison with torchtitan's MoE layer (see above)",
+    )
+    ap.add_argument(
+        "--torchtitan-path",
+        default=os.environ.get("SUPERNODE_TORCHTITAN_PATH"),
+        help="directory holding torchtitan and its imports (default: $SUPERNODE_TORCHTITAN_PATH)",
+    )
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.compare else "float32")
     args.repeat = args.repeat if args.repeat is not None else (15 if args.compare else 5)
-    problems = [f"--{k} must be >= 1 (got {getattr(args, k)})" for k in ("tokens", "dim", "hidden", "experts", "topk",
-                                                                        "threads", "repeat") if getattr(args, k) < 1]
+    problems = [
+        f"--{k} must be >= 1 (got {getattr(args, k)})"
+        for k in ("tokens", "dim", "hidden", "experts", "topk", "threads", "repeat")
+        if getattr(args, k) < 1
+    ]
     if args.shared < 0:
         problems.append(f"--shared must be >= 0 (got {args.shared})")
     if args.topk > args.experts:
         problems.append(f"--topk must be at most --experts ({args.experts}) (got {args.topk})")
     if not args.compare:
-        problems += [f"--ep {ep} must be >= 2 and divide --experts ({args.experts})" for ep in args.ep
-                     if ep < 2 or args.experts % ep]
+        problems += [
+            f"--ep {ep} must be >= 2 and divide --experts ({args.experts})"
+            for ep in args.ep
+            if ep < 2 or args.experts % ep
+        ]
     elif args.dtype != "bfloat16":
-        problems.append(f"--compare torchtitan needs --dtype bfloat16 (got {args.dtype}): torchtitan's experts "
-                        "always compute in bf16, so another dtype would not be the same function")
+        problems.append(
+            f"--compare torchtitan needs --dtype bfloat16 (got {args.dtype}): torchtitan's experts "
+            "always compute in bf16, so another dtype would not be the same function"
+        )
     if args.compare:  # torchtitan's experts always take torch._grouped_mm: rows of a multiple of 16 bytes
-        problems += [f"--compare torchtitan needs --{k} to be a multiple of 8 (got {getattr(args, k)}): torchtitan's "
-                     "experts use torch._grouped_mm, which needs bf16 rows of a multiple of 16 bytes"
-                     for k in ("dim", "hidden") if getattr(args, k) % 8]
+        problems += [
+            f"--compare torchtitan needs --{k} to be a multiple of 8 (got {getattr(args, k)}): torchtitan's "
+            "experts use torch._grouped_mm, which needs bf16 rows of a multiple of 16 bytes"
+            for k in ("dim", "hidden")
+            if getattr(args, k) % 8
+        ]
     if problems:
         ap.error("; ".join(problems))  # exit 2
     if args.compare:
         try:
             tt = import_torchtitan(args.torchtitan_path)
         except ImportError as e:  # ModuleNotFoundError included: torchtitan or one of its imports
-            print(f"error: --compare torchtitan: torchtitan's MoE is not importable ({e}). It is not a project "
-                  f"dependency: {TORCHTITAN_INSTALL}", file=sys.stderr)
+            print(
+                f"error: --compare torchtitan: torchtitan's MoE is not importable ({e}). It is not a project "
+                f"dependency: {TORCHTITAN_INSTALL}",
+                file=sys.stderr,
+            )
             return 2
         version = _version("torchtitan")
         if version != TORCHTITAN_VERSION:
-            print(f"warning: torchtitan {version} found; the comparison was written for {TORCHTITAN_VERSION}",
-                  file=sys.stderr)
+            print(
+                f"warning: torchtitan {version} found; the comparison was written for {TORCHTITAN_VERSION}",
+                file=sys.stderr,
+            )
         line = compare_torchtitan(args, tt)
         print(json.dumps(line), flush=True)
         if not line["same_function"]:
-            print("error: the two layers do not compute the same function on these weights (see routing_agreement "
-                  "and max_abs_diff_same_routing); the speed comparison is void", file=sys.stderr)
+            print(
+                "error: the two layers do not compute the same function on these weights (see routing_agreement "
+                "and max_abs_diff_same_routing); the speed comparison is void",
+                file=sys.stderr,
+            )
             return 1
         return 0
     print(json.dumps(layer_throughput(args)), flush=True)

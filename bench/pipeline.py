@@ -41,8 +41,18 @@ SPAN = "bench.stage"  # the profiler label of one stage's forward or backward of
 
 
 def _model(args: argparse.Namespace) -> Model:
-    return Model(layers=args.layers, dim=args.dim, heads=4, kv_heads=2, experts=4, top_k=2,
-                 expert_hidden=args.dim, dense_hidden=2 * args.dim, vocab=256, seq_len=args.seq)
+    return Model(
+        layers=args.layers,
+        dim=args.dim,
+        heads=4,
+        kv_heads=2,
+        experts=4,
+        top_k=2,
+        expert_hidden=args.dim,
+        dense_hidden=2 * args.dim,
+        vocab=256,
+        seq_len=args.seq,
+    )
 
 
 def _recorded(stage) -> None:
@@ -53,6 +63,7 @@ def _recorded(stage) -> None:
         def wrapped(*a, _inner=inner, **kw):
             with record_function(SPAN):
                 return _inner(*a, **kw)
+
         setattr(stage, name, wrapped)
 
 
@@ -67,21 +78,27 @@ def _union_us(spans: list[tuple[int, int]]) -> float:
 
 def _worker(rank: int, world: int, workdir: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     cfg = _model(args)
     out = {}
     try:
         for schedule, virtual in SCHEDULES:
             dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, ep=1, pp=world, world_size=world)
             parallel = Parallel(pp=world, pp_schedule=schedule, pp_virtual_stages=virtual, mixed_precision="fp32")
-            pipe = build_pipeline(cfg, dims, parallel, torch.device("cpu"), 0, args.micro_batch, args.micro_batches,
-                                  loss_fn)
+            pipe = build_pipeline(
+                cfg, dims, parallel, torch.device("cpu"), 0, args.micro_batch, args.micro_batches, loss_fn
+            )
             stages = getattr(pipe.schedule, "_stages", None) or [pipe.schedule._stage]
             for stage in stages:
                 _recorded(stage)
-            tokens = torch.randint(0, cfg.vocab, (args.micro_batch * args.micro_batches, cfg.seq_len + 1),
-                                   generator=torch.Generator().manual_seed(0))
+            tokens = torch.randint(
+                0,
+                cfg.vocab,
+                (args.micro_batch * args.micro_batches, cfg.seq_len + 1),
+                generator=torch.Generator().manual_seed(0),
+            )
             steps, idle = [], []
             for i in range(args.warmup + args.steps):
                 dist.barrier()
@@ -123,8 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     args = p.parse_args(argv)
     if args.pp < 2 or args.layers < 2 * args.pp or args.micro_batches < args.pp or args.micro_batches % args.pp:
-        print(f"error: need --pp >= 2, --layers >= 2*pp and --micro-batches a multiple of pp (got pp {args.pp}, "
-              f"layers {args.layers}, micro-batches {args.micro_batches})", file=sys.stderr)
+        print(
+            f"error: need --pp >= 2, --layers >= 2*pp and --micro-batches a multiple of pp (got pp {args.pp}, "
+            f"layers {args.layers}, micro-batches {args.micro_batches})",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as workdir:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -133,17 +153,31 @@ def main(argv: list[str] | None = None) -> int:
     lines = []
     for schedule, virtual in SCHEDULES:
         idle = [r[schedule]["idle"] for r in ranks]
-        line = {"bench": "pipeline", "schedule": schedule, "pp": args.pp, "virtual_stages": virtual,
-                "micro_batches": args.micro_batches, "step_s": round(max(r[schedule]["step_s"] for r in ranks), 4),
-                "bubble_measured": round(statistics.mean(idle), 4), "bubble_measured_max": round(max(idle), 4),
-                "bubble_planned": round(bubble_fraction(args.pp, args.micro_batches, virtual), 4)}
+        line = {
+            "bench": "pipeline",
+            "schedule": schedule,
+            "pp": args.pp,
+            "virtual_stages": virtual,
+            "micro_batches": args.micro_batches,
+            "step_s": round(max(r[schedule]["step_s"] for r in ranks), 4),
+            "bubble_measured": round(statistics.mean(idle), 4),
+            "bubble_measured_max": round(max(idle), 4),
+            "bubble_planned": round(bubble_fraction(args.pp, args.micro_batches, virtual), 4),
+        }
         lines.append(line)
         print(json.dumps(line), flush=True)
     one, inter = lines
-    print(json.dumps({"bench": "pipeline", "summary": True,
-                      "step_interleaved_over_1f1b": round(inter["step_s"] / one["step_s"], 3),
-                      "bubble_measured_interleaved_over_1f1b": round(inter["bubble_measured"] / one["bubble_measured"], 3),
-                      "bubble_planned_interleaved_over_1f1b": round(inter["bubble_planned"] / one["bubble_planned"], 3)}))
+    print(
+        json.dumps(
+            {
+                "bench": "pipeline",
+                "summary": True,
+                "step_interleaved_over_1f1b": round(inter["step_s"] / one["step_s"], 3),
+                "bubble_measured_interleaved_over_1f1b": round(inter["bubble_measured"] / one["bubble_measured"], 3),
+                "bubble_planned_interleaved_over_1f1b": round(inter["bubble_planned"] / one["bubble_planned"], 3),
+            }
+        )
+    )
     return 0
 
 

@@ -46,14 +46,32 @@ def main(argv: list[str] | None = None) -> int:
             times[label].append(time.perf_counter() - t0)
             counts[label] = len(result.resources)
     for label in ("base", "big"):
-        print(json.dumps({"bench": "preview", "stack": args.stack, "variant": label, "resources": counts[label],
-                          "node_groups": groups[label], "nodes": (base if label == "base" else big).nodes,
-                          "seconds_median": round(statistics.median(times[label]), 4),
-                          "seconds_all": [round(t, 4) for t in times[label]]}))
+        print(
+            json.dumps(
+                {
+                    "bench": "preview",
+                    "stack": args.stack,
+                    "variant": label,
+                    "resources": counts[label],
+                    "node_groups": groups[label],
+                    "nodes": (base if label == "base" else big).nodes,
+                    "seconds_median": round(statistics.median(times[label]), 4),
+                    "seconds_all": [round(t, 4) for t in times[label]],
+                }
+            )
+        )
     ratio = statistics.median(times["big"]) / statistics.median(times["base"])
     # Cost per extra node group: the launch templates carry one interface per network card (32 on p5).
     per_group = (statistics.median(times["big"]) - statistics.median(times["base"])) / (groups["big"] - groups["base"])
-    print(json.dumps({"bench": "preview", "ratio_seconds": round(ratio, 3),
-                      "ratio_resources": round(counts["big"] / max(1, counts["base"]), 3), "factor": args.factor,
-                      "seconds_per_extra_node_group": round(per_group, 4)}))
+    print(
+        json.dumps(
+            {
+                "bench": "preview",
+                "ratio_seconds": round(ratio, 3),
+                "ratio_resources": round(counts["big"] / max(1, counts["base"]), 3),
+                "factor": args.factor,
+                "seconds_per_extra_node_group": round(per_group, 4),
+            }
+        )
+    )
     return 0

@@ -43,11 +43,20 @@ def level(url: str, name: str, concurrency: int, requests: int, max_tokens: int)
     ttft = [c.ttft_s * 1e3 for c in done]
     itl = [c.itl_s * 1e3 for c in done if c.tokens > 1] or [0.0]  # per request (TPOT), see Completion.itl_s
     tokens = sum(c.tokens for c in done)
-    return {"bench": "serve", "concurrency": concurrency, "requests": requests, "max_tokens": max_tokens,
-            "ttft_ms_p50": round(percentile(ttft, 50), 1), "ttft_ms_p99": round(percentile(ttft, 99), 1),
-            "itl_ms_p50": round(percentile(itl, 50), 2), "itl_ms_p99": round(percentile(itl, 99), 2),
-            "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
-            "latency_s_mean": round(statistics.mean(c.total_s for c in done), 3)}
+    return {
+        "bench": "serve",
+        "concurrency": concurrency,
+        "requests": requests,
+        "max_tokens": max_tokens,
+        "ttft_ms_p50": round(percentile(ttft, 50), 1),
+        "ttft_ms_p99": round(percentile(ttft, 99), 1),
+        "itl_ms_p50": round(percentile(itl, 50), 2),
+        "itl_ms_p99": round(percentile(itl, 99), 2),
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 1),
+        "latency_s_mean": round(statistics.mean(c.total_s for c in done), 3),
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -83,11 +92,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(json.dumps(row), flush=True)
         best = max(rows, key=lambda r: r["tokens_per_s"])
         gauges = metrics(url)
-        print(json.dumps({"bench": "serve", "summary": True, "sequential_tokens_per_s": rows[0]["tokens_per_s"],
-                          "best_concurrency": best["concurrency"], "best_tokens_per_s": best["tokens_per_s"],
-                          "continuous_batching_speedup": best["speedup_vs_sequential"],
-                          "vllm_requests_running": gauges.get("vllm:num_requests_running"),
-                          "vllm_requests_waiting": gauges.get("vllm:num_requests_waiting")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "serve",
+                    "summary": True,
+                    "sequential_tokens_per_s": rows[0]["tokens_per_s"],
+                    "best_concurrency": best["concurrency"],
+                    "best_tokens_per_s": best["tokens_per_s"],
+                    "continuous_batching_speedup": best["speedup_vs_sequential"],
+                    "vllm_requests_running": gauges.get("vllm:num_requests_running"),
+                    "vllm_requests_waiting": gauges.get("vllm:num_requests_waiting"),
+                }
+            ),
+            flush=True,
+        )
     finally:
         if server is not None:
             server.stop()

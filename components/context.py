@@ -21,8 +21,12 @@ class StackContext:
 
     @classmethod
     def create(cls, stack: str, region: str, account_id: pulumi.Input[str]) -> "StackContext":
-        return cls(stack=stack, region=region, account_id=account_id,
-                   tags={"Project": "supernode", "Stack": stack, "ManagedBy": "pulumi"})
+        return cls(
+            stack=stack,
+            region=region,
+            account_id=account_id,
+            tags={"Project": "supernode", "Stack": stack, "ManagedBy": "pulumi"},
+        )
 
     def tagged(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """A fresh tag dict for one resource: the stack's tags plus `extra` (Name, discovery tags)."""

@@ -22,8 +22,10 @@ def export_stack_outputs(values: Mapping[str, Any]) -> None:
     expected = set(StackOutputs.model_fields)
     missing, unknown = expected - set(values), set(values) - expected
     if missing or unknown:
-        raise StackOutputsError(f"stack outputs do not match contract {CONTRACT_VERSION}: "
-                                f"missing {sorted(missing)}, unknown {sorted(unknown)}")
+        raise StackOutputsError(
+            f"stack outputs do not match contract {CONTRACT_VERSION}: "
+            f"missing {sorted(missing)}, unknown {sorted(unknown)}"
+        )
     for key in StackOutputs.model_fields:
         value = values[key]
         pulumi.export(key, pulumi.Output.secret(value) if key in SECRET_OUTPUTS else value)
@@ -33,11 +35,15 @@ def parse_stack_outputs(stack_name: str, outputs: Mapping[str, Any]) -> StackOut
     """Validate a stack's raw outputs against the contract, naming every problem."""
     version = outputs.get("contract_version")
     if version is None:
-        raise StackOutputsError(f"stack {stack_name!r} exports no contract_version: is it a supernode stack, "
-                                f"and has it been deployed? (outputs present: {sorted(outputs) or 'none'})")
+        raise StackOutputsError(
+            f"stack {stack_name!r} exports no contract_version: is it a supernode stack, "
+            f"and has it been deployed? (outputs present: {sorted(outputs) or 'none'})"
+        )
     if str(version).split(".")[0] != CONTRACT_VERSION.split(".")[0]:
-        raise StackOutputsError(f"stack {stack_name!r} exports contract {version}; this reader understands "
-                                f"{CONTRACT_VERSION.split('.')[0]}.x — upgrade the reader or pin the stack")
+        raise StackOutputsError(
+            f"stack {stack_name!r} exports contract {version}; this reader understands "
+            f"{CONTRACT_VERSION.split('.')[0]}.x — upgrade the reader or pin the stack"
+        )
     # Keys a newer minor version added are ignored; keys this version needs must all be there.
     known = {k: v for k, v in outputs.items() if k in StackOutputs.model_fields}
     missing = sorted(set(StackOutputs.model_fields) - set(known))
@@ -46,8 +52,10 @@ def parse_stack_outputs(stack_name: str, outputs: Mapping[str, Any]) -> StackOut
     try:
         return StackOutputs.model_validate(known)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {type(err['input']).__name__})"
-                             for err in e.errors(include_url=False))
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {type(err['input']).__name__})"
+            for err in e.errors(include_url=False)
+        )
         raise StackOutputsError(f"stack {stack_name!r} has mismatched outputs: {problems}") from None
 
 

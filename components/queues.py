@@ -42,17 +42,25 @@ PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 ACCELERATOR_LABEL = "supernode.io/accelerator"  # set on every GPU node by its node group
 COHORT = "supernode-gpu"
 # Every kind the controller watches (it will not start without their CRDs), the stack's objects' first.
-CRD_FILES = ("kueue-resourceflavors.yaml", "kueue-clusterqueues.yaml", "kueue-localqueues.yaml",
-             "kueue-workloadpriorityclasses.yaml", "kueue-workloads.yaml", "kueue-admissionchecks.yaml",
-             "kueue-cohorts.yaml")
+CRD_FILES = (
+    "kueue-resourceflavors.yaml",
+    "kueue-clusterqueues.yaml",
+    "kueue-localqueues.yaml",
+    "kueue-workloadpriorityclasses.yaml",
+    "kueue-workloads.yaml",
+    "kueue-admissionchecks.yaml",
+    "kueue-cohorts.yaml",
+)
 CONTROLLER_FILE = "kueue.yaml"  # its container `kueue` is its images.addons entry
 CONTROLLER_NAMESPACE = "kueue-system"  # where the file places its namespaced objects (and its configuration says)
 CONFIG_KEY = "controller_manager_config.yaml"  # the Configuration in the ConfigMap
 # Kueue priorities (higher first). Serving is user-facing; a training job checkpoints on SIGTERM and
 # resumes, so it yields to serving; experiments (ad-hoc runs, the scheduled fabric check) yield to both.
-PRIORITIES = {"supernode-serving": (1000, "inference serving: preempts training and experiments"),
-              "supernode-training": (500, "training jobs: preempt experiments, yield to serving"),
-              "supernode-experiments": (100, "experiments and scheduled checks: run on free GPU nodes only")}
+PRIORITIES = {
+    "supernode-serving": (1000, "inference serving: preempts training and experiments"),
+    "supernode-training": (500, "training jobs: preempt experiments, yield to serving"),
+    "supernode-experiments": (100, "experiments and scheduled checks: run on free GPU nodes only"),
+}
 TRAINING, SERVING, EXPERIMENTS = "supernode-training", "supernode-serving", "supernode-experiments"
 
 
@@ -83,8 +91,10 @@ def gpu_pools(groups: Sequence[AcceleratorNodeGroup], plan: Plan) -> list[Pool]:
         shape = PodShape.for_node(hw, plan.pod.hugepages_gib)
         seen = pools.get(hw.accelerator)
         if seen is not None and seen.shape != shape:
-            raise pulumi.RunError(f"node group {g.name}: {g.instance_type} gives a different node shape than the other "
-                                  f"{hw.accelerator} groups; one Kueue pool needs one node shape")
+            raise pulumi.RunError(
+                f"node group {g.name}: {g.instance_type} gives a different node shape than the other "
+                f"{hw.accelerator} groups; one Kueue pool needs one node shape"
+            )
         pools[hw.accelerator] = Pool(hw.accelerator, (seen.nodes if seen else 0) + g.nodes, shape)
     return list(pools.values())
 
@@ -101,8 +111,9 @@ def job_labels(plan: Plan, priority: str) -> dict[str, str]:
 
 def namespace_selector(namespaces: Sequence[str]) -> dict[str, Any]:
     """The queued namespaces, by name: whom a ClusterQueue serves and whose jobs the controller manages."""
-    return {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In",
-                                  "values": sorted(namespaces)}]}
+    return {
+        "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(namespaces)}]
+    }
 
 
 def cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
@@ -113,8 +124,14 @@ def cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
         # A big job at the head does not block smaller ones that fit (they cannot starve it: it keeps
         # its place, and preemption below frees nodes for higher priorities).
         "queueingStrategy": "BestEffortFIFO",
-        "resourceGroups": [{"coveredResources": list(quota), "flavors": [{
-            "name": pool.name, "resources": [{"name": r, "nominalQuota": q} for r, q in quota.items()]}]}],
+        "resourceGroups": [
+            {
+                "coveredResources": list(quota),
+                "flavors": [
+                    {"name": pool.name, "resources": [{"name": r, "nominalQuota": q} for r, q in quota.items()]}
+                ],
+            }
+        ],
         "preemption": {
             "withinClusterQueue": "LowerPriority",
             "reclaimWithinCohort": "Any",  # quota lent to another pool's queue comes back when needed
@@ -128,10 +145,15 @@ class TopLevelResource(pulumi.CustomResource):
     """A custom resource with its fields at the top level, which k8s.apiextensions.CustomResource
     (metadata and spec only) cannot send: a WorkloadPriorityClass has `value` and `description`."""
 
-    def __init__(self, name: str, api_version: str, kind: str, metadata: dict, fields: dict,
-                 opts: pulumi.ResourceOptions):
-        super().__init__(f"kubernetes:{api_version}:{kind}", name,
-                         {"apiVersion": api_version, "kind": kind, "metadata": metadata, **fields}, opts)
+    def __init__(
+        self, name: str, api_version: str, kind: str, metadata: dict, fields: dict, opts: pulumi.ResourceOptions
+    ):
+        super().__init__(
+            f"kubernetes:{api_version}:{kind}",
+            name,
+            {"apiVersion": api_version, "kind": kind, "metadata": metadata, **fields},
+            opts,
+        )
 
 
 def controller_configuration(namespaces: Sequence[str]) -> dict[str, Any]:
@@ -162,18 +184,32 @@ class KueueController(pulumi.ComponentResource):
         super().__init__("supernode:workload:Kueue", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.namespaces = sorted(args.namespaces)
-        self.crds = {kind: shipped_crd(f"{name}-{kind.lower()}-crd", filename, child)
-                     for kind, filename in ((crd_kind(f), f) for f in CRD_FILES)}
-        self.namespace = k8s.core.v1.Namespace(f"{name}-ns", metadata=meta(CONTROLLER_NAMESPACE, labels={
-            "pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/warn": "restricted"}),
-            opts=child)
+        self.crds = {
+            kind: shipped_crd(f"{name}-{kind.lower()}-crd", filename, child)
+            for kind, filename in ((crd_kind(f), f) for f in CRD_FILES)
+        }
+        self.namespace = k8s.core.v1.Namespace(
+            f"{name}-ns",
+            metadata=meta(
+                CONTROLLER_NAMESPACE,
+                labels={
+                    "pod-security.kubernetes.io/enforce": "restricted",
+                    "pod-security.kubernetes.io/warn": "restricted",
+                },
+            ),
+            opts=child,
+        )
         ns = self.namespace.metadata.name
         objs = load_addon(CONTROLLER_FILE)
 
         def create(suffix: str, obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
             namespace = ns if "namespace" in obj["metadata"] else None
-            return addon_resource(f"{name}-{suffix}", obj, pulumi.ResourceOptions.merge(
-                child, pulumi.ResourceOptions(**options)), namespace)
+            return addon_resource(
+                f"{name}-{suffix}",
+                obj,
+                pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(**options)),
+                namespace,
+            )
 
         account = create("sa", objs["ServiceAccount"])
 
@@ -183,8 +219,10 @@ class KueueController(pulumi.ComponentResource):
                 subject.update(name=account.metadata.name, namespace=ns)
             return binding
 
-        bindings = [create("manager", bind(objs["ClusterRoleBinding"], create("manager", objs["ClusterRole"]))),
-                    create("namespace", bind(objs["RoleBinding"], create("namespace", objs["Role"])))]
+        bindings = [
+            create("manager", bind(objs["ClusterRoleBinding"], create("manager", objs["ClusterRole"]))),
+            create("namespace", bind(objs["RoleBinding"], create("namespace", objs["Role"]))),
+        ]
         # Kueue writes and rotates the certificate in this Secret, and injects its CA into both webhook
         # configurations: Pulumi must not fight over either.
         cert = create("webhook-cert", objs["Secret"], ignore_changes=["data"])
@@ -197,8 +235,13 @@ class KueueController(pulumi.ComponentResource):
                 hook["clientConfig"]["service"].update(name=service.metadata.name, namespace=ns)
                 if _intercepts_jobs(hook):  # fails closed: only where jobs are queued
                     hook["namespaceSelector"] = namespace_selector(self.namespaces)
-            webhooks.append(create(kind.removesuffix("Configuration").lower(), objs[kind],
-                                   ignore_changes=["webhooks[*].clientConfig.caBundle"]))
+            webhooks.append(
+                create(
+                    kind.removesuffix("Configuration").lower(),
+                    objs[kind],
+                    ignore_changes=["webhooks[*].clientConfig.caBundle"],
+                )
+            )
 
         # Its pods restart with a changed configuration (read once at start).
         deployment = with_config_hash(with_images(objs["Deployment"], args.images), config)
@@ -230,29 +273,48 @@ class Queues(pulumi.ComponentResource):
         super().__init__("supernode:workload:Queues", name, None, opts)
         kueue = args.kueue
 
-        def custom(resource: str, kind: str, metadata: dict, after: Sequence[pulumi.Resource] = (),
-                   **body: Any) -> pulumi.CustomResource:
+        def custom(
+            resource: str, kind: str, metadata: dict, after: Sequence[pulumi.Resource] = (), **body: Any
+        ) -> pulumi.CustomResource:
             # After the controller: its webhooks admit these objects, and it removes their finalizers on delete.
             opts = pulumi.ResourceOptions(parent=self, depends_on=[kueue.crds[kind], *kueue.ready, *after])
             if set(body) == {"spec"}:
-                return k8s.apiextensions.CustomResource(resource, api_version=KUEUE_API, kind=kind, metadata=metadata,
-                                                        spec=body["spec"], opts=opts)
+                return k8s.apiextensions.CustomResource(
+                    resource, api_version=KUEUE_API, kind=kind, metadata=metadata, spec=body["spec"], opts=opts
+                )
             return TopLevelResource(resource, KUEUE_API, kind, metadata, body, opts)
 
-        self.priority_classes = [custom(f"{name}-{p}", "WorkloadPriorityClass", meta(p), value=value,
-                                        description=text) for p, (value, text) in PRIORITIES.items()]
+        self.priority_classes = [
+            custom(f"{name}-{p}", "WorkloadPriorityClass", meta(p), value=value, description=text)
+            for p, (value, text) in PRIORITIES.items()
+        ]
         self.local_queues = []
         self.cluster_queues = []
         for pool in args.pools:
-            flavor = custom(f"{name}-{pool.name}-flavor", "ResourceFlavor", meta(pool.name),
-                            spec={"nodeLabels": {ACCELERATOR_LABEL: pool.accelerator}})
-            cq = custom(f"{name}-{pool.name}", "ClusterQueue", meta(pool.name), after=[flavor],
-                        spec=cluster_queue_spec(pool, kueue.namespaces))
+            flavor = custom(
+                f"{name}-{pool.name}-flavor",
+                "ResourceFlavor",
+                meta(pool.name),
+                spec={"nodeLabels": {ACCELERATOR_LABEL: pool.accelerator}},
+            )
+            cq = custom(
+                f"{name}-{pool.name}",
+                "ClusterQueue",
+                meta(pool.name),
+                after=[flavor],
+                spec=cluster_queue_spec(pool, kueue.namespaces),
+            )
             self.cluster_queues.append(cq)
             for ns in kueue.namespaces:
-                self.local_queues.append(custom(
-                    f"{name}-{ns}-{pool.name}", "LocalQueue", meta(queue_name(pool.accelerator), ns),
-                    after=[cq, *args.after], spec={"clusterQueue": pool.name}))
+                self.local_queues.append(
+                    custom(
+                        f"{name}-{ns}-{pool.name}",
+                        "LocalQueue",
+                        meta(queue_name(pool.accelerator), ns),
+                        after=[cq, *args.after],
+                        spec={"clusterQueue": pool.name},
+                    )
+                )
         # What a queued job waits for: its LocalQueue and the priority classes it names.
         self.ready: list[pulumi.Resource] = [*self.local_queues, *self.priority_classes]
         self.register_outputs({"cluster_queues": [p.name for p in args.pools]})

@@ -19,13 +19,21 @@ import pulumi_aws as aws
 from .context import StackContext
 
 UNTAGGED_EXPIRE_DAYS = 14
-LIFECYCLE_POLICY = {"rules": [{
-    "rulePriority": 1,
-    "description": f"expire untagged images {UNTAGGED_EXPIRE_DAYS} days after push",
-    "selection": {"tagStatus": "untagged", "countType": "sinceImagePushed", "countUnit": "days",
-                  "countNumber": UNTAGGED_EXPIRE_DAYS},
-    "action": {"type": "expire"},
-}]}
+LIFECYCLE_POLICY = {
+    "rules": [
+        {
+            "rulePriority": 1,
+            "description": f"expire untagged images {UNTAGGED_EXPIRE_DAYS} days after push",
+            "selection": {
+                "tagStatus": "untagged",
+                "countType": "sinceImagePushed",
+                "countUnit": "days",
+                "countNumber": UNTAGGED_EXPIRE_DAYS,
+            },
+            "action": {"type": "expire"},
+        }
+    ]
+}
 
 
 def repository_name(stack: str) -> str:
@@ -47,12 +55,18 @@ class Registry(pulumi.ComponentResource):
         # No force_delete: `pulumi destroy` keeps a repository that still holds images, which are the
         # record of what trained the checkpoints (README, tear-down, says how to delete them first).
         self.repository = aws.ecr.Repository(
-            name, name=repository_name(args.ctx.stack), image_tag_mutability="IMMUTABLE",
+            name,
+            name=repository_name(args.ctx.stack),
+            image_tag_mutability="IMMUTABLE",
             image_scanning_configuration=aws.ecr.RepositoryImageScanningConfigurationArgs(scan_on_push=True),
-            encryption_configurations=[aws.ecr.RepositoryEncryptionConfigurationArgs(
-                encryption_type="KMS", kms_key=args.kms_key_arn)],
-            tags=args.ctx.tagged(), opts=child)
-        self.lifecycle = aws.ecr.LifecyclePolicy(name, repository=self.repository.name,
-                                                 policy=json.dumps(LIFECYCLE_POLICY), opts=child)
+            encryption_configurations=[
+                aws.ecr.RepositoryEncryptionConfigurationArgs(encryption_type="KMS", kms_key=args.kms_key_arn)
+            ],
+            tags=args.ctx.tagged(),
+            opts=child,
+        )
+        self.lifecycle = aws.ecr.LifecyclePolicy(
+            name, repository=self.repository.name, policy=json.dumps(LIFECYCLE_POLICY), opts=child
+        )
         self.url = self.repository.repository_url
         self.register_outputs({"url": self.url})

@@ -58,62 +58,133 @@ class WorkloadArgs:
 class TrainingWorkload(pulumi.ComponentResource):
     def __init__(self, name: str, args: WorkloadArgs, opts: Optional[pulumi.ResourceOptions] = None):
         super().__init__("supernode:workload:TrainingWorkload", name, None, opts)
-        self.provider = k8s.Provider(f"{name}-k8s", kubeconfig=args.kubeconfig,
-                                     opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.after)))
+        self.provider = k8s.Provider(
+            f"{name}-k8s",
+            kubeconfig=args.kubeconfig,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.after)),
+        )
         # Children inherit the provider from their component parents.
         child = pulumi.ResourceOptions(parent=self, providers={"kubernetes": self.provider})
         plan, wl = args.plan, args.workload
 
-        self.addons = ClusterAddons(f"{name}-addons", AddonArgs(region=args.ctx.region, gpu_nodes=args.gpu_nodes,
-                                                              images=args.images.addons,
-                                                              compute_domains=spans_nodes_over_nvlink(plan)),
-                                    child)
+        self.addons = ClusterAddons(
+            f"{name}-addons",
+            AddonArgs(
+                region=args.ctx.region,
+                gpu_nodes=args.gpu_nodes,
+                images=args.images.addons,
+                compute_domains=spans_nodes_over_nvlink(plan),
+            ),
+            child,
+        )
         # Kueue's controller first: its webhooks admit every job and serving pod of the queued namespaces.
         inference = args.config.inference if args.config else None
         serves = plan.inference is not None and inference is not None
-        self.kueue = KueueController(f"{name}-kueue", KueueArgs(
-            namespaces=[wl.namespace] + ([inference.namespace] if serves else []), images=args.images.addons), child)
-        self.training = TrainingNamespace(f"{name}-ns", NamespaceArgs(
-            namespace=wl.namespace, service_account=wl.service_account, trainer_role_arn=args.trainer_role_arn,
-            pod_identity=args.identity.pod_identity == "pod-identity", cluster_version=args.cluster_version,
-            fsx=args.fsx, plan=plan), child)
-        job = JobArgs(namespace=self.training.name, image=args.images.trainer, gpu_nodes=args.gpu_nodes, plan=plan,
-                      plan_config_map=self.training.plan_config_map.metadata.name,
-                      priority_class=self.training.priority_class.metadata.name,
-                      wait_for=self.addons.compute_domain_ready)
+        self.kueue = KueueController(
+            f"{name}-kueue",
+            KueueArgs(namespaces=[wl.namespace] + ([inference.namespace] if serves else []), images=args.images.addons),
+            child,
+        )
+        self.training = TrainingNamespace(
+            f"{name}-ns",
+            NamespaceArgs(
+                namespace=wl.namespace,
+                service_account=wl.service_account,
+                trainer_role_arn=args.trainer_role_arn,
+                pod_identity=args.identity.pod_identity == "pod-identity",
+                cluster_version=args.cluster_version,
+                fsx=args.fsx,
+                plan=plan,
+            ),
+            child,
+        )
+        job = JobArgs(
+            namespace=self.training.name,
+            image=args.images.trainer,
+            gpu_nodes=args.gpu_nodes,
+            plan=plan,
+            plan_config_map=self.training.plan_config_map.metadata.name,
+            priority_class=self.training.priority_class.metadata.name,
+            wait_for=self.addons.compute_domain_ready,
+        )
         fabric = replace(job, image=args.images.fabric_check or args.images.trainer)
-        store = BaselineStore(pvc=self.training.claim.metadata.name, subpath=args.baseline_dir.strip("/"),
-                              regression=wl.fabric_regression)
-        self.gate = InterconnectGate(f"{name}-gate", fabric, job_name=dns_name(plan.stack, "fabric-gate"),
-                                     opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(
-                                         depends_on=self.kueue.ready)), baseline=store)
+        store = BaselineStore(
+            pvc=self.training.claim.metadata.name, subpath=args.baseline_dir.strip("/"), regression=wl.fabric_regression
+        )
+        self.gate = InterconnectGate(
+            f"{name}-gate",
+            fabric,
+            job_name=dns_name(plan.stack, "fabric-gate"),
+            opts=pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(depends_on=self.kueue.ready)),
+            baseline=store,
+        )
         # Serving (the inference section): vLLM on the verified export, at serving priority in the same pools.
-        self.serving = None if not serves else ServingWorkload(
-            f"{name}-serving", ServingArgs(plan=plan, inference=inference, gpu_nodes=args.gpu_nodes, fsx_id=args.fsx.id,
-                                           fsx_dns_name=args.fsx.dns_name, fsx_mount_name=args.fsx.mount_name,
-                                           queue_labels=job_labels(plan, SERVING), addon_images=args.images.addons),
-            pulumi.ResourceOptions(parent=self, providers={"kubernetes": self.provider},
-                                   depends_on=[*self.addons.ready, *self.kueue.ready]))
+        self.serving = (
+            None
+            if not serves
+            else ServingWorkload(
+                f"{name}-serving",
+                ServingArgs(
+                    plan=plan,
+                    inference=inference,
+                    gpu_nodes=args.gpu_nodes,
+                    fsx_id=args.fsx.id,
+                    fsx_dns_name=args.fsx.dns_name,
+                    fsx_mount_name=args.fsx.mount_name,
+                    queue_labels=job_labels(plan, SERVING),
+                    addon_images=args.images.addons,
+                ),
+                pulumi.ResourceOptions(
+                    parent=self,
+                    providers={"kubernetes": self.provider},
+                    depends_on=[*self.addons.ready, *self.kueue.ready],
+                ),
+            )
+        )
         serving_ns = [self.serving.namespace] if self.serving else []
         # Kueue: a ClusterQueue per GPU pool; the trainer is admitted through its LocalQueue, all workers or none.
         groups = args.config.accelerator_node_groups if args.config else ()
-        self.queues = Queues(f"{name}-queues", QueuesArgs(
-            pools=gpu_pools(groups, plan), kueue=self.kueue, after=[self.training.namespace, *serving_ns]), child)
-        self.trainer = TrainerJob(f"{name}-trainer", TrainerArgs(
-            job=job, service_account=self.training.service_account.metadata.name,
-            pvc=self.training.claim.metadata.name,
-            data_subpath=args.fsx.data_dir.strip("/"), checkpoint_subpath=args.fsx.checkpoint_dir.strip("/"),
-            termination_grace_s=wl.termination_grace_s,
-            wait_for=[self.gate.job, *self.addons.ready, *self.queues.ready],
-            queue_labels=job_labels(plan, TRAINING)), job_name=dns_name(plan.stack, "train"), opts=child)
-        self.operations = Operations(f"{name}-ops", OperationsArgs(
-            job=fabric, workload=wl, pvc=self.training.claim.metadata.name, baseline_subpath=store.subpath,
-            service_account=self.training.service_account.metadata.name,
-            cluster_name=args.cluster_name or f"supernode-{plan.stack}", region=args.ctx.region,
-            config=args.config, bucket_name=args.bucket_name, metrics_agent_role_arn=args.metrics_agent_role_arn,
-            addon_images=args.images.addons), pulumi.ResourceOptions(
-                parent=self, providers={"kubernetes": self.provider},
-                depends_on=[*self.queues.ready, self.addons.namespace]))  # the agent reads pods there (DCGM)
+        self.queues = Queues(
+            f"{name}-queues",
+            QueuesArgs(pools=gpu_pools(groups, plan), kueue=self.kueue, after=[self.training.namespace, *serving_ns]),
+            child,
+        )
+        self.trainer = TrainerJob(
+            f"{name}-trainer",
+            TrainerArgs(
+                job=job,
+                service_account=self.training.service_account.metadata.name,
+                pvc=self.training.claim.metadata.name,
+                data_subpath=args.fsx.data_dir.strip("/"),
+                checkpoint_subpath=args.fsx.checkpoint_dir.strip("/"),
+                termination_grace_s=wl.termination_grace_s,
+                wait_for=[self.gate.job, *self.addons.ready, *self.queues.ready],
+                queue_labels=job_labels(plan, TRAINING),
+            ),
+            job_name=dns_name(plan.stack, "train"),
+            opts=child,
+        )
+        self.operations = Operations(
+            f"{name}-ops",
+            OperationsArgs(
+                job=fabric,
+                workload=wl,
+                pvc=self.training.claim.metadata.name,
+                baseline_subpath=store.subpath,
+                service_account=self.training.service_account.metadata.name,
+                cluster_name=args.cluster_name or f"supernode-{plan.stack}",
+                region=args.ctx.region,
+                config=args.config,
+                bucket_name=args.bucket_name,
+                metrics_agent_role_arn=args.metrics_agent_role_arn,
+                addon_images=args.images.addons,
+            ),
+            pulumi.ResourceOptions(
+                parent=self,
+                providers={"kubernetes": self.provider},
+                depends_on=[*self.queues.ready, self.addons.namespace],
+            ),
+        )  # the agent reads pods there (DCGM)
 
         self.outputs = {
             "namespace": self.training.name,

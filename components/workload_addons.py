@@ -28,8 +28,13 @@ from .workload_common import ADDON_DIR, GpuNodes, load_addon, meta, shipped_crd
 
 SYSTEM_NAMESPACE = "supernode-system"  # where the add-on files place their namespaced objects
 OPERATOR = "training-operator"
-ADDON_FILES = ("nvidia-device-plugin.yaml", "aws-efa-k8s-device-plugin.yaml", "dcgm-exporter.yaml",
-               "training-operator.yaml", "kueue.yaml")  # kueue.yaml: installed by components/queues.py
+ADDON_FILES = (
+    "nvidia-device-plugin.yaml",
+    "aws-efa-k8s-device-plugin.yaml",
+    "dcgm-exporter.yaml",
+    "training-operator.yaml",
+    "kueue.yaml",
+)  # kueue.yaml: installed by components/queues.py
 # The metrics pipelines: the CloudWatch agent's Prometheus scrape (components/operations.py) and, with
 # serving, the Prometheus and adapter behind the serving HPA (components/serving.py).
 METRICS_ADDON_FILES = ("cwagent-prometheus.yaml", "prometheus.yaml", "prometheus-adapter.yaml")
@@ -109,15 +114,23 @@ def load_addon_objects(filename: str) -> list[dict[str, Any]]:
 
 def _dra_driver_image() -> str:
     """The DRA driver image as its file pins it (by tag)."""
-    return next(_pod_spec(obj)["containers"][0]["image"] for obj in load_addon_objects(DRA_DRIVER_FILE)
-                if obj["kind"] == "Deployment")
+    return next(
+        _pod_spec(obj)["containers"][0]["image"]
+        for obj in load_addon_objects(DRA_DRIVER_FILE)
+        if obj["kind"] == "Deployment"
+    )
 
 
 def addon_images() -> dict[str, str]:
     """Each add-on container's image as its file pins it (by tag), and the DRA driver's image: what
     supernode:images.addons overrides."""
-    images = {c["name"]: c["image"] for f in ADDON_FILES + METRICS_ADDON_FILES for obj in load_addon_objects(f)
-              if obj["kind"] in WORKLOADS for c in _pod_spec(obj)["containers"]}
+    images = {
+        c["name"]: c["image"]
+        for f in ADDON_FILES + METRICS_ADDON_FILES
+        for obj in load_addon_objects(f)
+        if obj["kind"] in WORKLOADS
+        for c in _pod_spec(obj)["containers"]
+    }
     return {**images, DRA_DRIVER: _dra_driver_image()}
 
 
@@ -140,14 +153,19 @@ def _snake(field: str) -> str:
     return re.sub(r"(?<!^)([A-Z])", r"_\1", field).lower()  # roleRef -> role_ref, as the SDK names arguments
 
 
-def addon_resource(resource_name: str, obj: dict[str, Any], opts: pulumi.ResourceOptions,
-                   namespace: Optional[pulumi.Input[str]] = None) -> pulumi.CustomResource:
+def addon_resource(
+    resource_name: str, obj: dict[str, Any], opts: pulumi.ResourceOptions, namespace: Optional[pulumi.Input[str]] = None
+) -> pulumi.CustomResource:
     """The typed resource (KINDS) for one object of an add-on file, with the ownership labels, in
     `namespace` (a created Namespace's name, so after it) or else the file's own."""
     md = obj["metadata"]
     body = {_snake(k): v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")}
-    return KINDS[obj["kind"]](resource_name, metadata=meta(md["name"], namespace or md.get("namespace"),
-                                                          md.get("labels"), md.get("annotations")), opts=opts, **body)
+    return KINDS[obj["kind"]](
+        resource_name,
+        metadata=meta(md["name"], namespace or md.get("namespace"), md.get("labels"), md.get("annotations")),
+        opts=opts,
+        **body,
+    )
 
 
 class ClusterAddons(pulumi.ComponentResource):
@@ -180,7 +198,9 @@ class ClusterAddons(pulumi.ComponentResource):
         svc = dcgm["Service"]
         self.scrape_annotations = dict(svc["metadata"]["annotations"])
         port = svc["spec"]["ports"][0]["port"]
-        self.dcgm_endpoint = pulumi.Output.concat(f"http://{svc['metadata']['name']}.", self._ns, f".svc:{port}/metrics")
+        self.dcgm_endpoint = pulumi.Output.concat(
+            f"http://{svc['metadata']['name']}.", self._ns, f".svc:{port}/metrics"
+        )
 
         operator = self._training_operator(name, args.images)
         self.ready = [self.pytorchjob_crd, self.operator]
@@ -192,8 +212,13 @@ class ClusterAddons(pulumi.ComponentResource):
         self.versions = dict(_image_tag(obj) for obj in (nvidia, efa, dcgm["DaemonSet"], operator))
         if args.compute_domains:
             self.versions[DRA_DRIVER] = self.dra_driver_version
-        self.register_outputs({"versions": self.versions, "dcgm_endpoint": self.dcgm_endpoint,
-                               "scrape_annotations": self.scrape_annotations})
+        self.register_outputs(
+            {
+                "versions": self.versions,
+                "dcgm_endpoint": self.dcgm_endpoint,
+                "scrape_annotations": self.scrape_annotations,
+            }
+        )
 
     def _create(self, resource_name: str, obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
         """The typed resource for one object of an add-on file, with the ownership labels; an object

@@ -47,12 +47,21 @@ class GpuNodes:
     def affinity(self, extra: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
         """Required node affinity to the GPU node labels, plus `extra` match expressions."""
         exprs = [{"key": k, "operator": "In", "values": list(v)} for k, v in sorted(self.selector.items())]
-        return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchExpressions": exprs + list(extra)}]}}}
+        return {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": exprs + list(extra)}]
+                }
+            }
+        }
 
 
-def meta(name: str, namespace: Optional[pulumi.Input[str]] = None, labels: Optional[Mapping[str, str]] = None,
-         annotations: Optional[Mapping[str, pulumi.Input[str]]] = None) -> dict[str, Any]:
+def meta(
+    name: str,
+    namespace: Optional[pulumi.Input[str]] = None,
+    labels: Optional[Mapping[str, str]] = None,
+    annotations: Optional[Mapping[str, pulumi.Input[str]]] = None,
+) -> dict[str, Any]:
     """Object metadata with explicit names: the offline manifests must not depend on auto-naming."""
     m: dict[str, Any] = {"name": name, "labels": {**PART_OF, **(labels or {})}}
     if namespace is not None:
@@ -76,13 +85,15 @@ def crd_kind(filename: str) -> str:
     return load_crd(filename)["spec"]["names"]["kind"]
 
 
-def shipped_crd(resource_name: str, filename: str,
-                opts: pulumi.ResourceOptions) -> k8s.apiextensions.v1.CustomResourceDefinition:
+def shipped_crd(
+    resource_name: str, filename: str, opts: pulumi.ResourceOptions
+) -> k8s.apiextensions.v1.CustomResourceDefinition:
     """A CRD shipped in components/crds/, labelled as part of the stack."""
     crd = load_crd(filename)
     crd["metadata"]["labels"] = {**crd["metadata"].get("labels", {}), **PART_OF}
-    return k8s.apiextensions.v1.CustomResourceDefinition(resource_name, metadata=crd["metadata"], spec=crd["spec"],
-                                                         opts=opts)
+    return k8s.apiextensions.v1.CustomResourceDefinition(
+        resource_name, metadata=crd["metadata"], spec=crd["spec"], opts=opts
+    )
 
 
 def load_addon(filename: str) -> dict[str, dict[str, Any]]:
@@ -104,31 +115,60 @@ def gib(n: float) -> str:
 
 def pod_resources(shape: PodShape) -> dict[str, Any]:
     """The container resources of the plan's pod shape: requests = limits (Guaranteed QoS, whole node)."""
-    amounts: dict[str, Any] = {"nvidia.com/gpu": str(shape.gpus), "vpc.amazonaws.com/efa": str(shape.efa),
-                               "cpu": str(shape.cpu), "memory": gib(shape.memory_gib)}
+    amounts: dict[str, Any] = {
+        "nvidia.com/gpu": str(shape.gpus),
+        "vpc.amazonaws.com/efa": str(shape.efa),
+        "cpu": str(shape.cpu),
+        "memory": gib(shape.memory_gib),
+    }
     if shape.hugepages_gib:
         amounts["hugepages-2Mi"] = gib(shape.hugepages_gib)
     return {"requests": amounts, "limits": dict(amounts)}
 
 
-def fsx_claim(name: str, fsx_id: pulumi.Input[str], dns_name: pulumi.Input[str], mount_name: pulumi.Input[str],
-              namespace: str, claim: str, size: pulumi.Input[str], read_only: bool,
-              opts: pulumi.ResourceOptions) -> k8s.core.v1.PersistentVolumeClaim:
+def fsx_claim(
+    name: str,
+    fsx_id: pulumi.Input[str],
+    dns_name: pulumi.Input[str],
+    mount_name: pulumi.Input[str],
+    namespace: str,
+    claim: str,
+    size: pulumi.Input[str],
+    read_only: bool,
+    opts: pulumi.ResourceOptions,
+) -> k8s.core.v1.PersistentVolumeClaim:
     """A static FSx for Lustre volume bound to one claim in `namespace`: the file system exists (AWS
     side), the PV only points at it. The Lustre client runs in the node's kernel, so its traffic is not
     pod traffic (no network policy). Read-write volumes mount with `flock` (the trainer's out-directory
     lock); read-only ones are read-only at the CSI driver too."""
     access = "ReadOnlyMany" if read_only else "ReadWriteMany"
-    csi: dict[str, Any] = {"driver": "fsx.csi.aws.com", "volumeHandle": fsx_id,
-                           "volumeAttributes": {"dnsname": dns_name, "mountname": mount_name}}
-    spec: dict[str, Any] = {"capacity": {"storage": size}, "volumeMode": "Filesystem", "accessModes": [access],
-                            "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                            "claimRef": {"namespace": namespace, "name": claim}, "csi": csi}
+    csi: dict[str, Any] = {
+        "driver": "fsx.csi.aws.com",
+        "volumeHandle": fsx_id,
+        "volumeAttributes": {"dnsname": dns_name, "mountname": mount_name},
+    }
+    spec: dict[str, Any] = {
+        "capacity": {"storage": size},
+        "volumeMode": "Filesystem",
+        "accessModes": [access],
+        "persistentVolumeReclaimPolicy": "Retain",
+        "storageClassName": "",
+        "claimRef": {"namespace": namespace, "name": claim},
+        "csi": csi,
+    }
     if read_only:
         csi["readOnly"] = True
     else:
         spec["mountOptions"] = ["flock"]
     volume = k8s.core.v1.PersistentVolume(f"{name}-fsx-pv", metadata=meta(f"{namespace}-fsx"), spec=spec, opts=opts)
-    return k8s.core.v1.PersistentVolumeClaim(f"{name}-fsx-pvc", metadata=meta(claim, namespace), spec={
-        "accessModes": [access], "storageClassName": "", "volumeName": volume.metadata.name,
-        "resources": {"requests": {"storage": size}}}, opts=opts)
+    return k8s.core.v1.PersistentVolumeClaim(
+        f"{name}-fsx-pvc",
+        metadata=meta(claim, namespace),
+        spec={
+            "accessModes": [access],
+            "storageClassName": "",
+            "volumeName": volume.metadata.name,
+            "resources": {"requests": {"storage": size}},
+        },
+        opts=opts,
+    )

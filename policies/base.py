@@ -12,8 +12,15 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-from pulumi_policy import (EnforcementLevel, PolicyResource, ReportViolation, ResourceValidationArgs,
-                           ResourceValidationPolicy, StackValidationArgs, StackValidationPolicy)
+from pulumi_policy import (
+    EnforcementLevel,
+    PolicyResource,
+    ReportViolation,
+    ResourceValidationArgs,
+    ResourceValidationPolicy,
+    StackValidationArgs,
+    StackValidationPolicy,
+)
 
 from .settings import PolicySettings, schema_for, settings_for
 from .view import PlanError, Res, Stack
@@ -80,12 +87,24 @@ _SHAPE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError)
 
 
 class StackPolicy(ChecklistPolicy, StackValidationPolicy):
-    def __init__(self, name: str, item: int, description: str, check: StackCheck, *,
-                 level: EnforcementLevel = EnforcementLevel.MANDATORY,
-                 settings: Optional[type[PolicySettings]] = None):
+    def __init__(
+        self,
+        name: str,
+        item: int,
+        description: str,
+        check: StackCheck,
+        *,
+        level: EnforcementLevel = EnforcementLevel.MANDATORY,
+        settings: Optional[type[PolicySettings]] = None,
+    ):
         self.item, self.settings, self.check = item, settings, check
-        super().__init__(name=name, description=description, enforcement_level=level,
-                         config_schema=schema_for(settings) if settings else None, tags=[f"checklist-{item}"])
+        super().__init__(
+            name=name,
+            description=description,
+            enforcement_level=level,
+            config_schema=schema_for(settings) if settings else None,
+            tags=[f"checklist-{item}"],
+        )
 
     def validate(self, args: StackValidationArgs, report_violation: ReportViolation) -> None:
         stack = stack_of(args.resources)
@@ -103,20 +122,34 @@ class StackPolicy(ChecklistPolicy, StackValidationPolicy):
 
 
 class ResourcePolicy(ChecklistPolicy, ResourceValidationPolicy):
-    def __init__(self, name: str, item: int, description: str, types: tuple[str, ...], check: ResourceCheck, *,
-                 level: EnforcementLevel = EnforcementLevel.MANDATORY,
-                 settings: Optional[type[PolicySettings]] = None,
-                 remediate: Optional[Remediation] = None):
+    def __init__(
+        self,
+        name: str,
+        item: int,
+        description: str,
+        types: tuple[str, ...],
+        check: ResourceCheck,
+        *,
+        level: EnforcementLevel = EnforcementLevel.MANDATORY,
+        settings: Optional[type[PolicySettings]] = None,
+        remediate: Optional[Remediation] = None,
+    ):
         self.item, self.settings, self.types, self.check, self.fix = item, settings, types, check, remediate
         # Passed, not overridden: pulumi-policy treats a subclass that overrides `remediate` as remediating.
-        super().__init__(name=name, description=description, enforcement_level=level,
-                         config_schema=schema_for(settings) if settings else None, tags=[f"checklist-{item}"],
-                         remediate=self._remediate if remediate else None)
+        super().__init__(
+            name=name,
+            description=description,
+            enforcement_level=level,
+            config_schema=schema_for(settings) if settings else None,
+            tags=[f"checklist-{item}"],
+            remediate=self._remediate if remediate else None,
+        )
 
     @staticmethod
     def _res(args: ResourceValidationArgs) -> Res:
-        return Res(type=args.resource_type, name=args.name, urn=args.urn, props=args.props,
-                   parent=args.opts.parent or "")
+        return Res(
+            type=args.resource_type, name=args.name, urn=args.urn, props=args.props, parent=args.opts.parent or ""
+        )
 
     def validate(self, args: ResourceValidationArgs, report_violation: ReportViolation) -> None:
         if args.resource_type in self.types:

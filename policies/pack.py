@@ -9,8 +9,16 @@ PACK_NAME = "supernode-checklist"
 POLICIES: list[ChecklistPolicy] = checklist.POLICIES + security.POLICIES + serving.POLICIES
 
 CHECKLIST_ITEMS = {
-    1: "Accelerators", 2: "Memory fit", 3: "Interconnect", 4: "Consistent versions", 5: "Code and config ready",
-    6: "Data", 7: "Weights verified", 8: "Checkpoint storage", 9: "Monitoring", 10: "Access control and keys",
+    1: "Accelerators",
+    2: "Memory fit",
+    3: "Interconnect",
+    4: "Consistent versions",
+    5: "Code and config ready",
+    6: "Data",
+    7: "Weights verified",
+    8: "Checkpoint storage",
+    9: "Monitoring",
+    10: "Access control and keys",
 }
 
 BY_NAME: dict[str, ChecklistPolicy] = {p.name: p for p in POLICIES}

@@ -14,15 +14,37 @@ from pulumi_policy import EnforcementLevel
 
 from supernode.core.config import DIGEST_RE
 from supernode.core.config.schema import PLACEHOLDER_DIGEST
-from supernode.core.resource_types import (BUCKET, BUCKET_LOGGING, BUCKET_PAB, BUCKET_POLICY, BUCKET_SSE, CRON_JOB,
-                                           DAEMON_SET, DEPLOYMENT, EKS_CLUSTER, IAM_GROUP_POLICY, IAM_POLICY, IAM_ROLE,
-                                           IAM_ROLE_POLICY, IAM_USER_POLICY, K8S_JOB, KMS_KEY, KMS_KEY_POLICY,
-                                           LAUNCH_TEMPLATE, LEADER_WORKER_SET, POD, PYTORCH_JOB, SECURITY_GROUP,
-                                           SG_INGRESS, SG_RULE, SNS_TOPIC_POLICY, STATEFUL_SET)
+from supernode.core.resource_types import (
+    BUCKET,
+    BUCKET_LOGGING,
+    BUCKET_PAB,
+    BUCKET_POLICY,
+    BUCKET_SSE,
+    CRON_JOB,
+    DAEMON_SET,
+    DEPLOYMENT,
+    EKS_CLUSTER,
+    IAM_GROUP_POLICY,
+    IAM_POLICY,
+    IAM_ROLE,
+    IAM_ROLE_POLICY,
+    IAM_USER_POLICY,
+    K8S_JOB,
+    KMS_KEY,
+    KMS_KEY_POLICY,
+    LAUNCH_TEMPLATE,
+    LEADER_WORKER_SET,
+    POD,
+    PYTORCH_JOB,
+    SECURITY_GROUP,
+    SG_INGRESS,
+    SG_RULE,
+    SNS_TOPIC_POLICY,
+    STATEFUL_SET,
+)
 
 from .base import Report, ResourcePolicy, StackPolicy
-from .view import (OPEN_CIDRS, Res, Stack, as_list, containers, get, is_true, items, json_doc, plain,
-                   statements)
+from .view import OPEN_CIDRS, Res, Stack, as_list, containers, get, is_true, items, json_doc, plain, statements
 
 REMEDIATE = EnforcementLevel.REMEDIATE
 PAB_FLAGS = ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")
@@ -33,9 +55,12 @@ NO_RESOURCE_LEVEL = {"sts:GetCallerIdentity", "ecr:GetAuthorizationToken"}
 
 # -- IAM ------------------------------------------------------------------------------------------
 
+
 def _documents(res: Res) -> list[tuple[str, Optional[dict]]]:
     if res.type == IAM_ROLE:
-        return [(f"inline policy '{get(p, 'name')}'", json_doc(get(p, "policy"))) for p in items(res.get("inlinePolicies"))]
+        return [
+            (f"inline policy '{get(p, 'name')}'", json_doc(get(p, "policy"))) for p in items(res.get("inlinePolicies"))
+        ]
     return [("policy", json_doc(res.get("policy")))]
 
 
@@ -52,17 +77,26 @@ def _iam(res: Res, _conf: None, report: Report) -> None:
             actions = [str(a) for a in as_list(st.get("Action"))]
             wild = [a for a in actions if "*" in a] + (["NotAction"] if "NotAction" in st else [])
             if wild:
-                report(res, f"{res.label} {where} statement {i} allows wildcard actions {wild}. Fix: list the exact "
-                            f"actions the workload calls.")
+                report(
+                    res,
+                    f"{res.label} {where} statement {i} allows wildcard actions {wild}. Fix: list the exact "
+                    f"actions the workload calls.",
+                )
             if res.type in (KMS_KEY, KMS_KEY_POLICY):
                 continue  # in a key policy, Resource '*' means the key itself
             resources = [str(r) for r in as_list(st.get("Resource"))] + (["NotResource"] if "NotResource" in st else [])
-            if any(r in ("*", "NotResource") for r in resources) and not all(_read_only(a) for a in actions if "*" not in a):
-                report(res, f"{res.label} {where} statement {i} grants {actions} on Resource '*'; only read-only "
-                            f"Describe/List calls without resource-level permissions may. Fix: name the ARNs.")
+            if any(r in ("*", "NotResource") for r in resources) and not all(
+                _read_only(a) for a in actions if "*" not in a
+            ):
+                report(
+                    res,
+                    f"{res.label} {where} statement {i} grants {actions} on Resource '*'; only read-only "
+                    f"Describe/List calls without resource-level permissions may. Fix: name the ARNs.",
+                )
 
 
 # -- S3 -------------------------------------------------------------------------------------------
+
 
 def bucket_name(stack: Stack, bucket: Res) -> Optional[str]:
     """The bucket's name: its own `bucket` input, else what its configuration resources call it."""
@@ -76,19 +110,28 @@ def _s3_kms(stack: Stack, _conf: None, report: Report) -> None:
     # S3 server access logging delivers only to SSE-S3 buckets (AWS does not support SSE-KMS there).
     log_targets = {r.get("targetBucket") for r in stack.of(BUCKET_LOGGING)}
     for b in stack.of(BUCKET):
-        algos = [get(r, "applyServerSideEncryptionByDefault", "sseAlgorithm")
-                 for c in stack.attached(b, (BUCKET_SSE,)) for r in items(c.get("rules"))]
+        algos = [
+            get(r, "applyServerSideEncryptionByDefault", "sseAlgorithm")
+            for c in stack.attached(b, (BUCKET_SSE,))
+            for r in items(c.get("rules"))
+        ]
         accepted = ("aws:kms", "AES256") if bucket_name(stack, b) in log_targets else ("aws:kms",)
         if not any(str(a).startswith(accepted) for a in algos):
-            report(b, f"{b.label} is not encrypted with KMS (default encryption: {algos or 'none'}). Fix: add an "
-                      f"aws.s3.BucketServerSideEncryptionConfiguration with sseAlgorithm 'aws:kms' and the stack's key.")
+            report(
+                b,
+                f"{b.label} is not encrypted with KMS (default encryption: {algos or 'none'}). Fix: add an "
+                f"aws.s3.BucketServerSideEncryptionConfiguration with sseAlgorithm 'aws:kms' and the stack's key.",
+            )
 
 
 def _pab_attached(stack: Stack, _conf: None, report: Report) -> None:
     for b in stack.of(BUCKET):
         if not stack.attached(b, (BUCKET_PAB,)):
-            report(b, f"{b.label} has no public-access block, so a bucket policy or ACL could make it public. Fix: add "
-                      f"an aws.s3.BucketPublicAccessBlock with all four flags true.")
+            report(
+                b,
+                f"{b.label} has no public-access block, so a bucket policy or ACL could make it public. Fix: add "
+                f"an aws.s3.BucketPublicAccessBlock with all four flags true.",
+            )
 
 
 def _pab(res: Res, _conf: None, report: Report) -> None:
@@ -105,21 +148,34 @@ def _pab_fix(res: Res) -> Optional[dict[str, Any]]:
 
 def _tls_only(stack: Stack, _conf: None, report: Report) -> None:
     for b in stack.of(BUCKET):
-        denies = [st for p in stack.attached(b, (BUCKET_POLICY,)) for st in statements(json_doc(p.get("policy")))
-                  if st.get("Effect") == "Deny"
-                  and str(get(st, "Condition", "Bool", "aws:SecureTransport")).lower() == "false"]
+        denies = [
+            st
+            for p in stack.attached(b, (BUCKET_POLICY,))
+            for st in statements(json_doc(p.get("policy")))
+            if st.get("Effect") == "Deny"
+            and str(get(st, "Condition", "Bool", "aws:SecureTransport")).lower() == "false"
+        ]
         if not denies:
-            report(b, f"{b.label} accepts plain-HTTP requests: no bucket policy denies aws:SecureTransport false. Fix: "
-                      f"add a Deny s3:* statement with Condition Bool aws:SecureTransport 'false'.")
+            report(
+                b,
+                f"{b.label} accepts plain-HTTP requests: no bucket policy denies aws:SecureTransport false. Fix: "
+                f"add a Deny s3:* statement with Condition Bool aws:SecureTransport 'false'.",
+            )
 
 
 # -- EKS, EC2, KMS, network -----------------------------------------------------------------------
 
+
 def _eks_secrets(res: Res, _conf: None, report: Report) -> None:
-    configs = items(res.get("encryptionConfig")) or ([res.get("encryptionConfig")] if res.get("encryptionConfig") else [])
+    configs = items(res.get("encryptionConfig")) or (
+        [res.get("encryptionConfig")] if res.get("encryptionConfig") else []
+    )
     if not any("secrets" in items(get(c, "resources")) and get(c, "provider", "keyArn") for c in configs):
-        report(res, f"{res.label} does not encrypt Kubernetes secrets with KMS. Fix: set encryptionConfig "
-                    f"{{resources: ['secrets'], provider: {{keyArn: <KMS key ARN>}}}}.")
+        report(
+            res,
+            f"{res.label} does not encrypt Kubernetes secrets with KMS. Fix: set encryptionConfig "
+            f"{{resources: ['secrets'], provider: {{keyArn: <KMS key ARN>}}}}.",
+        )
 
 
 def _eks_endpoint(res: Res, _conf: None, report: Report) -> None:
@@ -128,17 +184,23 @@ def _eks_endpoint(res: Res, _conf: None, report: Report) -> None:
     if public is False:
         return
     if not cidrs or any(c in OPEN_CIDRS for c in cidrs):
-        report(res, f"{res.label} exposes its API endpoint to the internet (endpointPublicAccess "
-                    f"{'unset (AWS default: public)' if public is None else public}, publicAccessCidrs "
-                    f"{cidrs or 'unset = 0.0.0.0/0'}). Fix: endpointPublicAccess false, or list the allowed CIDRs "
-                    f"(supernode:cluster.publicAccessCidrs).")
+        report(
+            res,
+            f"{res.label} exposes its API endpoint to the internet (endpointPublicAccess "
+            f"{'unset (AWS default: public)' if public is None else public}, publicAccessCidrs "
+            f"{cidrs or 'unset = 0.0.0.0/0'}). Fix: endpointPublicAccess false, or list the allowed CIDRs "
+            f"(supernode:cluster.publicAccessCidrs).",
+        )
 
 
 def _imdsv2(res: Res, _conf: None, report: Report) -> None:
     if res.get("metadataOptions", "httpTokens") != "required":
-        report(res, f"{res.label} allows IMDSv1 (metadataOptions.httpTokens "
-                    f"{res.get('metadataOptions', 'httpTokens')!r}), which SSRF can use to steal node credentials. "
-                    f"Fix: metadataOptions {{httpTokens: 'required', httpPutResponseHopLimit: 1}}.")
+        report(
+            res,
+            f"{res.label} allows IMDSv1 (metadataOptions.httpTokens "
+            f"{res.get('metadataOptions', 'httpTokens')!r}), which SSRF can use to steal node credentials. "
+            f"Fix: metadataOptions {{httpTokens: 'required', httpPutResponseHopLimit: 1}}.",
+        )
 
 
 def _imdsv2_fix(res: Res) -> Optional[dict[str, Any]]:
@@ -152,17 +214,23 @@ def _imdsv2_fix(res: Res) -> Optional[dict[str, Any]]:
 def _imds_hop_limit(res: Res, _conf: None, report: Report) -> None:
     hops = res.get("metadataOptions", "httpPutResponseHopLimit")
     if hops != 1:
-        report(res, f"{res.label} lets IMDS answers travel {hops if hops is not None else 'the default number of'} "
-                    f"hops, so a pod in its own network namespace can take the node role's credentials. Fix: "
-                    f"metadataOptions.httpPutResponseHopLimit 1, and give pods that call AWS an IRSA or Pod Identity "
-                    f"role.")
+        report(
+            res,
+            f"{res.label} lets IMDS answers travel {hops if hops is not None else 'the default number of'} "
+            f"hops, so a pod in its own network namespace can take the node role's credentials. Fix: "
+            f"metadataOptions.httpPutResponseHopLimit 1, and give pods that call AWS an IRSA or Pod Identity "
+            f"role.",
+        )
 
 
 def _kms_rotation(res: Res, _conf: None, report: Report) -> None:
     spec = res.get("customerMasterKeySpec") or res.get("keySpec") or "SYMMETRIC_DEFAULT"
     if spec == "SYMMETRIC_DEFAULT" and not is_true(res.get("enableKeyRotation")):
-        report(res, f"{res.label} does not rotate its key material. Fix: enableKeyRotation true "
-                    f"(supernode:identity.kmsKeyRotation).")
+        report(
+            res,
+            f"{res.label} does not rotate its key material. Fix: enableKeyRotation true "
+            f"(supernode:identity.kmsKeyRotation).",
+        )
 
 
 def _open_ingress(res: Res, _conf: None, report: Report) -> None:
@@ -178,8 +246,11 @@ def _open_ingress(res: Res, _conf: None, report: Report) -> None:
         open_ = [c for c in cidrs if c in OPEN_CIDRS]
         if open_:
             port = get(rule, "fromPort", default="all")
-            report(res, f"{res.label} allows ingress from {open_} (port {port}). Fix: restrict the source to the VPC "
-                        f"or a named security group; reach nodes through SSM, not the internet.")
+            report(
+                res,
+                f"{res.label} allows ingress from {open_} (port {port}). Fix: restrict the source to the VPC "
+                f"or a named security group; reach nodes through SSM, not the internet.",
+            )
 
 
 # -- containers the stack deploys ------------------------------------------------------------------
@@ -198,53 +269,106 @@ def _image_digests(stack: Stack, _conf: None, report: Report) -> None:
     for w, c in _all_containers(stack):
         image = str(get(c, "image", default=""))
         if w.urn not in jobs and not DIGEST_RE.match(image):
-            report(w, f"{w.label} container '{get(c, 'name')}' runs {image!r}, a tag that can be re-pointed. Fix: pin "
-                      f"it by digest in supernode:images.addons (`make addon-digests` prints the mapping).")
+            report(
+                w,
+                f"{w.label} container '{get(c, 'name')}' runs {image!r}, a tag that can be re-pointed. Fix: pin "
+                f"it by digest in supernode:images.addons (`make addon-digests` prints the mapping).",
+            )
 
 
 def _image_placeholder(stack: Stack, _conf: None, report: Report) -> None:
     for w, c in _all_containers(stack):
         image = str(get(c, "image", default=""))
         if image.endswith("@" + PLACEHOLDER_DIGEST):
-            report(w, f"{w.label} container '{get(c, 'name')}' runs the placeholder digest {image!r}: no such image "
-                      f"exists, so its pods never start. Fix: `make image STACK=<stack>` and put the digest it prints "
-                      f"in supernode:images.trainer.")
+            report(
+                w,
+                f"{w.label} container '{get(c, 'name')}' runs the placeholder digest {image!r}: no such image "
+                f"exists, so its pods never start. Fix: `make image STACK=<stack>` and put the digest it prints "
+                f"in supernode:images.trainer.",
+            )
 
 
 def _container_resources(stack: Stack, _conf: None, report: Report) -> None:
     for w, c in _all_containers(stack):
-        missing = [f"{kind}.{r}" for kind in ("requests", "limits") for r in BOUNDED
-                   if get(c, "resources", kind, r) in (None, "")]
+        missing = [
+            f"{kind}.{r}"
+            for kind in ("requests", "limits")
+            for r in BOUNDED
+            if get(c, "resources", kind, r) in (None, "")
+        ]
         if missing:
-            report(w, f"{w.label} container '{get(c, 'name')}' sets no {', '.join(missing)}, so it can starve its "
-                      f"node's other pods. Fix: set CPU and memory requests and limits (add-ons: their file in "
-                      f"components/addons/).")
+            report(
+                w,
+                f"{w.label} container '{get(c, 'name')}' sets no {', '.join(missing)}, so it can starve its "
+                f"node's other pods. Fix: set CPU and memory requests and limits (add-ons: their file in "
+                f"components/addons/).",
+            )
 
 
 POLICIES = [
-    ResourcePolicy("iam-no-wildcards", 10, "IAM documents allow no wildcard actions and no '*' resource beyond "
-                   "read-only calls.", (IAM_ROLE, IAM_ROLE_POLICY, IAM_POLICY, IAM_USER_POLICY, IAM_GROUP_POLICY,
-                                        BUCKET_POLICY, KMS_KEY, KMS_KEY_POLICY, SNS_TOPIC_POLICY), _iam),
+    ResourcePolicy(
+        "iam-no-wildcards",
+        10,
+        "IAM documents allow no wildcard actions and no '*' resource beyond read-only calls.",
+        (
+            IAM_ROLE,
+            IAM_ROLE_POLICY,
+            IAM_POLICY,
+            IAM_USER_POLICY,
+            IAM_GROUP_POLICY,
+            BUCKET_POLICY,
+            KMS_KEY,
+            KMS_KEY_POLICY,
+            SNS_TOPIC_POLICY,
+        ),
+        _iam,
+    ),
     StackPolicy("s3-kms-encryption", 10, "S3 buckets are encrypted with KMS.", _s3_kms),
     StackPolicy("s3-public-access-block-attached", 10, "Every S3 bucket has a public-access block.", _pab_attached),
-    ResourcePolicy("s3-public-access-block", 10, "S3 public-access blocks set all four flags.", (BUCKET_PAB,), _pab,
-                   level=REMEDIATE, remediate=_pab_fix),
+    ResourcePolicy(
+        "s3-public-access-block",
+        10,
+        "S3 public-access blocks set all four flags.",
+        (BUCKET_PAB,),
+        _pab,
+        level=REMEDIATE,
+        remediate=_pab_fix,
+    ),
     StackPolicy("s3-tls-only", 10, "S3 buckets deny non-TLS requests.", _tls_only),
     ResourcePolicy("eks-secrets-encryption", 10, "EKS encrypts secrets with KMS.", (EKS_CLUSTER,), _eks_secrets),
-    ResourcePolicy("eks-endpoint-restricted", 10, "The EKS API endpoint is not open to 0.0.0.0/0.", (EKS_CLUSTER,),
-                   _eks_endpoint),
-    ResourcePolicy("ec2-imdsv2", 10, "Launch templates require IMDSv2.", (LAUNCH_TEMPLATE,), _imdsv2,
-                   level=REMEDIATE, remediate=_imdsv2_fix),
-    ResourcePolicy("ec2-imds-hop-limit", 10, "Launch templates keep IMDS answers on the node (hop limit 1).",
-                   (LAUNCH_TEMPLATE,), _imds_hop_limit),
+    ResourcePolicy(
+        "eks-endpoint-restricted", 10, "The EKS API endpoint is not open to 0.0.0.0/0.", (EKS_CLUSTER,), _eks_endpoint
+    ),
+    ResourcePolicy(
+        "ec2-imdsv2",
+        10,
+        "Launch templates require IMDSv2.",
+        (LAUNCH_TEMPLATE,),
+        _imdsv2,
+        level=REMEDIATE,
+        remediate=_imdsv2_fix,
+    ),
+    ResourcePolicy(
+        "ec2-imds-hop-limit",
+        10,
+        "Launch templates keep IMDS answers on the node (hop limit 1).",
+        (LAUNCH_TEMPLATE,),
+        _imds_hop_limit,
+    ),
     ResourcePolicy("kms-key-rotation", 10, "KMS keys rotate.", (KMS_KEY,), _kms_rotation),
-    ResourcePolicy("no-open-ingress", 10, "No security group allows ingress from 0.0.0.0/0 or ::/0.",
-                   (SECURITY_GROUP, SG_RULE, SG_INGRESS), _open_ingress),
+    ResourcePolicy(
+        "no-open-ingress",
+        10,
+        "No security group allows ingress from 0.0.0.0/0 or ::/0.",
+        (SECURITY_GROUP, SG_RULE, SG_INGRESS),
+        _open_ingress,
+    ),
     # Both image policies are mandatory unless the stack says otherwise (supernode:images.requireDigests
     # false, a dev stack: `supernode policy config` makes them advisory).
     StackPolicy("image-digests", 10, "Every container image the stack deploys is pinned by digest.", _image_digests),
     StackPolicy("image-placeholder", 10, "No container runs the placeholder image digest.", _image_placeholder),
-    StackPolicy("container-resources", 10, "Every container sets CPU and memory requests and limits.",
-                _container_resources),
+    StackPolicy(
+        "container-resources", 10, "Every container sets CPU and memory requests and limits.", _container_resources
+    ),
 ]
 IMAGE_POLICIES = ("image-digests", "image-placeholder")

@@ -23,29 +23,42 @@ class PolicySettings(BaseModel):
 
 
 class ApprovedInstances(PolicySettings):
-    approved_instance_types: list[str] = Field(default_factory=lambda: list(CATALOG),
-                                               description="GPU instance types node groups may use")
+    approved_instance_types: list[str] = Field(
+        default_factory=lambda: list(CATALOG), description="GPU instance types node groups may use"
+    )
 
 
 class Gate(PolicySettings):
-    min_gate_fraction: float = Field(default=0.5, gt=0, le=1.5,
-                                     description="the gate's bus-bandwidth floor must be at least this fraction "
-                                                 "of the catalog's all_reduce baseline")
+    min_gate_fraction: float = Field(
+        default=0.5,
+        gt=0,
+        le=1.5,
+        description="the gate's bus-bandwidth floor must be at least this fraction "
+        "of the catalog's all_reduce baseline",
+    )
 
 
 class Data(PolicySettings):
-    dataset_prefix: Optional[str] = Field(default=None, description="S3 key prefix of the training data; "
-                                          "when unset any non-empty prefix readable by the trainer role passes")
+    dataset_prefix: Optional[str] = Field(
+        default=None,
+        description="S3 key prefix of the training data; "
+        "when unset any non-empty prefix readable by the trainer role passes",
+    )
 
 
 class CheckpointThroughput(PolicySettings):
-    checkpoint_write_budget_s: Optional[float] = Field(default=None, gt=0, description="seconds one checkpoint "
-                                                       "write may take; default: the budget the plan was sized for")
+    checkpoint_write_budget_s: Optional[float] = Field(
+        default=None,
+        gt=0,
+        description="seconds one checkpoint write may take; default: the budget the plan was sized for",
+    )
 
 
 class Lifecycle(PolicySettings):
-    checkpoint_prefix: Optional[str] = Field(default=None, description="S3 key prefix of checkpoints; when unset "
-                                             "any rule with a transition and an expiration counts")
+    checkpoint_prefix: Optional[str] = Field(
+        default=None,
+        description="S3 key prefix of checkpoints; when unset any rule with a transition and an expiration counts",
+    )
 
 
 class LogRetention(PolicySettings):
@@ -64,8 +77,10 @@ def settings_for(policy: str, model: type[S], raw: Optional[Mapping[str, Any]]) 
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(f"{policy}.{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})"
-                             for err in e.errors(include_url=False))
+        problems = "; ".join(
+            f"{policy}.{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})"
+            for err in e.errors(include_url=False)
+        )
         raise PolicyConfigError(problems) from None
 
 

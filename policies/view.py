@@ -19,8 +19,16 @@ from pydantic import ValidationError
 
 from supernode.core.catalog import CATALOG
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
-from supernode.core.resource_types import (CONFIG_MAP, CRON_JOB, K8S_JOB, LAUNCH_TEMPLATE, LEADER_WORKER_SET,
-                                          NODE_GROUP, POD, PYTORCH_JOB)
+from supernode.core.resource_types import (
+    CONFIG_MAP,
+    CRON_JOB,
+    K8S_JOB,
+    LAUNCH_TEMPLATE,
+    LEADER_WORKER_SET,
+    NODE_GROUP,
+    POD,
+    PYTORCH_JOB,
+)
 
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 EFA_INTERFACE_TYPES = ("efa", "efa-only")
@@ -118,15 +126,32 @@ class Stack:
     @classmethod
     def from_policy_resources(cls, resources: Iterable[Any]) -> "Stack":
         """From `StackValidationArgs.resources` (pulumi_policy.PolicyResource)."""
-        return cls(Res(type=r.resource_type, name=r.name, urn=r.urn, props=r.props,
-                       parent=r.parent.urn if r.parent is not None else (r.opts.parent or ""),
-                       deps=[d.urn for d in r.dependencies]) for r in resources)
+        return cls(
+            Res(
+                type=r.resource_type,
+                name=r.name,
+                urn=r.urn,
+                props=r.props,
+                parent=r.parent.urn if r.parent is not None else (r.opts.parent or ""),
+                deps=[d.urn for d in r.dependencies],
+            )
+            for r in resources
+        )
 
     @classmethod
     def from_json(cls, resources: Iterable[dict[str, Any]]) -> "Stack":
         """From recorded resources (`supernode preview --json`), e.g. to inspect what the policies see."""
-        return cls(Res(type=r["type"], name=r["name"], urn=r["urn"], props=r.get("inputs") or {},
-                       parent=r.get("parent") or "", deps=list(r.get("dependencies") or [])) for r in resources)
+        return cls(
+            Res(
+                type=r["type"],
+                name=r["name"],
+                urn=r["urn"],
+                props=r.get("inputs") or {},
+                parent=r.get("parent") or "",
+                deps=list(r.get("dependencies") or []),
+            )
+            for r in resources
+        )
 
     def of(self, *types: str) -> list[Res]:
         return [r for r in self.resources if r.type in types]
@@ -164,8 +189,12 @@ class Stack:
     def is_gpu_node_group(self, ng: Res) -> bool:
         itype = self.instance_type_of(ng) or ""
         taints = " ".join(str(get(t, "key", default="")) for t in items(ng.get("taints")))
-        return ("NVIDIA" in str(ng.get("amiType", default="")).upper() or itype in CATALOG
-                or itype.split(".")[0][:1] in ("p", "g") or "nvidia.com/gpu" in taints)
+        return (
+            "NVIDIA" in str(ng.get("amiType", default="")).upper()
+            or itype in CATALOG
+            or itype.split(".")[0][:1] in ("p", "g")
+            or "nvidia.com/gpu" in taints
+        )
 
     def gpu_node_groups(self) -> list[Res]:
         return [ng for ng in self.of(NODE_GROUP) if self.is_gpu_node_group(ng)]
@@ -207,8 +236,10 @@ def _parse_plan(cm: Res) -> Plan:
             raise ValueError(f"expected a JSON string, got {type(text).__name__}")
         return _plan_from_json(text)
     except (ValidationError, ValueError) as e:
-        raise PlanError(f"{cm.label} holds data['{PLAN_CONFIGMAP_KEY}'] that is not a valid supernode Plan "
-                        f"({str(e).splitlines()[0]}); generate it with supernode.core.plan.Plan.to_json()") from None
+        raise PlanError(
+            f"{cm.label} holds data['{PLAN_CONFIGMAP_KEY}'] that is not a valid supernode Plan "
+            f"({str(e).splitlines()[0]}); generate it with supernode.core.plan.Plan.to_json()"
+        ) from None
 
 
 @functools.lru_cache(maxsize=4)

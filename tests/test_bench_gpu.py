@@ -31,11 +31,14 @@ def test_the_cli_runs_it_as_bench_gpu() -> None:
     assert BENCHES["gpu"] == "bench.gpu"
 
 
-@pytest.mark.parametrize("gpus, layout, degrees", [
-    (1, "on 1 GPU(s)", {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "ep": 1, "pp": 1}),
-    (4, "on 4 GPU(s)", {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "ep": 4, "pp": 1}),
-    (16, "full plan", None),
-])
+@pytest.mark.parametrize(
+    "gpus, layout, degrees",
+    [
+        (1, "on 1 GPU(s)", {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "ep": 1, "pp": 1}),
+        (4, "on 4 GPU(s)", {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "ep": 4, "pp": 1}),
+        (16, "full plan", None),
+    ],
+)
 def test_layout_is_the_full_plan_or_the_stacks_model_on_the_gpus_here(gpus, layout, degrees) -> None:
     from supernode.core.config import load_stack
     from supernode.core.plan import build_plan

@@ -14,8 +14,22 @@ import pytest
 from bench import moe as bench_moe
 
 TT_MODULES = ("torchtitan", "torchtitan.models", "torchtitan.models.common", "torchtitan.models.common.moe")
-TINY = ["--tokens", "64", "--dim", "32", "--hidden", "64", "--experts", "4", "--topk", "2", "--threads", "1",
-        "--repeat", "1"]
+TINY = [
+    "--tokens",
+    "64",
+    "--dim",
+    "32",
+    "--hidden",
+    "64",
+    "--experts",
+    "4",
+    "--topk",
+    "2",
+    "--threads",
+    "1",
+    "--repeat",
+    "1",
+]
 
 
 def test_without_torchtitan_exit_2_says_how_to_install(capsys, monkeypatch) -> None:
@@ -69,7 +83,9 @@ def test_side_by_side_is_the_same_function(capsys, extra) -> None:
     low, high = line["paired_speedup_quartiles"]
     assert 0 < low <= line["paired_speedup_median"] <= high
     kept = line["freed_memory_kept"]
-    assert 0 < kept["paired_speedup_quartiles"][0] <= kept["paired_speedup_median"] <= kept["paired_speedup_quartiles"][1]
+    assert (
+        0 < kept["paired_speedup_quartiles"][0] <= kept["paired_speedup_median"] <= kept["paired_speedup_quartiles"][1]
+    )
     for faults in (line["minor_page_faults_per_step"], kept["minor_page_faults_per_step"]):
         assert set(faults) == {"ours", "torchtitan"} and min(faults.values()) >= 0
 

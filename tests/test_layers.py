@@ -11,8 +11,13 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
 def _lint(config: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LINT_IMPORTS), "--config", str(config), "--no-cache"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--config", str(config), "--no-cache"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_layer_contracts_are_kept():
@@ -29,8 +34,14 @@ def test_a_backwards_import_breaks_the_contract(tmp_path):
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
     (tmp_path / "supernode" / "core" / "backwards.py").write_text("from supernode.cli import main\n", encoding="utf-8")
-    r = subprocess.run([str(LINT_IMPORTS), "--config", str(ROOT / ".importlinter"), "--no-cache"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    r = subprocess.run(
+        [str(LINT_IMPORTS), "--config", str(ROOT / ".importlinter"), "--no-cache"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "supernode.core.backwards -> supernode.cli" in r.stdout
     assert "Contracts: 0 kept, 2 broken." in r.stdout

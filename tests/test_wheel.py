@@ -44,8 +44,19 @@ def installed(tmp_path_factory) -> Path:
             src.mkdir(exist_ok=True)
             shutil.copy2(path, src / name)
     wheels = tmp / "wheels"
-    r = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-            "--wheel-dir", wheels, src, cwd=tmp)
+    r = run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--quiet",
+        "--wheel-dir",
+        wheels,
+        src,
+        cwd=tmp,
+    )
     assert r.returncode == 0, r.stderr
     (wheel,) = wheels.glob("supernode-*.whl")
 
@@ -61,9 +72,11 @@ def installed(tmp_path_factory) -> Path:
 
 
 def test_the_installed_wheel_is_what_runs(installed, tmp_path):
-    code = ("import supernode, components.workload_common as w, trainer.data as d, supernode.ops.preview as p; "
-            "print(supernode.__file__); print(p.PROGRAM); print(len(list(w.ADDON_DIR.glob('*.yaml'))), "
-            "len(list(w.CRD_DIR.glob('*.yaml'))), len(d.DEFAULT_CORPUS))")
+    code = (
+        "import supernode, components.workload_common as w, trainer.data as d, supernode.ops.preview as p; "
+        "print(supernode.__file__); print(p.PROGRAM); print(len(list(w.ADDON_DIR.glob('*.yaml'))), "
+        "len(list(w.CRD_DIR.glob('*.yaml'))), len(d.DEFAULT_CORPUS))"
+    )
     r = run(installed / "bin" / "python", "-c", code, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     package, program, counts = r.stdout.splitlines()
@@ -90,8 +103,12 @@ def test_plan_and_preview_run_from_any_directory(installed, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(r.stdout)
     types = {res["type"] for res in doc["resources"]}
-    assert {"aws:eks/cluster:Cluster", "aws:ecr/repository:Repository", "kubernetes:kubeflow.org/v1:PyTorchJob",
-            "kubernetes:apiextensions.k8s.io/v1:CustomResourceDefinition"} <= types
+    assert {
+        "aws:eks/cluster:Cluster",
+        "aws:ecr/repository:Repository",
+        "kubernetes:kubeflow.org/v1:PyTorchJob",
+        "kubernetes:apiextensions.k8s.io/v1:CustomResourceDefinition",
+    } <= types
     assert not [v for v in doc["policy"]["violations"] if v["enforcement"] == "mandatory"]
 
     out = tmp_path / "data"

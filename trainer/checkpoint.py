@@ -51,9 +51,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from supernode.core.files import sha256_file
 
@@ -157,8 +161,10 @@ class OutDirLock:
     def describe(text: str) -> str:
         try:
             h = json.loads(text)
-            return (f"pid {h['pid']} on host {h['host']} since "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h['since']))}")
+            return (
+                f"pid {h['pid']} on host {h['host']} since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h['since']))}"
+            )
         except (ValueError, KeyError, TypeError):
             return "another process (no holder recorded)"
 
@@ -252,8 +258,10 @@ def _merge_digests(tmp: Path) -> dict[str, str]:
     files = sorted(p.name for p in tmp.iterdir() if p.is_file() and not p.name.startswith(DIGESTS))
     undigested = [name for name in files if name not in digests]
     if undigested:
-        raise MissingDigest(f"checkpoint {tmp} not committed: no rank recorded a sha256 for "
-                            f"{', '.join(undigested)} (its {DIGESTS}<rank> file is missing)")
+        raise MissingDigest(
+            f"checkpoint {tmp} not committed: no rank recorded a sha256 for "
+            f"{', '.join(undigested)} (its {DIGESTS}<rank> file is missing)"
+        )
     return {name: digests[name] for name in files}
 
 
@@ -292,11 +300,16 @@ class OptimizerState:
         set_optimizer_state_dict(self.model, self.optimizer, sd, options=self.OPTIONS)
 
 
-def train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful,
-                loader: Stateful) -> dict[str, Stateful]:
+def train_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Stateful, loader: Stateful
+) -> dict[str, Stateful]:
     """What a training run registers with its Checkpointer (the keys are those of the files)."""
-    return {"model": ModelState(model), "optim": OptimizerState(model, optimizer), "scheduler": scheduler,
-            "data": loader}
+    return {
+        "model": ModelState(model),
+        "optim": OptimizerState(model, optimizer),
+        "scheduler": scheduler,
+        "data": loader,
+    }
 
 
 def _step_dir(root: Path, step: int, tmp: bool = False) -> Path:
@@ -308,8 +321,8 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     root = Path(root)
     found = []
     for d in root.glob(PREFIX + "*") if root.is_dir() else []:
-        if (d / COMPLETE).is_file() and d.name[len(PREFIX):].isdigit():
-            found.append((int(d.name[len(PREFIX):]), d))
+        if (d / COMPLETE).is_file() and d.name[len(PREFIX) :].isdigit():
+            found.append((int(d.name[len(PREFIX) :]), d))
     return sorted(found)
 
 
@@ -331,8 +344,15 @@ def _set_rng_state(state: dict) -> None:
 class Checkpointer:
     """Save / restore the registered training state under `root`, keeping the newest `keep` checkpoints."""
 
-    def __init__(self, root: str | Path, keep: int, state: dict[str, Stateful], async_save: bool = True,
-                 meta: Optional[dict] = None, say: Callable[[str], None] = print):
+    def __init__(
+        self,
+        root: str | Path,
+        keep: int,
+        state: dict[str, Stateful],
+        async_save: bool = True,
+        meta: Optional[dict] = None,
+        say: Callable[[str], None] = print,
+    ):
         """`state`: the Statefuls saved and restored (`train_state(...)`), registered once; the
         checkpointer adds the step and every rank's RNG states.
         `meta` (the model and training settings) is recorded in every checkpoint's marker;
@@ -353,8 +373,11 @@ class Checkpointer:
         # buffers reused across saves; the loop only waits for it before it next changes the
         # weights (`wait_for_staging`, called before optimizer.step()).
         gpu = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
-                                                    use_async_staging=True, use_non_blocking_copy=gpu))
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=gpu
+            )
+        )
         self._staging: Future | None = None
         self.last_stall_s = 0.0  # how long the last save() blocked the caller
         if self.rank == 0:
@@ -362,7 +385,7 @@ class Checkpointer:
             for stale in self.root.glob(TMP_PREFIX + "*"):  # interrupted saves of a previous attempt
                 shutil.rmtree(stale, ignore_errors=True)
             for old in self.root.glob(OLD_PREFIX + "*"):  # a commit that died between its two renames
-                final = self.root / (PREFIX + old.name[len(OLD_PREFIX):])
+                final = self.root / (PREFIX + old.name[len(OLD_PREFIX) :])
                 if final.exists():
                     shutil.rmtree(old, ignore_errors=True)
                 else:
@@ -389,8 +412,9 @@ class Checkpointer:
             if inject("enospc") == str(step):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
             if self.async_save and not sync:
-                response = dcp.async_save(state, storage_writer=_DigestingWriter(tmp), process_group=self.group,
-                                          async_stager=self._stager)
+                response = dcp.async_save(
+                    state, storage_writer=_DigestingWriter(tmp), process_group=self.group, async_stager=self._stager
+                )
                 self._staging, self._pending = response.staging_completion, (step, response.upload_completion)
             else:
                 dcp.save(state, storage_writer=_DigestingWriter(tmp), process_group=self.group)
@@ -409,9 +433,11 @@ class Checkpointer:
         # A write error without an errno counts as a full disk only when this rank's own part would not
         # fit: other failures (a lost peer) stay retryable, however large the whole checkpoint is.
         if _is_no_space(exc) or (_is_write_error(exc) and free < self._rank_bytes):
-            raise NoSpace(f"no space left on {self.root}: the checkpoint of step {step} needs "
-                          f"~{self._save_bytes / 1e6:,.0f} MB, {free / 1e6:,.0f} MB are free; free space, "
-                          "then run again to resume from the last checkpoint") from None
+            raise NoSpace(
+                f"no space left on {self.root}: the checkpoint of step {step} needs "
+                f"~{self._save_bytes / 1e6:,.0f} MB, {free / 1e6:,.0f} MB are free; free space, "
+                "then run again to resume from the last checkpoint"
+            ) from None
 
     def wait_for_staging(self) -> None:
         """Block until the state of the save in flight is copied; call before changing the weights."""
@@ -456,15 +482,15 @@ class Checkpointer:
             os.fsync(f.fileno())
         for part in tmp.glob(DIGESTS + "*"):  # merged into the marker
             part.unlink()
-        aside = self.root / (OLD_PREFIX + final.name[len(PREFIX):])
+        aside = self.root / (OLD_PREFIX + final.name[len(PREFIX) :])
         if final.exists():  # the same step again (a resume from an earlier one, or a leftover): keep it
             os.replace(final, aside)  # until the new one is in place; start-up puts it back after a crash
         os.replace(tmp, final)  # the checkpoint now counts, marker and all, in one rename
         shutil.rmtree(aside, ignore_errors=True)
-        for old_step, old in complete_checkpoints(self.root)[:-self.keep]:
+        for old_step, old in complete_checkpoints(self.root)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         for d in self.root.glob(PREFIX + "*"):  # uncommitted leftovers older than this one
-            if not (d / COMPLETE).exists() and d.name[len(PREFIX):].isdigit() and int(d.name[len(PREFIX):]) < step:
+            if not (d / COMPLETE).exists() and d.name[len(PREFIX) :].isdigit() and int(d.name[len(PREFIX) :]) < step:
                 shutil.rmtree(d, ignore_errors=True)
 
     # -- restoring -------------------------------------------------------------------------
@@ -521,8 +547,10 @@ class Checkpointer:
             if len(bad) > 1:
                 say(f"checkpoint {bad[-1]}")
         if bad:
-            return None, (f"no usable checkpoint in {self.root}: {'; '.join(bad)}; move the corrupt ones away "
-                          "to start from step 0, or restore them from a copy")
+            return None, (
+                f"no usable checkpoint in {self.root}: {'; '.join(bad)}; move the corrupt ones away "
+                "to start from step 0, or restore them from a copy"
+            )
         return None, None
 
     def restore(self) -> int:
@@ -537,10 +565,15 @@ class Checkpointer:
         self.restored_meta = self.marker(path)
         theirs, ours = self.restored_meta.get("model"), self.meta.get("model")
         if isinstance(theirs, dict) and isinstance(ours, dict) and theirs != ours:
-            diff = ", ".join(f"{k} {theirs.get(k)!r} -> {ours.get(k)!r}" for k in sorted(set(theirs) | set(ours))
-                             if theirs.get(k) != ours.get(k))
-            raise CheckpointMismatch(f"checkpoint {path} was written for another model (model.{diff}); resume it "
-                                     "with the plan that wrote it, or train into another output directory")
+            diff = ", ".join(
+                f"{k} {theirs.get(k)!r} -> {ours.get(k)!r}"
+                for k in sorted(set(theirs) | set(ours))
+                if theirs.get(k) != ours.get(k)
+            )
+            raise CheckpointMismatch(
+                f"checkpoint {path} was written for another model (model.{diff}); resume it "
+                "with the plan that wrote it, or train into another output directory"
+            )
         state = self._state(0, {"world_size": 0, "ranks": b""})
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.group)
@@ -549,7 +582,8 @@ class Checkpointer:
             raise CheckpointMismatch(
                 f"checkpoint {path} does not fit this model and optimizer ({type(first).__name__}: "
                 f"{str(first).splitlines()[0] if str(first) else ''}); resume it with the plan that wrote it, "
-                "or train into another output directory") from None
+                "or train into another output directory"
+            ) from None
         for name, obj in self.state.items():
             obj.load_state_dict(state[name])
         if state["rng"]["world_size"] == self.world:  # per-rank streams only map 1:1 at the same size
@@ -557,5 +591,14 @@ class Checkpointer:
         return int(state["step"])
 
 
-__all__ = ["Checkpointer", "CheckpointMismatch", "CheckpointCorrupt", "NoSpace", "MissingDigest", "OutDirLock",
-           "complete_checkpoints", "COMPLETE", "train_state"]
+__all__ = [
+    "Checkpointer",
+    "CheckpointMismatch",
+    "CheckpointCorrupt",
+    "NoSpace",
+    "MissingDigest",
+    "OutDirLock",
+    "complete_checkpoints",
+    "COMPLETE",
+    "train_state",
+]

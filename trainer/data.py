@@ -31,8 +31,15 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from .manifest import (DataError, check_vocab, dataset_dirs, document_eos, ensure_verified,  # noqa: F401
-                       read_manifest, verify)
+from .manifest import (
+    DataError,
+    check_vocab,
+    dataset_dirs,
+    document_eos,
+    ensure_verified,  # noqa: F401
+    read_manifest,
+    verify,
+)
 from .prepare import DEFAULT_CORPUS, prepare  # noqa: F401
 from .tokenizer import byte_tokenizer
 
@@ -49,6 +56,7 @@ def decode(tokens: Iterable[int]) -> str:
 
 
 # -- a keyed permutation of range(n), computed per index -----------------------------------------
+
 
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser on uint64 (wrapping arithmetic is the point)."""
@@ -83,6 +91,7 @@ def _key(*parts: int) -> int:
 
 
 # -- one dataset -----------------------------------------------------------------------------------
+
 
 class Dataset:
     """A prepared dataset's windows through memory maps, and its (epoch, position) in its order."""
@@ -153,9 +162,19 @@ class TokenLoader:
     the directory the blend's paths are relative to. With `documents` (`training.documentMasking`)
     `eos` is the id that ends the datasets' documents (DataError if a manifest records none), else None."""
 
-    def __init__(self, data_dir: str | Path, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_rank: int, dp_size: int, seed: int, vocab: int | None = None, blend: Sequence = (),
-                 documents: bool = False):
+    def __init__(
+        self,
+        data_dir: str | Path,
+        seq_len: int,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        vocab: int | None = None,
+        blend: Sequence = (),
+        documents: bool = False,
+    ):
         sources = dataset_dirs(data_dir, list(blend or ()))
         self.datasets = [Dataset(path, seq_len, seed * 1_000_003 + n, vocab) for n, (path, _) in enumerate(sources)]
         weights = np.array([w for _, w in sources], dtype=np.float64)
@@ -166,8 +185,10 @@ class TokenLoader:
         self.eos = document_eos([(d.dir, d.manifest) for d in self.datasets]) if documents else None
         for d in self.datasets:
             if d.windows < global_batch:
-                raise DataError(f"{d.dir} holds {d.tokens} tokens: fewer than one global batch of "
-                                f"{global_batch} x {seq_len + 1}; add text or shrink the batch")
+                raise DataError(
+                    f"{d.dir} holds {d.tokens} tokens: fewer than one global batch of "
+                    f"{global_batch} x {seq_len + 1}; add text or shrink the batch"
+                )
 
     @property
     def windows(self) -> int:
@@ -181,8 +202,10 @@ class TokenLoader:
     def load_state_dict(self, sd: dict) -> None:
         states = sd.get("datasets", [sd])
         if len(states) != len(self.datasets):
-            raise DataError(f"the checkpoint's data state is of {len(states)} dataset(s), training.data names "
-                            f"{len(self.datasets)}: resume with the blend it was trained on")
+            raise DataError(
+                f"the checkpoint's data state is of {len(states)} dataset(s), training.data names "
+                f"{len(self.datasets)}: resume with the blend it was trained on"
+            )
         for d, s in zip(self.datasets, states):
             d.load(s)
         self.samples = int(sd.get("samples", 0))
@@ -193,7 +216,8 @@ class TokenLoader:
             return np.zeros(count, dtype=np.int64)
         u = _mix(np.arange(start, start + count, dtype=np.uint64) + np.uint64(_key(self.seed, -1)))
         return np.searchsorted(self.cumulative, (u >> np.uint64(11)) / float(1 << 53), side="right").clip(
-            max=len(self.datasets) - 1)
+            max=len(self.datasets) - 1
+        )
 
     def next_step(self) -> list[torch.Tensor]:
         """This rank's micro-batches for the next optimizer step, each [micro_batch, seq_len + 1] int64."""

@@ -42,8 +42,9 @@ class TokenDispatcher:
         """The inverse of `scatter` for the layer's output."""
         return rows if self.tp_group is None else _TokenGather.apply(rows, self.tp_group)
 
-    def compute(self, experts: nn.Module, routed: Tensor, counts: Tensor,
-                shared: Callable[[], Optional[Tensor]]) -> tuple[Tensor, Optional[Tensor]]:
+    def compute(
+        self, experts: nn.Module, routed: Tensor, counts: Tensor, shared: Callable[[], Optional[Tensor]]
+    ) -> tuple[Tensor, Optional[Tensor]]:
         """routed: token copies sorted by expert, counts[e] of them for expert e (all experts).
         -> (expert outputs in the same order, the shared expert's output or None)."""
         return experts(routed, counts), shared()
@@ -56,8 +57,9 @@ class AllToAllDispatcher(TokenDispatcher):
         super().__init__(tp_group)
         self.ep_group, self.overlap = ep_group, overlap
 
-    def compute(self, experts: nn.Module, routed: Tensor, counts: Tensor,
-                shared: Callable[[], Optional[Tensor]]) -> tuple[Tensor, Optional[Tensor]]:
+    def compute(
+        self, experts: nn.Module, routed: Tensor, counts: Tensor, shared: Callable[[], Optional[Tensor]]
+    ) -> tuple[Tensor, Optional[Tensor]]:
         group = self.ep_group
         ep = dist.get_world_size(group)
         local = counts.numel() // ep
@@ -82,6 +84,7 @@ class AllToAllDispatcher(TokenDispatcher):
 
 # -- autograd functions for the collectives -----------------------------------------------------
 
+
 class _AllToAll(torch.autograd.Function):
     """Uneven all_to_all_single; backward sends gradients back along the same routes.
 
@@ -90,8 +93,9 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group: ProcessGroup,
-                pending: Optional[list] = None) -> Tensor:
+    def forward(
+        ctx, x: Tensor, send: list[int], recv: list[int], group: ProcessGroup, pending: Optional[list] = None
+    ) -> Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty(sum(recv), *x.shape[1:])
         work = dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=pending is not None)

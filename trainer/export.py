@@ -79,8 +79,11 @@ def hf_names(key: str, m: Model, arch: str) -> Convert:
     """Our parameter `key` -> [(HF name, conversion)] (several for stacked experts)."""
     same: Callable[[Tensor], Tensor] = lambda t: t  # noqa: E731
     rope: Callable[[Tensor], Tensor] = lambda t: rope_halves(t, m.head_dim)  # noqa: E731
-    top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
+    top = {
+        "embed.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     if key in top:
         return [] if key == "output.weight" and m.tie_embeddings else [(top[key], same)]
     parts = key.split(".")
@@ -91,11 +94,14 @@ def hf_names(key: str, m: Model, arch: str) -> Convert:
     simple = {
         "attention_norm.weight": ("input_layernorm.weight", same),
         "ffn_norm.weight": ("post_attention_layernorm.weight", same),
-        "attention.wq.weight": ("self_attn.q_proj.weight", rope), "attention.wk.weight": ("self_attn.k_proj.weight", rope),
-        "attention.wv.weight": ("self_attn.v_proj.weight", same), "attention.wo.weight": ("self_attn.o_proj.weight", same),
+        "attention.wq.weight": ("self_attn.q_proj.weight", rope),
+        "attention.wk.weight": ("self_attn.k_proj.weight", rope),
+        "attention.wv.weight": ("self_attn.v_proj.weight", same),
+        "attention.wo.weight": ("self_attn.o_proj.weight", same),
         "attention.q_norm.weight": ("self_attn.q_norm.weight", rope),
         "attention.k_norm.weight": ("self_attn.k_norm.weight", rope),
-        "ffn.w1.weight": ("mlp.gate_proj.weight", same), "ffn.w3.weight": ("mlp.up_proj.weight", same),
+        "ffn.w1.weight": ("mlp.gate_proj.weight", same),
+        "ffn.w3.weight": ("mlp.up_proj.weight", same),
         "ffn.w2.weight": ("mlp.down_proj.weight", same),
         "ffn.router.gate.weight": ("mlp.gate.weight", same),
         "ffn.shared.w1.weight": ("mlp.shared_experts.gate_proj.weight", same),
@@ -112,8 +118,7 @@ def hf_names(key: str, m: Model, arch: str) -> Convert:
     experts = {"ffn.experts.w1": "gate_proj", "ffn.experts.w3": "up_proj", "ffn.experts.w2": "down_proj"}
     if rest in experts:
         # [E, in, out] (x @ w) -> per expert nn.Linear weight [out, in]
-        return [(f"{layer}mlp.experts.{e}.{experts[rest]}.weight", lambda t, e=e: t[e].t())
-                for e in range(m.experts)]
+        return [(f"{layer}mlp.experts.{e}.{experts[rest]}.weight", lambda t, e=e: t[e].t()) for e in range(m.experts)]
     raise BadInput(f"checkpoint tensor {key!r} has no counterpart in {arch}")
 
 
@@ -131,11 +136,13 @@ def _stream(path: Path, m: Model, arch: str, dtype: torch.dtype) -> Iterator[tup
         buf = {key: torch.empty(md.size, dtype=md.properties.dtype)}
         dcp.load(buf, storage_reader=reader, no_dist=True)
         t = buf.pop(key)
-        for name, fn in hf_names(key[len(PREFIX):], m, arch):
+        for name, fn in hf_names(key[len(PREFIX) :], m, arch):
             if not name:
                 if t.abs().max().item() != 0:
-                    raise BadInput(f"{key}: the router's selection bias is not zero, and {arch} has none "
-                                   "(train softmax routing with model.biasUpdateRate: 0)")
+                    raise BadInput(
+                        f"{key}: the router's selection bias is not zero, and {arch} has none "
+                        "(train softmax routing with model.biasUpdateRate: 0)"
+                    )
                 continue
             # The router's selection bias stays fp32 (a correction that small would round away in bf16).
             out = fn(t).to(torch.float32 if name.endswith("e_score_correction_bias") else dtype)
@@ -156,7 +163,9 @@ def _byte_tokenizer_json(out: Path) -> None:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (what ByteLevel pre-tokenisation maps bytes to)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -183,14 +192,30 @@ def _tokenizer(data: Optional[Path], tmp: Path) -> tuple[Optional[int], Optional
         shutil.copyfile(Path(data) / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
         tok = from_file(tmp / TOKENIZER_FILE, manifest["tokenizer"].get("eos_token"))
         eos_id, eos_token = tok.eos, tok.eos_token
-    (tmp / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "model_max_length": None,
-         "clean_up_tokenization_spaces": False}, indent=2), encoding="utf-8")
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": eos_token,
+                "model_max_length": None,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        ),
+        encoding="utf-8",
+    )
     return eos_id, eos_token
 
 
-def export(checkpoint: Path, out: Path, model: Optional[Model] = None, dtype: str = "bf16",
-           data: Optional[Path] = None, shard_bytes: int = 2 << 30, say: Callable[[str], None] = print) -> dict:
+def export(
+    checkpoint: Path,
+    out: Path,
+    model: Optional[Model] = None,
+    dtype: str = "bf16",
+    data: Optional[Path] = None,
+    shard_bytes: int = 2 << 30,
+    say: Callable[[str], None] = print,
+) -> dict:
     """Export the checkpoint (a step directory or a checkpoints root) to `out`; returns the manifest.
 
     `model`: the stack's model, used only when the checkpoint records none, and compared with it when
@@ -205,9 +230,12 @@ def export(checkpoint: Path, out: Path, model: Optional[Model] = None, dtype: st
     m = checkpoint_model(path, model)
     if model is not None and model.model_dump() != m.model_dump():
         differ = [k for k, v in model.model_dump().items() if m.model_dump()[k] != v]
-        raise BadInput(f"--checkpoint {path} was trained as another model than the stack's: "
-                       + ", ".join(f"model.{k} {m.model_dump()[k]!r} there, {model.model_dump()[k]!r} in the stack"
-                                   for k in differ))
+        raise BadInput(
+            f"--checkpoint {path} was trained as another model than the stack's: "
+            + ", ".join(
+                f"model.{k} {m.model_dump()[k]!r} there, {model.model_dump()[k]!r} in the stack" for k in differ
+            )
+        )
     arch = served_architecture(m)
     out = Path(out)
     if out.exists() and not (out / MANIFEST).is_file():
@@ -240,22 +268,32 @@ def export(checkpoint: Path, out: Path, model: Optional[Model] = None, dtype: st
         size += nbytes
         total += nbytes
     flush()
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2), encoding="utf-8")
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2),
+        encoding="utf-8",
+    )
     eos, _ = _tokenizer(data, tmp)
     (tmp / "config.json").write_text(json.dumps(hf_config(m, dtype, eos=eos), indent=2), encoding="utf-8")
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}), encoding="utf-8")
     marker = Checkpointer.marker(path)
     manifest = {
-        "format": FORMAT, "architecture": arch, "dtype": dtype, "total_bytes": total,
+        "format": FORMAT,
+        "architecture": arch,
+        "dtype": dtype,
+        "total_bytes": total,
         "source": {"checkpoint": str(path), "step": marker.get("step")},
-        "files": {f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size}
-                  for f in sorted(tmp.iterdir()) if f.name != MANIFEST},
+        "files": {
+            f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+            for f in sorted(tmp.iterdir())
+            if f.name != MANIFEST
+        },
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
-    say(f"exported step {marker.get('step')} of {path.parent} as {arch} ({dtype}, {total / 2**20:.1f} MiB in "
-        f"{shards} shard(s)) to {out}")
+    say(
+        f"exported step {marker.get('step')} of {path.parent} as {arch} ({dtype}, {total / 2**20:.1f} MiB in "
+        f"{shards} shard(s)) to {out}"
+    )
     return manifest

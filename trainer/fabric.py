@@ -63,7 +63,7 @@ def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B")
     unit = t[-1] if t and t[-1] in UNITS else ""
     try:
-        value = int(float(t[:len(t) - len(unit)]) * UNITS[unit])
+        value = int(float(t[: len(t) - len(unit)]) * UNITS[unit])
     except ValueError:
         raise argparse.ArgumentTypeError(f"--sizes: {text!r} is not a size such as 4096, 64K, 16M or 1G") from None
     if value < 4:
@@ -102,15 +102,25 @@ def measure(op: str, nbytes: int, device: torch.device, warmup: int, iters: int)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace, as in nccl-tests
     size = elems * 4
     algbw = size / elapsed.item() / 1e9
-    return {"op": op, "bytes": size, "world_size": n, "time_us": round(elapsed.item() * 1e6, 2),
-            "algbw_gb_s": round(algbw, 4), "busbw_gb_s": round(algbw * BUSBW_FACTOR[op](n), 4)}
+    return {
+        "op": op,
+        "bytes": size,
+        "world_size": n,
+        "time_us": round(elapsed.item() * 1e6, 2),
+        "algbw_gb_s": round(algbw, 4),
+        "busbw_gb_s": round(algbw * BUSBW_FACTOR[op](n), 4),
+    }
 
 
 def latency(device: torch.device, warmup: int, iters: int) -> dict:
     """Small-message (one float per rank) all_reduce latency: what a step's synchronisation costs at least."""
     point = measure("all_reduce", 4, device, warmup, iters)
-    return {"latency": "all_reduce", "bytes": point["bytes"], "world_size": point["world_size"],
-            "time_us": point["time_us"]}
+    return {
+        "latency": "all_reduce",
+        "bytes": point["bytes"],
+        "world_size": point["world_size"],
+        "time_us": point["time_us"],
+    }
 
 
 # -- the node-pair matrix ---------------------------------------------------------------------------
@@ -124,8 +134,11 @@ def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
     m = len(units)
     rounds = []
     for _ in range(m - 1):
-        pairs = [(min(a, b), max(a, b)) for a, b in zip(units[:m // 2], reversed(units[m // 2:]))
-                 if a is not None and b is not None]
+        pairs = [
+            (min(a, b), max(a, b))
+            for a, b in zip(units[: m // 2], reversed(units[m // 2 :]))
+            if a is not None and b is not None
+        ]
         rounds.append(sorted(pairs))
         units = [units[0], units[-1], *units[1:-1]]  # keep the first, rotate the rest
     return [r for r in rounds if r]
@@ -136,10 +149,12 @@ def node_identity() -> dict[str, Any]:
     the EC2 instance id (Nitro publishes it as the DMI board asset tag, readable without the
     instance metadata service, which pods may not reach), and the GPU and EFA device counts."""
     efa = Path("/sys/class/infiniband")
-    return {"node": os.environ.get("NODE_NAME") or socket.gethostname(),
-            "instance_id": instance_id(),
-            "gpus": torch.cuda.device_count(),
-            "efa": len(list(efa.iterdir())) if efa.is_dir() else 0}
+    return {
+        "node": os.environ.get("NODE_NAME") or socket.gethostname(),
+        "instance_id": instance_id(),
+        "gpus": torch.cuda.device_count(),
+        "efa": len(list(efa.iterdir())) if efa.is_dir() else 0,
+    }
 
 
 def _send(t: torch.Tensor, peer: int, delay_s: float) -> None:
@@ -148,8 +163,9 @@ def _send(t: torch.Tensor, peer: int, delay_s: float) -> None:
     dist.send(t, peer)
 
 
-def _pair_times(peer: int, first: bool, nbytes: int, device: torch.device, warmup: int, iters: int,
-                delay_s: float) -> tuple[float, float]:
+def _pair_times(
+    peer: int, first: bool, nbytes: int, device: torch.device, warmup: int, iters: int, delay_s: float
+) -> tuple[float, float]:
     """(seconds per exchange of `nbytes` each way, seconds one way for one float) with `peer`. The
     bulk exchange runs both directions at once; latency is half a ping-pong's round trip."""
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
@@ -202,8 +218,9 @@ def measure_pairs(ranks_per_node: int, nbytes: int, device: torch.device, warmup
         for a, b in pairs:
             if unit in (a, b):
                 other = b if unit == a else a
-                bw_s, lat_s = _pair_times(other * ranks_per_node + local, unit == a, nbytes, device, warmup, iters,
-                                          delay_s)
+                bw_s, lat_s = _pair_times(
+                    other * ranks_per_node + local, unit == a, nbytes, device, warmup, iters, delay_s
+                )
                 mine.append({"round": r, "a": a, "b": b, "local": local, "bw_s": bw_s, "lat_s": lat_s})
         dist.barrier()  # rounds never overlap: each pair has the links to itself
     gathered: list[Any] = [None] * world
@@ -225,10 +242,20 @@ def measure_pairs(ranks_per_node: int, nbytes: int, device: torch.device, warmup
         for a, b in pairs:
             links = [slowest[(a, b, lo)] for lo in range(ranks_per_node)]
             gb_s = sum(4 * max(1, nbytes // 4) / link["bw_s"] / 1e9 for link in links)
-            matrix.append({"pair": [names[a], names[b]], "round": r, "gb_s": round(gb_s, 4),
-                           "latency_us": round(max(link["lat_s"] for link in links) * 1e6, 2)})
-    return {"nodes": [{**n, "node": name} for n, name in zip(nodes, names)], "rounds": len(rounds),
-            "bytes": 4 * max(1, nbytes // 4), "pairs": matrix}
+            matrix.append(
+                {
+                    "pair": [names[a], names[b]],
+                    "round": r,
+                    "gb_s": round(gb_s, 4),
+                    "latency_us": round(max(link["lat_s"] for link in links) * 1e6, 2),
+                }
+            )
+    return {
+        "nodes": [{**n, "node": name} for n, name in zip(nodes, names)],
+        "rounds": len(rounds),
+        "bytes": 4 * max(1, nbytes // 4),
+        "pairs": matrix,
+    }
 
 
 def _key(p: dict) -> tuple[str, str]:
@@ -243,8 +270,14 @@ def typical(pairs: list[dict]) -> dict[str, float]:
     for p in pairs:
         for n in p["pair"]:
             per_node.setdefault(n, []).append(p)
-    return {k: statistics.median(statistics.median(q[k] for q in ps) for ps in per_node.values())
-            for k in ("gb_s", "latency_us")} if per_node else {}
+    return (
+        {
+            k: statistics.median(statistics.median(q[k] for q in ps) for ps in per_node.values())
+            for k in ("gb_s", "latency_us")
+        }
+        if per_node
+        else {}
+    )
 
 
 def compare(pairs: list[dict], threshold: float, baseline: Optional[list[dict]] = None) -> dict:
@@ -270,9 +303,15 @@ def compare(pairs: list[dict], threshold: float, baseline: Optional[list[dict]] 
         if slow:
             regressed.append({**p, "reference_gb_s": r["gb_s"], "reference_latency_us": r["latency_us"]})
     suspects = sorted(n for n in totals if counts[n] * 2 > totals[n])
-    return {"reference": "baseline" if baseline is not None else "typical-node", "compared_pairs": len(compared),
-            "unbaselined_pairs": len(pairs) - len(compared), "new_nodes": new_nodes, "regressed_pairs": regressed,
-            "suspect_nodes": suspects, "fabric_regressed_node_count": len(suspects)}
+    return {
+        "reference": "baseline" if baseline is not None else "typical-node",
+        "compared_pairs": len(compared),
+        "unbaselined_pairs": len(pairs) - len(compared),
+        "new_nodes": new_nodes,
+        "regressed_pairs": regressed,
+        "suspect_nodes": suspects,
+        "fabric_regressed_node_count": len(suspects),
+    }
 
 
 def extend_baseline(baseline: dict, matrix: dict, found: dict, when: float) -> Optional[dict]:
@@ -286,9 +325,12 @@ def extend_baseline(baseline: dict, matrix: dict, found: dict, when: float) -> O
     slow = {_key(p) for p in found["regressed_pairs"]}
     known = {_key(p) for p in baseline["pairs"]}
     added = [p for p in matrix["pairs"] if set(p["pair"]) & set(healthy) and _key(p) not in slow | known]
-    return {**baseline, "pairs": baseline["pairs"] + added,
-            "nodes": baseline.get("nodes", []) + [n for n in matrix["nodes"] if n["node"] in healthy],
-            "rebaselined": baseline.get("rebaselined", []) + [{"time": when, "nodes": healthy, "pairs": len(added)}]}
+    return {
+        **baseline,
+        "pairs": baseline["pairs"] + added,
+        "nodes": baseline.get("nodes", []) + [n for n in matrix["nodes"] if n["node"] in healthy],
+        "rebaselined": baseline.get("rebaselined", []) + [{"time": when, "nodes": healthy, "pairs": len(added)}],
+    }
 
 
 def read_report(path: Path, flag: str) -> dict:
@@ -299,10 +341,15 @@ def read_report(path: Path, flag: str) -> dict:
         raise BadInput(f"{flag} {path}: cannot be read ({e.strerror})") from None
     except (ValueError, UnicodeDecodeError):
         raise BadInput(f"{flag} {path}: not JSON; give a report written by trainer.fabric --report") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("pairs"), list) or not all(
-            isinstance(p, dict) and {"pair", "gb_s", "latency_us"} <= set(p) for p in doc["pairs"]):
-        raise BadInput(f"{flag} {path}: not a fabric report (no \"pairs\" list of pair/gb_s/latency_us); "
-                       "give a report written by trainer.fabric --report")
+    if (
+        not isinstance(doc, dict)
+        or not isinstance(doc.get("pairs"), list)
+        or not all(isinstance(p, dict) and {"pair", "gb_s", "latency_us"} <= set(p) for p in doc["pairs"])
+    ):
+        raise BadInput(
+            f'{flag} {path}: not a fabric report (no "pairs" list of pair/gb_s/latency_us); '
+            "give a report written by trainer.fabric --report"
+        )
     return doc
 
 
@@ -318,31 +365,60 @@ def plan_floor(path: str) -> float:
     """The gate floor (GB/s) of a plan file, as `supernode plan --json --full` or the plan ConfigMap holds it."""
     plan = Plan.read(path)
     if plan.gate_floor_gbytes_s is None:
-        raise BadInput(f"--plan {path}: the plan has no interconnect gate floor (gate_floor_gbytes_s is null: the "
-                       f"catalog publishes no all_reduce baseline for {plan.instance_type}); pass --min-busbw-gbytes-s")
+        raise BadInput(
+            f"--plan {path}: the plan has no interconnect gate floor (gate_floor_gbytes_s is null: the "
+            f"catalog publishes no all_reduce baseline for {plan.instance_type}); pass --min-busbw-gbytes-s"
+        )
     return plan.gate_floor_gbytes_s
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.fabric", description=__doc__.split("\n")[0])
     floor = p.add_mutually_exclusive_group(required=True)
-    floor.add_argument("--plan", metavar="PATH",
-                       help="gate on the plan's floor (gate_floor_gbytes_s): how the interconnect gate Job runs it")
-    floor.add_argument("--min-busbw-gbytes-s", type=float, metavar="GB_S",
-                       help="gate on this floor instead (a manual run): the best all_reduce bus bandwidth must "
-                            "reach this many GB/s (10^9 bytes/s)")
-    p.add_argument("--sizes", type=parse_sizes, default=None,
-                   help="comma-separated message sizes (default: 1M..1G on GPU, 64K..16M on CPU)")
-    p.add_argument("--pair-bytes", type=parse_size, default=None,
-                   help="bytes each way per node-pair exchange (default: 64M on GPU, 1M on CPU)")
-    p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="ranks per node of the pair matrix (default: torchrun's LOCAL_WORLD_SIZE)")
-    p.add_argument("--baseline", type=Path, metavar="PATH",
-                   help="compare the pair matrix with this report; record this run there if it does not exist")
+    floor.add_argument(
+        "--plan",
+        metavar="PATH",
+        help="gate on the plan's floor (gate_floor_gbytes_s): how the interconnect gate Job runs it",
+    )
+    floor.add_argument(
+        "--min-busbw-gbytes-s",
+        type=float,
+        metavar="GB_S",
+        help="gate on this floor instead (a manual run): the best all_reduce bus bandwidth must "
+        "reach this many GB/s (10^9 bytes/s)",
+    )
+    p.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=None,
+        help="comma-separated message sizes (default: 1M..1G on GPU, 64K..16M on CPU)",
+    )
+    p.add_argument(
+        "--pair-bytes",
+        type=parse_size,
+        default=None,
+        help="bytes each way per node-pair exchange (default: 64M on GPU, 1M on CPU)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks per node of the pair matrix (default: torchrun's LOCAL_WORLD_SIZE)",
+    )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="PATH",
+        help="compare the pair matrix with this report; record this run there if it does not exist",
+    )
     p.add_argument("--report", type=Path, metavar="PATH", help="write this run's report (JSON) here")
-    p.add_argument("--regression", type=float, default=0.2,
-                   help="a pair regresses below (1 - this) x its reference bandwidth, or its latency above "
-                        "the reference / (1 - this) (default 0.2)")
+    p.add_argument(
+        "--regression",
+        type=float,
+        default=0.2,
+        help="a pair regresses below (1 - this) x its reference bandwidth, or its latency above "
+        "the reference / (1 - this) (default 0.2)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout-s", type=int, default=600, help="collective timeout")
@@ -394,8 +470,15 @@ def main(argv: list[str] | None = None) -> int:
             found = compare(matrix["pairs"], args.regression, baseline["pairs"] if baseline else None)
             say({"fabric_check": "pairs", "rounds": matrix["rounds"], "pairs": len(matrix["pairs"]), **found})
             passed = passed and not found["suspect_nodes"]
-            report = {"time": time.time(), "world_size": dist.get_world_size(), "ranks_per_node": per_node,
-                      "collectives": points, "latency": lat, **matrix, "compare": found}
+            report = {
+                "time": time.time(),
+                "world_size": dist.get_world_size(),
+                "ranks_per_node": per_node,
+                "collectives": points,
+                "latency": lat,
+                **matrix,
+                "compare": found,
+            }
             extended = extend_baseline(baseline, matrix, found, report["time"]) if baseline else None
             try:
                 if args.report:
@@ -409,8 +492,15 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as e:  # a lost report is a failed check, said once; the peers still exit
                 print(f"error: report not written: {e.filename}: {e.strerror}", file=sys.stderr, flush=True)
                 passed = False
-            say({"gate": "all_reduce_busbw", "best_busbw_gb_s": best, "min_busbw_gb_s": floor,
-                 "suspect_nodes": found["suspect_nodes"], "passed": passed})
+            say(
+                {
+                    "gate": "all_reduce_busbw",
+                    "best_busbw_gb_s": best,
+                    "min_busbw_gb_s": floor,
+                    "suspect_nodes": found["suspect_nodes"],
+                    "passed": passed,
+                }
+            )
         verdict = torch.tensor([int(passed)], device=device)
         dist.broadcast(verdict, src=0)  # every rank exits as rank 0 judged
         return 0 if verdict.item() else 1

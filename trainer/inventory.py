@@ -52,12 +52,26 @@ AMAZON_TIME_SYNC = ("169.254.169.123", "fd00:ec2::123")
 NVIDIA_SMI_QUERY = "index,uuid,serial,pci.bus_id,name,vbios_version,driver_version"
 GPU_FIELDS = ("index", "uuid", "serial", "pci_bus_id", "name", "vbios")
 # Fields every node of the fleet must share (the first node's record is the reference).
-FLEET_FIELDS = ("driver", "cuda", "nccl", "libfabric", "efa_installer", "aws_ofi_nccl", "gpu_count", "gpu_name",
-                "vbios", "efa_devices", "sysctl", "limits", "hugepages_2mi")
+FLEET_FIELDS = (
+    "driver",
+    "cuda",
+    "nccl",
+    "libfabric",
+    "efa_installer",
+    "aws_ofi_nccl",
+    "gpu_count",
+    "gpu_name",
+    "vbios",
+    "efa_devices",
+    "sysctl",
+    "limits",
+    "hugepages_2mi",
+)
 VOLATILE = ("node", "time", "recorded_at")  # never drift: the pod's node name, clock figures, when
 
 
 # -- readers of captured text ----------------------------------------------------------------------
+
 
 def parse_nvidia_smi_gpus(csv_text: str) -> list[dict[str, str]]:
     """`nvidia-smi --query-gpu=NVIDIA_SMI_QUERY --format=csv,noheader`: one dict per GPU."""
@@ -67,8 +81,17 @@ def parse_nvidia_smi_gpus(csv_text: str) -> list[dict[str, str]]:
         if len(cells) != len(NVIDIA_SMI_QUERY.split(",")):
             continue
         index, uuid, serial, bus, name, vbios, driver = cells
-        gpus.append({"index": index, "uuid": uuid, "serial": serial, "pci_bus_id": bus.lower(), "name": name,
-                     "vbios": vbios, "driver": driver})
+        gpus.append(
+            {
+                "index": index,
+                "uuid": uuid,
+                "serial": serial,
+                "pci_bus_id": bus.lower(),
+                "name": name,
+                "vbios": vbios,
+                "driver": driver,
+            }
+        )
     return gpus
 
 
@@ -102,7 +125,7 @@ def parse_limits(text: str) -> dict[str, Optional[str]]:
     for line in text.splitlines():
         for key, label in (("nofile", "Max open files"), ("memlock", "Max locked memory")):
             if line.startswith(label):
-                out[key] = line[len(label):].split()[0]
+                out[key] = line[len(label) :].split()[0]
     return out
 
 
@@ -115,11 +138,16 @@ def parse_chrony_tracking(text: str) -> dict[str, Any]:
         offset_ms = round(float(off.group(1)) * 1e3 * (1 if off.group(2) == "fast" else -1), 6)
     source = (ref.group(1) if ref else "") or None
     synced = source not in (None, "127.127.1.1")  # no reference, or the local clock: not synchronised
-    return {"source": source, "amazon_time_sync": source in AMAZON_TIME_SYNC if synced else None,
-            "offset_ms": offset_ms, "synchronised": synced}
+    return {
+        "source": source,
+        "amazon_time_sync": source in AMAZON_TIME_SYNC if synced else None,
+        "offset_ms": offset_ms,
+        "synchronised": synced,
+    }
 
 
 # -- collection on a node --------------------------------------------------------------------------
+
 
 def _run(argv: list[str]) -> Optional[str]:
     if shutil.which(argv[0]) is None:
@@ -139,9 +167,15 @@ def _read(path: str | Path) -> Optional[str]:
 
 class _Timex(ctypes.Structure):
     # struct timex (x86_64 / aarch64 glibc): the fields before them are what we read.
-    _fields_ = [("modes", ctypes.c_uint), ("offset", ctypes.c_long), ("freq", ctypes.c_long),
-                ("maxerror", ctypes.c_long), ("esterror", ctypes.c_long), ("status", ctypes.c_int),
-                ("_rest", ctypes.c_byte * 200)]
+    _fields_ = [
+        ("modes", ctypes.c_uint),
+        ("offset", ctypes.c_long),
+        ("freq", ctypes.c_long),
+        ("maxerror", ctypes.c_long),
+        ("esterror", ctypes.c_long),
+        ("status", ctypes.c_int),
+        ("_rest", ctypes.c_byte * 200),
+    ]
 
 
 def kernel_time_sync() -> dict[str, Any]:
@@ -152,8 +186,12 @@ def kernel_time_sync() -> dict[str, Any]:
         state = ctypes.CDLL(None, use_errno=True).adjtimex(ctypes.byref(tx))
     except (OSError, AttributeError):
         return {"source": None, "amazon_time_sync": None, "offset_ms": None, "synchronised": None}
-    return {"source": "kernel", "amazon_time_sync": None, "offset_ms": round(tx.esterror / 1e3, 3),
-            "synchronised": state != 5 and not tx.status & 0x40}  # TIME_ERROR, STA_UNSYNC
+    return {
+        "source": "kernel",
+        "amazon_time_sync": None,
+        "offset_ms": round(tx.esterror / 1e3, 3),
+        "synchronised": state != 5 and not tx.status & 0x40,
+    }  # TIME_ERROR, STA_UNSYNC
 
 
 def time_sync() -> dict[str, Any]:
@@ -170,6 +208,7 @@ def instance_id() -> Optional[str]:
 def nccl_version() -> Optional[str]:
     try:
         import torch
+
         if not torch.cuda.is_available():
             return None
         v = torch.cuda.nccl.version()
@@ -189,18 +228,41 @@ def ofi_nccl_version(lib_dir: str = "/opt/aws-ofi-nccl/lib") -> Optional[str]:
     return None
 
 
-def build_record(gpus: list[dict[str, str]], *, cuda: Optional[str], nccl: Optional[str], libfabric: Optional[str],
-                 efa_installer: Optional[str], aws_ofi_nccl: Optional[str], efa_devices: int,
-                 sysctl: dict[str, Optional[int]], limits: dict[str, Optional[str]], hugepages_2mi: Optional[int],
-                 time_sync: dict[str, Any], node: str, instance: Optional[str]) -> dict[str, Any]:
+def build_record(
+    gpus: list[dict[str, str]],
+    *,
+    cuda: Optional[str],
+    nccl: Optional[str],
+    libfabric: Optional[str],
+    efa_installer: Optional[str],
+    aws_ofi_nccl: Optional[str],
+    efa_devices: int,
+    sysctl: dict[str, Optional[int]],
+    limits: dict[str, Optional[str]],
+    hugepages_2mi: Optional[int],
+    time_sync: dict[str, Any],
+    node: str,
+    instance: Optional[str],
+) -> dict[str, Any]:
     """One node's record from what the readers returned."""
     return {
-        "node": node, "instance_id": instance,
-        "gpus": [{k: g[k] for k in GPU_FIELDS} for g in gpus], "gpu_count": len(gpus),
-        "gpu_name": sorted({g["name"] for g in gpus}), "vbios": sorted({g["vbios"] for g in gpus}),
-        "driver": gpus[0]["driver"] if gpus else None, "cuda": cuda, "nccl": nccl, "libfabric": libfabric,
-        "efa_installer": efa_installer, "aws_ofi_nccl": aws_ofi_nccl, "efa_devices": efa_devices,
-        "sysctl": sysctl, "limits": limits, "hugepages_2mi": hugepages_2mi, "time": time_sync,
+        "node": node,
+        "instance_id": instance,
+        "gpus": [{k: g[k] for k in GPU_FIELDS} for g in gpus],
+        "gpu_count": len(gpus),
+        "gpu_name": sorted({g["name"] for g in gpus}),
+        "vbios": sorted({g["vbios"] for g in gpus}),
+        "driver": gpus[0]["driver"] if gpus else None,
+        "cuda": cuda,
+        "nccl": nccl,
+        "libfabric": libfabric,
+        "efa_installer": efa_installer,
+        "aws_ofi_nccl": aws_ofi_nccl,
+        "efa_devices": efa_devices,
+        "sysctl": sysctl,
+        "limits": limits,
+        "hugepages_2mi": hugepages_2mi,
+        "time": time_sync,
     }
 
 
@@ -215,15 +277,24 @@ def collect() -> dict[str, Any]:
         sysctl[key] = int(value) if value and value.lstrip("-").isdigit() else None
     pages = _read("/proc/sys/vm/nr_hugepages")
     return build_record(
-        parse_nvidia_smi_gpus(smi), cuda=parse_cuda_version(_run(["nvidia-smi"]) or ""), nccl=nccl_version(),
-        libfabric=parse_fi_info_version(fi), efa_installer=parse_efa_installer(
-            _read("/opt/amazon/efa_installed_packages") or ""), aws_ofi_nccl=ofi_nccl_version(),
-        efa_devices=len(list(efa.iterdir())) if efa.is_dir() else 0, sysctl=sysctl,
-        limits=parse_limits(_read("/proc/self/limits") or ""), hugepages_2mi=int(pages) if pages else None,
-        time_sync=time_sync(), node=os.environ.get("NODE_NAME") or socket.gethostname(), instance=instance_id())
+        parse_nvidia_smi_gpus(smi),
+        cuda=parse_cuda_version(_run(["nvidia-smi"]) or ""),
+        nccl=nccl_version(),
+        libfabric=parse_fi_info_version(fi),
+        efa_installer=parse_efa_installer(_read("/opt/amazon/efa_installed_packages") or ""),
+        aws_ofi_nccl=ofi_nccl_version(),
+        efa_devices=len(list(efa.iterdir())) if efa.is_dir() else 0,
+        sysctl=sysctl,
+        limits=parse_limits(_read("/proc/self/limits") or ""),
+        hugepages_2mi=int(pages) if pages else None,
+        time_sync=time_sync(),
+        node=os.environ.get("NODE_NAME") or socket.gethostname(),
+        instance=instance_id(),
+    )
 
 
 # -- drift -----------------------------------------------------------------------------------------
+
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     """Dotted paths to leaves; GPUs keyed by index so a swapped card shows as its own fields."""
@@ -237,17 +308,20 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): value}
 
 
-def drift(baseline: dict[str, Any], current: dict[str, Any],
-          fields: Optional[tuple[str, ...]] = None) -> list[dict[str, Any]]:
+def drift(
+    baseline: dict[str, Any], current: dict[str, Any], fields: Optional[tuple[str, ...]] = None
+) -> list[dict[str, Any]]:
     """What changed from the baseline (restricted to `fields` when given), volatile fields aside:
     one {field, baseline, current} per differing leaf, sorted by field."""
+
     def pick(rec: dict[str, Any]) -> dict[str, Any]:
         keep = {k: v for k, v in rec.items() if k not in VOLATILE and (fields is None or k in fields)}
         return _flat(keep)
 
     a, b = pick(baseline), pick(current)
-    return [{"field": k, "baseline": a.get(k), "current": b.get(k)}
-            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [
+        {"field": k, "baseline": a.get(k), "current": b.get(k)} for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+    ]
 
 
 def host_findings(record: dict[str, Any], max_offset_ms: float) -> list[str]:
@@ -289,16 +363,23 @@ class ConfigMaps:
         self.tls = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
 
     def _call(self, method: str, url: str, body: Optional[dict] = None) -> dict:
-        req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body else None, headers={
-            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url,
+            method=method,
+            data=json.dumps(body).encode() if body else None,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, context=self.tls, timeout=30) as resp:
             return json.loads(resp.read())
 
     def keep_first(self, name: str, data: dict[str, str]) -> dict[str, str]:
         """The ConfigMap's data: `data` if this call created it, else what the first caller stored."""
         try:
-            return self._call("POST", self.url, {"metadata": {"name": name, "labels": {
-                "app.kubernetes.io/part-of": "supernode"}}, "data": data})["data"]
+            return self._call(
+                "POST",
+                self.url,
+                {"metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "supernode"}}, "data": data},
+            )["data"]
         except urllib.error.HTTPError as e:
             if e.code != 409:  # AlreadyExists: the baseline was kept by an earlier round or node
                 raise
@@ -310,8 +391,9 @@ def baseline_name(record: dict[str, Any]) -> str:
     return "inventory-" + re.sub(r"[^a-z0-9-]+", "-", key.lower()).strip("-")[:50]
 
 
-def check(record: dict[str, Any], keep_first: Callable[[str, dict[str, str]], dict[str, str]],
-          max_offset_ms: float) -> dict[str, Any]:
+def check(
+    record: dict[str, Any], keep_first: Callable[[str, dict[str, str]], dict[str, str]], max_offset_ms: float
+) -> dict[str, Any]:
     """One round: keep the baselines (the node's own, the fleet's), compare, and the JSON line to print."""
     text = {"record.json": json.dumps(record, sort_keys=True)}
     node_base = json.loads(keep_first(baseline_name(record), text)["record.json"])
@@ -319,13 +401,21 @@ def check(record: dict[str, Any], keep_first: Callable[[str, dict[str, str]], di
     node = drift(node_base, record)
     fleet = drift(fleet_base, record, FLEET_FIELDS)
     host = host_findings(record, max_offset_ms)
-    return {"inventory": record["node"], "instance_id": record.get("instance_id"),
-            "inventory_drift_count": len(node) + len(fleet) + len(host),
-            "node_drift": node, "fleet_drift": fleet, "fleet_reference": fleet_base.get("node"), "host": host,
-            "time": record["time"], "record": record}
+    return {
+        "inventory": record["node"],
+        "instance_id": record.get("instance_id"),
+        "inventory_drift_count": len(node) + len(fleet) + len(host),
+        "node_drift": node,
+        "fleet_drift": fleet,
+        "fleet_reference": fleet_base.get("node"),
+        "host": host,
+        "time": record["time"],
+        "record": record,
+    }
 
 
 # -- command line ----------------------------------------------------------------------------------
+
 
 def _load(path: str) -> dict[str, Any]:
     try:
@@ -335,8 +425,9 @@ def _load(path: str) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError):
         raise BadInput(f"{path}: not JSON; give a record written by `python -m trainer.inventory collect`") from None
     if not isinstance(doc, dict) or "gpus" not in doc:
-        raise BadInput(f"{path}: not an inventory record (no \"gpus\"); give the output of "
-                       "`python -m trainer.inventory collect`")
+        raise BadInput(
+            f'{path}: not an inventory record (no "gpus"); give the output of `python -m trainer.inventory collect`'
+        )
     return doc
 
 
@@ -350,8 +441,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     w = sub.add_parser("watch", help="keep the baselines and report drift every --interval-s (the DaemonSet)")
     w.add_argument("--namespace", required=True, help="where the baseline ConfigMaps live")
     w.add_argument("--interval-s", type=int, default=3600)
-    w.add_argument("--max-clock-offset-ms", type=float, default=10.0,
-                   help="flag a clock offset (or estimated error) beyond this")
+    w.add_argument(
+        "--max-clock-offset-ms", type=float, default=10.0, help="flag a clock offset (or estimated error) beyond this"
+    )
     w.add_argument("--once", action="store_true", help="one round, then exit")
     try:
         args = p.parse_args(argv)
@@ -370,8 +462,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         store = ConfigMaps(args.namespace)
         while True:
             try:
-                print(json.dumps(check(collect(), store.keep_first, args.max_clock_offset_ms), sort_keys=True),
-                      flush=True)
+                print(
+                    json.dumps(check(collect(), store.keep_first, args.max_clock_offset_ms), sort_keys=True), flush=True
+                )
             except (OSError, urllib.error.URLError, ValueError, KeyError) as e:  # next round retries
                 print(json.dumps({"inventory": "error", "error": str(e)}), flush=True)
             if args.once:

@@ -54,8 +54,9 @@ def read_manifest(data_dir: str | Path) -> dict:
             raise DataError(f"{path}: shard {s['file']!r}: tokens must be a count (got {s['tokens']!r})")
     total = manifest.get("total_tokens")
     if total is not None and total != sum(s["tokens"] for s in shards):
-        raise DataError(f"{path}: total_tokens {total!r} is not the sum of the shards' tokens "
-                        f"({sum(s['tokens'] for s in shards)})")
+        raise DataError(
+            f"{path}: total_tokens {total!r} is not the sum of the shards' tokens ({sum(s['tokens'] for s in shards)})"
+        )
     vocab = manifest.get("vocab")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
         raise DataError(f"{path}: vocab must be the tokenizer's vocabulary size (got {vocab!r})")
@@ -80,8 +81,10 @@ def _check_sizes(data_dir: Path, manifest: dict) -> list[tuple[str, int, int]]:
             raise DataError(f"shard {path} is missing (listed in {MANIFEST})") from None
         tokens, rest = divmod(st.st_size, ITEMSIZE[dtype])
         if tokens != s["tokens"] or rest:
-            raise DataError(f"shard {path} is corrupt: {st.st_size / ITEMSIZE[dtype]:g} tokens of {dtype} "
-                            f"({st.st_size} bytes), manifest says {s['tokens']}: a corrupt shard or a wrong dtype")
+            raise DataError(
+                f"shard {path} is corrupt: {st.st_size / ITEMSIZE[dtype]:g} tokens of {dtype} "
+                f"({st.st_size} bytes), manifest says {s['tokens']}: a corrupt shard or a wrong dtype"
+            )
         stats.append((s["file"], st.st_size, st.st_mtime_ns))
     return stats
 
@@ -117,8 +120,9 @@ def _verify_tokenizer(data_dir: Path, manifest: dict) -> None:
         raise DataError(f"tokenizer {path} is missing (listed in {MANIFEST})")
     digest = sha256_file(path)
     if tok.get("sha256") and digest != tok["sha256"]:
-        raise DataError(f"tokenizer {path} is corrupt or replaced: sha256 {digest} does not match the manifest's "
-                        f"{tok['sha256']}")
+        raise DataError(
+            f"tokenizer {path} is corrupt or replaced: sha256 {digest} does not match the manifest's {tok['sha256']}"
+        )
 
 
 def mark_verified(data_dir: Path, stats: Optional[list] = None) -> None:
@@ -142,8 +146,9 @@ def ensure_verified(data_dir: str | Path) -> dict:
     node = _node_marker(key)
 
     def marked() -> bool:
-        return any(p.is_file() and p.read_text(encoding="utf-8", errors="replace") == key
-                   for p in (data_dir / VERIFIED, node))
+        return any(
+            p.is_file() and p.read_text(encoding="utf-8", errors="replace") == key for p in (data_dir / VERIFIED, node)
+        )
 
     if marked():
         return manifest
@@ -161,11 +166,16 @@ def check_vocab(manifest: dict, model_vocab: int, where: str | Path) -> None:
         return
     tok = manifest.get("tokenizer")
     name = tok.get("kind") if isinstance(tok, dict) else tok
-    held = (f"holds token id {top}, outside" if isinstance(top, int) and top >= model_vocab
-            else "was tokenized with a vocabulary larger than")
-    raise DataError(f"{where} {held} the model's vocab of {model_vocab}: its {name} tokenizer has {vocab} tokens; "
-                    f"set model.vocab to at least {vocab}, or prepare the data with a tokenizer of at most "
-                    f"{model_vocab} tokens")
+    held = (
+        f"holds token id {top}, outside"
+        if isinstance(top, int) and top >= model_vocab
+        else "was tokenized with a vocabulary larger than"
+    )
+    raise DataError(
+        f"{where} {held} the model's vocab of {model_vocab}: its {name} tokenizer has {vocab} tokens; "
+        f"set model.vocab to at least {vocab}, or prepare the data with a tokenizer of at most "
+        f"{model_vocab} tokens"
+    )
 
 
 def document_eos(manifests: Sequence[tuple[Path, dict]]) -> int:
@@ -173,13 +183,17 @@ def document_eos(manifests: Sequence[tuple[Path, dict]]) -> int:
     eos = {str(path): m.get("eos") for path, m in manifests}
     missing = [path for path, e in eos.items() if e is None]
     if missing:
-        raise DataError(f"training.documentMasking is true but {Path(missing[0]) / MANIFEST} records no eos (the "
-                        "document separator's id), so its documents cannot be told apart; prepare it again with "
-                        "`supernode data prepare`, or set training.documentMasking to false")
+        raise DataError(
+            f"training.documentMasking is true but {Path(missing[0]) / MANIFEST} records no eos (the "
+            "document separator's id), so its documents cannot be told apart; prepare it again with "
+            "`supernode data prepare`, or set training.documentMasking to false"
+        )
     if len(set(eos.values())) > 1:
         listed = ", ".join(f"{path}: {e}" for path, e in eos.items())
-        raise DataError(f"training.documentMasking is true but the blend's datasets end documents with different "
-                        f"eos ids ({listed}); prepare them with one tokenizer")
+        raise DataError(
+            f"training.documentMasking is true but the blend's datasets end documents with different "
+            f"eos ids ({listed}); prepare them with one tokenizer"
+        )
     return next(iter(eos.values()))
 
 

@@ -88,9 +88,20 @@ class StepRecord:
 
 
 class Metrics:
-    def __init__(self, out_dir: str | Path, plan: Plan, world_size: int, device_type: str, rank: int = 0,
-                 prometheus_port: Optional[int] = None, progress: bool = False, total_steps: int = 0,
-                 start_step: int = 0, prometheus_addr: str = "127.0.0.1", checkpoints: Optional[Path] = None):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        plan: Plan,
+        world_size: int,
+        device_type: str,
+        rank: int = 0,
+        prometheus_port: Optional[int] = None,
+        progress: bool = False,
+        total_steps: int = 0,
+        start_step: int = 0,
+        prometheus_addr: str = "127.0.0.1",
+        checkpoints: Optional[Path] = None,
+    ):
         """`checkpoints`: the checkpointer's root, whose newest complete checkpoint the age gauges show."""
         self.out = Path(out_dir)
         self.checkpoints = checkpoints
@@ -105,19 +116,32 @@ class Metrics:
         self.out.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
         self.registry = CollectorRegistry()
-        names = {"loss": "training loss (mean over the global batch)", "lr": "learning rate",
-                 "grad_norm": "global gradient norm before clipping", "tokens_per_s": "tokens per second, all ranks",
-                 "flops_per_s_per_rank": "achieved training FLOP/s per rank", "mfu": "model FLOPs utilisation",
-                 "step_seconds": "wall time of the last step", "step": "last completed step"}
+        names = {
+            "loss": "training loss (mean over the global batch)",
+            "lr": "learning rate",
+            "grad_norm": "global gradient norm before clipping",
+            "tokens_per_s": "tokens per second, all ranks",
+            "flops_per_s_per_rank": "achieved training FLOP/s per rank",
+            "mfu": "model FLOPs utilisation",
+            "step_seconds": "wall time of the last step",
+            "step": "last completed step",
+        }
         self.gauges = {k: Gauge(f"supernode_train_{k}", doc, registry=self.registry) for k, doc in names.items()}
         self.phase = Gauge("supernode_train_phase_seconds", "step time by phase", ["phase"], registry=self.registry)
-        self.load = Gauge("supernode_train_expert_load_max_over_mean", "max/mean expert token share",
-                          ["layer"], registry=self.registry)
-        self.checkpoint_time = Gauge("supernode_train_last_checkpoint_timestamp_seconds", "unix time the newest "
-                                     "complete checkpoint was committed (checkpoint age = now - this)",
-                                     registry=self.registry)
-        self.checkpoint_step = Gauge("supernode_train_last_checkpoint_step", "step of the newest complete checkpoint",
-                                     registry=self.registry)
+        self.load = Gauge(
+            "supernode_train_expert_load_max_over_mean",
+            "max/mean expert token share",
+            ["layer"],
+            registry=self.registry,
+        )
+        self.checkpoint_time = Gauge(
+            "supernode_train_last_checkpoint_timestamp_seconds",
+            "unix time the newest complete checkpoint was committed (checkpoint age = now - this)",
+            registry=self.registry,
+        )
+        self.checkpoint_step = Gauge(
+            "supernode_train_last_checkpoint_step", "step of the newest complete checkpoint", registry=self.registry
+        )
         self.checkpoint_time.set(float("nan"))
         self.checkpoint_step.set(float("nan"))
         self._checkpoint_gauges()
@@ -125,13 +149,23 @@ class Metrics:
             try:
                 self.http, _ = start_http_server(prometheus_port, addr=prometheus_addr, registry=self.registry)
             except OSError as e:
-                why = "is in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
-                raise BadInput(f"--prometheus-port {prometheus_port} on {prometheus_addr} {why}: pick another "
-                               "port or stop what listens there") from None
+                why = (
+                    "is in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+                )
+                raise BadInput(
+                    f"--prometheus-port {prometheus_port} on {prometheus_addr} {why}: pick another "
+                    "port or stop what listens there"
+                ) from None
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[status]}"), TimeRemainingColumn())
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+            )
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
 
@@ -156,18 +190,41 @@ class Metrics:
             self._write_failed = True
             self.message(f"warning: metrics not written to {self.out} ({e.strerror or e}); training continues")
 
-    def log(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, step_s: float,
-            compute_s: float, comm_s: float, data_s: float, expert_load: Optional[torch.Tensor],
-            skipped: bool = False) -> Optional[StepRecord]:
+    def log(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        tokens: int,
+        step_s: float,
+        compute_s: float,
+        comm_s: float,
+        data_s: float,
+        expert_load: Optional[torch.Tensor],
+        skipped: bool = False,
+    ) -> Optional[StepRecord]:
         if self.rank != 0:
             return None
         tps = tokens / step_s
         flops = self.plan.flops_per_token * tps / self.world
-        rec = StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, step_s=step_s,
-                         compute_s=compute_s, comm_s=comm_s, data_s=data_s, tokens_per_s=tps,
-                         flops_per_s_per_rank=flops, mfu=flops / self.peak if self.peak else None,
-                         expert_load_max_over_mean=load_imbalance(expert_load) if expert_load is not None else [],
-                         time=time.time(), skipped=skipped)
+        rec = StepRecord(
+            step=step,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens=tokens,
+            step_s=step_s,
+            compute_s=compute_s,
+            comm_s=comm_s,
+            data_s=data_s,
+            tokens_per_s=tps,
+            flops_per_s_per_rank=flops,
+            mfu=flops / self.peak if self.peak else None,
+            expert_load_max_over_mean=load_imbalance(expert_load) if expert_load is not None else [],
+            time=time.time(),
+            skipped=skipped,
+        )
         self.records.append(rec)
         line = json.dumps({k: _finite_or_none(v) for k, v in asdict(rec).items()}, allow_nan=False) + "\n"
         try:
@@ -227,6 +284,7 @@ class Metrics:
 def plot(jsonl: Path, out_dir: Path) -> list[Path]:
     """PNG plots of the loss and of the expert load (all records of the file, resumed runs included)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -243,8 +301,11 @@ def plot(jsonl: Path, out_dir: Path) -> list[Path]:
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for layer in range(len(recs[-1]["expert_load_max_over_mean"])):
-        pts = [(r["step"], r["expert_load_max_over_mean"][layer]) for r in recs
-               if len(r["expert_load_max_over_mean"]) > layer]
+        pts = [
+            (r["step"], r["expert_load_max_over_mean"][layer])
+            for r in recs
+            if len(r["expert_load_max_over_mean"]) > layer
+        ]
         ax.plot(*zip(*pts), label=f"MoE layer {layer}")
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
     ax.set(xlabel="step", ylabel="max / mean expert tokens", title="expert load (1 = balanced)")

@@ -49,7 +49,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [b, s, heads, head_dim]; rotates the (even, odd) pairs of each head. cos/sin: the tables
     (position p at row p: positions 0..s-1 are taken), or per token [b, s, head_dim / 2]."""
     if cos.dim() == 2:
-        cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]
+        cos, sin = cos[: x.shape[1]], sin[: x.shape[1]]
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -97,7 +97,9 @@ class Block(nn.Module):
         self.moe = cfg.is_moe(layer)
         self.ffn: nn.Module = (
             MoE(cfg.dim, cfg.experts, cfg.top_k, cfg.expert_hidden, cfg.shared_experts, cfg.router)
-            if self.moe else SwiGLU(cfg.dim, cfg.dense_hidden))
+            if self.moe
+            else SwiGLU(cfg.dim, cfg.dense_hidden)
+        )
         # Activation checkpointing (set by trainer.parallel): "selective" recomputes the FFN/MoE
         # in backward, "full" the whole block.
         self.checkpoint = "none"
@@ -213,8 +215,9 @@ def init_normal_(p: Tensor, std: float, seed: int, name: str) -> None:
         local = p.to_local()
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         if tuple(shape) != tuple(local.shape):
-            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the region {tuple(shape)} "
-                               "its placements describe")
+            raise RuntimeError(
+                f"{name}: local shard {tuple(local.shape)} is not the region {tuple(shape)} its placements describe"
+            )
     else:
         local, offset = p, (0,) * p.dim()
     if local.numel() == 0:
@@ -226,10 +229,12 @@ def init_normal_(p: Tensor, std: float, seed: int, name: str) -> None:
     cols = (slice(None),) + tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:]))
     for block in range(start // per_block, (stop - 1) // per_block + 1):
         lo = block * per_block
-        rows = torch.randn((min(per_block, full[0] - lo), *full[1:]),
-                           generator=torch.Generator().manual_seed(_block_seed(seed, name, block)))
+        rows = torch.randn(
+            (min(per_block, full[0] - lo), *full[1:]),
+            generator=torch.Generator().manual_seed(_block_seed(seed, name, block)),
+        )
         a, b = max(start, lo), min(stop, lo + rows.shape[0])
-        local[a - start:b - start].copy_((rows[a - lo:b - lo][cols] * std).to(local.dtype))
+        local[a - start : b - start].copy_((rows[a - lo : b - lo][cols] * std).to(local.dtype))
 
 
 IGNORE = -100  # a target the loss does not count (cross_entropy's ignore_index)
@@ -247,8 +252,9 @@ def inputs_and_targets(windows: Tensor, eos: Optional[int] = None) -> tuple[Tens
     return inputs, targets.masked_fill(ends.bool(), IGNORE), ends.cumsum(-1) - ends
 
 
-def document_attention(cos: Tensor, sin: Tensor, documents: Optional[Tensor]
-                       ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+def document_attention(
+    cos: Tensor, sin: Tensor, documents: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(cos, sin, mask) for the blocks. Without documents: the RoPE tables and no mask (SDPA's
     causal kernel). With documents [b, s]: each token's RoPE row at its position in its document,
     and the mask [b, 1, s, s] of the earlier tokens of the same document.

@@ -27,6 +27,7 @@ ProcessGroup = dist.ProcessGroup
 
 # -- expert matmuls -----------------------------------------------------------------------------
 
+
 def grouped_mm_applies(x: Tensor, w: Tensor) -> bool:
     """`torch._grouped_mm` needs fp32/bf16 (bf16 on sm90+ on CUDA) and 16-byte row strides."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype or x.shape[0] == 0:
@@ -68,7 +69,7 @@ def expert_blocks(sizes: list[int]) -> list[tuple[slice, int]]:
         while stop < len(sizes):
             grown = max(most, sizes[stop])
             padded = (stop + 1 - start) * _round_up(grown)
-            if padded > BLOCK_WASTE * sum(sizes[start:stop + 1]):
+            if padded > BLOCK_WASTE * sum(sizes[start : stop + 1]):
                 break
             stop, most = stop + 1, grown
         blocks.append((slice(start, stop), _round_up(most)))
@@ -101,7 +102,8 @@ def expert_ffn(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, st
     if strategy == "grouped":
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         h = F.silu(_contiguous_grad(torch._grouped_mm(x, w1, offs=offs))) * _contiguous_grad(
-            torch._grouped_mm(x, w3, offs=offs))
+            torch._grouped_mm(x, w3, offs=offs)
+        )
         return _contiguous_grad(torch._grouped_mm(h, w2, offs=offs))
     if strategy != "loop":
         raise ValueError(f"expert strategy must be padded, grouped or loop, got {strategy!r}")
@@ -115,7 +117,7 @@ def _pad(out: Tensor, rows: Tensor, sizes: list[int]) -> Tensor:
     """Rows sorted by expert -> out [len(sizes), padded rows, d]: each expert's rows, then zeros."""
     start = 0
     for e, n in enumerate(sizes):
-        out[e, :n] = rows[start:start + n]
+        out[e, :n] = rows[start : start + n]
         out[e, n:].zero_()
         start += n
     return out
@@ -125,7 +127,7 @@ def _unpad(out: Tensor, padded: Tensor, sizes: list[int]) -> None:
     """The inverse of `_pad`, into out [sum(sizes), d]."""
     start = 0
     for e, n in enumerate(sizes):
-        out[start:start + n] = padded[e, :n]
+        out[start : start + n] = padded[e, :n]
         start += n
 
 
@@ -190,12 +192,12 @@ class _PaddedSwiGLU(torch.autograd.Function):
         y = x.new_empty(x.shape[0], dim)
         for s, rows in blocks:
             n, shape = sum(sizes[s]), (s.stop - s.start, rows)
-            xp = _pad(take(x, *shape, dim), x[start:start + n], sizes[s])
+            xp = _pad(take(x, *shape, dim), x[start : start + n], sizes[s])
             a, b = torch.bmm(xp, w1[s], out=take(x, *shape, hidden)), torch.bmm(xp, w3[s], out=take(x, *shape, hidden))
             act = torch.ops.aten.silu.out(a, out=take(x, *shape, hidden))
             h = torch.mul(act, b, out=take(x, *shape, hidden))
             out = torch.bmm(h, w2[s], out=take(x, *shape, dim))
-            _unpad(y[start:start + n], out, sizes[s])
+            _unpad(y[start : start + n], out, sizes[s])
             _POOL.give(out)
             saved += [xp, a, b, act, h]
             start += n
@@ -210,9 +212,9 @@ class _PaddedSwiGLU(torch.autograd.Function):
         gx, g1, g2, g3 = grad.new_empty(grad.shape[0], dim), *(torch.empty_like(w) for w in (w1, w2, w3))
         start, recycle = 0, _last_backward()
         for i, (s, rows) in enumerate(ctx.blocks):
-            xp, a, b, act, h = saved[5 * i:5 * i + 5]
+            xp, a, b, act, h = saved[5 * i : 5 * i + 5]
             n, shape = sum(sizes[s]), (s.stop - s.start, rows)
-            gy = _pad(take(grad, *shape, dim), grad[start:start + n], sizes[s])
+            gy = _pad(take(grad, *shape, dim), grad[start : start + n], sizes[s])
             torch.bmm(h.transpose(1, 2), gy, out=g2[s])
             gh = torch.bmm(gy, w2[s].transpose(1, 2), out=take(grad, *shape, hidden))
             gb = torch.mul(act, gh, out=take(grad, *shape, hidden))
@@ -222,7 +224,7 @@ class _PaddedSwiGLU(torch.autograd.Function):
             torch.bmm(xp.transpose(1, 2), ga, out=g1[s])
             torch.bmm(xp.transpose(1, 2), gb, out=g3[s])
             gxp = torch.bmm(ga, w1[s].transpose(1, 2), out=gy)  # gy is read for the last time above
-            _unpad(gx[start:start + n], gxp.baddbmm_(gb, w3[s].transpose(1, 2)), sizes[s])
+            _unpad(gx[start : start + n], gxp.baddbmm_(gb, w3[s].transpose(1, 2)), sizes[s])
             _POOL.give(gy, gh, gb, gh_b)
             if recycle:
                 _POOL.give(xp, a, b, act, h)
@@ -235,6 +237,7 @@ class _PaddedSwiGLU(torch.autograd.Function):
 # of row order[p] // k) and come back by `inverse` (inverse[t * k + j] is where token t's j-th copy
 # sits), so a token's k copies are adjacent. No scatter-add (index_add, index_put) in forward or
 # backward: ~4x cheaper on CPU, and deterministic on every device.
+
 
 def _sum_copies(copies: Tensor, inverse: Tensor, k: int, weights: Optional[Tensor] = None) -> Tensor:
     """copies [T*k, d] sorted by expert -> [T, d]: each token's copies (times `weights` [T, k]) summed."""
@@ -301,8 +304,10 @@ class GroupedExperts(nn.Module):
         """x: rows sorted by (local) expert; counts: rows per local expert."""
         # Under expert parallel the weights are DTensors sharded along E: compute on the local slice.
         # Experts outside FSDP (no replicas to shard over) miss its bf16 cast: match the input.
-        w1, w2, w3 = (_scale_grad(w.to_local() if isinstance(w, DTensor) else w, self.grad_scale).to(x.dtype)
-                      for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (
+            _scale_grad(w.to_local() if isinstance(w, DTensor) else w, self.grad_scale).to(x.dtype)
+            for w in (self.w1, self.w2, self.w3)
+        )
         return expert_ffn(x, counts, w1, w2, w3, self.strategy)
 
 
@@ -321,6 +326,7 @@ class SwiGLU(nn.Module):
 
 # -- autograd helpers for the collectives -------------------------------------------------------
 
+
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, scale: float) -> Tensor:
@@ -337,6 +343,7 @@ def _scale_grad(t: Tensor, scale: float) -> Tensor:
 
 
 # -- router and layer ---------------------------------------------------------------------------
+
 
 class Router(nn.Module):
     """Top-k over softmax or sigmoid scores; the aux-loss-free bias shifts selection only."""
@@ -370,8 +377,9 @@ class MoE(nn.Module):
     many groups, so one process reproduces what a parallel layout computes.
     """
 
-    def __init__(self, dim: int, experts: int, top_k: int, hidden: int, shared_experts: int = 0,
-                 score: str = "softmax"):
+    def __init__(
+        self, dim: int, experts: int, top_k: int, hidden: int, shared_experts: int = 0, score: str = "softmax"
+    ):
         super().__init__()
         self.experts_total, self.top_k = experts, top_k
         self.router = Router(dim, experts, top_k, score)
@@ -414,7 +422,9 @@ class MoE(nn.Module):
         # scaled by this rank's share of its rows so the sum over tensor-parallel slices is the whole.
         g, e = self.balance_groups, self.experts_total
         group_ids = ids.reshape(g, -1)
-        f = torch.zeros(g, e, device=ids.device).scatter_add_(1, group_ids, torch.ones_like(group_ids, dtype=torch.float))
+        f = torch.zeros(g, e, device=ids.device).scatter_add_(
+            1, group_ids, torch.ones_like(group_ids, dtype=torch.float)
+        )
         f = f / f.sum(-1, keepdim=True).clamp(min=1)
         probs = (scores / scores.sum(-1, keepdim=True)).reshape(g, -1, e).mean(1)
         self.load_balance_loss = e * (f * probs).sum(-1).mean() * share
@@ -454,8 +464,10 @@ class ExpertBalancer:
         """One bias step from `load` [layers, experts] (default: `reduce()`); returns the load used."""
         load = self.reduce() if load is None else load
         if tuple(load.shape) != (len(self.layers), self.layers[0].experts_total if self.layers else 0):
-            raise ValueError(f"load must have shape ({len(self.layers)}, "
-                             f"{self.layers[0].experts_total if self.layers else 0}), got {tuple(load.shape)}")
+            raise ValueError(
+                f"load must have shape ({len(self.layers)}, "
+                f"{self.layers[0].experts_total if self.layers else 0}), got {tuple(load.shape)}"
+            )
         for moe, counts in zip(self.layers, load):
             counts = counts.float().to(moe.router.bias.device)
             moe.router.bias.add_(self.rate * torch.sign(counts.mean() - counts))
@@ -464,8 +476,10 @@ class ExpertBalancer:
 
     def attach(self, optimizer: torch.optim.Optimizer):
         """Run `step()` before every `optimizer.step()`; returns the hook's handle."""
+
         def hook(opt, args, kwargs) -> None:
             self.step()
+
         return optimizer.register_step_pre_hook(hook)
 
 

@@ -59,8 +59,15 @@ class ParallelDims:
     def from_plan(cls, plan: Plan, world_size: int, max_tp: Optional[int] = None) -> "ParallelDims":
         """The plan's degrees for a job of `world_size` ranks, checked by the core's layout validator
         (tp at most `max_tp`, the GPUs of a node; default: no limit beyond the world size)."""
-        issues = layout_rules(plan.model, plan.parallel, plan.training, world_size, max_tp or world_size,
-                              prefix="plan:", world_source=" (WORLD_SIZE of this job)")
+        issues = layout_rules(
+            plan.model,
+            plan.parallel,
+            plan.training,
+            world_size,
+            max_tp or world_size,
+            prefix="plan:",
+            world_source=" (WORLD_SIZE of this job)",
+        )
         if issues:
             raise ConfigError(issues, "the plan does not fit this job")
         return cls(**plan.degrees.model_dump(), world_size=world_size)
@@ -91,13 +98,20 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> "Meshes":
         pp = (("pp", self.pp),)
         return Meshes(
-            dense=_mesh(device_type, pp + (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))),
+            dense=_mesh(
+                device_type, pp + (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))
+            ),
             experts=_mesh(device_type, pp + (("dp_replicate", self.dp_replicate), ("edp", self.edp), ("ep", self.ep))),
-            moe=_mesh(device_type, pp + (("dp_replicate", self.dp_replicate), ("dp_shard_tp", self.dp_shard * self.tp))),
+            moe=_mesh(
+                device_type, pp + (("dp_replicate", self.dp_replicate), ("dp_shard_tp", self.dp_shard * self.tp))
+            ),
             # The ranks of one stage, for what sums over all of its tokens (the expert counts); kept
             # even with one rank per stage, where None would mean the whole job.
-            stage=(init_device_mesh(device_type, (self.pp, self.world_size // self.pp), mesh_dim_names=("pp", "stage"))
-                   if self.pp > 1 else None),
+            stage=(
+                init_device_mesh(device_type, (self.pp, self.world_size // self.pp), mesh_dim_names=("pp", "stage"))
+                if self.pp > 1
+                else None
+            ),
         )
 
 
@@ -139,8 +153,9 @@ def nvml_clique() -> Optional[str]:
     except pynvml.NVMLError:
         return None
     cluster = bytes(info.clusterUuid)
-    if (info.state != pynvml.NVML_GPU_FABRIC_STATE_COMPLETED or info.status != pynvml.NVML_SUCCESS
-            or not any(cluster)):  # a fabric not (yet) formed: only the node's own NVLink is usable
+    if (
+        info.state != pynvml.NVML_GPU_FABRIC_STATE_COMPLETED or info.status != pynvml.NVML_SUCCESS or not any(cluster)
+    ):  # a fabric not (yet) formed: only the node's own NVLink is usable
         return None
     return f"{uuid.UUID(bytes=cluster)}.{info.cliqueId}"
 
@@ -158,18 +173,29 @@ def domain_order(dims: ParallelDims, placement: Sequence[GroupPlacement], say: C
     inside = [g for g in placed.values() if g.inside_domain]
     crossing = [g for g in placed.values() if not g.inside_domain]
     if crossing:
-        say("; ".join(f"{g.dim} {g.size} spans {g.domains} NVLink domains by the plan's design ({g.link})"
-                      for g in crossing) + ": those groups cross domains over EFA")
+        say(
+            "; ".join(
+                f"{g.dim} {g.size} spans {g.domains} NVLink domains by the plan's design ({g.link})" for g in crossing
+            )
+            + ": those groups cross domains over EFA"
+        )
     try:
         return rank_order(labels, math.lcm(1, *(g.size for g in inside)))
     except ValueError as e:
         kept = " and ".join(f"{g.dim} {g.size}" for g in inside)
-        raise BadInput(f"rank order: {e}; the plan keeps {kept} inside one domain: check the nodes' "
-                       f"nvidia.com/gpu.clique labels (NVLink fabric up?) or {DOMAIN_ENV}") from None
+        raise BadInput(
+            f"rank order: {e}; the plan keeps {kept} inside one domain: check the nodes' "
+            f"nvidia.com/gpu.clique labels (NVLink fabric up?) or {DOMAIN_ENV}"
+        ) from None
 
 
-def renumber_by_domain(dims: ParallelDims, placement: Sequence[GroupPlacement], backend: str, timeout: timedelta,
-                       say: Callable[[str], None]) -> None:
+def renumber_by_domain(
+    dims: ParallelDims,
+    placement: Sequence[GroupPlacement],
+    backend: str,
+    timeout: timedelta,
+    say: Callable[[str], None],
+) -> None:
     """Number the ranks of the default process group NVLink domain by domain (`domain_order`), so the
     row-major meshes put every EP and TP group inside one domain and everything that derives a
     coordinate from the rank (data shard, stage, rank 0's duties) follows. Where torchrun's order is
@@ -240,8 +266,9 @@ def _size(mesh: Optional[DeviceMesh]) -> int:
     return mesh.size() if mesh is not None else 1
 
 
-def build_model(cfg: Model, dims: ParallelDims, parallel: Parallel, device: torch.device, seed: int,
-                mesh: Optional[Meshes] = None) -> Transformer:
+def build_model(
+    cfg: Model, dims: ParallelDims, parallel: Parallel, device: torch.device, seed: int, mesh: Optional[Meshes] = None
+) -> Transformer:
     """The model sharded from the first byte: built on the meta device, parallelised, then only this
     rank's shards are allocated (`to_empty`) and initialised in place, equal to the single-process
     `Transformer.init_weights(seed)` at every layout. (pp > 1: `trainer.pipeline.build_pipeline`.)"""
@@ -265,8 +292,9 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
-def parallelize(model: Transformer, dims: ParallelDims, mesh: Meshes, parallel: Parallel,
-                device_type: str) -> Transformer:
+def parallelize(
+    model: Transformer, dims: ParallelDims, mesh: Meshes, parallel: Parallel, device_type: str
+) -> Transformer:
     """Apply tensor parallel, expert parallel, activation checkpointing and FSDP2, in that order.
 
     `model` may be on the meta device (then `to_empty` and `init_weights`, as `build_model` does)
@@ -294,11 +322,15 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: Meshes, parallel: 
 
 def _tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     for block in blocks(model):
-        parallelize_module(block.attention, tp_mesh, {
-            "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()})
+        parallelize_module(
+            block.attention,
+            tp_mesh,
+            {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()},
+        )
         if not isinstance(block.ffn, MoE):  # the MoE layer slices tokens instead (its dispatcher)
-            parallelize_module(block.ffn, tp_mesh, {
-                "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
+            parallelize_module(
+                block.ffn, tp_mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+            )
 
 
 def _activation_checkpointing(model: Transformer, mode: str) -> None:
@@ -310,8 +342,11 @@ def _fully_shard(model: Transformer, mesh: Meshes, parallel: Parallel, device_ty
     # bf16 compute with fp32 reduction on GPUs only: CPU matmuls in bf16 are slow and imprecise.
     # Inputs are not cast: activations are bf16 anyway (bf16 weights), and the RoPE tables passed
     # to every block stay fp32.
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-          if parallel.mixed_precision == "bf16" and device_type == "cuda" else MixedPrecisionPolicy())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        if parallel.mixed_precision == "bf16" and device_type == "cuda"
+        else MixedPrecisionPolicy()
+    )
     dp = mesh.dp
     # Experts that no other rank holds (ep = dp_shard*tp, no replicas) stay out of FSDP: they are
     # DTensors on the EP mesh, and there is nothing to shard or reduce them over.
@@ -328,8 +363,13 @@ def _fully_shard(model: Transformer, mesh: Meshes, parallel: Parallel, device_ty
             else:
                 unsharded |= set(experts.parameters())
             if mesh.router is not None:
-                fully_shard(block.ffn, mesh=mesh.router, mp_policy=mp, ignored_params=unsharded or None,
-                            reshard_after_forward=reshard)
+                fully_shard(
+                    block.ffn,
+                    mesh=mesh.router,
+                    mp_policy=mp,
+                    ignored_params=unsharded or None,
+                    reshard_after_forward=reshard,
+                )
         if dp is not None:
             fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=unsharded or None, reshard_after_forward=reshard)
             sharded.append(block)

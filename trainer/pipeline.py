@@ -28,8 +28,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from supernode.core.config import Model, Parallel
 from supernode.core.layout import stage_layers
@@ -144,14 +143,28 @@ class Pipeline:
         inputs, targets, documents = inputs_and_targets(tokens, eos)
         args = (inputs,) if self.has_first else ()
         kwargs = {} if documents is None else {"documents": documents}
-        self.schedule.step(*args, target=targets if self.has_last else None, losses=losses,
-                           loss_kwargs=None if counted is None else {"counted": counted}, **kwargs)
+        self.schedule.step(
+            *args,
+            target=targets if self.has_last else None,
+            losses=losses,
+            loss_kwargs=None if counted is None else {"counted": counted},
+            **kwargs,
+        )
         return losses
 
 
-def build_pipeline(cfg: Model, dims: ParallelDims, parallel: Parallel, device: torch.device, seed: int,
-                   micro_batch: int, micro_batches: int, loss_fn: Callable[..., Tensor],
-                   mesh: Optional[Meshes] = None, sizes: Optional[list[int]] = None) -> Pipeline:
+def build_pipeline(
+    cfg: Model,
+    dims: ParallelDims,
+    parallel: Parallel,
+    device: torch.device,
+    seed: int,
+    micro_batch: int,
+    micro_batches: int,
+    loss_fn: Callable[..., Tensor],
+    mesh: Optional[Meshes] = None,
+    sizes: Optional[list[int]] = None,
+) -> Pipeline:
     """This rank's stages, each built like `trainer.parallel.build_model` (meta device, parallelise,
     `to_empty`, init in place), and the plan's schedule over `micro_batches` micro-batches of
     `micro_batch` sequences. `sizes`: layers per stage (the Plan's `pipeline.stage_layers`; default
@@ -159,8 +172,9 @@ def build_pipeline(cfg: Model, dims: ParallelDims, parallel: Parallel, device: t
     mesh = mesh or dims.build_mesh(device.type)
     virtual = parallel.pp_virtual_stages
     total = dims.pp * virtual
-    sizes = sizes or stage_layers(cfg.layers, total, parallel.pp_first_stage_fewer_layers,
-                                  parallel.pp_last_stage_fewer_layers)
+    sizes = sizes or stage_layers(
+        cfg.layers, total, parallel.pp_first_stage_fewer_layers, parallel.pp_last_stage_fewer_layers
+    )
     if len(sizes) != total or sum(sizes) != cfg.layers or min(sizes) < 1:
         raise ValueError(f"stage layers {sizes} do not split {cfg.layers} layers over {total} stages")
     starts = [sum(sizes[:s]) for s in range(total + 1)]
@@ -181,16 +195,36 @@ def build_pipeline(cfg: Model, dims: ParallelDims, parallel: Parallel, device: t
         # which would also count routed tokens and move no weights.
         # Activations carry gradients back (requires_grad: the schedule sizes the gradient buffers by it).
         with torch.device("meta"):
-            inputs = (torch.empty(micro_batch, seq, dtype=torch.long) if s == 0
-                      else torch.empty(micro_batch, seq, cfg.dim, dtype=dtype, requires_grad=True))
-            outputs = (torch.empty(micro_batch, seq, cfg.vocab, dtype=torch.float32, requires_grad=True)
-                       if s == total - 1 else torch.empty(micro_batch, seq, cfg.dim, dtype=dtype, requires_grad=True))
-        pipe_stages.append(PipelineStage(stage, s, total, device, input_args=inputs, output_args=outputs,
-                                         group=pp_mesh.get_group() if pp_mesh is not None else None))
+            inputs = (
+                torch.empty(micro_batch, seq, dtype=torch.long)
+                if s == 0
+                else torch.empty(micro_batch, seq, cfg.dim, dtype=dtype, requires_grad=True)
+            )
+            outputs = (
+                torch.empty(micro_batch, seq, cfg.vocab, dtype=torch.float32, requires_grad=True)
+                if s == total - 1
+                else torch.empty(micro_batch, seq, cfg.dim, dtype=dtype, requires_grad=True)
+            )
+        pipe_stages.append(
+            PipelineStage(
+                stage,
+                s,
+                total,
+                device,
+                input_args=inputs,
+                output_args=outputs,
+                group=pp_mesh.get_group() if pp_mesh is not None else None,
+            )
+        )
     kind = SCHEDULES[parallel.pp_schedule]
     if kind is ScheduleInterleaved1F1B:
         schedule = kind(pipe_stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=True)
     else:
         schedule = kind(pipe_stages[0], n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=True)
-    return Pipeline(parts=StageParts(stages), schedule=schedule, has_first=any(s.first for s in stages),
-                    has_last=any(s.last for s in stages), micro_batches=micro_batches)
+    return Pipeline(
+        parts=StageParts(stages),
+        schedule=schedule,
+        has_first=any(s.first for s in stages),
+        has_last=any(s.last for s in stages),
+        micro_batches=micro_batches,
+    )

@@ -80,8 +80,10 @@ def _texts(c: Chunk) -> list[str]:
             if line.strip():
                 doc = json.loads(line)
                 if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
-                    raise DataError(f"{c.path}: line at byte {c.start + sum(len(x) + 1 for x in raw.splitlines()[:n])}"
-                                    " is not a JSON object with a \"text\" string")
+                    raise DataError(
+                        f"{c.path}: line at byte {c.start + sum(len(x) + 1 for x in raw.splitlines()[:n])}"
+                        ' is not a JSON object with a "text" string'
+                    )
                 docs.append(doc["text"])
         return docs
     except UnicodeDecodeError as e:
@@ -109,8 +111,14 @@ class ShardWriter:
     """Cuts a token stream into shards of exactly `shard_tokens`, each written under a temporary
     name and renamed once complete; `on_shard` runs after each rename (the journal's hook)."""
 
-    def __init__(self, out: Path, dtype: str, shard_tokens: int, done: Sequence[dict] = (),
-                 on_shard: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        out: Path,
+        dtype: str,
+        shard_tokens: int,
+        done: Sequence[dict] = (),
+        on_shard: Callable[[], None] = lambda: None,
+    ):
         self.out, self.dtype, self.on_shard = out, dtype, on_shard
         self.buf = np.empty(shard_tokens, dtype)
         self.fill = 0
@@ -120,7 +128,7 @@ class ShardWriter:
         i = 0
         while i < ids.size:
             take = min(self.buf.size - self.fill, ids.size - i)
-            self.buf[self.fill:self.fill + take] = ids[i:i + take]
+            self.buf[self.fill : self.fill + take] = ids[i : i + take]
             self.fill, i = self.fill + take, i + take
             if self.fill == self.buf.size:
                 self.consumed = i  # how many of this call's ids are in shards now (read by on_shard)
@@ -128,7 +136,7 @@ class ShardWriter:
                 self.on_shard()
 
     def _flush(self) -> None:
-        data = self.buf[:self.fill]
+        data = self.buf[: self.fill]
         name = f"shard_{len(self.shards):05d}.bin"
         tmp = self.out / (name + ".tmp")
         with tmp.open("wb") as f:
@@ -136,8 +144,14 @@ class ShardWriter:
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(self.out / name)
-        self.shards.append({"file": name, "tokens": int(self.fill), "sha256": hashlib.sha256(data).hexdigest(),
-                            "max_id": int(data.max())})
+        self.shards.append(
+            {
+                "file": name,
+                "tokens": int(self.fill),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "max_id": int(data.max()),
+            }
+        )
         self.fill = 0
 
     def close(self) -> list[dict]:
@@ -164,8 +178,18 @@ def write_synthetic(out: Path, tokens: int, vocab: int, seed: int = 0, shard_tok
     for start in range(0, tokens, 1 << 22):
         writer.add(rng.integers(1, vocab, size=min(1 << 22, tokens - start), dtype=np.uint16))
     shards = writer.close()
-    write_manifest(out, {"tokenizer": {"kind": "synthetic"}, "vocab": vocab, "dtype": "uint16", "eos": 0,
-                         "total_tokens": tokens, "max_id": max(s["max_id"] for s in shards), "shards": shards})
+    write_manifest(
+        out,
+        {
+            "tokenizer": {"kind": "synthetic"},
+            "vocab": vocab,
+            "dtype": "uint16",
+            "eos": 0,
+            "total_tokens": tokens,
+            "max_id": max(s["max_id"] for s in shards),
+            "shards": shards,
+        },
+    )
     return out
 
 
@@ -194,9 +218,18 @@ def _bpe_texts(paths: Sequence[Path]) -> Iterator[str]:
         yield from _texts(c)
 
 
-def prepare(corpus_paths: Sequence[str | Path], out_dir: str | Path, shard_tokens: int = 1 << 27, *,
-            tokenizer: Optional[Path] = None, train_bpe_vocab: Optional[int] = None, eos: Optional[str] = None,
-            workers: Optional[int] = None, chunk_bytes: int = CHUNK_BYTES, progress: bool = False) -> dict:
+def prepare(
+    corpus_paths: Sequence[str | Path],
+    out_dir: str | Path,
+    shard_tokens: int = 1 << 27,
+    *,
+    tokenizer: Optional[Path] = None,
+    train_bpe_vocab: Optional[int] = None,
+    eos: Optional[str] = None,
+    workers: Optional[int] = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    progress: bool = False,
+) -> dict:
     """Tokenize the corpus into `out_dir` (see the module docstring); returns the manifest."""
     if shard_tokens < 1:
         raise DataError(f"shard_tokens must be positive (got {shard_tokens})")
@@ -215,9 +248,16 @@ def prepare(corpus_paths: Sequence[str | Path], out_dir: str | Path, shard_token
         if not Path(tokenizer).is_file():
             raise DataError(f"--tokenizer {tokenizer}: file not found")
         if Path(tokenizer).resolve() == (out / TOKENIZER_FILE).resolve():
-            raise DataError(f"--tokenizer {tokenizer} is the tokenizer of the output directory; copy it elsewhere first")
-    spec = (f"file:{hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()}:{eos}" if tokenizer
-            else f"bpe:{train_bpe_vocab}" if train_bpe_vocab else "bytes")
+            raise DataError(
+                f"--tokenizer {tokenizer} is the tokenizer of the output directory; copy it elsewhere first"
+            )
+    spec = (
+        f"file:{hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()}:{eos}"
+        if tokenizer
+        else f"bpe:{train_bpe_vocab}"
+        if train_bpe_vocab
+        else "bytes"
+    )
     key = _settings_key(paths, spec, shard_tokens, chunk_bytes)
     if _read_json(out / MANIFEST).get("prepare_key") == key:
         return _read_json(out / MANIFEST)  # already prepared from these inputs with these settings
@@ -239,9 +279,10 @@ def prepare(corpus_paths: Sequence[str | Path], out_dir: str | Path, shard_token
 
     writer = ShardWriter(out, tok.dtype, shard_tokens, journal["shards"], record)
     documents = journal["documents"]
-    with _Progress(progress, sum(c.end - c.start for c in work),
-                   sum(c.end - c.start for c in work[:journal["chunk"]])) as bar:
-        for i, (ids, nbytes, docs) in enumerate(_run(work[journal["chunk"]:], tok, workers), start=journal["chunk"]):
+    with _Progress(
+        progress, sum(c.end - c.start for c in work), sum(c.end - c.start for c in work[: journal["chunk"]])
+    ) as bar:
+        for i, (ids, nbytes, docs) in enumerate(_run(work[journal["chunk"] :], tok, workers), start=journal["chunk"]):
             skip = journal["skip"] if i == journal["chunk"] else 0  # already in shards written before
             cursor.update(chunk=i, skip=skip, documents=documents)
             writer.add(ids[skip:])
@@ -249,18 +290,27 @@ def prepare(corpus_paths: Sequence[str | Path], out_dir: str | Path, shard_token
             bar.advance(nbytes, ids.size - skip)
         shards = writer.close()
     manifest = {
-        "format": FORMAT, "tokenizer": tok.describe(), "vocab": tok.vocab, "dtype": tok.dtype, "eos": tok.eos,
-        "documents": documents, "total_tokens": sum(s["tokens"] for s in shards),
-        "max_id": max(s["max_id"] for s in shards), "shard_tokens": shard_tokens, "shards": shards,
-        "inputs": [{"file": p.name, "bytes": p.stat().st_size} for p in paths], "prepare_key": key,
+        "format": FORMAT,
+        "tokenizer": tok.describe(),
+        "vocab": tok.vocab,
+        "dtype": tok.dtype,
+        "eos": tok.eos,
+        "documents": documents,
+        "total_tokens": sum(s["tokens"] for s in shards),
+        "max_id": max(s["max_id"] for s in shards),
+        "shard_tokens": shard_tokens,
+        "shards": shards,
+        "inputs": [{"file": p.name, "bytes": p.stat().st_size} for p in paths],
+        "prepare_key": key,
     }
     write_manifest(out, manifest)
     (out / JOURNAL).unlink(missing_ok=True)
     return manifest
 
 
-def _tokenizer(paths: Sequence[Path], out: Path, given: Optional[Path], bpe_vocab: Optional[int],
-               eos: Optional[str], journal: dict) -> Tokenizer:
+def _tokenizer(
+    paths: Sequence[Path], out: Path, given: Optional[Path], bpe_vocab: Optional[int], eos: Optional[str], journal: dict
+) -> Tokenizer:
     if given is not None:
         tok = from_file(given, eos)
         shutil.copyfile(given, out / TOKENIZER_FILE)  # the dataset carries its tokenizer
@@ -297,11 +347,24 @@ class _Progress:
         self.bar = None
         if show:
             from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                       TransferSpeedColumn)
-            self.bar = Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                                TextColumn("{task.fields[tokens]:,} tokens, {task.fields[rate]}"),
-                                TimeRemainingColumn(), console=Console(stderr=True))
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self.bar = Progress(
+                TextColumn("tokenizing"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TextColumn("{task.fields[tokens]:,} tokens, {task.fields[rate]}"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
             self.task = self.bar.add_task("tokenizing", total=total, completed=done, tokens=0, rate="")
             self.tokens = 0
 
@@ -314,7 +377,9 @@ class _Progress:
         if self.bar:
             self.tokens += tokens
             elapsed = self.bar.tasks[0].elapsed or 1e-9
-            self.bar.update(self.task, advance=nbytes, tokens=self.tokens, rate=f"{self.tokens / elapsed:,.0f} tokens/s")
+            self.bar.update(
+                self.task, advance=nbytes, tokens=self.tokens, rate=f"{self.tokens / elapsed:,.0f} tokens/s"
+            )
 
     def __exit__(self, *exc) -> None:
         if self.bar:

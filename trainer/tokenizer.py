@@ -48,13 +48,19 @@ class Tokenizer:
 
     def describe(self) -> dict:
         """What the manifest records about the tokenizer."""
-        return {"kind": self.kind, "file": TOKENIZER_FILE if self.file else None, "sha256": self.sha256,
-                "eos_token": self.eos_token}
+        return {
+            "kind": self.kind,
+            "file": TOKENIZER_FILE if self.file else None,
+            "sha256": self.sha256,
+            "eos_token": self.eos_token,
+        }
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         if self.kind == BYTES:
             return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
-        return [np.asarray(e.ids, dtype=self.dtype) for e in _hf(self.file).encode_batch(texts, add_special_tokens=False)]
+        return [
+            np.asarray(e.ids, dtype=self.dtype) for e in _hf(self.file).encode_batch(texts, add_special_tokens=False)
+        ]
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_batch([text])[0]
@@ -73,6 +79,7 @@ def _hf(path: Optional[Path]):
     if path not in _loaded:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # our processes are the parallelism
         from tokenizers import Tokenizer as HF
+
         try:
             _loaded[path] = HF.from_file(str(path))
         except Exception as e:  # the library raises a bare Exception for a malformed file
@@ -93,8 +100,10 @@ def from_file(path: Path, eos_token: Optional[str] = None, kind: str = "huggingf
     names = (eos_token,) if eos_token else EOS_NAMES
     eos = next(((n, i) for n in names if (i := hf.token_to_id(n)) is not None), None)
     if eos is None:
-        raise DataError(f"--tokenizer {path}: no end-of-document token {' / '.join(names)} in its vocabulary; "
-                        "name the one it has with --eos TOKEN")
+        raise DataError(
+            f"--tokenizer {path}: no end-of-document token {' / '.join(names)} in its vocabulary; "
+            "name the one it has with --eos TOKEN"
+        )
     return Tokenizer(kind, hf.get_vocab_size(with_added_tokens=True), eos[1], eos[0], path, sha256_file(path))
 
 
@@ -109,8 +118,12 @@ def train_bpe(texts: Iterator[str], vocab: int, out: Path) -> Tokenizer:
     hf = HF(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=[EOS_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     hf.train_from_iterator(texts, trainer)
     tmp = out.with_name(out.name + ".tmp")
     hf.save(str(tmp))

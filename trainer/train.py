@@ -53,7 +53,6 @@ from .parallel import ParallelDims, renumber_by_domain
 from .trainer import Trainer
 
 
-
 class NonFinite(Exception):
     """Training diverged: the loss or gradient norm stayed non-finite (not retryable: it would again)."""
 
@@ -95,8 +94,9 @@ class CommClock:
     def seconds(self) -> float:
         if self.prof is None:
             return 0.0
-        spans = sorted((e.time_range.start, e.time_range.end) for e in self.prof.events()
-                       if e.name.startswith(("gloo:", "nccl")))
+        spans = sorted(
+            (e.time_range.start, e.time_range.end) for e in self.prof.events() if e.name.startswith(("gloo:", "nccl"))
+        )
         total, end = 0, -math.inf
         for s, e in spans:
             if e > end:
@@ -137,6 +137,7 @@ def _die_with_parent() -> None:
 
 # -- outcomes that a restart cannot change ----------------------------------------------------
 
+
 def _classify(exc: BaseException) -> Optional[tuple[int, list[str]]]:
     """(exit code, lines) for a failure a restart would only repeat; None for a transient one."""
     lines = bad_input_lines(exc)
@@ -172,8 +173,18 @@ def _report(out: Path, code: int, lines: list[str], to_stderr: bool = True) -> N
     try:
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / (EXIT_FILE + ".tmp")
-        tmp.write_text(json.dumps({"code": code, "lines": lines, "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
-                                   "pid": os.getpid(), "host": socket.gethostname()}), encoding="utf-8")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "code": code,
+                    "lines": lines,
+                    "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                }
+            ),
+            encoding="utf-8",
+        )
         tmp.replace(out / EXIT_FILE)
     except OSError:
         pass  # the message is printed; only a restart's shortcut is lost
@@ -187,15 +198,20 @@ def _exit_code(code: int) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n")[0])
-    p.add_argument("--plan", type=Path, required=True, help="plan JSON (supernode plan --json --full, or the ConfigMap)")
+    p.add_argument(
+        "--plan", type=Path, required=True, help="plan JSON (supernode plan --json --full, or the ConfigMap)"
+    )
     p.add_argument("--data", type=Path, required=True, help="directory with manifest.json and token shards")
     p.add_argument("--out", type=Path, required=True, help="checkpoints/ and metrics go here")
     p.add_argument("--steps", type=int, default=None, help="stop after this step (default: the plan's steps)")
     p.add_argument("--log-every", type=int, default=1, help="metrics every N steps (those steps are profiled)")
     p.add_argument("--sync-checkpoint", action="store_true", help="blocking saves instead of async")
     p.add_argument("--prometheus-port", type=int, default=None, help="serve /metrics on this port (rank 0)")
-    p.add_argument("--prometheus-addr", default="127.0.0.1",
-                   help="address /metrics listens on (default loopback; in a pod, its IP)")
+    p.add_argument(
+        "--prometheus-addr",
+        default="127.0.0.1",
+        help="address /metrics listens on (default loopback; in a pod, its IP)",
+    )
     p.add_argument("--progress", action="store_true", help="rich progress bar (rank 0)")
     p.add_argument("--plots", action="store_true", help="PNG plots of loss and expert load at the end")
     return p
@@ -217,8 +233,13 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
     dist.init_process_group(backend, timeout=timeout)
     lock = OutDirLock(args.out)
     try:
-        renumber_by_domain(dims, plan.topology.placement, backend, timeout,
-                           say=lambda line: print(line, flush=True) if dist.get_rank() == 0 else None)
+        renumber_by_domain(
+            dims,
+            plan.topology.placement,
+            backend,
+            timeout,
+            say=lambda line: print(line, flush=True) if dist.get_rank() == 0 else None,
+        )
         _own_out_dir(args.out, lock)
         return _run(args, plan, dims, steps, device, stop)
     except Exception as e:
@@ -246,12 +267,14 @@ def _own_out_dir(out: Path, lock: OutDirLock) -> None:
     found = [holder]
     dist.broadcast_object_list(found, src=0)
     if found[0] is not None:
-        raise BadInput(f"--out {out} is in use by another run ({found[0]}); wait for it to end, or train "
-                       "into another --out")
+        raise BadInput(
+            f"--out {out} is in use by another run ({found[0]}); wait for it to end, or train into another --out"
+        )
 
 
-def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, device: torch.device,
-         stop: StopRequest) -> int:
+def _run(
+    args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, device: torch.device, stop: StopRequest
+) -> int:
     t = plan.training
     rank, world = dist.get_rank(), dist.get_world_size()
     say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
@@ -259,22 +282,41 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
     ckpt = trainer.checkpointer
     start, changed = trainer.restore()
     if start > steps:
-        raise BadInput(f"--steps {steps}: the run in {args.out} is already at step {start}; give --steps above "
-                       f"{start} to train on, or another --out to start over")
+        raise BadInput(
+            f"--steps {steps}: the run in {args.out} is already at step {start}; give --steps above "
+            f"{start} to train on, or another --out to start over"
+        )
     if changed:
         say(changed)
     if start == steps:
         say(f"the run in {args.out} is already at step {start}: nothing to train (give a larger --steps)")
         ckpt.close()
         return EXIT_OK
-    metrics = Metrics(args.out, plan, world, device.type, rank, args.prometheus_port,
-                      progress=args.progress, total_steps=steps, start_step=start, prometheus_addr=args.prometheus_addr,
-                      checkpoints=ckpt.root)  # the checkpoint-age gauges follow its commits
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
-        metrics.message("warning: torchrun restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, "
-                        "else a restarted attempt reads stale addresses (pytorch/pytorch#135712) and cannot connect")
-    metrics.message(f"{'resumed from checkpoint at step ' + str(start) if start else 'starting at step 0'}; "
-                    f"training to step {steps} on {world} {device.type} rank(s), layout {plan.degrees.model_dump()}")
+    metrics = Metrics(
+        args.out,
+        plan,
+        world,
+        device.type,
+        rank,
+        args.prometheus_port,
+        progress=args.progress,
+        total_steps=steps,
+        start_step=start,
+        prometheus_addr=args.prometheus_addr,
+        checkpoints=ckpt.root,
+    )  # the checkpoint-age gauges follow its commits
+    if (
+        int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
+    ):
+        metrics.message(
+            "warning: torchrun restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, "
+            "else a restarted attempt reads stale addresses (pytorch/pytorch#135712) and cannot connect"
+        )
+    metrics.message(
+        f"{'resumed from checkpoint at step ' + str(start) if start else 'starting at step 0'}; "
+        f"training to step {steps} on {world} {device.type} rank(s), layout {plan.degrees.model_dump()}"
+    )
     gpu = device.type == "cuda"
     tokens_per_step = t.global_batch * plan.model.seq_len
     nan_from = int(inject("nan") or 0)  # test hook: the loss (and so every gradient) is NaN from this step on
@@ -295,21 +337,33 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
             ckpt.poll()
             if profiled or r.skipped:
                 comm_s = clock.seconds()
-                metrics.log(step, loss=r.loss, lr=trainer.scheduler.get_last_lr()[0], grad_norm=r.grad_norm,
-                            tokens=tokens_per_step, step_s=step_s, compute_s=max(0.0, step_s - data_s - comm_s),
-                            comm_s=comm_s, data_s=data_s, expert_load=None if r.skipped else trainer.expert_load(),
-                            skipped=r.skipped)
+                metrics.log(
+                    step,
+                    loss=r.loss,
+                    lr=trainer.scheduler.get_last_lr()[0],
+                    grad_norm=r.grad_norm,
+                    tokens=tokens_per_step,
+                    step_s=step_s,
+                    compute_s=max(0.0, step_s - data_s - comm_s),
+                    comm_s=comm_s,
+                    data_s=data_s,
+                    expert_load=None if r.skipped else trainer.expert_load(),
+                    skipped=r.skipped,
+                )
             if r.skipped:
                 bad_streak += 1
-                metrics.message(f"step {step}: loss {r.loss}, grad norm {r.grad_norm}: not finite, update skipped "
-                                f"({bad_streak} in a row of at most {t.max_non_finite_steps})")
+                metrics.message(
+                    f"step {step}: loss {r.loss}, grad norm {r.grad_norm}: not finite, update skipped "
+                    f"({bad_streak} in a row of at most {t.max_non_finite_steps})"
+                )
                 if bad_streak >= t.max_non_finite_steps:
                     ckpt.close()  # a save in flight is of an earlier, finite step: keep it
                     raise NonFinite(
                         f"training diverged: loss or gradient norm not finite for {bad_streak} consecutive steps "
                         f"(steps {step - bad_streak + 1}-{step}, updates skipped); stopped without a checkpoint. "
                         f"{'The checkpoint of step ' + str(last_saved) + ' holds the last finite state' if last_saved else 'No checkpoint was written'}; "
-                        "lower training.lr or raise training.warmupSteps, then run again")
+                        "lower training.lr or raise training.warmupSteps, then run again"
+                    )
             else:
                 bad_streak = 0
             stopping = r.stop_term or r.stop_interrupt
@@ -318,18 +372,26 @@ def _run(args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, d
             if (step % t.checkpoint_interval == 0 and not bad_streak) or step == steps or stopping:
                 if not trainer.finite_params():  # never checkpoint a non-finite state
                     ckpt.close()
-                    raise NonFinite(f"step {step}: the weights are not finite; no checkpoint written (the last is "
-                                    f"step {last_saved}); lower training.lr, then run again")
+                    raise NonFinite(
+                        f"step {step}: the weights are not finite; no checkpoint written (the last is "
+                        f"step {last_saved}); lower training.lr, then run again"
+                    )
                 ckpt.save(step, sync=stopping or step == steps)
                 last_saved = step
-                metrics.message(f"step {step}: loss {r.loss:.4f}; checkpoint "
-                                f"{'written' if stopping or step == steps else 'started (async)'}, "
-                                f"training blocked {ckpt.last_stall_s * 1e3:.0f} ms")
+                metrics.message(
+                    f"step {step}: loss {r.loss:.4f}; checkpoint "
+                    f"{'written' if stopping or step == steps else 'started (async)'}, "
+                    f"training blocked {ckpt.last_stall_s * 1e3:.0f} ms"
+                )
             if stopping:
                 if r.stop_interrupt:
                     code = EXIT_INTERRUPTED
-                    _report(args.out, code, [f"interrupted at step {step}; checkpoint written; run again to resume"],
-                            to_stderr=False)
+                    _report(
+                        args.out,
+                        code,
+                        [f"interrupted at step {step}; checkpoint written; run again to resume"],
+                        to_stderr=False,
+                    )
                 else:
                     metrics.message(f"SIGTERM: stopped after step {step} with a checkpoint; run again to resume")
                 break

@@ -36,8 +36,16 @@ from .pipeline import build_pipeline
 
 BETAS = (0.9, 0.95)
 # Recorded in each checkpoint and compared on resume: these change the learning-rate curve or update.
-HYPER_PARAMETERS = ("lr", "min_lr_ratio", "warmup_steps", "schedule", "steps", "weight_decay", "grad_clip",
-                    "document_masking")
+HYPER_PARAMETERS = (
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "schedule",
+    "steps",
+    "weight_decay",
+    "grad_clip",
+    "document_masking",
+)
 
 
 def lr_factor(t: Training) -> Callable[[int], float]:
@@ -56,8 +64,9 @@ def lr_factor(t: Training) -> Callable[[int], float]:
     return factor
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float,
-                   pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def clip_grad_norm(
+    params: Iterable[torch.nn.Parameter], max_norm: float, pp_group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
     """Global gradient norm over every shard (a device tensor: no host sync), then clip. Parameters
     live on different meshes (dense, experts, router), and DTensor norms only combine within one
     mesh and placement, so the norm is taken per group and the groups' squares are summed; with
@@ -83,7 +92,9 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float,
     return total
 
 
-def counted_per_micro_batch(micro: list[torch.Tensor], eos: Optional[int], device: torch.device) -> torch.Tensor | float:
+def counted_per_micro_batch(
+    micro: list[torch.Tensor], eos: Optional[int], device: torch.device
+) -> torch.Tensor | float:
     """The divisor of each micro-batch's summed cross-entropy (`loss_fn`'s `counted`): the step's counted
     targets over every rank and micro-batch, per micro-batch of one rank. A micro-batch's loss is then
     its share of the step's mean, and the data-parallel mean of the micro-batches' gradients is the
@@ -101,8 +112,9 @@ def counted_per_micro_batch(micro: list[torch.Tensor], eos: Optional[int], devic
     return counted.clamp(min=1).float() / (dist.get_world_size() * len(micro))
 
 
-def apply_hyper_parameters(t: Training, saved: dict, step: int, optimizer: torch.optim.Optimizer,
-                           scheduler: torch.optim.lr_scheduler.LambdaLR) -> Optional[str]:
+def apply_hyper_parameters(
+    t: Training, saved: dict, step: int, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR
+) -> Optional[str]:
     """A resume with changed hyper-parameters applies the plan's values (the checkpoint's optimizer
     and scheduler state would silently keep the old lr); returns the line that says so."""
     ours = {k: getattr(t, k) for k in HYPER_PARAMETERS}
@@ -130,8 +142,16 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, plan: Plan, dims: ParallelDims, device: torch.device, data: Path, out: Path,
-                 async_checkpoint: bool, say: Callable[[str], None]):
+    def __init__(
+        self,
+        plan: Plan,
+        dims: ParallelDims,
+        device: torch.device,
+        data: Path,
+        out: Path,
+        async_checkpoint: bool,
+        say: Callable[[str], None],
+    ):
         t = plan.training
         self.plan, self.dims, self.device = plan, dims, device
         rank = dist.get_rank()
@@ -139,9 +159,18 @@ class Trainer:
         mesh = dims.build_mesh(device.type)
         self.pipeline, self.pp_group, self._poison = None, None, False
         if dims.pp > 1:
-            self.pipeline = build_pipeline(plan.model, dims, plan.parallel, device, t.seed, t.micro_batch,
-                                           plan.micro_batches_per_step, self._stage_loss, mesh=mesh,
-                                           sizes=plan.pipeline.stage_layers)
+            self.pipeline = build_pipeline(
+                plan.model,
+                dims,
+                plan.parallel,
+                device,
+                t.seed,
+                t.micro_batch,
+                plan.micro_batches_per_step,
+                self._stage_loss,
+                mesh=mesh,
+                sizes=plan.pipeline.stage_layers,
+            )
             self.model = self.pipeline.parts  # the stages under the whole model's names
             self.pp_group = mesh.pp.get_group()
         else:
@@ -152,15 +181,29 @@ class Trainer:
         self.balancer = ExpertBalancer(self.model.moe_layers(), plan.model.bias_update_rate, group=mesh.stage_group)
         self.balancer.attach(self.optimizer)  # the router biases move with every applied update
         try:
-            self.loader = TokenLoader(data, plan.model.seq_len, t.global_batch, t.micro_batch,
-                                      dims.dp_rank(rank), dims.dp_size, t.seed, vocab=plan.model.vocab, blend=t.data,
-                                      documents=t.document_masking)
+            self.loader = TokenLoader(
+                data,
+                plan.model.seq_len,
+                t.global_batch,
+                t.micro_batch,
+                dims.dp_rank(rank),
+                dims.dp_size,
+                t.seed,
+                vocab=plan.model.vocab,
+                blend=t.data,
+                documents=t.document_masking,
+            )
         except DataError as e:
             raise BadInput(str(e)) from None
         meta = {"model": plan.model.model_dump(mode="json"), "training": {k: getattr(t, k) for k in HYPER_PARAMETERS}}
-        self.checkpointer = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, async_save=async_checkpoint,
-                                         state=train_state(self.model, self.optimizer, self.scheduler, self.loader),
-                                         meta=meta, say=say)
+        self.checkpointer = Checkpointer(
+            out / "checkpoints",
+            keep=t.keep_checkpoints,
+            async_save=async_checkpoint,
+            state=train_state(self.model, self.optimizer, self.scheduler, self.loader),
+            meta=meta,
+            say=say,
+        )
 
     def restore(self) -> tuple[int, Optional[str]]:
         """(the step resumed from, 0 for none; the line saying which settings changed, if any)."""
@@ -169,11 +212,13 @@ class Trainer:
         except CheckpointMismatch as e:
             raise BadInput(str(e)) from None
         saved = self.checkpointer.restored_meta.get("training")
-        return start, (apply_hyper_parameters(self.plan.training, saved, start, self.optimizer, self.scheduler)
-                       if start else None)
+        return start, (
+            apply_hyper_parameters(self.plan.training, saved, start, self.optimizer, self.scheduler) if start else None
+        )
 
-    def train_step(self, micro: list[torch.Tensor], stop_term: bool, stop_interrupt: bool,
-                   poison: bool = False) -> StepResult:
+    def train_step(
+        self, micro: list[torch.Tensor], stop_term: bool, stop_interrupt: bool, poison: bool = False
+    ) -> StepResult:
         """Forward/backward over the micro-batches, clip, one all-reduce of (loss, votes), then the
         update (the balancer's pre-hook reduces the expert counts once) or, if any rank saw a
         non-finite figure, no update. `poison`: a test hook, the loss becomes NaN."""
@@ -197,8 +242,14 @@ class Trainer:
         # update: every rank skips or applies it, and stops at the same step. Its .tolist() is the
         # step's one host synchronisation.
         bad = ~(torch.isfinite(grad_norm) & torch.isfinite(loss_sum))
-        sync = torch.stack([loss_sum / accum, torch.tensor(float(stop_term), device=device),
-                            torch.tensor(float(stop_interrupt), device=device), bad.float()])
+        sync = torch.stack(
+            [
+                loss_sum / accum,
+                torch.tensor(float(stop_term), device=device),
+                torch.tensor(float(stop_interrupt), device=device),
+                bad.float(),
+            ]
+        )
         dist.all_reduce(sync)
         loss_total, term, interrupt, bad_ranks, norm = torch.cat([sync, grad_norm.reshape(1)]).tolist()
         self.checkpointer.wait_for_staging()  # an async save copies the weights while this step computed
@@ -211,8 +262,13 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()  # the schedule follows the step count either way
         # Every rank of the last stage holds its data-parallel slice's loss (tensor-parallel ranks alike).
-        return StepResult(loss=loss_total / (dist.get_world_size() // self.dims.pp), grad_norm=norm,
-                          skipped=skipped, stop_term=term > 0, stop_interrupt=interrupt > 0)
+        return StepResult(
+            loss=loss_total / (dist.get_world_size() // self.dims.pp),
+            grad_norm=norm,
+            skipped=skipped,
+            stop_term=term > 0,
+            stop_interrupt=interrupt > 0,
+        )
 
     def _stage_loss(self, logits: torch.Tensor, targets: torch.Tensor, counted=None) -> torch.Tensor:
         loss = loss_fn(logits, targets, counted)
@@ -235,8 +291,9 @@ class Trainer:
     def finite_params(self) -> bool:
         """All ranks agree whether every weight is finite (checked before a checkpoint is written)."""
         # One reduction on the device, one host read: not a sync per parameter.
-        finite = torch.stack([torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
-                              for p in self.model.parameters()]).all()
+        finite = torch.stack(
+            [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in self.model.parameters()]
+        ).all()
         flag = (~finite).float().to(self.device)
         dist.all_reduce(flag)
         return flag.item() == 0

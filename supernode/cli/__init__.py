@@ -21,37 +21,58 @@ from . import commands
 from .args import err
 
 
-DESCRIPTION = ("Mixture-of-Experts training on GPU supernode clusters, declared as code: plan the parallel layout, "
-               "preview the Pulumi stack offline with its policy pack, check AWS before and after `pulumi up`, "
-               "and train the plan locally.")
+DESCRIPTION = (
+    "Mixture-of-Experts training on GPU supernode clusters, declared as code: plan the parallel layout, "
+    "preview the Pulumi stack offline with its policy pack, check AWS before and after `pulumi up`, "
+    "and train the plan locally."
+)
 EXIT_CODES = "exit codes: 0 ok; 1 a check, policy or run failed; 2 bad input (every problem printed, no traceback)"
 # One or two commands a user would type, per command (leaf commands by their full name).
 EXAMPLES = {
-    "bench": ["supernode bench preview", "supernode bench moe --help",
-              "supernode bench serve --model out/demo/model --concurrency 1,4,16"],
+    "bench": [
+        "supernode bench preview",
+        "supernode bench moe --help",
+        "supernode bench serve --model out/demo/model --concurrency 1,4,16",
+    ],
     "config reference": ["supernode config reference > docs/configuration.md"],
-    "drill restore": ["supernode drill restore --stack prod --outputs out.json",
-                      "supernode drill restore --stack dev --local --outputs out.json --json"],
-    "data prepare": ["supernode data prepare --corpus notes.txt --out data/",
-                     "supernode data prepare --corpus docs.jsonl --train-bpe 4096 --out data/bpe"],
+    "drill restore": [
+        "supernode drill restore --stack prod --outputs out.json",
+        "supernode drill restore --stack dev --local --outputs out.json --json",
+    ],
+    "data prepare": [
+        "supernode data prepare --corpus notes.txt --out data/",
+        "supernode data prepare --corpus docs.jsonl --train-bpe 4096 --out data/bpe",
+    ],
     "data push": ["supernode data push --stack dev data/bpe --outputs out.json"],
     "data verify": ["supernode data verify data/bpe"],
-    "model push": ["supernode model push --stack dev out/demo/model --outputs out.json",
-                   "supernode model push --stack prod out/model"],
+    "model push": [
+        "supernode model push --stack dev out/demo/model --outputs out.json",
+        "supernode model push --stack prod out/model",
+    ],
     "plan": ["supernode plan --stack prod", "supernode plan --config Pulumi.p4d.yaml --json"],
-    "policy check": ["supernode preview --stack prod --json > preview.json",
-                     "supernode policy check --resources preview.json --junit report.xml"],
-    "policy config": ["supernode policy config --stack prod > pc.json",
-                      "pulumi preview --policy-pack policies --policy-pack-config pc.json"],
+    "policy check": [
+        "supernode preview --stack prod --json > preview.json",
+        "supernode policy check --resources preview.json --junit report.xml",
+    ],
+    "policy config": [
+        "supernode policy config --stack prod > pc.json",
+        "pulumi preview --policy-pack policies --policy-pack-config pc.json",
+    ],
     "preflight": ["supernode preflight --stack prod", "AWS_PROFILE=ml supernode preflight --stack prod --json"],
     "preview": ["supernode preview --stack dev", "supernode preview --stack prod --tree --manifests out/manifests"],
-    "export": ["supernode export --stack dev --local --checkpoint out/demo/checkpoints --data out/demo/data "
-               "--out out/demo/model"],
-    "serve": ["supernode serve --stack dev --local --model out/demo/model --prompt 'def '",
-              "supernode serve --stack dev --local --model out/demo/model --port 8000"],
+    "export": [
+        "supernode export --stack dev --local --checkpoint out/demo/checkpoints --data out/demo/data "
+        "--out out/demo/model"
+    ],
+    "serve": [
+        "supernode serve --stack dev --local --model out/demo/model --prompt 'def '",
+        "supernode serve --stack dev --local --model out/demo/model --port 8000",
+    ],
     "train": ["supernode train --stack dev --local --steps 40", "supernode train --stack dev --local --nproc 4"],
-    "verify": ["pulumi stack output --json --show-secrets > out.json",
-               "supernode verify --stack prod --outputs out.json"],
+    "verify": [
+        "pulumi stack output --json --show-secrets > out.json",
+        "supernode verify --stack prod --outputs out.json",
+    ],
 }
 
 

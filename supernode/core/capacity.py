@@ -62,8 +62,18 @@ def param_counts(m: Model) -> ParamCounts:
     total = embedding + head + attention + norms + router + experts + shared + dense_ffn
     unused = moe * (m.experts - m.top_k) * 3 * d * m.expert_hidden
     active = total - embedding - unused + (embedding if m.tie_embeddings else 0)
-    return ParamCounts(embedding=embedding, head=head, attention=attention, norms=norms, router=router,
-                       experts=experts, shared_experts=shared, dense_ffn=dense_ffn, total=total, active=active)
+    return ParamCounts(
+        embedding=embedding,
+        head=head,
+        attention=attention,
+        norms=norms,
+        router=router,
+        experts=experts,
+        shared_experts=shared,
+        dense_ffn=dense_ffn,
+        total=total,
+        active=active,
+    )
 
 
 def flops_per_token(m: Model) -> float:
@@ -99,12 +109,21 @@ def activation_terms(m: Model, p: Parallel, tokens: int) -> dict[str, int]:
     attn = a * tokens * (2 * d + (2 * q_dim + 2 * kv_dim) // tp) + 4 * tokens * m.heads // tp
     ffn_inputs = a * tokens * 2 * d  # norm input, normed input
     # routed experts see top_k copies of each token: input, gate, up, silu(gate)*up; fp32 router scores
-    moe_ffn = (ffn_inputs + a * tokens * m.top_k * (d + 3 * m.expert_hidden)
-               + a * tokens * 3 * m.shared_experts * m.expert_hidden // tp + 4 * tokens * m.experts)
+    moe_ffn = (
+        ffn_inputs
+        + a * tokens * m.top_k * (d + 3 * m.expert_hidden)
+        + a * tokens * 3 * m.shared_experts * m.expert_hidden // tp
+        + 4 * tokens * m.experts
+    )
     dense_ffn = ffn_inputs + a * tokens * 3 * m.dense_hidden // tp
     layer_input = a * tokens * d
-    return {"attention": attn, "moe_ffn": moe_ffn, "dense_ffn": dense_ffn, "ffn_inputs": ffn_inputs,
-            "layer_input": layer_input}
+    return {
+        "attention": attn,
+        "moe_ffn": moe_ffn,
+        "dense_ffn": dense_ffn,
+        "ffn_inputs": ffn_inputs,
+        "layer_input": layer_input,
+    }
 
 
 class Pipeline(BaseModel):
@@ -124,7 +143,7 @@ class Pipeline(BaseModel):
     @property
     def busiest_rank_layers(self) -> int:
         """Layers held by the rank with the most (the sum over its virtual stages)."""
-        return max(sum(self.stage_layers[r::self.pp]) for r in range(self.pp))
+        return max(sum(self.stage_layers[r :: self.pp]) for r in range(self.pp))
 
 
 def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
@@ -135,8 +154,12 @@ def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> flo
 def pipeline(m: Model, p: Parallel, t: Training) -> Pipeline:
     mbs = max(1, t.global_batch // (t.micro_batch * p.dp))
     v = p.pp_virtual_stages if p.pp > 1 else 1
-    sizes = stage_layers(m.layers, p.pp * v, p.pp_first_stage_fewer_layers if p.pp > 1 else 0,
-                         p.pp_last_stage_fewer_layers if p.pp > 1 else 0)
+    sizes = stage_layers(
+        m.layers,
+        p.pp * v,
+        p.pp_first_stage_fewer_layers if p.pp > 1 else 0,
+        p.pp_last_stage_fewer_layers if p.pp > 1 else 0,
+    )
     if p.pp == 1:
         in_flight = 1
     elif p.pp_schedule == "gpipe":
@@ -148,8 +171,16 @@ def pipeline(m: Model, p: Parallel, t: Training) -> Pipeline:
     a = 2 if p.mixed_precision == "bf16" else 4
     # Each of the rank's v stages sends every micro-batch's output on and its input gradient back.
     p2p = 2 * mbs * v * t.micro_batch * m.seq_len * m.dim * a if p.pp > 1 else 0
-    return Pipeline(pp=p.pp, schedule=p.pp_schedule, virtual_stages=v, micro_batches=mbs, stage_layers=sizes,
-                    bubble=bubble_fraction(p.pp, mbs, v), in_flight=in_flight, p2p_bytes_per_rank=p2p)
+    return Pipeline(
+        pp=p.pp,
+        schedule=p.pp_schedule,
+        virtual_stages=v,
+        micro_batches=mbs,
+        stage_layers=sizes,
+        bubble=bubble_fraction(p.pp, mbs, v),
+        in_flight=in_flight,
+        p2p_bytes_per_rank=p2p,
+    )
 
 
 def memory(m: Model, p: Parallel, t: Training) -> Memory:
@@ -193,9 +224,18 @@ def memory(m: Model, p: Parallel, t: Training) -> Memory:
     logits = 2 * 4 * tokens * m.vocab  # fp32 logits and their gradient (the output head is not tensor-parallel)
     model_states = params_rank * ADAM_STATE_BYTES
     total = model_states + fsdp_buffers + activations + logits + RUNTIME_RESERVE_BYTES
-    return Memory(params_per_rank=params_rank, parameters=4 * params_rank, gradients=4 * params_rank,
-                  optimizer_state=8 * params_rank, model_states=model_states, fsdp_buffers=fsdp_buffers,
-                  activations=activations, logits=logits, runtime_reserve=RUNTIME_RESERVE_BYTES, total=total)
+    return Memory(
+        params_per_rank=params_rank,
+        parameters=4 * params_rank,
+        gradients=4 * params_rank,
+        optimizer_state=8 * params_rank,
+        model_states=model_states,
+        fsdp_buffers=fsdp_buffers,
+        activations=activations,
+        logits=logits,
+        runtime_reserve=RUNTIME_RESERVE_BYTES,
+        total=total,
+    )
 
 
 class StepTime(BaseModel):
@@ -244,8 +284,9 @@ def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType, domain: Opti
     nonexpert = (pc.total - pc.experts) * stage / p.tp  # gathered by each rank over dp_shard
     experts = pc.experts * stage / p.ep  # gathered over dp_shard*tp/ep
     # all-gather fwd + bwd in compute dtype, reduce-scatter grads in fp32
-    fsdp = (ring("fsdp", nonexpert * (2 * a + 4), groups["dp_shard"])
-            + ring("fsdp_experts", experts * (2 * a + 4), groups["edp"]))
+    fsdp = ring("fsdp", nonexpert * (2 * a + 4), groups["dp_shard"]) + ring(
+        "fsdp_experts", experts * (2 * a + 4), groups["edp"]
+    )
     shard_bytes = 4 * pc.total * stage / (p.tp * p.dp_shard)
     replicate = ring("replicate", 2 * shard_bytes, groups["dp_replicate"])  # all-reduce = RS + AG
     # TP: 2 all-reduces (RS + AG) per layer forward and backward of the activations
@@ -261,9 +302,19 @@ def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType, domain: Opti
     # The bubble is idle time on the critical path: nothing overlaps it.
     step = (max(compute, comm) if p.overlap else compute + comm) + bubble
     mfu = flops_rank / (step * hw.peak_flops)
-    return StepTime(compute_s=compute, all_to_all_s=a2a, fsdp_s=fsdp, replicate_s=replicate,
-                    tensor_parallel_s=tpc, step_s=step, mfu=mfu, all_to_all_bytes_per_rank=a2a_bytes, links=links,
-                    pipeline_bubble_s=bubble, p2p_s=p2p)
+    return StepTime(
+        compute_s=compute,
+        all_to_all_s=a2a,
+        fsdp_s=fsdp,
+        replicate_s=replicate,
+        tensor_parallel_s=tpc,
+        step_s=step,
+        mfu=mfu,
+        all_to_all_bytes_per_rank=a2a_bytes,
+        links=links,
+        pipeline_bubble_s=bubble,
+        p2p_s=p2p,
+    )
 
 
 class CheckpointIO(BaseModel):
@@ -290,10 +341,16 @@ def checkpoint_io(m: Model, t: Training, fsx: Fsx) -> CheckpointIO:
     capacity = fsx.capacity_gib or fsx_capacity_for(required, fsx.per_unit_throughput, hold)
     throughput = capacity / 1024 * fsx.per_unit_throughput
     seconds = size / 1e6 / throughput
-    return CheckpointIO(checkpoint_bytes=size, write_budget_s=fsx.checkpoint_write_budget_s, required_mb_s=required, fsx_capacity_gib=capacity,
-                        fsx_throughput_mb_s=throughput, write_seconds=seconds,
-                        within_budget=seconds <= fsx.checkpoint_write_budget_s and capacity * GIB >= hold,
-                        sized_by_planner=fsx.capacity_gib is None)
+    return CheckpointIO(
+        checkpoint_bytes=size,
+        write_budget_s=fsx.checkpoint_write_budget_s,
+        required_mb_s=required,
+        fsx_capacity_gib=capacity,
+        fsx_throughput_mb_s=throughput,
+        write_seconds=seconds,
+        within_budget=seconds <= fsx.checkpoint_write_budget_s and capacity * GIB >= hold,
+        sized_by_planner=fsx.capacity_gib is None,
+    )
 
 
 class Suggestion(BaseModel):
@@ -315,8 +372,9 @@ def usable_hbm_bytes(p: Parallel, hw: InstanceType) -> int:
     return int(hw.hbm_bytes * (1 - p.hbm_headroom))
 
 
-def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3,
-            domain: Optional[int] = None) -> list[Suggestion]:
+def suggest(
+    m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3, domain: Optional[int] = None
+) -> list[Suggestion]:
     """Layouts with the same world size that fit within the usable HBM: each one passes the same
     layout validator and the same fit test as the stack's own layout. EP inside the NVLink domain
     first, then fastest, as NVIDIA's GB200 recipes place it (HARDWARE.md: EP in the NVL domain,
@@ -326,27 +384,55 @@ def suggest(m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     # Pipelines: 1f1b, and interleaved with 2 virtual stages where the layers allow; the bubble
     # slows them, so they rank after the layouts without one that fit, and show where pp helps fit.
-    pipelines = [(1, "1f1b", 1)] + [(pp, sched, v) for pp in divisors if 1 < pp <= m.layers
-                                     for sched, v in (("1f1b", 1), ("interleaved1f1b", 2)) if pp * v <= m.layers]
-    for (pp, sched, v), tp, rep, ac in itertools.product(pipelines, [d for d in divisors if d <= domain], divisors,
-                                                         ("none", "selective", "full")):
+    pipelines = [(1, "1f1b", 1)] + [
+        (pp, sched, v)
+        for pp in divisors
+        if 1 < pp <= m.layers
+        for sched, v in (("1f1b", 1), ("interleaved1f1b", 2))
+        if pp * v <= m.layers
+    ]
+    for (pp, sched, v), tp, rep, ac in itertools.product(
+        pipelines, [d for d in divisors if d <= domain], divisors, ("none", "selective", "full")
+    ):
         if world % (tp * rep * pp):
             continue
         shard = world // (tp * rep * pp)
         for ep in [d for d in divisors if m.experts % d == 0 and (shard * tp) % d == 0]:
-            cand = p.model_copy(update=dict(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=pp, pp_schedule=sched,
-                                            pp_virtual_stages=v, activation_checkpointing=ac,
-                                            pp_first_stage_fewer_layers=0, pp_last_stage_fewer_layers=0))
+            cand = p.model_copy(
+                update=dict(
+                    dp_replicate=rep,
+                    dp_shard=shard,
+                    tp=tp,
+                    ep=ep,
+                    pp=pp,
+                    pp_schedule=sched,
+                    pp_virtual_stages=v,
+                    activation_checkpointing=ac,
+                    pp_first_stage_fewer_layers=0,
+                    pp_last_stage_fewer_layers=0,
+                )
+            )
             if layout_rules(m, cand, t, world, domain):
                 continue
             mem = memory(m, cand, t)
             if mem.total <= usable_hbm_bytes(cand, hw):
                 st = step_time(m, cand, t, hw, domain)
                 inside = next(g for g in place(cand, domain) if g.dim == "ep").inside_domain
-                out.append(Suggestion(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, pp=pp, pp_schedule=sched,
-                                      pp_virtual_stages=v, activation_checkpointing=ac,
-                                      memory_gib=round(mem.total_gib, 2), step_s=round(st.step_s, 4),
-                                      ep_inside_domain=inside))
+                out.append(
+                    Suggestion(
+                        dp_replicate=rep,
+                        dp_shard=shard,
+                        tp=tp,
+                        ep=ep,
+                        pp=pp,
+                        pp_schedule=sched,
+                        pp_virtual_stages=v,
+                        activation_checkpointing=ac,
+                        memory_gib=round(mem.total_gib, 2),
+                        step_s=round(st.step_s, 4),
+                        ep_inside_domain=inside,
+                    )
+                )
     out.sort(key=lambda s: (not s.ep_inside_domain, s.step_s, s.memory_gib))
     return out[:limit]
 
@@ -373,8 +459,13 @@ class PodShape(BaseModel):
     @classmethod
     def for_node(cls, hw: InstanceType, hugepages_gib: int) -> "PodShape":
         keep = 1 - NODE_RESERVE_FRACTION
-        return cls(gpus=hw.accelerators, efa=hw.efa_interfaces, cpu=int(hw.vcpus * keep),
-                   memory_gib=int(hw.memory_gib * keep) - hugepages_gib, hugepages_gib=hugepages_gib)
+        return cls(
+            gpus=hw.accelerators,
+            efa=hw.efa_interfaces,
+            cpu=int(hw.vcpus * keep),
+            memory_gib=int(hw.memory_gib * keep) - hugepages_gib,
+            hugepages_gib=hugepages_gib,
+        )
 
     def times(self, n: int) -> "PodShape":
         """What n such pods take together (a pool's quota)."""

@@ -87,23 +87,75 @@ class InstanceType:
 CATALOG: dict[str, InstanceType] = {
     t.name: t
     for t in [
-        InstanceType("p4d.24xlarge", "A100", 8, 40960, 4, 100, 600, 312.0, 96, 1152, True, False, 21.96,
-                     hbm_gbytes_s=1555.0),
-        InstanceType("p4de.24xlarge", "A100", 8, 81920, 4, 100, 600, 312.0, 96, 1152, True, False, 27.45,
-                     hbm_gbytes_s=2039.0),
-        InstanceType("p5.48xlarge", "H100", 8, 81920, 32, 100, 900, 989.0, 192, 2048, True, False, 55.04,
-                     hbm_gbytes_s=3350.0),
-        InstanceType("p5e.48xlarge", "H200", 8, 144384, 32, 100, 900, 989.0, 192, 2048, True, False, 60.70,
-                     hbm_gbytes_s=4800.0),
-        InstanceType("p5en.48xlarge", "H200", 8, 144384, 16, 200, 900, 989.0, 192, 2048, True, True, 63.30,
-                     hbm_gbytes_s=4800.0),
-        InstanceType("p6-b200.48xlarge", "B200", 8, 183359, 8, 400, 1800, 2250.0, 192, 2048, True, True, 113.93,
-                     efa_only_device_index=0, hbm_gbytes_s=8000.0),
-        InstanceType("p6-b300.48xlarge", "B300", 8, 275040, 16, 400, 1800, 2250.0, 192, 4096, True, True, 142.42,
-                     card0_efa=False, efa_only_device_index=0, hbm_gbytes_s=8000.0),
-        InstanceType("p6e-gb200.36xlarge", "GB200", 4, 189440, 4, 400, 1800, 2500.0, 144, 960, True, True,
-                     round(761.90 / 18, 2), card0_efa=False, efa_only_device_index=0, arch="arm64",
-                     hbm_gbytes_s=8000.0),
+        InstanceType(
+            "p4d.24xlarge", "A100", 8, 40960, 4, 100, 600, 312.0, 96, 1152, True, False, 21.96, hbm_gbytes_s=1555.0
+        ),
+        InstanceType(
+            "p4de.24xlarge", "A100", 8, 81920, 4, 100, 600, 312.0, 96, 1152, True, False, 27.45, hbm_gbytes_s=2039.0
+        ),
+        InstanceType(
+            "p5.48xlarge", "H100", 8, 81920, 32, 100, 900, 989.0, 192, 2048, True, False, 55.04, hbm_gbytes_s=3350.0
+        ),
+        InstanceType(
+            "p5e.48xlarge", "H200", 8, 144384, 32, 100, 900, 989.0, 192, 2048, True, False, 60.70, hbm_gbytes_s=4800.0
+        ),
+        InstanceType(
+            "p5en.48xlarge", "H200", 8, 144384, 16, 200, 900, 989.0, 192, 2048, True, True, 63.30, hbm_gbytes_s=4800.0
+        ),
+        InstanceType(
+            "p6-b200.48xlarge",
+            "B200",
+            8,
+            183359,
+            8,
+            400,
+            1800,
+            2250.0,
+            192,
+            2048,
+            True,
+            True,
+            113.93,
+            efa_only_device_index=0,
+            hbm_gbytes_s=8000.0,
+        ),
+        InstanceType(
+            "p6-b300.48xlarge",
+            "B300",
+            8,
+            275040,
+            16,
+            400,
+            1800,
+            2250.0,
+            192,
+            4096,
+            True,
+            True,
+            142.42,
+            card0_efa=False,
+            efa_only_device_index=0,
+            hbm_gbytes_s=8000.0,
+        ),
+        InstanceType(
+            "p6e-gb200.36xlarge",
+            "GB200",
+            4,
+            189440,
+            4,
+            400,
+            1800,
+            2500.0,
+            144,
+            960,
+            True,
+            True,
+            round(761.90 / 18, 2),
+            card0_efa=False,
+            efa_only_device_index=0,
+            arch="arm64",
+            hbm_gbytes_s=8000.0,
+        ),
     ]
 }
 
@@ -122,10 +174,13 @@ class UltraServer:
 
 
 # HARDWARE.md "Buying and placing": u-p6e-gb200x36 = 9 instances, x72 = 18, sold only as Capacity Blocks.
-ULTRASERVERS: dict[str, UltraServer] = {u.name: u for u in [
-    UltraServer("u-p6e-gb200x36", "p6e-gb200.36xlarge", 9),
-    UltraServer("u-p6e-gb200x72", "p6e-gb200.36xlarge", 18),
-]}
+ULTRASERVERS: dict[str, UltraServer] = {
+    u.name: u
+    for u in [
+        UltraServer("u-p6e-gb200x36", "p6e-gb200.36xlarge", 9),
+        UltraServer("u-p6e-gb200x72", "p6e-gb200.36xlarge", 18),
+    ]
+}
 
 
 def ultraserver_only(instance_type: str) -> bool:
@@ -145,10 +200,16 @@ SYSTEM_INSTANCE_TYPES = ("m6i.large", "m6i.xlarge", "m6i.2xlarge", "m7i.large", 
 # P6: aws-parallelcluster's NCCL test minimums at 1 GiB (HARDWARE.md "Interconnect baselines"): p6-b200
 # > 300 GB/s on 2 nodes, p6e-gb200 > 500 GB/s inside one UltraServer. No figure is published for
 # p6-b300; it has twice p6-b200's EFA, so p6-b200's minimum is a floor that cannot over-reject.
-ALL_REDUCE_BASELINE_GBYTES_S = {"p5.48xlarge": 480.0, "p5e.48xlarge": 480.0, "p5en.48xlarge": 480.0,
-                                "p4d.24xlarge": 45.0, "p4de.24xlarge": 45.0,
-                                "p6-b200.48xlarge": 300.0, "p6-b300.48xlarge": 300.0, "p6e-gb200.36xlarge": 500.0}
-
+ALL_REDUCE_BASELINE_GBYTES_S = {
+    "p5.48xlarge": 480.0,
+    "p5e.48xlarge": 480.0,
+    "p5en.48xlarge": 480.0,
+    "p4d.24xlarge": 45.0,
+    "p4de.24xlarge": 45.0,
+    "p6-b200.48xlarge": 300.0,
+    "p6-b300.48xlarge": 300.0,
+    "p6e-gb200.36xlarge": 500.0,
+}
 
 
 def gate_floor_gbytes_s(instance_type: str, fraction: float) -> float | None:
@@ -185,22 +246,35 @@ def lookup(name: str) -> InstanceType:
     except KeyError:
         raise KeyError(f"instance type {name!r} is not in the catalog; valid: {', '.join(CATALOG)}") from None
 
+
 # EKS add-on versions pinned per Kubernetes version (`aws eks describe-addon-versions`); the stack
 # installs exactly these, and config validation rejects a Kubernetes version without a row here.
 EKS_ADDON_VERSIONS: dict[str, dict[str, str]] = {
     "1.32": {
-        "vpc-cni": "v1.20.4-eksbuild.2", "coredns": "v1.11.4-eksbuild.24", "kube-proxy": "v1.32.9-eksbuild.2",
-        "aws-fsx-csi-driver": "v1.7.0-eksbuild.1", "eks-node-monitoring-agent": "v1.4.1-eksbuild.1",
-        "eks-pod-identity-agent": "v1.3.9-eksbuild.3", "amazon-cloudwatch-observability": "v4.6.0-eksbuild.1",
+        "vpc-cni": "v1.20.4-eksbuild.2",
+        "coredns": "v1.11.4-eksbuild.24",
+        "kube-proxy": "v1.32.9-eksbuild.2",
+        "aws-fsx-csi-driver": "v1.7.0-eksbuild.1",
+        "eks-node-monitoring-agent": "v1.4.1-eksbuild.1",
+        "eks-pod-identity-agent": "v1.3.9-eksbuild.3",
+        "amazon-cloudwatch-observability": "v4.6.0-eksbuild.1",
     },
     "1.33": {
-        "vpc-cni": "v1.20.4-eksbuild.2", "coredns": "v1.12.2-eksbuild.4", "kube-proxy": "v1.33.5-eksbuild.2",
-        "aws-fsx-csi-driver": "v1.7.0-eksbuild.1", "eks-node-monitoring-agent": "v1.4.1-eksbuild.1",
-        "eks-pod-identity-agent": "v1.3.9-eksbuild.3", "amazon-cloudwatch-observability": "v4.6.0-eksbuild.1",
+        "vpc-cni": "v1.20.4-eksbuild.2",
+        "coredns": "v1.12.2-eksbuild.4",
+        "kube-proxy": "v1.33.5-eksbuild.2",
+        "aws-fsx-csi-driver": "v1.7.0-eksbuild.1",
+        "eks-node-monitoring-agent": "v1.4.1-eksbuild.1",
+        "eks-pod-identity-agent": "v1.3.9-eksbuild.3",
+        "amazon-cloudwatch-observability": "v4.6.0-eksbuild.1",
     },
     "1.34": {
-        "vpc-cni": "v1.20.4-eksbuild.2", "coredns": "v1.12.4-eksbuild.1", "kube-proxy": "v1.34.1-eksbuild.2",
-        "aws-fsx-csi-driver": "v1.7.0-eksbuild.1", "eks-node-monitoring-agent": "v1.4.1-eksbuild.1",
-        "eks-pod-identity-agent": "v1.3.9-eksbuild.3", "amazon-cloudwatch-observability": "v4.6.0-eksbuild.1",
+        "vpc-cni": "v1.20.4-eksbuild.2",
+        "coredns": "v1.12.4-eksbuild.1",
+        "kube-proxy": "v1.34.1-eksbuild.2",
+        "aws-fsx-csi-driver": "v1.7.0-eksbuild.1",
+        "eks-node-monitoring-agent": "v1.4.1-eksbuild.1",
+        "eks-pod-identity-agent": "v1.3.9-eksbuild.3",
+        "amazon-cloudwatch-observability": "v4.6.0-eksbuild.1",
     },
 }

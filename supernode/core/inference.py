@@ -55,21 +55,31 @@ def architecture_problems(m: Model) -> list[str]:
         problems.append(f"head dim {m.head_dim} (dim / heads) is odd: RoPE rotates pairs")
     if m.router == "sigmoid":
         if m.shared_experts < 1:
-            problems.append(f"model.router sigmoid maps to {GLM4_MOE}, which has shared experts: "
-                            "model.sharedExperts must be at least 1 (got 0)")
+            problems.append(
+                f"model.router sigmoid maps to {GLM4_MOE}, which has shared experts: "
+                "model.sharedExperts must be at least 1 (got 0)"
+            )
         if m.moe_every != 1:
-            problems.append(f"model.moeEvery {m.moe_every}: {GLM4_MOE} makes every layer after "
-                            "model.firstDenseLayers MoE; use moeEvery 1")
+            problems.append(
+                f"model.moeEvery {m.moe_every}: {GLM4_MOE} makes every layer after "
+                "model.firstDenseLayers MoE; use moeEvery 1"
+            )
     else:
         if m.shared_experts:
-            problems.append(f"model.router softmax maps to {QWEN3_MOE}, which has no shared experts: "
-                            f"model.sharedExperts must be 0 (got {m.shared_experts}); or use router sigmoid ({GLM4_MOE})")
+            problems.append(
+                f"model.router softmax maps to {QWEN3_MOE}, which has no shared experts: "
+                f"model.sharedExperts must be 0 (got {m.shared_experts}); or use router sigmoid ({GLM4_MOE})"
+            )
         if not m.qk_norm:
-            problems.append(f"model.router softmax maps to {QWEN3_MOE}, which normalises q and k per head: "
-                            "set model.qkNorm: true (and train with it)")
+            problems.append(
+                f"model.router softmax maps to {QWEN3_MOE}, which normalises q and k per head: "
+                "set model.qkNorm: true (and train with it)"
+            )
         if m.bias_update_rate:
-            problems.append(f"model.router softmax maps to {QWEN3_MOE}, which has no expert selection bias: "
-                            f"model.biasUpdateRate must be 0 (got {m.bias_update_rate})")
+            problems.append(
+                f"model.router softmax maps to {QWEN3_MOE}, which has no expert selection bias: "
+                f"model.biasUpdateRate must be 0 (got {m.bias_update_rate})"
+            )
     return problems
 
 
@@ -85,26 +95,60 @@ def hf_config(m: Model, dtype: str = "bf16", eos: Optional[int] = None, bos: Opt
     """config.json for the exported model (transformers 5 / vLLM field names)."""
     arch = served_architecture(m)
     common = {
-        "architectures": [arch], "vocab_size": m.vocab, "hidden_size": m.dim, "num_hidden_layers": m.layers,
-        "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim,
-        "max_position_embeddings": m.seq_len, "rms_norm_eps": RMS_NORM_EPS, "hidden_act": "silu",
-        "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-        "initializer_range": 0.02, "use_cache": True, "torch_dtype": TORCH_DTYPE[dtype], "dtype": TORCH_DTYPE[dtype],
-        "intermediate_size": m.dense_hidden, "moe_intermediate_size": m.expert_hidden,
-        "num_experts_per_tok": m.top_k, "norm_topk_prob": True,
-        "bos_token_id": bos, "eos_token_id": eos,
+        "architectures": [arch],
+        "vocab_size": m.vocab,
+        "hidden_size": m.dim,
+        "num_hidden_layers": m.layers,
+        "num_attention_heads": m.heads,
+        "num_key_value_heads": m.kv_heads,
+        "head_dim": m.head_dim,
+        "max_position_embeddings": m.seq_len,
+        "rms_norm_eps": RMS_NORM_EPS,
+        "hidden_act": "silu",
+        "rope_theta": m.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "tie_word_embeddings": m.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": TORCH_DTYPE[dtype],
+        "dtype": TORCH_DTYPE[dtype],
+        "intermediate_size": m.dense_hidden,
+        "moe_intermediate_size": m.expert_hidden,
+        "num_experts_per_tok": m.top_k,
+        "norm_topk_prob": True,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
     }
     if arch == GLM4_MOE:
-        return {**common, "model_type": "glm4_moe", "n_routed_experts": m.experts, "n_shared_experts": m.shared_experts,
-                "first_k_dense_replace": m.first_dense_layers, "n_group": 1, "topk_group": 1,
-                "routed_scaling_factor": 1.0, "partial_rotary_factor": 1.0, "use_qk_norm": m.qk_norm}
-    return {**common, "model_type": "qwen3_moe", "num_experts": m.experts, "decoder_sparse_step": 1,
-            "mlp_only_layers": [i for i in range(m.layers) if not m.is_moe(i)], "router_aux_loss_coef": 0.0,
-            "output_router_logits": False, "sliding_window": None, "use_sliding_window": False}
+        return {
+            **common,
+            "model_type": "glm4_moe",
+            "n_routed_experts": m.experts,
+            "n_shared_experts": m.shared_experts,
+            "first_k_dense_replace": m.first_dense_layers,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "partial_rotary_factor": 1.0,
+            "use_qk_norm": m.qk_norm,
+        }
+    return {
+        **common,
+        "model_type": "qwen3_moe",
+        "num_experts": m.experts,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(m.layers) if not m.is_moe(i)],
+        "router_aux_loss_coef": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
+        "use_sliding_window": False,
+    }
 
 
 # -- the inference plan -------------------------------------------------------------------------
+
 
 class InferencePlan(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -179,8 +223,14 @@ def build_inference_plan(cfg: StackConfig, hw: Optional[InstanceType] = None) ->
     usable = hw.hbm_bytes * (1 - cfg.parallel.hbm_headroom)
     seq, conc, tp, pp = inf.max_seq_len, inf.max_concurrency, inf.tp, inf.pp
     w, kv, total = _memory(m, inf.dtype, tp, pp, seq, conc)
-    suggested = next((t for t in (1, 2, 4, 8, 16, 32, 64) if t <= hw.accelerators and m.heads % t == 0
-                      and _memory(m, inf.dtype, t, pp, seq, conc)[2] <= usable), None)
+    suggested = next(
+        (
+            t
+            for t in (1, 2, 4, 8, 16, 32, 64)
+            if t <= hw.accelerators and m.heads % t == 0 and _memory(m, inf.dtype, t, pp, seq, conc)[2] <= usable
+        ),
+        None,
+    )
     step_s = _decode_read_bytes(m, inf.dtype, conc, seq, tp, pp) / (hw.hbm_gbytes_s * 1e9 * HBM_EFFICIENCY)
     # Pipeline stages run one after another for one token: pp stages' reads in series.
     step_s *= pp
@@ -188,15 +238,34 @@ def build_inference_plan(cfg: StackConfig, hw: Optional[InstanceType] = None) ->
     gpus = tp * pp
     itl_ms = step_s * 1e3
     return InferencePlan(
-        architecture=arch, instance_type=hw.name, dtype=inf.dtype, tp=tp, pp=pp, gpus_per_replica=gpus,
+        architecture=arch,
+        instance_type=hw.name,
+        dtype=inf.dtype,
+        tp=tp,
+        pp=pp,
+        gpus_per_replica=gpus,
         pods_per_replica=-(-gpus // hw.accelerators),
         workload_kind="Deployment" if gpus <= hw.accelerators else "LeaderWorkerSet",
-        max_seq_len=seq, max_concurrency=conc, replicas_min=inf.replicas_min, replicas_max=inf.replicas_max,
-        weights_gib=weight_bytes(m, inf.dtype) / GIB, weights_per_gpu_gib=w / GIB,
-        kv_per_sequence_gib=seq * kv_bytes_per_token(m, inf.dtype) / GIB, kv_per_gpu_gib=kv / GIB,
-        overhead_per_gpu_gib=RUNTIME_OVERHEAD_GIB, memory_per_gpu_gib=total / GIB, hbm_gib=hw.hbm_gib,
-        usable_hbm_gib=usable / GIB, fits=total <= usable, over_by_gib=max(0.0, (total - usable) / GIB),
-        suggested_tp=suggested, hbm_gbytes_s=hw.hbm_gbytes_s, decode_step_s=step_s,
-        decode_tokens_s=conc / step_s, decode_tokens_s_single=1 / single_s, itl_ms=itl_ms,
+        max_seq_len=seq,
+        max_concurrency=conc,
+        replicas_min=inf.replicas_min,
+        replicas_max=inf.replicas_max,
+        weights_gib=weight_bytes(m, inf.dtype) / GIB,
+        weights_per_gpu_gib=w / GIB,
+        kv_per_sequence_gib=seq * kv_bytes_per_token(m, inf.dtype) / GIB,
+        kv_per_gpu_gib=kv / GIB,
+        overhead_per_gpu_gib=RUNTIME_OVERHEAD_GIB,
+        memory_per_gpu_gib=total / GIB,
+        hbm_gib=hw.hbm_gib,
+        usable_hbm_gib=usable / GIB,
+        fits=total <= usable,
+        over_by_gib=max(0.0, (total - usable) / GIB),
+        suggested_tp=suggested,
+        hbm_gbytes_s=hw.hbm_gbytes_s,
+        decode_step_s=step_s,
+        decode_tokens_s=conc / step_s,
+        decode_tokens_s_single=1 / single_s,
+        itl_ms=itl_ms,
         itl_target_ms=inf.itl_target_ms,
-        meets_itl_target=None if inf.itl_target_ms is None else itl_ms <= inf.itl_target_ms)
+        meets_itl_target=None if inf.itl_target_ms is None else itl_ms <= inf.itl_target_ms,
+    )

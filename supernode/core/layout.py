@@ -14,8 +14,9 @@ from .errors import Issue
 P = f"{NAMESPACE}:"
 
 
-def layout_rules(m: Model, p: Parallel, t: Training, world_size: int, max_tp: int, prefix: str = P,
-                 world_source: str = "") -> list[Issue]:
+def layout_rules(
+    m: Model, p: Parallel, t: Training, world_size: int, max_tp: int, prefix: str = P, world_source: str = ""
+) -> list[Issue]:
     """model.dim is divisible by heads with an even head dim (RoPE); heads is a multiple of kvHeads;
     topK <= experts; firstDenseLayers <= layers. dpReplicate x dpShard x tp x pp equals the world
     size; tp is at most the GPUs of one NVLink domain (a node, or an UltraServer) and divides heads and kvHeads; ep divides experts and
@@ -33,31 +34,56 @@ def layout_rules(m: Model, p: Parallel, t: Training, world_size: int, max_tp: in
     elif m.head_dim % 2:
         issues.append(Issue(path=mp + "dim", value=m.dim, message="head dim (dim/heads) must be even for RoPE"))
     if m.heads % m.kv_heads:
-        issues.append(Issue(path=mp + "kvHeads", value=m.kv_heads, message=f"heads ({m.heads}) must be a multiple of kvHeads"))
+        issues.append(
+            Issue(path=mp + "kvHeads", value=m.kv_heads, message=f"heads ({m.heads}) must be a multiple of kvHeads")
+        )
     if m.top_k > m.experts:
         issues.append(Issue(path=mp + "topK", value=m.top_k, message=f"topK must be at most experts ({m.experts})"))
     if m.first_dense_layers > m.layers:
-        issues.append(Issue(path=mp + "firstDenseLayers", value=m.first_dense_layers, message=f"at most layers ({m.layers})"))
+        issues.append(
+            Issue(path=mp + "firstDenseLayers", value=m.first_dense_layers, message=f"at most layers ({m.layers})")
+        )
     if p.world_size != world_size:
-        issues.append(Issue(path=pp_ + "dpShard", value=p.dp_shard,
-                            message=f"dpReplicate*dpShard*tp*pp = {p.dp_replicate}*{p.dp_shard}*{p.tp}*{p.pp} = "
-                                    f"{p.world_size}, but the world size is {world_size}{world_source}; "
-                                    f"dpShard = {world_size / (p.dp_replicate * p.tp * p.pp):g} would match"))
+        issues.append(
+            Issue(
+                path=pp_ + "dpShard",
+                value=p.dp_shard,
+                message=f"dpReplicate*dpShard*tp*pp = {p.dp_replicate}*{p.dp_shard}*{p.tp}*{p.pp} = "
+                f"{p.world_size}, but the world size is {world_size}{world_source}; "
+                f"dpShard = {world_size / (p.dp_replicate * p.tp * p.pp):g} would match",
+            )
+        )
     if p.tp > max_tp:
-        issues.append(Issue(path=pp_ + "tp", value=p.tp, message=f"tensor parallel must stay inside an NVLink domain (<= {max_tp} GPUs)"))
+        issues.append(
+            Issue(
+                path=pp_ + "tp",
+                value=p.tp,
+                message=f"tensor parallel must stay inside an NVLink domain (<= {max_tp} GPUs)",
+            )
+        )
     for name, n in (("heads", m.heads), ("kvHeads", m.kv_heads)):
         if n % p.tp:
             issues.append(Issue(path=pp_ + "tp", value=p.tp, message=f"tp must divide model.{name} ({n})"))
     if m.experts % p.ep:
         issues.append(Issue(path=pp_ + "ep", value=p.ep, message=f"ep must divide model.experts ({m.experts})"))
     if (p.dp_shard * p.tp) % p.ep:
-        issues.append(Issue(path=pp_ + "ep", value=p.ep,
-                            message=f"ep must divide dpShard*tp ({p.dp_shard}*{p.tp} = {p.dp_shard * p.tp})"))
+        issues.append(
+            Issue(
+                path=pp_ + "ep",
+                value=p.ep,
+                message=f"ep must divide dpShard*tp ({p.dp_shard}*{p.tp} = {p.dp_shard * p.tp})",
+            )
+        )
     per_step = t.micro_batch * p.dp
     if t.global_batch % per_step:
-        issues.append(Issue(path=tp_ + "globalBatch", value=t.global_batch,
-                            message=f"must be divisible by microBatch*dp = {t.micro_batch}*{p.dp} = {per_step}; "
-                                    f"e.g. {max(per_step, t.global_batch // per_step * per_step)}"))
+        issues.append(
+            Issue(
+                path=tp_ + "globalBatch",
+                value=t.global_batch,
+                message=f"must be divisible by microBatch*dp = {t.micro_batch}*{p.dp} = {per_step}; "
+                f"e.g. {max(per_step, t.global_batch // per_step * per_step)}",
+            )
+        )
     else:
         issues += _pipeline_rules(m, p, t.global_batch // per_step, prefix)
     if t.warmup_steps >= t.steps and t.steps > 1:
@@ -73,36 +99,69 @@ def _pipeline_rules(m: Model, p: Parallel, micro_batches: int, prefix: str) -> l
         return issues
     interleaved = p.pp_schedule == "interleaved1f1b"
     if p.pp_virtual_stages > 1 and not interleaved:
-        issues.append(Issue(path=pp_ + "ppVirtualStages", value=p.pp_virtual_stages,
-                            message=f"virtual stages need ppSchedule interleaved1f1b (got {p.pp_schedule}); use 1"))
+        issues.append(
+            Issue(
+                path=pp_ + "ppVirtualStages",
+                value=p.pp_virtual_stages,
+                message=f"virtual stages need ppSchedule interleaved1f1b (got {p.pp_schedule}); use 1",
+            )
+        )
     if interleaved and p.pp_virtual_stages < 2:
-        issues.append(Issue(path=pp_ + "ppVirtualStages", value=p.pp_virtual_stages,
-                            message="interleaved1f1b needs at least 2 virtual stages per rank (with 1 it is 1f1b)"))
+        issues.append(
+            Issue(
+                path=pp_ + "ppVirtualStages",
+                value=p.pp_virtual_stages,
+                message="interleaved1f1b needs at least 2 virtual stages per rank (with 1 it is 1f1b)",
+            )
+        )
     sizes = stage_layers(m.layers, p.stages, p.pp_first_stage_fewer_layers, p.pp_last_stage_fewer_layers)
     if min(sizes) < 1:
         # Blame the fewer-layers options only when an even split alone would have worked.
         key, value = "pp", p.pp
         if m.layers >= p.stages:
-            key, value = (("ppFirstStageFewerLayers", p.pp_first_stage_fewer_layers) if sizes[0] < 1
-                          else ("ppLastStageFewerLayers", p.pp_last_stage_fewer_layers))
-        issues.append(Issue(path=pp_ + key, value=value,
-                            message=f"every pipeline stage needs a layer: model.layers {m.layers} over "
-                                    f"pp*ppVirtualStages = {p.pp}*{p.pp_virtual_stages} stages, "
-                                    f"{p.pp_first_stage_fewer_layers}/{p.pp_last_stage_fewer_layers} fewer on the "
-                                    f"first/last, gives {sizes}"))
+            key, value = (
+                ("ppFirstStageFewerLayers", p.pp_first_stage_fewer_layers)
+                if sizes[0] < 1
+                else ("ppLastStageFewerLayers", p.pp_last_stage_fewer_layers)
+            )
+        issues.append(
+            Issue(
+                path=pp_ + key,
+                value=value,
+                message=f"every pipeline stage needs a layer: model.layers {m.layers} over "
+                f"pp*ppVirtualStages = {p.pp}*{p.pp_virtual_stages} stages, "
+                f"{p.pp_first_stage_fewer_layers}/{p.pp_last_stage_fewer_layers} fewer on the "
+                f"first/last, gives {sizes}",
+            )
+        )
     if micro_batches < p.pp:
-        issues.append(Issue(path=tp_ + "microBatch", value=micro_batches,
-                            message=f"pp {p.pp} needs at least {p.pp} micro-batches per step to fill the pipeline, "
-                                    f"but globalBatch/(microBatch*dp) = {micro_batches}; lower microBatch or raise "
-                                    "globalBatch"))
+        issues.append(
+            Issue(
+                path=tp_ + "microBatch",
+                value=micro_batches,
+                message=f"pp {p.pp} needs at least {p.pp} micro-batches per step to fill the pipeline, "
+                f"but globalBatch/(microBatch*dp) = {micro_batches}; lower microBatch or raise "
+                "globalBatch",
+            )
+        )
     elif interleaved and micro_batches % p.pp:
-        issues.append(Issue(path=tp_ + "microBatch", value=micro_batches,
-                            message=f"interleaved1f1b needs the micro-batches per step (globalBatch/(microBatch*dp) "
-                                    f"= {micro_batches}) to be a multiple of pp ({p.pp})"))
+        issues.append(
+            Issue(
+                path=tp_ + "microBatch",
+                value=micro_batches,
+                message=f"interleaved1f1b needs the micro-batches per step (globalBatch/(microBatch*dp) "
+                f"= {micro_batches}) to be a multiple of pp ({p.pp})",
+            )
+        )
     if m.tie_embeddings:
-        issues.append(Issue(path=mp + "tieEmbeddings", value=True,
-                            message=f"tied embeddings need pp 1: with pp {p.pp} the embedding (first stage) and the "
-                                    "head (last stage) live on different ranks"))
+        issues.append(
+            Issue(
+                path=mp + "tieEmbeddings",
+                value=True,
+                message=f"tied embeddings need pp 1: with pp {p.pp} the embedding (first stage) and the "
+                "head (last stage) live on different ranks",
+            )
+        )
     return issues
 
 

@@ -122,7 +122,9 @@ class Plan(BaseModel):
         except IsADirectoryError:
             raise BadInput(f"{where}: is a directory, not a plan file") from None
         except UnicodeDecodeError as e:
-            raise BadInput(f"{where}: not UTF-8 text (byte {e.start}); give the JSON of `supernode plan --json --full`") from None
+            raise BadInput(
+                f"{where}: not UTF-8 text (byte {e.start}); give the JSON of `supernode plan --json --full`"
+            ) from None
         except OSError as e:
             raise BadInput(f"{where}: cannot be read ({e.strerror})") from None
         except ValidationError as e:
@@ -132,8 +134,11 @@ class Plan(BaseModel):
     def summary(self) -> dict:
         """The contract keys (docs/architecture.md §7) plus the headline figures."""
         return {
-            "stack": self.stack, "world_size": self.world_size, "degrees": self.degrees.model_dump(),
-            "memory_per_rank_gib": round(self.memory_per_rank_gib, 3), "hbm_gib": round(self.hbm_gib, 3),
+            "stack": self.stack,
+            "world_size": self.world_size,
+            "degrees": self.degrees.model_dump(),
+            "memory_per_rank_gib": round(self.memory_per_rank_gib, 3),
+            "hbm_gib": round(self.hbm_gib, 3),
             "fits": self.fits,
         }
 
@@ -144,8 +149,14 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
     hw = min((CATALOG[g.instance_type] for g in cfg.accelerator_node_groups), key=lambda t: t.hbm_mib)
     m, p, t = cfg.model, cfg.parallel, cfg.training
     world = cfg.local.nproc if local else cfg.accelerators
-    ultra = None if local else min((g.ultra_server for g in cfg.accelerator_node_groups if g.instance_type == hw.name),
-                                   key=lambda u: nvlink_domain_gpus(hw.name, u))
+    ultra = (
+        None
+        if local
+        else min(
+            (g.ultra_server for g in cfg.accelerator_node_groups if g.instance_type == hw.name),
+            key=lambda u: nvlink_domain_gpus(hw.name, u),
+        )
+    )
     domain = world if local else nvlink_domain_gpus(hw.name, ultra)  # a CPU run: one host, one "domain"
     mem = cap.memory(m, p, t)
     usable = cap.usable_hbm_bytes(p, hw)
@@ -159,22 +170,47 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
     replica_domains = -(-shard_group // domain)
     replica_state = cap.ADAM_STATE_BYTES * params.total
     topology = Topology(
-        ultra_server=ultra, domain_gpus=domain, nodes_per_domain=max(1, domain // hw.accelerators),
-        domains=-(-world // domain), domain_hbm_gib=domain * hw.hbm_gib, replica_state_gib=replica_state / GIB,
-        replica_domains=replica_domains, replica_fits=replica_state <= shard_group * usable,
-        placement=place(p, domain))
+        ultra_server=ultra,
+        domain_gpus=domain,
+        nodes_per_domain=max(1, domain // hw.accelerators),
+        domains=-(-world // domain),
+        domain_hbm_gib=domain * hw.hbm_gib,
+        replica_state_gib=replica_state / GIB,
+        replica_domains=replica_domains,
+        replica_fits=replica_state <= shard_group * usable,
+        placement=place(p, domain),
+    )
     pipe = cap.pipeline(m, p, t)  # micro-batches per step, stages, bubble: one figure for all readers
     return Plan(
-        stack=stack, local=local, instance_type=hw.name, nodes=cfg.nodes, accelerators_per_node=hw.accelerators,
-        world_size=world, degrees=Degrees(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep, pp=p.pp),
-        model=m, parallel=p, training=t, params=params, flops_per_token=cap.flops_per_token(m),
-        memory=mem, memory_per_rank_gib=mem.total_gib, hbm_gib=hw.hbm_gib, usable_hbm_gib=usable / GIB, fits=fits,
+        stack=stack,
+        local=local,
+        instance_type=hw.name,
+        nodes=cfg.nodes,
+        accelerators_per_node=hw.accelerators,
+        world_size=world,
+        degrees=Degrees(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep, pp=p.pp),
+        model=m,
+        parallel=p,
+        training=t,
+        params=params,
+        flops_per_token=cap.flops_per_token(m),
+        memory=mem,
+        memory_per_rank_gib=mem.total_gib,
+        hbm_gib=hw.hbm_gib,
+        usable_hbm_gib=usable / GIB,
+        fits=fits,
         over_by_gib=max(0.0, (mem.total - usable) / GIB),
         suggestions=[] if fits or local else cap.suggest(m, p, t, hw, domain=domain),
-        micro_batches_per_step=pipe.micro_batches, pipeline=pipe,
-        step=st, topology=topology, checkpoint=ckpt,
+        micro_batches_per_step=pipe.micro_batches,
+        pipeline=pipe,
+        step=st,
+        topology=topology,
+        checkpoint=ckpt,
         gate_floor_gbytes_s=gate_floor_gbytes_s(hw.name, cfg.workload.gate_min_fraction),
-        pod=cap.PodShape.for_node(hw, cfg.workload.hugepages_2mi_gib), cost_per_hour_usd=per_hour, run_hours=hours, run_cost_usd=total,
+        pod=cap.PodShape.for_node(hw, cfg.workload.hugepages_2mi_gib),
+        cost_per_hour_usd=per_hour,
+        run_hours=hours,
+        run_cost_usd=total,
         inference=None if local else build_inference_plan(cfg, hw),
     )
 

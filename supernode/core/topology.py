@@ -52,8 +52,13 @@ class GroupPlacement(BaseModel):
 def mesh_groups(p: Parallel) -> dict[str, tuple[int, int]]:
     """Each mesh dimension as (size, stride) in the rank order above."""
     st = p.dp_shard * p.tp
-    return {"tp": (p.tp, 1), "ep": (p.ep, 1), "edp": (st // p.ep, p.ep), "dp_shard": (p.dp_shard, p.tp),
-            "dp_replicate": (p.dp_replicate, st)}
+    return {
+        "tp": (p.tp, 1),
+        "ep": (p.ep, 1),
+        "edp": (st // p.ep, p.ep),
+        "dp_shard": (p.dp_shard, p.tp),
+        "dp_replicate": (p.dp_replicate, st),
+    }
 
 
 @lru_cache(maxsize=4096)  # the planner asks for the same spans for every candidate layout
@@ -76,8 +81,11 @@ def group_span(size: int, stride: int, world: int, domain: int) -> tuple[int, in
 
 def place(p: Parallel, domain: int) -> list[GroupPlacement]:
     world = p.world_size
-    return [GroupPlacement(dim=dim, size=n, stride=s, domains=k, per_domain=m)
-            for dim, (n, s) in mesh_groups(p).items() for k, m in [group_span(n, s, world, domain)]]
+    return [
+        GroupPlacement(dim=dim, size=n, stride=s, domains=k, per_domain=m)
+        for dim, (n, s) in mesh_groups(p).items()
+        for k, m in [group_span(n, s, world, domain)]
+    ]
 
 
 def all_to_all_seconds(peer_bytes: float, g: GroupPlacement, nvlink: float, efa: float) -> float:
@@ -117,6 +125,8 @@ def rank_order(domain_of_rank: Sequence[Hashable], group: int) -> list[int]:
         by_domain.setdefault(d, []).append(r)
     for d, ranks in by_domain.items():
         if len(ranks) % group:
-            raise ValueError(f"NVLink domain {d!r} holds {len(ranks)} ranks, not a multiple of the EP/TP group "
-                             f"size {group}: a group would cross domains")
+            raise ValueError(
+                f"NVLink domain {d!r} holds {len(ranks)} ranks, not a multiple of the EP/TP group "
+                f"size {group}: a group would cross domains"
+            )
     return [r for ranks in by_domain.values() for r in ranks]

@@ -37,14 +37,37 @@ from rich.text import Text
 
 Result = Literal["pass", "fail", "warn"]
 
-ACCESS_DENIED = {"AccessDenied", "AccessDeniedException", "UnauthorizedOperation", "UnauthorizedAccess",
-                 "AuthorizationError", "AuthFailure", "Forbidden", "403"}
-THROTTLED = {"Throttling", "ThrottlingException", "ThrottledException", "RequestLimitExceeded",
-             "TooManyRequestsException", "RequestThrottled", "RequestThrottledException", "SlowDown",
-             "ProvisionedThroughputExceededException"}
+ACCESS_DENIED = {
+    "AccessDenied",
+    "AccessDeniedException",
+    "UnauthorizedOperation",
+    "UnauthorizedAccess",
+    "AuthorizationError",
+    "AuthFailure",
+    "Forbidden",
+    "403",
+}
+THROTTLED = {
+    "Throttling",
+    "ThrottlingException",
+    "ThrottledException",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "RequestThrottled",
+    "RequestThrottledException",
+    "SlowDown",
+    "ProvisionedThroughputExceededException",
+}
 # Error codes meaning "this endpoint does not offer the API", as opposed to "the answer is no".
-UNSUPPORTED = {"InvalidAction", "UnsupportedOperation", "NotImplemented", "UnknownOperationException",
-               "NoSuchResourceException", "500", "501"}
+UNSUPPORTED = {
+    "InvalidAction",
+    "UnsupportedOperation",
+    "NotImplemented",
+    "UnknownOperationException",
+    "NoSuchResourceException",
+    "500",
+    "501",
+}
 UNANSWERED_FIX = "check it by hand in the AWS console or CLI"
 
 
@@ -93,8 +116,11 @@ class Aws:
     def client(self, service: str, region: str | None = None) -> Any:
         key = f"{service}@{region or self.region}"
         if key not in self._clients:
-            config = Config(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                            retries={"mode": "standard", "total_max_attempts": max_attempts()})
+            config = Config(
+                connect_timeout=self.connect_timeout,
+                read_timeout=self.read_timeout,
+                retries={"mode": "standard", "total_max_attempts": max_attempts()},
+            )
             self._clients[key] = self._session.client(service, region_name=region or self.region, config=config)
         return self._clients[key]
 
@@ -124,26 +150,35 @@ def describe_error(e: Exception) -> tuple[str, str]:
         message = e.response.get("Error", {}).get("Message") or ""
         said = f"{code}: {message}" if message else code
         if code in ACCESS_DENIED:
-            return (f"access denied calling {op} ({said})",
-                    f"grant the IAM permission for {op} to these credentials (`aws sts get-caller-identity` shows who)")
+            return (
+                f"access denied calling {op} ({said})",
+                f"grant the IAM permission for {op} to these credentials (`aws sts get-caller-identity` shows who)",
+            )
         if code in THROTTLED:
-            return (f"throttled by AWS calling {op} after {max_attempts()} attempt(s) ({code})",
-                    "run again later, or raise AWS_MAX_ATTEMPTS")
+            return (
+                f"throttled by AWS calling {op} after {max_attempts()} attempt(s) ({code})",
+                "run again later, or raise AWS_MAX_ATTEMPTS",
+            )
         if code in UNSUPPORTED:
-            return (f"cannot be checked: the endpoint does not answer {op} ({said})",
-                    UNANSWERED_FIX)
+            return (f"cannot be checked: the endpoint does not answer {op} ({said})", UNANSWERED_FIX)
         return f"{op} failed ({said})", "see the AWS error above"
     if isinstance(e, (ConnectTimeoutError, ReadTimeoutError)):
-        return (f"timed out talking to {_endpoint(e)}",
-                "check network access to AWS (proxy, VPC endpoints) and AWS_ENDPOINT_URL; then run again")
+        return (
+            f"timed out talking to {_endpoint(e)}",
+            "check network access to AWS (proxy, VPC endpoints) and AWS_ENDPOINT_URL; then run again",
+        )
     if isinstance(e, (EndpointConnectionError, ConnectionClosedError)):
-        return (f"AWS endpoint unreachable: {_endpoint(e)}",
-                "check network access to AWS, the region and AWS_ENDPOINT_URL")
+        return (
+            f"AWS endpoint unreachable: {_endpoint(e)}",
+            "check network access to AWS, the region and AWS_ENDPOINT_URL",
+        )
     if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
         return ("no usable AWS credentials", "configure credentials (AWS_PROFILE, aws configure, or an instance role)")
     if isinstance(e, ResponseParserError):
-        return ("cannot be checked: the endpoint answered with an unreadable response (API not implemented there?)",
-                UNANSWERED_FIX)
+        return (
+            "cannot be checked: the endpoint answered with an unreadable response (API not implemented there?)",
+            UNANSWERED_FIX,
+        )
     if isinstance(e, BotoCoreError):
         return f"AWS client error: {e}", "see the error above"
     return f"internal error in this check: {type(e).__name__}: {e}", "report this as a supernode bug"
@@ -179,8 +214,14 @@ def run_checks(steps: Iterable[Step]) -> list[Check]:
             out.append(step.probe())
         except (NoCredentialsError, PartialCredentialsError) as e:
             detail, fix = describe_error(e)
-            return out + [Check(name="aws credentials", result="fail", detail=f"{detail}: no check could run "
-                                f"(stopped at {step.name!r})", fix=fix)]
+            return out + [
+                Check(
+                    name="aws credentials",
+                    result="fail",
+                    detail=f"{detail}: no check could run (stopped at {step.name!r})",
+                    fix=fix,
+                )
+            ]
         except Exception as e:  # noqa: BLE001 - every failure becomes this check's message
             detail, fix = describe_error(e)
             result = step.on_unsupported if step.on_unsupported and is_unsupported(e) else step.on_error
@@ -196,8 +237,13 @@ def failures(checks: list[Check]) -> int:
 def to_json(command: str, stack: str, checks: list[Check]) -> str:
     """Stable output: checks sorted by name, keys sorted, so the same state gives the same bytes."""
     counts = {r: sum(c.result == r for c in checks) for r in ("pass", "fail", "warn")}
-    doc = {"command": command, "stack": stack, "ok": counts["fail"] == 0, "counts": counts,
-           "checks": [c.model_dump() for c in sorted(checks, key=lambda c: (c.name, c.result, c.detail))]}
+    doc = {
+        "command": command,
+        "stack": stack,
+        "ok": counts["fail"] == 0,
+        "counts": counts,
+        "checks": [c.model_dump() for c in sorted(checks, key=lambda c: (c.name, c.result, c.detail))],
+    }
     return json.dumps(doc, indent=2, sort_keys=True)
 
 

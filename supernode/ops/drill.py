@@ -75,7 +75,7 @@ def download(s3: Any, bucket: str, key_prefix: str, dest: Path) -> tuple[int, in
     dest.mkdir(parents=True, exist_ok=True)
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix):
         for obj in page.get("Contents", []):
-            name = obj["Key"][len(key_prefix):]
+            name = obj["Key"][len(key_prefix) :]
             if not name or "/" in name:
                 continue
             s3.download_file(bucket, obj["Key"], str(dest / name))
@@ -104,13 +104,26 @@ def load_model_state(path: Path, plan: Plan) -> int:
 def cluster_command(plan: Plan, path: str) -> list[str]:
     """How a model too large for one CPU host is loaded: a resume from the restored directory on the
     GPU nodes (torchrun per node, as the PyTorchJob runs the trainer)."""
-    return ["python", "-m", "torch.distributed.run", "--nnodes", str(plan.nodes), "--nproc-per-node",
-            str(plan.accelerators_per_node), "-m", "trainer.train", "--plan", PLAN_MOUNT_PATH,
-            "--out", path]
+    return [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(plan.nodes),
+        "--nproc-per-node",
+        str(plan.accelerators_per_node),
+        "-m",
+        "trainer.train",
+        "--plan",
+        PLAN_MOUNT_PATH,
+        "--out",
+        path,
+    ]
 
 
-def restore_drill(aws: Aws, bucket: str, prefix: str, plan: Plan, dest: Optional[Path] = None,
-                  load: bool = True) -> DrillResult:
+def restore_drill(
+    aws: Aws, bucket: str, prefix: str, plan: Plan, dest: Optional[Path] = None, load: bool = True
+) -> DrillResult:
     from trainer.checkpoint import Checkpointer  # torch is imported only by the command that needs it
 
     base = DrillResult(result="failed", detail="", bucket=bucket, prefix=prefix)
@@ -142,8 +155,10 @@ def restore_drill(aws: Aws, bucket: str, prefix: str, plan: Plan, dest: Optional
         return base
     saved_model = Checkpointer.marker(target).get("model")
     if isinstance(saved_model, dict) and saved_model != plan.model.model_dump(mode="json"):
-        base.detail = (f"step {step} was written for another model than the plan's (model settings differ); "
-                       "drill with the plan that wrote it")
+        base.detail = (
+            f"step {step} was written for another model than the plan's (model settings differ); "
+            "drill with the plan that wrote it"
+        )
         return base
     if not load:
         base.result, base.detail = "passed", f"step {step} restored and verified (not loaded: --no-load)"
@@ -151,15 +166,19 @@ def restore_drill(aws: Aws, bucket: str, prefix: str, plan: Plan, dest: Optional
     if plan.params.total * 4 > LOCAL_LOAD_LIMIT_BYTES:
         base.cluster_command = cluster_command(plan, str(target.parent))
         base.result = "passed"
-        base.detail = (f"step {step} restored and verified; its model ({plan.params.total / 1e9:.1f} B parameters) "
-                       "is loaded by a resume on the GPU nodes, not on this machine")
+        base.detail = (
+            f"step {step} restored and verified; its model ({plan.params.total / 1e9:.1f} B parameters) "
+            "is loaded by a resume on the GPU nodes, not on this machine"
+        )
         return base
     t0 = time.perf_counter()
     try:
         base.loaded_tensors = load_model_state(target, plan)
     except Exception as e:  # noqa: BLE001 - a checkpoint that does not load is the finding
-        base.detail = f"step {step} verified but does not load into the plan's model: {type(e).__name__}: " \
-                      f"{str(e).splitlines()[0] if str(e) else ''}"
+        base.detail = (
+            f"step {step} verified but does not load into the plan's model: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}"
+        )
         return base
     base.load_s = round(time.perf_counter() - t0, 3)
     base.result = "passed"

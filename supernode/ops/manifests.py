@@ -39,11 +39,31 @@ def _native(value: Any) -> Any:
 
 
 # kubectl-apply order: what others refer to first; kinds not listed (custom resources) last.
-APPLY_ORDER = ("Namespace", "CustomResourceDefinition", "PriorityClass", "ClusterRole", "ClusterRoleBinding", "Role",
-               "RoleBinding",
-               "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "ServiceAccount", "Secret", "ConfigMap",
-               "ResourceQuota", "LimitRange", "NetworkPolicy", "PersistentVolume", "PersistentVolumeClaim", "Service",
-               "DaemonSet", "Deployment", "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration", "Job")
+APPLY_ORDER = (
+    "Namespace",
+    "CustomResourceDefinition",
+    "PriorityClass",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+    "ServiceAccount",
+    "Secret",
+    "ConfigMap",
+    "ResourceQuota",
+    "LimitRange",
+    "NetworkPolicy",
+    "PersistentVolume",
+    "PersistentVolumeClaim",
+    "Service",
+    "DaemonSet",
+    "Deployment",
+    "ValidatingWebhookConfiguration",
+    "MutatingWebhookConfiguration",
+    "Job",
+)
 
 
 def _apply_key(m: Manifest) -> tuple:
@@ -118,7 +138,11 @@ def _closed(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: _closed(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -185,10 +209,16 @@ def validate(manifests: list[Manifest], kubernetes_version: str) -> list[Problem
             problems.append(Problem(name, ".".join(map(str, e.path)), e.message))
         templates = EMBEDDED_POD_TEMPLATES.get(f"{_group(m['apiVersion'])}/{m['kind']}")
         for path, template in templates(m) if templates else ():
-            pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
-                            "metadata": {"name": m["metadata"]["name"]}, "template": template}
-            problems += [Problem(p.object, path + p.path.removeprefix("template"), p.message)
-                         for p in _builtin(pod_template, version, name)]
+            pod_template = {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": m["metadata"]["name"]},
+                "template": template,
+            }
+            problems += [
+                Problem(p.object, path + p.path.removeprefix("template"), p.message)
+                for p in _builtin(pod_template, version, name)
+            ]
     return problems
 
 
@@ -205,9 +235,11 @@ class ManifestReport:
         return not self.problems
 
     def lines(self) -> list[str]:
-        head = (f"wrote {self.written} Kubernetes manifests to {self.out_dir}; validated against the Kubernetes "
-                f"{self.schema_version} schemas (cluster {self.kubernetes_version}, strict) and CRD schemas: "
-                f"{len(self.problems)} problem(s)")
+        head = (
+            f"wrote {self.written} Kubernetes manifests to {self.out_dir}; validated against the Kubernetes "
+            f"{self.schema_version} schemas (cluster {self.kubernetes_version}, strict) and CRD schemas: "
+            f"{len(self.problems)} problem(s)"
+        )
         return [head, *(f"  invalid manifest: {p}" for p in self.problems)]
 
 
@@ -218,5 +250,10 @@ def export(resources: Iterable[Any], out_dir: Path, kubernetes_version: str) -> 
         paths = write(manifests, out_dir)
     except OSError as e:
         raise BadInput(f"--manifests {out_dir}: cannot write manifests there ({e.strerror or e})") from None
-    return ManifestReport(out_dir, len(paths), schema_version(kubernetes_version), kubernetes_version,
-                          validate(manifests, kubernetes_version))
+    return ManifestReport(
+        out_dir,
+        len(paths),
+        schema_version(kubernetes_version),
+        kubernetes_version,
+        validate(manifests, kubernetes_version),
+    )

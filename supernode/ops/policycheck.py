@@ -31,8 +31,12 @@ from ..core.config import StackConfig
 
 PACK_VERSION = "0.1.0"
 LEVELS = {level.value: level for level in EnforcementLevel}
-_PROTO_LEVEL = {EnforcementLevel.ADVISORY: analyzer_pb2.ADVISORY, EnforcementLevel.MANDATORY: analyzer_pb2.MANDATORY,
-                EnforcementLevel.REMEDIATE: analyzer_pb2.REMEDIATE, EnforcementLevel.DISABLED: analyzer_pb2.DISABLED}
+_PROTO_LEVEL = {
+    EnforcementLevel.ADVISORY: analyzer_pb2.ADVISORY,
+    EnforcementLevel.MANDATORY: analyzer_pb2.MANDATORY,
+    EnforcementLevel.REMEDIATE: analyzer_pb2.REMEDIATE,
+    EnforcementLevel.DISABLED: analyzer_pb2.DISABLED,
+}
 
 
 class PolicyInputError(ValueError):
@@ -76,22 +80,45 @@ class PolicyReport:
         """One row per finding, and one `pass` row per policy without findings: the compliance table."""
         out = []
         for name, level in self.policies.items():
-            found = ([{"result": "fail" if v.enforcement == "mandatory" else "warn", "enforcement": v.enforcement,
-                       "urn": v.urn, "message": v.message} for v in self.violations if v.policy == name]
-                     + [{"result": "remediated", "enforcement": "remediate", "urn": r.urn,
-                         "message": "properties fixed by the policy's remediation"}
-                        for r in self.remediations if r.policy == name])
+            found = [
+                {
+                    "result": "fail" if v.enforcement == "mandatory" else "warn",
+                    "enforcement": v.enforcement,
+                    "urn": v.urn,
+                    "message": v.message,
+                }
+                for v in self.violations
+                if v.policy == name
+            ] + [
+                {
+                    "result": "remediated",
+                    "enforcement": "remediate",
+                    "urn": r.urn,
+                    "message": "properties fixed by the policy's remediation",
+                }
+                for r in self.remediations
+                if r.policy == name
+            ]
             if level == "disabled":
                 found = [{"result": "disabled", "enforcement": level, "urn": "", "message": ""}]
             for row in found or [{"result": "pass", "enforcement": level, "urn": "", "message": ""}]:
-                out.append({"item": item_of(name), "policy": name, **row,
-                            "resource": self.names.get(row["urn"], row["urn"].rsplit("::", 1)[-1] if row["urn"] else "")})
+                out.append(
+                    {
+                        "item": item_of(name),
+                        "policy": name,
+                        **row,
+                        "resource": self.names.get(row["urn"], row["urn"].rsplit("::", 1)[-1] if row["urn"] else ""),
+                    }
+                )
         return sorted(out, key=lambda r: (r["item"], r["policy"]))
 
     def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "violations": [v.to_json() for v in self.violations],
-                "remediations": [asdict(r) for r in self.remediations],
-                "policies": [{"policy": n, "item": item_of(n), "enforcement": lvl} for n, lvl in self.policies.items()]}
+        return {
+            "passed": self.passed,
+            "violations": [v.to_json() for v in self.violations],
+            "remediations": [asdict(r) for r in self.remediations],
+            "policies": [{"policy": n, "item": item_of(n), "enforcement": lvl} for n, lvl in self.policies.items()],
+        }
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -126,8 +153,10 @@ def load_resources(path: Path) -> list[dict[str, Any]]:
     try:
         size = Path(path).stat().st_size
         if size > MAX_RESOURCES_BYTES:
-            raise PolicyInputError(f"{where}: {size:,} bytes, over the {MAX_RESOURCES_BYTES:,}-byte limit for a "
-                                   f"resources file (a prod preview is about 1 MB)")
+            raise PolicyInputError(
+                f"{where}: {size:,} bytes, over the {MAX_RESOURCES_BYTES:,}-byte limit for a "
+                f"resources file (a prod preview is about 1 MB)"
+            )
         data = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_not_json_constant)
     except FileNotFoundError:
         raise PolicyInputError(f"{where}: file not found") from None
@@ -139,11 +168,15 @@ def load_resources(path: Path) -> list[dict[str, Any]]:
         raise PolicyInputError(f"{where}: not a JSON file ({str(e)[:200]})") from None
     resources = data.get("resources") if isinstance(data, dict) else data
     if not isinstance(resources, list):
-        raise PolicyInputError(f"{where}: expected a list of resources or an object with a 'resources' "
-                               f"list (the output of `supernode preview --json`), got {type(data).__name__}")
+        raise PolicyInputError(
+            f"{where}: expected a list of resources or an object with a 'resources' "
+            f"list (the output of `supernode preview --json`), got {type(data).__name__}"
+        )
     if not resources:
-        raise PolicyInputError(f"{where}: holds no resources, so there is nothing to check (a passing check "
-                               f"of nothing would be vacuous); give the output of `supernode preview --json`")
+        raise PolicyInputError(
+            f"{where}: holds no resources, so there is nothing to check (a passing check "
+            f"of nothing would be vacuous); give the output of `supernode preview --json`"
+        )
     problems = []
     for i, r in enumerate(resources):
         if not isinstance(r, dict):
@@ -154,8 +187,10 @@ def load_resources(path: Path) -> list[dict[str, Any]]:
                 problems.append(f"resources[{i}].{key}: required non-empty string (got {_quote(r.get(key))})")
         for key, kind in (("inputs", dict), ("dependencies", list), ("parent", str)):
             if r.get(key) is not None and not isinstance(r[key], kind):
-                problems.append(f"resources[{i}].{key}: expected {'an object' if kind is dict else 'a list' if kind is list else 'a string'} "
-                                f"(got {_quote(r[key])})")
+                problems.append(
+                    f"resources[{i}].{key}: expected {'an object' if kind is dict else 'a list' if kind is list else 'a string'} "
+                    f"(got {_quote(r[key])})"
+                )
         if _too_deep(r.get("inputs")):
             problems.append(f"resources[{i}].inputs: nested deeper than {MAX_DEPTH} levels")
     if problems:
@@ -173,8 +208,9 @@ def load_policy_config(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise PolicyInputError(f"--policy-config {path}: not JSON or YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
-        raise PolicyInputError(f"--policy-config {path}: expected an object of policy name -> level or settings, "
-                               f"got {data!r}")
+        raise PolicyInputError(
+            f"--policy-config {path}: expected an object of policy name -> level or settings, got {data!r}"
+        )
     return data
 
 
@@ -183,9 +219,11 @@ def config_from_stack(cfg: StackConfig) -> dict[str, Any]:
     The image policies are mandatory in the pack; a stack with images.requireDigests false (dev) lowers
     them to advisory, so its add-on tags and placeholder trainer digest warn instead of failing."""
     images = "mandatory" if cfg.images.require_digests else "advisory"
-    return {"data-ready": {"datasetPrefix": cfg.storage.dataset_prefix},
-            "checkpoint-lifecycle": {"checkpointPrefix": cfg.storage.checkpoint_prefix},
-            **{name: {"enforcementLevel": images} for name in IMAGE_POLICIES}}
+    return {
+        "data-ready": {"datasetPrefix": cfg.storage.dataset_prefix},
+        "checkpoint-lifecycle": {"checkpointPrefix": cfg.storage.checkpoint_prefix},
+        **{name: {"enforcementLevel": images} for name in IMAGE_POLICIES},
+    }
 
 
 def _configure_request(config: dict[str, Any]) -> tuple[analyzer_pb2.ConfigureAnalyzerRequest, dict[str, str]]:
@@ -222,6 +260,7 @@ def _configure_request(config: dict[str, Any]) -> tuple[analyzer_pb2.ConfigureAn
 
 # -- the run --------------------------------------------------------------------------------------
 
+
 def _struct(props: dict[str, Any]) -> struct_pb2.Struct:
     s = struct_pb2.Struct()
     s.update(props)
@@ -237,14 +276,18 @@ def check(resources: list[dict[str, Any]], config: Optional[dict[str, Any]] = No
 
     def collect(diagnostics: Any, urn: str = "") -> None:
         for d in diagnostics:
-            report.violations.append(Violation(policy=d.policyName, enforcement=level_name[d.enforcementLevel],
-                                               urn=d.urn or urn, message=d.message))
+            report.violations.append(
+                Violation(
+                    policy=d.policyName, enforcement=level_name[d.enforcementLevel], urn=d.urn or urn, message=d.message
+                )
+            )
 
     try:
         return _analyze(servicer, resources, report, collect)
     except MalformedInput as e:
-        raise PolicyInputError(f"{e}; the resources must be recorded by `supernode preview --json` (or have the "
-                               f"same shape)") from None
+        raise PolicyInputError(
+            f"{e}; the resources must be recorded by `supernode preview --json` (or have the same shape)"
+        ) from None
 
 
 def _analyze(servicer: Any, resources: list[dict[str, Any]], report: PolicyReport, collect: Any) -> PolicyReport:
@@ -253,8 +296,9 @@ def _analyze(servicer: Any, resources: list[dict[str, Any]], report: PolicyRepor
         props = r.get("inputs") or {}
         options = analyzer_pb2.AnalyzerResourceOptions(parent=r.get("parent") or "")
         if r.get("custom", True):
-            req = analyzer_pb2.AnalyzeRequest(type=r["type"], properties=_struct(props), urn=r["urn"], name=r["name"],
-                                              options=options)
+            req = analyzer_pb2.AnalyzeRequest(
+                type=r["type"], properties=_struct(props), urn=r["urn"], name=r["name"], options=options
+            )
             for rem in servicer.Remediate(req, None).remediations:
                 if rem.diagnostic:
                     report.violations.append(Violation(rem.policyName, "advisory", r["urn"], rem.diagnostic))
@@ -264,9 +308,17 @@ def _analyze(servicer: Any, resources: list[dict[str, Any]], report: PolicyRepor
             req.properties.Clear()
             req.properties.update(props)
             collect(servicer.Analyze(req, None).diagnostics, r["urn"])
-        analyzed.append(analyzer_pb2.AnalyzerResource(
-            type=r["type"], properties=_struct(props), urn=r["urn"], name=r["name"], options=options,
-            parent=r.get("parent") or "", dependencies=r.get("dependencies") or []))
+        analyzed.append(
+            analyzer_pb2.AnalyzerResource(
+                type=r["type"],
+                properties=_struct(props),
+                urn=r["urn"],
+                name=r["name"],
+                options=options,
+                parent=r.get("parent") or "",
+                dependencies=r.get("dependencies") or [],
+            )
+        )
     with one_analysis():  # the stack policies of this one AnalyzeStack share one parsed Stack
         collect(servicer.AnalyzeStack(analyzer_pb2.AnalyzeStackRequest(resources=analyzed), None).diagnostics)
     return report
@@ -274,21 +326,33 @@ def _analyze(servicer: Any, resources: list[dict[str, Any]], report: PolicyRepor
 
 # -- reports --------------------------------------------------------------------------------------
 
+
 def junit_xml(report: PolicyReport) -> str:
     """One testcase per policy (classname = checklist item); mandatory violations are failures."""
-    suite = ET.Element("testsuite", name=PACK_NAME, tests=str(len(report.policies)),
-                       failures=str(len({v.policy for v in report.mandatory})), errors="0", skipped="0")
+    suite = ET.Element(
+        "testsuite",
+        name=PACK_NAME,
+        tests=str(len(report.policies)),
+        failures=str(len({v.policy for v in report.mandatory})),
+        errors="0",
+        skipped="0",
+    )
     for name in report.policies:
         item = item_of(name)
-        case = ET.SubElement(suite, "testcase", name=name,
-                             classname=f"checklist.{item:02d}.{CHECKLIST_ITEMS[item].replace(' ', '_')}")
+        case = ET.SubElement(
+            suite, "testcase", name=name, classname=f"checklist.{item:02d}.{CHECKLIST_ITEMS[item].replace(' ', '_')}"
+        )
         mandatory = [v for v in report.mandatory if v.policy == name]
         if mandatory:
-            failure = ET.SubElement(case, "failure", message=f"{len(mandatory)} mandatory violation(s)",
-                                    type="mandatory")
+            failure = ET.SubElement(
+                case, "failure", message=f"{len(mandatory)} mandatory violation(s)", type="mandatory"
+            )
             failure.text = "\n\n".join(f"{v.urn}\n{v.message}" for v in mandatory)
-        notes = [f"advisory: {v.urn}\n{v.message}" for v in report.violations
-                 if v.policy == name and v.enforcement != "mandatory"]
+        notes = [
+            f"advisory: {v.urn}\n{v.message}"
+            for v in report.violations
+            if v.policy == name and v.enforcement != "mandatory"
+        ]
         notes += [f"remediated: {r.urn}" for r in report.remediations if r.policy == name]
         if notes:
             ET.SubElement(case, "system-out").text = "\n\n".join(notes)

@@ -19,7 +19,9 @@ from .awscheck import Aws, Check, Step, error_code, failed, passed, run_checks, 
 from ..core.catalog import CATALOG, LOCAL_ZONES, zone_group
 from ..core.config import AcceleratorNodeGroup, StackConfig
 
-CATALOG_FIX = "correct supernode/catalog.py (the plan was sized with the catalog's figures), then re-run `supernode plan`"
+CATALOG_FIX = (
+    "correct supernode/catalog.py (the plan was sized with the catalog's figures), then re-run `supernode plan`"
+)
 # EC2 On-Demand vCPU quotas are per instance-family group; every catalog type is a P instance
 # (tests/supernode/test_preflight.py holds the catalog to that).
 P_QUOTA_CODE, P_QUOTA_NAME = "L-417A185B", "Running On-Demand P instances"
@@ -27,13 +29,19 @@ P_QUOTA_CODE, P_QUOTA_NAME = "L-417A185B", "Running On-Demand P instances"
 
 def check_offering(aws: Aws, instance_type: str, az: str) -> Check:
     name = f"offering {instance_type}"
-    pages = aws.client("ec2").get_paginator("describe_instance_type_offerings").paginate(
-        LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}])
+    pages = (
+        aws.client("ec2")
+        .get_paginator("describe_instance_type_offerings")
+        .paginate(LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}])
+    )
     azs = sorted({o["Location"] for page in pages for o in page["InstanceTypeOfferings"]})
     if az in azs:
         return passed(name, f"EC2 offers {instance_type} in {az}")
-    where = (f"choose an AZ that offers it: {', '.join(azs)}" if azs
-             else f"no AZ of {aws.region} offers it: choose another region")
+    where = (
+        f"choose an AZ that offers it: {', '.join(azs)}"
+        if azs
+        else f"no AZ of {aws.region} offers it: choose another region"
+    )
     return failed(name, f"EC2 does not offer {instance_type} in {az}", where + " (availabilityZone and the GPU subnet)")
 
 
@@ -57,9 +65,16 @@ def ec2_figures(it: dict) -> dict[str, object]:
 def catalog_figures(instance_type: str) -> dict[str, object]:
     """The same figures as the catalog states them (what the plan and the launch templates use)."""
     hw = CATALOG[instance_type]
-    return {"GPUs": hw.accelerators, "accelerator": hw.accelerator, "GPU memory MiB": hw.hbm_mib,
-            "max EFA interfaces": hw.efa_interfaces, "network cards": hw.network_cards, "card 0 EFA": hw.card0_efa,
-            "vCPUs": hw.vcpus, "architecture": hw.arch}
+    return {
+        "GPUs": hw.accelerators,
+        "accelerator": hw.accelerator,
+        "GPU memory MiB": hw.hbm_mib,
+        "max EFA interfaces": hw.efa_interfaces,
+        "network cards": hw.network_cards,
+        "card 0 EFA": hw.card0_efa,
+        "vCPUs": hw.vcpus,
+        "architecture": hw.arch,
+    }
 
 
 def check_instance_type(aws: Aws, instance_type: str) -> Check:
@@ -70,9 +85,12 @@ def check_instance_type(aws: Aws, instance_type: str) -> Check:
         if error_code(e) != "InvalidInstanceType":
             raise
         # p6e-gb200 is sold only inside UltraServers: not every endpoint (nor moto) describes it.
-        return warned(name, f"EC2 in {aws.region} does not describe {instance_type}: the catalog's figures could not "
-                            f"be compared", f"compare supernode/core/catalog.py with `aws ec2 describe-instance-types "
-                            f"--instance-types {instance_type}` where it is sold")
+        return warned(
+            name,
+            f"EC2 in {aws.region} does not describe {instance_type}: the catalog's figures could not be compared",
+            f"compare supernode/core/catalog.py with `aws ec2 describe-instance-types "
+            f"--instance-types {instance_type}` where it is sold",
+        )
     reported, expected = ec2_figures(it), catalog_figures(instance_type)
     wrong = [f"{k}: catalog {expected[k]}, EC2 {reported[k]}" for k in expected if expected[k] != reported[k]]
     if wrong:
@@ -90,8 +108,11 @@ def check_reservation(aws: Aws, reservation_id: str, groups: list[AcceleratorNod
     except ClientError as e:
         if not error_code(e).startswith("InvalidCapacityReservationId"):
             raise
-        return failed(name, f"{kind} {reservation_id} not found in {aws.region} ({error_code(e)})",
-                      f"check capacity.reservationId of {users} (aws ec2 describe-capacity-reservations)")
+        return failed(
+            name,
+            f"{kind} {reservation_id} not found in {aws.region} ({error_code(e)})",
+            f"check capacity.reservationId of {users} (aws ec2 describe-capacity-reservations)",
+        )
     r = found["CapacityReservations"][0]
     problems = []
     rtype = r.get("ReservationType", "default")
@@ -112,15 +133,22 @@ def check_reservation(aws: Aws, reservation_id: str, groups: list[AcceleratorNod
     if kind == "capacity-block" and rtype == "capacity-block":
         problems += block_end_problems(groups, ends)
     if problems:
-        return failed(name, "; ".join(problems), f"fix capacity.* of {users} or the reservation, or use capacity type on-demand")
+        return failed(
+            name, "; ".join(problems), f"fix capacity.* of {users} or the reservation, or use capacity type on-demand"
+        )
     detail = f"{rtype} {r.get('InstanceType')} in {az}: {available}/{total} available, {need} needed ({users})"
     if rtype == "capacity-block":
         # HARDWARE.md: block instances terminate from 30 min before the end; node groups go to 0 by 40 min before.
-        detail += (f"; window {starts} to {ends} (instances stop from 30 min before the end: the node groups scale "
-                   f"to 0 at {groups[0].capacity.scale_to_zero_at})")
+        detail += (
+            f"; window {starts} to {ends} (instances stop from 30 min before the end: the node groups scale "
+            f"to 0 at {groups[0].capacity.scale_to_zero_at})"
+        )
     if state == "scheduled":
-        return warned(name, f"{detail}; Capacity Block is scheduled, starts {starts}",
-                      "deploy the node groups once the block is active (pulumi up before then leaves nodes pending)")
+        return warned(
+            name,
+            f"{detail}; Capacity Block is scheduled, starts {starts}",
+            "deploy the node groups once the block is active (pulumi up before then leaves nodes pending)",
+        )
     return passed(name, f"{detail}; {state}")
 
 
@@ -130,25 +158,35 @@ def block_end_problems(groups: list[AcceleratorNodeGroup], ends: datetime | None
     action whose start time is past)."""
     if ends is None:
         return ["EC2 reports no EndDate for the Capacity Block"]
-    problems = [f"{g.name}: capacity.endsAt {g.capacity.ends_at} but EC2's EndDate is {ends}"
-                for g in groups if g.capacity.ends_at != ends]
+    problems = [
+        f"{g.name}: capacity.endsAt {g.capacity.ends_at} but EC2's EndDate is {ends}"
+        for g in groups
+        if g.capacity.ends_at != ends
+    ]
     if not problems and groups[0].capacity.scale_to_zero_at <= datetime.now(timezone.utc):
-        problems.append(f"the block ends {ends}: its node groups' scale to 0 at "
-                        f"{groups[0].capacity.scale_to_zero_at} is past (buy a new block)")
+        problems.append(
+            f"the block ends {ends}: its node groups' scale to 0 at "
+            f"{groups[0].capacity.scale_to_zero_at} is past (buy a new block)"
+        )
     return problems
 
 
 def check_zone_opt_in(aws: Aws, zone: str) -> Check:
     """A Local Zone (where UltraServers are sold) is usable only once its zone group is opted in."""
     name = f"zone {zone}"
-    zones = aws.client("ec2").describe_availability_zones(AllAvailabilityZones=True, ZoneNames=[zone])["AvailabilityZones"]
+    zones = aws.client("ec2").describe_availability_zones(AllAvailabilityZones=True, ZoneNames=[zone])[
+        "AvailabilityZones"
+    ]
     if not zones:
         return failed(name, f"{zone} is not a zone of {aws.region}", "check availabilityZone")
     z = zones[0]
     group = z.get("GroupName") or zone_group(zone)
     if z.get("OptInStatus") == "not-opted-in":
-        return failed(name, f"{zone} ({z.get('ZoneType', 'zone')}) is not opted in",
-                      f"aws ec2 modify-availability-zone-group --group-name {group} --opt-in-status opted-in")
+        return failed(
+            name,
+            f"{zone} ({z.get('ZoneType', 'zone')}) is not opted in",
+            f"aws ec2 modify-availability-zone-group --group-name {group} --opt-in-status opted-in",
+        )
     return passed(name, f"{zone} ({z.get('ZoneType', 'zone')}, group {group}): {z.get('OptInStatus', 'opted-in')}")
 
 
@@ -158,8 +196,12 @@ def check_quota(aws: Aws, code: str, quota_name: str, vcpus: int, users: str) ->
     value = quota.get("Value", 0)
     detail = f"{quota_name}: quota {value:g} vCPUs, {users} need {vcpus} (instances already running not subtracted)"
     if value < vcpus:
-        return failed(name, detail, f"request an increase: aws service-quotas request-service-quota-increase "
-                                    f"--service-code ec2 --quota-code {code} --desired-value {vcpus}")
+        return failed(
+            name,
+            detail,
+            f"request an increase: aws service-quotas request-service-quota-increase "
+            f"--service-code ec2 --quota-code {code} --desired-value {vcpus}",
+        )
     return passed(name, detail)
 
 
@@ -171,8 +213,11 @@ def check_vpc(aws: Aws, vpc_id: str, cidr: str) -> Check:
     v = vpcs[0]
     cidrs = sorted({v["CidrBlock"]} | {a["CidrBlock"] for a in v.get("CidrBlockAssociationSet", [])})
     if cidr not in cidrs:
-        return failed(name, f"VPC CIDRs {', '.join(cidrs)} do not include network.vpcCidr {cidr}",
-                      "set network.vpcCidr to the VPC's CIDR")
+        return failed(
+            name,
+            f"VPC CIDRs {', '.join(cidrs)} do not include network.vpcCidr {cidr}",
+            "set network.vpcCidr to the VPC's CIDR",
+        )
     if v.get("State") != "available":
         return failed(name, f"VPC state {v.get('State')}", "wait until the VPC is available")
     return passed(name, f"exists, {v.get('State')}, CIDR {cidr}")
@@ -189,11 +234,19 @@ class WantedSubnet:
 def wanted_subnets(cfg: StackConfig) -> list[WantedSubnet]:
     """The existing subnets a config names, each with the AZ it must be in."""
     net = cfg.network
-    out = [WantedSubnet(f"network.existingPrivateSubnetIds[{i}]", s, az, f"network.availabilityZones[{i}]")
-           for i, (s, az) in enumerate(zip(net.existing_private_subnet_ids, net.availability_zones))]
+    out = [
+        WantedSubnet(f"network.existingPrivateSubnetIds[{i}]", s, az, f"network.availabilityZones[{i}]")
+        for i, (s, az) in enumerate(zip(net.existing_private_subnet_ids, net.availability_zones))
+    ]
     if net.existing_gpu_subnet_id:
-        out.append(WantedSubnet("network.existingGpuSubnetId", net.existing_gpu_subnet_id, cfg.availability_zone,
-                                "the GPU AZ availabilityZone"))
+        out.append(
+            WantedSubnet(
+                "network.existingGpuSubnetId",
+                net.existing_gpu_subnet_id,
+                cfg.availability_zone,
+                "the GPU AZ availabilityZone",
+            )
+        )
     return out
 
 
@@ -213,9 +266,12 @@ def check_subnets(aws: Aws, wanted: list[WantedSubnet], vpc_id: str) -> Check:
         if sub["AvailabilityZone"] != w.az:
             problems.append(f"{w.key} {w.subnet_id} is in {sub['AvailabilityZone']}, not {w.az_key} {w.az}")
     if problems:
-        return failed(name, "; ".join(problems),
-                      "check network.existingPrivateSubnetIds (one per network.availabilityZones, same order), "
-                      "network.existingGpuSubnetId (a subnet in availabilityZone) and network.existingVpcId")
+        return failed(
+            name,
+            "; ".join(problems),
+            "check network.existingPrivateSubnetIds (one per network.availabilityZones, same order), "
+            "network.existingGpuSubnetId (a subnet in availabilityZone) and network.existingVpcId",
+        )
     return passed(name, f"{len(wanted)} exist in {vpc_id}: " + ", ".join(f"{w.subnet_id} ({w.az})" for w in wanted))
 
 
@@ -227,19 +283,28 @@ def check_bucket(aws: Aws, bucket: str) -> Check:
     except ClientError as e:
         if error_code(e) not in ("404", "NoSuchBucket"):
             raise
-        return failed(name, f"bucket {bucket} does not exist",
-                      "create it, or set storage.existingBucket: false to let the stack create it")
+        return failed(
+            name,
+            f"bucket {bucket} does not exist",
+            "create it, or set storage.existingBucket: false to let the stack create it",
+        )
     region = head.get("BucketRegion") or head["ResponseMetadata"].get("HTTPHeaders", {}).get("x-amz-bucket-region")
     if region and region != aws.region:
-        return failed(name, f"bucket is in {region}, the stack in {aws.region}",
-                      "use a bucket in the stack's region (FSx links to S3 in its own region)")
+        return failed(
+            name,
+            f"bucket is in {region}, the stack in {aws.region}",
+            "use a bucket in the stack's region (FSx links to S3 in its own region)",
+        )
     try:
         rules = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
     except ClientError as e:
         if error_code(e) != "ServerSideEncryptionConfigurationNotFoundError":
             raise
-        return failed(name, "exists but has no default encryption",
-                      f"aws s3api put-bucket-encryption --bucket {bucket} (SSE-KMS with the stack's key)")
+        return failed(
+            name,
+            "exists but has no default encryption",
+            f"aws s3api put-bucket-encryption --bucket {bucket} (SSE-KMS with the stack's key)",
+        )
     sse = rules[0]["ApplyServerSideEncryptionByDefault"]
     key = sse.get("KMSMasterKeyID")
     return passed(name, f"exists, encrypted with {sse['SSEAlgorithm']}" + (f" ({key})" if key else ""))
@@ -256,8 +321,11 @@ def check_kms_key(aws: Aws, key_arn: str) -> Check:
         return failed(name, f"{key_arn} not found", "check identity.kmsKeyArn")
     state = meta.get("KeyState")
     if state != "Enabled":
-        fix = (f"aws kms cancel-key-deletion --key-id {key_arn}, then enable-key" if state == "PendingDeletion"
-               else f"aws kms enable-key --key-id {key_arn}")
+        fix = (
+            f"aws kms cancel-key-deletion --key-id {key_arn}, then enable-key"
+            if state == "PendingDeletion"
+            else f"aws kms enable-key --key-id {key_arn}"
+        )
         return failed(name, f"{key_arn} is {state}", fix)
     return passed(name, f"{key_arn} is Enabled")
 
@@ -273,18 +341,30 @@ def preflight_steps(cfg: StackConfig, aws: Aws) -> list[Step]:
     for g in cfg.accelerator_node_groups:
         if g.capacity.reservation_id:
             reserved[g.capacity.reservation_id].append(g)
-    steps += [Step(f"capacity {rid}", partial(check_reservation, aws, rid, groups, az), on_unsupported="warn",
-                   hint=f"aws ec2 describe-capacity-reservations --capacity-reservation-ids {rid}")
-              for rid, groups in sorted(reserved.items())]
+    steps += [
+        Step(
+            f"capacity {rid}",
+            partial(check_reservation, aws, rid, groups, az),
+            on_unsupported="warn",
+            hint=f"aws ec2 describe-capacity-reservations --capacity-reservation-ids {rid}",
+        )
+        for rid, groups in sorted(reserved.items())
+    ]
 
     # Capacity Blocks do not count against the On-Demand quota; on-demand and ODCR instances do.
     counted = [g for g in cfg.accelerator_node_groups if g.capacity.type != "capacity-block"]
     if counted:
         vcpus = sum(g.nodes * CATALOG[g.instance_type].vcpus for g in counted)
         users = ", ".join(g.name for g in counted)
-        steps.append(Step(f"quota {P_QUOTA_CODE}", partial(check_quota, aws, P_QUOTA_CODE, P_QUOTA_NAME, vcpus, users),
-                          on_error="warn", hint=f"{P_QUOTA_NAME} must cover {vcpus} vCPUs: aws service-quotas "
-                                                f"get-service-quota --service-code ec2 --quota-code {P_QUOTA_CODE}"))
+        steps.append(
+            Step(
+                f"quota {P_QUOTA_CODE}",
+                partial(check_quota, aws, P_QUOTA_CODE, P_QUOTA_NAME, vcpus, users),
+                on_error="warn",
+                hint=f"{P_QUOTA_NAME} must cover {vcpus} vCPUs: aws service-quotas "
+                f"get-service-quota --service-code ec2 --quota-code {P_QUOTA_CODE}",
+            )
+        )
 
     net = cfg.network
     if net.existing_vpc_id:

@@ -48,8 +48,15 @@ class Resource:
     outputs: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"urn": self.urn, "type": self.type, "name": self.name, "parent": self.parent,
-                "inputs": self.inputs, "dependencies": self.dependencies, "custom": self.custom}
+        return {
+            "urn": self.urn,
+            "type": self.type,
+            "name": self.name,
+            "parent": self.parent,
+            "inputs": self.inputs,
+            "dependencies": self.dependencies,
+            "custom": self.custom,
+        }
 
 
 def _plain(value: Any) -> Any:
@@ -85,7 +92,9 @@ class CloudMocks(pmocks.Mocks):
             rid = args.inputs["bucket"]  # a bucket's id is its name
         service = typ.split(":")[1].split("/")[0] if typ.startswith("aws:") else ""
         state = dict(args.inputs)
-        state.setdefault("arn", f"arn:aws:{service or 'mock'}:{self.region}:{ACCOUNT}:{typ.rsplit(':', 1)[-1].lower()}/{rid}")
+        state.setdefault(
+            "arn", f"arn:aws:{service or 'mock'}:{self.region}:{ACCOUNT}:{typ.rsplit(':', 1)[-1].lower()}/{rid}"
+        )
         state.setdefault("name", args.inputs.get("name", rid))
         state.update(_computed(typ, rid, args.inputs, self.region))
         return rid, state
@@ -94,6 +103,7 @@ class CloudMocks(pmocks.Mocks):
         token, a = args.token, args.args
         if token == "aws:index/getAvailabilityZones:getAvailabilityZones":
             from .catalog import REGION_AZS
+
             names = [self.region + s for s in REGION_AZS.get(self.region, ("a", "b", "c"))]
             return {"names": names, "zoneIds": [f"use1-az{i + 1}" for i in range(len(names))], "id": self.region}
         if token == "aws:index/getCallerIdentity:getCallerIdentity":
@@ -101,14 +111,26 @@ class CloudMocks(pmocks.Mocks):
         if token == "aws:index/getPartition:getPartition":
             return {"partition": "aws", "dnsSuffix": "amazonaws.com", "id": "aws"}
         if token in ("aws:index/getRegion:getRegion",):
-            return {"name": self.region, "region": self.region, "id": self.region, "endpoint": f"ec2.{self.region}.amazonaws.com"}
+            return {
+                "name": self.region,
+                "region": self.region,
+                "id": self.region,
+                "endpoint": f"ec2.{self.region}.amazonaws.com",
+            }
         if token == "aws:ec2/getInstanceType:getInstanceType":
             t = CATALOG[a["instanceType"]]
-            return {"instanceType": t.name, "defaultVcpus": t.vcpus, "memorySize": t.memory_gib * 1024,
-                    "maximumNetworkCards": t.efa_interfaces, "efaSupported": True,
-                    "maximumEfaInterfaces": t.efa_interfaces,
-                    "gpuses": [{"count": t.accelerators, "manufacturer": "NVIDIA", "name": t.accelerator,
-                                "memorySize": t.hbm_mib}], "id": t.name}
+            return {
+                "instanceType": t.name,
+                "defaultVcpus": t.vcpus,
+                "memorySize": t.memory_gib * 1024,
+                "maximumNetworkCards": t.efa_interfaces,
+                "efaSupported": True,
+                "maximumEfaInterfaces": t.efa_interfaces,
+                "gpuses": [
+                    {"count": t.accelerators, "manufacturer": "NVIDIA", "name": t.accelerator, "memorySize": t.hbm_mib}
+                ],
+                "id": t.name,
+            }
         if token == "aws:ssm/getParameter:getParameter":
             return {"name": a["name"], "value": "ami-0abc1234def567890", "type": "String", "id": a["name"]}
         return {}
@@ -116,9 +138,20 @@ class CloudMocks(pmocks.Mocks):
 
 # EC2-style ids, so outputs look like what AWS returns (vpc-0123…, sg-…, fs-…).
 _ID_PREFIX = {
-    T.VPC: "vpc", T.SUBNET: "subnet", T.SECURITY_GROUP: "sg", T.ROUTE_TABLE: "rtb", T.INTERNET_GATEWAY: "igw",
-    T.NAT_GATEWAY: "nat", T.EIP: "eipalloc", T.VPC_ENDPOINT: "vpce", T.LAUNCH_TEMPLATE: "lt", T.FLOW_LOG: "fl",
-    T.SG_INGRESS: "sgr", T.SG_EGRESS: "sgr", T.FSX_LUSTRE: "fs", T.FSX_DRA: "dra",
+    T.VPC: "vpc",
+    T.SUBNET: "subnet",
+    T.SECURITY_GROUP: "sg",
+    T.ROUTE_TABLE: "rtb",
+    T.INTERNET_GATEWAY: "igw",
+    T.NAT_GATEWAY: "nat",
+    T.EIP: "eipalloc",
+    T.VPC_ENDPOINT: "vpce",
+    T.LAUNCH_TEMPLATE: "lt",
+    T.FLOW_LOG: "fl",
+    T.SG_INGRESS: "sgr",
+    T.SG_EGRESS: "sgr",
+    T.FSX_LUSTRE: "fs",
+    T.FSX_DRA: "dra",
 }
 
 
@@ -126,11 +159,14 @@ def _computed(typ: str, rid: str, inputs: dict, region: str) -> dict[str, Any]:
     """Plausible computed outputs so dependent resources resolve."""
     name = inputs.get("name") or rid
     if typ == T.EKS_CLUSTER:
-        return {"endpoint": f"https://{rid}.gr7.{region}.eks.amazonaws.com",
-                "certificateAuthority": {"data": "bW9jay1jYQ=="},
-                "identities": [{"oidcs": [{"issuer": f"https://oidc.eks.{region}.amazonaws.com/id/{rid.upper()}"}]}],
-                "status": "ACTIVE", "version": inputs.get("version"),
-                "vpcConfig": {**inputs.get("vpcConfig", {}), "clusterSecurityGroupId": f"sg-{rid[-8:]}c1"}}
+        return {
+            "endpoint": f"https://{rid}.gr7.{region}.eks.amazonaws.com",
+            "certificateAuthority": {"data": "bW9jay1jYQ=="},
+            "identities": [{"oidcs": [{"issuer": f"https://oidc.eks.{region}.amazonaws.com/id/{rid.upper()}"}]}],
+            "status": "ACTIVE",
+            "version": inputs.get("version"),
+            "vpcConfig": {**inputs.get("vpcConfig", {}), "clusterSecurityGroupId": f"sg-{rid[-8:]}c1"},
+        }
     if typ == T.FSX_LUSTRE:
         return {"dnsName": f"{rid}.fsx.{region}.amazonaws.com", "mountName": rid[-8:]}
     if typ == T.KMS_KEY:
@@ -138,7 +174,11 @@ def _computed(typ: str, rid: str, inputs: dict, region: str) -> dict[str, Any]:
         return {"keyId": key_id, "arn": f"arn:aws:kms:{region}:{ACCOUNT}:key/{key_id}"}
     if typ == T.BUCKET:
         bucket = inputs.get("bucket") or rid
-        return {"bucket": bucket, "arn": f"arn:aws:s3:::{bucket}", "bucketRegionalDomainName": f"{bucket}.s3.{region}.amazonaws.com"}
+        return {
+            "bucket": bucket,
+            "arn": f"arn:aws:s3:::{bucket}",
+            "bucketRegionalDomainName": f"{bucket}.s3.{region}.amazonaws.com",
+        }
     if typ == T.LAUNCH_TEMPLATE:
         return {"latestVersion": 1}
     if typ in (T.IAM_ROLE, T.IAM_POLICY):
@@ -153,8 +193,13 @@ def _computed(typ: str, rid: str, inputs: dict, region: str) -> dict[str, Any]:
         return {"repositoryUrl": f"{ACCOUNT}.dkr.ecr.{region}.amazonaws.com/{name}"}
     if typ == T.NODE_GROUP:
         ng = inputs.get("nodeGroupName") or rid  # EKS names the group's Auto Scaling group eks-<name>-<uuid>
-        return {"status": "ACTIVE", "nodeGroupName": ng, "resources": [{
-            "autoscalingGroups": [{"name": f"eks-{ng}-{uuid.UUID(hashlib.md5(rid.encode()).hexdigest())}"}]}]}
+        return {
+            "status": "ACTIVE",
+            "nodeGroupName": ng,
+            "resources": [
+                {"autoscalingGroups": [{"name": f"eks-{ng}-{uuid.UUID(hashlib.md5(rid.encode()).hexdigest())}"}]}
+            ],
+        }
     return {}
 
 
@@ -170,10 +215,19 @@ class RecordingMonitor(pmocks.MockMonitor):
         if request.type != T.STACK:
             reg = self.resources.get(response.urn)
             inputs = pulumi.runtime.rpc.deserialize_properties(request.object)
-            self.recorded.append(Resource(
-                urn=response.urn, type=request.type, name=request.name, parent=request.parent,
-                inputs=_plain(inputs), dependencies=sorted(set(request.dependencies)), custom=request.custom,
-                id=response.id, outputs=_plain(reg.state) if reg else {}))
+            self.recorded.append(
+                Resource(
+                    urn=response.urn,
+                    type=request.type,
+                    name=request.name,
+                    parent=request.parent,
+                    inputs=_plain(inputs),
+                    dependencies=sorted(set(request.dependencies)),
+                    custom=request.custom,
+                    id=response.id,
+                    outputs=_plain(reg.state) if reg else {},
+                )
+            )
         return response
 
 
@@ -232,8 +286,9 @@ def run_program(stack: str, cfg: StackConfig, program: Path = PROGRAM) -> Previe
     finally:
         loop.close()
         asyncio.set_event_loop(None)
-    return PreviewResult(stack=stack, resources=_tree_order(monitor.recorded), outputs=outputs,
-                         secret_outputs=secret_outputs)
+    return PreviewResult(
+        stack=stack, resources=_tree_order(monitor.recorded), outputs=outputs, secret_outputs=secret_outputs
+    )
 
 
 def _tree_order(resources: list[Resource]) -> list[Resource]:

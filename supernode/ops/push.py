@@ -53,7 +53,8 @@ def export_objects(model_dir: Path) -> Objects:
     to serve is not pushed): the weights, config and tokenizer, the manifest."""
     manifest = verify_export(model_dir)
     return [(f, entry["sha256"]) for f, entry in sorted(manifest["files"].items())] + [
-        (EXPORT_MANIFEST, sha256_file(model_dir / EXPORT_MANIFEST))]
+        (EXPORT_MANIFEST, sha256_file(model_dir / EXPORT_MANIFEST))
+    ]
 
 
 def base_key(prefix: str, name: Optional[str] = None) -> str:
@@ -74,9 +75,16 @@ def _remote(s3: Any, bucket: str, key: str) -> Optional[str]:
     return head.get("Metadata", {}).get("sha256", "")
 
 
-def push(s3: Any, directory: Path, objects: Objects, bucket: str, base: str, part_bytes: int = PART_BYTES,
-         on_bytes: Callable[[int], None] = lambda n: None, on_file: Callable[[str, bool], None] = lambda f, up: None,
-         ) -> PushResult:
+def push(
+    s3: Any,
+    directory: Path,
+    objects: Objects,
+    bucket: str,
+    base: str,
+    part_bytes: int = PART_BYTES,
+    on_bytes: Callable[[int], None] = lambda n: None,
+    on_file: Callable[[str, bool], None] = lambda f, up: None,
+) -> PushResult:
     """Upload `objects` of `directory` to s3://bucket/base (`base` ends in "/"), the last one (the
     manifest) last; `on_bytes` and `on_file(file, uploaded)` report progress."""
     config = TransferConfig(multipart_threshold=part_bytes, multipart_chunksize=part_bytes)
@@ -93,8 +101,9 @@ def push(s3: Any, directory: Path, objects: Objects, bucket: str, base: str, par
             on_bytes(size)
             on_file(file, False)
             continue
-        s3.upload_file(str(path), bucket, base + file, ExtraArgs={"Metadata": {"sha256": sha}}, Config=config,
-                       Callback=on_bytes)
+        s3.upload_file(
+            str(path), bucket, base + file, ExtraArgs={"Metadata": {"sha256": sha}}, Config=config, Callback=on_bytes
+        )
         result.uploaded.append(file)
         result.bytes_uploaded += size
         on_file(file, True)

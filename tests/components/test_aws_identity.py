@@ -14,8 +14,14 @@ ROLE = T.IAM_ROLE
 ROLE_POLICY = T.IAM_ROLE_POLICY
 KEY = T.KMS_KEY
 # Documents by type and input key: identity policies, trust policies, key and bucket policies.
-DOCUMENTS = {ROLE_POLICY: "policy", T.IAM_POLICY: "policy", ROLE: "assumeRolePolicy",
-             KEY: "policy", T.BUCKET_POLICY: "policy", T.SNS_TOPIC_POLICY: "policy"}
+DOCUMENTS = {
+    ROLE_POLICY: "policy",
+    T.IAM_POLICY: "policy",
+    ROLE: "assumeRolePolicy",
+    KEY: "policy",
+    T.BUCKET_POLICY: "policy",
+    T.SNS_TOPIC_POLICY: "policy",
+}
 
 
 def documents(stack: Stack):
@@ -58,16 +64,18 @@ def test_keys_rotate_and_logs_may_use_the_ops_key(stack: Stack):
 def test_node_role_has_only_the_node_managed_policies(stack: Stack):
     role = stack.one(ROLE, "node-role")
     assert statements(policy(role, "assumeRolePolicy"))[0]["Principal"] == {"Service": "ec2.amazonaws.com"}
-    attached = [a.inputs["policyArn"] for a in stack.all(T.IAM_ATTACHMENT)
-                if a.inputs["role"] == role.outputs["name"]]
+    attached = [a.inputs["policyArn"] for a in stack.all(T.IAM_ATTACHMENT) if a.inputs["role"] == role.outputs["name"]]
     assert sorted(attached) == sorted(f"arn:aws:iam::aws:policy/{p}" for p in NODE_MANAGED_POLICIES)
     assert not [p for p in stack.all(ROLE_POLICY) if p.inputs["role"] == role.id]
 
 
 def _allowed(doc: dict, action: str, resource: str) -> bool:
-    return any(s["Effect"] == "Allow" and action in as_list(s["Action"])
-               and any(fnmatchcase(resource, pattern) for pattern in as_list(s["Resource"]))
-               for s in statements(doc))
+    return any(
+        s["Effect"] == "Allow"
+        and action in as_list(s["Action"])
+        and any(fnmatchcase(resource, pattern) for pattern in as_list(s["Resource"]))
+        for s in statements(doc)
+    )
 
 
 def test_trainer_role_reaches_only_its_prefixes(stack: Stack):
@@ -77,18 +85,29 @@ def test_trainer_role_reaches_only_its_prefixes(stack: Stack):
     ds, ck = f"{bucket}/{s.dataset_prefix}shard-0.bin", f"{bucket}/{s.checkpoint_prefix}step-100/rank0.distcp"
     assert _allowed(doc, "s3:GetObject", ds) and not _allowed(doc, "s3:PutObject", ds)
     assert not _allowed(doc, "s3:DeleteObject", ds)
-    assert _allowed(doc, "s3:GetObject", ck) and _allowed(doc, "s3:PutObject", ck) and _allowed(doc, "s3:DeleteObject", ck)
+    assert (
+        _allowed(doc, "s3:GetObject", ck) and _allowed(doc, "s3:PutObject", ck) and _allowed(doc, "s3:DeleteObject", ck)
+    )
     for elsewhere in (f"{bucket}/{s.log_prefix}x", f"{bucket}/other/x", "arn:aws:s3:::another-bucket/x"):
         assert not any(_allowed(doc, a, elsewhere) for a in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject"))
     listing = [st for st in statements(doc) if "s3:ListBucket" in as_list(st["Action"])]
     assert listing and all(st["Resource"] == bucket for st in listing)
     assert set(listing[0]["Condition"]["StringLike"]["s3:prefix"]) == {
-        s.dataset_prefix, s.dataset_prefix + "*", s.checkpoint_prefix, s.checkpoint_prefix + "*"}
+        s.dataset_prefix,
+        s.dataset_prefix + "*",
+        s.checkpoint_prefix,
+        s.checkpoint_prefix + "*",
+    }
     kms = [st for st in statements(doc) if any(a.startswith("kms:") for a in as_list(st["Action"]))]
     assert [st["Resource"] for st in kms] == [key]
     resources = {r for st in statements(doc) for r in as_list(st["Resource"])}
-    assert all(r == bucket or r.startswith(f"{bucket}/{s.dataset_prefix}") or r.startswith(f"{bucket}/{s.checkpoint_prefix}")
-               or r == key for r in resources)
+    assert all(
+        r == bucket
+        or r.startswith(f"{bucket}/{s.dataset_prefix}")
+        or r.startswith(f"{bucket}/{s.checkpoint_prefix}")
+        or r == key
+        for r in resources
+    )
 
 
 def test_trainer_irsa_trust_is_one_service_account(stack: Stack):
@@ -98,25 +117,34 @@ def test_trainer_irsa_trust_is_one_service_account(stack: Stack):
     w = stack.cfg.workload
     assert trust["Principal"] == {"Federated": stack.outputs["oidc_provider_arn"]}
     assert trust["Action"] == "sts:AssumeRoleWithWebIdentity"
-    assert trust["Condition"]["StringEquals"] == {f"{host}:sub": f"system:serviceaccount:{w.namespace}:{w.service_account}",
-                                                  f"{host}:aud": "sts.amazonaws.com"}
+    assert trust["Condition"]["StringEquals"] == {
+        f"{host}:sub": f"system:serviceaccount:{w.namespace}:{w.service_account}",
+        f"{host}:aud": "sts.amazonaws.com",
+    }
     assert stack.outputs["trainer_role_arn"] == role.outputs["arn"]
 
 
 def test_trainer_pod_identity_variant():
     def change(data: dict) -> None:
         data["identity"]["podIdentity"] = "pod-identity"
+
     s = preview("dev", "pod-identity", change)
     (trust,) = statements(policy(s.one(ROLE, "trainer-role"), "assumeRolePolicy"))
     assert trust["Principal"] == {"Service": "pods.eks.amazonaws.com"}
     assoc = s.one(T.POD_IDENTITY_ASSOCIATION).inputs
     assert (assoc["namespace"], assoc["serviceAccount"], assoc["roleArn"]) == (
-        s.cfg.workload.namespace, s.cfg.workload.service_account, s.outputs["trainer_role_arn"])
+        s.cfg.workload.namespace,
+        s.cfg.workload.service_account,
+        s.outputs["trainer_role_arn"],
+    )
 
 
 def test_cloudwatch_agent_role_is_scoped_to_its_service_account(stack: Stack):
     (trust,) = statements(policy(stack.one(ROLE, "monitoring-cloudwatch-agent"), "assumeRolePolicy"))
-    assert list(trust["Condition"]["StringEquals"].values())[0] == "system:serviceaccount:amazon-cloudwatch:cloudwatch-agent"
+    assert (
+        list(trust["Condition"]["StringEquals"].values())[0]
+        == "system:serviceaccount:amazon-cloudwatch:cloudwatch-agent"
+    )
 
 
 def test_an_existing_data_key_is_used_not_created():
@@ -124,6 +152,7 @@ def test_an_existing_data_key_is_used_not_created():
 
     def change(data: dict) -> None:
         data["identity"]["kmsKeyArn"] = arn
+
     s = preview("dev", "existing-key", change)
     assert sorted(k.name for k in s.all(KEY)) == ["keys-eks", "keys-ops"]
     assert s.outputs["kms_key_arns"]["data"] == arn

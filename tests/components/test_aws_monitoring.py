@@ -21,12 +21,23 @@ def alarms(stack: Stack) -> dict[str, dict]:
 def test_every_alarm_notifies_the_topic(stack: Stack):
     topic = stack.outputs["sns_topic_arn"]
     found = alarms(stack)
-    assert set(found) == {"gpu-util-low", "node-not-ready", "gpu-xid-errors", "nccl-timeouts", "out-of-memory",
-                          "fsx-free-capacity-low",
-                          # training health and operations (issue 18; tests/components/test_training_health.py)
-                          "training-step-stalled", "training-throughput-low", "training-loss-not-finite",
-                          "checkpoint-stale", "training-restarts", "fabric-regressed", "inventory-drift",
-                          "restore-drill-failed"}
+    assert set(found) == {
+        "gpu-util-low",
+        "node-not-ready",
+        "gpu-xid-errors",
+        "nccl-timeouts",
+        "out-of-memory",
+        "fsx-free-capacity-low",
+        # training health and operations (issue 18; tests/components/test_training_health.py)
+        "training-step-stalled",
+        "training-throughput-low",
+        "training-loss-not-finite",
+        "checkpoint-stale",
+        "training-restarts",
+        "fabric-regressed",
+        "inventory-drift",
+        "restore-drill-failed",
+    }
     for a in found.values():
         assert a["alarmActions"] == [topic] and a["okActions"] == [topic]
     assert sorted(stack.outputs["alarm_names"]) == sorted(a["name"] for a in found.values())
@@ -52,16 +63,18 @@ def test_fsx_free_capacity_alarm_threshold(stack: Stack):
 
 
 def test_log_metric_filters_feed_the_alarms(stack: Stack):
-    filters = {r.inputs["metricTransformation"]["name"]: r.inputs
-               for r in stack.all(T.LOG_METRIC_FILTER)}
+    filters = {r.inputs["metricTransformation"]["name"]: r.inputs for r in stack.all(T.LOG_METRIC_FILTER)}
     assert "NCCL" in filters["NcclTimeouts"]["pattern"] and "Watchdog" in filters["NcclTimeouts"]["pattern"]
     assert "CUDA out of memory" in filters["OutOfMemory"]["pattern"]
     assert "Xid" in filters["GpuXidErrors"]["pattern"]
     cluster = stack.outputs["cluster_name"]
     assert filters["NcclTimeouts"]["logGroupName"] == f"/aws/containerinsights/{cluster}/application"
     a = alarms(stack)
-    for metric, alarm in (("NcclTimeouts", "nccl-timeouts"), ("OutOfMemory", "out-of-memory"),
-                          ("GpuXidErrors", "gpu-xid-errors")):
+    for metric, alarm in (
+        ("NcclTimeouts", "nccl-timeouts"),
+        ("OutOfMemory", "out-of-memory"),
+        ("GpuXidErrors", "gpu-xid-errors"),
+    ):
         t = filters[metric]["metricTransformation"]
         assert (a[alarm]["namespace"], a[alarm]["metricName"]) == (t["namespace"], metric)
         assert a[alarm]["threshold"] == 0 and a[alarm]["comparisonOperator"] == "GreaterThanThreshold"
@@ -72,7 +85,10 @@ def test_topic_encrypted_and_subscribed(stack: Stack):
     assert topic["kmsMasterKeyId"] == stack.outputs["kms_key_arns"]["ops"]
     sub = stack.one(T.SNS_TOPIC_SUBSCRIPTION).inputs
     assert (sub["protocol"], sub["endpoint"], sub["topic"]) == (
-        "email", stack.cfg.monitoring.notification_email, stack.outputs["sns_topic_arn"])
+        "email",
+        stack.cfg.monitoring.notification_email,
+        stack.outputs["sns_topic_arn"],
+    )
 
 
 def test_log_groups_retained_and_encrypted(stack: Stack):
@@ -84,10 +100,10 @@ def test_log_groups_retained_and_encrypted(stack: Stack):
 
 
 def test_observability_addon_and_dashboard(stack: Stack):
-    addon = [a.inputs for a in stack.all(T.EKS_ADDON)
-             if a.inputs["addonName"] == "amazon-cloudwatch-observability"]
-    assert addon and addon[0]["serviceAccountRoleArn"].endswith("role/" + stack.one(
-        T.IAM_ROLE, "monitoring-cloudwatch-agent").outputs["name"])
+    addon = [a.inputs for a in stack.all(T.EKS_ADDON) if a.inputs["addonName"] == "amazon-cloudwatch-observability"]
+    assert addon and addon[0]["serviceAccountRoleArn"].endswith(
+        "role/" + stack.one(T.IAM_ROLE, "monitoring-cloudwatch-agent").outputs["name"]
+    )
     body = json.loads(stack.one(T.DASHBOARD).inputs["dashboardBody"])
     metrics = [m[1] for w in body["widgets"] for m in w["properties"]["metrics"] if isinstance(m, list)]
     assert {"DCGM_FI_DEV_GPU_UTIL", "FreeDataStorageCapacity", "NcclTimeouts", "OutOfMemory"} <= set(metrics)

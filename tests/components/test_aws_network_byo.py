@@ -13,13 +13,29 @@ VPC_ID = "vpc-0a1b2c3d4e5f60718"
 PRIVATE_IDS = ["subnet-0a1b2c3d4e5f60711", "subnet-0a1b2c3d4e5f60722"]
 GPU_ID = "subnet-0a1b2c3d4e5f60733"
 # What the VPC owner provides and the stack must not create.
-OWNERS = (T.VPC, T.SUBNET, T.ROUTE_TABLE, T.ROUTE_TABLE_ASSOCIATION, T.ROUTE, T.NAT_GATEWAY, T.INTERNET_GATEWAY, T.EIP,
-          T.VPC_ENDPOINT)
+OWNERS = (
+    T.VPC,
+    T.SUBNET,
+    T.ROUTE_TABLE,
+    T.ROUTE_TABLE_ASSOCIATION,
+    T.ROUTE,
+    T.NAT_GATEWAY,
+    T.INTERNET_GATEWAY,
+    T.EIP,
+    T.VPC_ENDPOINT,
+)
 
 
 def into_existing_vpc(data: dict) -> None:
-    data["network"].update(existingVpcId=VPC_ID, existingPrivateSubnetIds=PRIVATE_IDS, existingGpuSubnetId=GPU_ID,
-                           natGateway=False, privateSubnetCidrs=[], publicSubnetCidrs=[], gpuSubnetCidr=None)
+    data["network"].update(
+        existingVpcId=VPC_ID,
+        existingPrivateSubnetIds=PRIVATE_IDS,
+        existingGpuSubnetId=GPU_ID,
+        natGateway=False,
+        privateSubnetCidrs=[],
+        publicSubnetCidrs=[],
+        gpuSubnetCidr=None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +50,10 @@ def test_creates_no_vpc_subnets_routes_nat_or_endpoints(byo: Stack):
 
 def test_outputs_are_the_configured_ids(byo: Stack):
     assert (byo.outputs["vpc_id"], byo.outputs["private_subnet_ids"], byo.outputs["gpu_subnet_id"]) == (
-        VPC_ID, PRIVATE_IDS, GPU_ID)
+        VPC_ID,
+        PRIVATE_IDS,
+        GPU_ID,
+    )
 
 
 def test_cluster_nodes_and_fsx_are_placed_in_the_configured_subnets(byo: Stack):

@@ -20,8 +20,9 @@ def test_subnets_gpu_subnet_in_the_gpu_az(stack: Stack):
     net, az = stack.cfg.network, stack.cfg.availability_zone
     subnets = {r.id: r.inputs for r in stack.all(SUBNET)}
     private = [subnets[i] for i in stack.outputs["private_subnet_ids"]]
-    assert [(s["availabilityZone"], s["cidrBlock"]) for s in private] == list(zip(net.availability_zones,
-                                                                                  net.private_subnet_cidrs))
+    assert [(s["availabilityZone"], s["cidrBlock"]) for s in private] == list(
+        zip(net.availability_zones, net.private_subnet_cidrs)
+    )
     gpu = subnets[stack.outputs["gpu_subnet_id"]]
     assert (gpu["availabilityZone"], gpu["cidrBlock"]) == (az, net.gpu_subnet_cidr)
     for g in stack.cfg.accelerator_node_groups:  # the reservation's AZ is the GPU subnet's
@@ -42,6 +43,7 @@ def test_one_nat_in_a_public_subnet_and_private_default_route(stack: Stack):
 def test_no_public_subnets_or_nat_when_not_wanted():
     def change(data: dict) -> None:
         data["network"].update(natGateway=False, publicSubnetCidrs=[])
+
     s = preview("prod", "no-nat", change)
     for typ in (T.NAT_GATEWAY, T.INTERNET_GATEWAY, T.EIP):
         assert s.all(typ) == []
@@ -51,7 +53,9 @@ def test_no_public_subnets_or_nat_when_not_wanted():
 
 def test_private_endpoints(stack: Stack):
     region = stack.cfg.region
-    endpoints = {r.inputs["serviceName"].removeprefix(f"com.amazonaws.{region}."): r.inputs for r in stack.all(ENDPOINT)}
+    endpoints = {
+        r.inputs["serviceName"].removeprefix(f"com.amazonaws.{region}."): r.inputs for r in stack.all(ENDPOINT)
+    }
     assert set(endpoints) == {"s3", "ecr.api", "ecr.dkr", "sts", "logs"}
     assert endpoints["s3"]["vpcEndpointType"] == "Gateway" and endpoints["s3"]["routeTableIds"]
     for name in ("ecr.api", "ecr.dkr", "sts", "logs"):
@@ -79,8 +83,10 @@ def test_cluster_version_endpoint_encryption_and_logging(stack: Stack):
         assert vpc["publicAccessCidrs"] == cfg.public_access_cidrs and "0.0.0.0/0" not in vpc["publicAccessCidrs"]
     else:
         assert "publicAccessCidrs" not in vpc
-    assert c["encryptionConfig"] == {"resources": ["secrets"],
-                                     "provider": {"keyArn": stack.outputs["kms_key_arns"]["eks"]}}
+    assert c["encryptionConfig"] == {
+        "resources": ["secrets"],
+        "provider": {"keyArn": stack.outputs["kms_key_arns"]["eks"]},
+    }
     assert set(c["enabledClusterLogTypes"]) == {"api", "audit", "authenticator", "controllerManager", "scheduler"}
     group = stack.one(LOG_GROUP, "cluster-control-plane").inputs
     assert group["name"] == f"/aws/eks/{stack.outputs['cluster_name']}/cluster"
@@ -98,8 +104,15 @@ def test_oidc_provider_and_pinned_addons(stack: Stack):
     addons = {a.inputs["addonName"]: a.inputs["addonVersion"] for a in stack.all(ADDON)}
     pinned = EKS_ADDON_VERSIONS[stack.cfg.cluster.kubernetes_version]
     assert addons == pinned
-    assert {"vpc-cni", "coredns", "kube-proxy", "aws-fsx-csi-driver", "eks-node-monitoring-agent",
-            "eks-pod-identity-agent", "amazon-cloudwatch-observability"} <= set(addons)
+    assert {
+        "vpc-cni",
+        "coredns",
+        "kube-proxy",
+        "aws-fsx-csi-driver",
+        "eks-node-monitoring-agent",
+        "eks-pod-identity-agent",
+        "amazon-cloudwatch-observability",
+    } <= set(addons)
 
 
 def test_addons_with_pods_wait_for_nodes_and_nodes_wait_for_the_cni(stack: Stack):

@@ -47,8 +47,9 @@ def _read_through_stack_reference(outputs: dict) -> StackOutputs:
         return read_stack_outputs(REF).apply(got.append)
 
     try:
-        pmocks.set_mocks(CloudMocks("us-east-1", stack_outputs={REF: outputs}), project="consumer", stack="dev",
-                         preview=False)
+        pmocks.set_mocks(
+            CloudMocks("us-east-1", stack_outputs={REF: outputs}), project="consumer", stack="dev", preview=False
+        )
         program()
     finally:
         loop.close()
@@ -76,4 +77,7 @@ def test_parse_names_mismatches():
         parse_stack_outputs("s", {**good, "node_group_names": "gpu-p5"})
     with pytest.raises(StackOutputsError, match="no contract_version"):
         parse_stack_outputs("s", {})
-    assert parse_stack_outputs("s", {**good, "contract_version": "1.7", "added_later": 1}).cluster_name == good["cluster_name"]
+    assert (
+        parse_stack_outputs("s", {**good, "contract_version": "1.7", "added_later": 1}).cluster_name
+        == good["cluster_name"]
+    )

@@ -27,8 +27,10 @@ def test_every_bucket_is_encrypted_private_tls_only_versioned_with_lifecycle(sta
         algorithm = sse["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"]
         assert algorithm in ("aws:kms", "AES256")
         (block,) = for_bucket(stack, T.BUCKET_PAB, b.id)
-        assert all(block[k] is True for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls",
-                                              "restrictPublicBuckets"))
+        assert all(
+            block[k] is True
+            for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")
+        )
         (pol,) = [json.loads(p["policy"]) for p in for_bucket(stack, T.BUCKET_POLICY, b.id)]
         deny = [s for s in statements(pol) if s["Effect"] == "Deny"]
         assert deny == [{**deny[0], "Principal": "*", "Condition": {"Bool": {"aws:SecureTransport": "false"}}}]
@@ -39,10 +41,13 @@ def test_every_bucket_is_encrypted_private_tls_only_versioned_with_lifecycle(sta
         rules = lifecycle["rules"]
         assert rules and all(r["status"] == "Enabled" for r in rules)
         lc = stack.cfg.storage.lifecycle
-        assert any(r.get("abortIncompleteMultipartUpload", {}).get("daysAfterInitiation") == lc.abort_multipart_days
-                   for r in rules)
-        assert any(r.get("noncurrentVersionExpiration", {}).get("noncurrentDays") == lc.noncurrent_expire_days
-                   for r in rules)
+        assert any(
+            r.get("abortIncompleteMultipartUpload", {}).get("daysAfterInitiation") == lc.abort_multipart_days
+            for r in rules
+        )
+        assert any(
+            r.get("noncurrentVersionExpiration", {}).get("noncurrentDays") == lc.noncurrent_expire_days for r in rules
+        )
 
 
 def test_data_bucket_uses_the_data_key_logs_and_configured_lifecycle(stack: Stack):
@@ -79,9 +84,15 @@ def test_access_log_bucket_accepts_only_the_logging_service(stack: Stack):
     logs = stack.one(BUCKET, "storage-access-logs")
     (pol,) = [json.loads(p["policy"]) for p in for_bucket(stack, T.BUCKET_POLICY, logs.id)]
     allow = [s for s in statements(pol) if s["Effect"] == "Allow"]
-    assert allow == [{"Sid": "S3ServerAccessLogs", "Effect": "Allow",
-                      "Principal": {"Service": "logging.s3.amazonaws.com"}, "Action": "s3:PutObject",
-                      "Resource": logs.outputs["arn"] + "/*"}]
+    assert allow == [
+        {
+            "Sid": "S3ServerAccessLogs",
+            "Effect": "Allow",
+            "Principal": {"Service": "logging.s3.amazonaws.com"},
+            "Action": "s3:PutObject",
+            "Resource": logs.outputs["arn"] + "/*",
+        }
+    ]
 
 
 def test_fsx_is_persistent2_sized_by_the_planner(stack: Stack):
@@ -122,6 +133,7 @@ def test_data_repository_associations(stack: Stack):
 def test_configured_fsx_capacity_is_used_as_given():
     def change(data: dict) -> None:
         data["storage"]["fsx"]["capacityGib"] = 4800
+
     s = preview("dev", "fsx-4800", change)
     assert s.one(FSX).inputs["storageCapacity"] == 4800
     alarm = s.one(T.METRIC_ALARM, "monitoring-fsx-free-capacity-low").inputs
@@ -131,6 +143,7 @@ def test_configured_fsx_capacity_is_used_as_given():
 def test_existing_bucket_is_referenced_not_created():
     def change(data: dict) -> None:
         data["storage"].update(bucketName="org-shared-training", existingBucket=True)
+
     s = preview("dev", "existing-bucket", change)
     assert s.all(BUCKET) == [] and s.all(T.BUCKET_POLICY) == []
     assert s.outputs["bucket_name"] == "org-shared-training"

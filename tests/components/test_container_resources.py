@@ -33,8 +33,13 @@ def containers(manifests: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str,
 
 
 def unbounded(manifests: list[dict[str, Any]]) -> list[str]:
-    return [f"{where}: {kind}.{r}" for where, c in containers(manifests) for kind in ("requests", "limits")
-            for r in BOUNDED if not (c.get("resources") or {}).get(kind, {}).get(r)]
+    return [
+        f"{where}: {kind}.{r}"
+        for where, c in containers(manifests)
+        for kind in ("requests", "limits")
+        for r in BOUNDED
+        if not (c.get("resources") or {}).get(kind, {}).get(r)
+    ]
 
 
 @pytest.fixture(scope="module", params=["dev", "prod", "gb200"])
@@ -46,8 +51,14 @@ def test_every_container_sets_cpu_and_memory_requests_and_limits(manifests):
     walked = dict(containers(manifests))
     # Not vacuous: the add-ons and both jobs are there (and on GB200 the DRA driver's containers).
     names = {w.split("/")[-1] for w in walked}
-    assert {"nvidia-device-plugin", "aws-efa-k8s-device-plugin", "dcgm-exporter", "training-operator",
-            "pytorch", "fabric"} <= names
+    assert {
+        "nvidia-device-plugin",
+        "aws-efa-k8s-device-plugin",
+        "dcgm-exporter",
+        "training-operator",
+        "pytorch",
+        "fabric",
+    } <= names
     if any(m["kind"] == "ComputeDomain" for m in manifests):
         assert {"compute-domain", "compute-domains", "init-container"} <= names
     assert unbounded(manifests) == []

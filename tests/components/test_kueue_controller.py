@@ -20,12 +20,18 @@ from supernode.ops import manifests as mf
 
 # Each integration the stack needs and the resource its webhooks intercept (Kueue serves a webhook path
 # only for an enabled integration: a webhook for any other kind would fail every request).
-INTEGRATIONS = {"batch/job": ("batch", "jobs"), "kubeflow.org/pytorchjob": ("kubeflow.org", "pytorchjobs"),
-                "pod": ("", "pods"), "deployment": ("apps", "deployments"),
-                "leaderworkerset.x-k8s.io/leaderworkerset": ("leaderworkerset.x-k8s.io", "leaderworkersets")}
+INTEGRATIONS = {
+    "batch/job": ("batch", "jobs"),
+    "kubeflow.org/pytorchjob": ("kubeflow.org", "pytorchjobs"),
+    "pod": ("", "pods"),
+    "deployment": ("apps", "deployments"),
+    "leaderworkerset.x-k8s.io/leaderworkerset": ("leaderworkerset.x-k8s.io", "leaderworkersets"),
+}
 # Kueue injects its CA into webhook configurations of exactly these names (pkg/util/cert in Kueue).
-WEBHOOK_CONFIGURATIONS = {"MutatingWebhookConfiguration": "kueue-mutating-webhook-configuration",
-                          "ValidatingWebhookConfiguration": "kueue-validating-webhook-configuration"}
+WEBHOOK_CONFIGURATIONS = {
+    "MutatingWebhookConfiguration": "kueue-mutating-webhook-configuration",
+    "ValidatingWebhookConfiguration": "kueue-validating-webhook-configuration",
+}
 
 
 def seconds(duration: str) -> int:
@@ -56,8 +62,13 @@ def configuration(objs: dict[str, dict]) -> dict[str, Any]:
 
 
 def allows(rules: list[dict], group: str, resource: str, verb: str, name: str | None = None) -> bool:
-    return any(group in r.get("apiGroups", []) and resource in r.get("resources", []) and verb in r.get("verbs", [])
-               and (not r.get("resourceNames") or name in r["resourceNames"]) for r in rules)
+    return any(
+        group in r.get("apiGroups", [])
+        and resource in r.get("resources", [])
+        and verb in r.get("verbs", [])
+        and (not r.get("resourceNames") or name in r["resourceNames"])
+        for r in rules
+    )
 
 
 @pytest.fixture(scope="module", params=["dev", "prod"])
@@ -109,8 +120,10 @@ def test_the_controller_runs_with_its_configuration(stack, manifests):
     # its certificate Secret is the one its configuration names, mounted where the webhook server reads it
     [cert] = [v for v in pod["volumes"] if "secret" in v]
     icm = config["internalCertManagement"]
-    assert icm["enable"] is True and cert["secret"]["secretName"] == icm["webhookSecretName"] == \
-        objs["Secret"]["metadata"]["name"]
+    assert (
+        icm["enable"] is True
+        and cert["secret"]["secretName"] == icm["webhookSecretName"] == objs["Secret"]["metadata"]["name"]
+    )
     [cert_mount] = [m for m in c["volumeMounts"] if m["name"] == cert["name"]]
     assert cert_mount["mountPath"] == "/tmp/k8s-webhook-server/serving-certs"
     # the probes hit the health port the configuration binds
@@ -208,18 +221,25 @@ def test_everything_it_admits_is_created_after_it(stack):
     admitted = [*stack.all(T.PYTORCH_JOB), *stack.all(T.K8S_JOB), *stack.all(T.CRON_JOB)]
     admitted += [r for r in resources if r.type.startswith("kubernetes:kueue.x-k8s.io/")]
     if stack.cfg.inference is not None:
-        admitted += [r for r in stack.all(T.DEPLOYMENT) if r.inputs["metadata"].get("namespace") ==
-                     stack.cfg.inference.namespace] + stack.all(T.LEADER_WORKER_SET)
+        admitted += [
+            r for r in stack.all(T.DEPLOYMENT) if r.inputs["metadata"].get("namespace") == stack.cfg.inference.namespace
+        ] + stack.all(T.LEADER_WORKER_SET)
     kinds = {r.type.rsplit(":", 1)[1] for r in admitted}
-    assert {"PyTorchJob", "Job", "CronJob", "ClusterQueue", "LocalQueue", "ResourceFlavor",
-            "WorkloadPriorityClass"} <= kinds
+    assert {
+        "PyTorchJob",
+        "Job",
+        "CronJob",
+        "ClusterQueue",
+        "LocalQueue",
+        "ResourceFlavor",
+        "WorkloadPriorityClass",
+    } <= kinds
     assert [r.name for r in admitted if not after_controller(r)] == []
     # and the controller after its CRDs (it will not start without them), its RBAC and its webhooks
     deps = set(controller.dependencies)
     crds = {r.urn for r in stack.all(T.CRD) if r.inputs["metadata"]["name"].endswith(".kueue.x-k8s.io")}
     assert len(crds) == len(q.CRD_FILES) and crds <= deps
-    for typ in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration", "ClusterRoleBinding",
-                "RoleBinding"):
+    for typ in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration", "ClusterRoleBinding", "RoleBinding"):
         assert any(by_urn[u].type.endswith(":" + typ) for u in deps if u in by_urn), typ
 
 
@@ -231,8 +251,12 @@ def test_pods_ready_timeout_covers_the_slowest_legitimate_start():
     objs = controller_objects(mf.from_resources(stack.result.resources))
     timeout_s = seconds(configuration(objs)["waitForPodsReady"]["timeout"])
     plan = build_plan("prod", stack.cfg)
-    [server] = [r for r in stack.all(T.DEPLOYMENT) if r.inputs["metadata"].get("namespace") ==
-                stack.cfg.inference.namespace and "vllm" in r.inputs["metadata"]["name"]]
+    [server] = [
+        r
+        for r in stack.all(T.DEPLOYMENT)
+        if r.inputs["metadata"].get("namespace") == stack.cfg.inference.namespace
+        and "vllm" in r.inputs["metadata"]["name"]
+    ]
     [vllm] = [c for c in server.inputs["spec"]["template"]["spec"]["containers"] if "startupProbe" in c]
     probe = vllm["startupProbe"]
     startup_s = probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"]
@@ -254,10 +278,20 @@ def test_the_stack_pins_the_controller_image():
 @pytest.mark.slow  # previews the stack under the mock engine (seconds)
 def test_all_kueue_objects_validate_and_the_workload_crd_merges_status_per_condition(stack, manifests):
     assert mf.validate(manifests, stack.cfg.cluster.kubernetes_version) == []
-    crds = {m["spec"]["names"]["kind"]: m for m in by_kind(manifests)["CustomResourceDefinition"]
-            if m["spec"]["group"] == "kueue.x-k8s.io"}
-    assert set(crds) == {"ResourceFlavor", "ClusterQueue", "LocalQueue", "WorkloadPriorityClass", "Workload",
-                         "AdmissionCheck", "Cohort"}
+    crds = {
+        m["spec"]["names"]["kind"]: m
+        for m in by_kind(manifests)["CustomResourceDefinition"]
+        if m["spec"]["group"] == "kueue.x-k8s.io"
+    }
+    assert set(crds) == {
+        "ResourceFlavor",
+        "ClusterQueue",
+        "LocalQueue",
+        "WorkloadPriorityClass",
+        "Workload",
+        "AdmissionCheck",
+        "Cohort",
+    }
     # Kueue applies each Workload condition with its own field manager (server-side apply): the list must
     # merge by type, or one manager's apply would replace (or conflict with) the others' conditions.
     status = crds["Workload"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
@@ -266,14 +300,35 @@ def test_all_kueue_objects_validate_and_the_workload_crd_merges_status_per_condi
     for merged in ("admissionChecks", "reclaimablePods"):
         assert status["properties"][merged]["x-kubernetes-list-map-keys"] == ["name"]
     # a Workload as Kueue writes one for the trainer validates; a broken one does not
-    workload = {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Workload",
-                "metadata": {"name": "pytorchjob-train-1a2b3", "namespace": "training"},
-                "spec": {"queueName": "gpu-h100", "priorityClassName": q.TRAINING, "priority": 500,
-                         "priorityClassSource": "kueue.x-k8s.io/workloadpriorityclass",
-                         "podSets": [{"name": "worker", "count": 16, "template": {"spec": {"containers": [
-                             {"name": "pytorch", "image": "trainer@sha256:" + "a" * 64}]}}}]},
-                "status": {"conditions": [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved",
-                                           "message": "", "lastTransitionTime": "2025-01-01T00:00:00Z"}]}}
+    workload = {
+        "apiVersion": "kueue.x-k8s.io/v1beta1",
+        "kind": "Workload",
+        "metadata": {"name": "pytorchjob-train-1a2b3", "namespace": "training"},
+        "spec": {
+            "queueName": "gpu-h100",
+            "priorityClassName": q.TRAINING,
+            "priority": 500,
+            "priorityClassSource": "kueue.x-k8s.io/workloadpriorityclass",
+            "podSets": [
+                {
+                    "name": "worker",
+                    "count": 16,
+                    "template": {"spec": {"containers": [{"name": "pytorch", "image": "trainer@sha256:" + "a" * 64}]}},
+                }
+            ],
+        },
+        "status": {
+            "conditions": [
+                {
+                    "type": "QuotaReserved",
+                    "status": "True",
+                    "reason": "QuotaReserved",
+                    "message": "",
+                    "lastTransitionTime": "2025-01-01T00:00:00Z",
+                }
+            ]
+        },
+    }
     version = stack.cfg.cluster.kubernetes_version
     assert mf.validate([crds["Workload"], workload], version) == []
     broken = copy.deepcopy(workload)

@@ -45,8 +45,9 @@ def test_a_bad_field_inside_a_leaderworkerset_template_is_reported_with_its_path
     lwt["leaderTemplate"]["spec"]["containers"][0]["resources"]["limits"] = "8 GPUs"  # wrong type
     problems = [str(p) for p in mf.validate(manifests, version)]
     assert len(problems) == 2, problems
-    assert any("spec.leaderWorkerTemplate.workerTemplate.spec.containers.0" in p and "imagePullPolice" in p
-               for p in problems)
+    assert any(
+        "spec.leaderWorkerTemplate.workerTemplate.spec.containers.0" in p and "imagePullPolice" in p for p in problems
+    )
     assert any("spec.leaderWorkerTemplate.leaderTemplate.spec.containers.0.resources.limits" in p for p in problems)
     assert all(p.startswith("LeaderWorkerSet ") for p in problems)
 

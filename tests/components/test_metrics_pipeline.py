@@ -26,8 +26,10 @@ Objects = dict[tuple[str, str, str], dict]
 
 def objects(stack: Stack) -> Objects:
     """(kind, namespace, name) -> the manifest `preview --manifests` writes."""
-    return {(m["kind"], m["metadata"].get("namespace", ""), m["metadata"]["name"]): m
-            for m in mf.from_resources(stack.result.resources)}
+    return {
+        (m["kind"], m["metadata"].get("namespace", ""), m["metadata"]["name"]): m
+        for m in mf.from_resources(stack.result.resources)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +66,16 @@ def flag(args: list[str], name: str) -> str:
 
 # -- the CloudWatch agent's Prometheus scrape (issue 18) ------------------------------------------------
 
+
 def test_agent_deployment_mounts_both_configmaps_by_their_real_names(objs):
     agent = the(objs, "Deployment", "cwagent-prometheus", METRICS_SCRAPER_NAMESPACE)
     pod = pod_spec(agent)
     scrape = the(objs, "ConfigMap", SCRAPE_CONFIGMAP, METRICS_SCRAPER_NAMESPACE)
     config = the(objs, "ConfigMap", AGENT_CONFIGMAP, METRICS_SCRAPER_NAMESPACE)
     # the paths the agent reads: its JSON configuration directory, and the Prometheus file it names
-    assert mounted_configmap(pod, AGENT_CONFIGMAP) == "/etc/cwagentconfig" and list(config["data"]) == ["cwagentconfig.json"]
+    assert mounted_configmap(pod, AGENT_CONFIGMAP) == "/etc/cwagentconfig" and list(config["data"]) == [
+        "cwagentconfig.json"
+    ]
     prometheus = json.loads(config["data"]["cwagentconfig.json"])["logs"]["metrics_collected"]["prometheus"]
     [key] = scrape["data"]
     assert prometheus["prometheus_config_path"] == f"{mounted_configmap(pod, SCRAPE_CONFIGMAP)}/{key}"
@@ -78,7 +83,9 @@ def test_agent_deployment_mounts_both_configmaps_by_their_real_names(objs):
     # a changed configuration rolls the pod (the agent reads it only at start)
     assert len(agent["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH]) == 64
     [c] = pod["containers"]
-    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"] and not c["securityContext"]["allowPrivilegeEscalation"]
+    assert (
+        c["securityContext"]["capabilities"]["drop"] == ["ALL"] and not c["securityContext"]["allowPrivilegeEscalation"]
+    )
 
 
 def test_agent_role_writes_the_prometheus_log_group_and_nothing_else(dev, objs):
@@ -94,7 +101,9 @@ def test_agent_role_writes_the_prometheus_log_group_and_nothing_else(dev, objs):
     [allow] = statements(policy(inline))
     # Embedded-metric-format events into the group the agent's configuration names; CloudWatch Logs
     # extracts the metrics, so no PutMetricData, no log group creation, no other group.
-    config = json.loads(the(objs, "ConfigMap", AGENT_CONFIGMAP, METRICS_SCRAPER_NAMESPACE)["data"]["cwagentconfig.json"])
+    config = json.loads(
+        the(objs, "ConfigMap", AGENT_CONFIGMAP, METRICS_SCRAPER_NAMESPACE)["data"]["cwagentconfig.json"]
+    )
     group_name = config["logs"]["metrics_collected"]["prometheus"]["log_group_name"]
     [group] = [g for g in dev.all(T.LOG_GROUP) if g.inputs["name"] == group_name]
     assert allow["Effect"] == "Allow" and sorted(allow["Action"]) == ["logs:CreateLogStream", "logs:PutLogEvents"]
@@ -103,7 +112,9 @@ def test_agent_role_writes_the_prometheus_log_group_and_nothing_else(dev, objs):
 
 
 def test_agent_reads_pods_only_in_the_namespaces_it_scrapes(dev, objs):
-    scrape = yaml.safe_load(the(objs, "ConfigMap", SCRAPE_CONFIGMAP, METRICS_SCRAPER_NAMESPACE)["data"]["prometheus.yaml"])
+    scrape = yaml.safe_load(
+        the(objs, "ConfigMap", SCRAPE_CONFIGMAP, METRICS_SCRAPER_NAMESPACE)["data"]["prometheus.yaml"]
+    )
     namespaces = scraped_namespaces(scrape)
     assert dev.cfg.workload.namespace in namespaces and len(namespaces) == 2  # the trainer's and DCGM's
     role = the(objs, "ClusterRole", "cwagent-prometheus-pods")
@@ -112,11 +123,13 @@ def test_agent_reads_pods_only_in_the_namespaces_it_scrapes(dev, objs):
     assert sorted(b["metadata"]["namespace"] for b in bindings) == namespaces
     assert {b["kind"] for b in bindings} == {"RoleBinding"}  # never cluster-wide
     for b in bindings:
-        assert b["subjects"] == [{"kind": "ServiceAccount", "name": "cwagent-prometheus",
-                                  "namespace": METRICS_SCRAPER_NAMESPACE}]
+        assert b["subjects"] == [
+            {"kind": "ServiceAccount", "name": "cwagent-prometheus", "namespace": METRICS_SCRAPER_NAMESPACE}
+        ]
 
 
 # -- the serving HPA's metric (issue 17) --------------------------------------------------------------
+
 
 def test_adapter_rules_are_adapter_rule_and_name_the_hpa_metric(objs):
     adapter = the(objs, "Deployment", "prometheus-adapter", serving.MONITORING_NAMESPACE)
@@ -133,8 +146,10 @@ def test_adapter_rules_are_adapter_rule_and_name_the_hpa_metric(objs):
     assert rules["rules"][0]["name"]["as"] == metric["pods"]["metric"]["name"] == serving.HPA_METRIC
     # the adapter asks the serving Prometheus, through its Service
     svc = the(objs, "Service", "prometheus", serving.MONITORING_NAMESPACE)
-    assert flag(c["args"], "--prometheus-url") == \
-        f"http://{svc['metadata']['name']}.{serving.MONITORING_NAMESPACE}.svc:{svc['spec']['ports'][0]['port']}/"
+    assert (
+        flag(c["args"], "--prometheus-url")
+        == f"http://{svc['metadata']['name']}.{serving.MONITORING_NAMESPACE}.svc:{svc['spec']['ports'][0]['port']}/"
+    )
 
 
 def test_apiservice_points_at_the_adapter_service(objs):
@@ -148,13 +163,21 @@ def test_apiservice_points_at_the_adapter_service(objs):
     assert svc["spec"]["selector"].items() <= labels.items()
     [c] = pod_spec(adapter)["containers"]
     assert port["targetPort"] in {p["name"] for p in c["ports"]}
-    assert flag(c["args"], "--secure-port") == str(next(p["containerPort"] for p in c["ports"] if p["name"] == port["targetPort"]))
+    assert flag(c["args"], "--secure-port") == str(
+        next(p["containerPort"] for p in c["ports"] if p["name"] == port["targetPort"])
+    )
     # delegated authentication and authorisation, as the aggregation layer requires
     sa = pod_spec(adapter)["serviceAccountName"]
-    bound = {(m["kind"], m["roleRef"]["name"]) for m in objs.values() if m["kind"] in ("ClusterRoleBinding", "RoleBinding")
-             and any(s["name"] == sa and s.get("namespace") == serving.MONITORING_NAMESPACE for s in m["subjects"])}
-    assert {("ClusterRoleBinding", "system:auth-delegator"),
-            ("RoleBinding", "extension-apiserver-authentication-reader")} <= bound
+    bound = {
+        (m["kind"], m["roleRef"]["name"])
+        for m in objs.values()
+        if m["kind"] in ("ClusterRoleBinding", "RoleBinding")
+        and any(s["name"] == sa and s.get("namespace") == serving.MONITORING_NAMESPACE for s in m["subjects"])
+    }
+    assert {
+        ("ClusterRoleBinding", "system:auth-delegator"),
+        ("RoleBinding", "extension-apiserver-authentication-reader"),
+    } <= bound
 
 
 def _relabel_keeps(rules: list[dict], meta: dict[str, str]) -> bool:
@@ -168,9 +191,15 @@ def _relabel_keeps(rules: list[dict], meta: dict[str, str]) -> bool:
 
 
 def _target(pod: dict, namespace: str, port: int) -> dict[str, str]:
-    labels = {f"__meta_kubernetes_pod_label_{re.sub(r'[^A-Za-z0-9_]', '_', k)}": v
-              for k, v in pod["metadata"]["labels"].items()}
-    return {**labels, "__meta_kubernetes_namespace": namespace, "__meta_kubernetes_pod_container_port_number": str(port)}
+    labels = {
+        f"__meta_kubernetes_pod_label_{re.sub(r'[^A-Za-z0-9_]', '_', k)}": v
+        for k, v in pod["metadata"]["labels"].items()
+    }
+    return {
+        **labels,
+        "__meta_kubernetes_namespace": namespace,
+        "__meta_kubernetes_pod_container_port_number": str(port),
+    }
 
 
 def test_prometheus_scrapes_the_serving_pods_on_vllms_port_and_keeps_what_the_rule_reads(dev, objs):
@@ -180,8 +209,9 @@ def test_prometheus_scrapes_the_serving_pods_on_vllms_port_and_keeps_what_the_ru
     [c] = pod["containers"]
     cm_name = next(v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v)
     assert flag(c["args"], "--config.file") == f"{mounted_configmap(pod, cm_name)}/{serving.PROMETHEUS_CONFIG}"
-    [job] = yaml.safe_load(the(objs, "ConfigMap", cm_name, serving.MONITORING_NAMESPACE)["data"][serving.PROMETHEUS_CONFIG])[
-        "scrape_configs"]
+    [job] = yaml.safe_load(
+        the(objs, "ConfigMap", cm_name, serving.MONITORING_NAMESPACE)["data"][serving.PROMETHEUS_CONFIG]
+    )["scrape_configs"]
     assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"names": [ns]}}]
 
     server = next(m for (k, n, _), m in objs.items() if k == "Deployment" and n == ns)
@@ -196,20 +226,35 @@ def test_prometheus_scrapes_the_serving_pods_on_vllms_port_and_keeps_what_the_ru
     [keep] = job["metric_relabel_configs"]
     series = serving.rule_series(serving.ADAPTER_RULE)
     assert series == ["vllm:num_requests_running", "vllm:num_requests_waiting"]
-    assert all(re.fullmatch(keep["regex"], s) for s in series) and not re.fullmatch(keep["regex"], "vllm:e2e_request_latency_seconds_bucket")
+    assert all(re.fullmatch(keep["regex"], s) for s in series) and not re.fullmatch(
+        keep["regex"], "vllm:e2e_request_latency_seconds_bucket"
+    )
     assert serving.ADAPTER_RULE["seriesQuery"].split("{")[0] in series
-    assert {r["target_label"] for r in rules if "target_label" in r} >= set(serving.ADAPTER_RULE["resources"]["overrides"])
+    assert {r["target_label"] for r in rules if "target_label" in r} >= set(
+        serving.ADAPTER_RULE["resources"]["overrides"]
+    )
     # service discovery may read pods in the serving namespace only
-    [binding] = [m for (k, n, _), m in objs.items() if k == "RoleBinding" and m["subjects"][0]["name"] == pod["serviceAccountName"]]
+    [binding] = [
+        m
+        for (k, n, _), m in objs.items()
+        if k == "RoleBinding" and m["subjects"][0]["name"] == pod["serviceAccountName"]
+    ]
     assert binding["metadata"]["namespace"] == ns
 
 
 def test_serving_network_policy_admits_this_prometheus_to_the_metrics_port(dev, objs):
     ns = dev.cfg.inference.namespace
     [policy_] = [m for (k, n, _), m in objs.items() if k == "NetworkPolicy" and n == ns]
-    admitted = [r for r in policy_["spec"]["ingress"] if {"protocol": "TCP", "port": serving.PORT} in r.get("ports", [])]
-    namespaces = {v for r in admitted for src in r["from"]
-                  for e in src.get("namespaceSelector", {}).get("matchExpressions", []) for v in e["values"]}
+    admitted = [
+        r for r in policy_["spec"]["ingress"] if {"protocol": "TCP", "port": serving.PORT} in r.get("ports", [])
+    ]
+    namespaces = {
+        v
+        for r in admitted
+        for src in r["from"]
+        for e in src.get("namespaceSelector", {}).get("matchExpressions", [])
+        for v in e["values"]
+    }
     assert serving.MONITORING_NAMESPACE in namespaces
     # and only the adapter may query Prometheus
     prom = the(objs, "NetworkPolicy", "prometheus", serving.MONITORING_NAMESPACE)
@@ -221,8 +266,13 @@ def test_serving_network_policy_admits_this_prometheus_to_the_metrics_port(dev, 
 def test_no_prometheus_or_adapter_without_inference():
     stack = preview("dev", "no-inference", lambda d: d.pop("inference"))
     objs = objects(stack)
-    assert not [key for key in objs if key[0] == "APIService" or key[1] == serving.MONITORING_NAMESPACE
-                or key[2] in ("prometheus", "prometheus-adapter", serving.MONITORING_NAMESPACE)]
+    assert not [
+        key
+        for key in objs
+        if key[0] == "APIService"
+        or key[1] == serving.MONITORING_NAMESPACE
+        or key[2] in ("prometheus", "prometheus-adapter", serving.MONITORING_NAMESPACE)
+    ]
     assert the(objs, "Deployment", "cwagent-prometheus", METRICS_SCRAPER_NAMESPACE)  # training health still flows
 
 
@@ -235,8 +285,13 @@ def test_every_metrics_object_validates_and_prod_pins_the_images_by_digest(name)
     manifests = mf.from_resources(stack.result.resources)
     assert mf.validate(manifests, stack.cfg.cluster.kubernetes_version) == []
     objs = objects(stack)
-    images = {c["name"]: c["image"] for key in [("Deployment", METRICS_SCRAPER_NAMESPACE, "cwagent-prometheus"),
-                                                 ("Deployment", serving.MONITORING_NAMESPACE, "prometheus"),
-                                                 ("Deployment", serving.MONITORING_NAMESPACE, "prometheus-adapter")]
-              for c in pod_spec(objs[key])["containers"]}
+    images = {
+        c["name"]: c["image"]
+        for key in [
+            ("Deployment", METRICS_SCRAPER_NAMESPACE, "cwagent-prometheus"),
+            ("Deployment", serving.MONITORING_NAMESPACE, "prometheus"),
+            ("Deployment", serving.MONITORING_NAMESPACE, "prometheus-adapter"),
+        ]
+        for c in pod_spec(objs[key])["containers"]
+    }
     assert images == {n: stack.cfg.images.addons[n] for n in ("cloudwatch-agent", "prometheus", "prometheus-adapter")}

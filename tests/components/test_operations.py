@@ -94,7 +94,8 @@ def test_trainer_serves_metrics_on_the_pod_ip_and_may_be_scraped(stack, objects)
     scrape = yaml.safe_load(objects[("ConfigMap", "prometheus-config")]["data"]["prometheus.yaml"])
     jobs = {j["job_name"]: j for j in scrape["scrape_configs"]}
     assert jobs[monitoring.TRAINER_SCRAPE_JOB]["kubernetes_sd_configs"][0]["namespaces"]["names"] == [
-        stack.cfg.workload.namespace]
+        stack.cfg.workload.namespace
+    ]
 
 
 def _read_metrics(stack) -> list[tuple[str, frozenset]]:
@@ -117,12 +118,16 @@ def _read_metrics(stack) -> list[tuple[str, frozenset]]:
 def test_every_prometheus_metric_read_is_declared_with_its_dimensions(stack, objects):
     agent = json.loads(objects[("ConfigMap", "prometheus-cwagentconfig")]["data"]["cwagentconfig.json"])
     emf = agent["logs"]["metrics_collected"]["prometheus"]["emf_processor"]
-    assert emf["metric_namespace"] == monitoring.PROMETHEUS_NAMESPACE and emf["metric_declaration"] == METRIC_DECLARATIONS
+    assert (
+        emf["metric_namespace"] == monitoring.PROMETHEUS_NAMESPACE and emf["metric_declaration"] == METRIC_DECLARATIONS
+    )
     read = _read_metrics(stack)
     assert {"supernode_train_tokens_per_s", "supernode_train_step", monitoring.GPU_UTIL_METRIC} <= {m for m, _ in read}
     for metric, dims in read:
-        assert any(any(re.search(sel, metric) for sel in d["metric_selectors"]) and dims in map(frozenset, d["dimensions"])
-                   for d in METRIC_DECLARATIONS), (metric, sorted(dims))
+        assert any(
+            any(re.search(sel, metric) for sel in d["metric_selectors"]) and dims in map(frozenset, d["dimensions"])
+            for d in METRIC_DECLARATIONS
+        ), (metric, sorted(dims))
 
 
 def test_one_gpu_exporter_whose_counters_are_the_metrics_read(stack, objects):
@@ -149,7 +154,9 @@ def test_inventory_daemonset_on_gpu_nodes_keeps_baselines_it_cannot_rewrite(stac
     pod = ds["spec"]["template"]["spec"]
     c = container(pod)
     assert argv(c)[:4] == ["python", "-m", "trainer.inventory", "watch"]
-    assert flag(c, "--namespace") == OPS_NAMESPACE and flag(c, "--interval-s") == str(wl.inventory_interval_minutes * 60)
+    assert flag(c, "--namespace") == OPS_NAMESPACE and flag(c, "--interval-s") == str(
+        wl.inventory_interval_minutes * 60
+    )
     assert float(flag(c, "--max-clock-offset-ms")) == wl.max_clock_offset_ms
     assert pod["tolerations"] and pod["affinity"]["nodeAffinity"]
     [rule] = objects[("Role", "inventory-baselines")]["rules"]
@@ -171,5 +178,6 @@ def test_restore_drill_cronjob_runs_the_cli_on_the_stack_file(stack, objects, tm
     assert load_file(stack_file) == stack.cfg
     # and the CLI accepts exactly this command line
     from supernode.cli import build_parser
+
     args = build_parser().parse_args(argv(c)[1:])
     assert args.bucket == "$(BUCKET)" and args.config is not None

@@ -70,10 +70,15 @@ def test_kueue_objects_in_the_preview_are_wired_and_valid():
     assert labels[q.PRIORITY_LABEL] == q.TRAINING in {p["metadata"]["name"] for p in kinds["WorkloadPriorityClass"]}
     # the scheduled fabric check queues at the lowest priority: it waits for free nodes, never preempts training
     [cron] = [m for m in kinds["CronJob"] if "fabric" in m["metadata"]["name"]]
-    assert cron["spec"]["jobTemplate"]["metadata"]["labels"] == {q.QUEUE_LABEL: lq["metadata"]["name"],
-                                                                  q.PRIORITY_LABEL: q.EXPERIMENTS}
-    ours = [m for m in manifests if m["apiVersion"].startswith("kueue.x-k8s.io/")
-            or m["metadata"]["name"].endswith(".kueue.x-k8s.io")]
+    assert cron["spec"]["jobTemplate"]["metadata"]["labels"] == {
+        q.QUEUE_LABEL: lq["metadata"]["name"],
+        q.PRIORITY_LABEL: q.EXPERIMENTS,
+    }
+    ours = [
+        m
+        for m in manifests
+        if m["apiVersion"].startswith("kueue.x-k8s.io/") or m["metadata"]["name"].endswith(".kueue.x-k8s.io")
+    ]
     assert len(ours) == 7 + 3 + 1 + 1 + len(served)  # CRDs (the controller's included), priorities, flavor, queues
     assert mf.validate(manifests, stack.cfg.cluster.kubernetes_version) == []
     # The schemas are closed and keep Kueue's constraints: a misspelt field or a bad policy is caught.

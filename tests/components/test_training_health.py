@@ -32,7 +32,9 @@ def exported(tmp_path_factory) -> set[str]:
 
 
 def alarms(stack: Stack) -> dict[str, dict]:
-    return {r.inputs["name"].removeprefix(f"supernode-{stack.result.stack}-"): r.inputs for r in stack.all(T.METRIC_ALARM)}
+    return {
+        r.inputs["name"].removeprefix(f"supernode-{stack.result.stack}-"): r.inputs for r in stack.all(T.METRIC_ALARM)
+    }
 
 
 def queried(alarm: dict) -> dict[str, dict]:
@@ -45,7 +47,11 @@ def test_step_stall_alarm_watches_the_step_gauge_over_the_configured_window(stac
     window = stack.cfg.monitoring.step_stall_minutes * 60
     for qid, stat in (("last", "Maximum"), ("first", "Minimum")):
         metric = q[qid]["metric"]
-        assert (metric["namespace"], metric["metricName"], metric["stat"]) == (PROMETHEUS_NAMESPACE, "supernode_train_step", stat)
+        assert (metric["namespace"], metric["metricName"], metric["stat"]) == (
+            PROMETHEUS_NAMESPACE,
+            "supernode_train_step",
+            stat,
+        )
         assert metric["period"] == window and metric["metricName"] in exported
         assert metric["dimensions"]["Namespace"] == stack.cfg.workload.namespace
     assert q["advanced"]["expression"] == "last - first" and q["advanced"]["returnData"] is True
@@ -69,7 +75,9 @@ def test_a_changed_config_moves_the_thresholds():
     base, changed = preview("dev"), preview("dev", "health-thresholds", change)
     a, b = alarms(base), alarms(changed)
     assert queried(b["training-step-stalled"])["last"]["metric"]["period"] == 40 * 60
-    assert b["training-throughput-low"]["threshold"] == pytest.approx(a["training-throughput-low"]["threshold"] / 2, rel=1e-3)
+    assert b["training-throughput-low"]["threshold"] == pytest.approx(
+        a["training-throughput-low"]["threshold"] / 2, rel=1e-3
+    )
     assert b["training-restarts"]["threshold"] == 5 and b["training-restarts"]["period"] == 3600
 
 
@@ -85,9 +93,13 @@ def test_log_alarms_match_what_the_trainer_and_the_checks_print(stack: Stack):
     filters = {r.inputs["metricTransformation"]["name"]: r.inputs for r in stack.all(T.LOG_METRIC_FILTER)}
     assert filters["FabricRegressedNodes"]["metricTransformation"]["value"] == "$.fabric_regressed_node_count"
     a = alarms(stack)
-    for metric, alarm in (("NonFiniteSteps", "training-loss-not-finite"), ("TrainerStarts", "training-restarts"),
-                          ("FabricRegressedNodes", "fabric-regressed"), ("InventoryDrift", "inventory-drift"),
-                          ("RestoreDrillFailures", "restore-drill-failed")):
+    for metric, alarm in (
+        ("NonFiniteSteps", "training-loss-not-finite"),
+        ("TrainerStarts", "training-restarts"),
+        ("FabricRegressedNodes", "fabric-regressed"),
+        ("InventoryDrift", "inventory-drift"),
+        ("RestoreDrillFailures", "restore-drill-failed"),
+    ):
         assert a[alarm]["metricName"] == metric and metric in filters
     assert a["training-restarts"]["threshold"] == stack.cfg.monitoring.restart_alarm_count
 
@@ -112,9 +124,14 @@ def test_cloudwatch_dashboard_reads_only_exported_trainer_metrics(stack: Stack, 
                 names.add(m[1])
             elif isinstance(m, dict):
                 names |= set(re.findall(r'MetricName=\\?"(\w+)\\?"', m["expression"]))
-    assert {"supernode_train_loss", "supernode_train_tokens_per_s", "supernode_train_mfu",
-            "supernode_train_phase_seconds", "supernode_train_expert_load_max_over_mean",
-            "supernode_train_last_checkpoint_timestamp_seconds"} <= names
+    assert {
+        "supernode_train_loss",
+        "supernode_train_tokens_per_s",
+        "supernode_train_mfu",
+        "supernode_train_phase_seconds",
+        "supernode_train_expert_load_max_over_mean",
+        "supernode_train_last_checkpoint_timestamp_seconds",
+    } <= names
     assert names <= exported
 
 
@@ -133,8 +150,24 @@ def test_checkpoint_age_panels_read_the_commit_time_gauge(stack: Stack, exported
     assert panel["fieldConfig"]["defaults"]["unit"] == "s"
 
 
-PROMQL_WORDS = {"rate", "irate", "sum", "avg", "max", "min", "by", "without", "on", "time", "increase", "delta",
-                "deriv", "clamp_min", "clamp_max", "histogram_quantile"}
+PROMQL_WORDS = {
+    "rate",
+    "irate",
+    "sum",
+    "avg",
+    "max",
+    "min",
+    "by",
+    "without",
+    "on",
+    "time",
+    "increase",
+    "delta",
+    "deriv",
+    "clamp_min",
+    "clamp_max",
+    "histogram_quantile",
+}
 
 
 def grafana_metrics(doc: dict) -> dict[str, set[str]]:
@@ -145,8 +178,11 @@ def grafana_metrics(doc: dict) -> dict[str, set[str]]:
         names = set()
         for t in p["targets"]:
             expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", "", t["expr"])
-            names |= {w for w in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr)
-                      if w not in PROMQL_WORDS and not re.fullmatch(r"[0-9e]+", w)}
+            names |= {
+                w
+                for w in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr)
+                if w not in PROMQL_WORDS and not re.fullmatch(r"[0-9e]+", w)
+            }
         out[p["title"]] = names
     return out
 
@@ -159,8 +195,13 @@ def test_grafana_dashboard_panels_read_metrics_the_trainer_exports(exported):
         assert names, f"panel {title!r} reads no metric"
         assert names <= exported, f"panel {title!r} reads {sorted(names - exported)}, which the trainer does not export"
     shown = set().union(*panels.values())
-    assert {"supernode_train_loss", "supernode_train_tokens_per_s", "supernode_train_mfu",
-            "supernode_train_expert_load_max_over_mean", "supernode_train_phase_seconds"} <= shown
+    assert {
+        "supernode_train_loss",
+        "supernode_train_tokens_per_s",
+        "supernode_train_mfu",
+        "supernode_train_expert_load_max_over_mean",
+        "supernode_train_phase_seconds",
+    } <= shown
 
 
 def test_grafana_check_catches_a_misspelt_metric(exported):

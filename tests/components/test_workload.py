@@ -23,8 +23,10 @@ from supernode.core import resource_types as T
 ROOT = Path(__file__).resolve().parents[2]
 FSX_ID = "fs-0123456789abcdef0"
 ROLE_ARN = "arn:aws:iam::123456789012:role/supernode-trainer"
-GPU_LABELS = {"gpu-a": {"supernode.io/node-group": "gpu-a", "nvidia.com/gpu.present": "true"},
-              "gpu-b": {"supernode.io/node-group": "gpu-b", "nvidia.com/gpu.present": "true"}}
+GPU_LABELS = {
+    "gpu-a": {"supernode.io/node-group": "gpu-a", "nvidia.com/gpu.present": "true"},
+    "gpu-b": {"supernode.io/node-group": "gpu-b", "nvidia.com/gpu.present": "true"},
+}
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 
 # The component alone, fed literal AWS outputs; config and plan come from the engine's config.
@@ -56,6 +58,7 @@ def preview(stack: str, cfg: StackConfig, tmp: Path) -> PreviewResult:
 @lru_cache(maxsize=None)
 def stack_preview(stack: str) -> tuple[StackConfig, PreviewResult]:
     import tempfile
+
     cfg = load_stack(stack, ROOT)
     with tempfile.TemporaryDirectory() as tmp:
         return cfg, preview(stack, cfg, Path(tmp))
@@ -102,8 +105,12 @@ def check_trainer(cfg: StackConfig, plan: Plan, result: PreviewResult) -> None:
     assert w["replicas"] == plan.nodes == cfg.nodes
     assert w["restartPolicy"] == "ExitCode"  # signals are retried, a recorded failure is not
     elastic = job["spec"]["elasticPolicy"]
-    assert elastic == {"rdzvBackend": "c10d", "minReplicas": plan.nodes, "maxReplicas": plan.nodes,
-                       "maxRestarts": cfg.training.max_restarts}
+    assert elastic == {
+        "rdzvBackend": "c10d",
+        "minReplicas": plan.nodes,
+        "maxReplicas": plan.nodes,
+        "maxRestarts": cfg.training.max_restarts,
+    }
     res = c["resources"]
     assert res["requests"] == res["limits"], "requests must equal limits (Guaranteed QoS, whole node)"
     assert res["limits"]["nvidia.com/gpu"] == str(hw.accelerators)
@@ -114,9 +121,19 @@ def check_trainer(cfg: StackConfig, plan: Plan, result: PreviewResult) -> None:
     env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     # the metrics endpoint listens on the pod IP (downward API), for the CloudWatch agent's scrape
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
-    assert env | {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
-                  "NCCL_SOCKET_IFNAME": "^lo", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "WARN",
-                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} == env
+    assert (
+        env
+        | {
+            "FI_PROVIDER": "efa",
+            "FI_EFA_USE_DEVICE_RDMA": "1",
+            "FI_EFA_FORK_SAFE": "1",
+            "NCCL_SOCKET_IFNAME": "^lo",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            "NCCL_DEBUG": "WARN",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
+        == env
+    )
     assert c["image"] == cfg.images.trainer and "@sha256:" in c["image"]
     assert c["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"]}
     assert pod["terminationGracePeriodSeconds"] == cfg.workload.termination_grace_s
@@ -124,7 +141,9 @@ def check_trainer(cfg: StackConfig, plan: Plan, result: PreviewResult) -> None:
     assert pod["serviceAccountName"] == cfg.workload.service_account
     assert {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"} in pod["tolerations"]
     (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert {"key": "supernode.io/node-group", "operator": "In", "values": ["gpu-a", "gpu-b"]} in term["matchExpressions"]
+    assert {"key": "supernode.io/node-group", "operator": "In", "values": ["gpu-a", "gpu-b"]} in term[
+        "matchExpressions"
+    ]
     args = c["args"]
     # trainer.launch (torchrun with a recorded failure as its exit code) and ExitCode restarts: the
     # operator retries a signal (128-255), never bad input or a full disk recorded by the trainer
@@ -162,8 +181,11 @@ def test_job_follows_the_config(tmp_path: Path) -> None:
     data["parallel"]["dpShard"] = base.parallel.dp_shard * 3 // 2  # keep world size = 3 nodes x 8 GPUs
     data["training"]["globalBatch"] = base.training.micro_batch * data["parallel"]["dpShard"] * 4
     data["training"]["maxRestarts"] = base.training.max_restarts + 4
-    data["workload"].update(hugepages2MiGib=base.workload.hugepages_2mi_gib + 3,
-                            terminationGraceS=base.workload.termination_grace_s + 300, gateMinFraction=0.5)
+    data["workload"].update(
+        hugepages2MiGib=base.workload.hugepages_2mi_gib + 3,
+        terminationGraceS=base.workload.termination_grace_s + 300,
+        gateMinFraction=0.5,
+    )
     cfg = from_mapping(data)
     plan = build_plan("dev", cfg)
     assert plan.nodes == 3 != base.nodes
@@ -179,6 +201,7 @@ def test_job_follows_the_config(tmp_path: Path) -> None:
 def test_job_follows_the_hardware(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A (hypothetical) 4-GPU, 2-EFA instance type: nproc, GPUs and EFA devices all follow the catalog."""
     from dataclasses import replace
+
     small = replace(CATALOG["p5.48xlarge"], name="p5.test", accelerators=4, efa_interfaces=2, vcpus=96, memory_gib=1024)
     monkeypatch.setitem(CATALOG, small.name, small)
     monkeypatch.setitem(ALL_REDUCE_BASELINE_GBYTES_S, small.name, 200.0)
@@ -251,7 +274,8 @@ def test_network_policies_deny_by_default_and_allow_narrowly() -> None:
 
     scrape = policies.pop("allow-scrape-prod-train")  # only the metrics port, only from the CloudWatch agent
     assert scrape["policyTypes"] == ["Ingress"] and [r["ports"] for r in scrape["ingress"]] == [
-        [{"port": 9090, "protocol": "TCP"}]]
+        [{"port": 9090, "protocol": "TCP"}]
+    ]
     assert policies.pop("inventory")["podSelector"] == {}  # the supernode-ops namespace's own policy
 
     assert set(policies) == {"allow-mesh-prod-train", "allow-mesh-prod-fabric-gate", "allow-mesh-prod-fabric-check"}
@@ -279,8 +303,11 @@ def test_namespace_guard_rails_identity_and_storage() -> None:
     sa = objs[("ServiceAccount", cfg.workload.service_account)]
     assert sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"] == ROLE_ARN
     pv = objs[("PersistentVolume", "training-fsx")]["spec"]
-    assert pv["csi"] == {"driver": "fsx.csi.aws.com", "volumeHandle": FSX_ID,
-                         "volumeAttributes": {"dnsname": f"{FSX_ID}.fsx.us-east-1.amazonaws.com", "mountname": "abcdef12"}}
+    assert pv["csi"] == {
+        "driver": "fsx.csi.aws.com",
+        "volumeHandle": FSX_ID,
+        "volumeAttributes": {"dnsname": f"{FSX_ID}.fsx.us-east-1.amazonaws.com", "mountname": "abcdef12"},
+    }
     assert pv["mountOptions"] == ["flock"] and pv["capacity"] == {"storage": "4800Gi"}
     pvc = objs[("PersistentVolumeClaim", "fsx")]["spec"]
     assert pvc["volumeName"] == "training-fsx" and pvc["storageClassName"] == "" == pv["storageClassName"]
@@ -304,8 +331,19 @@ def test_every_manifest_validates(stack: str) -> None:
     cfg, result = stack_preview(stack)
     manifests = mf.from_resources(result.resources)
     kinds = {m["kind"] for m in manifests}
-    assert {"DaemonSet", "Deployment", "CustomResourceDefinition", "PyTorchJob", "Job", "NetworkPolicy",
-            "PersistentVolume", "PersistentVolumeClaim", "ConfigMap", "ResourceQuota", "LimitRange"} <= kinds
+    assert {
+        "DaemonSet",
+        "Deployment",
+        "CustomResourceDefinition",
+        "PyTorchJob",
+        "Job",
+        "NetworkPolicy",
+        "PersistentVolume",
+        "PersistentVolumeClaim",
+        "ConfigMap",
+        "ResourceQuota",
+        "LimitRange",
+    } <= kinds
     assert mf.validate(manifests, cfg.cluster.kubernetes_version) == []
     assert json.dumps(manifests)  # plain data, no engine objects
 
@@ -323,11 +361,14 @@ def test_validation_catches_bad_objects() -> None:
     assert len(problems) == 4, problems
     assert any("podSelectr" in p for p in problems) and any("zookeeper" in p for p in problems)
     assert any("maxRestart" in p for p in problems)
-    assert any("pytorchReplicaSpecs.Worker.template.spec.containers.0" in p and "imagePullPolice" in p for p in problems)
+    assert any(
+        "pytorchReplicaSpecs.Worker.template.spec.containers.0" in p and "imagePullPolice" in p for p in problems
+    )
 
 
 def test_schema_version_is_the_closest_not_newer() -> None:
     from kubernetes_validate.utils import all_versions
+
     shipped = {".".join(v.split(".")[:2]) for v in all_versions()}
     assert "1.33" in shipped and mf.schema_version("1.33") == "1.33"
     newest = max(shipped, key=lambda v: tuple(map(int, v.split("."))))

@@ -14,10 +14,19 @@ GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true",
 
 def test_addon_files_pin_every_image() -> None:
     files = sorted(ADDON_DIR.glob("*.yaml"))
-    assert {f.name for f in files} >= {"nvidia-device-plugin.yaml", "aws-efa-k8s-device-plugin.yaml",
-                                        "dcgm-exporter.yaml", "training-operator.yaml", "nvidia-dra-driver.yaml"}
-    pods = [obj.get("spec", {}).get("template", {}).get("spec", {}) for f in files
-            for obj in yaml.safe_load_all(f.read_text()) if obj]
+    assert {f.name for f in files} >= {
+        "nvidia-device-plugin.yaml",
+        "aws-efa-k8s-device-plugin.yaml",
+        "dcgm-exporter.yaml",
+        "training-operator.yaml",
+        "nvidia-dra-driver.yaml",
+    }
+    pods = [
+        obj.get("spec", {}).get("template", {}).get("spec", {})
+        for f in files
+        for obj in yaml.safe_load_all(f.read_text())
+        if obj
+    ]
     images = [c["image"] for pod in pods for c in pod.get("initContainers", []) + pod.get("containers", [])]
     assert set(images) == set(addon_images().values())  # each one a stack may pin by digest (images.addons)
     for image in images:
@@ -37,24 +46,34 @@ def test_addons_are_patched_for_the_stack() -> None:
         pod = ds["spec"]["template"]["spec"]
         assert pod["tolerations"][0] == GPU_TOLERATION  # the GPU node groups' taints come first
         (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-        assert {"key": "supernode.io/node-group", "operator": "In", "values": ["gpu-a", "gpu-b"]} in term["matchExpressions"]
+        assert {"key": "supernode.io/node-group", "operator": "In", "values": ["gpu-a", "gpu-b"]} in term[
+            "matchExpressions"
+        ]
         assert PART_OF.items() <= ds["metadata"]["labels"].items()
     assert objs[("DaemonSet", "dcgm-exporter")]["metadata"]["namespace"] == "supernode-system"
     webhook = objs[("ValidatingWebhookConfiguration", "validator.training-operator.kubeflow.org")]
     assert webhook["webhooks"][0]["clientConfig"]["service"] == {
-        "name": "training-operator", "namespace": "supernode-system", "path": "/validate-kubeflow-org-v1-pytorchjob"}
+        "name": "training-operator",
+        "namespace": "supernode-system",
+        "path": "/validate-kubeflow-org-v1-pytorchjob",
+    }
 
 
 def test_regional_image_rewrites_only_the_ecr_region() -> None:
     image = "602401143452.dkr.ecr.us-west-2.amazonaws.com/eks/aws-efa-k8s-device-plugin:v0.5.6"
     assert regional_image(image, "eu-north-1") == image.replace("us-west-2", "eu-north-1")
-    assert regional_image("nvcr.io/nvidia/k8s-device-plugin:v0.17.0", "eu-north-1") == "nvcr.io/nvidia/k8s-device-plugin:v0.17.0"
+    assert (
+        regional_image("nvcr.io/nvidia/k8s-device-plugin:v0.17.0", "eu-north-1")
+        == "nvcr.io/nvidia/k8s-device-plugin:v0.17.0"
+    )
 
 
 def test_one_taint_type_from_node_groups_to_tolerations() -> None:
     gpu = Taint("nvidia.com/gpu", "true")
-    nodes = GpuNodes.for_groups({"a": {"k": "1"}, "b": {"k": "2"}},
-                                {"a": [gpu, Taint("z", "1", "NoExecute")], "b": [Taint("nvidia.com/gpu", "true")]})
+    nodes = GpuNodes.for_groups(
+        {"a": {"k": "1"}, "b": {"k": "2"}},
+        {"a": [gpu, Taint("z", "1", "NoExecute")], "b": [Taint("nvidia.com/gpu", "true")]},
+    )
     assert nodes.taints == [gpu, Taint("z", "1", "NoExecute")]  # deduplicated across groups, sorted
     assert nodes.tolerations()[0] == GPU_TOLERATION
     assert gpu.kubelet_flag() == "nvidia.com/gpu=true:NoSchedule"

@@ -26,8 +26,23 @@ def test_preview_writes_manifests_that_all_validate(tmp_path: Path) -> None:
     # policies would exit 1; this test is about the manifests, so they only warn here.
     lenient = tmp_path / "images-advisory.json"
     lenient.write_text('{"image-digests": "advisory", "image-placeholder": "advisory"}')
-    assert main(["preview", "--stack", "prod", "--root", str(ROOT), "--json", "--manifests", str(out),
-                 "--policy-config", str(lenient)]) == EXIT_OK
+    assert (
+        main(
+            [
+                "preview",
+                "--stack",
+                "prod",
+                "--root",
+                str(ROOT),
+                "--json",
+                "--manifests",
+                str(out),
+                "--policy-config",
+                str(lenient),
+            ]
+        )
+        == EXIT_OK
+    )
 
     files = sorted(out.glob("*.yaml"))
     assert stale not in files, "an earlier run's manifests must not linger"
@@ -42,13 +57,19 @@ def test_preview_writes_manifests_that_all_validate(tmp_path: Path) -> None:
     assert kinds.index("Namespace") < kinds.index("CustomResourceDefinition") < kinds.index("PyTorchJob")
     # the workload wiring in __main__.py feeds the AWS outputs in
     pvs = [m for m in manifests if m["kind"] == "PersistentVolume"]  # FSx, for training and for serving
-    assert pvs and all(pv["spec"]["csi"]["volumeHandle"] and
-                       pv["spec"]["csi"]["volumeAttributes"]["dnsname"].endswith(".amazonaws.com") for pv in pvs)
+    assert pvs and all(
+        pv["spec"]["csi"]["volumeHandle"]
+        and pv["spec"]["csi"]["volumeAttributes"]["dnsname"].endswith(".amazonaws.com")
+        for pv in pvs
+    )
 
 
 def test_preview_manifests_into_a_file_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
-    assert main(["preview", "--stack", "dev", "--root", str(ROOT), "--json", "--manifests", str(not_a_dir)]) == EXIT_BAD_INPUT
+    assert (
+        main(["preview", "--stack", "dev", "--root", str(ROOT), "--json", "--manifests", str(not_a_dir)])
+        == EXIT_BAD_INPUT
+    )
     err = capsys.readouterr().err
     assert "--manifests" in err and str(not_a_dir) in err and "Traceback" not in err

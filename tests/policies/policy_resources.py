@@ -31,8 +31,15 @@ def urn(typ: str, name: str) -> str:
 
 
 def res(typ: str, name: str, inputs: dict[str, Any], deps: tuple[str, ...] = (), parent: str = "") -> dict[str, Any]:
-    return {"urn": urn(typ, name), "type": typ, "name": name, "parent": parent, "inputs": inputs,
-            "dependencies": list(deps), "custom": True}
+    return {
+        "urn": urn(typ, name),
+        "type": typ,
+        "name": name,
+        "parent": parent,
+        "inputs": inputs,
+        "dependencies": list(deps),
+        "custom": True,
+    }
 
 
 def doc(*statements: dict) -> str:
@@ -43,8 +50,15 @@ def efa_interfaces(instance_type: str) -> list[dict[str, Any]]:
     """One EFA interface per EFA-capable card (cards 1..n where card 0 is ENA-only, as on p6-b300)."""
     t = CATALOG[instance_type]
     first = 0 if t.card0_efa else 1
-    return [{"networkCardIndex": i, "deviceIndex": 0 if i == 0 else 1, "interfaceType": "efa" if i == 0 else "efa-only",
-             "securityGroups": ["sg-efa"]} for i in range(first, first + t.efa_interfaces)]
+    return [
+        {
+            "networkCardIndex": i,
+            "deviceIndex": 0 if i == 0 else 1,
+            "interfaceType": "efa" if i == 0 else "efa-only",
+            "securityGroups": ["sg-efa"],
+        }
+        for i in range(first, first + t.efa_interfaces)
+    ]
 
 
 def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
@@ -55,85 +69,297 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
     bucket = "supernode-test-data"
     pg = res(T.PLACEMENT_GROUP, "gpu", {"name": "gpu-cluster", "strategy": "cluster"})
     sg = res(T.SECURITY_GROUP, "efa", {"description": "EFA", "vpcId": "vpc-1"})
-    lt = res(T.LAUNCH_TEMPLATE, "gpu", {"instanceType": itype, "networkInterfaces": efa_interfaces(itype),
-                              "metadataOptions": {"httpTokens": "required", "httpPutResponseHopLimit": 1},
-                              "placement": {"groupName": "gpu-cluster"}}, deps=(pg["urn"],))
-    ng = res(T.NODE_GROUP, "gpu", {"clusterName": "c", "amiType": "AL2023_x86_64_NVIDIA", "releaseVersion": g.ami_release_version,
-                              "version": k8s, "scalingConfig": {"desiredSize": g.nodes, "minSize": g.nodes, "maxSize": g.nodes},
-                              "launchTemplate": {"id": "lt-1", "version": "1"},
-                              "taints": [{"key": "nvidia.com/gpu", "effect": "NO_SCHEDULE"}]}, deps=(lt["urn"],))
-    key = res(T.KMS_KEY, "data", {"enableKeyRotation": True, "policy": doc(
-        {"Effect": "Allow", "Principal": {"AWS": f"arn:aws:iam::{ACCOUNT}:root"}, "Action": ["kms:Decrypt", "kms:Encrypt"],
-         "Resource": "*"})})
+    lt = res(
+        T.LAUNCH_TEMPLATE,
+        "gpu",
+        {
+            "instanceType": itype,
+            "networkInterfaces": efa_interfaces(itype),
+            "metadataOptions": {"httpTokens": "required", "httpPutResponseHopLimit": 1},
+            "placement": {"groupName": "gpu-cluster"},
+        },
+        deps=(pg["urn"],),
+    )
+    ng = res(
+        T.NODE_GROUP,
+        "gpu",
+        {
+            "clusterName": "c",
+            "amiType": "AL2023_x86_64_NVIDIA",
+            "releaseVersion": g.ami_release_version,
+            "version": k8s,
+            "scalingConfig": {"desiredSize": g.nodes, "minSize": g.nodes, "maxSize": g.nodes},
+            "launchTemplate": {"id": "lt-1", "version": "1"},
+            "taints": [{"key": "nvidia.com/gpu", "effect": "NO_SCHEDULE"}],
+        },
+        deps=(lt["urn"],),
+    )
+    key = res(
+        T.KMS_KEY,
+        "data",
+        {
+            "enableKeyRotation": True,
+            "policy": doc(
+                {
+                    "Effect": "Allow",
+                    "Principal": {"AWS": f"arn:aws:iam::{ACCOUNT}:root"},
+                    "Action": ["kms:Decrypt", "kms:Encrypt"],
+                    "Resource": "*",
+                }
+            ),
+        },
+    )
     key_arn = f"arn:aws:kms:us-east-1:{ACCOUNT}:key/00000000-0000-4000-8000-000000000000"
-    cluster = res(T.EKS_CLUSTER, "cluster", {
-        "version": k8s, "vpcConfig": {"endpointPrivateAccess": True, "endpointPublicAccess": False},
-        "encryptionConfig": {"resources": ["secrets"], "provider": {"keyArn": key_arn}}})
+    cluster = res(
+        T.EKS_CLUSTER,
+        "cluster",
+        {
+            "version": k8s,
+            "vpcConfig": {"endpointPrivateAccess": True, "endpointPublicAccess": False},
+            "encryptionConfig": {"resources": ["secrets"], "provider": {"keyArn": key_arn}},
+        },
+    )
     b = res(T.BUCKET, "data", {"bucket": bucket})
     s3 = [
         b,
-        res(T.BUCKET_SSE, "data", {
-            "bucket": bucket, "rules": [{"applyServerSideEncryptionByDefault": {"sseAlgorithm": "aws:kms",
-                                                                                 "kmsMasterKeyId": key_arn}}]},
-            deps=(b["urn"],)),
-        res(T.BUCKET_PAB, "data", {
-            "bucket": bucket, "blockPublicAcls": True, "blockPublicPolicy": True, "ignorePublicAcls": True,
-            "restrictPublicBuckets": True}, deps=(b["urn"],)),
-        res(T.BUCKET_POLICY, "data", {"bucket": bucket, "policy": doc(
-            {"Effect": "Deny", "Principal": "*", "Action": "s3:*", "Resource": [f"arn:aws:s3:::{bucket}/*"],
-             "Condition": {"Bool": {"aws:SecureTransport": "false"}}})}, deps=(b["urn"],)),
-        res(T.BUCKET_LIFECYCLE, "data", {"bucket": bucket, "rules": [
-            {"id": "checkpoints", "status": "Enabled", "filter": {"prefix": cfg.storage.checkpoint_prefix},
-             "transitions": [{"days": 14, "storageClass": "GLACIER_IR"}], "expiration": {"days": 90}},
-            {"id": "multipart", "status": "Enabled", "filter": {},
-             "abortIncompleteMultipartUpload": {"daysAfterInitiation": 3}}]}, deps=(b["urn"],)),
+        res(
+            T.BUCKET_SSE,
+            "data",
+            {
+                "bucket": bucket,
+                "rules": [
+                    {"applyServerSideEncryptionByDefault": {"sseAlgorithm": "aws:kms", "kmsMasterKeyId": key_arn}}
+                ],
+            },
+            deps=(b["urn"],),
+        ),
+        res(
+            T.BUCKET_PAB,
+            "data",
+            {
+                "bucket": bucket,
+                "blockPublicAcls": True,
+                "blockPublicPolicy": True,
+                "ignorePublicAcls": True,
+                "restrictPublicBuckets": True,
+            },
+            deps=(b["urn"],),
+        ),
+        res(
+            T.BUCKET_POLICY,
+            "data",
+            {
+                "bucket": bucket,
+                "policy": doc(
+                    {
+                        "Effect": "Deny",
+                        "Principal": "*",
+                        "Action": "s3:*",
+                        "Resource": [f"arn:aws:s3:::{bucket}/*"],
+                        "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+                    }
+                ),
+            },
+            deps=(b["urn"],),
+        ),
+        res(
+            T.BUCKET_LIFECYCLE,
+            "data",
+            {
+                "bucket": bucket,
+                "rules": [
+                    {
+                        "id": "checkpoints",
+                        "status": "Enabled",
+                        "filter": {"prefix": cfg.storage.checkpoint_prefix},
+                        "transitions": [{"days": 14, "storageClass": "GLACIER_IR"}],
+                        "expiration": {"days": 90},
+                    },
+                    {
+                        "id": "multipart",
+                        "status": "Enabled",
+                        "filter": {},
+                        "abortIncompleteMultipartUpload": {"daysAfterInitiation": 3},
+                    },
+                ],
+            },
+            deps=(b["urn"],),
+        ),
     ]
-    fsx = res(T.FSX_LUSTRE, "fsx", {
-        "deploymentType": "PERSISTENT_2", "storageCapacity": plan.checkpoint.fsx_capacity_gib,
-        "perUnitStorageThroughput": cfg.storage.fsx.per_unit_throughput, "kmsKeyId": key_arn})
-    dra = res(T.FSX_DRA, "fsx", {
-        "fileSystemPath": "/data", "dataRepositoryPath": f"s3://{bucket}/"}, deps=(fsx["urn"], b["urn"]))
-    role = res(T.IAM_ROLE, "trainer", {"assumeRolePolicy": doc(
-        {"Effect": "Allow", "Principal": {"Federated": "arn:aws:iam::1:oidc-provider/x"},
-         "Action": "sts:AssumeRoleWithWebIdentity"})})
-    role_policy = res(T.IAM_ROLE_POLICY, "trainer", {"role": "trainer", "policy": doc(
-        {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": [f"arn:aws:s3:::{bucket}/{cfg.storage.dataset_prefix}*"]},
-        {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [f"arn:aws:s3:::{bucket}"]},
-        {"Effect": "Allow", "Action": ["ec2:DescribeInstances"], "Resource": "*"})}, deps=(role["urn"],))
+    fsx = res(
+        T.FSX_LUSTRE,
+        "fsx",
+        {
+            "deploymentType": "PERSISTENT_2",
+            "storageCapacity": plan.checkpoint.fsx_capacity_gib,
+            "perUnitStorageThroughput": cfg.storage.fsx.per_unit_throughput,
+            "kmsKeyId": key_arn,
+        },
+    )
+    dra = res(
+        T.FSX_DRA,
+        "fsx",
+        {"fileSystemPath": "/data", "dataRepositoryPath": f"s3://{bucket}/"},
+        deps=(fsx["urn"], b["urn"]),
+    )
+    role = res(
+        T.IAM_ROLE,
+        "trainer",
+        {
+            "assumeRolePolicy": doc(
+                {
+                    "Effect": "Allow",
+                    "Principal": {"Federated": "arn:aws:iam::1:oidc-provider/x"},
+                    "Action": "sts:AssumeRoleWithWebIdentity",
+                }
+            )
+        },
+    )
+    role_policy = res(
+        T.IAM_ROLE_POLICY,
+        "trainer",
+        {
+            "role": "trainer",
+            "policy": doc(
+                {
+                    "Effect": "Allow",
+                    "Action": ["s3:GetObject"],
+                    "Resource": [f"arn:aws:s3:::{bucket}/{cfg.storage.dataset_prefix}*"],
+                },
+                {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [f"arn:aws:s3:::{bucket}"]},
+                {"Effect": "Allow", "Action": ["ec2:DescribeInstances"], "Resource": "*"},
+            ),
+        },
+        deps=(role["urn"],),
+    )
     topic_arn = f"arn:aws:sns:us-east-1:{ACCOUNT}:alarms"
-    alarms = [res(T.METRIC_ALARM, name, {"metricName": metric, "namespace": "ContainerInsights",
-                                                                    "alarmActions": [topic_arn], "threshold": 1})
-              for name, metric in (("gpu-util-low", "DCGM_FI_DEV_GPU_UTIL"), ("node-not-ready", "node_status_condition_ready"))]
+    alarms = [
+        res(
+            T.METRIC_ALARM,
+            name,
+            {"metricName": metric, "namespace": "ContainerInsights", "alarmActions": [topic_arn], "threshold": 1},
+        )
+        for name, metric in (
+            ("gpu-util-low", "DCGM_FI_DEV_GPU_UTIL"),
+            ("node-not-ready", "node_status_condition_ready"),
+        )
+    ]
     log_group = res(T.LOG_GROUP, "training", {"retentionInDays": cfg.monitoring.log_retention_days})
-    cm = res(T.CONFIG_MAP, "plan", {"metadata": {"name": "supernode-plan", "namespace": "training"},
-                                                      "data": {"plan.json": plan.to_json()}})
+    cm = res(
+        T.CONFIG_MAP,
+        "plan",
+        {"metadata": {"name": "supernode-plan", "namespace": "training"}, "data": {"plan.json": plan.to_json()}},
+    )
     # The gate reads its bus-bandwidth floor from the plan, mounted like the trainer's.
-    gate = res(T.K8S_JOB, "gate", {"spec": {"template": {"spec": {
-        "containers": [{"name": "fabric", "image": image, "resources": bounded(),
-                        "command": ["python", "-m", "trainer.fabric", "--plan", PLAN_MOUNT_PATH],
-                        "volumeMounts": [{"name": "plan", "mountPath": PLAN_MOUNT_DIR}]}],
-        "volumes": [{"name": "plan", "configMap": {"name": "supernode-plan"}}]}}}}, deps=(cm["urn"],))
-    worker = {"name": "trainer", "image": image,
-              "command": ["python", "-m", "trainer.train", "--plan", PLAN_MOUNT_PATH],
-              "resources": {"requests": bounded()["requests"],
-                            "limits": {"nvidia.com/gpu": CATALOG[itype].accelerators,
-                                       "vpc.amazonaws.com/efa": CATALOG[itype].efa_interfaces,
-                                       **bounded()["limits"]}},
-              "volumeMounts": [{"name": "plan", "mountPath": PLAN_MOUNT_DIR}]}
-    job = res(T.PYTORCH_JOB, "trainer", {
-        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-        "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": g.nodes, "template": {"spec": {
-            "containers": [worker], "volumes": [{"name": "plan", "configMap": {"name": "supernode-plan"}}]}}}}}},
-        deps=(gate["urn"], cm["urn"]))
-    dcgm = res(T.DAEMON_SET, "dcgm-exporter", {"spec": {"template": {"spec": {"containers": [
-        {"name": "dcgm-exporter", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3-4.1.3-ubuntu22.04@sha256:" + "b" * 64,
-         "resources": bounded()}]}}}})
-    return [pg, sg,
-            res(T.SG_INGRESS, "efa-self", {"securityGroupId": "sg-efa", "referencedSecurityGroupId": "sg-efa", "ipProtocol": "-1"},
-                deps=(sg["urn"],)),
-            res(T.SG_EGRESS, "efa-self", {"securityGroupId": "sg-efa", "referencedSecurityGroupId": "sg-efa", "ipProtocol": "-1"},
-                deps=(sg["urn"],)),
-            lt, ng, key, cluster, *s3, fsx, dra, role, role_policy, *alarms, log_group, cm, gate, job, dcgm]
+    gate = res(
+        T.K8S_JOB,
+        "gate",
+        {
+            "spec": {
+                "template": {
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "fabric",
+                                "image": image,
+                                "resources": bounded(),
+                                "command": ["python", "-m", "trainer.fabric", "--plan", PLAN_MOUNT_PATH],
+                                "volumeMounts": [{"name": "plan", "mountPath": PLAN_MOUNT_DIR}],
+                            }
+                        ],
+                        "volumes": [{"name": "plan", "configMap": {"name": "supernode-plan"}}],
+                    }
+                }
+            }
+        },
+        deps=(cm["urn"],),
+    )
+    worker = {
+        "name": "trainer",
+        "image": image,
+        "command": ["python", "-m", "trainer.train", "--plan", PLAN_MOUNT_PATH],
+        "resources": {
+            "requests": bounded()["requests"],
+            "limits": {
+                "nvidia.com/gpu": CATALOG[itype].accelerators,
+                "vpc.amazonaws.com/efa": CATALOG[itype].efa_interfaces,
+                **bounded()["limits"],
+            },
+        },
+        "volumeMounts": [{"name": "plan", "mountPath": PLAN_MOUNT_DIR}],
+    }
+    job = res(
+        T.PYTORCH_JOB,
+        "trainer",
+        {
+            "apiVersion": "kubeflow.org/v1",
+            "kind": "PyTorchJob",
+            "spec": {
+                "pytorchReplicaSpecs": {
+                    "Worker": {
+                        "replicas": g.nodes,
+                        "template": {
+                            "spec": {
+                                "containers": [worker],
+                                "volumes": [{"name": "plan", "configMap": {"name": "supernode-plan"}}],
+                            }
+                        },
+                    }
+                }
+            },
+        },
+        deps=(gate["urn"], cm["urn"]),
+    )
+    dcgm = res(
+        T.DAEMON_SET,
+        "dcgm-exporter",
+        {
+            "spec": {
+                "template": {
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "dcgm-exporter",
+                                "image": "nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3-4.1.3-ubuntu22.04@sha256:" + "b" * 64,
+                                "resources": bounded(),
+                            }
+                        ]
+                    }
+                }
+            }
+        },
+    )
+    return [
+        pg,
+        sg,
+        res(
+            T.SG_INGRESS,
+            "efa-self",
+            {"securityGroupId": "sg-efa", "referencedSecurityGroupId": "sg-efa", "ipProtocol": "-1"},
+            deps=(sg["urn"],),
+        ),
+        res(
+            T.SG_EGRESS,
+            "efa-self",
+            {"securityGroupId": "sg-efa", "referencedSecurityGroupId": "sg-efa", "ipProtocol": "-1"},
+            deps=(sg["urn"],),
+        ),
+        lt,
+        ng,
+        key,
+        cluster,
+        *s3,
+        fsx,
+        dra,
+        role,
+        role_policy,
+        *alarms,
+        log_group,
+        cm,
+        gate,
+        job,
+        dcgm,
+    ]
 
 
 def built_images(cfg: StackConfig) -> StackConfig:

@@ -39,6 +39,7 @@ def set_in(path: tuple, value: Any) -> Callable[[dict], None]:
         for k in path[:-1]:
             d = d.setdefault(k, {})
         d[path[-1]] = value
+
     return change
 
 
@@ -63,8 +64,12 @@ def _smaller_gpu(cfg: StackConfig) -> StackConfig:
 
 
 def _no_fit(cfg: StackConfig) -> StackConfig:
-    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"micro_batch": 16}),
-                                  "model": cfg.model.model_copy(update={"seq_len": 16384})})
+    return cfg.model_copy(
+        update={
+            "training": cfg.training.model_copy(update={"micro_batch": 16}),
+            "model": cfg.model.model_copy(update={"seq_len": 16384}),
+        }
+    )
 
 
 def _weights_unverified(cfg: StackConfig) -> StackConfig:
@@ -87,105 +92,241 @@ def _drop_efa_rules(stack):
 
 CASES: list[tuple[str, Callable, str, str]] = [
     # 1. accelerators
-    ("unapproved instance type", lambda s, c: mutate(s, LT, set_in(("instanceType",), "p3dn.24xlarge")),
-     "accelerators-approved-instance-types", "mandatory"),
-    ("nodes do not match world size", lambda s, c: mutate(s, NG, set_in(("scalingConfig", "desiredSize"), 3)),
-     "accelerators-match-world-size", "mandatory"),
+    (
+        "unapproved instance type",
+        lambda s, c: mutate(s, LT, set_in(("instanceType",), "p3dn.24xlarge")),
+        "accelerators-approved-instance-types",
+        "mandatory",
+    ),
+    (
+        "nodes do not match world size",
+        lambda s, c: mutate(s, NG, set_in(("scalingConfig", "desiredSize"), 3)),
+        "accelerators-match-world-size",
+        "mandatory",
+    ),
     # 2. memory fit: a plan that does not fit, from a mutated stack config
     ("plan exceeds HBM", lambda s, c: with_plan(s, _no_fit(c)), "memory-fit", "mandatory"),
     # 3. interconnect
-    ("missing EFA interfaces", lambda s, c: mutate(s, LT, lambda i: i["networkInterfaces"].pop()),
-     "interconnect-efa-interfaces", "mandatory"),
-    ("no placement group or reservation", lambda s, c: mutate(s, LT, lambda i: i.pop("placement")),
-     "interconnect-placement", "mandatory"),
-    ("no self-referencing EFA ingress", lambda s, c: _drop_efa_rules(s), "interconnect-efa-security-group", "mandatory"),
-    ("trainer does not request EFA",
-     lambda s, c: mutate(s, JOB, lambda i: worker(i)["containers"][0]["resources"]["limits"].pop("vpc.amazonaws.com/efa")),
-     "interconnect-trainer-efa", "mandatory"),
-    ("trainer does not depend on the gate",
-     lambda s, c: [dict(r, dependencies=[d for d in r["dependencies"] if GATE not in d]) for r in s],
-     "interconnect-gate", "mandatory"),
+    (
+        "missing EFA interfaces",
+        lambda s, c: mutate(s, LT, lambda i: i["networkInterfaces"].pop()),
+        "interconnect-efa-interfaces",
+        "mandatory",
+    ),
+    (
+        "no placement group or reservation",
+        lambda s, c: mutate(s, LT, lambda i: i.pop("placement")),
+        "interconnect-placement",
+        "mandatory",
+    ),
+    (
+        "no self-referencing EFA ingress",
+        lambda s, c: _drop_efa_rules(s),
+        "interconnect-efa-security-group",
+        "mandatory",
+    ),
+    (
+        "trainer does not request EFA",
+        lambda s, c: mutate(
+            s, JOB, lambda i: worker(i)["containers"][0]["resources"]["limits"].pop("vpc.amazonaws.com/efa")
+        ),
+        "interconnect-trainer-efa",
+        "mandatory",
+    ),
+    (
+        "trainer does not depend on the gate",
+        lambda s, c: [dict(r, dependencies=[d for d in r["dependencies"] if GATE not in d]) for r in s],
+        "interconnect-gate",
+        "mandatory",
+    ),
     ("gate threshold too low", lambda s, c: with_plan(s, _low_gate_floor(c)), "interconnect-gate", "mandatory"),
-    ("gate does not mount the plan ConfigMap",
-     lambda s, c: mutate(s, GATE, lambda i: i["spec"]["template"]["spec"].update(volumes=[])),
-     "interconnect-gate", "mandatory"),
-    ("gate runs on a fixed floor, not the plan",
-     lambda s, c: mutate(s, GATE, lambda i: i["spec"]["template"]["spec"]["containers"][0].update(
-         command=["python", "-m", "trainer.fabric", "--min-busbw-gbytes-s", "1"])),
-     "interconnect-gate", "mandatory"),
+    (
+        "gate does not mount the plan ConfigMap",
+        lambda s, c: mutate(s, GATE, lambda i: i["spec"]["template"]["spec"].update(volumes=[])),
+        "interconnect-gate",
+        "mandatory",
+    ),
+    (
+        "gate runs on a fixed floor, not the plan",
+        lambda s, c: mutate(
+            s,
+            GATE,
+            lambda i: i["spec"]["template"]["spec"]["containers"][0].update(
+                command=["python", "-m", "trainer.fabric", "--min-busbw-gbytes-s", "1"]
+            ),
+        ),
+        "interconnect-gate",
+        "mandatory",
+    ),
     # 4. versions
-    ("node group on another Kubernetes version", lambda s, c: mutate(s, NG, set_in(("version",), "1.32")),
-     "versions-consistent", "mandatory"),
-    ("gate image differs from trainer",
-     lambda s, c: mutate(s, GATE, lambda i: i["spec"]["template"]["spec"]["containers"][0].update(
-         image="123456789012.dkr.ecr.us-east-1.amazonaws.com/other@sha256:" + "a" * 64)),
-     "images-pinned", "mandatory"),
+    (
+        "node group on another Kubernetes version",
+        lambda s, c: mutate(s, NG, set_in(("version",), "1.32")),
+        "versions-consistent",
+        "mandatory",
+    ),
+    (
+        "gate image differs from trainer",
+        lambda s, c: mutate(
+            s,
+            GATE,
+            lambda i: i["spec"]["template"]["spec"]["containers"][0].update(
+                image="123456789012.dkr.ecr.us-east-1.amazonaws.com/other@sha256:" + "a" * 64
+            ),
+        ),
+        "images-pinned",
+        "mandatory",
+    ),
     # 5. code and config
-    ("plan ConfigMap not mounted", lambda s, c: mutate(s, JOB, lambda i: worker(i).update(volumes=[])),
-     "code-config-ready", "mandatory"),
-    ("trainer image by tag",
-     lambda s, c: mutate(s, JOB, lambda i: worker(i)["containers"][0].update(image="trainer:latest")),
-     "code-config-ready", "mandatory"),
+    (
+        "plan ConfigMap not mounted",
+        lambda s, c: mutate(s, JOB, lambda i: worker(i).update(volumes=[])),
+        "code-config-ready",
+        "mandatory",
+    ),
+    (
+        "trainer image by tag",
+        lambda s, c: mutate(s, JOB, lambda i: worker(i)["containers"][0].update(image="trainer:latest")),
+        "code-config-ready",
+        "mandatory",
+    ),
     # 6. data
-    ("no data repository association", lambda s, c: without(s, T.FSX_DRA),
-     "data-ready", "mandatory"),
-    ("trainer role cannot read the dataset",
-     lambda s, c: mutate(s, ROLE_POLICY, set_in(("policy",), doc({"Effect": "Allow", "Action": ["s3:ListBucket"],
-                                                                   "Resource": ["arn:aws:s3:::supernode-test-data"]}))),
-     "data-ready", "mandatory"),
+    ("no data repository association", lambda s, c: without(s, T.FSX_DRA), "data-ready", "mandatory"),
+    (
+        "trainer role cannot read the dataset",
+        lambda s, c: mutate(
+            s,
+            ROLE_POLICY,
+            set_in(
+                ("policy",),
+                doc({"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": ["arn:aws:s3:::supernode-test-data"]}),
+            ),
+        ),
+        "data-ready",
+        "mandatory",
+    ),
     # 7. weights (advisory)
     ("weights without sha256", lambda s, c: with_plan(s, _weights_unverified(c)), "weights-verified", "advisory"),
     # 8. checkpoint storage
     # the same FSx, but the stack config now wants a checkpoint written in 30 s
-    ("FSx too slow for the checkpoint budget", lambda s, c: with_plan(s, _fast_checkpoints(c)),
-     "checkpoint-throughput", "mandatory"),
-    ("no abort-multipart rule", lambda s, c: mutate(s, LIFECYCLE, lambda i: i["rules"].pop()),
-     "checkpoint-lifecycle", "mandatory"),
+    (
+        "FSx too slow for the checkpoint budget",
+        lambda s, c: with_plan(s, _fast_checkpoints(c)),
+        "checkpoint-throughput",
+        "mandatory",
+    ),
+    (
+        "no abort-multipart rule",
+        lambda s, c: mutate(s, LIFECYCLE, lambda i: i["rules"].pop()),
+        "checkpoint-lifecycle",
+        "mandatory",
+    ),
     # 9. monitoring
-    ("log group keeps logs forever", lambda s, c: mutate(s, T.LOG_GROUP,
-                                                         lambda i: i.pop("retentionInDays")),
-     "monitoring-log-retention", "mandatory"),
-    ("no node-health alarm", lambda s, c: without(s, T.METRIC_ALARM, "node-not-ready"),
-     "monitoring-alarms", "mandatory"),
-    ("alarm without SNS action", lambda s, c: mutate(s, T.METRIC_ALARM,
-                                                     set_in(("alarmActions",), []), "gpu-util-low"),
-     "monitoring-alarms", "mandatory"),
+    (
+        "log group keeps logs forever",
+        lambda s, c: mutate(s, T.LOG_GROUP, lambda i: i.pop("retentionInDays")),
+        "monitoring-log-retention",
+        "mandatory",
+    ),
+    (
+        "no node-health alarm",
+        lambda s, c: without(s, T.METRIC_ALARM, "node-not-ready"),
+        "monitoring-alarms",
+        "mandatory",
+    ),
+    (
+        "alarm without SNS action",
+        lambda s, c: mutate(s, T.METRIC_ALARM, set_in(("alarmActions",), []), "gpu-util-low"),
+        "monitoring-alarms",
+        "mandatory",
+    ),
     ("no DCGM exporter", lambda s, c: without(s, T.DAEMON_SET), "monitoring-dcgm", "mandatory"),
     # 10. access control and keys
-    ("wildcard IAM action", lambda s, c: mutate(s, ROLE_POLICY, lambda i: i.update(policy=doc(
-        *json.loads(i["policy"])["Statement"],
-        {"Effect": "Allow", "Action": "s3:Delete*", "Resource": "arn:aws:s3:::supernode-test-data/checkpoints/*"}))),
-     "iam-no-wildcards", "mandatory"),
-    ("write on Resource *", lambda s, c: mutate(s, ROLE_POLICY, lambda i: i.update(policy=doc(
-        *json.loads(i["policy"])["Statement"], {"Effect": "Allow", "Action": "s3:PutObject", "Resource": "*"}))),
-     "iam-no-wildcards", "mandatory"),
-    ("bucket encrypted with SSE-S3",
-     lambda s, c: mutate(s, T.BUCKET_SSE,
-                         lambda i: i["rules"][0]["applyServerSideEncryptionByDefault"].update(sseAlgorithm="AES256")),
-     "s3-kms-encryption", "mandatory"),
-    ("bucket without public-access block",
-     lambda s, c: without(s, T.BUCKET_PAB),
-     "s3-public-access-block-attached", "mandatory"),
+    (
+        "wildcard IAM action",
+        lambda s, c: mutate(
+            s,
+            ROLE_POLICY,
+            lambda i: i.update(
+                policy=doc(
+                    *json.loads(i["policy"])["Statement"],
+                    {
+                        "Effect": "Allow",
+                        "Action": "s3:Delete*",
+                        "Resource": "arn:aws:s3:::supernode-test-data/checkpoints/*",
+                    },
+                )
+            ),
+        ),
+        "iam-no-wildcards",
+        "mandatory",
+    ),
+    (
+        "write on Resource *",
+        lambda s, c: mutate(
+            s,
+            ROLE_POLICY,
+            lambda i: i.update(
+                policy=doc(
+                    *json.loads(i["policy"])["Statement"],
+                    {"Effect": "Allow", "Action": "s3:PutObject", "Resource": "*"},
+                )
+            ),
+        ),
+        "iam-no-wildcards",
+        "mandatory",
+    ),
+    (
+        "bucket encrypted with SSE-S3",
+        lambda s, c: mutate(
+            s, T.BUCKET_SSE, lambda i: i["rules"][0]["applyServerSideEncryptionByDefault"].update(sseAlgorithm="AES256")
+        ),
+        "s3-kms-encryption",
+        "mandatory",
+    ),
+    (
+        "bucket without public-access block",
+        lambda s, c: without(s, T.BUCKET_PAB),
+        "s3-public-access-block-attached",
+        "mandatory",
+    ),
     ("bucket accepts plain HTTP", lambda s, c: without(s, T.BUCKET_POLICY), "s3-tls-only", "mandatory"),
-    ("EKS secrets not encrypted", lambda s, c: mutate(s, T.EKS_CLUSTER, lambda i: i.pop("encryptionConfig")),
-     "eks-secrets-encryption", "mandatory"),
-    ("EKS endpoint open to the internet",
-     lambda s, c: mutate(s, T.EKS_CLUSTER, set_in(("vpcConfig", "endpointPublicAccess"), True)),
-     "eks-endpoint-restricted", "mandatory"),
-    ("KMS rotation off", lambda s, c: mutate(s, T.KMS_KEY, set_in(("enableKeyRotation",), False)),
-     "kms-key-rotation", "mandatory"),
-    ("ingress from 0.0.0.0/0",
-     lambda s, c: mutate(s, T.SG_INGRESS,
-                         lambda i: i.update(cidrIpv4="0.0.0.0/0", fromPort=22, referencedSecurityGroupId=None)),
-     "no-open-ingress", "mandatory"),
+    (
+        "EKS secrets not encrypted",
+        lambda s, c: mutate(s, T.EKS_CLUSTER, lambda i: i.pop("encryptionConfig")),
+        "eks-secrets-encryption",
+        "mandatory",
+    ),
+    (
+        "EKS endpoint open to the internet",
+        lambda s, c: mutate(s, T.EKS_CLUSTER, set_in(("vpcConfig", "endpointPublicAccess"), True)),
+        "eks-endpoint-restricted",
+        "mandatory",
+    ),
+    (
+        "KMS rotation off",
+        lambda s, c: mutate(s, T.KMS_KEY, set_in(("enableKeyRotation",), False)),
+        "kms-key-rotation",
+        "mandatory",
+    ),
+    (
+        "ingress from 0.0.0.0/0",
+        lambda s, c: mutate(
+            s, T.SG_INGRESS, lambda i: i.update(cidrIpv4="0.0.0.0/0", fromPort=22, referencedSecurityGroupId=None)
+        ),
+        "no-open-ingress",
+        "mandatory",
+    ),
 ]
 
 
 # Findings that legitimately come with a case (one defect breaking two items), and nothing else.
-ALSO = {"code-config-ready": {"images-pinned"},  # a tag image is unpinned for both items 4 and 5
-        "no-open-ingress": {"interconnect-efa-security-group"},  # the case rewrites the EFA self rule
-        # an unknown instance type has no catalog accelerators or EFA count
-        "accelerators-approved-instance-types": {"interconnect-efa-interfaces", "accelerators-match-world-size"}}
+ALSO = {
+    "code-config-ready": {"images-pinned"},  # a tag image is unpinned for both items 4 and 5
+    "no-open-ingress": {"interconnect-efa-security-group"},  # the case rewrites the EFA self rule
+    # an unknown instance type has no catalog accelerators or EFA count
+    "accelerators-approved-instance-types": {"interconnect-efa-interfaces", "accelerators-match-world-size"},
+}
 
 
 @pytest.mark.parametrize("build,policy,level", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -223,6 +364,7 @@ def test_world_size_message_names_resources_and_fix(stack):
 def test_efa_count_follows_the_catalog_for_each_instance_type(stack):
     for itype, t in CATALOG.items():
         from policy_resources import efa_interfaces
+
         ok = mutate(stack, LT, lambda i: i.update(instanceType=itype, networkInterfaces=efa_interfaces(itype)))
         assert "interconnect-efa-interfaces" not in by_policy(ok)
         short = mutate(ok, LT, lambda i: i["networkInterfaces"].pop())
@@ -232,10 +374,22 @@ def test_efa_count_follows_the_catalog_for_each_instance_type(stack):
 
 
 def test_reservation_replaces_placement_group(stack):
-    reserved = mutate(stack, LT, lambda i: (i.pop("placement"), i.update(capacityReservationSpecification={
-        "capacityReservationTarget": {"capacityReservationId": "cr-0123456789abcdef0"}})))
+    reserved = mutate(
+        stack,
+        LT,
+        lambda i: (
+            i.pop("placement"),
+            i.update(
+                capacityReservationSpecification={
+                    "capacityReservationTarget": {"capacityReservationId": "cr-0123456789abcdef0"}
+                }
+            ),
+        ),
+    )
     assert "interconnect-placement" not in by_policy(reserved)
-    block = mutate(stack, LT, lambda i: (i.pop("placement"), i.update(instanceMarketOptions={"marketType": "capacity-block"})))
+    block = mutate(
+        stack, LT, lambda i: (i.pop("placement"), i.update(instanceMarketOptions={"marketType": "capacity-block"}))
+    )
     assert "interconnect-placement" not in by_policy(block)
 
 
@@ -245,12 +399,21 @@ def test_efa_group_must_be_on_the_interfaces(stack):
     assert v.urn == find(stack, LT)["urn"]
     one_way = [r for r in stack if r["type"] != T.SG_EGRESS]
     assert "interconnect-efa-security-group" in by_policy(one_way)
-    inline = [r for r in stack if "securityGroup" not in r["type"].split(":")[1] or r["type"].endswith(":SecurityGroup")]
-    inline = mutate(inline, T.SECURITY_GROUP, lambda i: i.update(
-        ingress=[{"self": True, "protocol": "-1", "fromPort": 0, "toPort": 0}],
-        egress=[{"self": True, "protocol": "-1", "fromPort": 0, "toPort": 0}]))
-    inline = [dict(r, dependencies=r["dependencies"] + [find(inline, T.SECURITY_GROUP)["urn"]])
-              if r["type"] == LT else r for r in inline]
+    inline = [
+        r for r in stack if "securityGroup" not in r["type"].split(":")[1] or r["type"].endswith(":SecurityGroup")
+    ]
+    inline = mutate(
+        inline,
+        T.SECURITY_GROUP,
+        lambda i: i.update(
+            ingress=[{"self": True, "protocol": "-1", "fromPort": 0, "toPort": 0}],
+            egress=[{"self": True, "protocol": "-1", "fromPort": 0, "toPort": 0}],
+        ),
+    )
+    inline = [
+        dict(r, dependencies=r["dependencies"] + [find(inline, T.SECURITY_GROUP)["urn"]]) if r["type"] == LT else r
+        for r in inline
+    ]
     assert "interconnect-efa-security-group" not in by_policy(inline)  # inline rules, linked by dependency
 
 
@@ -267,7 +430,8 @@ def test_corrupt_plan_configmap_is_a_clear_violation(stack):
 
 def test_policy_config_changes_the_verdict(stack):
     assert "accelerators-approved-instance-types" in by_policy(
-        stack, {"accelerators-approved-instance-types": {"approvedInstanceTypes": ["p5en.48xlarge"]}})
+        stack, {"accelerators-approved-instance-types": {"approvedInstanceTypes": ["p5en.48xlarge"]}}
+    )
     assert "data-ready" in by_policy(stack, {"data-ready": {"datasetPrefix": "other/"}})
     assert "checkpoint-lifecycle" in by_policy(stack, {"checkpoint-lifecycle": {"checkpointPrefix": "elsewhere/"}})
     found = by_policy(stack, {"all": "advisory", "monitoring-log-retention": {"minRetentionDays": 400}})

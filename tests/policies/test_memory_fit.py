@@ -20,18 +20,33 @@ from supernode.ops.policycheck import check
 from policy_resources import ROOT, compliant_stack
 
 
-def _variant(cfg: StackConfig, instance_type: str | None = None, training: dict | None = None, **parallel) -> StackConfig:
-    groups = [g.model_copy(update={"instance_type": instance_type or g.instance_type})
-              for g in cfg.accelerator_node_groups]
-    return cfg.model_copy(update={"accelerator_node_groups": groups,
-                                  "parallel": cfg.parallel.model_copy(update=parallel),
-                                  "training": cfg.training.model_copy(update=training or {})})
+def _variant(
+    cfg: StackConfig, instance_type: str | None = None, training: dict | None = None, **parallel
+) -> StackConfig:
+    groups = [
+        g.model_copy(update={"instance_type": instance_type or g.instance_type}) for g in cfg.accelerator_node_groups
+    ]
+    return cfg.model_copy(
+        update={
+            "accelerator_node_groups": groups,
+            "parallel": cfg.parallel.model_copy(update=parallel),
+            "training": cfg.training.model_copy(update=training or {}),
+        }
+    )
 
 
 def _with_layout(cfg: StackConfig, s: Suggestion) -> StackConfig:
-    return _variant(cfg, dp_replicate=s.dp_replicate, dp_shard=s.dp_shard, tp=s.tp, ep=s.ep, pp=s.pp,
-                    pp_schedule=s.pp_schedule, pp_virtual_stages=s.pp_virtual_stages,
-                    activation_checkpointing=s.activation_checkpointing)
+    return _variant(
+        cfg,
+        dp_replicate=s.dp_replicate,
+        dp_shard=s.dp_shard,
+        tp=s.tp,
+        ep=s.ep,
+        pp=s.pp,
+        pp_schedule=s.pp_schedule,
+        pp_virtual_stages=s.pp_virtual_stages,
+        activation_checkpointing=s.activation_checkpointing,
+    )
 
 
 PROD = load_stack("prod", ROOT)
@@ -42,11 +57,13 @@ OVER = {
     "prod-microbatch4": _variant(PROD, training=dict(micro_batch=4, global_batch=1024), **BIG_MICRO_BATCH),
     # micro batch 2, not 4: at 4 the untensor-parallel output head's logits (15.6 GiB) leave no layout
     # of 128 A100-40GB that fits, so there would be no suggestion to check
-    "prod-p4d-microbatch2": _variant(PROD, "p4d.24xlarge", training=dict(micro_batch=2, global_batch=1024),
-                                     **BIG_MICRO_BATCH),
+    "prod-p4d-microbatch2": _variant(
+        PROD, "p4d.24xlarge", training=dict(micro_batch=2, global_batch=1024), **BIG_MICRO_BATCH
+    ),
     # no headroom: suggestions up to the whole 40 GiB (the policy used to require 10% of its own)
-    "prod-p4d-microbatch4-no-headroom": _variant(PROD, "p4d.24xlarge", training=dict(micro_batch=4, global_batch=1024),
-                                                 hbm_headroom=0.0, **BIG_MICRO_BATCH),
+    "prod-p4d-microbatch4-no-headroom": _variant(
+        PROD, "p4d.24xlarge", training=dict(micro_batch=4, global_batch=1024), hbm_headroom=0.0, **BIG_MICRO_BATCH
+    ),
 }
 FITTING = {"dev": load_stack("dev", ROOT), "prod": PROD}
 for _name, _cfg in OVER.items():
@@ -92,12 +109,17 @@ def test_memory_fit_fails_a_layout_the_plan_calls_over_with_its_figures(name):
     (v,) = _memory_fit(cfg, plan)
     assert v.enforcement == "mandatory" and v.urn.endswith("ConfigMap::plan")
     printed = _plan_output(plan)
-    for figure in (f"{plan.memory_per_rank_gib:.1f} GiB", f"{plan.usable_hbm_gib:.1f} GiB",
-                   f"over by {plan.over_by_gib:.1f} GiB", f"{plan.hbm_gib:.1f} GiB"):
+    for figure in (
+        f"{plan.memory_per_rank_gib:.1f} GiB",
+        f"{plan.usable_hbm_gib:.1f} GiB",
+        f"over by {plan.over_by_gib:.1f} GiB",
+        f"{plan.hbm_gib:.1f} GiB",
+    ):
         assert figure in v.message and figure in printed, figure
 
 
 # -- the same through the CLI, as the user ran it ----------------------------------------
+
 
 def _prod_file(tmp_path, name: str, instance_type: str, parallel: dict | None = None) -> str:
     doc = yaml.safe_load((ROOT / "Pulumi.prod.yaml").read_text())
@@ -133,10 +155,21 @@ def test_plan_and_preview_agree_on_fit_for_p4d(tmp_path, capsys, monkeypatch):
     assert rc == 1 and f"{plan['memory_per_rank_gib']:.1f} GiB" in v["message"]
 
     for s in plan["suggestions"][:1]:  # the planner's first choice, applied as the user would
-        fit = _prod_file(tmp_path, "prod-p4d-fit", "p4d.24xlarge", {
-            "dpReplicate": s["dp_replicate"], "dpShard": s["dp_shard"], "tp": s["tp"], "ep": s["ep"], "pp": s["pp"],
-            "ppSchedule": s["pp_schedule"], "ppVirtualStages": s["pp_virtual_stages"],
-            "activationCheckpointing": s["activation_checkpointing"]})
+        fit = _prod_file(
+            tmp_path,
+            "prod-p4d-fit",
+            "p4d.24xlarge",
+            {
+                "dpReplicate": s["dp_replicate"],
+                "dpShard": s["dp_shard"],
+                "tp": s["tp"],
+                "ep": s["ep"],
+                "pp": s["pp"],
+                "ppSchedule": s["pp_schedule"],
+                "ppVirtualStages": s["pp_virtual_stages"],
+                "activationCheckpointing": s["activation_checkpointing"],
+            },
+        )
         rc, plan_fit = _run(capsys, "plan", "--config", fit, "--json")
         assert rc == 0 and plan_fit["fits"] is True
         rc, preview_fit = _run(capsys, "preview", "--config", fit, "--json")

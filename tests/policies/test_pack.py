@@ -20,8 +20,13 @@ from policy_resources import ROOT
 @pytest.mark.slow  # a second process
 def test_main_serves_the_pack_over_grpc(tmp_path):
     # Started from another directory, as the CLI's language host does: the pack finds the core itself.
-    proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "policies" / "__main__.py")], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", str(ROOT / "policies" / "__main__.py")],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(proc.stdout.readline())
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -32,10 +37,15 @@ def test_main_serves_the_pack_over_grpc(tmp_path):
             assert "minGateFraction" in gate.configSchema.properties  # schema generated from the settings model
             props = struct_pb2.Struct()
             props.update({"metadataOptions": {"httpTokens": "optional", "httpPutResponseHopLimit": 1}})
-            reply = stub.Analyze(analyzer_pb2.AnalyzeRequest(
-                type=LAUNCH_TEMPLATE, urn=f"urn:pulumi:s::p::{LAUNCH_TEMPLATE}::lt",
-                name="lt", properties=props), timeout=30)
-            assert [(d.policyName, d.enforcementLevel) for d in reply.diagnostics] == [("ec2-imdsv2", analyzer_pb2.MANDATORY)]
+            reply = stub.Analyze(
+                analyzer_pb2.AnalyzeRequest(
+                    type=LAUNCH_TEMPLATE, urn=f"urn:pulumi:s::p::{LAUNCH_TEMPLATE}::lt", name="lt", properties=props
+                ),
+                timeout=30,
+            )
+            assert [(d.policyName, d.enforcementLevel) for d in reply.diagnostics] == [
+                ("ec2-imdsv2", analyzer_pb2.MANDATORY)
+            ]
     finally:
         proc.kill()
         proc.wait()
@@ -44,10 +54,16 @@ def test_main_serves_the_pack_over_grpc(tmp_path):
 def test_pack_files():
     meta = yaml.safe_load((ROOT / "policies" / "PulumiPolicy.yaml").read_text())
     assert meta["runtime"] == "python"
-    pins = dict(line.split("==") for line in (ROOT / "requirements.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
-    pack = [line for line in (ROOT / "policies" / "requirements.txt").read_text().splitlines()
-            if line and not line.startswith("#")]
+    pins = dict(
+        line.split("==")
+        for line in (ROOT / "requirements.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    pack = [
+        line
+        for line in (ROOT / "policies" / "requirements.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
     assert {p.split("==")[0] for p in pack} == {"pulumi-policy", "pulumi", "pydantic", "pyyaml"}
     for line in pack:  # the pack's own venv gets exactly the project's versions
         name, version = line.split("==")
@@ -73,8 +89,9 @@ def test_one_stack_and_one_plan_per_analysis(stack, monkeypatch):
 
     built, parsed = [], []
     from_resources, from_json = view.Stack.from_policy_resources.__func__, Plan.from_json.__func__
-    monkeypatch.setattr(view.Stack, "from_policy_resources",
-                        classmethod(lambda cls, r: built.append(1) or from_resources(cls, r)))
+    monkeypatch.setattr(
+        view.Stack, "from_policy_resources", classmethod(lambda cls, r: built.append(1) or from_resources(cls, r))
+    )
     monkeypatch.setattr(Plan, "from_json", classmethod(lambda cls, t: parsed.append(1) or from_json(cls, t)))
     view._plan_from_json.cache_clear()  # a plan text not seen before
     assert check(stack).passed

@@ -70,13 +70,16 @@ def test_advisory_only_exits_zero(stack, tmp_path, capsys):
     assert "warn" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("content,expected", [
-    (None, "file not found"),
-    ("{not json", "not a JSON file"),
-    ('{"stack": "dev"}', "expected a list of resources"),
-    (json.dumps([{"type": T.BUCKET, "name": "b", "inputs": {}}]), "resources[0].urn: required"),
-    ('[{"urn": "u", "type": "t", "name": "n", "inputs": []}]', "resources[0].inputs: expected an object"),
-])
+@pytest.mark.parametrize(
+    "content,expected",
+    [
+        (None, "file not found"),
+        ("{not json", "not a JSON file"),
+        ('{"stack": "dev"}', "expected a list of resources"),
+        (json.dumps([{"type": T.BUCKET, "name": "b", "inputs": {}}]), "resources[0].urn: required"),
+        ('[{"urn": "u", "type": "t", "name": "n", "inputs": []}]', "resources[0].inputs: expected an object"),
+    ],
+)
 def test_bad_resources_file_exits_2(tmp_path, capsys, content, expected):
     f = tmp_path / "r.json"
     if content is not None:
@@ -86,15 +89,18 @@ def test_bad_resources_file_exits_2(tmp_path, capsys, content, expected):
     assert expected in err and str(f) in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("config,expected", [
-    ('{"no-such-policy": "mandatory"}', "unknown policies ['no-such-policy']"),
-    ('{"interconnect-gate": {"minGateFraction": 2}}', "interconnect-gate.minGateFraction"),
-    # the headroom is the plan's (supernode:parallel.hbmHeadroom), no longer a policy setting
-    ('{"memory-fit": {"headroomFraction": 0.2}}', "memory-fit: takes no settings"),
-    ('{"memory-fit": "sometimes"}', "memory-fit.enforcementLevel"),
-    ('{"kms-key-rotation": {"days": 3}}', "kms-key-rotation: takes no settings"),
-    ("[1, 2]", "expected an object of policy name"),
-])
+@pytest.mark.parametrize(
+    "config,expected",
+    [
+        ('{"no-such-policy": "mandatory"}', "unknown policies ['no-such-policy']"),
+        ('{"interconnect-gate": {"minGateFraction": 2}}', "interconnect-gate.minGateFraction"),
+        # the headroom is the plan's (supernode:parallel.hbmHeadroom), no longer a policy setting
+        ('{"memory-fit": {"headroomFraction": 0.2}}', "memory-fit: takes no settings"),
+        ('{"memory-fit": "sometimes"}', "memory-fit.enforcementLevel"),
+        ('{"kms-key-rotation": {"days": 3}}', "kms-key-rotation: takes no settings"),
+        ("[1, 2]", "expected an object of policy name"),
+    ],
+)
 def test_bad_policy_config_exits_2(stack, tmp_path, capsys, config, expected):
     f, c = tmp_path / "r.json", tmp_path / "p.json"
     f.write_text(json.dumps(stack))
@@ -109,8 +115,11 @@ def test_preview_exits_1_on_a_mandatory_violation(tmp_path, capsys, monkeypatch)
     c = tmp_path / "strict.json"
     c.write_text(json.dumps({"accelerators-approved-instance-types": {"approvedInstanceTypes": ["p5en.48xlarge"]}}))
     assert main(["preview", "--stack", "dev", "--json", "--policy-config", str(c)]) == 1
-    violations = [v for v in json.loads(capsys.readouterr().out)["policy"]["violations"]
-                  if (v["policy"], v["enforcement"]) not in IMAGE_WARNINGS]  # dev's image warnings (issue 19)
+    violations = [
+        v
+        for v in json.loads(capsys.readouterr().out)["policy"]["violations"]
+        if (v["policy"], v["enforcement"]) not in IMAGE_WARNINGS
+    ]  # dev's image warnings (issue 19)
     assert {v["policy"] for v in violations} == {"accelerators-approved-instance-types"}
     assert all("p5.48xlarge" in v["message"] and v["enforcement"] == "mandatory" for v in violations)
 
@@ -119,12 +128,14 @@ def test_policy_config_of_a_stack_feeds_the_check(capsys):
     assert main(["policy", "config", "--stack", "prod", "--root", str(ROOT)]) == 0
     conf = json.loads(capsys.readouterr().out)
     from supernode.core.config import load_stack
+
     cfg = load_stack("prod", ROOT)
     assert conf["data-ready"]["datasetPrefix"] == cfg.storage.dataset_prefix
     assert conf["checkpoint-lifecycle"]["checkpointPrefix"] == cfg.storage.checkpoint_prefix
 
 
 # -- resources files that are JSON but not a preview: each one line, exit 2 (issue 13, item 9) ------
+
 
 def _reshaped(path, change):
     doc = json.loads(path.read_text())
@@ -133,13 +144,21 @@ def _reshaped(path, change):
     return doc
 
 
-@pytest.mark.parametrize("change,expected", [
-    (lambda v: "x", "TypeError: 'str' object is not a mapping"),  # every input value a string
-    (lambda v: [v] if isinstance(v, dict) else {"a": v} if isinstance(v, list) else v,  # lists and objects swapped
-     "object is not a mapping"),
-])
-def test_wrongly_shaped_inputs_exit_2_naming_the_policy_and_resource(saved_dev_preview, tmp_path, capsys, change,
-                                                                     expected):
+@pytest.mark.parametrize(
+    "change,expected",
+    [
+        (lambda v: "x", "TypeError: 'str' object is not a mapping"),  # every input value a string
+        (
+            lambda v: (
+                [v] if isinstance(v, dict) else {"a": v} if isinstance(v, list) else v
+            ),  # lists and objects swapped
+            "object is not a mapping",
+        ),
+    ],
+)
+def test_wrongly_shaped_inputs_exit_2_naming_the_policy_and_resource(
+    saved_dev_preview, tmp_path, capsys, change, expected
+):
     _, path = saved_dev_preview
     f = tmp_path / "r.json"
     f.write_text(json.dumps(_reshaped(path, change)))
@@ -149,16 +168,26 @@ def test_wrongly_shaped_inputs_exit_2_naming_the_policy_and_resource(saved_dev_p
     assert err.startswith("error: policy ") and len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("content,expected", [
-    ("[]", "holds no resources, so there is nothing to check"),  # not a vacuous pass
-    ('{"resources": []}', "holds no resources"),
-    ('[{"urn": "u", "type": "t", "name": "n", "inputs": {"size": NaN}}]', "NaN is not JSON"),
-    ('[{"urn": "u", "type": "t", "name": "n", "inputs": ' + '{"a": ' * 100 + "1" + "}" * 100 + "}]",
-     "resources[0].inputs: nested deeper than 64 levels"),
-    ('[{"urn": "u", "type": "t", "name": "n", "inputs": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}]",
-     "nested deeper than JSON can be read here"),
-    ('[{"urn": "u", "type": "t", "name": "n", "dependencies": "urn:x"}]', "resources[0].dependencies: expected a list"),
-])
+@pytest.mark.parametrize(
+    "content,expected",
+    [
+        ("[]", "holds no resources, so there is nothing to check"),  # not a vacuous pass
+        ('{"resources": []}', "holds no resources"),
+        ('[{"urn": "u", "type": "t", "name": "n", "inputs": {"size": NaN}}]', "NaN is not JSON"),
+        (
+            '[{"urn": "u", "type": "t", "name": "n", "inputs": ' + '{"a": ' * 100 + "1" + "}" * 100 + "}]",
+            "resources[0].inputs: nested deeper than 64 levels",
+        ),
+        (
+            '[{"urn": "u", "type": "t", "name": "n", "inputs": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}]",
+            "nested deeper than JSON can be read here",
+        ),
+        (
+            '[{"urn": "u", "type": "t", "name": "n", "dependencies": "urn:x"}]',
+            "resources[0].dependencies: expected a list",
+        ),
+    ],
+)
 def test_unusable_resources_exit_2(tmp_path, capsys, content, expected):
     f = tmp_path / "r.json"
     f.write_text(content)

@@ -40,8 +40,9 @@ def test_compliant_resources_are_not_rewritten(stack):
 
 
 def test_remediation_can_be_turned_into_a_mandatory_check(stack):
-    report = check(mutate(stack, LT, lambda i: i["metadataOptions"].update(httpTokens="optional")),
-                   {"ec2-imdsv2": "mandatory"})
+    report = check(
+        mutate(stack, LT, lambda i: i["metadataOptions"].update(httpTokens="optional")), {"ec2-imdsv2": "mandatory"}
+    )
     assert report.remediations == []
     (v,) = report.violations
     assert (v.policy, v.enforcement) == ("ec2-imdsv2", "mandatory") and "httpTokens" in v.message

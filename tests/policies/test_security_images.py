@@ -36,8 +36,13 @@ def test_an_addon_by_tag_fails_image_digests(stack):
 
 
 def test_an_init_container_by_tag_is_found_too(stack):
-    bad = mutate(stack, T.DAEMON_SET, lambda i: i["spec"]["template"]["spec"].update(initContainers=[
-        {"name": "init", "image": "busybox:1.36", "resources": _container(i)["resources"]}]))
+    bad = mutate(
+        stack,
+        T.DAEMON_SET,
+        lambda i: i["spec"]["template"]["spec"].update(
+            initContainers=[{"name": "init", "image": "busybox:1.36", "resources": _container(i)["resources"]}]
+        ),
+    )
     assert findings(bad) == {"image-digests": {"mandatory"}}
 
 
@@ -57,7 +62,9 @@ def test_the_stack_sets_the_level(stack_name, level):
     cfg = load_stack(stack_name, ROOT)
     assert cfg.images.require_digests is (stack_name == "prod")
     conf = config_from_stack(cfg)
-    assert {name: conf[name] for name in IMAGE_POLICIES} == {name: {"enforcementLevel": level} for name in IMAGE_POLICIES}
+    assert {name: conf[name] for name in IMAGE_POLICIES} == {
+        name: {"enforcementLevel": level} for name in IMAGE_POLICIES
+    }
 
 
 @pytest.mark.slow  # runs the program under the mock engine
@@ -78,8 +85,13 @@ def test_the_repositorys_stacks_warn_in_dev_and_fail_in_prod(stack_name, level):
     # every workload of the trainer image (job, gate, scheduled fabric check, restore drill, inventory) and
     # vLLM's server and weight check: CronJobs and init containers included
     assert {v.urn.rsplit("::", 1)[-1] for v in by_policy["image-placeholder"]} == {
-        "workload-trainer-job", "workload-gate-job", "workload-ops-fabric-check", "workload-ops-restore-drill",
-        "workload-ops-inventory", "workload-serving-server"}
+        "workload-trainer-job",
+        "workload-gate-job",
+        "workload-ops-fabric-check",
+        "workload-ops-restore-drill",
+        "workload-ops-inventory",
+        "workload-serving-server",
+    }
     assert report.passed is (level == "advisory")
 
 

@@ -10,11 +10,13 @@ from supernode.ops.policycheck import check
 from policy_resources import mutate
 
 
-@pytest.mark.parametrize("kind,resource", [("limits", "cpu"), ("limits", "memory"), ("requests", "cpu"),
-                                           ("requests", "memory")])
+@pytest.mark.parametrize(
+    "kind,resource", [("limits", "cpu"), ("limits", "memory"), ("requests", "cpu"), ("requests", "memory")]
+)
 def test_a_container_missing_one_bound_fails(stack, kind, resource):
-    bad = mutate(stack, T.DAEMON_SET,
-                 lambda i: i["spec"]["template"]["spec"]["containers"][0]["resources"][kind].pop(resource))
+    bad = mutate(
+        stack, T.DAEMON_SET, lambda i: i["spec"]["template"]["spec"]["containers"][0]["resources"][kind].pop(resource)
+    )
     found = check(bad).violations
     assert [(v.policy, v.enforcement) for v in found] == [("container-resources", "mandatory")]
     assert f"{kind}.{resource}" in found[0].message and "dcgm-exporter" in found[0].message

@@ -29,8 +29,12 @@ def prod():
 
 
 def _find(resources: list[dict], typ: str, component: str = "serving") -> dict:
-    return next(r for r in resources if r["type"] == typ and
-                ((r["inputs"].get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") == component)
+    return next(
+        r
+        for r in resources
+        if r["type"] == typ
+        and ((r["inputs"].get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") == component
+    )
 
 
 def _serving_findings(resources: list[dict], cfg) -> dict[str, list[str]]:
@@ -76,12 +80,15 @@ def _open_ingress(r: dict) -> None:
     r["inputs"]["spec"]["ingress"] = [{"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}]
 
 
-@pytest.mark.parametrize("typ,change,policy,needle", [
-    (T.DEPLOYMENT, _drop_init, "serving-weights-verified", "without weights verified by digest"),
-    (T.DEPLOYMENT, _one_replica, "serving-availability", "1 replica(s) in prod"),
-    (T.K8S_SERVICE, _public_service, "serving-not-public", "LoadBalancer"),
-    (T.NETWORK_POLICY, _open_ingress, "serving-not-public", "open to the world"),
-])
+@pytest.mark.parametrize(
+    "typ,change,policy,needle",
+    [
+        (T.DEPLOYMENT, _drop_init, "serving-weights-verified", "without weights verified by digest"),
+        (T.DEPLOYMENT, _one_replica, "serving-availability", "1 replica(s) in prod"),
+        (T.K8S_SERVICE, _public_service, "serving-not-public", "LoadBalancer"),
+        (T.NETWORK_POLICY, _open_ingress, "serving-not-public", "open to the world"),
+    ],
+)
 def test_serving_policies_fail_on_their_mutation(prod, typ, change, policy, needle):
     cfg, resources = prod
     findings = _serving_findings(_mutated(resources, typ, change), cfg)
@@ -97,6 +104,7 @@ def test_missing_pdb_is_reported(prod):
 def test_inference_plan_that_does_not_fit_is_reported(prod):
     cfg, resources = prod
     from supernode.core.plan import PLAN_CONFIGMAP_KEY, build_plan
+
     tp1 = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"tp": 1})})
     plan_json = build_plan("prod", tp1).to_json()
     out = copy.deepcopy(resources)
@@ -110,16 +118,21 @@ def test_inference_plan_that_does_not_fit_is_reported(prod):
 def test_verify_script_blocks_a_corrupted_file(tmp_path):
     """The init container's script: copies and verifies; one changed byte stops the pod (exit 1)."""
     from components.serving import VERIFY_SCRIPT
+
     src = tmp_path / "src"
     src.mkdir()
     (src / "model-00001.safetensors").write_bytes(b"weights" * 100)
     import hashlib
-    (src / "manifest.json").write_text(json.dumps({"files": {"model-00001.safetensors": {
-        "sha256": hashlib.sha256(b"weights" * 100).hexdigest()}}}))
+
+    (src / "manifest.json").write_text(
+        json.dumps({"files": {"model-00001.safetensors": {"sha256": hashlib.sha256(b"weights" * 100).hexdigest()}}})
+    )
     script = tmp_path / "verify.py"
     script.write_text(VERIFY_SCRIPT)
     ok = subprocess.run([sys.executable, str(script), str(src), str(tmp_path / "dst")], capture_output=True, text=True)
     assert ok.returncode == 0 and "1 files verified" in ok.stdout
     (src / "model-00001.safetensors").write_bytes(b"weightz" * 100)
-    bad = subprocess.run([sys.executable, str(script), str(src), str(tmp_path / "dst2")], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, str(script), str(src), str(tmp_path / "dst2")], capture_output=True, text=True
+    )
     assert bad.returncode == 1 and "model-00001.safetensors sha256" in bad.stderr

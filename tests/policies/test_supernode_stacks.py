@@ -66,8 +66,10 @@ def test_gb200_jobs_claim_their_compute_domain_and_keep_to_one_clique(gb200):
     domains = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "ComputeDomain"}
     # one per job: the trainer, the interconnect gate and the scheduled fabric check
     assert set(domains) == {"gb200-fabric-gate", "gb200-train", "gb200-fabric-check"}
-    assert any(m["kind"] == "CustomResourceDefinition" and m["metadata"]["name"] == "computedomains.resource.nvidia.com"
-               for m in manifests)  # the CRD the validator checked them against
+    assert any(
+        m["kind"] == "CustomResourceDefinition" and m["metadata"]["name"] == "computedomains.resource.nvidia.com"
+        for m in manifests
+    )  # the CRD the validator checked them against
     job = next(m for m in manifests if m["kind"] == "PyTorchJob")
     spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     template = domains["gb200-train"]["spec"]["channel"]["resourceClaimTemplate"]["name"]
@@ -77,12 +79,16 @@ def test_gb200_jobs_claim_their_compute_domain_and_keep_to_one_clique(gb200):
     term = spec["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
     assert term["topologyKey"] == "nvidia.com/gpu.clique"
     gate = next(m for m in manifests if m["kind"] == "Job")
-    assert gate["spec"]["template"]["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == (
-        domains["gb200-fabric-gate"]["spec"]["channel"]["resourceClaimTemplate"]["name"])
+    assert (
+        gate["spec"]["template"]["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
+        == (domains["gb200-fabric-gate"]["spec"]["channel"]["resourceClaimTemplate"]["name"])
+    )
     check = next(m for m in manifests if m["kind"] == "CronJob" and "fabric" in m["metadata"]["name"])
     pod = check["spec"]["jobTemplate"]["spec"]["template"]["spec"]
-    assert pod["resourceClaims"][0]["resourceClaimTemplateName"] == (
-        domains["gb200-fabric-check"]["spec"]["channel"]["resourceClaimTemplate"]["name"])
+    assert (
+        pod["resourceClaims"][0]["resourceClaimTemplateName"]
+        == (domains["gb200-fabric-check"]["spec"]["channel"]["resourceClaimTemplate"]["name"])
+    )
 
 
 def test_single_node_domains_create_no_compute_domain(b300):
@@ -96,8 +102,11 @@ DRA = "nvidia-dra-driver-gpu"
 
 
 def dra_driver(manifests: list[dict]) -> list[dict]:
-    return [m for m in manifests if m["metadata"].get("labels", {}).get("app.kubernetes.io/name") == DRA
-            or m["kind"] == "DeviceClass"]
+    return [
+        m
+        for m in manifests
+        if m["metadata"].get("labels", {}).get("app.kubernetes.io/name") == DRA or m["kind"] == "DeviceClass"
+    ]
 
 
 def test_gb200_installs_the_dra_driver_in_compute_domain_mode_before_its_jobs(gb200):
@@ -117,21 +126,30 @@ def test_gb200_installs_the_dra_driver_in_compute_domain_mode_before_its_jobs(gb
     (c,) = pod["containers"]
     assert c["name"] == "compute-domains" and c["command"][0] == "compute-domain-kubelet-plugin"
     assert {e["name"]: e.get("value") for e in c["env"]}["KUBELET_PLUGINS_DIRECTORY_PATH"] == "/var/lib/kubelet/plugins"
-    assert {v["hostPath"]["path"] for v in pod["volumes"]} >= {"/var/lib/kubelet/plugins_registry",
-                                                              "/var/lib/kubelet/plugins", "/var/run/cdi"}
+    assert {v["hostPath"]["path"] for v in pod["volumes"]} >= {
+        "/var/lib/kubelet/plugins_registry",
+        "/var/lib/kubelet/plugins",
+        "/var/run/cdi",
+    }
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"  # on the GPU node groups
     assert pod["serviceAccountName"] == f"{DRA}-kubeletplugin"
-    assert {c["image"] for c in pod["initContainers"] + pod["containers"]} == {controller["spec"]["template"]["spec"][
-        "containers"][0]["image"]}
+    assert {c["image"] for c in pod["initContainers"] + pod["containers"]} == {
+        controller["spec"]["template"]["spec"]["containers"][0]["image"]
+    }
     # the channel and daemon classes, at the DRA version the 1.33 cluster serves
     classes = {n: m["apiVersion"] for (k, n), m in objs.items() if k == "DeviceClass"}
-    assert classes == {"compute-domain-daemon.nvidia.com": "resource.k8s.io/v1beta1",
-                       "compute-domain-default-channel.nvidia.com": "resource.k8s.io/v1beta1"}
+    assert classes == {
+        "compute-domain-daemon.nvidia.com": "resource.k8s.io/v1beta1",
+        "compute-domain-default-channel.nvidia.com": "resource.k8s.io/v1beta1",
+    }
     # the daemons the controller launches run as the account its template names
     assert ("ServiceAccount", "compute-domain-daemon-service-account") in objs
     # every ComputeDomain, so the trainer and the gate, waits for the driver's workloads
-    urns = {r["inputs"]["metadata"]["name"]: r["urn"] for r in resources
-            if r["type"] in (T.DEPLOYMENT, T.DAEMON_SET) and r["inputs"]["metadata"].get("name", "").startswith(DRA)}
+    urns = {
+        r["inputs"]["metadata"]["name"]: r["urn"]
+        for r in resources
+        if r["type"] in (T.DEPLOYMENT, T.DAEMON_SET) and r["inputs"]["metadata"].get("name", "").startswith(DRA)
+    }
     assert set(urns) == {f"{DRA}-controller", f"{DRA}-kubelet-plugin"}
     domains = [r for r in resources if r["type"] == T.COMPUTE_DOMAIN]
     assert len(domains) == 3
@@ -160,8 +178,9 @@ def with_plan(resources: list[dict], plan_json: str) -> list[dict]:
 
 def test_gb200_ep_crossing_domains_fails_naming_the_fix(gb200):
     cfg, resources = gb200
-    crossing = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"dp_replicate": 1, "dp_shard": 144,
-                                                                                  "ep": 144})})
+    crossing = cfg.model_copy(
+        update={"parallel": cfg.parallel.model_copy(update={"dp_replicate": 1, "dp_shard": 144, "ep": 144})}
+    )
     plan = build_plan("gb200", crossing)
     assert not plan.topology.group("ep").inside_domain
     messages = mandatory(with_plan(resources, plan.to_json()), cfg)["interconnect-nvlink-domain"]

@@ -111,8 +111,11 @@ class AwsStub:
 
     @staticmethod
     def ec2_error(code: str, message: str, status: int = 400) -> Answer:
-        return Answer(status, f'<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error><Code>{code}</Code>'
-                              f"<Message>{message}</Message></Error></Errors><RequestID>stub</RequestID></Response>")
+        return Answer(
+            status,
+            f'<?xml version="1.0" encoding="UTF-8"?><Response><Errors><Error><Code>{code}</Code>'
+            f"<Message>{message}</Message></Error></Errors><RequestID>stub</RequestID></Response>",
+        )
 
     @staticmethod
     def json_answer(doc: dict, status: int = 200) -> Answer:
@@ -147,8 +150,14 @@ def _warm_up(url: str) -> None:
     import boto3
     from botocore.config import Config
 
-    ec2 = boto3.client("ec2", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
-                       aws_secret_access_key="testing", config=Config(read_timeout=300, retries={"max_attempts": 1}))
+    ec2 = boto3.client(
+        "ec2",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=Config(read_timeout=300, retries={"max_attempts": 1}),
+    )
     ec2.describe_instance_types(InstanceTypes=["p5.48xlarge"])
     ec2.describe_instance_type_offerings(LocationType="availability-zone")
 

@@ -14,8 +14,20 @@ from supernode.core.plan import Plan, build_local_plan, build_plan
 ROOT = Path(__file__).resolve().parents[2]
 
 # 2 layers (layer 0 dense, layer 1 MoE), d=64, 4 heads of 16, 2 kv heads, 4 experts top-2, 1 shared.
-TINY = Model(layers=2, dim=64, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=32,
-             dense_hidden=128, first_dense_layers=1, vocab=100, seq_len=16)
+TINY = Model(
+    layers=2,
+    dim=64,
+    heads=4,
+    kv_heads=2,
+    experts=4,
+    top_k=2,
+    shared_experts=1,
+    expert_hidden=32,
+    dense_hidden=128,
+    first_dense_layers=1,
+    vocab=100,
+    seq_len=16,
+)
 FP32_EP2 = Parallel(dp_shard=2, ep=2, mixed_precision="fp32")
 TRAIN = Training(global_batch=4, micro_batch=2, steps=10, lr=1e-3, checkpoint_interval=5)
 
@@ -86,7 +98,9 @@ def test_checkpoint_size_and_fsx_sizing():
     assert ck.fsx_capacity_gib == 1200 and ck.within_budget
     # 10 TB checkpoint in 300 s needs 33,333 MB/s: at 500 MB/s/TiB that is 66.7 TiB -> 69,600 GiB (x 2400)
     assert cap.fsx_capacity_for(10e12 / 1e6 / 300, 500, 0) == 69600
-    small = cap.checkpoint_io(TINY, TRAIN, Fsx(capacity_gib=1200, per_unit_throughput=125, checkpoint_write_budget_s=10))
+    small = cap.checkpoint_io(
+        TINY, TRAIN, Fsx(capacity_gib=1200, per_unit_throughput=125, checkpoint_write_budget_s=10)
+    )
     assert small.fsx_throughput_mb_s == pytest.approx(1200 / 1024 * 125)
 
 
@@ -113,10 +127,14 @@ def test_prod_is_a_50_to_200b_moe_on_128_h100():
 
 def test_plan_that_does_not_fit_says_by_how_much_and_suggests_layouts():
     cfg = load_stack("prod", ROOT)
-    cfg = cfg.model_copy(update={
-        "parallel": cfg.parallel.model_copy(update={"dp_replicate": 16, "dp_shard": 8, "ep": 8,
-                                                    "activation_checkpointing": "none"}),
-        "training": cfg.training.model_copy(update={"micro_batch": 4, "global_batch": 1024})})
+    cfg = cfg.model_copy(
+        update={
+            "parallel": cfg.parallel.model_copy(
+                update={"dp_replicate": 16, "dp_shard": 8, "ep": 8, "activation_checkpointing": "none"}
+            ),
+            "training": cfg.training.model_copy(update={"micro_batch": 4, "global_batch": 1024}),
+        }
+    )
     plan = build_plan("prod", cfg)
     assert not plan.fits and plan.over_by_gib > 0
     # "fits" means within the usable HBM (HBM less the layout's headroom), the figure the policy reads.
@@ -175,11 +193,15 @@ def test_pipeline_bubble_by_hand():
 def test_in_flight_activations_follow_the_schedule():
     # rank 0 at the peak: gpipe all m = 4 micro-batches, 1f1b pp = 2, interleaved
     # (v-1)*pp + 2*(pp-1) + 1 = 2 + 2 + 1 = 5 micro-batches through a one-layer virtual stage
-    flights = {s: cap.pipeline(FOUR, pp_layout(s, v), PP_TRAIN).in_flight
-               for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2))}
+    flights = {
+        s: cap.pipeline(FOUR, pp_layout(s, v), PP_TRAIN).in_flight
+        for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2))
+    }
     assert flights == {"gpipe": 4, "1f1b": 2, "interleaved1f1b": 5}
-    act = {s: cap.memory(FOUR, pp_layout(s, v), PP_TRAIN).activations
-           for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2))}
+    act = {
+        s: cap.memory(FOUR, pp_layout(s, v), PP_TRAIN).activations
+        for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2))
+    }
     # layer x micro-batch activations held: gpipe 4 x 2 layers, 1f1b 2 x 2, interleaved 5 x 1
     assert act["gpipe"] == 2 * act["1f1b"] and act["interleaved1f1b"] * 4 == act["1f1b"] * 5
 
@@ -194,15 +216,36 @@ def test_suggestions_consider_pipeline_stages_where_nothing_else_fits():
     assert found and all(s.pp >= 2 for s in found)
     assert {s.pp for s in found} == {2, 4}
     for s in found:  # each passes the same validator as a stack's own layout
-        cand = p.model_copy(update=dict(dp_replicate=s.dp_replicate, dp_shard=s.dp_shard, tp=s.tp, ep=s.ep, pp=s.pp,
-                                        pp_schedule=s.pp_schedule, pp_virtual_stages=s.pp_virtual_stages))
+        cand = p.model_copy(
+            update=dict(
+                dp_replicate=s.dp_replicate,
+                dp_shard=s.dp_shard,
+                tp=s.tp,
+                ep=s.ep,
+                pp=s.pp,
+                pp_schedule=s.pp_schedule,
+                pp_virtual_stages=s.pp_virtual_stages,
+            )
+        )
         assert not cap.layout_rules(m, cand, t, 32, 8)
 
 
 def test_plan_carries_the_pipeline():
     cfg = load_stack("dev", ROOT)
-    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={
-        "pp": 2, "tp": 1, "dp_shard": 8, "ep": 8, "pp_schedule": "interleaved1f1b", "pp_virtual_stages": 2})})
+    cfg = cfg.model_copy(
+        update={
+            "parallel": cfg.parallel.model_copy(
+                update={
+                    "pp": 2,
+                    "tp": 1,
+                    "dp_shard": 8,
+                    "ep": 8,
+                    "pp_schedule": "interleaved1f1b",
+                    "pp_virtual_stages": 2,
+                }
+            )
+        }
+    )
     plan = build_plan("dev", cfg)
     # 128 sequences / (4 x dp 8) = 4 micro-batches; 12 layers over 4 stages
     assert (plan.degrees.pp, plan.pipeline.schedule, plan.pipeline.virtual_stages) == (2, "interleaved1f1b", 2)

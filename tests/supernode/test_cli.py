@@ -93,9 +93,10 @@ def test_an_output_path_under_a_file_is_bad_input(tmp_path, capsys):
     """A path a user gave that cannot be a directory: one line naming it, exit 2, in every command."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    for argv in (["train", "--stack", "dev", "--root", str(ROOT), "--local", "--out", str(blocker / "out"),
-                  "--steps", "1"],
-                 ["data", "prepare", "--out", str(blocker / "out")]):
+    for argv in (
+        ["train", "--stack", "dev", "--root", str(ROOT), "--local", "--out", str(blocker / "out"), "--steps", "1"],
+        ["data", "prepare", "--out", str(blocker / "out")],
+    ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert f"error: {blocker / 'out'}: Not a directory" in err and "internal error" not in err

@@ -103,18 +103,29 @@ def test_pipeline_parallel_is_accepted_with_uneven_stages(dev_data):
     assert cfg.parallel.stages == 4
 
 
-@pytest.mark.parametrize("changes,expected", [
-    ({"model.layers": 1, "model.firstDenseLayers": 0}, "supernode:parallel.pp"),  # 2 stages, 1 layer
-    ({"parallel.ppFirstStageFewerLayers": 12}, "supernode:parallel.ppFirstStageFewerLayers"),
-    ({"parallel.ppLastStageFewerLayers": 12}, "supernode:parallel.ppLastStageFewerLayers"),
-    ({"training.microBatch": 16}, "supernode:training.microBatch"),  # 128 / (16 * 8) = 1 micro-batch < pp
-    ({"parallel.ppVirtualStages": 2}, "supernode:parallel.ppVirtualStages"),  # needs interleaved1f1b
-    ({"parallel.ppSchedule": "interleaved1f1b"}, "supernode:parallel.ppVirtualStages"),  # needs >= 2
-    ({"parallel.ppSchedule": "interleaved1f1b", "parallel.ppVirtualStages": 2, "parallel.pp": 4,
-      "parallel.dpShard": 4, "training.globalBatch": 96}, "supernode:training.microBatch"),  # 6 % 4
-    ({"model.tieEmbeddings": True}, "supernode:model.tieEmbeddings"),
-    ({"parallel.ppSchedule": "zero-bubble"}, "supernode:parallel.ppSchedule"),
-])
+@pytest.mark.parametrize(
+    "changes,expected",
+    [
+        ({"model.layers": 1, "model.firstDenseLayers": 0}, "supernode:parallel.pp"),  # 2 stages, 1 layer
+        ({"parallel.ppFirstStageFewerLayers": 12}, "supernode:parallel.ppFirstStageFewerLayers"),
+        ({"parallel.ppLastStageFewerLayers": 12}, "supernode:parallel.ppLastStageFewerLayers"),
+        ({"training.microBatch": 16}, "supernode:training.microBatch"),  # 128 / (16 * 8) = 1 micro-batch < pp
+        ({"parallel.ppVirtualStages": 2}, "supernode:parallel.ppVirtualStages"),  # needs interleaved1f1b
+        ({"parallel.ppSchedule": "interleaved1f1b"}, "supernode:parallel.ppVirtualStages"),  # needs >= 2
+        (
+            {
+                "parallel.ppSchedule": "interleaved1f1b",
+                "parallel.ppVirtualStages": 2,
+                "parallel.pp": 4,
+                "parallel.dpShard": 4,
+                "training.globalBatch": 96,
+            },
+            "supernode:training.microBatch",
+        ),  # 6 % 4
+        ({"model.tieEmbeddings": True}, "supernode:model.tieEmbeddings"),
+        ({"parallel.ppSchedule": "zero-bubble"}, "supernode:parallel.ppSchedule"),
+    ],
+)
 def test_pipeline_rules_name_their_path(dev_data, changes, expected):
     data = pipelined(dev_data)
     for path, value in changes.items():
@@ -173,9 +184,20 @@ def test_missing_file_exits_2(capsys, tmp_path):
 @pytest.mark.parametrize("name", ["malformed_yaml", "world_size_mismatch", "null_model"])
 def test_real_process_prints_no_traceback(name):
     """The console script end to end: exit 2, message on stderr, no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "supernode", "plan", "--config",
-                           str(Path(__file__).parent / "invalid_stacks" / f"{name}.yaml")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "supernode",
+            "plan",
+            "--config",
+            str(Path(__file__).parent / "invalid_stacks" / f"{name}.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "invalid configuration" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
 
@@ -197,9 +219,11 @@ def test_yaml_dump_of_config_is_loadable(tmp_path):
 
 # -- bring your own VPC ------------------------------------------------------------------------------
 
-BYO = {"existingVpcId": "vpc-0a1b2c3d4e5f60718", "existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711",
-                                                                             "subnet-0a1b2c3d4e5f60722"],
-       "existingGpuSubnetId": "subnet-0a1b2c3d4e5f60733"}
+BYO = {
+    "existingVpcId": "vpc-0a1b2c3d4e5f60718",
+    "existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711", "subnet-0a1b2c3d4e5f60722"],
+    "existingGpuSubnetId": "subnet-0a1b2c3d4e5f60733",
+}
 SUBNET_CIDR_KEYS = ("privateSubnetCidrs", "publicSubnetCidrs", "gpuSubnetCidr")
 
 
@@ -223,7 +247,10 @@ def test_existing_vpc_config_loads_and_round_trips(dev_data):
     cfg = from_mapping(in_existing_vpc(dev_data))
     net = cfg.network
     assert (net.existing_vpc_id, net.existing_private_subnet_ids, net.existing_gpu_subnet_id) == (
-        BYO["existingVpcId"], BYO["existingPrivateSubnetIds"], BYO["existingGpuSubnetId"])
+        BYO["existingVpcId"],
+        BYO["existingPrivateSubnetIds"],
+        BYO["existingGpuSubnetId"],
+    )
     assert (net.private_subnet_cidrs, net.public_subnet_cidrs, net.gpu_subnet_cidr) == ([], [], None)
     assert from_mapping(cfg.to_mapping()) == cfg
     assert net.nat_gateway is None and not net.use_nat_gateway  # NAT defaults off in an existing VPC
@@ -236,18 +263,30 @@ def test_nat_gateway_defaults_on_for_a_created_vpc(dev_data):
 
 BYO_RULES = [
     # (network overrides, issue path, what the message must say)
-    ({"existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711"]}, "network.existingPrivateSubnetIds",
-     "one subnet id (subnet-...) per availability zone, in the same order (us-east-1a, us-east-1b)"),
-    ({"existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711"] * 2}, "network.existingPrivateSubnetIds",
-     "must be distinct"),
-    ({"existingGpuSubnetId": None}, "network.existingGpuSubnetId",
-     "required with network.existingVpcId: the id (subnet-...) of the GPU nodes' subnet in availabilityZone us-east-1a"),
+    (
+        {"existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711"]},
+        "network.existingPrivateSubnetIds",
+        "one subnet id (subnet-...) per availability zone, in the same order (us-east-1a, us-east-1b)",
+    ),
+    (
+        {"existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711"] * 2},
+        "network.existingPrivateSubnetIds",
+        "must be distinct",
+    ),
+    (
+        {"existingGpuSubnetId": None},
+        "network.existingGpuSubnetId",
+        "required with network.existingVpcId: the id (subnet-...) of the GPU nodes' subnet in availabilityZone us-east-1a",
+    ),
     ({"natGateway": True}, "network.natGateway", "the VPC owner provides egress"),
     ({"privateSubnetCidrs": ["10.20.0.0/19", "10.20.32.0/19"]}, "network.privateSubnetCidrs", "ambiguous"),
     ({"publicSubnetCidrs": ["10.20.192.0/24", "10.20.193.0/24"]}, "network.publicSubnetCidrs", "ambiguous"),
     ({"gpuSubnetCidr": "10.20.64.0/18"}, "network.gpuSubnetCidr", "ambiguous"),
-    ({"existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711", "sn-12345678"]}, "network.existingPrivateSubnetIds[1]",
-     "^subnet-[0-9a-f]{8,17}$"),
+    (
+        {"existingPrivateSubnetIds": ["subnet-0a1b2c3d4e5f60711", "sn-12345678"]},
+        "network.existingPrivateSubnetIds[1]",
+        "^subnet-[0-9a-f]{8,17}$",
+    ),
     ({"existingGpuSubnetId": "subnet-XYZ"}, "network.existingGpuSubnetId", "^subnet-[0-9a-f]{8,17}$"),
 ]
 
@@ -261,8 +300,13 @@ def test_existing_vpc_rule_names_path_value_and_fix(dev_data, network, path, say
         assert f"(got {given!r})" in str(issue)
 
 
-@pytest.mark.parametrize("key,value", [("existingPrivateSubnetIds", BYO["existingPrivateSubnetIds"]),
-                                       ("existingGpuSubnetId", BYO["existingGpuSubnetId"])])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("existingPrivateSubnetIds", BYO["existingPrivateSubnetIds"]),
+        ("existingGpuSubnetId", BYO["existingGpuSubnetId"]),
+    ],
+)
 def test_existing_subnets_need_the_existing_vpc(dev_data, key, value):
     issue = issue_at(mutated(dev_data, f"network.{key}", value), f"supernode:network.{key}")
     assert "need network.existingVpcId" in issue.message and issue.value == value
@@ -277,12 +321,14 @@ def test_subnet_cidrs_are_required_for_a_created_vpc(dev_data, key):
 
 # -- the configuration reference, did-you-mean, one round of errors -------------------------------
 
+
 def test_configuration_reference_is_up_to_date():
     from supernode.core.config.reference import reference
 
     doc = ROOT / "docs" / "configuration.md"
     assert doc.read_text(encoding="utf-8") == reference() + "\n", (
-        "docs/configuration.md is stale: run `supernode config reference > docs/configuration.md`")
+        "docs/configuration.md is stale: run `supernode config reference > docs/configuration.md`"
+    )
     text = reference()
     # Every key of every section is in it, with allowed values and the rules in words.
     for key in ("dpShard", "hbmHeadroom", "checkpointWriteBudgetS", "existingGpuSubnetId", "gateMinFraction"):
@@ -322,8 +368,10 @@ def test_misspelt_namespace_is_reported_not_ignored(tmp_path):
 
 def test_field_and_cross_field_errors_come_in_one_round(tmp_path):
     path = tmp_path / "Pulumi.t.yaml"
-    path.write_text(_stack_text(**{"    dpShard:": "    dpShrad:", "vpcCidr: 10.20.0.0/16": "vpcCidr: 10.20.0.0/33"}),
-                    encoding="utf-8")
+    path.write_text(
+        _stack_text(**{"    dpShard:": "    dpShrad:", "vpcCidr: 10.20.0.0/16": "vpcCidr: 10.20.0.0/33"}),
+        encoding="utf-8",
+    )
     with pytest.raises(ConfigError) as e:
         load_file(path)
     paths = [i.path for i in e.value.issues]

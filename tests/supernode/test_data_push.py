@@ -49,8 +49,18 @@ def dataset(out: Path, tokens: int, seed: int) -> Path:
     out.mkdir(parents=True)
     writer.add(np.random.default_rng(seed).integers(0, 4096, size=tokens, dtype=np.uint16))
     shards = writer.close()
-    write_manifest(out, {"tokenizer": {"kind": "synthetic"}, "vocab": 4096, "dtype": "uint16", "eos": 0,
-                         "total_tokens": tokens, "max_id": max(s["max_id"] for s in shards), "shards": shards})
+    write_manifest(
+        out,
+        {
+            "tokenizer": {"kind": "synthetic"},
+            "vocab": 4096,
+            "dtype": "uint16",
+            "eos": 0,
+            "total_tokens": tokens,
+            "max_id": max(s["max_id"] for s in shards),
+            "shards": shards,
+        },
+    )
     return out
 
 
@@ -80,7 +90,8 @@ def test_interrupted_push_resumes_and_the_manifest_comes_last(moto_aws, tmp_path
     manifest = json.loads((data / "manifest.json").read_text())
     assert listing(s3, bucket, prefix + "web/") == {
         **{s["file"]: s["sha256"] for s in manifest["shards"]},
-        "manifest.json": hashlib.sha256((data / "manifest.json").read_bytes()).hexdigest()}
+        "manifest.json": hashlib.sha256((data / "manifest.json").read_bytes()).hexdigest(),
+    }
     puts = [s for s in moto_aws.seen if s.startswith(("PUT", "POST"))]
     assert "manifest.json" in puts[-1]  # the last write is the manifest
     body = s3.get_object(Bucket=bucket, Key=prefix + "web/shard_00001.bin")["Body"].read()
@@ -117,13 +128,28 @@ def test_push_input_errors_exit_2(moto_aws, tmp_path, capsys):
 
 def test_push_to_a_missing_bucket_says_so_once(moto_aws, tmp_path, capsys):
     prepare(DEFAULT_CORPUS, tmp_path / "d", 100_000)
-    assert main(["data", "push", "--stack", "dev", "--root", str(ROOT), str(tmp_path / "d"),
-                 "--bucket", moto_aws.unique("absent")]) == 1
+    assert (
+        main(
+            [
+                "data",
+                "push",
+                "--stack",
+                "dev",
+                "--root",
+                str(ROOT),
+                str(tmp_path / "d"),
+                "--bucket",
+                moto_aws.unique("absent"),
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "stopped:" in err and "NoSuchBucket" in err and "Traceback" not in err
 
 
 # -- supernode model push: an export to inference.weightsPrefix --------------------------------------
+
 
 def export_dir(tmp: Path) -> Path:
     """A real export (trainer.export) of a small committed checkpoint, in shards of 7 MiB: the 6 MiB
@@ -139,8 +165,21 @@ def export_dir(tmp: Path) -> Path:
     from trainer.model import Transformer
     from supernode.core.files import sha256_file
 
-    m = Model(layers=2, dim=128, heads=2, kv_heads=1, experts=4, top_k=2, shared_experts=1, expert_hidden=64,
-              dense_hidden=192, first_dense_layers=1, vocab=12288, seq_len=32, router="sigmoid")
+    m = Model(
+        layers=2,
+        dim=128,
+        heads=2,
+        kv_heads=1,
+        experts=4,
+        top_k=2,
+        shared_experts=1,
+        expert_hidden=64,
+        dense_hidden=192,
+        first_dense_layers=1,
+        vocab=12288,
+        seq_len=32,
+        router="sigmoid",
+    )
     torch.manual_seed(0)
     model = Transformer(m)
     model.init_weights(0)
@@ -148,8 +187,15 @@ def export_dir(tmp: Path) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
-        (step / COMPLETE).write_text(json.dumps({"step": 3, "files": {f.name: sha256_file(f) for f in step.iterdir()},
-                                                 "model": m.model_dump(mode="json")}))
+        (step / COMPLETE).write_text(
+            json.dumps(
+                {
+                    "step": 3,
+                    "files": {f.name: sha256_file(f) for f in step.iterdir()},
+                    "model": m.model_dump(mode="json"),
+                }
+            )
+        )
         export(step, tmp / "model", dtype="fp32", shard_bytes=7 * MIB, say=lambda s: None)
     return tmp / "model"
 
@@ -179,7 +225,10 @@ def test_model_push_resumes_lands_where_serving_reads_and_passes_its_verify_scri
     pin = hashlib.sha256((model / "manifest.json").read_bytes()).hexdigest()
     assert f"s3://{bucket}/{prefix}: {len(objects) - 3} object(s) uploaded" in out and "3 already there" in out
     assert f"inference.manifestSha256: {pin}" in out
-    assert listing(s3, bucket, prefix) == {**{f: e["sha256"] for f, e in manifest["files"].items()}, "manifest.json": pin}
+    assert listing(s3, bucket, prefix) == {
+        **{f: e["sha256"] for f, e in manifest["files"].items()},
+        "manifest.json": pin,
+    }
     puts = [s for s in moto_aws.seen if s.startswith(("PUT", "POST"))]
     assert "manifest.json" in puts[-1]  # the last write is the manifest
 
@@ -188,7 +237,9 @@ def test_model_push_resumes_lands_where_serving_reads_and_passes_its_verify_scri
     fsx.mkdir(parents=True)
     for key in listing(s3, bucket, prefix):
         s3.download_file(bucket, prefix + key, str(fsx / key))
-    run = subprocess.run([sys.executable, "-c", VERIFY_SCRIPT, str(fsx), str(local), pin], capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-c", VERIFY_SCRIPT, str(fsx), str(local), pin], capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr
     assert f"weights: {len(manifest['files'])} files verified" in run.stdout
 

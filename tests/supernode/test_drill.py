@@ -35,13 +35,33 @@ def checkpoint(tmp_path_factory) -> Path:
     plan = build_local_plan("dev", from_mapping(data), 2)
     (tmp / "plan.json").write_text(plan.to_json(), encoding="utf-8")
     prepare(DEFAULT_CORPUS, tmp / "data", shard_tokens=1 << 16)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "trainer.train", "--plan", str(tmp / "plan.json"), "--data", str(tmp / "data"), "--out", str(tmp / "out"),
-           "--steps", "2"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "trainer.train",
+        "--plan",
+        str(tmp / "plan.json"),
+        "--data",
+        str(tmp / "data"),
+        "--out",
+        str(tmp / "out"),
+        "--steps",
+        "2",
+    ]
+    run = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    (step, path), = complete_checkpoints(tmp / "out" / "checkpoints")[-1:]
+    ((step, path),) = complete_checkpoints(tmp / "out" / "checkpoints")[-1:]
     assert step == 2
     return path
 
@@ -66,8 +86,23 @@ def upload(stub, checkpoint: Path, tmp_path: Path, *, corrupt: str = "", skip: s
 
 
 def drill(outputs: Path, tmp_path: Path, capsys, *flags: str) -> tuple[int, dict]:
-    code = main(["drill", "restore", "--stack", "dev", "--root", str(ROOT), "--local", "--outputs", str(outputs),
-                 "--dest", str(tmp_path / "restore"), "--json", *flags])
+    code = main(
+        [
+            "drill",
+            "restore",
+            "--stack",
+            "dev",
+            "--root",
+            str(ROOT),
+            "--local",
+            "--outputs",
+            str(outputs),
+            "--dest",
+            str(tmp_path / "restore"),
+            "--json",
+            *flags,
+        ]
+    )
     out = capsys.readouterr().out.strip().splitlines()
     return code, json.loads(out[-1])
 

@@ -10,14 +10,34 @@ from supernode.core.catalog import CATALOG, GIB
 from supernode.core.config import Model, load_stack
 from supernode.core.config.schema import Inference
 from supernode.core.errors import BadInput
-from supernode.core.inference import (GLM4_MOE, HBM_EFFICIENCY, QWEN3_MOE, RUNTIME_OVERHEAD_GIB,
-                                      build_inference_plan, hf_config, served_architecture)
+from supernode.core.inference import (
+    GLM4_MOE,
+    HBM_EFFICIENCY,
+    QWEN3_MOE,
+    RUNTIME_OVERHEAD_GIB,
+    build_inference_plan,
+    hf_config,
+    served_architecture,
+)
 from supernode.core.plan import build_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "docker.io/vllm/vllm-openai@sha256:" + "a" * 64
-SMALL = Model(layers=2, dim=64, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=32,
-              dense_hidden=128, first_dense_layers=1, vocab=100, seq_len=128, router="sigmoid")
+SMALL = Model(
+    layers=2,
+    dim=64,
+    heads=4,
+    kv_heads=2,
+    experts=4,
+    top_k=2,
+    shared_experts=1,
+    expert_hidden=32,
+    dense_hidden=128,
+    first_dense_layers=1,
+    vocab=100,
+    seq_len=128,
+    router="sigmoid",
+)
 
 
 def _cfg(model: Model, **inference):
@@ -63,8 +83,13 @@ def test_replica_across_nodes_is_a_leaderworkerset():
 
 def test_bandwidth_scales_decode():
     base = _cfg(SMALL)
-    h200 = base.model_copy(update={"accelerator_node_groups": [
-        base.accelerator_node_groups[0].model_copy(update={"instance_type": "p5e.48xlarge"})]})
+    h200 = base.model_copy(
+        update={
+            "accelerator_node_groups": [
+                base.accelerator_node_groups[0].model_copy(update={"instance_type": "p5e.48xlarge"})
+            ]
+        }
+    )
     a, b = build_inference_plan(base), build_inference_plan(h200)
     assert b.decode_tokens_s / a.decode_tokens_s == pytest.approx(4800 / 3350)
 

@@ -20,8 +20,14 @@ from supernode.core import catalog
 from supernode.ops.awscheck import Aws, Check
 from supernode.cli import main
 from supernode.core.config import from_mapping, read_stack_file
-from supernode.ops.preflight import (P_QUOTA_CODE, check_bucket, check_instance_type, check_kms_key, check_vpc,
-                                 run_preflight)
+from supernode.ops.preflight import (
+    P_QUOTA_CODE,
+    check_bucket,
+    check_instance_type,
+    check_kms_key,
+    check_vpc,
+    run_preflight,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
@@ -48,10 +54,20 @@ def by_name(checks: list[Check]) -> dict[str, Check]:
     return {c.name: c for c in checks}
 
 
-def reservation_xml(stub, cr: str, state: str = "active", az: str = "us-east-1a", total: int = 2, available: int = 2,
-                    rtype: str = "default", itype: str = "p5.48xlarge", end: datetime | None = None):
+def reservation_xml(
+    stub,
+    cr: str,
+    state: str = "active",
+    az: str = "us-east-1a",
+    total: int = 2,
+    available: int = 2,
+    rtype: str = "default",
+    itype: str = "p5.48xlarge",
+    end: datetime | None = None,
+):
     """A DescribeCapacityReservations answer as EC2 writes it (moto does not implement the API)."""
-    return stub.Answer(body=f"""<?xml version="1.0" encoding="UTF-8"?>
+    return stub.Answer(
+        body=f"""<?xml version="1.0" encoding="UTF-8"?>
 <DescribeCapacityReservationsResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">
   <requestId>stub</requestId>
   <capacityReservationSet><item>
@@ -61,16 +77,27 @@ def reservation_xml(stub, cr: str, state: str = "active", az: str = "us-east-1a"
     <state>{state}</state><reservationType>{rtype}</reservationType>
     <startDate>2026-12-10T11:30:00.000Z</startDate>{f"<endDate>{end:%Y-%m-%dT%H:%M:%S.000Z}</endDate>" if end else ""}
   </item></capacityReservationSet>
-</DescribeCapacityReservationsResponse>""")
+</DescribeCapacityReservationsResponse>"""
+    )
 
 
 def quota(stub, value: float):
     """A GetServiceQuota answer as Service Quotas writes it (moto knows only VPC quotas)."""
-    return stub.json_answer({"Quota": {"ServiceCode": "ec2", "QuotaCode": P_QUOTA_CODE, "Value": value,
-                                  "QuotaName": "Running On-Demand P instances", "Unit": "None"}})
+    return stub.json_answer(
+        {
+            "Quota": {
+                "ServiceCode": "ec2",
+                "QuotaCode": P_QUOTA_CODE,
+                "Value": value,
+                "QuotaName": "Running On-Demand P instances",
+                "Unit": "None",
+            }
+        }
+    )
 
 
 # -- instance types ------------------------------------------------------------------------------
+
 
 def test_every_catalog_type_is_covered_by_the_p_quota():
     assert all(name.startswith("p") for name in catalog.CATALOG)
@@ -97,9 +124,14 @@ def test_type_not_offered_in_az_fails_and_names_azs_that_offer_it(moto_aws):
     offering = offering_for("p4de.24xlarge")
     assert offering.result == "fail"
     assert offering.detail == "EC2 does not offer p4de.24xlarge in us-east-1a"
-    offered = sorted({o["Location"] for o in boto3.client("ec2", region_name=REGION).describe_instance_type_offerings(
-        LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": ["p4de.24xlarge"]}])
-        ["InstanceTypeOfferings"]})
+    offered = sorted(
+        {
+            o["Location"]
+            for o in boto3.client("ec2", region_name=REGION).describe_instance_type_offerings(
+                LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": ["p4de.24xlarge"]}]
+            )["InstanceTypeOfferings"]
+        }
+    )
     assert offered and "us-east-1a" not in offered
     assert offering.fix.startswith(f"choose an AZ that offers it: {', '.join(offered)}")
 
@@ -133,8 +165,9 @@ def test_p6_card_layouts_and_architecture_are_compared_with_ec2(moto_aws):
 def test_type_ec2_does_not_describe_warns_that_it_could_not_be_compared(moto_aws):
     check = check_instance_type(Aws(REGION), "p6e-gb200.36xlarge")
     assert check.result == "warn"
-    assert check.detail == ("EC2 in us-east-1 does not describe p6e-gb200.36xlarge: the catalog's figures could not "
-                            "be compared")
+    assert check.detail == (
+        "EC2 in us-east-1 does not describe p6e-gb200.36xlarge: the catalog's figures could not be compared"
+    )
     assert "aws ec2 describe-instance-types --instance-types p6e-gb200.36xlarge" in check.fix
 
 
@@ -144,16 +177,21 @@ def test_catalog_mismatch_names_each_field(moto_aws, monkeypatch):
     monkeypatch.setitem(catalog.CATALOG, "p5.48xlarge", wrong)
     check = check_instance_type(Aws(REGION), "p5.48xlarge")
     assert check.result == "fail"
-    assert check.detail == ("catalog differs from EC2: GPUs: catalog 4, EC2 8; max EFA interfaces: catalog 16, EC2 32; "
-                            "network cards: catalog 16, EC2 32")
+    assert check.detail == (
+        "catalog differs from EC2: GPUs: catalog 4, EC2 8; max EFA interfaces: catalog 16, EC2 32; "
+        "network cards: catalog 16, EC2 32"
+    )
     arm = dataclasses.replace(catalog.CATALOG["p6-b300.48xlarge"], arch="arm64", card0_efa=True)
     monkeypatch.setitem(catalog.CATALOG, "p6-b300.48xlarge", arm)
     check = check_instance_type(Aws(REGION), "p6-b300.48xlarge")
-    assert check.detail == ("catalog differs from EC2: network cards: catalog 16, EC2 17; card 0 EFA: catalog True, "
-                            "EC2 False; architecture: catalog arm64, EC2 x86_64")
+    assert check.detail == (
+        "catalog differs from EC2: network cards: catalog 16, EC2 17; card 0 EFA: catalog True, "
+        "EC2 False; architecture: catalog arm64, EC2 x86_64"
+    )
 
 
 # -- capacity reservations / Capacity Blocks -----------------------------------------------------
+
 
 def test_reservation_without_the_api_says_it_cannot_be_checked(moto_aws):
     check = by_name(run_preflight(reserved()))["capacity cr-0a1b2c3d4e5f60718"]
@@ -163,32 +201,52 @@ def test_reservation_without_the_api_says_it_cannot_be_checked(moto_aws):
 
 
 def test_active_reservation_in_the_az_covering_the_nodes_passes(moto_aws):
-    moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws, "cr-0a1b2c3d4e5f60718", total=4, available=3))
+    moto_aws.answer(
+        "DescribeCapacityReservations", reservation_xml(moto_aws, "cr-0a1b2c3d4e5f60718", total=4, available=3)
+    )
     check = by_name(run_preflight(reserved()))["capacity cr-0a1b2c3d4e5f60718"]
     assert check.result == "pass", check.detail
     assert check.detail == "default p5.48xlarge in us-east-1a: 3/4 available, 2 needed (gpu-p5); active"
 
 
 def test_reservation_in_wrong_az_too_small_and_expired_fails_with_each_reason(moto_aws):
-    moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws,
-        "cr-0a1b2c3d4e5f60718", state="expired", az="us-east-1b", total=2, available=1, itype="p4d.24xlarge"))
+    moto_aws.answer(
+        "DescribeCapacityReservations",
+        reservation_xml(
+            moto_aws,
+            "cr-0a1b2c3d4e5f60718",
+            state="expired",
+            az="us-east-1b",
+            total=2,
+            available=1,
+            itype="p4d.24xlarge",
+        ),
+    )
     check = by_name(run_preflight(reserved()))["capacity cr-0a1b2c3d4e5f60718"]
     assert check.result == "fail"
-    assert check.detail == ("in us-east-1b, not the GPU AZ us-east-1a; reserves p4d.24xlarge, node groups use "
-                            "p5.48xlarge; 1 of 2 instances available, gpu-p5 need 2; state expired, not active")
+    assert check.detail == (
+        "in us-east-1b, not the GPU AZ us-east-1a; reserves p4d.24xlarge, node groups use "
+        "p5.48xlarge; 1 of 2 instances available, gpu-p5 need 2; state expired, not active"
+    )
 
 
 def test_unknown_reservation_fails(moto_aws):
-    moto_aws.answer("DescribeCapacityReservations", moto_aws.ec2_error(
-        "InvalidCapacityReservationId.NotFound", "The capacity reservation ID 'cr-0a1b2c3d4e5f60718' does not exist"))
+    moto_aws.answer(
+        "DescribeCapacityReservations",
+        moto_aws.ec2_error(
+            "InvalidCapacityReservationId.NotFound", "The capacity reservation ID 'cr-0a1b2c3d4e5f60718' does not exist"
+        ),
+    )
     check = by_name(run_preflight(reserved()))["capacity cr-0a1b2c3d4e5f60718"]
     assert check.result == "fail"
     assert check.detail.startswith("capacity-reservation cr-0a1b2c3d4e5f60718 not found in us-east-1")
 
 
 def test_scheduled_capacity_block_warns_and_a_plain_reservation_is_not_a_block(moto_aws):
-    moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws,
-        "cr-0a1b2c3d4e5f60718", state="scheduled", rtype="capacity-block", end=BLOCK_END))
+    moto_aws.answer(
+        "DescribeCapacityReservations",
+        reservation_xml(moto_aws, "cr-0a1b2c3d4e5f60718", state="scheduled", rtype="capacity-block", end=BLOCK_END),
+    )
     cfg = reserved(kind="capacity-block")
     checks = by_name(run_preflight(cfg))
     block = checks["capacity cr-0a1b2c3d4e5f60718"]
@@ -203,6 +261,7 @@ def test_scheduled_capacity_block_warns_and_a_plain_reservation_is_not_a_block(m
 
 # -- quota -----------------------------------------------------------------------------------------
 
+
 def test_quota_covering_the_vcpus_passes_and_a_short_one_fails(moto_aws):
     cfg = from_mapping(dev_data())
     moto_aws.answer("GetServiceQuota", quota(moto_aws, 384))
@@ -216,9 +275,13 @@ def test_quota_covering_the_vcpus_passes_and_a_short_one_fails(moto_aws):
 
 
 def test_quota_access_denied_is_a_warning_with_a_clear_message(moto_aws):
-    moto_aws.answer("GetServiceQuota", moto_aws.json_error(
-        "AccessDeniedException", "User: arn:aws:iam::123456789012:user/ci is not authorized to perform: "
-                                 "servicequotas:GetServiceQuota"))
+    moto_aws.answer(
+        "GetServiceQuota",
+        moto_aws.json_error(
+            "AccessDeniedException",
+            "User: arn:aws:iam::123456789012:user/ci is not authorized to perform: servicequotas:GetServiceQuota",
+        ),
+    )
     check = by_name(run_preflight(from_mapping(dev_data())))[f"quota {P_QUOTA_CODE}"]
     assert check.result == "warn"
     assert check.detail.startswith("access denied calling GetServiceQuota (AccessDeniedException: User: ")
@@ -228,6 +291,7 @@ def test_quota_access_denied_is_a_warning_with_a_clear_message(moto_aws):
 # -- existing VPC, subnets, bucket, KMS key ---------------------------------------------------------
 # An existing VPC is checked through the config (network.existingVpcId, existingPrivateSubnetIds,
 # existingGpuSubnetId), as `supernode preflight` sees it.
+
 
 def test_vpc_states(moto_aws):
     ec2 = boto3.client("ec2", region_name=REGION)
@@ -250,17 +314,31 @@ def existing_vpc_state() -> dict[str, str]:
         return ec2.create_subnet(VpcId=in_vpc, CidrBlock=cidr, AvailabilityZone=az)["Subnet"]["SubnetId"]
 
     other_vpc = ec2.create_vpc(CidrBlock="10.30.0.0/16")["Vpc"]["VpcId"]
-    return {"vpc": vpc, "a": subnet("10.20.0.0/19", "us-east-1a"), "b": subnet("10.20.32.0/19", "us-east-1b"),
-            "gpu": subnet("10.20.64.0/18", "us-east-1a"), "stray_b": subnet("10.20.128.0/19", "us-east-1b"),
-            "elsewhere": subnet("10.30.0.0/19", "us-east-1a", other_vpc), "elsewhere_vpc": other_vpc}
+    return {
+        "vpc": vpc,
+        "a": subnet("10.20.0.0/19", "us-east-1a"),
+        "b": subnet("10.20.32.0/19", "us-east-1b"),
+        "gpu": subnet("10.20.64.0/18", "us-east-1a"),
+        "stray_b": subnet("10.20.128.0/19", "us-east-1b"),
+        "elsewhere": subnet("10.30.0.0/19", "us-east-1a", other_vpc),
+        "elsewhere_vpc": other_vpc,
+    }
 
 
 def in_existing_vpc(vpc: str, private: list[str], gpu: str):
     data = dev_data()
-    net = {k: v for k, v in data["network"].items() if k not in ("privateSubnetCidrs", "publicSubnetCidrs",
-                                                                  "gpuSubnetCidr")}
-    data["network"] = {**net, "existingVpcId": vpc, "existingPrivateSubnetIds": private, "existingGpuSubnetId": gpu,
-                       "natGateway": False}
+    net = {
+        k: v
+        for k, v in data["network"].items()
+        if k not in ("privateSubnetCidrs", "publicSubnetCidrs", "gpuSubnetCidr")
+    }
+    data["network"] = {
+        **net,
+        "existingVpcId": vpc,
+        "existingPrivateSubnetIds": private,
+        "existingGpuSubnetId": gpu,
+        "natGateway": False,
+    }
     return from_mapping(data)
 
 
@@ -270,8 +348,9 @@ def test_existing_vpc_matching_the_config_passes(moto_aws):
     assert checks[f"vpc {s['vpc']}"].result == "pass"
     subnets = checks["subnets"]
     assert subnets.result == "pass", subnets.detail
-    assert subnets.detail == (f"3 exist in {s['vpc']}: {s['a']} (us-east-1a), {s['b']} (us-east-1b), "
-                              f"{s['gpu']} (us-east-1a)")
+    assert subnets.detail == (
+        f"3 exist in {s['vpc']}: {s['a']} (us-east-1a), {s['b']} (us-east-1b), {s['gpu']} (us-east-1a)"
+    )
 
 
 def test_existing_subnets_in_the_wrong_az_or_vpc_or_missing_fail_naming_each(moto_aws):
@@ -284,7 +363,8 @@ def test_existing_subnets_in_the_wrong_az_or_vpc_or_missing_fail_naming_each(mot
     assert subnets.detail == (
         f"network.existingPrivateSubnetIds[0] {s['elsewhere']} is in {s['elsewhere_vpc']}, not {s['vpc']}; "
         f"network.existingPrivateSubnetIds[1] {missing} not found; "
-        f"network.existingGpuSubnetId {s['stray_b']} is in us-east-1b, not the GPU AZ availabilityZone us-east-1a")
+        f"network.existingGpuSubnetId {s['stray_b']} is in us-east-1b, not the GPU AZ availabilityZone us-east-1a"
+    )
     assert "network.existingPrivateSubnetIds" in subnets.fix and "network.existingGpuSubnetId" in subnets.fix
 
 
@@ -294,7 +374,8 @@ def test_private_subnet_must_be_in_its_configured_az(moto_aws):
     assert swapped.result == "fail"
     assert swapped.detail == (
         f"network.existingPrivateSubnetIds[0] {s['b']} is in us-east-1b, not network.availabilityZones[0] us-east-1a; "
-        f"network.existingPrivateSubnetIds[1] {s['a']} is in us-east-1a, not network.availabilityZones[1] us-east-1b")
+        f"network.existingPrivateSubnetIds[1] {s['a']} is in us-east-1a, not network.availabilityZones[1] us-east-1b"
+    )
 
 
 def test_existing_vpc_that_is_gone_fails(moto_aws):
@@ -308,8 +389,12 @@ def test_bucket_exists_and_is_encrypted(moto_aws):
     s3 = boto3.client("s3", region_name=REGION)
     encrypted, plain, missing = (moto_aws.unique(n) for n in ("data-encrypted", "data-plain", "data-missing"))
     s3.create_bucket(Bucket=encrypted)
-    s3.put_bucket_encryption(Bucket=encrypted, ServerSideEncryptionConfiguration={
-        "Rules": [{"ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": "aws:kms", "KMSMasterKeyID": "alias/x"}}]})
+    s3.put_bucket_encryption(
+        Bucket=encrypted,
+        ServerSideEncryptionConfiguration={
+            "Rules": [{"ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": "aws:kms", "KMSMasterKeyID": "alias/x"}}]
+        },
+    )
     s3.create_bucket(Bucket=plain)
     s3.delete_bucket_encryption(Bucket=plain)
     aws = Aws(REGION)
@@ -354,11 +439,17 @@ def test_kms_key_from_the_config(moto_aws):
 
 # -- errors: access denied, throttling, timeouts, unreachable -----------------------------------------
 
+
 def test_access_denied_fails_that_check_and_the_others_still_run(moto_aws):
-    moto_aws.answer("DescribeInstanceTypes", moto_aws.ec2_error(
-        "UnauthorizedOperation", "You are not authorized to perform this operation. User: "
-                                 "arn:aws:iam::123456789012:user/ci is not authorized to perform: ec2:DescribeInstanceTypes",
-        status=403))
+    moto_aws.answer(
+        "DescribeInstanceTypes",
+        moto_aws.ec2_error(
+            "UnauthorizedOperation",
+            "You are not authorized to perform this operation. User: "
+            "arn:aws:iam::123456789012:user/ci is not authorized to perform: ec2:DescribeInstanceTypes",
+            status=403,
+        ),
+    )
     checks = by_name(run_preflight(from_mapping(dev_data())))
     denied = checks["instance type p5.48xlarge"]
     assert denied.result == "fail"
@@ -368,10 +459,13 @@ def test_access_denied_fails_that_check_and_the_others_still_run(moto_aws):
 
 
 def test_throttling_is_reported_per_check(moto_aws):
-    moto_aws.answer("DescribeInstanceTypeOfferings", moto_aws.ec2_error("RequestLimitExceeded", "Request limit exceeded.", 503))
+    moto_aws.answer(
+        "DescribeInstanceTypeOfferings", moto_aws.ec2_error("RequestLimitExceeded", "Request limit exceeded.", 503)
+    )
     checks = by_name(run_preflight(from_mapping(dev_data())))
     assert checks["offering p5.48xlarge"].detail == (
-        "throttled by AWS calling DescribeInstanceTypeOfferings after 1 attempt(s) (RequestLimitExceeded)")
+        "throttled by AWS calling DescribeInstanceTypeOfferings after 1 attempt(s) (RequestLimitExceeded)"
+    )
     assert checks["instance type p5.48xlarge"].result == "pass"
 
 
@@ -398,10 +492,20 @@ def test_unreachable_endpoint_gives_a_message_per_check_and_no_traceback(moto_aw
 
 # -- command line ------------------------------------------------------------------------------------
 
+
 def test_cli_table_and_exit_codes(moto_aws, capsys):
     assert main(["preflight", "--stack", "dev", "--root", str(ROOT)]) == 0
     out = capsys.readouterr().out
-    for word in ("check", "result", "detail", "fix", "offering p5.48xlarge", "pass", "warn", "3 checks: 2 pass, 0 fail, 1 warn"):
+    for word in (
+        "check",
+        "result",
+        "detail",
+        "fix",
+        "offering p5.48xlarge",
+        "pass",
+        "warn",
+        "3 checks: 2 pass, 0 fail, 1 warn",
+    ):
         assert word in out
     moto_aws.answer("DescribeInstanceTypes", moto_aws.ec2_error("UnauthorizedOperation", "no", 403))
     assert main(["preflight", "--stack", "dev", "--root", str(ROOT)]) == 1
@@ -422,8 +526,17 @@ def test_cli_json_is_stable(moto_aws, capsys, tmp_path):
     assert out["command"] == "preflight" and out["stack"] == "reserved" and out["ok"] is False
     assert [sorted(c) for c in out["checks"]] == [["detail", "fix", "name", "result"]] * len(out["checks"])
     names = [c["name"] for c in out["checks"]]
-    assert names == sorted(names) == ["capacity cr-0a1b2c3d4e5f60718", "capacity cr-0f1e2d3c4b5a69788",
-                                      "instance type p5.48xlarge", "offering p5.48xlarge", f"quota {P_QUOTA_CODE}"]
+    assert (
+        names
+        == sorted(names)
+        == [
+            "capacity cr-0a1b2c3d4e5f60718",
+            "capacity cr-0f1e2d3c4b5a69788",
+            "instance type p5.48xlarge",
+            "offering p5.48xlarge",
+            f"quota {P_QUOTA_CODE}",
+        ]
+    )
     assert out["counts"] == {"fail": 1, "pass": 2, "warn": 2}
 
 
@@ -458,16 +571,19 @@ def test_no_credentials_is_said_once(moto_aws, monkeypatch, capsys, tmp_path):
 
 # -- UltraServers: Local Zone opt-in, Capacity Block window ------------------------------------------
 
+
 def zones_xml(stub, zone: str, status: str):
     """A DescribeAvailabilityZones answer for a Local Zone as EC2 writes it (moto knows no Local Zones)."""
-    return stub.Answer(body=f"""<?xml version="1.0" encoding="UTF-8"?>
+    return stub.Answer(
+        body=f"""<?xml version="1.0" encoding="UTF-8"?>
 <DescribeAvailabilityZonesResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/">
   <requestId>stub</requestId>
   <availabilityZoneInfo><item>
     <zoneName>{zone}</zoneName><zoneState>available</zoneState><regionName>us-east-1</regionName>
     <groupName>us-east-1-dfw-2</groupName><optInStatus>{status}</optInStatus><zoneType>local-zone</zoneType>
   </item></availabilityZoneInfo>
-</DescribeAvailabilityZonesResponse>""")
+</DescribeAvailabilityZonesResponse>"""
+    )
 
 
 def gb200_config():
@@ -493,8 +609,10 @@ def test_region_azs_need_no_opt_in_check(moto_aws):
 
 
 def test_capacity_block_reports_its_window(moto_aws):
-    moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws,
-        "cr-0a1b2c3d4e5f60718", state="active", rtype="capacity-block", end=BLOCK_END))
+    moto_aws.answer(
+        "DescribeCapacityReservations",
+        reservation_xml(moto_aws, "cr-0a1b2c3d4e5f60718", state="active", rtype="capacity-block", end=BLOCK_END),
+    )
     check = by_name(run_preflight(reserved(kind="capacity-block")))["capacity cr-0a1b2c3d4e5f60718"]
     assert check.result == "pass", check.detail
     assert "capacity-block p5.48xlarge in us-east-1a: 2/2 available, 2 needed (gpu-p5)" in check.detail
@@ -505,12 +623,13 @@ def test_capacity_block_reports_its_window(moto_aws):
 def test_capacity_block_end_must_be_ec2s_end_date_and_ahead(moto_aws):
     """The node group's scale to 0 is timed from capacity.endsAt: it must be the block's EndDate."""
     cr = "cr-0a1b2c3d4e5f60718"
-    moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws, cr, rtype="capacity-block", end=BLOCK_END))
+    moto_aws.answer(
+        "DescribeCapacityReservations", reservation_xml(moto_aws, cr, rtype="capacity-block", end=BLOCK_END)
+    )
     a_day_late = (BLOCK_END + timedelta(days=1)).isoformat()
     check = by_name(run_preflight(reserved("capacity-block", ends_at=a_day_late)))[f"capacity {cr}"]
     assert check.result == "fail"
-    assert (f"gpu-p5: capacity.endsAt {BLOCK_END + timedelta(days=1)} but EC2's EndDate is {BLOCK_END}"
-            in check.detail)
+    assert f"gpu-p5: capacity.endsAt {BLOCK_END + timedelta(days=1)} but EC2's EndDate is {BLOCK_END}" in check.detail
     # The same instant written with another offset is the same end.
     same = BLOCK_END.astimezone(timezone(timedelta(hours=-6))).isoformat()
     assert by_name(run_preflight(reserved("capacity-block", ends_at=same)))[f"capacity {cr}"].result == "pass"
@@ -519,4 +638,6 @@ def test_capacity_block_end_must_be_ec2s_end_date_and_ahead(moto_aws):
     moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws, cr, rtype="capacity-block", end=soon))
     check = by_name(run_preflight(reserved("capacity-block", ends_at=soon.isoformat())))[f"capacity {cr}"]
     assert check.result == "fail"
-    assert f"the block ends {soon}: its node groups' scale to 0 at {soon - timedelta(minutes=40)} is past" in check.detail
+    assert (
+        f"the block ends {soon}: its node groups' scale to 0 at {soon - timedelta(minutes=40)} is past" in check.detail
+    )

@@ -25,12 +25,22 @@ ROOT = Path(__file__).resolve().parents[2]
 def _export(d: Path) -> Path:
     """A model directory with a manifest, as trainer.export writes one (contents irrelevant here)."""
     d.mkdir(parents=True)
-    files = {"config.json": b'{"max_position_embeddings": 64}', "model-00001.safetensors": os.urandom(4096),
-             "tokenizer.json": b"{}"}
+    files = {
+        "config.json": b'{"max_position_embeddings": 64}',
+        "model-00001.safetensors": os.urandom(4096),
+        "tokenizer.json": b"{}",
+    }
     for name, data in files.items():
         (d / name).write_bytes(data)
-    (d / "manifest.json").write_text(json.dumps({"architecture": "Glm4MoeForCausalLM", "dtype": "bf16", "files": {
-        n: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)} for n, b in files.items()}}))
+    (d / "manifest.json").write_text(
+        json.dumps(
+            {
+                "architecture": "Glm4MoeForCausalLM",
+                "dtype": "bf16",
+                "files": {n: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)} for n, b in files.items()},
+            }
+        )
+    )
     return d
 
 
@@ -39,7 +49,7 @@ def fake_vllm(tmp_path, monkeypatch) -> Path:
     """A 'serving python' that records that it was started: a server must never start on bad weights."""
     started = tmp_path / "started"
     script = tmp_path / "python"
-    script.write_text(f"#!/bin/sh\necho \"$@\" > {started}\nexit 3\n")
+    script.write_text(f'#!/bin/sh\necho "$@" > {started}\nexit 3\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv(PYTHON_ENV, str(script))
     return started
@@ -63,12 +73,15 @@ def test_corrupted_weight_file_blocks_serve(tmp_path, fake_vllm, capsys):
     assert not fake_vllm.exists()  # the server never started
 
 
-@pytest.mark.parametrize("damage,needle", [
-    (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json: listed in manifest.json but missing"),
-    (lambda d: (d / "model-00002.safetensors").write_bytes(b"x"), "model-00002.safetensors: not listed"),
-    (lambda d: (d / "manifest.json").unlink(), "no manifest.json"),
-    (lambda d: (d / "manifest.json").write_text("{"), "not an export manifest"),
-])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json: listed in manifest.json but missing"),
+        (lambda d: (d / "model-00002.safetensors").write_bytes(b"x"), "model-00002.safetensors: not listed"),
+        (lambda d: (d / "manifest.json").unlink(), "no manifest.json"),
+        (lambda d: (d / "manifest.json").write_text("{"), "not an export manifest"),
+    ],
+)
 def test_other_damage_is_named(tmp_path, damage, needle):
     model = _export(tmp_path / "m")
     damage(model)
@@ -125,8 +138,21 @@ def test_vllm_greedy_equals_transformers_greedy(tmp_path, monkeypatch):
     from tests.trainer.test_export import _checkpoint
 
     monkeypatch.delenv(PYTHON_ENV, raising=False)
-    m = Model(layers=2, dim=128, heads=2, kv_heads=1, experts=4, top_k=2, shared_experts=1, expert_hidden=64,
-              dense_hidden=192, first_dense_layers=1, vocab=256, seq_len=64, router="sigmoid")
+    m = Model(
+        layers=2,
+        dim=128,
+        heads=2,
+        kv_heads=1,
+        experts=4,
+        top_k=2,
+        shared_experts=1,
+        expert_hidden=64,
+        dense_hidden=192,
+        first_dense_layers=1,
+        vocab=256,
+        seq_len=64,
+        router="sigmoid",
+    )
     _, path = _checkpoint(tmp_path, m)
     out = tmp_path / "hf"
     with warnings.catch_warnings():
@@ -137,6 +163,7 @@ def test_vllm_greedy_equals_transformers_greedy(tmp_path, monkeypatch):
     with LocalServer(out, SERVE_PY, max_num_seqs=4, ready_timeout_s=600) as server:
         for prompt in prompts:
             ids = greedy_token_ids(server.url, prompt, 16, model=server.name)
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist()
+            want = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(prompt) :].tolist()
             assert ids == want

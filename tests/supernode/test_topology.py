@@ -21,8 +21,18 @@ ROOT = Path(__file__).resolve().parents[2]
 GB200 = CATALOG["p6e-gb200.36xlarge"]
 NVL72 = 72
 # 2 layers, both MoE; 144 experts so ep 72 and ep 144 both divide them.
-MOE = Model(layers=2, dim=1024, heads=16, kv_heads=8, experts=144, top_k=8, expert_hidden=512, dense_hidden=2048,
-            vocab=1000, seq_len=1024)
+MOE = Model(
+    layers=2,
+    dim=1024,
+    heads=16,
+    kv_heads=8,
+    experts=144,
+    top_k=8,
+    expert_hidden=512,
+    dense_hidden=2048,
+    vocab=1000,
+    seq_len=1024,
+)
 TRAIN = Training(global_batch=144, micro_batch=1, steps=10, lr=1e-3, checkpoint_interval=5)
 
 
@@ -130,15 +140,24 @@ def test_gb200_stack_loads_with_local_zone_and_tp_at_domain_size():
     assert [g.nvlink_domain for g in cfg.accelerator_node_groups] == [72, 72]
 
 
-@pytest.mark.parametrize("change,path,says", [
-    (lambda g: g.pop("ultraServer"), "acceleratorNodeGroups[0].ultraServer", "sold only as UltraServers"),
-    (lambda g: g.update(nodes=17), "acceleratorNodeGroups[0].nodes", "nodes must be 18"),
-    (lambda g: g.update(ultraServer="u-p6e-gb200x36"), "acceleratorNodeGroups[0].nodes", "nodes must be 9"),
-    (lambda g: g.update(capacity={"type": "on-demand"}), "acceleratorNodeGroups[0].capacity.type",
-     "sold as Capacity Blocks"),
-    (lambda g: g.update(ultraServer="u-p6e-gb200x144"), "acceleratorNodeGroups[0].ultraServer",
-     "not a known UltraServer type"),
-])
+@pytest.mark.parametrize(
+    "change,path,says",
+    [
+        (lambda g: g.pop("ultraServer"), "acceleratorNodeGroups[0].ultraServer", "sold only as UltraServers"),
+        (lambda g: g.update(nodes=17), "acceleratorNodeGroups[0].nodes", "nodes must be 18"),
+        (lambda g: g.update(ultraServer="u-p6e-gb200x36"), "acceleratorNodeGroups[0].nodes", "nodes must be 9"),
+        (
+            lambda g: g.update(capacity={"type": "on-demand"}),
+            "acceleratorNodeGroups[0].capacity.type",
+            "sold as Capacity Blocks",
+        ),
+        (
+            lambda g: g.update(ultraServer="u-p6e-gb200x144"),
+            "acceleratorNodeGroups[0].ultraServer",
+            "not a known UltraServer type",
+        ),
+    ],
+)
 def test_ultraserver_rules_name_path_and_fix(change, path, says):
     data = gb200_data()
     change(data["acceleratorNodeGroups"][0])
@@ -155,9 +174,12 @@ def test_local_zone_only_for_the_gpu_nodes():
 def test_suggestions_prefer_ep_inside_the_domain():
     cfg = load_stack("gb200", ROOT)
     # no activation checkpointing and 4 sequences per micro batch: over the HBM
-    cfg = cfg.model_copy(update={
-        "parallel": cfg.parallel.model_copy(update={"activation_checkpointing": "none"}),
-        "training": cfg.training.model_copy(update={"micro_batch": 8})})
+    cfg = cfg.model_copy(
+        update={
+            "parallel": cfg.parallel.model_copy(update={"activation_checkpointing": "none"}),
+            "training": cfg.training.model_copy(update={"micro_batch": 8}),
+        }
+    )
     plan = build_plan("gb200", cfg)
     assert not plan.fits and plan.suggestions
     sug = cap.suggest(cfg.model, cfg.parallel, cfg.training, GB200, limit=50, domain=NVL72)
@@ -170,6 +192,7 @@ def test_suggestions_prefer_ep_inside_the_domain():
 
 # -- the trainer's rank order -----------------------------------------------------------------------
 
+
 def test_rank_order_puts_every_ep_group_of_144_ranks_inside_one_domain():
     """2 NVL72 domains, ranks handed out in random order (torchrun does not know the cliques)."""
     cliques = ["cluster-a.0"] * 72 + ["cluster-a.1"] * 72
@@ -179,7 +202,7 @@ def test_rank_order_puts_every_ep_group_of_144_ranks_inside_one_domain():
         assert sorted(order) == list(range(144))  # a permutation: every rank once
         for size in (ep, tp):
             for start in range(0, 144, size):
-                assert len({cliques[r] for r in order[start:start + size]}) == 1, (ep, tp, start)
+                assert len({cliques[r] for r in order[start : start + size]}) == 1, (ep, tp, start)
     assert rank_order(cliques, 72) == rank_order(list(cliques), 72)  # every rank computes the same order
 
 
@@ -189,7 +212,9 @@ def test_rank_order_keeps_an_already_ordered_world_unchanged():
 
 def test_rank_order_refuses_a_domain_that_would_split_a_group():
     cliques = ["a"] * 70 + ["b"] * 74
-    with pytest.raises(ValueError, match=r"NVLink domain 'a' holds 70 ranks, not a multiple of the EP/TP group size 72"):
+    with pytest.raises(
+        ValueError, match=r"NVLink domain 'a' holds 70 ranks, not a multiple of the EP/TP group size 72"
+    ):
         rank_order(cliques, 72)
 
 
@@ -203,7 +228,10 @@ def test_plan_command_shows_placement_domain_memory_and_links(capsys, monkeypatc
     assert "NVLink domain" in out and "u-p6e-gb200x72: 18 node(s)" in out
     assert f"{plan.topology.domain_hbm_gib:,.0f} GiB HBM in one address space" in out
     assert "inside a domain: ep 72, dp_shard 72; across EFA: dp_replicate 2 over 2 domains (EFA)" in out
-    assert f"all-to-all {plan.step.all_to_all_s:.3f} (NVLink)" in out and f"replicate {plan.step.replicate_s:.3f} (EFA)" in out
+    assert (
+        f"all-to-all {plan.step.all_to_all_s:.3f} (NVLink)" in out
+        and f"replicate {plan.step.replicate_s:.3f} (EFA)" in out
+    )
     assert main(["plan", "--stack", "gb200", "--root", str(ROOT), "--json"]) == 0
     data = __import__("json").loads(capsys.readouterr().out)
     assert data["topology"]["domain_gpus"] == 72 and data["step"]["links"]["all_to_all"] == "NVLink"

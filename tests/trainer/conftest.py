@@ -23,8 +23,13 @@ import torch.multiprocessing as mp
 
 def _entry(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], args: tuple) -> None:
     torch.set_num_threads(1)  # the test machine is small and shared
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120))  # a hang fails the test instead of CI
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{workdir}/rendezvous",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )  # a hang fails the test instead of CI
     try:
         out = fn(rank, world_size, *args)
         error = None
@@ -41,12 +46,14 @@ def _entry(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], arg
 def spawn(fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any) -> list[Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        mp.start_processes(_entry, args=(world_size, str(workdir), fn, args), nprocs=world_size,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _entry, args=(world_size, str(workdir), fn, args), nprocs=world_size, start_method="spawn", join=True
+        )
     except mp.ProcessExitedException:
         pass  # the per-rank files below say why
-    found = {rank: pickle.loads(p.read_bytes()) for rank in range(world_size)
-             if (p := workdir / f"rank{rank}.pkl").exists()}
+    found = {
+        rank: pickle.loads(p.read_bytes()) for rank in range(world_size) if (p := workdir / f"rank{rank}.pkl").exists()
+    }
     for rank, (_, error) in sorted(found.items()):
         if error is not None:
             raise AssertionError(f"rank {rank} failed:\n{error}")
@@ -59,7 +66,8 @@ def spawn(fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any) ->
 @pytest.fixture
 def group(tmp_path):
     """A one-rank gloo process group, for code that needs torch.distributed without spawning."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
     yield
     dist.destroy_process_group()

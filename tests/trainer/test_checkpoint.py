@@ -17,8 +17,14 @@ import torch.distributed as dist
 
 import trainer.checkpoint
 from supernode.core.files import sha256_file
-from trainer.checkpoint import (COMPLETE, CheckpointMismatch, Checkpointer, MissingDigest, complete_checkpoints,
-                                train_state)
+from trainer.checkpoint import (
+    COMPLETE,
+    CheckpointMismatch,
+    Checkpointer,
+    MissingDigest,
+    complete_checkpoints,
+    train_state,
+)
 
 
 class Position:
@@ -42,6 +48,7 @@ def make(seed: int, world: int = 1):
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -73,6 +80,7 @@ def counting_hashes():
     def counted(path):
         hashed.append(Path(path).name)
         return sha256_file(path)
+
     trainer.checkpoint.sha256_file = counted
     try:
         yield hashed
@@ -184,12 +192,16 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(group, tmp_path):
     checkpointer(tmp_path / "ck", model, opt, sched, keep=1, async_save=False).save(1)
     other = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     other_opt = torch.optim.AdamW(other.parameters())
-    with pytest.raises(CheckpointMismatch, match=r"step_00000001 does not fit this model and optimizer .*Size mismatch"):
-        checkpointer(tmp_path / "ck", other, other_opt, torch.optim.lr_scheduler.LambdaLR(other_opt, lambda s: 1.0),
-                     keep=1).restore()
+    with pytest.raises(
+        CheckpointMismatch, match=r"step_00000001 does not fit this model and optimizer .*Size mismatch"
+    ):
+        checkpointer(
+            tmp_path / "ck", other, other_opt, torch.optim.lr_scheduler.LambdaLR(other_opt, lambda s: 1.0), keep=1
+        ).restore()
 
 
 # -- checksums at scale: each rank hashes its own files, a restore splits the check --------------
+
 
 def save_three_steps(rank: int, world: int, root: Path):
     """Rank `rank` of `world`: saves steps 2, 4, 6 (async), each stopped between the write and the
@@ -208,12 +220,17 @@ def save_three_steps(rank: int, world: int, root: Path):
         dist.barrier()
         tmp = root / f".tmp-step_{step:08d}"
         if rank == 0:
-            seen[step] = ({p.name: json.loads(p.read_text()) for p in tmp.glob(".sha256.*")},
-                          sorted(p.name for p in tmp.iterdir() if not p.name.startswith(".sha256.")))
+            seen[step] = (
+                {p.name: json.loads(p.read_text()) for p in tmp.glob(".sha256.*")},
+                sorted(p.name for p in tmp.iterdir() if not p.name.startswith(".sha256.")),
+            )
         if step == 6 and rank == 0:
             (tmp / ".sha256.1").unlink()
-            with pytest.raises(MissingDigest, match=rf"checkpoint {tmp} not committed: no rank recorded a sha256 "
-                                                    r"for __1_0\.distcp \(its \.sha256\.<rank> file is missing\)"):
+            with pytest.raises(
+                MissingDigest,
+                match=rf"checkpoint {tmp} not committed: no rank recorded a sha256 "
+                r"for __1_0\.distcp \(its \.sha256\.<rank> file is missing\)",
+            ):
                 ck.wait()
         else:
             ck.wait()
@@ -232,6 +249,7 @@ def restore_counting_hashes(rank: int, world: int, root: Path):
 @pytest.mark.slow
 def test_each_rank_hashes_its_files_and_a_restore_at_another_world_size_checks_each_once(tmp_path):
     from conftest import spawn
+
     root = tmp_path / "ck"
     seen, saved = spawn(save_three_steps, 3, tmp_path / "save", root)[0]
     for step, (digests, files) in seen.items():

@@ -155,7 +155,7 @@ def test_windows_cross_shards_and_read_the_token_stream(tmp_path):
     stream = np.concatenate([np.fromfile(d / f"shard_{i:05d}.bin", dtype=np.uint16) for i in range(11)])
     ld = TokenLoader(d, 50, 8, 4, 0, 1, 3)
     for w in (0, 19, 39, 198):  # 19: tokens 950-1000 straddle shards 0 and 1
-        assert np.array_equal(ld.datasets[0].window(w), stream[w * 50:w * 50 + 51])
+        assert np.array_equal(ld.datasets[0].window(w), stream[w * 50 : w * 50 + 51])
 
 
 def test_blend_proportions_and_resume_at_another_world_size(tmp_path):
@@ -190,7 +190,9 @@ def test_blend_proportions_and_resume_at_another_world_size(tmp_path):
 
 def test_vocab_larger_than_the_model_names_both_numbers(tmp_path):
     d = synthetic(tmp_path / "d", 5_000, vocab=50_000)
-    with pytest.raises(DataError, match=r"tokenizer has 50000 tokens; set model.vocab to at least 50000.* at most 4096"):
+    with pytest.raises(
+        DataError, match=r"tokenizer has 50000 tokens; set model.vocab to at least 50000.* at most 4096"
+    ):
         TokenLoader(d, SEQ, 8, 2, 0, 1, 0, vocab=4096)
 
 
@@ -227,8 +229,11 @@ def test_document_masking_takes_the_eos_id_from_the_manifests(tmp_path):
         (path / "manifest.json").write_text(json.dumps({**manifest, **changes}))
 
     rewrite(b, eos=7)
-    with pytest.raises(DataError, match=rf"training.documentMasking is true but the blend's datasets end documents "
-                                        rf"with different eos ids \({a}: 0, {b}: 7\); prepare them with one tokenizer"):
+    with pytest.raises(
+        DataError,
+        match=rf"training.documentMasking is true but the blend's datasets end documents "
+        rf"with different eos ids \({a}: 0, {b}: 7\); prepare them with one tokenizer",
+    ):
         TokenLoader(tmp_path, SEQ, 8, 2, 0, 1, 0, blend=blend, documents=True)
     rewrite(b)  # no eos recorded
     with pytest.raises(DataError, match=rf"training.documentMasking is true but {b / 'manifest.json'} records no eos"):

@@ -22,8 +22,20 @@ from trainer.trainer import counted_per_micro_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 0
-CFG = Model(layers=3, dim=32, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=16,
-            dense_hidden=48, first_dense_layers=1, vocab=64, seq_len=24)
+CFG = Model(
+    layers=3,
+    dim=32,
+    heads=4,
+    kv_heads=2,
+    experts=4,
+    top_k=2,
+    shared_experts=1,
+    expert_hidden=16,
+    dense_hidden=48,
+    first_dense_layers=1,
+    vocab=64,
+    seq_len=24,
+)
 
 
 def model(cfg: Model = CFG) -> Transformer:
@@ -38,8 +50,7 @@ def doc(n: int, seed: int) -> torch.Tensor:
 
 
 def test_documents_positions_and_mask() -> None:
-    windows = torch.tensor([[5, 6, EOS, 7, EOS, 8, 9, 3],
-                            [EOS, 1, 2, 3, 4, 5, 6, EOS]])
+    windows = torch.tensor([[5, 6, EOS, 7, EOS, 8, 9, 3], [EOS, 1, 2, 3, 4, 5, 6, EOS]])
     inputs, targets, documents = inputs_and_targets(windows, EOS)
     assert documents.tolist() == [[0, 0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 1]]  # an EOS ends its document
     assert targets.tolist() == [[6, EOS, IGNORE, EOS, IGNORE, 9, 3], [IGNORE, 2, 3, 4, 5, 6, EOS]]
@@ -61,26 +72,30 @@ def test_a_packed_window_computes_each_document_as_if_alone() -> None:
     tail, whole, start = doc(5, 1), doc(9, 2), doc(8, 3)
     first, second = doc(11, 4), doc(10, 5)
     eos = torch.tensor([EOS])
-    windows = torch.stack([torch.cat([tail, eos, whole, eos, start, doc(1, 6)]),
-                           torch.cat([first, eos, second, eos, doc(2, 7)])])
+    windows = torch.stack(
+        [torch.cat([tail, eos, whole, eos, start, doc(1, 6)]), torch.cat([first, eos, second, eos, doc(2, 7)])]
+    )
     inputs, _, documents = inputs_and_targets(windows, EOS)
     with torch.no_grad():
         packed, crossing = m(inputs, documents), m(inputs)
-        for row, pieces in ((0, (torch.cat([tail, eos]), torch.cat([whole, eos]), start)),
-                            (1, (torch.cat([first, eos]), torch.cat([second, eos]), doc(2, 7)[:1]))):
+        for row, pieces in (
+            (0, (torch.cat([tail, eos]), torch.cat([whole, eos]), start)),
+            (1, (torch.cat([first, eos]), torch.cat([second, eos]), doc(2, 7)[:1])),
+        ):
             at = 0
             for piece in pieces:
                 alone = m(piece[None])[0]
-                torch.testing.assert_close(packed[row, at:at + len(piece)], alone, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(packed[row, at : at + len(piece)], alone, rtol=1e-5, atol=1e-5)
                 if at:  # off, a later document attends across the EOS and its positions run on: not the same
-                    assert (crossing[row, at:at + len(piece)] - alone).abs().max() > 1e-2
+                    assert (crossing[row, at : at + len(piece)] - alone).abs().max() > 1e-2
                 at += len(piece)
             assert at == inputs.shape[1]
 
 
 def test_the_loss_counts_no_target_across_a_boundary() -> None:
-    windows = torch.stack([torch.cat([doc(4, 1), torch.tensor([EOS]), doc(4, 2)]),
-                           torch.cat([doc(6, 3), torch.tensor([EOS]), doc(2, 4)])])
+    windows = torch.stack(
+        [torch.cat([doc(4, 1), torch.tensor([EOS]), doc(4, 2)]), torch.cat([doc(6, 3), torch.tensor([EOS]), doc(2, 4)])]
+    )
     _, targets, _ = inputs_and_targets(windows, EOS)
     logits = torch.randn(2, 8, CFG.vocab, generator=torch.Generator().manual_seed(0))
     counted = targets != IGNORE
@@ -99,8 +114,10 @@ def test_the_normaliser_is_the_steps_counted_total_not_a_mean_of_means(group) ->
     (26 / 2), so their mean is the mean over all 26 targets; a mean of the two means would weigh
     a token of the second more."""
     eos = torch.tensor([EOS])
-    micro = [torch.cat([doc(15, 1), eos])[None],
-             torch.cat([doc(3, 2), eos, doc(2, 3), eos, doc(4, 4), eos, doc(2, 5), eos, doc(1, 6)])[None]]
+    micro = [
+        torch.cat([doc(15, 1), eos])[None],
+        torch.cat([doc(3, 2), eos, doc(2, 3), eos, doc(4, 4), eos, doc(2, 5), eos, doc(1, 6)])[None],
+    ]
     batches = [inputs_and_targets(mb, EOS) for mb in micro]
     assert [int((t != IGNORE).sum()) for _, t, _ in batches] == [15, 11]
     counted = counted_per_micro_batch(micro, EOS, torch.device("cpu"))
@@ -120,6 +137,7 @@ def test_the_normaliser_is_the_steps_counted_total_not_a_mean_of_means(group) ->
 
 
 # -- through the trainer: `supernode train --local` ----------------------------------------------
+
 
 def stack_file(path: Path, nproc: int = 1, pp: int = 1, **training) -> Path:
     """The dev stack, its local run on `nproc` ranks at pp `pp` (no data or expert parallelism), with
@@ -148,9 +166,29 @@ def documents_data(tmp_path_factory) -> Path:
 
 
 def supernode_train(stack: Path, data: Path, out: Path, steps: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "supernode", "train", "--config", str(stack), "--local", "--steps",
-                           str(steps), "--out", str(out), "--data", str(data), "--log-every", "1"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "supernode",
+            "train",
+            "--config",
+            str(stack),
+            "--local",
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+            "--data",
+            str(data),
+            "--log-every",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 def losses(out: Path) -> list[float]:
@@ -200,5 +238,7 @@ def test_plan_and_preview_refuse_document_masking_on_data_without_eos(tmp_path, 
     stack.write_text(yaml.safe_dump({"config": {f"supernode:{k}": v for k, v in config.items()}}))
     for command in ("plan", "preview"):
         assert cli([command, "--config", str(stack), "--data", str(data), "--json"]) == 2
-        assert f"training.documentMasking is true but {data / 'manifest.json'} records no eos" in capsys.readouterr().err
+        assert (
+            f"training.documentMasking is true but {data / 'manifest.json'} records no eos" in capsys.readouterr().err
+        )
     assert cli(["plan", "--config", str(stack), "--data", str(documents_data), "--json"]) == 0  # it has one

@@ -24,10 +24,38 @@ from trainer.model import Transformer, apply_rope, rope_tables
 
 transformers = pytest.importorskip("transformers")
 
-GLM = Model(layers=3, dim=128, heads=2, kv_heads=1, experts=4, top_k=2, shared_experts=1, expert_hidden=64,
-            dense_hidden=192, first_dense_layers=1, vocab=96, seq_len=32, router="sigmoid", rope_theta=500.0)
-QWEN = Model(layers=3, dim=128, heads=4, kv_heads=2, experts=4, top_k=2, expert_hidden=48, dense_hidden=160,
-             moe_every=2, vocab=96, seq_len=32, router="softmax", qk_norm=True, bias_update_rate=0.0)
+GLM = Model(
+    layers=3,
+    dim=128,
+    heads=2,
+    kv_heads=1,
+    experts=4,
+    top_k=2,
+    shared_experts=1,
+    expert_hidden=64,
+    dense_hidden=192,
+    first_dense_layers=1,
+    vocab=96,
+    seq_len=32,
+    router="sigmoid",
+    rope_theta=500.0,
+)
+QWEN = Model(
+    layers=3,
+    dim=128,
+    heads=4,
+    kv_heads=2,
+    experts=4,
+    top_k=2,
+    expert_hidden=48,
+    dense_hidden=160,
+    moe_every=2,
+    vocab=96,
+    seq_len=32,
+    router="softmax",
+    qk_norm=True,
+    bias_update_rate=0.0,
+)
 
 
 def _checkpoint(tmp: Path, m: Model, seed: int = 0, bias: bool = True) -> tuple[Transformer, Path]:
@@ -90,7 +118,10 @@ def test_rope_permutation_preserves_attention_scores():
     q, k = torch.randn(1, s, 1, hd), torch.randn(1, s, 1, hd)
     ours = (apply_rope(q, cos, sin) * apply_rope(k, cos, sin)).sum(-1)
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-    emb = torch.cat([torch.outer(torch.arange(s).float(), 1.0 / 10000.0 ** (torch.arange(0, hd, 2).float() / hd))] * 2, -1)
+
+    emb = torch.cat(
+        [torch.outer(torch.arange(s).float(), 1.0 / 10000.0 ** (torch.arange(0, hd, 2).float() / hd))] * 2, -1
+    )
     perm = lambda t: rope_halves(t.reshape(s, hd).t(), hd).t().reshape(1, 1, s, hd)  # noqa: E731
     qh, kh = apply_rotary_pos_emb(perm(q), perm(k), emb.cos()[None], emb.sin()[None])
     assert torch.allclose(ours.flatten(), (qh * kh).sum(-1).flatten(), atol=1e-5)
@@ -98,10 +129,12 @@ def test_rope_permutation_preserves_attention_scores():
 
 def test_bf16_export_and_tokenizer(tmp_path):
     from trainer.data import DEFAULT_CORPUS, prepare
+
     _, path = _checkpoint(tmp_path, GLM.model_copy(update={"vocab": 256}))
     prepare(DEFAULT_CORPUS[:1], tmp_path / "data", shard_tokens=1 << 16)
     out = _export(tmp_path, path, dtype="bf16", data=tmp_path / "data")
     from safetensors import safe_open
+
     with safe_open(str(out / "model-00001.safetensors"), "pt") as f:
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
         # the selection bias stays fp32: a 1e-3 correction would round away next to scores ~0.5 in bf16
@@ -123,13 +156,16 @@ def test_manifest_lists_every_file_with_its_sha256(tmp_path):
     assert not (tmp_path / "hf.tmp").exists()
 
 
-@pytest.mark.parametrize("update,needle", [
-    ({"router": "softmax", "shared_experts": 1}, "sharedExperts must be 0"),
-    ({"router": "softmax", "shared_experts": 0, "qk_norm": False, "bias_update_rate": 0.0}, "qkNorm"),
-    ({"router": "softmax", "shared_experts": 0, "qk_norm": True}, "biasUpdateRate must be 0"),
-    ({"shared_experts": 0}, "sharedExperts must be at least 1"),
-    ({"moe_every": 2}, "moeEvery 2"),
-])
+@pytest.mark.parametrize(
+    "update,needle",
+    [
+        ({"router": "softmax", "shared_experts": 1}, "sharedExperts must be 0"),
+        ({"router": "softmax", "shared_experts": 0, "qk_norm": False, "bias_update_rate": 0.0}, "qkNorm"),
+        ({"router": "softmax", "shared_experts": 0, "qk_norm": True}, "biasUpdateRate must be 0"),
+        ({"shared_experts": 0}, "sharedExperts must be at least 1"),
+        ({"moe_every": 2}, "moeEvery 2"),
+    ],
+)
 def test_unmappable_configs_are_rejected(tmp_path, update, needle):
     m = GLM.model_copy(update=update)
     _, path = _checkpoint(tmp_path, m)

@@ -18,8 +18,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def torchrun_fabric(*flags: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "trainer.fabric", "--sizes", "64K,1M", "--iters", "2", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "trainer.fabric",
+        "--sizes",
+        "64K,1M",
+        "--iters",
+        "2",
+        *flags,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -40,7 +53,11 @@ def test_passes_and_fails_against_the_threshold():
     lines = json_lines(ok)
     points = [p for p in lines if "op" in p]
     assert [(p["op"], p["bytes"]) for p in points] == [
-        ("all_reduce", 65536), ("all_reduce", 1 << 20), ("all_to_all", 65536), ("all_to_all", 1 << 20)]
+        ("all_reduce", 65536),
+        ("all_reduce", 1 << 20),
+        ("all_to_all", 65536),
+        ("all_to_all", 1 << 20),
+    ]
     for p in points:
         algbw = p["bytes"] / (p["time_us"] * 1e-6) / 1e9
         factor = 1.0 if p["op"] == "all_reduce" else 0.5  # 2(n-1)/n and (n-1)/n at n = 2
@@ -108,6 +125,7 @@ def test_sizes_parse_with_units():
 
 # -- the node-pair matrix -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", range(1, 18))
 def test_pair_rounds_cover_every_pair_exactly_once_in_o_n_rounds(n):
     rounds = fabric.pair_rounds(n)
@@ -150,17 +168,29 @@ def test_baseline_compare_matches_pairs_by_node_names_not_order():
 def test_a_node_absent_from_the_baseline_is_held_to_the_baselines_fleet_figures():
     """A replaced node (d for c) has no baseline pairs: its pairs are compared with the baseline's
     typical node (the median of medians: 100 GB/s, 50 us here; one slow old pair cannot move it)."""
-    old = [pair("a", "b", 100.0), pair("a", "c", 100.0), pair("b", "c", 100.0), pair("a", "e", 100.0),
-           pair("b", "e", 100.0), pair("c", "e", 30.0)]
+    old = [
+        pair("a", "b", 100.0),
+        pair("a", "c", 100.0),
+        pair("b", "c", 100.0),
+        pair("a", "e", 100.0),
+        pair("b", "e", 100.0),
+        pair("c", "e", 30.0),
+    ]
     base = {"pairs": old, "nodes": [{"node": n} for n in "abce"]}
-    healthy = [pair("a", "b", 98.0), pair("a", "e", 99.0), pair("b", "e", 97.0),
-               pair("a", "d", 90.0), pair("b", "d", 85.0), pair("d", "e", 95.0)]
+    healthy = [
+        pair("a", "b", 98.0),
+        pair("a", "e", 99.0),
+        pair("b", "e", 97.0),
+        pair("a", "d", 90.0),
+        pair("b", "d", 85.0),
+        pair("d", "e", 95.0),
+    ]
     found = fabric.compare(healthy, 0.2, old)
     assert found["new_nodes"] == ["d"] and found["suspect_nodes"] == [] and found["compared_pairs"] == 6
     matrix = {"pairs": healthy, "nodes": [{"node": n, "instance_id": f"i-{n}"} for n in "abde"]}
     grown = fabric.extend_baseline(base, matrix, found, when=1234.5)
-    assert grown["pairs"][:len(old)] == old  # the old nodes' pairs (the departed c's too) kept as recorded
-    assert {tuple(p["pair"]) for p in grown["pairs"][len(old):]} == {("a", "d"), ("b", "d"), ("d", "e")}
+    assert grown["pairs"][: len(old)] == old  # the old nodes' pairs (the departed c's too) kept as recorded
+    assert {tuple(p["pair"]) for p in grown["pairs"][len(old) :]} == {("a", "d"), ("b", "d"), ("d", "e")}
     assert grown["nodes"][-1] == {"node": "d", "instance_id": "i-d"} and len(grown["nodes"]) == 5
     assert grown["rebaselined"] == [{"time": 1234.5, "nodes": ["d"], "pairs": 3}]
     # Next time d is known: its pairs have their own baseline figures.
@@ -176,7 +206,10 @@ def test_a_node_absent_from_the_baseline_is_held_to_the_baselines_fleet_figures(
     with_bad_e = healthy[:3] + [pair("a", "d", 95.0), pair("b", "d", 96.0), pair("d", "e", 20.0)]
     found = fabric.compare(with_bad_e, 0.2, old)
     grown = fabric.extend_baseline(base, {**matrix, "pairs": with_bad_e}, found, when=2.0)
-    assert found["suspect_nodes"] == [] and {tuple(p["pair"]) for p in grown["pairs"][len(old):]} == {("a", "d"), ("b", "d")}
+    assert found["suspect_nodes"] == [] and {tuple(p["pair"]) for p in grown["pairs"][len(old) :]} == {
+        ("a", "d"),
+        ("b", "d"),
+    }
 
 
 def test_an_empty_baseline_judges_no_pair():
@@ -206,10 +239,34 @@ def test_four_rank_pair_matrix_names_the_injected_slow_rank_and_records_the_base
     (SUPERNODE_INJECT_FAULT=slow-rank@2). A 20x regression threshold keeps a shared CI host's noise
     out of the finding; the injected fault is ~50x."""
     baseline, report = tmp_path / "fabric" / "baseline.json", tmp_path / "last.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "trainer.fabric", "--min-busbw-gbytes-s", "0.0001", "--sizes", "64K", "--warmup", "1",
-           "--iters", "3", "--ranks-per-node", "1", "--pair-bytes", "4M", "--regression", "0.95",
-           "--baseline", str(baseline), "--report", str(report)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "trainer.fabric",
+        "--min-busbw-gbytes-s",
+        "0.0001",
+        "--sizes",
+        "64K",
+        "--warmup",
+        "1",
+        "--iters",
+        "3",
+        "--ranks-per-node",
+        "1",
+        "--pair-bytes",
+        "4M",
+        "--regression",
+        "0.95",
+        "--baseline",
+        str(baseline),
+        "--report",
+        str(report),
+    ]
     env = {**os.environ, "SUPERNODE_INJECT_FAULT": "slow-rank@2", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert run.returncode == 1, run.stderr[-2000:]  # a named node fails the check
@@ -219,8 +276,9 @@ def test_four_rank_pair_matrix_names_the_injected_slow_rank_and_records_the_base
     check = next(p for p in lines if p.get("fabric_check") == "pairs")
     assert len(check["suspect_nodes"]) == 1 and check["suspect_nodes"][0].endswith("#2")
     assert check["fabric_regressed_node_count"] == 1
-    assert {tuple(p["pair"]) for p in check["regressed_pairs"]} == {p for p in
-                                                                   (tuple(m["pair"]) for m in matrix) if p[0].endswith("#2") or p[1].endswith("#2")}
+    assert {tuple(p["pair"]) for p in check["regressed_pairs"]} == {
+        p for p in (tuple(m["pair"]) for m in matrix) if p[0].endswith("#2") or p[1].endswith("#2")
+    }
     assert any(p.get("latency") == "all_reduce" and p["time_us"] > 0 for p in lines)
     assert lines[-1]["gate"] == "all_reduce_busbw" and lines[-1]["passed"] is False
     saved = json.loads(baseline.read_text(encoding="utf-8"))
@@ -232,9 +290,31 @@ def test_four_rank_pair_matrix_names_the_injected_slow_rank_and_records_the_base
 def four_rank_pairs(*flags: str, fault: str = "") -> subprocess.CompletedProcess:
     """4 CPU ranks, each its own "node" (names end in #0..#3); a 20x regression threshold keeps a
     shared CI host's noise out of the finding (an injected slow rank is ~50x)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "trainer.fabric", "--min-busbw-gbytes-s", "0.0001", "--sizes", "64K", "--warmup", "1",
-           "--iters", "3", "--ranks-per-node", "1", "--pair-bytes", "4M", "--regression", "0.95", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "trainer.fabric",
+        "--min-busbw-gbytes-s",
+        "0.0001",
+        "--sizes",
+        "64K",
+        "--warmup",
+        "1",
+        "--iters",
+        "3",
+        "--ranks-per-node",
+        "1",
+        "--pair-bytes",
+        "4M",
+        "--regression",
+        "0.95",
+        *flags,
+    ]
     env = {**os.environ, "SUPERNODE_INJECT_FAULT": fault, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
 
@@ -256,8 +336,9 @@ def test_a_replaced_node_is_judged_against_the_fleet_then_added_to_the_baseline(
     # run, measured), so an old pair could pass the 20x threshold by load alone: the recorded
     # latencies are made 10x more lenient (200x). Bandwidth is steadier (0.6-1.1 GB/s) and the
     # injected slow rank is 50-60x off in it (0.016 GB/s), so the new node is still found.
-    doc["pairs"] = [{**p, "pair": [renamed(n) for n in p["pair"]], "latency_us": p["latency_us"] * 10}
-                    for p in doc["pairs"]]
+    doc["pairs"] = [
+        {**p, "pair": [renamed(n) for n in p["pair"]], "latency_us": p["latency_us"] * 10} for p in doc["pairs"]
+    ]
     doc["nodes"] = [{**n, "node": renamed(n["node"])} for n in doc["nodes"]]
     before = json.dumps(doc, indent=1, sort_keys=True) + "\n"
 
@@ -267,7 +348,9 @@ def test_a_replaced_node_is_judged_against_the_fleet_then_added_to_the_baseline(
     assert slow.returncode == 1, slow.stderr[-2000:]
     check = next(p for p in json_lines(slow) if p.get("fabric_check") == "pairs")
     assert check["new_nodes"] == [new] and check["suspect_nodes"] == [new] and check["compared_pairs"] == 6
-    assert {p["reference_gb_s"] for p in check["regressed_pairs"] if new in p["pair"]} == {fabric.typical(doc["pairs"])["gb_s"]}
+    assert {p["reference_gb_s"] for p in check["regressed_pairs"] if new in p["pair"]} == {
+        fabric.typical(doc["pairs"])["gb_s"]
+    }
     assert baseline.read_text(encoding="utf-8") == before  # a regressed node is not baselined
 
     healthy = four_rank_pairs("--baseline", str(baseline))

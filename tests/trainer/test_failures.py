@@ -21,8 +21,14 @@ from supernode.cli import main as cli
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.errors import BadInput
 from supernode.core.plan import build_local_plan
-from trainer.checkpoint import (COMPLETE, CheckpointCorrupt, CheckpointMismatch, Checkpointer, OutDirLock,
-                                complete_checkpoints)
+from trainer.checkpoint import (
+    COMPLETE,
+    CheckpointCorrupt,
+    CheckpointMismatch,
+    Checkpointer,
+    OutDirLock,
+    complete_checkpoints,
+)
 from trainer.data import DEFAULT_CORPUS, DataError, prepare, verify
 from trainer.metrics import JSONL, Metrics
 from trainer.trainer import apply_hyper_parameters, lr_factor
@@ -49,26 +55,61 @@ def free_port() -> int:
 
 def strict_records(path: Path) -> list[dict]:
     """Every line parsed as strict JSON: a bare NaN/Infinity or a torn line fails the test."""
+
     def no_constants(name):
         raise AssertionError(f"{name} in {path}: not JSON")
+
     return [json.loads(line, parse_constant=no_constants) for line in path.read_text().splitlines()]
 
 
-def trainer_alone(plan: Path, data: Path, out: Path, *flags: str, env: dict | None = None,
-                  timeout: float = 120) -> subprocess.CompletedProcess:
+def trainer_alone(
+    plan: Path, data: Path, out: Path, *flags: str, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """`python -m trainer.train` as a single rank, without torchrun."""
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "trainer.train", "--plan", str(plan), "--data", str(data),
-                           "--out", str(out), *flags], capture_output=True, text=True, env=env, timeout=timeout)
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+        **(env or {}),
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--plan", str(plan), "--data", str(data), "--out", str(out), *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def launcher(out: Path, *flags: str, env: dict | None = None) -> subprocess.Popen:
     """`supernode train --local` in a process group of its own, as a shell runs it."""
-    cmd = [sys.executable, "-m", "supernode", "train", "--stack", "dev", "--root", str(ROOT), "--local",
-           "--out", str(out), *flags]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    cmd = [
+        sys.executable,
+        "-m",
+        "supernode",
+        "train",
+        "--stack",
+        "dev",
+        "--root",
+        str(ROOT),
+        "--local",
+        "--out",
+        str(out),
+        *flags,
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+    )
 
 
 def wait_for_metrics_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -113,9 +154,20 @@ def plan():
 
 # 1 -----------------------------------------------------------------------------------------------
 
+
 def _log(m: Metrics, step: int, loss: float, grad_norm: float = 0.5):
-    return m.log(step, loss=loss, lr=1e-3, grad_norm=grad_norm, tokens=1024, step_s=0.5, compute_s=0.3,
-                 comm_s=0.1, data_s=0.1, expert_load=None)
+    return m.log(
+        step,
+        loss=loss,
+        lr=1e-3,
+        grad_norm=grad_norm,
+        tokens=1024,
+        step_s=0.5,
+        compute_s=0.3,
+        comm_s=0.1,
+        data_s=0.1,
+        expert_load=None,
+    )
 
 
 def test_torn_metrics_line_is_dropped_on_resume_and_writes_cannot_stop_training(tmp_path, plan):
@@ -126,16 +178,25 @@ def test_torn_metrics_line_is_dropped_on_resume_and_writes_cannot_stop_training(
         f.write('{"step": 4, "loss": 1.5, "mfu": ')
     m = Metrics(tmp_path, plan, world_size=1, device_type="cpu", start_step=3)  # the resume
     _log(m, 4, 1.25)
-    assert [(r["step"], r["loss"]) for r in strict_records(tmp_path / JSONL)] == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.25)]
+    assert [(r["step"], r["loss"]) for r in strict_records(tmp_path / JSONL)] == [
+        (1, 4.0),
+        (2, 3.0),
+        (3, 2.0),
+        (4, 1.25),
+    ]
     # A diverged step is still JSON (null), and a write that fails does not raise.
     _log(m, 5, float("nan"), grad_norm=float("inf"))
-    assert strict_records(tmp_path / JSONL)[-1]["loss"] is None and strict_records(tmp_path / JSONL)[-1]["grad_norm"] is None
+    assert (
+        strict_records(tmp_path / JSONL)[-1]["loss"] is None
+        and strict_records(tmp_path / JSONL)[-1]["grad_norm"] is None
+    )
     (tmp_path / JSONL).unlink()
     (tmp_path / JSONL).mkdir()  # every later append fails with an OSError, as on a full disk
     assert _log(m, 6, 1.0).step == 6
 
 
 # 2 -----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_nan_loss_skips_updates_then_stops_nonzero_without_a_nan_checkpoint(tmp_path, data_dir):
@@ -148,16 +209,20 @@ def test_nan_loss_skips_updates_then_stops_nonzero_without_a_nan_checkpoint(tmp_
     assert "step 5: loss nan, grad norm nan: not finite, update skipped (1 in a row of at most 3)" in r.stdout
     assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2, 4]  # 6 would be a skipped step's
     recs = strict_records(out / JSONL)  # valid JSON throughout
-    assert [(r["step"], r["loss"], r["skipped"]) for r in recs if r["step"] >= 5] == [(5, None, True), (6, None, True),
-                                                                                       (7, None, True)]
+    assert [(r["step"], r["loss"], r["skipped"]) for r in recs if r["step"] >= 5] == [
+        (5, None, True),
+        (6, None, True),
+        (7, None, True),
+    ]
     assert all(isinstance(r["loss"], float) for r in recs if r["step"] < 5)
 
 
 # 3 -----------------------------------------------------------------------------------------------
 
+
 def flip(path: Path, offset: int = 64) -> None:
     data = bytearray(path.read_bytes())
-    data[offset:offset + 8] = b"\xff" * 8
+    data[offset : offset + 8] = b"\xff" * 8
     path.write_bytes(bytes(data))
 
 
@@ -178,12 +243,17 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(group, tmp_p
     ck = checkpointer(tmp_path, model2, opt2, sched2, keep=3, say=said.append)
     assert ck.restore() == 2
     assert torch.equal(model2[0].weight, good)
-    assert said == [f"checkpoint {tmp_path / 'step_00000004'} is corrupt ({tmp_path / 'step_00000004' / '__0_0.distcp'} "
-                    "does not match its recorded sha256); resuming from the previous complete checkpoint, step 2"]
+    assert said == [
+        f"checkpoint {tmp_path / 'step_00000004'} is corrupt ({tmp_path / 'step_00000004' / '__0_0.distcp'} "
+        "does not match its recorded sha256); resuming from the previous complete checkpoint, step 2"
+    ]
     # Nothing usable at all: a clear error (exit 2 in the trainer), never a silent start from step 0.
     (tmp_path / "step_00000002" / ".metadata").write_bytes(b"garbage")
-    with pytest.raises(CheckpointCorrupt, match=r"no usable checkpoint in .*step_00000004 is corrupt.*"
-                                                r"step_00000002 is corrupt \(.*\.metadata does not match"):
+    with pytest.raises(
+        CheckpointCorrupt,
+        match=r"no usable checkpoint in .*step_00000004 is corrupt.*"
+        r"step_00000002 is corrupt \(.*\.metadata does not match",
+    ):
         ck.restore()
 
 
@@ -210,6 +280,7 @@ def corrupt_a_file_rank_1_checks(rank: int, world: int, root: Path):
 @pytest.mark.slow
 def test_a_corrupt_file_that_another_rank_checks_still_falls_back(tmp_path):
     from conftest import spawn
+
     root = tmp_path / "ck"
     ranks = spawn(corrupt_a_file_rank_1_checks, 2, tmp_path, root)
     (step0, said0, hashed0, corrupt), (step1, said1, hashed1, _) = ranks
@@ -217,12 +288,15 @@ def test_a_corrupt_file_that_another_rank_checks_still_falls_back(tmp_path):
     assert corrupt in hashed1 and corrupt not in hashed0
     assert step0 == step1 == 2  # both ranks fall back together
     path = root / "step_00000004"
-    assert said0 == [f"checkpoint {path} is corrupt ({path / corrupt} does not match its recorded sha256); "
-                     "resuming from the previous complete checkpoint, step 2"]
+    assert said0 == [
+        f"checkpoint {path} is corrupt ({path / corrupt} does not match its recorded sha256); "
+        "resuming from the previous complete checkpoint, step 2"
+    ]
     assert said1 == []  # said once, by rank 0
 
 
 # 4 -----------------------------------------------------------------------------------------------
+
 
 def test_a_second_run_on_the_same_out_directory_exits_2(tmp_path, data_dir, capsys):
     out = tmp_path / "out"
@@ -231,7 +305,9 @@ def test_a_second_run_on_the_same_out_directory_exits_2(tmp_path, data_dir, caps
     try:
         r = trainer_alone(write_plan(one_rank_plan(steps=2), tmp_path / "plan.json"), data_dir, out)
         assert r.returncode == 2 and "Traceback" not in r.stderr
-        assert f"--out {out} is in use by another run (pid {os.getpid()} on host {socket.gethostname()} since" in r.stderr
+        assert (
+            f"--out {out} is in use by another run (pid {os.getpid()} on host {socket.gethostname()} since" in r.stderr
+        )
         assert cli(["train", "--stack", "dev", "--root", str(ROOT), "--local", "--out", str(out), "--steps", "2"]) == 2
         assert f"is in use by another run (pid {os.getpid()} on host" in capsys.readouterr().err
         assert not (out / "plan.json").exists()  # the holder's plan is not overwritten
@@ -253,6 +329,7 @@ def test_a_commit_keeps_the_committed_checkpoint_until_the_new_one_is_in_place(g
         if Path(src).name.startswith(".tmp-step_"):
             raise OSError("killed")
         return real(src, dst)
+
     monkeypatch.setattr("trainer.checkpoint.os.replace", crash_on_publish)
     with pytest.raises(OSError, match="killed"):
         position.sd["position"] = 99
@@ -266,6 +343,7 @@ def test_a_commit_keeps_the_committed_checkpoint_until_the_new_one_is_in_place(g
 
 
 # 5, 6 --------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_sigkill_of_the_launchers_process_group_leaves_no_worker_alive(tmp_path):
@@ -295,13 +373,14 @@ def test_ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits_130(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
     log, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, log[-3000:]
-    (stopped, _), = complete_checkpoints(out / "checkpoints")
+    ((stopped, _),) = complete_checkpoints(out / "checkpoints")
     assert stopped >= 3 and f"interrupted at step {stopped}; checkpoint written; run again to resume" in log
     assert "Traceback" not in log and "KeyboardInterrupt" not in log and "SignalException" not in log
     assert max(losses(out)) == stopped
 
 
 # 7 -----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_a_full_disk_is_reported_once_without_restarts(tmp_path):
@@ -317,18 +396,25 @@ def test_a_full_disk_is_reported_once_without_restarts(tmp_path):
 
 # 8 -----------------------------------------------------------------------------------------------
 
+
 def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(group, tmp_path):
     model, opt, sched = make(0)
     meta = {"model": {"heads": 4, "kv_heads": 2, "top_k": 2, "router": "softmax"}}
     checkpointer(tmp_path, model, opt, sched, keep=1, async_save=False, meta=meta).save(1)
     other = {"model": {"heads": 8, "kv_heads": 2, "top_k": 1, "router": "sigmoid"}}  # same tensor shapes
-    with pytest.raises(CheckpointMismatch, match=r"step_00000001 was written for another model \(model\.heads 4 -> 8, "
-                                                 r"router 'softmax' -> 'sigmoid', top_k 2 -> 1\)"):
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"step_00000001 was written for another model \(model\.heads 4 -> 8, "
+        r"router 'softmax' -> 'sigmoid', top_k 2 -> 1\)",
+    ):
         checkpointer(tmp_path, *make(1), keep=1, meta=other).restore()
 
 
 def test_a_changed_schedule_is_applied_and_said(tmp_path):
-    old, new = one_rank_plan(lr=0.003, schedule="cosine").training, one_rank_plan(lr=0.001, schedule="constant").training
+    old, new = (
+        one_rank_plan(lr=0.003, schedule="cosine").training,
+        one_rank_plan(lr=0.001, schedule="constant").training,
+    )
     model, opt, _ = make(0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(new))
     for g in opt.param_groups:  # as the checkpoint left them
@@ -336,8 +422,10 @@ def test_a_changed_schedule_is_applied_and_said(tmp_path):
     sched.base_lrs, sched.last_epoch = [0.003], 30
     saved = {k: getattr(old, k) for k in ("lr", "schedule", "steps", "warmup_steps")}
     line = apply_hyper_parameters(new, saved, 30, opt, sched)
-    assert line == ("checkpoint of step 30 was trained with other settings: training.lr 0.003 -> 0.001, "
-                    "training.schedule 'cosine' -> 'constant'; the plan's values apply from step 31")
+    assert line == (
+        "checkpoint of step 30 was trained with other settings: training.lr 0.003 -> 0.001, "
+        "training.schedule 'cosine' -> 'constant'; the plan's values apply from step 31"
+    )
     assert opt.param_groups[0]["lr"] == pytest.approx(0.001) and sched.get_last_lr() == [pytest.approx(0.001)]
     opt.step()  # no gradients: only the order torch expects
     sched.step()
@@ -358,10 +446,13 @@ def test_resuming_with_a_changed_model_exits_2(tmp_path, data_dir):
 
 # 9 -----------------------------------------------------------------------------------------------
 
+
 def test_unusable_plan_files_exit_2(tmp_path, data_dir):
     (tmp_path / "latin1.json").write_bytes(b'{"stack": "d\xe9v"}')
-    for plan, message in ((tmp_path, "is a directory, not a plan file"),
-                          (tmp_path / "latin1.json", "not UTF-8 text (byte 12)")):
+    for plan, message in (
+        (tmp_path, "is a directory, not a plan file"),
+        (tmp_path / "latin1.json", "not UTF-8 text (byte 12)"),
+    ):
         r = trainer_alone(plan, data_dir, tmp_path / "out")
         assert r.returncode == 2 and f"error: --plan {plan}: {message}" in r.stderr and "Traceback" not in r.stderr
 
@@ -378,8 +469,11 @@ def test_bad_manifests_and_out_paths_exit_2(tmp_path, capsys):
     with pytest.raises(DataError, match=r"dtype 'float32' is not a token id type; use one of uint8, uint16, uint32"):
         verify(data)
     rewrite(dtype="uint16")  # the same bytes read as uint16: half the tokens the manifest lists
-    with pytest.raises(DataError, match=r"shard_00000.bin is corrupt: 129100 tokens of uint16 \(258200 bytes\), "
-                                        r"manifest says 258200: a corrupt shard or a wrong dtype"):
+    with pytest.raises(
+        DataError,
+        match=r"shard_00000.bin is corrupt: 129100 tokens of uint16 \(258200 bytes\), "
+        r"manifest says 258200: a corrupt shard or a wrong dtype",
+    ):
         verify(data)
     rewrite(dtype="uint8")
     args = ["train", "--stack", "dev", "--root", str(ROOT), "--local", "--data", str(data)]
@@ -395,6 +489,7 @@ def test_bad_manifests_and_out_paths_exit_2(tmp_path, capsys):
 
 def test_token_ids_outside_the_vocab_are_bad_input(tmp_path):
     from trainer.data import TokenLoader
+
     prepare(DEFAULT_CORPUS, tmp_path, shard_tokens=1 << 18)
     with pytest.raises(DataError, match=r"holds token id 2\d\d, outside the model's vocab of 128"):
         TokenLoader(tmp_path, 64, 4, 4, 0, 1, 0, vocab=128)
@@ -409,6 +504,7 @@ def test_fewer_steps_than_the_run_already_has_exits_2(tmp_path, capsys):
 
 
 # 10 ----------------------------------------------------------------------------------------------
+
 
 def test_prometheus_listens_on_loopback_and_a_busy_port_is_a_plain_error(tmp_path, plan):
     port = free_port()

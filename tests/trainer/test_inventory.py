@@ -35,24 +35,44 @@ Last offset     : -0.000005283 seconds
 
 def record(**changes) -> dict:
     base = inv.build_record(
-        inv.parse_nvidia_smi_gpus(NVIDIA_SMI_CSV), cuda=inv.parse_cuda_version(NVIDIA_SMI_BANNER), nccl="2.27.7",
-        libfabric=inv.parse_fi_info_version(FI_INFO), efa_installer=inv.parse_efa_installer(EFA_PACKAGES),
-        aws_ofi_nccl=inv.parse_ofi_nccl_version(b"\x00aws-ofi-nccl 1.17.2\x00"), efa_devices=32,
-        sysctl=dict(inv.HOST_SYSCTLS), limits=inv.parse_limits(LIMITS), hugepages_2mi=2560,
-        time_sync=inv.parse_chrony_tracking(CHRONY), node="ip-10-0-1-5", instance="i-0123456789abcdef0")
+        inv.parse_nvidia_smi_gpus(NVIDIA_SMI_CSV),
+        cuda=inv.parse_cuda_version(NVIDIA_SMI_BANNER),
+        nccl="2.27.7",
+        libfabric=inv.parse_fi_info_version(FI_INFO),
+        efa_installer=inv.parse_efa_installer(EFA_PACKAGES),
+        aws_ofi_nccl=inv.parse_ofi_nccl_version(b"\x00aws-ofi-nccl 1.17.2\x00"),
+        efa_devices=32,
+        sysctl=dict(inv.HOST_SYSCTLS),
+        limits=inv.parse_limits(LIMITS),
+        hugepages_2mi=2560,
+        time_sync=inv.parse_chrony_tracking(CHRONY),
+        node="ip-10-0-1-5",
+        instance="i-0123456789abcdef0",
+    )
     return {**base, **changes}
 
 
 def test_readers_parse_captured_tool_output():
     r = record()
     assert [(g["index"], g["serial"], g["pci_bus_id"]) for g in r["gpus"]] == [
-        ("0", "1654922012345", "00000000:53:00.0"), ("1", "1654922012346", "00000000:64:00.0")]
+        ("0", "1654922012345", "00000000:53:00.0"),
+        ("1", "1654922012346", "00000000:64:00.0"),
+    ]
     assert r["gpus"][1]["uuid"] == "GPU-7a8b9c0d-1e2f-4a5b-8c9d-0e1f2a3b4c5d"
     assert (r["driver"], r["cuda"], r["libfabric"], r["efa_installer"], r["aws_ofi_nccl"]) == (
-        "580.95.05", "13.0", "2.1.0amzn3.0", "1.43.3", "1.17.2")
+        "580.95.05",
+        "13.0",
+        "2.1.0amzn3.0",
+        "1.43.3",
+        "1.17.2",
+    )
     assert r["limits"] == {"nofile": "1048576", "memlock": "unlimited"}
-    assert r["time"] == {"source": "169.254.169.123", "amazon_time_sync": True, "offset_ms": -0.021347,
-                         "synchronised": True}
+    assert r["time"] == {
+        "source": "169.254.169.123",
+        "amazon_time_sync": True,
+        "offset_ms": -0.021347,
+        "synchronised": True,
+    }
     # absent tools give nulls, not errors
     assert inv.parse_nvidia_smi_gpus("") == [] and inv.parse_cuda_version("") is None
     assert inv.parse_fi_info_version("command not found") is None and inv.parse_ofi_nccl_version(b"") is None
@@ -64,8 +84,10 @@ def test_drift_between_two_differing_inventories():
     gpus[1]["serial"] = "1654922099999"  # a card swapped in slot 1
     after = record(gpus=gpus, driver="580.105.08", time={**before["time"], "offset_ms": 3.0}, node="renamed")
     found = inv.drift(before, after)
-    assert found == [{"field": "driver", "baseline": "580.95.05", "current": "580.105.08"},
-                     {"field": "gpus.gpu1.serial", "baseline": "1654922012346", "current": "1654922099999"}]
+    assert found == [
+        {"field": "driver", "baseline": "580.95.05", "current": "580.105.08"},
+        {"field": "gpus.gpu1.serial", "baseline": "1654922012346", "current": "1654922099999"},
+    ]
     assert inv.drift(before, record()) == []  # same node, same record: nothing (clock and node name are volatile)
     # The fleet comparison looks only at what all nodes share: another node's serials are no drift.
     other = record(gpus=[{**g, "serial": "x", "uuid": "y"} for g in before["gpus"]], instance_id="i-0fff")
@@ -88,9 +110,11 @@ def test_compare_command_exits_1_on_drift_and_2_on_bad_input(tmp_path, capsys):
 
 def test_host_findings_flag_settings_off_the_bootstrap_and_clock_beyond_the_bound():
     assert inv.host_findings(record(), max_offset_ms=10) == []
-    bad = record(sysctl={**inv.HOST_SYSCTLS, "kernel.numa_balancing": 1},
-                 limits={"nofile": "65536", "memlock": "8388608"},
-                 time={"source": "169.254.169.123", "amazon_time_sync": True, "offset_ms": 25.0, "synchronised": True})
+    bad = record(
+        sysctl={**inv.HOST_SYSCTLS, "kernel.numa_balancing": 1},
+        limits={"nofile": "65536", "memlock": "8388608"},
+        time={"source": "169.254.169.123", "amazon_time_sync": True, "offset_ms": 25.0, "synchronised": True},
+    )
     found = inv.host_findings(bad, max_offset_ms=10)
     assert len(found) == 4 and any("numa_balancing" in f for f in found) and any("25 ms" in f for f in found)
     ntp = record(time=inv.parse_chrony_tracking("Reference ID    : 00000000 ()\n"))
@@ -115,11 +139,13 @@ def test_watch_keeps_the_first_record_and_counts_drift_for_the_alarm():
     assert other["inventory_drift_count"] == 0 and other["fleet_reference"] == "ip-10-0-1-5"
     # the JSON line carries the field the inventory-drift log metric filter reads
     from components.monitoring import LogPattern
+
     assert "$.inventory_drift_count" in LogPattern.INVENTORY_DRIFT and "inventory_drift_count" in later
 
 
 def test_the_inventory_checks_what_the_node_bootstrap_sets():
     from components import accelerators
+
     assert inv.HOST_SYSCTLS == accelerators.HOST_SYSCTLS
     assert inv.MIN_NOFILE == accelerators.NOFILE
     script = accelerators.host_baseline_script(2560)

@@ -17,13 +17,25 @@ from trainer.parallel import ParallelDims, build_model
 ROOT = Path(__file__).resolve().parents[2]
 # ~110 M parameters: 440 MB in fp32, four times what each of 4 FSDP ranks holds. Large enough that the
 # ~50 MB a gloo rank needs for itself stays well inside the margins below.
-BIG = Model(layers=4, dim=768, heads=12, kv_heads=12, experts=16, top_k=2, expert_hidden=768, dense_hidden=1536,
-            first_dense_layers=1, vocab=8192, seq_len=16)
+BIG = Model(
+    layers=4,
+    dim=768,
+    heads=12,
+    kv_heads=12,
+    experts=16,
+    top_k=2,
+    expert_hidden=768,
+    dense_hidden=1536,
+    first_dense_layers=1,
+    vocab=8192,
+    seq_len=16,
+)
 
 
 def full_bytes(cfg: Model) -> int:
     with torch.device("meta"):
         from trainer.model import Transformer
+
         return sum(p.numel() * 4 for p in Transformer(cfg).parameters())
 
 
@@ -39,8 +51,12 @@ def build_and_restore(rank: int, world: int, ckpt: str) -> dict:
     again = build_model(BIG, dims, parallel, torch.device("cpu"), seed=2)  # other weights...
     dcp.load({"model": ModelState(again)}, checkpoint_id=ckpt)  # ...replaced by the checkpoint's, in place
     same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), again.parameters()))
-    return {"built": built, "restored": resident_bytes("VmHWM") - baseline, "share": local_bytes(model.parameters()),
-            "same": same}
+    return {
+        "built": built,
+        "restored": resident_bytes("VmHWM") - baseline,
+        "share": local_bytes(model.parameters()),
+        "same": same,
+    }
 
 
 @pytest.mark.slow
@@ -54,7 +70,9 @@ def test_no_rank_ever_holds_the_whole_model(tmp_path) -> None:
         assert r["share"] <= full / 4 * 1.01
         # Two models' shards (built, then a second one restored into) and the runtime, never one whole model.
         assert r["built"] < full / 2, f"rank {rank}: build peaked at {r['built'] / 1e6:.0f} MB of {full / 1e6:.0f} MB"
-        assert r["restored"] < full, f"rank {rank}: restore peaked at {r['restored'] / 1e6:.0f} MB of {full / 1e6:.0f} MB"
+        assert r["restored"] < full, (
+            f"rank {rank}: restore peaked at {r['restored'] / 1e6:.0f} MB of {full / 1e6:.0f} MB"
+        )
 
 
 @pytest.mark.slow

@@ -22,8 +22,18 @@ def plan():
 
 
 def log(m: Metrics, step: int, loss: float, load: torch.Tensor):
-    return m.log(step, loss=loss, lr=1e-3, grad_norm=0.5, tokens=2048, step_s=0.5, compute_s=0.3, comm_s=0.15,
-                 data_s=0.05, expert_load=load)
+    return m.log(
+        step,
+        loss=loss,
+        lr=1e-3,
+        grad_norm=0.5,
+        tokens=2048,
+        step_s=0.5,
+        compute_s=0.3,
+        comm_s=0.15,
+        data_s=0.05,
+        expert_load=load,
+    )
 
 
 def test_load_imbalance_is_max_over_mean_per_layer():
@@ -110,8 +120,10 @@ def test_checkpoint_age_gauges_follow_the_commits(tmp_path, plan, group):
     from trainer.checkpoint import COMPLETE, Checkpointer
 
     def gauges(m: Metrics) -> tuple[float, float]:
-        return (m.registry.get_sample_value("supernode_train_last_checkpoint_timestamp_seconds"),
-                m.registry.get_sample_value("supernode_train_last_checkpoint_step"))
+        return (
+            m.registry.get_sample_value("supernode_train_last_checkpoint_timestamp_seconds"),
+            m.registry.get_sample_value("supernode_train_last_checkpoint_step"),
+        )
 
     root = tmp_path / "checkpoints"
     ckpt = Checkpointer(root, keep=2, state={"model": torch.nn.Linear(4, 4)}, async_save=True, say=lambda s: None)

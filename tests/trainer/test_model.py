@@ -10,8 +10,22 @@ from supernode.core.config import Model
 from trainer.model import Transformer, apply_rope, loss_fn, rope_tables
 from trainer.moe import ExpertBalancer
 
-CFG = Model(layers=3, dim=32, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=16,
-            dense_hidden=48, first_dense_layers=1, vocab=64, seq_len=16, load_balance_coef=0.01, z_loss_coef=0.001)
+CFG = Model(
+    layers=3,
+    dim=32,
+    heads=4,
+    kv_heads=2,
+    experts=4,
+    top_k=2,
+    shared_experts=1,
+    expert_hidden=16,
+    dense_hidden=48,
+    first_dense_layers=1,
+    vocab=64,
+    seq_len=16,
+    load_balance_coef=0.01,
+    z_loss_coef=0.001,
+)
 
 
 def tokens(seed: int = 0, batch: int = 2, cfg: Model = CFG) -> torch.Tensor:

@@ -10,8 +10,17 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.dispatcher import AllToAllDispatcher
-from trainer.moe import (BLOCK_WASTE, PAD_ROWS, ExpertBalancer, MoE, _BufferPool, expert_blocks,
-                         expert_ffn, expert_strategy, grouped_mm_applies)
+from trainer.moe import (
+    BLOCK_WASTE,
+    PAD_ROWS,
+    ExpertBalancer,
+    MoE,
+    _BufferPool,
+    expert_blocks,
+    expert_ffn,
+    expert_strategy,
+    grouped_mm_applies,
+)
 
 DIM, HIDDEN, EXPERTS, TOP_K = 32, 16, 4, 2
 EMPTY = 3  # this expert is biased out of every top-k: it gets no tokens
@@ -46,8 +55,10 @@ def test_each_strategy_equals_the_loop_values_and_grads(strategy: str, dtype: to
     upstream = torch.randn(37, DIM, generator=torch.Generator().manual_seed(2)).to(dtype)
     assert expert_strategy(x, layer.experts.w1) == "padded"  # the CPU default
     layer.experts.strategy = strategy
-    with mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm) as grouped, \
-            mock.patch.object(torch, "bmm", wraps=torch.bmm) as batched:
+    with (
+        mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm) as grouped,
+        mock.patch.object(torch, "bmm", wraps=torch.bmm) as batched,
+    ):
         out_s, dx_s, grads_s = fwd_bwd(layer, x, upstream)
     # The path asked for actually ran: 3 grouped matmuls, or 3 batched ones per block and 6 back.
     assert (grouped.call_count, batched.call_count > 0) == ((3, False) if strategy == "grouped" else (0, True))
@@ -77,8 +88,10 @@ def test_padded_path_is_exact_for_skewed_empty_and_large_experts() -> None:
     # Counts that make blocks of one, several and an empty expert; more rows than one block holds.
     sizes = [0, 700, 3, 5000, 0, 64, 65]
     x = torch.randn(sum(sizes), DIM, generator=torch.Generator().manual_seed(4), requires_grad=True)
-    weights = [torch.randn(len(sizes), *shape, generator=torch.Generator().manual_seed(5 + i)).mul_(0.2)
-               .requires_grad_() for i, shape in enumerate([(DIM, HIDDEN), (HIDDEN, DIM), (DIM, HIDDEN)])]
+    weights = [
+        torch.randn(len(sizes), *shape, generator=torch.Generator().manual_seed(5 + i)).mul_(0.2).requires_grad_()
+        for i, shape in enumerate([(DIM, HIDDEN), (HIDDEN, DIM), (DIM, HIDDEN)])
+    ]
     upstream = torch.randn(sum(sizes), DIM, generator=torch.Generator().manual_seed(9))
     results = {}
     for strategy in ("padded", "loop"):
@@ -107,9 +120,11 @@ def per_token_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     ex, f = layer.experts, torch.nn.functional
     out = []
     for t in range(x.shape[0]):
-        y = sum(weights[t, j] * ((f.silu(x[t] @ ex.w1[e]) * (x[t] @ ex.w3[e])) @ ex.w2[e])
-                for j, e in enumerate(ids[t].tolist()))
-        out.append(y + layer.shared(x[t:t + 1])[0] if layer.shared is not None else y)
+        y = sum(
+            weights[t, j] * ((f.silu(x[t] @ ex.w1[e]) * (x[t] @ ex.w3[e])) @ ex.w2[e])
+            for j, e in enumerate(ids[t].tolist())
+        )
+        out.append(y + layer.shared(x[t : t + 1])[0] if layer.shared is not None else y)
     return torch.stack(out)
 
 
@@ -152,8 +167,10 @@ def test_padded_experts_reuse_their_memory_and_survive_checkpointing(monkeypatch
 
     sizes = torch.tensor([300, 0, 41, 97])
     x = torch.randn(int(sizes.sum()), DIM, generator=torch.Generator().manual_seed(4), requires_grad=True)
-    weights = [torch.randn(4, *shape, generator=torch.Generator().manual_seed(5 + i)).mul_(0.2).requires_grad_()
-               for i, shape in enumerate([(DIM, HIDDEN), (HIDDEN, DIM), (DIM, HIDDEN)])]
+    weights = [
+        torch.randn(4, *shape, generator=torch.Generator().manual_seed(5 + i)).mul_(0.2).requires_grad_()
+        for i, shape in enumerate([(DIM, HIDDEN), (HIDDEN, DIM), (DIM, HIDDEN)])
+    ]
     upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(9))
     pool = moe._BufferPool()
     monkeypatch.setattr(moe, "_POOL", pool)
@@ -189,8 +206,12 @@ def test_expert_ffn_is_swiglu_per_expert() -> None:
     x, counts = rows(7), torch.tensor([2, 0, 5])
     w1, w3 = torch.randn(3, DIM, HIDDEN), torch.randn(3, DIM, HIDDEN)
     w2 = torch.randn(3, HIDDEN, DIM)
-    expected = torch.cat([(torch.nn.functional.silu(x[:2] @ w1[0]) * (x[:2] @ w3[0])) @ w2[0],
-                          (torch.nn.functional.silu(x[2:] @ w1[2]) * (x[2:] @ w3[2])) @ w2[2]])
+    expected = torch.cat(
+        [
+            (torch.nn.functional.silu(x[:2] @ w1[0]) * (x[:2] @ w3[0])) @ w2[0],
+            (torch.nn.functional.silu(x[2:] @ w1[2]) * (x[2:] @ w3[2])) @ w2[2],
+        ]
+    )
     torch.testing.assert_close(expert_ffn(x, counts, w1, w2, w3), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -217,6 +238,7 @@ def test_sigmoid_router_weights_sum_to_one() -> None:
 
 # -- expert parallel ----------------------------------------------------------------------------
 
+
 def rank_rows(rank: int) -> slice:
     """Uneven token counts per rank: 5, 8, 11, 14."""
     start = sum(5 + 3 * r for r in range(rank))
@@ -236,11 +258,18 @@ def run_ep(rank: int, world_size: int) -> dict:
             per = EXPERTS // ep
             for name in ("w1", "w2", "w3"):  # this rank keeps its experts only
                 full = getattr(layer.experts, name)
-                setattr(layer.experts, name, torch.nn.Parameter(full.detach()[ep_rank * per:(ep_rank + 1) * per].clone()))
+                setattr(
+                    layer.experts, name, torch.nn.Parameter(full.detach()[ep_rank * per : (ep_rank + 1) * per].clone())
+                )
             layer.dispatcher = AllToAllDispatcher(mesh["ep"].get_group(), overlap=overlap)
             out, dx, grads = fwd_bwd(layer, rows(TOTAL)[rank_rows(rank)], upstream(TOTAL)[rank_rows(rank)])
-            results[(ep, overlap)] = {"out": out, "dx": dx, "grads": grads, "ep_rank": ep_rank,
-                                      "load": ExpertBalancer([layer], 0.0).reduce()[0]}  # summed over the ranks
+            results[(ep, overlap)] = {
+                "out": out,
+                "dx": dx,
+                "grads": grads,
+                "ep_rank": ep_rank,
+                "load": ExpertBalancer([layer], 0.0).reduce()[0],
+            }  # summed over the ranks
     return results
 
 
@@ -275,14 +304,36 @@ def test_dispatch_combine_exact_for_uneven_counts_and_an_idle_expert(tmp_path) -
 
 # -- the benchmarks built on this layer -----------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_bench_moe_reports_both_paths_and_minimal_all_to_all_bytes(capsys) -> None:
     import json
 
     from bench.moe import main
 
-    assert main(["--tokens", "256", "--dim", "32", "--hidden", "64", "--experts", "4", "--topk", "2",
-                 "--threads", "1", "--repeat", "1", "--ep", "2"]) == 0
+    assert (
+        main(
+            [
+                "--tokens",
+                "256",
+                "--dim",
+                "32",
+                "--hidden",
+                "64",
+                "--experts",
+                "4",
+                "--topk",
+                "2",
+                "--threads",
+                "1",
+                "--repeat",
+                "1",
+                "--ep",
+                "2",
+            ]
+        )
+        == 0
+    )
     layer, a2a = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert layer["measurement"] == "moe_layer_fwd_bwd" and layer["expert_strategy"] == "padded"
     assert layer["layer_tokens_per_s"] > 0 and layer["naive_loop_tokens_per_s"] > 0

@@ -28,9 +28,22 @@ from trainer.parallel import ParallelDims, build_model, parallelize
 SEED = 7
 LR = 0.5
 BATCH = 8
-MODEL = Model(layers=3, dim=32, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=16,
-              dense_hidden=48, first_dense_layers=1, vocab=64, seq_len=16, load_balance_coef=0.01,
-              z_loss_coef=0.001)
+MODEL = Model(
+    layers=3,
+    dim=32,
+    heads=4,
+    kv_heads=2,
+    experts=4,
+    top_k=2,
+    shared_experts=1,
+    expert_hidden=16,
+    dense_hidden=48,
+    first_dense_layers=1,
+    vocab=64,
+    seq_len=16,
+    load_balance_coef=0.01,
+    z_loss_coef=0.001,
+)
 SIGMOID = MODEL.model_copy(update={"router": "sigmoid", "shared_experts": 0, "tie_embeddings": True})
 
 # name: (dp_replicate, dp_shard, tp, ep, activation checkpointing, overlap, model)
@@ -75,8 +88,14 @@ def reference(model_cfg: Model, groups: int) -> dict:
     (ce + aux).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     ce_after, load = second_step(model, tokens)
-    return {"ce": ce.item(), "aux": aux.item(), "load": load, "grads": grads, "params": params,
-            "ce_after_step": ce_after.item()}
+    return {
+        "ce": ce.item(),
+        "aux": aux.item(),
+        "load": load,
+        "grads": grads,
+        "params": params,
+        "ce_after_step": ce_after.item(),
+    }
 
 
 class CountReductions:
@@ -93,6 +112,7 @@ class CountReductions:
             if not tensor.is_floating_point():
                 self.calls.append((self.phase, tuple(tensor.shape)))
             return real(tensor, *args, **kwargs)
+
         dist.all_reduce = counting
         return self
 
@@ -106,9 +126,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def layout(name: str, world_size: int) -> tuple[ParallelDims, Parallel]:
     dpr, dps, tp, ep, ac, overlap, _ = LAYOUTS[name]
-    return (ParallelDims(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, pp=1, world_size=world_size),
-            Parallel(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, activation_checkpointing=ac,
-                     overlap=overlap, mixed_precision="bf16"))  # bf16 must be ignored on CPU
+    return (
+        ParallelDims(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, pp=1, world_size=world_size),
+        Parallel(
+            dp_replicate=dpr,
+            dp_shard=dps,
+            tp=tp,
+            ep=ep,
+            activation_checkpointing=ac,
+            overlap=overlap,
+            mixed_precision="bf16",
+        ),
+    )  # bf16 must be ignored on CPU
 
 
 def run_layouts(rank: int, world_size: int, names=tuple(LAYOUTS)) -> dict:
@@ -142,9 +171,17 @@ def run_layouts(rank: int, world_size: int, names=tuple(LAYOUTS)) -> dict:
         counted.__exit__()
         ce_after = ce_after / (dims.dp_size * tp)
         dist.all_reduce(ce_after)
-        results[name] = {"ce": stats[0].item(), "aux": stats[1].item(), "load": load, "params": params,
-                         "grads": grads, "dtypes": dtypes, "compute_dtypes": compute_dtypes,
-                         "ce_after_step": ce_after.item(), "count_reductions": counted.calls}
+        results[name] = {
+            "ce": stats[0].item(),
+            "aux": stats[1].item(),
+            "load": load,
+            "params": params,
+            "grads": grads,
+            "dtypes": dtypes,
+            "compute_dtypes": compute_dtypes,
+            "ce_after_step": ce_after.item(),
+            "count_reductions": counted.calls,
+        }
     return results if rank == 0 else {}
 
 
@@ -212,7 +249,9 @@ def run_domain_ordered(rank: int, world_size: int) -> dict:
     # Why the ranks are renumbered rather than the mesh permuted: DTensor assembles a permuted
     # mesh's shards in rank order, not mesh order (if torch ever changes that, this fails).
     permuted = DeviceMesh("cpu", torch.tensor([0, 2, 1, 3]), mesh_dim_names=("x",))
-    out["permuted_gather"] = DTensor.from_local(torch.tensor([float(rank)]), permuted, [Shard(0)]).full_tensor().tolist()
+    out["permuted_gather"] = (
+        DTensor.from_local(torch.tensor([float(rank)]), permuted, [Shard(0)]).full_tensor().tolist()
+    )
     # EP 4 in domains of 2: where the plan keeps it inside one domain every rank refuses alike (no
     # hang); where the plan lets it cross by design, the ranks are ordered and that is said.
     wide, wide_parallel = layout("ep", world_size)
@@ -228,8 +267,13 @@ def run_domain_ordered(rank: int, world_size: int) -> dict:
     renumber_by_domain(dims, place(parallel, domain=2), "gloo", timedelta(seconds=60), said.append)
     new_rank = dist.get_rank()
     mesh = dims.build_mesh("cpu")
-    out |= {"said": said, "new_rank": new_rank, "ep": mesh.ep.mesh.tolist(), "tp": mesh.tp.mesh.tolist(),
-            "figures": run_layouts(new_rank, world_size, (ORDERED_LAYOUT,)).get(ORDERED_LAYOUT)}
+    out |= {
+        "said": said,
+        "new_rank": new_rank,
+        "ep": mesh.ep.mesh.tolist(),
+        "tp": mesh.tp.mesh.tolist(),
+        "figures": run_layouts(new_rank, world_size, (ORDERED_LAYOUT,)).get(ORDERED_LAYOUT),
+    }
     return out
 
 
@@ -245,12 +289,15 @@ def test_domain_order_keeps_ep_and_tp_groups_inside_a_domain_and_the_losses(tmp_
         for dim in ("ep", "tp"):
             assert g["new_rank"] in g[dim] and len({domain_of[r] for r in g[dim]}) == 1, (g["new_rank"], dim, g[dim])
         assert g["said"] == []
-        assert g["refused"] == ("rank order: NVLink domain 'a' holds 2 ranks, not a multiple of the EP/TP group size 4: "
-                                "a group would cross domains; the plan keeps ep 4 inside one domain: check the nodes' "
-                                "nvidia.com/gpu.clique labels (NVLink fabric up?) or SUPERNODE_NVLINK_DOMAIN")
+        assert g["refused"] == (
+            "rank order: NVLink domain 'a' holds 2 ranks, not a multiple of the EP/TP group size 4: "
+            "a group would cross domains; the plan keeps ep 4 inside one domain: check the nodes' "
+            "nvidia.com/gpu.clique labels (NVLink fabric up?) or SUPERNODE_NVLINK_DOMAIN"
+        )
         assert g["by_design"] == [0, 2, 1, 3]
-        assert g["design_said"] == ["ep 4 spans 2 NVLink domains by the plan's design (NVLink+EFA): those groups "
-                                    "cross domains over EFA"]
+        assert g["design_said"] == [
+            "ep 4 spans 2 NVLink domains by the plan's design (NVLink+EFA): those groups cross domains over EFA"
+        ]
     # torchrun's order would have split every EP/TP group across the domains: the test means something.
     assert DOMAINS[0] != DOMAINS[1] and DOMAINS[2] != DOMAINS[3]
     check_layout(ORDERED_LAYOUT, got[0]["figures"])  # renumbered, the figures are the single-process reference's
@@ -266,8 +313,12 @@ def _dev_local_plan():
 
 
 def _with_degrees(plan, **degrees):
-    return plan.model_copy(update={"parallel": plan.parallel.model_copy(update=degrees),
-                                   "degrees": plan.degrees.model_copy(update=degrees)})
+    return plan.model_copy(
+        update={
+            "parallel": plan.parallel.model_copy(update=degrees),
+            "degrees": plan.degrees.model_copy(update=degrees),
+        }
+    )
 
 
 def test_dims_from_degrees_and_errors() -> None:
@@ -324,8 +375,12 @@ class FakeNvml:
         pass
 
     class c_nvmlGpuFabricInfo_t(ctypes.Structure):
-        _fields_ = [("clusterUuid", ctypes.c_uint8 * 16), ("status", ctypes.c_uint), ("cliqueId", ctypes.c_uint32),
-                    ("state", ctypes.c_uint)]
+        _fields_ = [
+            ("clusterUuid", ctypes.c_uint8 * 16),
+            ("status", ctypes.c_uint),
+            ("cliqueId", ctypes.c_uint32),
+            ("state", ctypes.c_uint),
+        ]
 
     def __init__(self, cluster: bytes, clique: int, state: int = 3, fail: bool = False):
         self.cluster, self.clique, self.state, self.fail = cluster, clique, state, fail

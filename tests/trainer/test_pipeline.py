@@ -42,8 +42,22 @@ SEED = 7
 LR = 0.5
 BATCH = 8
 MICRO_BATCHES = 4  # per data-parallel rank and step
-MODEL = Model(layers=4, dim=32, heads=4, kv_heads=2, experts=4, top_k=2, shared_experts=1, expert_hidden=16,
-              dense_hidden=48, first_dense_layers=1, vocab=64, seq_len=16, load_balance_coef=0.1, z_loss_coef=0.01)
+MODEL = Model(
+    layers=4,
+    dim=32,
+    heads=4,
+    kv_heads=2,
+    experts=4,
+    top_k=2,
+    shared_experts=1,
+    expert_hidden=16,
+    dense_hidden=48,
+    first_dense_layers=1,
+    vocab=64,
+    seq_len=16,
+    load_balance_coef=0.1,
+    z_loss_coef=0.01,
+)
 
 # name: (world, dp_shard, ep, pp, schedule, virtual stages, activation checkpointing, tp)
 LAYOUTS = {
@@ -83,8 +97,12 @@ def reference(groups: int, eos: Optional[int] = None) -> dict:
     balancer = ExpertBalancer(model.moe_layers(), MODEL.bias_update_rate)
     balancer.attach(opt)
     opt.step()
-    return {"ce": ce.item(), "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "biases": {i: m.router.bias.clone() for i, m in enumerate(model.moe_layers())}}
+    return {
+        "ce": ce.item(),
+        "grads": grads,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "biases": {i: m.router.bias.clone() for i, m in enumerate(model.moe_layers())},
+    }
 
 
 def run_layouts(rank: int, world_size: int, names: list[str], eos: Optional[int] = None) -> dict:
@@ -92,12 +110,28 @@ def run_layouts(rank: int, world_size: int, names: list[str], eos: Optional[int]
     for name in names:
         _, dps, ep, pp, schedule, virtual, ac, tp = LAYOUTS[name]
         dims = ParallelDims(dp_replicate=1, dp_shard=dps, tp=tp, ep=ep, pp=pp, world_size=world_size)
-        parallel = Parallel(dp_shard=dps, tp=tp, ep=ep, pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual,
-                            activation_checkpointing=ac)
+        parallel = Parallel(
+            dp_shard=dps,
+            tp=tp,
+            ep=ep,
+            pp=pp,
+            pp_schedule=schedule,
+            pp_virtual_stages=virtual,
+            activation_checkpointing=ac,
+        )
         mesh = dims.build_mesh("cpu")
         tokens = batch(eos).chunk(dims.dp_size)[dims.dp_rank(rank)]
-        pipe = build_pipeline(MODEL, dims, parallel, torch.device("cpu"), SEED, tokens.shape[0] // MICRO_BATCHES,
-                              MICRO_BATCHES, loss_fn, mesh=mesh)
+        pipe = build_pipeline(
+            MODEL,
+            dims,
+            parallel,
+            torch.device("cpu"),
+            SEED,
+            tokens.shape[0] // MICRO_BATCHES,
+            MICRO_BATCHES,
+            loss_fn,
+            mesh=mesh,
+        )
         counted = counted_per_micro_batch(list(tokens.chunk(MICRO_BATCHES)), eos, torch.device("cpu"))
         parts = pipe.parts
         reductions: list[tuple[int, ...]] = []
@@ -107,6 +141,7 @@ def run_layouts(rank: int, world_size: int, names: list[str], eos: Optional[int]
             if not tensor.is_floating_point():
                 reductions.append(tuple(tensor.shape))
             return real(tensor, *args, **kwargs)
+
         dist.all_reduce = counting
         try:
             losses = pipe.step(tokens, eos, counted)
@@ -120,10 +155,16 @@ def run_layouts(rank: int, world_size: int, names: list[str], eos: Optional[int]
         params = {n: _full(p.detach()) for n, p in parts.named_parameters()}
         layers = [int(k) for k in parts.layers]
         moe_ids = [sum(MODEL.is_moe(j) for j in range(i)) for i in layers if MODEL.is_moe(i)]
-        results[name] = {"ce": [loss.item() for loss in losses], "grads": grads, "params": params,
-                         "biases": dict(zip(moe_ids, (m.router.bias.clone() for m in parts.moe_layers()))),
-                         "count_reductions_in_backward": in_backward, "count_reductions": reductions,
-                         "moe_layers": len(parts.moe_layers()), "stage_size": world_size // pp}
+        results[name] = {
+            "ce": [loss.item() for loss in losses],
+            "grads": grads,
+            "params": params,
+            "biases": dict(zip(moe_ids, (m.router.bias.clone() for m in parts.moe_layers()))),
+            "count_reductions_in_backward": in_backward,
+            "count_reductions": reductions,
+            "moe_layers": len(parts.moe_layers()),
+            "stage_size": world_size // pp,
+        }
     return results
 
 
@@ -134,7 +175,9 @@ def check_layout(name: str, per_rank: list[dict], eos: Optional[int] = None) -> 
     ces = [ce for g in got for ce in g["ce"]]  # the last stage's ranks (tp ranks alike), each its micro-batches
     assert len(ces) == dps * tp * MICRO_BATCHES, "the loss lives on the last stage only"
     assert sum(ces) / len(ces) == pytest.approx(ref["ce"], rel=1e-5)
-    for g in got:  # expert counts: none in forward/backward, one reduction at the step (if the stage has ranks to reduce over)
+    for g in (
+        got
+    ):  # expert counts: none in forward/backward, one reduction at the step (if the stage has ranks to reduce over)
         assert g["count_reductions_in_backward"] == []
         expected = [(g["moe_layers"], MODEL.experts)] if g["moe_layers"] and g["stage_size"] > 1 else []
         assert g["count_reductions"] == expected
@@ -202,8 +245,11 @@ def test_stage_split_and_placement() -> None:
 def test_stages_keep_the_whole_models_names() -> None:
     with torch.device("meta"):
         whole = Transformer(MODEL)
-        stages = [Stage(whole, range(0, 1), first=True, last=False), Stage(whole, range(1, 3), False, False),
-                  Stage(whole, range(3, 4), False, True)]
+        stages = [
+            Stage(whole, range(0, 1), first=True, last=False),
+            Stage(whole, range(1, 3), False, False),
+            Stage(whole, range(3, 4), False, True),
+        ]
     names = [n for s in stages for n, _ in s.named_parameters()]
     assert sorted(names) == sorted(n for n, _ in whole.named_parameters())
     parts = StageParts(stages[1:])
@@ -212,6 +258,7 @@ def test_stages_keep_the_whole_models_names() -> None:
 
 
 # -- end to end: `supernode train --local` at pp 2, resumed at pp 2 and at pp 1 ---------------------
+
 
 def pp_stack(path: Path, **local_parallel) -> Path:
     """The dev stack with its local layout pipelined (the dev stack's own local layout unchanged)."""
@@ -230,9 +277,29 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def cli_train(stack: Path, out: Path, data: Path, steps: int) -> str:
-    proc = subprocess.run([sys.executable, "-m", "supernode", "train", "--config", str(stack), "--local", "--steps",
-                           str(steps), "--out", str(out), "--data", str(data), "--log-every", "1"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "supernode",
+            "train",
+            "--config",
+            str(stack),
+            "--local",
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+            "--data",
+            str(data),
+            "--log-every",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout + proc.stderr
 

@@ -24,8 +24,14 @@ def bpe(tmp_path_factory) -> Path:
 
 
 def test_dtype_is_the_smallest_that_holds_the_vocab():
-    assert [dtype_for(v) for v in (256, 257, 4096, 65536, 65537, 128000)] == \
-        ["uint8", "uint16", "uint16", "uint16", "uint32", "uint32"]
+    assert [dtype_for(v) for v in (256, 257, 4096, 65536, 65537, 128000)] == [
+        "uint8",
+        "uint16",
+        "uint16",
+        "uint16",
+        "uint32",
+        "uint32",
+    ]
 
 
 def test_bpe_trained_on_the_corpus_round_trips_and_compresses(bpe):
@@ -67,12 +73,13 @@ def test_parallel_workers_write_the_same_shards_as_one(tmp_path):
     files = []
     for i in range(3):
         files.append(tmp_path / f"c{i}.txt")
-        files[-1].write_text(DEFAULT_CORPUS[0].read_text()[i * 20_000:(i + 1) * 60_000])
+        files[-1].write_text(DEFAULT_CORPUS[0].read_text()[i * 20_000 : (i + 1) * 60_000])
     one = prepare(files, tmp_path / "one", 25_000, workers=1, chunk_bytes=16_000)
     two = prepare(files, tmp_path / "two", 25_000, workers=2, chunk_bytes=16_000)
     assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in two["shards"]]
-    assert one["documents"] == 3 and b"".join((tmp_path / "one" / s["file"]).read_bytes() for s in one["shards"]) \
-        == b"\x00".join(f.read_bytes() for f in files)
+    assert one["documents"] == 3 and b"".join(
+        (tmp_path / "one" / s["file"]).read_bytes() for s in one["shards"]
+    ) == b"\x00".join(f.read_bytes() for f in files)
 
 
 def test_an_interrupted_prepare_resumes_where_it_stopped(tmp_path, monkeypatch):
@@ -120,8 +127,11 @@ def stack_file(tmp_path: Path, vocab: int, local_vocab: int = 256) -> Path:
     text = (ROOT / "Pulumi.dev.yaml").read_text()
     assert "    vocab: 32768\n" in text and "      vocab: 256\n" in text
     path = tmp_path / "Pulumi.dev.yaml"
-    path.write_text(text.replace("    vocab: 32768\n", f"    vocab: {vocab}\n")
-                    .replace("      vocab: 256\n", f"      vocab: {local_vocab}\n"))
+    path.write_text(
+        text.replace("    vocab: 32768\n", f"    vocab: {vocab}\n").replace(
+            "      vocab: 256\n", f"      vocab: {local_vocab}\n"
+        )
+    )
     return path
 
 
@@ -144,13 +154,36 @@ def test_vocab_mismatch_is_exit_2_from_the_trainer(bpe, tmp_path):
     cfg["local"].update(nproc=1, parallel={**cfg["local"]["parallel"], "dpShard": 1, "ep": 1})
     plan = tmp_path / "plan.json"
     plan.write_text(build_local_plan("dev", from_mapping(cfg), 1).to_json())
-    r = subprocess.run([sys.executable, "-m", "trainer.train", "--plan", str(plan), "--data", str(bpe),
-                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=180,
-                       env={**__import__("os").environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731", "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "--plan",
+            str(plan),
+            "--data",
+            str(bpe),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={
+            **__import__("os").environ,
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29731",
+            "OMP_NUM_THREADS": "1",
+        },
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert "outside the model's vocab of 256: its bpe tokenizer has 1024 tokens; set model.vocab to at least 1024" \
+    assert (
+        "outside the model's vocab of 256: its bpe tokenizer has 1024 tokens; set model.vocab to at least 1024"
         in r.stderr
+    )
 
 
 @pytest.mark.slow
@@ -160,8 +193,25 @@ def test_a_demo_sized_run_trains_on_a_trained_bpe(tmp_path, capsys):
     assert "vocab 4,096, uint16, EOS id 0" in capsys.readouterr().out
     config = stack_file(tmp_path, 32768, local_vocab=4096)
     out = tmp_path / "run"
-    assert cli(["train", "--config", str(config), "--local", "--data", str(data), "--out", str(out),
-                "--steps", "12", "--log-every", "4"]) == 0
+    assert (
+        cli(
+            [
+                "train",
+                "--config",
+                str(config),
+                "--local",
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--steps",
+                "12",
+                "--log-every",
+                "4",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if isinstance(r.get("loss"), float)]
     assert losses[0] > 7.5 and losses[-1] < losses[0] - 0.5  # ln 4096 = 8.3 at the start, then it learns

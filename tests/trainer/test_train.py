@@ -45,11 +45,32 @@ def write_plan(plan: Plan, path: Path) -> Path:
 
 
 def torchrun(plan_path: Path, data: Path, out: Path, nproc: int, *flags: str, restarts: int = 0) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "-m", "trainer.train", "--plan", str(plan_path), "--data", str(data),
-           "--out", str(out), *flags]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        "-m",
+        "trainer.train",
+        "--plan",
+        str(plan_path),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        *flags,
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
@@ -95,8 +116,23 @@ def test_lr_schedule_warmup_then_decay_to_the_floor():
 def test_plan_that_does_not_match_the_world_size_exits_2(tmp_path, data_dir):
     plan = write_plan(local_plan(2), tmp_path / "plan.json")
     env = dict(os.environ, WORLD_SIZE="3", RANK="0", LOCAL_RANK="0")
-    r = subprocess.run([sys.executable, "-m", "trainer.train", "--plan", str(plan), "--data", str(data_dir),
-                        "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "--plan",
+            str(plan),
+            "--data",
+            str(data_dir),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert "plan:parallel.dpShard" in r.stderr and "the world size is 3 (WORLD_SIZE of this job)" in r.stderr
     assert "dpShard = 3 would match" in r.stderr and "Traceback" not in r.stderr
@@ -105,8 +141,23 @@ def test_plan_that_does_not_match_the_world_size_exits_2(tmp_path, data_dir):
 def test_bad_plan_and_corrupt_data_exit_2(tmp_path, data_dir):
     (tmp_path / "bad.json").write_text('{"stack": "dev"}')
     env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
-    r = subprocess.run([sys.executable, "-m", "trainer.train", "--plan", str(tmp_path / "bad.json"), "--data",
-                        str(data_dir), "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "--plan",
+            str(tmp_path / "bad.json"),
+            "--data",
+            str(data_dir),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 2 and "not a valid plan" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -118,8 +169,21 @@ def test_cli_train_needs_local_and_a_valid_nproc(capsys):
 
 
 def test_cli_data_prepare(tmp_path, capsys):
-    assert cli(["data", "prepare", "--corpus", *map(str, DEFAULT_CORPUS), "--out", str(tmp_path), "--shard-tokens",
-                "100000"]) == 0
+    assert (
+        cli(
+            [
+                "data",
+                "prepare",
+                "--corpus",
+                *map(str, DEFAULT_CORPUS),
+                "--out",
+                str(tmp_path),
+                "--shard-tokens",
+                "100000",
+            ]
+        )
+        == 0
+    )
     assert len(json.loads((tmp_path / "manifest.json").read_text())["shards"]) == 3
     assert cli(["data", "prepare", "--corpus", str(tmp_path / "nope.txt"), "--out", str(tmp_path)]) == 2
     assert "corpus file not found" in capsys.readouterr().err
@@ -153,7 +217,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, data_dir):
     wait_for_step(out, 3, proc)
     os.kill(worker_pid(proc.pid, 1), signal.SIGTERM)  # as Kubernetes does before evicting a pod
     log = finish(proc, timeout=120)
-    (stopped, _), = complete_checkpoints(out / "checkpoints")
+    ((stopped, _),) = complete_checkpoints(out / "checkpoints")
     assert 3 <= stopped < 100 and f"SIGTERM: stopped after step {stopped}" in log
 
 
@@ -182,10 +246,30 @@ def test_cluster_launcher_exits_with_the_recorded_code_without_restarts_or_trace
     exit 2 (the ExitCode policy then does not restart the pod), no ChildFailedError traceback."""
     plan = write_plan(local_plan(2), tmp_path / "plan.json")  # a 2-rank plan on 3 ranks: bad input
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    r = subprocess.run([sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node", "3",
-                        "--max-restarts", "2", "--module", "trainer.train", "--plan", str(plan), "--data",
-                        str(data_dir), "--out", str(tmp_path / "out")],
-                       capture_output=True, text=True, env=env, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.launch",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "2",
+            "--module",
+            "trainer.train",
+            "--plan",
+            str(plan),
+            "--data",
+            str(data_dir),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.count("the world size is 3 (WORLD_SIZE of this job)") == 1  # once: rank 0, no restart
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr

@@ -14,11 +14,13 @@ import inspect
 import sys
 from pathlib import Path
 
-MODULES = ("abc argparse asyncio base64 bisect calendar collections contextlib csv dataclasses datetime "
-           "decimal difflib email enum fractions functools glob gzip hashlib heapq html http inspect io "
-           "itertools json logging math operator os pathlib pickle pprint queue random re shutil socket "
-           "sqlite3 statistics string struct subprocess tarfile tempfile textwrap threading time timeit "
-           "typing unittest urllib uuid warnings weakref zipfile").split()
+MODULES = (
+    "abc argparse asyncio base64 bisect calendar collections contextlib csv dataclasses datetime "
+    "decimal difflib email enum fractions functools glob gzip hashlib heapq html http inspect io "
+    "itertools json logging math operator os pathlib pickle pprint queue random re shutil socket "
+    "sqlite3 statistics string struct subprocess tarfile tempfile textwrap threading time timeit "
+    "typing unittest urllib uuid warnings weakref zipfile"
+).split()
 MAX_BYTES = 400_000
 OUT = Path(__file__).with_name("stdlib_docs.txt")
 

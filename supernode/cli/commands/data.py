@@ -15,14 +15,24 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 def register(sub) -> None:
     p = sub.add_parser("data", help="training data: tokenize a corpus into checksummed shards, verify, push to S3")
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
-    prep = verbs.add_parser("prepare", help="tokenize text files (.txt: one document each; .jsonl: one per line, "
-                                            "its \"text\") into fixed-size shards plus manifest.json")
-    prep.add_argument("--corpus", type=Path, nargs="+", default=None,
-                      help="UTF-8 .txt / .jsonl files (default: the corpus shipped in trainer/corpus)")
+    prep = verbs.add_parser(
+        "prepare",
+        help="tokenize text files (.txt: one document each; .jsonl: one per line, "
+        'its "text") into fixed-size shards plus manifest.json',
+    )
+    prep.add_argument(
+        "--corpus",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="UTF-8 .txt / .jsonl files (default: the corpus shipped in trainer/corpus)",
+    )
     prep.add_argument("--out", type=Path, required=True, help="directory for the shards and manifest.json")
     tok = prep.add_mutually_exclusive_group()
     tok.add_argument("--tokenizer", type=Path, metavar="FILE", help="a Hugging Face tokenizer.json (default: bytes)")
-    tok.add_argument("--train-bpe", type=int, metavar="VOCAB", help="train a byte-level BPE of VOCAB tokens on the corpus")
+    tok.add_argument(
+        "--train-bpe", type=int, metavar="VOCAB", help="train a byte-level BPE of VOCAB tokens on the corpus"
+    )
     prep.add_argument("--eos", metavar="TOKEN", help="the tokenizer's end-of-document token (default: looked up)")
     prep.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard (default 128Mi)")
     prep.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: the CPU count)")
@@ -30,8 +40,10 @@ def register(sub) -> None:
     ver = verbs.add_parser("verify", help="check every shard against the manifest (sha256) and mark it verified")
     ver.add_argument("dir", type=Path, help="a prepared dataset")
     ver.set_defaults(func=run_verify)
-    push = verbs.add_parser("push", help="upload a prepared dataset to the stack's bucket under datasetPrefix/NAME/ "
-                                         "(resumable; manifest last)")
+    push = verbs.add_parser(
+        "push",
+        help="upload a prepared dataset to the stack's bucket under datasetPrefix/NAME/ (resumable; manifest last)",
+    )
     add_stack_args(push)
     push.add_argument("dir", type=Path, help="a prepared dataset")
     push.add_argument("--name", help="dataset name under datasetPrefix (default: DIR's name)")
@@ -57,13 +69,23 @@ def run_prepare(args) -> int:
     _positive("--shard-tokens", args.shard_tokens)
     _positive("--workers", args.workers)
     try:
-        m = prepare(args.corpus or DEFAULT_CORPUS, args.out, args.shard_tokens, tokenizer=args.tokenizer,
-                    train_bpe_vocab=args.train_bpe, eos=args.eos, workers=args.workers, progress=True)
+        m = prepare(
+            args.corpus or DEFAULT_CORPUS,
+            args.out,
+            args.shard_tokens,
+            tokenizer=args.tokenizer,
+            train_bpe_vocab=args.train_bpe,
+            eos=args.eos,
+            workers=args.workers,
+            progress=True,
+        )
     except DataError as e:
         raise BadInput(str(e)) from None
     tok = m["tokenizer"]
-    print(f"{m['total_tokens']:,} tokens of {m['documents']:,} document(s) in {len(m['shards'])} shard(s) -> "
-          f"{args.out}/manifest.json; tokenizer {tok['kind']}, vocab {m['vocab']:,}, {m['dtype']}, EOS id {m['eos']}")
+    print(
+        f"{m['total_tokens']:,} tokens of {m['documents']:,} document(s) in {len(m['shards'])} shard(s) -> "
+        f"{args.out}/manifest.json; tokenizer {tok['kind']}, vocab {m['vocab']:,}, {m['dtype']}, EOS id {m['eos']}"
+    )
     return 0
 
 
@@ -95,9 +117,11 @@ def run_push(args) -> int:
     result = push_with_progress(cfg.region, args.dir, objects, bucket, base_key(prefix, name))
     if result is None:
         return EXIT_FAILED
-    print(f"{result.uri}: {len(result.uploaded)} object(s) uploaded ({result.bytes_uploaded:,} bytes), "
-          f"{len(result.skipped)} already there; manifest last. FSx imports it as /datasets/{name}; the trainer reads it with "
-          f"training.data: [{{path: {name}}}] (its --data is the FSx /datasets mount)")
+    print(
+        f"{result.uri}: {len(result.uploaded)} object(s) uploaded ({result.bytes_uploaded:,} bytes), "
+        f"{len(result.skipped)} already there; manifest last. FSx imports it as /datasets/{name}; the trainer reads it with "
+        f"training.data: [{{path: {name}}}] (its --data is the FSx /datasets mount)"
+    )
     return 0
 
 
@@ -109,8 +133,10 @@ def bucket_from_args(args, stack: str, cfg):
     if bucket is not None:
         return bucket, None
     if args.outputs is None:
-        raise BadInput(f"stack {stack} has no storage.bucketName (the name is generated at deploy): give "
-                       "--outputs FILE (`pulumi stack output --json > FILE`) or --bucket NAME")
+        raise BadInput(
+            f"stack {stack} has no storage.bucketName (the name is generated at deploy): give "
+            "--outputs FILE (`pulumi stack output --json > FILE`) or --bucket NAME"
+        )
     try:
         outs = load_outputs(args.outputs)
     except OutputsError as e:
@@ -126,24 +152,45 @@ def push_with_progress(region: str, directory: Path, objects, bucket: str, base:
     from ...ops.push import push, push_bytes
 
     s3 = Aws(region, read_timeout=120).client("s3")
-    bar = Progress(TextColumn("pushing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TextColumn("{task.fields[file]}"), console=err)
+    bar = Progress(
+        TextColumn("pushing"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TextColumn("{task.fields[file]}"),
+        console=err,
+    )
     task = bar.add_task("push", total=push_bytes(directory, objects), file="")
     try:
         with bar:
-            return push(s3, directory, objects, bucket, base, on_bytes=lambda n: bar.advance(task, n),
-                        on_file=lambda f, up: bar.update(task, file=f))
+            return push(
+                s3,
+                directory,
+                objects,
+                bucket,
+                base,
+                on_bytes=lambda n: bar.advance(task, n),
+                on_file=lambda f, up: bar.update(task, file=f),
+            )
     except Exception as e:  # an AWS error: said in one line, the objects already sent stay (a rerun skips them)
         detail, fix = describe_error(e)
-        err.print(f"push to s3://{bucket}/{base} stopped: {detail}; {fix}, then run the push again "
-                  "(objects already uploaded are skipped)", markup=False)
+        err.print(
+            f"push to s3://{bucket}/{base} stopped: {detail}; {fix}, then run the push again "
+            "(objects already uploaded are skipped)",
+            markup=False,
+        )
         return None
 
 
 def add_data_arg(p) -> None:
     """`--data DIR` on plan and preview: the prepared data the plan will train on."""
-    p.add_argument("--data", type=Path, metavar="DIR", help="prepared data (a dataset, or with training.data the "
-                   "directory of its datasets): exit 2 if model.vocab does not cover its vocabulary")
+    p.add_argument(
+        "--data",
+        type=Path,
+        metavar="DIR",
+        help="prepared data (a dataset, or with training.data the "
+        "directory of its datasets): exit 2 if model.vocab does not cover its vocabulary",
+    )
 
 
 def check_plan_data(plan, data_dir) -> None:

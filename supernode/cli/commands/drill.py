@@ -15,16 +15,29 @@ from .verify import outputs_from_pulumi
 def register(sub) -> None:
     p = sub.add_parser("drill", help="operations drills")
     drills = p.add_subparsers(dest="drill", required=True, metavar="DRILL")
-    r = drills.add_parser("restore", help="restore the newest complete checkpoint from S3 into a fresh directory, "
-                                          "verify its checksums, load it with the plan's model; time it")
+    r = drills.add_parser(
+        "restore",
+        help="restore the newest complete checkpoint from S3 into a fresh directory, "
+        "verify its checksums, load it with the plan's model; time it",
+    )
     add_stack_args(r)
     src = r.add_mutually_exclusive_group()
-    src.add_argument("--outputs", type=Path, help="JSON of `pulumi stack output --json --show-secrets` (bucket and "
-                                                  "checkpoint prefix; default: ask the pulumi CLI)")
-    src.add_argument("--bucket", help="the stack's bucket, with the config's checkpoint prefix, instead of the "
-                                      "outputs (the cluster CronJob, which has no pulumi CLI)")
-    r.add_argument("--local", action="store_true", help="load with the stack's local (CPU-scale) plan: what "
-                                                        "`supernode train --local` writes")
+    src.add_argument(
+        "--outputs",
+        type=Path,
+        help="JSON of `pulumi stack output --json --show-secrets` (bucket and "
+        "checkpoint prefix; default: ask the pulumi CLI)",
+    )
+    src.add_argument(
+        "--bucket",
+        help="the stack's bucket, with the config's checkpoint prefix, instead of the "
+        "outputs (the cluster CronJob, which has no pulumi CLI)",
+    )
+    r.add_argument(
+        "--local",
+        action="store_true",
+        help="load with the stack's local (CPU-scale) plan: what `supernode train --local` writes",
+    )
     r.add_argument("--dest", type=Path, default=None, help="where to restore (default: a temporary directory)")
     r.add_argument("--keep", action="store_true", help="keep the restored copy (default: removed after the drill)")
     r.add_argument("--no-load", action="store_true", help="restore and verify only")
@@ -50,8 +63,7 @@ def run(args) -> int:
     if args.dest is not None:
         args.dest.mkdir(parents=True, exist_ok=True)
     plan = build_local_plan(stack, cfg) if args.local else build_plan(stack, cfg)
-    result = restore_drill(Aws(cfg.region, read_timeout=60), bucket, prefix, plan,
-                           args.dest, load=not args.no_load)
+    result = restore_drill(Aws(cfg.region, read_timeout=60), bucket, prefix, plan, args.dest, load=not args.no_load)
     if not args.keep:
         cleanup(result)
     if args.json:
@@ -59,9 +71,12 @@ def run(args) -> int:
     else:
         print(f"restore drill {result.result}: {result.detail}")
         if result.step is not None:
-            print(f"  {result.source} -> {result.restored_to}{'' if args.keep else ' (removed)'}: {result.files} files, "
-                  f"{result.bytes / 1e6:,.1f} MB in {result.download_s:.2f} s ({result.mb_per_s:,.1f} MB/s); "
-                  f"verify {result.verify_s:.2f} s" + (f"; load {result.load_s:.2f} s" if result.load_s is not None else ""))
+            print(
+                f"  {result.source} -> {result.restored_to}{'' if args.keep else ' (removed)'}: {result.files} files, "
+                f"{result.bytes / 1e6:,.1f} MB in {result.download_s:.2f} s ({result.mb_per_s:,.1f} MB/s); "
+                f"verify {result.verify_s:.2f} s"
+                + (f"; load {result.load_s:.2f} s" if result.load_s is not None else "")
+            )
         if result.cluster_command:
             print(f"  load on the GPU nodes: {' '.join(result.cluster_command)}")
     return EXIT_OK if result.ok else EXIT_FAILED

@@ -14,12 +14,20 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory vLLM serves")
     add_stack_args(p)
     p.add_argument("--local", action="store_true", help="the checkpoint is of the stack's local (CPU) model")
-    p.add_argument("--checkpoint", type=Path, required=True,
-                   help="a step_N checkpoint directory, or a checkpoints directory (its newest complete one)")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        help="a step_N checkpoint directory, or a checkpoints directory (its newest complete one)",
+    )
     p.add_argument("--out", type=Path, required=True, help="the model directory to write")
     p.add_argument("--data", type=Path, default=None, help="the prepared data whose tokenizer ships with the model")
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
-                   help="weights' dtype (default: inference.dtype, else bf16)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bf16", "fp16", "fp32"],
+        help="weights' dtype (default: inference.dtype, else bf16)",
+    )
     p.add_argument("--shard-gib", type=float, default=2.0, help="safetensors shard size (default 2 GiB)")
     p.set_defaults(func=run)
 
@@ -37,8 +45,10 @@ def run(args) -> int:
     import warnings
 
     from trainer.export import export  # torch only for this command
+
     with warnings.catch_warnings():  # DCP's "loading in a single process" is the intent here
         warnings.simplefilter("ignore", UserWarning)
-        export(args.checkpoint, args.out, model=model, dtype=dtype, data=args.data,
-               shard_bytes=int(args.shard_gib * 2**30))
+        export(
+            args.checkpoint, args.out, model=model, dtype=dtype, data=args.data, shard_bytes=int(args.shard_gib * 2**30)
+        )
     return 0

@@ -15,9 +15,12 @@ from .data import add_bucket_args, bucket_from_args, push_with_progress
 def register(sub) -> None:
     p = sub.add_parser("model", help="exported models: push one to the stack's bucket for serving")
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
-    push = verbs.add_parser("push", help="upload an export (verified against its manifest first) to the stack's "
-                                         "bucket at inference.weightsPrefix, where serving reads it (resumable; "
-                                         "manifest last)")
+    push = verbs.add_parser(
+        "push",
+        help="upload an export (verified against its manifest first) to the stack's "
+        "bucket at inference.weightsPrefix, where serving reads it (resumable; "
+        "manifest last)",
+    )
     add_stack_args(push)
     push.add_argument("dir", type=Path, help="a model directory written by `supernode export`")
     add_bucket_args(push)
@@ -29,8 +32,10 @@ def run_push(args) -> int:
 
     stack, cfg = stack_from_args(args)
     if cfg.inference is None:
-        raise BadInput(f"stack {stack} has no inference section: inference.weightsPrefix says where the serving "
-                       "pods read the weights; configure serving first")
+        raise BadInput(
+            f"stack {stack} has no inference section: inference.weightsPrefix says where the serving "
+            "pods read the weights; configure serving first"
+        )
     if not (args.dir / EXPORT_MANIFEST).is_file():
         raise BadInput(f"DIR {args.dir}: no {EXPORT_MANIFEST}, not an export; give the --out of `supernode export`")
     objects = export_objects(args.dir)  # BadInput naming the file that does not match the manifest
@@ -40,7 +45,9 @@ def run_push(args) -> int:
     result = push_with_progress(cfg.region, args.dir, objects, bucket, base_key(prefix))
     if result is None:
         return EXIT_FAILED
-    print(f"{result.uri}: {len(result.uploaded)} object(s) uploaded ({result.bytes_uploaded:,} bytes), "
-          f"{len(result.skipped)} already there; manifest last. The serving pods copy it from FSx "
-          f"/{prefix.strip('/')} and verify every file; pin this export with inference.manifestSha256: {objects[-1][1]}")
+    print(
+        f"{result.uri}: {len(result.uploaded)} object(s) uploaded ({result.bytes_uploaded:,} bytes), "
+        f"{len(result.skipped)} already there; manifest last. The serving pods copy it from FSx "
+        f"/{prefix.strip('/')} and verify every file; pin this export with inference.manifestSha256: {objects[-1][1]}"
+    )
     return 0

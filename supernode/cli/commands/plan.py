@@ -25,15 +25,40 @@ def register(sub) -> None:
 
 def plan_json(plan: Plan) -> dict:
     out = plan.summary()
-    out.update(json.loads(plan.model_dump_json(include={
-        "instance_type", "nodes", "accelerators_per_node", "params", "flops_per_token", "memory", "usable_hbm_gib", "over_by_gib",
-        "suggestions", "step", "pipeline", "topology", "checkpoint", "cost_per_hour_usd", "run_hours", "run_cost_usd"})))
+    out.update(
+        json.loads(
+            plan.model_dump_json(
+                include={
+                    "instance_type",
+                    "nodes",
+                    "accelerators_per_node",
+                    "params",
+                    "flops_per_token",
+                    "memory",
+                    "usable_hbm_gib",
+                    "over_by_gib",
+                    "suggestions",
+                    "step",
+                    "pipeline",
+                    "topology",
+                    "checkpoint",
+                    "cost_per_hour_usd",
+                    "run_hours",
+                    "run_cost_usd",
+                }
+            )
+        )
+    )
     return out
 
 
 # The step-time terms in the order `render` prints them: (StepTime field, its key in `links`, label).
-COMM_TERMS = (("all_to_all_s", ("all_to_all",), "all-to-all"), ("fsdp_s", ("fsdp", "fsdp_experts"), "FSDP"),
-              ("replicate_s", ("replicate",), "replicate"), ("tensor_parallel_s", ("tensor_parallel",), "TP"))
+COMM_TERMS = (
+    ("all_to_all_s", ("all_to_all",), "all-to-all"),
+    ("fsdp_s", ("fsdp", "fsdp_experts"), "FSDP"),
+    ("replicate_s", ("replicate",), "replicate"),
+    ("tensor_parallel_s", ("tensor_parallel",), "TP"),
+)
 
 
 def comm_detail(plan: Plan) -> str:
@@ -55,12 +80,14 @@ def pipeline_detail(plan: Plan) -> str:
     """The bubble as the planner computes it, with the figures it comes from."""
     p = plan.pipeline
     m, v, pp = p.micro_batches, p.virtual_stages, p.pp
-    return (f"{SCHEDULE_NAMES[p.schedule]}, pp {pp} x {v} virtual = {pp * v} stages, layers per stage "
-            f"{p.stage_layers}; bubble (pp-1)/(m*v + pp-1) = {pp - 1}/({m}*{v} + {pp - 1}) = {p.bubble:.1%} of each "
-            f"step idle (+{plan.step.pipeline_bubble_s:.3f} s) for m = {m} micro-batches per step; pp rank 0 holds "
-            f"{p.in_flight} micro-batch x stage activations at the peak; "
-            f"{p.p2p_bytes_per_rank / 1e6:,.1f} MB sent per rank per step; more micro-batches (or virtual stages) "
-            "shrink the bubble")
+    return (
+        f"{SCHEDULE_NAMES[p.schedule]}, pp {pp} x {v} virtual = {pp * v} stages, layers per stage "
+        f"{p.stage_layers}; bubble (pp-1)/(m*v + pp-1) = {pp - 1}/({m}*{v} + {pp - 1}) = {p.bubble:.1%} of each "
+        f"step idle (+{plan.step.pipeline_bubble_s:.3f} s) for m = {m} micro-batches per step; pp rank 0 holds "
+        f"{p.in_flight} micro-batch x stage activations at the peak; "
+        f"{p.p2p_bytes_per_rank / 1e6:,.1f} MB sent per rank per step; more micro-batches (or virtual stages) "
+        "shrink the bubble"
+    )
 
 
 def placement_detail(plan: Plan) -> str:
@@ -69,7 +96,8 @@ def placement_detail(plan: Plan) -> str:
     for g in plan.topology.placement:
         if g.size > 1:
             (inside if g.inside_domain else across).append(
-                f"{g.dim} {g.size}" + ("" if g.inside_domain else f" over {g.domains} domains ({g.link})"))
+                f"{g.dim} {g.size}" + ("" if g.inside_domain else f" over {g.domains} domains ({g.link})")
+            )
     return f"inside a domain: {', '.join(inside) or 'none'}; across EFA: {', '.join(across) or 'none'}"
 
 
@@ -80,57 +108,104 @@ def render(plan: Plan, console: Console) -> None:
     t.add_column("value", justify="right")
     t.add_column("detail")
     hw = plan.hardware
-    t.add_row("hardware", f"{plan.nodes} x {plan.instance_type}", f"{plan.world_size} x {hw.accelerator} "
-              f"{plan.hbm_gib:.0f} GiB, {hw.efa_interfaces} EFA x {hw.efa_gbps} Gb/s")
-    t.add_row("layout", f"world {plan.world_size}", f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x "
-              f"tp {d.tp} x pp {d.pp}; ep {d.ep}; AC {plan.parallel.activation_checkpointing}; "
-              f"{plan.parallel.mixed_precision}; overlap {'on' if plan.parallel.overlap else 'off'}")
-    t.add_row("parameters", f"{plan.params.total / 1e9:.2f} B", f"{plan.params.active / 1e9:.2f} B active per token; "
-              f"experts {plan.params.experts / 1e9:.2f} B")
+    t.add_row(
+        "hardware",
+        f"{plan.nodes} x {plan.instance_type}",
+        f"{plan.world_size} x {hw.accelerator} {plan.hbm_gib:.0f} GiB, {hw.efa_interfaces} EFA x {hw.efa_gbps} Gb/s",
+    )
+    t.add_row(
+        "layout",
+        f"world {plan.world_size}",
+        f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x "
+        f"tp {d.tp} x pp {d.pp}; ep {d.ep}; AC {plan.parallel.activation_checkpointing}; "
+        f"{plan.parallel.mixed_precision}; overlap {'on' if plan.parallel.overlap else 'off'}",
+    )
+    t.add_row(
+        "parameters",
+        f"{plan.params.total / 1e9:.2f} B",
+        f"{plan.params.active / 1e9:.2f} B active per token; experts {plan.params.experts / 1e9:.2f} B",
+    )
     topo = plan.topology
     kind = topo.ultra_server or "one instance"
-    t.add_row("NVLink domain", f"{topo.domain_gpus} GPUs", f"{kind}: {topo.nodes_per_domain} node(s), "
-              f"{topo.domain_hbm_gib:,.0f} GiB HBM in one address space; the job spans {topo.domains} domain(s)")
+    t.add_row(
+        "NVLink domain",
+        f"{topo.domain_gpus} GPUs",
+        f"{kind}: {topo.nodes_per_domain} node(s), "
+        f"{topo.domain_hbm_gib:,.0f} GiB HBM in one address space; the job spans {topo.domains} domain(s)",
+    )
     t.add_row("placement", f"ep {d.ep}", placement_detail(plan))
-    fits_domain = ("[green]fits[/]" if topo.replica_fits else "[red]does not fit[/]")
+    fits_domain = "[green]fits[/]" if topo.replica_fits else "[red]does not fit[/]"
     if d.pp > 1:
         t.add_row("pipeline", f"bubble {plan.pipeline.bubble:.1%}", pipeline_detail(plan))
-    t.add_row("replica state", f"{topo.replica_state_gib:,.0f} GiB",
-              f"{fits_domain} the aggregate HBM of its {d.dp_shard * d.tp * d.pp} shard-group GPUs "
-              f"({topo.replica_domains} domain(s))")
+    t.add_row(
+        "replica state",
+        f"{topo.replica_state_gib:,.0f} GiB",
+        f"{fits_domain} the aggregate HBM of its {d.dp_shard * d.tp * d.pp} shard-group GPUs "
+        f"({topo.replica_domains} domain(s))",
+    )
     m = plan.memory
-    t.add_row("memory / rank", f"{plan.memory_per_rank_gib:.1f} GiB",
-              f"states {m.model_states / GIB:.1f}, FSDP buffers {m.fsdp_buffers / GIB:.1f}, activations "
-              f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}, reserve {m.runtime_reserve / GIB:.1f} GiB")
+    t.add_row(
+        "memory / rank",
+        f"{plan.memory_per_rank_gib:.1f} GiB",
+        f"states {m.model_states / GIB:.1f}, FSDP buffers {m.fsdp_buffers / GIB:.1f}, activations "
+        f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}, reserve {m.runtime_reserve / GIB:.1f} GiB",
+    )
     within = f"{plan.usable_hbm_gib:.1f} GiB usable ({plan.parallel.hbm_headroom:.0%} headroom)"
-    fit = f"[green]fits in {within}[/]" if plan.fits else f"[red]does not fit: over by {plan.over_by_gib:.1f} GiB of {within}[/]"
+    fit = (
+        f"[green]fits in {within}[/]"
+        if plan.fits
+        else f"[red]does not fit: over by {plan.over_by_gib:.1f} GiB of {within}[/]"
+    )
     t.add_row("HBM / rank", f"{plan.hbm_gib:.1f} GiB", fit)
     s = plan.step
     t.add_row("step time (est.)", f"{s.step_s:.3f} s", comm_detail(plan))
     t.add_row("MFU (est.)", f"{s.mfu:.1%}", f"{plan.flops_per_token / 1e9:.2f} GFLOP/token")
     c = plan.checkpoint
-    t.add_row("checkpoint", f"{c.checkpoint_bytes / 1e9:.1f} GB", f"needs {c.required_mb_s:.0f} MB/s; FSx "
-              f"{c.fsx_capacity_gib} GiB -> {c.fsx_throughput_mb_s:.0f} MB/s, writes in {c.write_seconds:.0f} s"
-              f"{' (sized by planner)' if c.sized_by_planner else ''}")
-    t.add_row("cost", f"${plan.cost_per_hour_usd:,.2f}/h", f"{plan.training.steps} steps ~ {plan.run_hours:.1f} h "
-              f"~ ${plan.run_cost_usd:,.0f} on demand")
+    t.add_row(
+        "checkpoint",
+        f"{c.checkpoint_bytes / 1e9:.1f} GB",
+        f"needs {c.required_mb_s:.0f} MB/s; FSx "
+        f"{c.fsx_capacity_gib} GiB -> {c.fsx_throughput_mb_s:.0f} MB/s, writes in {c.write_seconds:.0f} s"
+        f"{' (sized by planner)' if c.sized_by_planner else ''}",
+    )
+    t.add_row(
+        "cost",
+        f"${plan.cost_per_hour_usd:,.2f}/h",
+        f"{plan.training.steps} steps ~ {plan.run_hours:.1f} h ~ ${plan.run_cost_usd:,.0f} on demand",
+    )
     console.print(t)
     if not plan.fits:
-        console.print(f"[red]The plan needs {plan.memory_per_rank_gib:.1f} GiB per rank but the GPU has "
-                      f"{plan.hbm_gib:.1f} GiB, {plan.usable_hbm_gib:.1f} GiB with {plan.parallel.hbm_headroom:.0%} "
-                      f"headroom.[/]")
+        console.print(
+            f"[red]The plan needs {plan.memory_per_rank_gib:.1f} GiB per rank but the GPU has "
+            f"{plan.hbm_gib:.1f} GiB, {plan.usable_hbm_gib:.1f} GiB with {plan.parallel.hbm_headroom:.0%} "
+            f"headroom.[/]"
+        )
         if plan.suggestions:
-            console.print("Layouts with the same world size that fit (EP inside the NVLink domain first, then fastest):")
+            console.print(
+                "Layouts with the same world size that fit (EP inside the NVLink domain first, then fastest):"
+            )
             for sug in plan.suggestions:
-                pipe = (f" ({sug.pp_schedule}" + (f", ppVirtualStages {sug.pp_virtual_stages}" if sug.pp_virtual_stages > 1
-                                                  else "") + ")") if sug.pp > 1 else ""
-                console.print(f"  dpReplicate {sug.dp_replicate}, dpShard {sug.dp_shard}, tp {sug.tp}, ep {sug.ep}, "
-                              f"pp {sug.pp}{pipe}, activationCheckpointing {sug.activation_checkpointing}: "
-                              f"{sug.memory_gib} GiB, ~{sug.step_s} s/step"
-                              f"{'' if sug.ep_inside_domain else ', EP crosses NVLink domains'}", markup=False)
+                pipe = (
+                    (
+                        f" ({sug.pp_schedule}"
+                        + (f", ppVirtualStages {sug.pp_virtual_stages}" if sug.pp_virtual_stages > 1 else "")
+                        + ")"
+                    )
+                    if sug.pp > 1
+                    else ""
+                )
+                console.print(
+                    f"  dpReplicate {sug.dp_replicate}, dpShard {sug.dp_shard}, tp {sug.tp}, ep {sug.ep}, "
+                    f"pp {sug.pp}{pipe}, activationCheckpointing {sug.activation_checkpointing}: "
+                    f"{sug.memory_gib} GiB, ~{sug.step_s} s/step"
+                    f"{'' if sug.ep_inside_domain else ', EP crosses NVLink domains'}",
+                    markup=False,
+                )
         else:
-            console.print("No layout of this world size fits: add nodes, use larger-memory GPUs, "
-                          "or shrink micro batch / sequence length.")
+            console.print(
+                "No layout of this world size fits: add nodes, use larger-memory GPUs, "
+                "or shrink micro batch / sequence length."
+            )
 
 
 def run(args) -> int:

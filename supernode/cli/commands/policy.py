@@ -13,8 +13,15 @@ from rich.text import Text
 
 from ..args import add_stack_args, stack_from_args
 from ...core.errors import BadInput, EXIT_FAILED
-from ...ops.policycheck import (PolicyInputError, PolicyReport, check, config_from_stack, junit_xml, load_policy_config,
-                           load_resources)
+from ...ops.policycheck import (
+    PolicyInputError,
+    PolicyReport,
+    check,
+    config_from_stack,
+    junit_xml,
+    load_policy_config,
+    load_resources,
+)
 
 STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "remediated": "cyan", "disabled": "dim"}
 
@@ -23,20 +30,30 @@ def register(sub) -> None:
     p = sub.add_parser("policy", help="the CrossGuard policy pack, offline")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     c = actions.add_parser("check", help="run the pack on a recorded resources list (supernode preview --json)")
-    c.add_argument("--resources", type=Path, required=True,
-                   help="a `supernode preview --json` output, or a bare list of resources in that format")
+    c.add_argument(
+        "--resources",
+        type=Path,
+        required=True,
+        help="a `supernode preview --json` output, or a bare list of resources in that format",
+    )
     add_policy_args(c)
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(func=run_check)
-    k = actions.add_parser("config", help="the policy config a stack implies, for `pulumi preview "
-                                          "--policy-pack policies --policy-pack-config FILE` and `policy check`")
+    k = actions.add_parser(
+        "config",
+        help="the policy config a stack implies, for `pulumi preview "
+        "--policy-pack policies --policy-pack-config FILE` and `policy check`",
+    )
     add_stack_args(k)
     k.set_defaults(func=run_config)
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy-config", type=Path,
-                   help="policy config (the Pulumi CLI's --policy-pack-config format: policy -> level or settings)")
+    p.add_argument(
+        "--policy-config",
+        type=Path,
+        help="policy config (the Pulumi CLI's --policy-pack-config format: policy -> level or settings)",
+    )
     p.add_argument("--junit", type=Path, help="also write a JUnit XML report of the policy results")
 
 
@@ -74,16 +91,24 @@ def render(report: PolicyReport, console: Console) -> None:
     for col in ("item", "policy", "result", "enforcement", "resource"):
         t.add_column(col, justify="right" if col == "item" else "left", no_wrap=col != "resource")
     for row in report.rows():
-        t.add_row(str(row["item"]), row["policy"], Text(row["result"], style=STYLE[row["result"]]), row["enforcement"],
-                  Text(row["resource"] or "-"))
+        t.add_row(
+            str(row["item"]),
+            row["policy"],
+            Text(row["result"], style=STYLE[row["result"]]),
+            row["enforcement"],
+            Text(row["resource"] or "-"),
+        )
     console.print(t)
     for v in report.violations:
         colour = "red" if v.enforcement == "mandatory" else "yellow"
         detail = v.message.split("\n", 1)[-1]  # the SDK prefixes the policy description
         console.print(Text.assemble((v.enforcement, colour), " ", (v.policy, "bold"), ": ", detail))
     n = len(report.mandatory)
-    console.print("[green]all mandatory policies pass[/]" if not n else
-                  f"[bold red]{n} mandatory violation(s)[/]: fix them before deploying")
+    console.print(
+        "[green]all mandatory policies pass[/]"
+        if not n
+        else f"[bold red]{n} mandatory violation(s)[/]: fix them before deploying"
+    )
 
 
 def run_check(args) -> int:

@@ -11,8 +11,11 @@ from ...ops.preflight import run_preflight
 
 
 def register(sub) -> None:
-    p = sub.add_parser("preflight", help="before pulumi up: instance offerings, catalog, reservations, quota, "
-                                         "existing VPC/subnets/bucket/KMS key (boto3; honours AWS_ENDPOINT_URL)")
+    p = sub.add_parser(
+        "preflight",
+        help="before pulumi up: instance offerings, catalog, reservations, quota, "
+        "existing VPC/subnets/bucket/KMS key (boto3; honours AWS_ENDPOINT_URL)",
+    )
     add_stack_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output (sorted, stable)")
     p.set_defaults(func=run)

@@ -24,21 +24,29 @@ def register(sub) -> None:
     p = sub.add_parser("preview", help="offline preview: run the Pulumi program under the mock engine")
     add_stack_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output (docs/architecture.md §7)")
-    p.add_argument("--tree", action="store_true", help="print every resource in its component tree "
-                                                       "(default: counts per type)")
-    p.add_argument("--manifests", type=Path, metavar="DIR",
-                   help="write every Kubernetes object as YAML to DIR and validate it (exit 1 if invalid)")
+    p.add_argument(
+        "--tree", action="store_true", help="print every resource in its component tree (default: counts per type)"
+    )
+    p.add_argument(
+        "--manifests",
+        type=Path,
+        metavar="DIR",
+        help="write every Kubernetes object as YAML to DIR and validate it (exit 1 if invalid)",
+    )
     add_data_arg(p)
     add_policy_args(p)  # the policy pack runs on every preview; exit 1 on a mandatory violation
     p.set_defaults(func=run)
 
 
 def preview_json(result: PreviewResult, plan_summary: dict, violations: list[dict]) -> dict:
-    return {"stack": result.stack, "plan": plan_summary,
-            "resources": [r.to_json() for r in result.resources],
-            # as `pulumi stack output --json` prints them: secrets masked
-            "outputs": {k: "[secret]" if k in result.secret_outputs else v for k, v in result.outputs.items()},
-            "policy": {"violations": violations}}
+    return {
+        "stack": result.stack,
+        "plan": plan_summary,
+        "resources": [r.to_json() for r in result.resources],
+        # as `pulumi stack output --json` prints them: secrets masked
+        "outputs": {k: "[secret]" if k in result.secret_outputs else v for k, v in result.outputs.items()},
+        "policy": {"violations": violations},
+    }
 
 
 def render_tree(result: PreviewResult, console: Console) -> None:
@@ -66,10 +74,12 @@ def run(args) -> int:
     result = run_program(stack, cfg)
     plan = result.plan()  # the plan the program deployed, not a second one built here
     check_plan_data(plan, args.data)
-    manifests = export_manifests(result.resources, args.manifests, cfg.cluster.kubernetes_version) \
-        if args.manifests else None
-    report = run_pack([r.to_json() for r in result.resources],
-                      policy_config(args.policy_config, config_from_stack(cfg)), args.junit)
+    manifests = (
+        export_manifests(result.resources, args.manifests, cfg.cluster.kubernetes_version) if args.manifests else None
+    )
+    report = run_pack(
+        [r.to_json() for r in result.resources], policy_config(args.policy_config, config_from_stack(cfg)), args.junit
+    )
     violations = [v.to_json() for v in report.violations]
     if args.json:
         print(json.dumps(preview_json(result, plan.summary(), violations), indent=2))

@@ -19,8 +19,12 @@ def register(sub) -> None:
     p.add_argument("--local", action="store_true", help="run on this machine (the cluster serves through the stack)")
     p.add_argument("--model", type=Path, default=None, help="the exported model directory (default: out/export-STACK)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free port)")
-    p.add_argument("--prompt", action="append", default=[], help="complete this prompt, print it with its latency, "
-                   "stop (repeatable)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="complete this prompt, print it with its latency, stop (repeatable)",
+    )
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per completion (default 48)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
     p.set_defaults(func=run)
@@ -28,8 +32,10 @@ def register(sub) -> None:
 
 def run(args) -> int:
     if not args.local:
-        raise BadInput("cluster serving is the stack's serving workload (pulumi up deploys it from the inference "
-                       "section); use --local to serve on this machine")
+        raise BadInput(
+            "cluster serving is the stack's serving workload (pulumi up deploys it from the inference "
+            "section); use --local to serve on this machine"
+        )
     if not 0 <= args.port < 65536:
         raise BadInput(f"--port must be between 0 and 65535 (got {args.port})")
     if args.max_tokens < 1:
@@ -39,11 +45,18 @@ def run(args) -> int:
 
     model = args.model or Path("out") / f"export-{stack}"
     manifest = verify_export(model)  # before anything starts: a changed file is bad input
-    print(f"verified {len(manifest['files'])} files of {model} against manifest.json (sha256); "
-          f"{manifest['architecture']}, {manifest['dtype']}")
+    print(
+        f"verified {len(manifest['files'])} files of {model} against manifest.json (sha256); "
+        f"{manifest['architecture']}, {manifest['dtype']}"
+    )
     inf = cfg.inference
-    server = LocalServer(model.resolve(), serve_python(args.root), port=args.port, ready_timeout_s=args.ready_timeout,
-                         max_num_seqs=min(inf.max_concurrency, 16) if inf else 16)
+    server = LocalServer(
+        model.resolve(),
+        serve_python(args.root),
+        port=args.port,
+        ready_timeout_s=args.ready_timeout,
+        max_num_seqs=min(inf.max_concurrency, 16) if inf else 16,
+    )
     try:
         server.start()
         print(f"vLLM serving {manifest['architecture']} at {server.url}/v1 (log {server.log})", flush=True)
@@ -57,9 +70,11 @@ def run(args) -> int:
         for prompt in args.prompt:
             c = complete(server.url, prompt, args.max_tokens, model=server.name)
             print(f"\n>>> {prompt}{c.text}")
-            print(f"    {c.tokens} tokens: first token {c.ttft_s * 1e3:.0f} ms, total {c.total_s * 1e3:.0f} ms, "
-                  f"inter-token {c.itl_s * 1e3:.1f} ms, "
-                  f"{c.tokens / c.total_s:.1f} tokens/s")
+            print(
+                f"    {c.tokens} tokens: first token {c.ttft_s * 1e3:.0f} ms, total {c.total_s * 1e3:.0f} ms, "
+                f"inter-token {c.itl_s * 1e3:.1f} ms, "
+                f"{c.tokens / c.total_s:.1f} tokens/s"
+            )
         return 0
     except ServerFailed as e:
         print(f"serving failed: {e}")

@@ -39,10 +39,30 @@ def register(sub) -> None:
 
 
 def torchrun_command(plan: Plan, plan_path: Path, data: Path, out: Path, steps: int, log_every: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(plan.world_size), "--max-restarts", str(plan.training.max_restarts),
-            "-m", "trainer.train", "--plan", str(plan_path), "--data", str(data), "--out", str(out),
-            "--steps", str(steps), "--log-every", str(log_every), "--progress", "--plots"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(plan.world_size),
+        "--max-restarts",
+        str(plan.training.max_restarts),
+        "-m",
+        "trainer.train",
+        "--plan",
+        str(plan_path),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--log-every",
+        str(log_every),
+        "--progress",
+        "--plots",
+    ]
 
 
 def _die_with_parent() -> None:
@@ -65,8 +85,10 @@ def _workers(agent: int) -> list[int]:
 
 def run(args) -> int:
     if not args.local:
-        raise BadInput("cluster training runs through the PyTorchJob the stack deploys (it reads the plan from "
-                       "its ConfigMap); use --local for a CPU run on this machine")
+        raise BadInput(
+            "cluster training runs through the PyTorchJob the stack deploys (it reads the plan from "
+            "its ConfigMap); use --local for a CPU run on this machine"
+        )
     for flag in ("nproc", "steps", "log_every"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -81,6 +103,7 @@ def run(args) -> int:
     from trainer.checkpoint import OutDirLock, complete_checkpoints  # torch only for this command
     from trainer.data import DEFAULT_CORPUS, DataError, prepare, verify
     from trainer.launch import EXIT_FILE, LAUNCHER_ENV
+
     lock = OutDirLock(out)  # before anything in OUT is written: plan.json belongs to the holder
     holder = lock.acquire()
     if holder is not None:
@@ -88,16 +111,20 @@ def run(args) -> int:
     try:
         done = complete_checkpoints(out / "checkpoints")
         if done and done[-1][0] > steps:
-            raise BadInput(f"--steps {steps}: the run in {out} is already at step {done[-1][0]}; give --steps above "
-                           f"{done[-1][0]} to train on, or another --out to start over")
+            raise BadInput(
+                f"--steps {steps}: the run in {out} is already at step {done[-1][0]}; give --steps above "
+                f"{done[-1][0]} to train on, or another --out to start over"
+            )
         plan_path = out / "plan.json"
         plan_path.write_text(plan.to_json(), encoding="utf-8")
         data = args.data or out / "data"
         try:
             if args.data is None and not (data / "manifest.json").exists():
                 manifest = prepare(DEFAULT_CORPUS, data, shard_tokens=1 << 16)
-                print(f"prepared {manifest['total_tokens']:,} tokens of {', '.join(p.name for p in DEFAULT_CORPUS)} "
-                      f"into {len(manifest['shards'])} shards in {data}")
+                print(
+                    f"prepared {manifest['total_tokens']:,} tokens of {', '.join(p.name for p in DEFAULT_CORPUS)} "
+                    f"into {len(manifest['shards'])} shards in {data}"
+                )
             verify(data)
         except DataError as e:
             raise BadInput(str(e)) from None
@@ -107,21 +134,30 @@ def run(args) -> int:
         lock.release()
 
 
-def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path, steps: int,
-            launcher_env: str) -> int:
+def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path, steps: int, launcher_env: str) -> int:
     m, d = plan.model, plan.degrees
-    print(f"training {stack} (local): {plan.params.total / 1e6:.2f} M parameters ({m.layers} layers, dim {m.dim}, "
-          f"{m.experts} experts top-{m.top_k}) on {plan.world_size} CPU processes, dp_shard {d.dp_shard} x tp {d.tp}, "
-          f"ep {d.ep}; steps {steps} of {plan.training.steps}, checkpoint every {plan.training.checkpoint_interval}",
-          flush=True)
+    print(
+        f"training {stack} (local): {plan.params.total / 1e6:.2f} M parameters ({m.layers} layers, dim {m.dim}, "
+        f"{m.experts} experts top-{m.top_k}) on {plan.world_size} CPU processes, dp_shard {d.dp_shard} x tp {d.tp}, "
+        f"ep {d.ep}; steps {steps} of {plan.training.steps}, checkpoint every {plan.training.checkpoint_interval}",
+        flush=True,
+    )
     # A restarted attempt must not read the dead attempt's addresses from a shared rendezvous store
     # (pytorch/pytorch#135712): without this, torchrun's restarts fail to connect.
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               **{launcher_env: str(os.getpid())})
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        **{launcher_env: str(os.getpid())},
+    )
     # Its own session: a Ctrl-C reaches only this process, which hands it to the workers. Sent to
     # torchrun, it would kill them after a grace period and end in a SignalException traceback.
-    proc = subprocess.Popen(torchrun_command(plan, plan_path, data, out, steps, args.log_every), env=env,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        torchrun_command(plan, plan_path, data, out, steps, args.log_every),
+        env=env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
     forwarded: list[int] = []
 
     def forward(signum, frame) -> None:
@@ -160,6 +196,8 @@ def _summary(out: Path) -> None:
     recs = [r for r in read_records(out / "metrics.jsonl") if isinstance(r.get("loss"), (int, float))]
     if recs:
         first, last = recs[0], recs[-1]
-        print(f"loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}); "
-              f"{last['tokens_per_s']:,.0f} tokens/s; metrics {out / 'metrics.jsonl'}, plots {out}/loss.png, "
-              f"{out}/expert_load.png; checkpoints {out / 'checkpoints'}")
+        print(
+            f"loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}); "
+            f"{last['tokens_per_s']:,.0f} tokens/s; metrics {out / 'metrics.jsonl'}, plots {out}/loss.png, "
+            f"{out}/expert_load.png; checkpoints {out / 'checkpoints'}"
+        )

@@ -17,21 +17,34 @@ from ...ops.verify import OutputsError, load_outputs, parse_outputs, run_verify
 
 
 def register(sub) -> None:
-    p = sub.add_parser("verify", help="after pulumi up: EKS, node groups, FSx, bucket, alarms, logs, SNS "
-                                      "(boto3; honours AWS_ENDPOINT_URL)")
+    p = sub.add_parser(
+        "verify",
+        help="after pulumi up: EKS, node groups, FSx, bucket, alarms, logs, SNS (boto3; honours AWS_ENDPOINT_URL)",
+    )
     add_stack_args(p)
-    p.add_argument("--outputs", type=Path, help="JSON of `pulumi stack output --json --show-secrets` "
-                                                "(default: ask the pulumi CLI for the stack's outputs)")
+    p.add_argument(
+        "--outputs",
+        type=Path,
+        help="JSON of `pulumi stack output --json --show-secrets` "
+        "(default: ask the pulumi CLI for the stack's outputs)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output (sorted, stable)")
     p.set_defaults(func=run)
 
 
 def outputs_from_pulumi(stack: str, root: Path) -> StackOutputs:
     if shutil.which("pulumi") is None:
-        raise OutputsError("the pulumi CLI is not on PATH: pass --outputs FILE "
-                           "(written by `pulumi stack output --json --show-secrets`)")
-    done = subprocess.run(["pulumi", "stack", "output", "--json", "--show-secrets", "--stack", stack],
-                          cwd=root, capture_output=True, text=True, timeout=120)
+        raise OutputsError(
+            "the pulumi CLI is not on PATH: pass --outputs FILE "
+            "(written by `pulumi stack output --json --show-secrets`)"
+        )
+    done = subprocess.run(
+        ["pulumi", "stack", "output", "--json", "--show-secrets", "--stack", stack],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if done.returncode != 0:
         raise OutputsError(f"`pulumi stack output --stack {stack}` failed: {done.stderr.strip()}")
     return parse_outputs(done.stdout, f"pulumi stack output --stack {stack}")

@@ -21,7 +21,9 @@ from .schema import NAMESPACE, StackConfig, did_you_mean, issues_from_validation
 def from_mapping(data: Any, source: str = "") -> StackConfig:
     """Validate the `supernode:` keys (without the namespace) and the cross-field rules."""
     if not isinstance(data, dict):
-        raise ConfigError([Issue(path=P.rstrip(":"), value=data, message="expected a mapping of supernode:* keys")], source)
+        raise ConfigError(
+            [Issue(path=P.rstrip(":"), value=data, message="expected a mapping of supernode:* keys")], source
+        )
     try:
         cfg = StackConfig.model_validate(data)
     except ValidationError as e:
@@ -60,26 +62,47 @@ def read_stack_file(path: Path) -> dict[str, Any]:
     try:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError([Issue(path=src, value=None, message=f"not valid YAML: {e}".replace("\n", " "))], src) from None
+        raise ConfigError(
+            [Issue(path=src, value=None, message=f"not valid YAML: {e}".replace("\n", " "))], src
+        ) from None
     if doc is None:
-        raise ConfigError([Issue(path=src, value=None, message="file is empty; expected a top-level 'config:' mapping")], src)
+        raise ConfigError(
+            [Issue(path=src, value=None, message="file is empty; expected a top-level 'config:' mapping")], src
+        )
     if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
-        raise ConfigError([Issue(path="config", value=doc if not isinstance(doc, dict) else doc.get("config"),
-                                 message="expected a top-level 'config:' mapping of namespace:key entries")], src)
+        raise ConfigError(
+            [
+                Issue(
+                    path="config",
+                    value=doc if not isinstance(doc, dict) else doc.get("config"),
+                    message="expected a top-level 'config:' mapping of namespace:key entries",
+                )
+            ],
+            src,
+        )
     issues, data = [], {}
     for key, value in doc["config"].items():
         if not isinstance(key, str) or ":" not in key:
-            issues.append(Issue(path=f"config.{key}", value=value, message="config keys are namespace:key, e.g. supernode:region"))
+            issues.append(
+                Issue(path=f"config.{key}", value=value, message="config keys are namespace:key, e.g. supernode:region")
+            )
             continue
         ns, name = key.split(":", 1)
         if ns == NAMESPACE:
             data[name] = value
         elif did_you_mean(ns, [NAMESPACE]):  # `supernod:monitoring` would otherwise be ignored silently
-            issues.append(Issue(path=f"config.{key}", value=value,
-                                message=f"unknown namespace {ns!r}; did you mean {NAMESPACE!r} ({NAMESPACE}:{name})?"))
+            issues.append(
+                Issue(
+                    path=f"config.{key}",
+                    value=value,
+                    message=f"unknown namespace {ns!r}; did you mean {NAMESPACE!r} ({NAMESPACE}:{name})?",
+                )
+            )
     region = doc["config"].get("aws:region")
     if region is not None and data.get("region") not in (None, region):
-        issues.append(Issue(path="aws:region", value=region, message=f"must equal supernode:region ({data.get('region')})"))
+        issues.append(
+            Issue(path="aws:region", value=region, message=f"must equal supernode:region ({data.get('region')})")
+        )
     try:
         cfg_issues: list[Issue] = []
         from_mapping(data, src)
@@ -107,8 +130,17 @@ def with_local_nproc(cfg: StackConfig, nproc: int) -> StackConfig:
     p = cfg.local_config().parallel
     fixed = p.dp_replicate * p.tp * p.pp
     if nproc < 1 or nproc % fixed:
-        raise ConfigError([Issue(path="--nproc", value=nproc, message=f"must be a positive multiple of the local "
-                                 f"dpReplicate*tp*pp ({p.dp_replicate}*{p.tp}*{p.pp} = {fixed})")], "--nproc")
+        raise ConfigError(
+            [
+                Issue(
+                    path="--nproc",
+                    value=nproc,
+                    message=f"must be a positive multiple of the local "
+                    f"dpReplicate*tp*pp ({p.dp_replicate}*{p.tp}*{p.pp} = {fixed})",
+                )
+            ],
+            "--nproc",
+        )
     data = cfg.to_mapping()
     data["local"]["nproc"], data["local"]["parallel"]["dpShard"] = nproc, nproc // fixed
     return from_mapping(data, f"--nproc {nproc}")

@@ -50,8 +50,13 @@ def _type(annotation: Any) -> str:
         return "mapping"
     if args and hasattr(annotation, "__metadata__"):  # Annotated[str, Field(...)]
         return _type(args[0])
-    return {str: "string", int: "integer", float: "number", bool: "boolean",
-            AwareDatetime: "ISO 8601 date-time with its offset"}.get(annotation, str(annotation))
+    return {
+        str: "string",
+        int: "integer",
+        float: "number",
+        bool: "boolean",
+        AwareDatetime: "ISO 8601 date-time with its offset",
+    }.get(annotation, str(annotation))
 
 
 def _allowed(model: type[BaseModel], name: str, field: FieldInfo) -> str:
@@ -60,14 +65,25 @@ def _allowed(model: type[BaseModel], name: str, field: FieldInfo) -> str:
     if literal:
         parts.append(", ".join(f"`{v}`" for v in get_args(literal[0])))
     for m in field.metadata + [m for a in get_args(field.annotation) for m in getattr(a, "__metadata__", ())]:
-        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "at least"),
-                         ("pattern", "matches")):
+        for attr, op in (
+            ("ge", ">="),
+            ("gt", ">"),
+            ("le", "<="),
+            ("lt", "<"),
+            ("min_length", "at least"),
+            ("pattern", "matches"),
+        ):
             value = getattr(m, attr, None)
             if value is None and hasattr(m, "metadata"):
                 value = next((getattr(x, attr) for x in m.metadata if getattr(x, attr, None) is not None), None)
             if value is not None:
-                parts.append(f"{op} `{value}`" if attr == "pattern" else
-                             f"{op} {value} item(s)" if attr == "min_length" else f"{op} {value}")
+                parts.append(
+                    f"{op} `{value}`"
+                    if attr == "pattern"
+                    else f"{op} {value} item(s)"
+                    if attr == "min_length"
+                    else f"{op} {value}"
+                )
     if (model.__name__, name) in VALIDATED:
         parts.append(VALIDATED[(model.__name__, name)])
     return "; ".join(dict.fromkeys(parts))
@@ -91,15 +107,21 @@ def _cell(text: str) -> str:
 def _section(model: type[BaseModel], path: str, out: list[str]) -> None:
     if model.__name__.endswith("Override"):  # local.model / local.parallel / local.training
         base = path.rsplit(".", 1)[-1]
-        out += [f"### `{NAMESPACE}:{path}`", "", f"Any key of `{NAMESPACE}:{base}`, with its type and allowed values, "
-                f"overriding it for the local CPU run.", ""]
+        out += [
+            f"### `{NAMESPACE}:{path}`",
+            "",
+            f"Any key of `{NAMESPACE}:{base}`, with its type and allowed values, overriding it for the local CPU run.",
+            "",
+        ]
         return
     rows, nested = [], []
     for name, field in model.model_fields.items():
         key = field.alias or name
         sub = _model_of(field.annotation)
-        rows.append(f"| `{key}` | {_type(field.annotation)} | {_cell(_default(field))} | "
-                    f"{_cell(_allowed(model, name, field))} | {_cell(field.description or '')} |")
+        rows.append(
+            f"| `{key}` | {_type(field.annotation)} | {_cell(_default(field))} | "
+            f"{_cell(_allowed(model, name, field))} | {_cell(field.description or '')} |"
+        )
         if sub is not None:
             nested.append((sub, f"{path}.{key}" if path else key, get_origin(field.annotation) is list))
     title = f"`{NAMESPACE}:{path}`" if path else f"`{NAMESPACE}:*` (top level)"
@@ -111,21 +133,41 @@ def _section(model: type[BaseModel], path: str, out: list[str]) -> None:
 
 
 def reference() -> str:
-    out = ["# Configuration reference", "",
-           "Generated from the schema (`supernode/core/config/schema.py`) and the rules' docstrings "
-           "by `supernode config reference`; do not edit by hand (a test fails when this file is stale).", "",
-           f"Every key lives in the `{NAMESPACE}:` namespace of `Pulumi.<stack>.yaml` (what `pulumi config set --path` "
-           "writes). Unknown keys are errors (with a did-you-mean suggestion), and every problem is reported at "
-           "once with its path and value, exit 2.", "", "## Keys", ""]
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from the schema (`supernode/core/config/schema.py`) and the rules' docstrings "
+        "by `supernode config reference`; do not edit by hand (a test fails when this file is stale).",
+        "",
+        f"Every key lives in the `{NAMESPACE}:` namespace of `Pulumi.<stack>.yaml` (what `pulumi config set --path` "
+        "writes). Unknown keys are errors (with a did-you-mean suggestion), and every problem is reported at "
+        "once with its path and value, exit 2.",
+        "",
+        "## Keys",
+        "",
+    ]
     _section(StackConfig, "", out)
-    out += ["## Rules across keys", "",
-            "Checked after the schema; when some sections fail the schema, the rules over the valid sections "
-            "still run, so one run reports every problem.", ""]
+    out += [
+        "## Rules across keys",
+        "",
+        "Checked after the schema; when some sections fail the schema, the rules over the valid sections "
+        "still run, so one run reports every problem.",
+        "",
+    ]
     for sections, rule in RULES:
         keys = [StackConfig.model_fields[n].alias or n for n in sections]
-        out.append(f"- **{', '.join(keys) if len(keys) < 6 else 'the whole stack'}**: "
-                   f"{inspect.getdoc(rule).replace(chr(10), ' ')}")
-    out += ["", "### The layout validator", "",
-            "One validator (`supernode/core/layout.py`) for the stack, its `local` section, the planner's "
-            "suggestions and the trainer's start-up check:", "", inspect.getdoc(layout_rules).replace("\n", " "), ""]
+        out.append(
+            f"- **{', '.join(keys) if len(keys) < 6 else 'the whole stack'}**: "
+            f"{inspect.getdoc(rule).replace(chr(10), ' ')}"
+        )
+    out += [
+        "",
+        "### The layout validator",
+        "",
+        "One validator (`supernode/core/layout.py`) for the stack, its `local` section, the planner's "
+        "suggestions and the trainer's start-up check:",
+        "",
+        inspect.getdoc(layout_rules).replace("\n", " "),
+        "",
+    ]
     return "\n".join(out)

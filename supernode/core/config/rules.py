@@ -28,72 +28,135 @@ def _created_vpc_rules(c: StackConfig, vpc: Optional[ipaddress.IPv4Network]) -> 
     """The stack creates the VPC: its subnets come from the *Cidrs keys, inside vpcCidr, disjoint."""
     net, issues = c.network, []
     azs = len(net.availability_zones)
-    for key, value in (("existingPrivateSubnetIds", net.existing_private_subnet_ids),
-                       ("existingGpuSubnetId", net.existing_gpu_subnet_id)):
+    for key, value in (
+        ("existingPrivateSubnetIds", net.existing_private_subnet_ids),
+        ("existingGpuSubnetId", net.existing_gpu_subnet_id),
+    ):
         if value:
-            issues.append(Issue(path=f"{P}network.{key}", value=value,
-                                message="existing subnets need network.existingVpcId (their VPC); set it, "
-                                        "or remove this key to let the stack create the subnets"))
+            issues.append(
+                Issue(
+                    path=f"{P}network.{key}",
+                    value=value,
+                    message="existing subnets need network.existingVpcId (their VPC); set it, "
+                    "or remove this key to let the stack create the subnets",
+                )
+            )
     if not net.private_subnet_cidrs:
-        issues.append(Issue(path=P + "network.privateSubnetCidrs", value=net.private_subnet_cidrs,
-                            missing="private_subnet_cidrs" not in net.model_fields_set,
-                            message=f"required unless network.existingVpcId is set: one CIDR inside vpcCidr "
-                                    f"per availability zone ({azs})"))
+        issues.append(
+            Issue(
+                path=P + "network.privateSubnetCidrs",
+                value=net.private_subnet_cidrs,
+                missing="private_subnet_cidrs" not in net.model_fields_set,
+                message=f"required unless network.existingVpcId is set: one CIDR inside vpcCidr "
+                f"per availability zone ({azs})",
+            )
+        )
     elif len(net.private_subnet_cidrs) != azs:
-        issues.append(Issue(path=P + "network.privateSubnetCidrs", value=net.private_subnet_cidrs,
-                            message=f"need one private subnet per availability zone ({azs})"))
+        issues.append(
+            Issue(
+                path=P + "network.privateSubnetCidrs",
+                value=net.private_subnet_cidrs,
+                message=f"need one private subnet per availability zone ({azs})",
+            )
+        )
     if net.gpu_subnet_cidr is None:
-        issues.append(Issue(path=P + "network.gpuSubnetCidr", missing=True,
-                            message="required unless network.existingVpcId is set: a CIDR inside vpcCidr for "
-                                    "the GPU nodes' subnet in availabilityZone"))
+        issues.append(
+            Issue(
+                path=P + "network.gpuSubnetCidr",
+                missing=True,
+                message="required unless network.existingVpcId is set: a CIDR inside vpcCidr for "
+                "the GPU nodes' subnet in availabilityZone",
+            )
+        )
     if net.public_subnet_cidrs and len(net.public_subnet_cidrs) != azs:
-        issues.append(Issue(path=P + "network.publicSubnetCidrs", value=net.public_subnet_cidrs,
-                            message=f"need none or one public subnet per availability zone ({azs})"))
+        issues.append(
+            Issue(
+                path=P + "network.publicSubnetCidrs",
+                value=net.public_subnet_cidrs,
+                message=f"need none or one public subnet per availability zone ({azs})",
+            )
+        )
     if net.use_nat_gateway and not net.public_subnet_cidrs:
-        issues.append(Issue(path=P + "network.natGateway", value=True,
-                            message="a NAT gateway needs public subnets; set publicSubnetCidrs or natGateway: false"))
+        issues.append(
+            Issue(
+                path=P + "network.natGateway",
+                value=True,
+                message="a NAT gateway needs public subnets; set publicSubnetCidrs or natGateway: false",
+            )
+        )
 
     subnets = _nets(
         [(f"{P}network.privateSubnetCidrs[{i}]", s) for i, s in enumerate(net.private_subnet_cidrs)]
         + [(f"{P}network.publicSubnetCidrs[{i}]", s) for i, s in enumerate(net.public_subnet_cidrs)]
-        + ([(P + "network.gpuSubnetCidr", net.gpu_subnet_cidr)] if net.gpu_subnet_cidr is not None else []), issues)
+        + ([(P + "network.gpuSubnetCidr", net.gpu_subnet_cidr)] if net.gpu_subnet_cidr is not None else []),
+        issues,
+    )
     if vpc:
         for path, subnet in subnets:
             if not subnet.subnet_of(vpc):
                 issues.append(Issue(path=path, value=str(subnet), message=f"subnet is outside the VPC CIDR {vpc}"))
     for i, (pa, a) in enumerate(subnets):
-        for pb, b in subnets[i + 1:]:
+        for pb, b in subnets[i + 1 :]:
             if a.overlaps(b):
-                issues.append(Issue(path=pb, value=str(b), message=f"subnet overlaps {pa} ({a}); subnets must not overlap"))
+                issues.append(
+                    Issue(path=pb, value=str(b), message=f"subnet overlaps {pa} ({a}); subnets must not overlap")
+                )
     return issues
 
 
 def _existing_vpc_rules(c: StackConfig) -> list[Issue]:
     """Bring your own VPC: subnets are named by id; routing, egress and endpoints are the VPC owner's."""
     net, issues = c.network, []
-    for key, value in (("privateSubnetCidrs", net.private_subnet_cidrs), ("publicSubnetCidrs", net.public_subnet_cidrs),
-                       ("gpuSubnetCidr", net.gpu_subnet_cidr)):
+    for key, value in (
+        ("privateSubnetCidrs", net.private_subnet_cidrs),
+        ("publicSubnetCidrs", net.public_subnet_cidrs),
+        ("gpuSubnetCidr", net.gpu_subnet_cidr),
+    ):
         if value:
-            issues.append(Issue(path=f"{P}network.{key}", value=value,
-                                message="ambiguous with network.existingVpcId: the stack creates no subnets in an "
-                                        "existing VPC; remove it and name the subnets in existingPrivateSubnetIds / "
-                                        "existingGpuSubnetId"))
+            issues.append(
+                Issue(
+                    path=f"{P}network.{key}",
+                    value=value,
+                    message="ambiguous with network.existingVpcId: the stack creates no subnets in an "
+                    "existing VPC; remove it and name the subnets in existingPrivateSubnetIds / "
+                    "existingGpuSubnetId",
+                )
+            )
     ids, azs = net.existing_private_subnet_ids, net.availability_zones
     if len(ids) != len(azs):
-        issues.append(Issue(path=P + "network.existingPrivateSubnetIds", value=ids,
-                            message=f"need one subnet id (subnet-...) per availability zone, in the same order "
-                                    f"({', '.join(azs)})"))
+        issues.append(
+            Issue(
+                path=P + "network.existingPrivateSubnetIds",
+                value=ids,
+                message=f"need one subnet id (subnet-...) per availability zone, in the same order ({', '.join(azs)})",
+            )
+        )
     elif len(set(ids)) != len(ids):
-        issues.append(Issue(path=P + "network.existingPrivateSubnetIds", value=ids,
-                            message="subnet ids must be distinct: a subnet lies in one availability zone"))
+        issues.append(
+            Issue(
+                path=P + "network.existingPrivateSubnetIds",
+                value=ids,
+                message="subnet ids must be distinct: a subnet lies in one availability zone",
+            )
+        )
     if net.existing_gpu_subnet_id is None:
-        issues.append(Issue(path=P + "network.existingGpuSubnetId", missing=True,
-                            message=f"required with network.existingVpcId: the id (subnet-...) of the GPU nodes' "
-                                    f"subnet in availabilityZone {c.availability_zone}"))
+        issues.append(
+            Issue(
+                path=P + "network.existingGpuSubnetId",
+                missing=True,
+                message=f"required with network.existingVpcId: the id (subnet-...) of the GPU nodes' "
+                f"subnet in availabilityZone {c.availability_zone}",
+            )
+        )
     if net.nat_gateway:  # only an explicit true: the default is off in an existing VPC
-        issues.append(Issue(path=P + "network.natGateway", value=True,
-                            message="must be false with network.existingVpcId: the VPC owner provides egress "
-                                    "(NAT, endpoints) in an existing VPC; set natGateway: false"))
+        issues.append(
+            Issue(
+                path=P + "network.natGateway",
+                value=True,
+                message="must be false with network.existingVpcId: the VPC owner provides egress "
+                "(NAT, endpoints) in an existing VPC; set natGateway: false",
+            )
+        )
     return issues
 
 
@@ -113,7 +176,9 @@ def _zones_and_network(c: StackConfig) -> list[Issue]:
             return
         if not az.startswith(c.region) or (valid_azs is not None and az not in valid_azs):
             hint = ", ".join([*valid_azs, *local_zones] if valid_azs else [f"{c.region}<letter>", *local_zones])
-            issues.append(Issue(path=path, value=az, message=f"availability zone is not in region {c.region}; valid: {hint}"))
+            issues.append(
+                Issue(path=path, value=az, message=f"availability zone is not in region {c.region}; valid: {hint}")
+            )
 
     # Only the GPU nodes may sit in a Local Zone (where UltraServers are sold); the private subnets
     # hold the EKS control plane's interfaces, which need the region's own AZs.
@@ -121,8 +186,13 @@ def _zones_and_network(c: StackConfig) -> list[Issue]:
     for i, az in enumerate(c.network.availability_zones):
         check_az(f"{P}network.availabilityZones[{i}]", az)
     if len(set(c.network.availability_zones)) != len(c.network.availability_zones):
-        issues.append(Issue(path=P + "network.availabilityZones", value=c.network.availability_zones,
-                            message="availability zones must be distinct"))
+        issues.append(
+            Issue(
+                path=P + "network.availabilityZones",
+                value=c.network.availability_zones,
+                message="availability zones must be distinct",
+            )
+        )
     vpc = _nets([(P + "network.vpcCidr", c.network.vpc_cidr)], issues)
     if c.network.existing_vpc_id:
         issues += _existing_vpc_rules(c)
@@ -138,11 +208,21 @@ def _cluster_access(c: StackConfig) -> list[Issue]:
     for i, cidr in enumerate(c.cluster.public_access_cidrs):
         _nets([(f"{P}cluster.publicAccessCidrs[{i}]", cidr)], issues)
     if c.cluster.endpoint_public_access and not c.cluster.public_access_cidrs:
-        issues.append(Issue(path=P + "cluster.publicAccessCidrs", value=[],
-                            message="a public endpoint needs allowed CIDRs (an empty list means 0.0.0.0/0)"))
+        issues.append(
+            Issue(
+                path=P + "cluster.publicAccessCidrs",
+                value=[],
+                message="a public endpoint needs allowed CIDRs (an empty list means 0.0.0.0/0)",
+            )
+        )
     if not c.cluster.endpoint_private_access and not c.cluster.endpoint_public_access:
-        issues.append(Issue(path=P + "cluster.endpointPrivateAccess", value=False,
-                            message="at least one of endpointPrivateAccess / endpointPublicAccess must be true"))
+        issues.append(
+            Issue(
+                path=P + "cluster.endpointPrivateAccess",
+                value=False,
+                message="at least one of endpointPrivateAccess / endpointPublicAccess must be true",
+            )
+        )
     return issues
 
 
@@ -162,34 +242,74 @@ def _node_groups(c: StackConfig) -> list[Issue]:
         if names.count(g.name) > 1:
             issues.append(Issue(path=gp + ".name", value=g.name, message="node group names must be unique"))
         if not g.ami_release_version.startswith(c.cluster.kubernetes_version + "."):
-            issues.append(Issue(path=gp + ".amiReleaseVersion", value=g.ami_release_version,
-                                message=f"AMI release must match the cluster's Kubernetes {c.cluster.kubernetes_version} "
-                                        f"(e.g. {c.cluster.kubernetes_version}.0-20251120)"))
+            issues.append(
+                Issue(
+                    path=gp + ".amiReleaseVersion",
+                    value=g.ami_release_version,
+                    message=f"AMI release must match the cluster's Kubernetes {c.cluster.kubernetes_version} "
+                    f"(e.g. {c.cluster.kubernetes_version}.0-20251120)",
+                )
+            )
         if len(amis) > 1:
-            issues.append(Issue(path=gp + ".amiReleaseVersion", value=g.ami_release_version,
-                                message=f"all accelerator node groups must pin the same AMI release; found {sorted(amis)}"))
+            issues.append(
+                Issue(
+                    path=gp + ".amiReleaseVersion",
+                    value=g.ami_release_version,
+                    message=f"all accelerator node groups must pin the same AMI release; found {sorted(amis)}",
+                )
+            )
         if g.require_efa and CATALOG[g.instance_type].efa_interfaces == 0:
             issues.append(Issue(path=gp + ".instanceType", value=g.instance_type, message="instance type has no EFA"))
         cap = g.capacity
         if cap.type != "on-demand" and not cap.reservation_id:
-            issues.append(Issue(path=gp + ".capacity.reservationId", value=None,
-                                message=f"capacity type {cap.type} needs a reservation id (cr-...)"))
+            issues.append(
+                Issue(
+                    path=gp + ".capacity.reservationId",
+                    value=None,
+                    message=f"capacity type {cap.type} needs a reservation id (cr-...)",
+                )
+            )
         if cap.type == "on-demand" and cap.reservation_id:
-            issues.append(Issue(path=gp + ".capacity.type", value=cap.type,
-                                message="a reservation id is set: use capacity-reservation or capacity-block"))
+            issues.append(
+                Issue(
+                    path=gp + ".capacity.type",
+                    value=cap.type,
+                    message="a reservation id is set: use capacity-reservation or capacity-block",
+                )
+            )
         if cap.availability_zone and cap.availability_zone != c.availability_zone:
-            issues.append(Issue(path=gp + ".capacity.availabilityZone", value=cap.availability_zone,
-                                message=f"the reservation's AZ must be the GPU subnet's AZ {c.availability_zone}"))
+            issues.append(
+                Issue(
+                    path=gp + ".capacity.availabilityZone",
+                    value=cap.availability_zone,
+                    message=f"the reservation's AZ must be the GPU subnet's AZ {c.availability_zone}",
+                )
+            )
         if cap.type == "capacity-block" and cap.ends_at is None:
-            issues.append(Issue(path=gp + ".capacity.endsAt", missing=True,
-                                message="a Capacity Block needs its end time (EC2's EndDate, e.g. 2026-03-14T11:30:00Z): "
-                                        "the node group is scaled to 0 forty minutes before it"))
+            issues.append(
+                Issue(
+                    path=gp + ".capacity.endsAt",
+                    missing=True,
+                    message="a Capacity Block needs its end time (EC2's EndDate, e.g. 2026-03-14T11:30:00Z): "
+                    "the node group is scaled to 0 forty minutes before it",
+                )
+            )
         if cap.type != "capacity-block" and cap.ends_at is not None:
-            issues.append(Issue(path=gp + ".capacity.endsAt", value=cap.ends_at.isoformat(),
-                                message=f"endsAt is a Capacity Block's end; capacity type {cap.type} has none: remove it"))
+            issues.append(
+                Issue(
+                    path=gp + ".capacity.endsAt",
+                    value=cap.ends_at.isoformat(),
+                    message=f"endsAt is a Capacity Block's end; capacity type {cap.type} has none: remove it",
+                )
+            )
         if cap.type == "capacity-block" and g.placement_group:
-            issues.append(Issue(path=gp + ".placementGroup", value=True,
-                                message="Capacity Blocks are already co-located and conflict with a placement group; set false"))
+            issues.append(
+                Issue(
+                    path=gp + ".placementGroup",
+                    value=True,
+                    message="Capacity Blocks are already co-located and conflict with a placement group; set false",
+                )
+            )
         issues += _ultra_server(g, gp)
     return issues
 
@@ -197,21 +317,45 @@ def _node_groups(c: StackConfig) -> list[Issue]:
 def _ultra_server(g, gp: str) -> list[Issue]:
     sizes = [u.name for u in ULTRASERVERS.values() if u.instance_type == g.instance_type]
     if g.ultra_server is None:
-        return [Issue(path=gp + ".ultraServer", missing=True,
-                      message=f"{g.instance_type} is sold only as UltraServers: set ultraServer to one of "
-                              f"{', '.join(sizes)} (one node group per UltraServer)")] if ultraserver_only(g.instance_type) else []
+        return (
+            [
+                Issue(
+                    path=gp + ".ultraServer",
+                    missing=True,
+                    message=f"{g.instance_type} is sold only as UltraServers: set ultraServer to one of "
+                    f"{', '.join(sizes)} (one node group per UltraServer)",
+                )
+            ]
+            if ultraserver_only(g.instance_type)
+            else []
+        )
     u, issues = ULTRASERVERS[g.ultra_server], []
     if u.instance_type != g.instance_type:
-        issues.append(Issue(path=gp + ".ultraServer", value=g.ultra_server,
-                            message=f"{g.ultra_server} is made of {u.instance_type}, not {g.instance_type}"))
+        issues.append(
+            Issue(
+                path=gp + ".ultraServer",
+                value=g.ultra_server,
+                message=f"{g.ultra_server} is made of {u.instance_type}, not {g.instance_type}",
+            )
+        )
     elif g.nodes != u.instances:
-        issues.append(Issue(path=gp + ".nodes", value=g.nodes,
-                            message=f"one node group is one {g.ultra_server}: nodes must be {u.instances} (add a node "
-                                    f"group per further UltraServer, each with its own Capacity Block)"))
+        issues.append(
+            Issue(
+                path=gp + ".nodes",
+                value=g.nodes,
+                message=f"one node group is one {g.ultra_server}: nodes must be {u.instances} (add a node "
+                f"group per further UltraServer, each with its own Capacity Block)",
+            )
+        )
     if g.capacity.type != "capacity-block":
-        issues.append(Issue(path=gp + ".capacity.type", value=g.capacity.type,
-                            message="UltraServers are sold as Capacity Blocks: use capacity-block with the block's "
-                                    "reservationId (cr-...)"))
+        issues.append(
+            Issue(
+                path=gp + ".capacity.type",
+                value=g.capacity.type,
+                message="UltraServers are sold as Capacity Blocks: use capacity-block with the block's "
+                "reservationId (cr-...)",
+            )
+        )
     return issues
 
 
@@ -220,8 +364,13 @@ def _system_node_group(c: StackConfig) -> list[Issue]:
     issues: list[Issue] = []
     sng = c.system_node_group
     if not sng.min_size <= sng.desired_size <= sng.max_size:
-        issues.append(Issue(path=P + "systemNodeGroup.desiredSize", value=sng.desired_size,
-                            message=f"need minSize <= desiredSize <= maxSize ({sng.min_size}..{sng.max_size})"))
+        issues.append(
+            Issue(
+                path=P + "systemNodeGroup.desiredSize",
+                value=sng.desired_size,
+                message=f"need minSize <= desiredSize <= maxSize ({sng.min_size}..{sng.max_size})",
+            )
+        )
     return issues
 
 
@@ -231,8 +380,13 @@ def _storage(c: StackConfig) -> list[Issue]:
     issues: list[Issue] = []
     lc = c.storage.lifecycle
     if lc.checkpoint_expire_days <= lc.checkpoint_transition_days:
-        issues.append(Issue(path=P + "storage.lifecycle.checkpointExpireDays", value=lc.checkpoint_expire_days,
-                            message=f"must be greater than checkpointTransitionDays ({lc.checkpoint_transition_days})"))
+        issues.append(
+            Issue(
+                path=P + "storage.lifecycle.checkpointExpireDays",
+                value=lc.checkpoint_expire_days,
+                message=f"must be greater than checkpointTransitionDays ({lc.checkpoint_transition_days})",
+            )
+        )
     if c.storage.existing_bucket and not c.storage.bucket_name:
         issues.append(Issue(path=P + "storage.bucketName", value=None, message="existingBucket needs a bucketName"))
     return issues
@@ -242,8 +396,13 @@ def _cluster_version(c: StackConfig) -> list[Issue]:
     """cluster.kubernetesVersion has a row of pinned EKS add-on versions in the catalog."""
     issues: list[Issue] = []
     if c.cluster.kubernetes_version not in EKS_ADDON_VERSIONS:
-        issues.append(Issue(path=P + "cluster.kubernetesVersion", value=c.cluster.kubernetes_version,
-                            message=f"no pinned EKS add-on versions for it; supported: {', '.join(EKS_ADDON_VERSIONS)}"))
+        issues.append(
+            Issue(
+                path=P + "cluster.kubernetesVersion",
+                value=c.cluster.kubernetes_version,
+                message=f"no pinned EKS add-on versions for it; supported: {', '.join(EKS_ADDON_VERSIONS)}",
+            )
+        )
     return issues
 
 
@@ -252,8 +411,9 @@ def _layout(c: StackConfig) -> list[Issue]:
     accelerators per node over the accelerator node groups, and tp at most the GPUs of one NVLink
     domain (a node, or the group's UltraServer)."""
     max_tp = min(g.nvlink_domain for g in c.accelerator_node_groups)
-    return layout_rules(c.model, c.parallel, c.training, c.accelerators, max_tp,
-                        world_source=" (sum of nodes x accelerators per node)")
+    return layout_rules(
+        c.model, c.parallel, c.training, c.accelerators, max_tp, world_source=" (sum of nodes x accelerators per node)"
+    )
 
 
 def _local(c: StackConfig) -> list[Issue]:
@@ -263,8 +423,15 @@ def _local(c: StackConfig) -> list[Issue]:
         local = c.local_config()
     except ValidationError as e:
         return issues_from_validation(e, P + "local.", c.model_dump(by_alias=True, mode="json"))
-    return layout_rules(local.model, local.parallel, local.training, c.local.nproc, c.local.nproc,
-                        prefix=P + "local.", world_source=" (local.nproc)")
+    return layout_rules(
+        local.model,
+        local.parallel,
+        local.training,
+        c.local.nproc,
+        c.local.nproc,
+        prefix=P + "local.",
+        world_source=" (local.nproc)",
+    )
 
 
 # Each rule with the top-level sections it reads: when some sections fail the schema, the rules

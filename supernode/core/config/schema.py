@@ -11,7 +11,16 @@ import re
 from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal, Optional, get_args
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from ..catalog import CATALOG, SYSTEM_INSTANCE_TYPES, ULTRASERVERS, nvlink_domain_gpus
@@ -19,14 +28,37 @@ from ..errors import Issue
 
 NAMESPACE = "supernode"
 DIGEST_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}$")
-CW_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192,
-                     2557, 2922, 3288, 3653)
+CW_RETENTION_DAYS = (
+    1,
+    3,
+    5,
+    7,
+    14,
+    30,
+    60,
+    90,
+    120,
+    150,
+    180,
+    365,
+    400,
+    545,
+    731,
+    1096,
+    1827,
+    2192,
+    2557,
+    2922,
+    3288,
+    3653,
+)
 FSX_PER_UNIT_THROUGHPUT = (125, 250, 500, 1000)  # MB/s per TiB, PERSISTENT_2
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True,
-                              frozen=True, strict=False)
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True, strict=False
+    )
 
 
 class Cluster(_Base):
@@ -70,9 +102,11 @@ class Capacity(_Base):
     reservation_id: Optional[str] = Field(default=None, pattern=r"^cr-[0-9a-f]{8,17}$")
     availability_zone: Optional[str] = None
     ends_at: Optional[AwareDatetime] = Field(
-        default=None, description="capacity-block only, required there: the block's end (EC2's EndDate) as an ISO "
+        default=None,
+        description="capacity-block only, required there: the block's end (EC2's EndDate) as an ISO "
         "date-time with its offset, e.g. 2026-03-14T11:30:00Z. The node group is scaled to 0 forty minutes before "
-        "(EC2 terminates the instances from 30 minutes before); preflight compares it with EC2")
+        "(EC2 terminates the instances from 30 minutes before); preflight compares it with EC2",
+    )
 
     @property
     def scale_to_zero_at(self) -> Optional[datetime]:
@@ -90,9 +124,12 @@ class AcceleratorNodeGroup(_Base):
     ami_release_version: str = Field(pattern=r"^1\.\d+\.\d+-\d{8}$")
     placement_group: Optional[bool] = None  # default: on, unless a reservation is targeted
     require_efa: bool = True
-    ultra_server: Optional[str] = Field(default=None, description="the UltraServer this group is (e.g. "
-                                        "u-p6e-gb200x72): its instances form one NVLink domain, bought as one "
-                                        "Capacity Block (capacity.reservationId)")
+    ultra_server: Optional[str] = Field(
+        default=None,
+        description="the UltraServer this group is (e.g. "
+        "u-p6e-gb200x72): its instances form one NVLink domain, bought as one "
+        "Capacity Block (capacity.reservationId)",
+    )
 
     @field_validator("instance_type")
     @classmethod
@@ -174,7 +211,9 @@ class Storage(_Base):
 
 
 class Identity(_Base):
-    kms_key_arn: Optional[str] = Field(default=None, pattern=r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[0-9a-f-]{36}$")
+    kms_key_arn: Optional[str] = Field(
+        default=None, pattern=r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[0-9a-f-]{36}$"
+    )
     kms_key_rotation: bool = True
     pod_identity: Literal["irsa", "pod-identity"] = "irsa"
 
@@ -185,12 +224,18 @@ class Monitoring(_Base):
     gpu_util_window_minutes: int = Field(default=30, ge=5, le=1440)
     notification_email: str = Field(pattern=r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$")
     fsx_free_capacity_floor_percent: float = Field(default=10.0, gt=0, lt=100)
-    step_stall_minutes: int = Field(default=15, ge=5, le=1440,
-                                    description="alarm when the trainer's step has not advanced for this long")
-    throughput_floor_fraction: float = Field(default=0.5, gt=0, le=1,
-                                             description="alarm below this fraction of the plan's tokens/s estimate")
-    restart_alarm_count: int = Field(default=2, ge=1, description="alarm when the trainer starts more often "
-                                     "than this within an hour (each restart resumes from a checkpoint)")
+    step_stall_minutes: int = Field(
+        default=15, ge=5, le=1440, description="alarm when the trainer's step has not advanced for this long"
+    )
+    throughput_floor_fraction: float = Field(
+        default=0.5, gt=0, le=1, description="alarm below this fraction of the plan's tokens/s estimate"
+    )
+    restart_alarm_count: int = Field(
+        default=2,
+        ge=1,
+        description="alarm when the trainer starts more often "
+        "than this within an hour (each restart resumes from a checkpoint)",
+    )
 
     @field_validator("log_retention_days")
     @classmethod
@@ -205,9 +250,17 @@ class Monitoring(_Base):
 PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
 # The add-on containers (components/addons/*.yaml) whose image a stack may set in images.addons, and the
 # NVIDIA DRA driver (one image for all its containers; installed where the NVLink domain spans nodes).
-AddonImage = Literal["aws-efa-k8s-device-plugin", "cloudwatch-agent", "dcgm-exporter", "kueue",
-                     "nvidia-device-plugin", "nvidia-dra-driver-gpu", "prometheus", "prometheus-adapter",
-                     "training-operator"]
+AddonImage = Literal[
+    "aws-efa-k8s-device-plugin",
+    "cloudwatch-agent",
+    "dcgm-exporter",
+    "kueue",
+    "nvidia-device-plugin",
+    "nvidia-dra-driver-gpu",
+    "prometheus",
+    "prometheus-adapter",
+    "training-operator",
+]
 IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*[a-z0-9](:[\w][\w.-]{0,127})?(@sha256:[0-9a-f]{64})?$")
 
 
@@ -226,11 +279,15 @@ class Images(_Base):
     trainer: str
     fabric_check: Optional[str] = None  # default: the trainer image (it carries trainer.fabric)
     addons: dict[AddonImage, ImageReference] = Field(
-        default={}, description="add-on container -> image, pinned as REPOSITORY:TAG@sha256:<digest>; an add-on "
-                                "not listed runs the tag its file in components/addons/ pins")
+        default={},
+        description="add-on container -> image, pinned as REPOSITORY:TAG@sha256:<digest>; an add-on "
+        "not listed runs the tag its file in components/addons/ pins",
+    )
     require_digests: bool = Field(
-        default=False, description="true (prod): the image-digests and image-placeholder policies are mandatory; "
-                                   "false: advisory, so a dev stack may run add-ons by tag")
+        default=False,
+        description="true (prod): the image-digests and image-placeholder policies are mandatory; "
+        "false: advisory, so a dev stack may run add-ons by tag",
+    )
 
     @field_validator("trainer", "fabric_check")
     @classmethod
@@ -260,8 +317,11 @@ class Model(_Base):
     bias_update_rate: float = Field(default=1e-3, ge=0, description="aux-loss-free expert bias step")
     rope_theta: float = Field(default=10000.0, gt=0)
     tie_embeddings: bool = False
-    qk_norm: bool = Field(default=False, description="RMS-normalise q and k per head before RoPE (Qwen3's "
-                          "attention; needed to export a softmax-router model as Qwen3MoeForCausalLM)")
+    qk_norm: bool = Field(
+        default=False,
+        description="RMS-normalise q and k per head before RoPE (Qwen3's "
+        "attention; needed to export a softmax-router model as Qwen3MoeForCausalLM)",
+    )
 
     @property
     def head_dim(self) -> int:
@@ -276,8 +336,17 @@ class Model(_Base):
 
 
 # Parallel keys that describe the mesh: sized per world, so `local` does not inherit them.
-LOCAL_LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "pp_schedule", "pp_virtual_stages",
-                     "pp_first_stage_fewer_layers", "pp_last_stage_fewer_layers")
+LOCAL_LAYOUT_KEYS = (
+    "dp_replicate",
+    "dp_shard",
+    "tp",
+    "ep",
+    "pp",
+    "pp_schedule",
+    "pp_virtual_stages",
+    "pp_first_stage_fewer_layers",
+    "pp_last_stage_fewer_layers",
+)
 
 
 class Parallel(_Base):
@@ -287,20 +356,35 @@ class Parallel(_Base):
     ep: int = Field(default=1, ge=1)
     pp: int = Field(default=1, ge=1, description="pipeline stages (layers split by stage; the outermost mesh dim)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = Field(
-        default="1f1b", description="pipeline schedule (pp > 1): gpipe holds every micro-batch's activations, 1f1b "
-                                    "at most pp, interleaved1f1b (ppVirtualStages >= 2) shrinks the bubble")
-    pp_virtual_stages: int = Field(default=1, ge=1, description="stages per rank (interleaved1f1b): the bubble is "
-                                   "(pp-1)/(m*v + pp-1) for m micro-batches per step and v virtual stages")
-    pp_first_stage_fewer_layers: int = Field(default=0, ge=0, description="the first stage holds this many layers "
-                                             "fewer than an even split (it also embeds)")
-    pp_last_stage_fewer_layers: int = Field(default=0, ge=0, description="the last stage holds this many layers "
-                                            "fewer than an even split (it also runs the norm, head and loss)")
+        default="1f1b",
+        description="pipeline schedule (pp > 1): gpipe holds every micro-batch's activations, 1f1b "
+        "at most pp, interleaved1f1b (ppVirtualStages >= 2) shrinks the bubble",
+    )
+    pp_virtual_stages: int = Field(
+        default=1,
+        ge=1,
+        description="stages per rank (interleaved1f1b): the bubble is "
+        "(pp-1)/(m*v + pp-1) for m micro-batches per step and v virtual stages",
+    )
+    pp_first_stage_fewer_layers: int = Field(
+        default=0, ge=0, description="the first stage holds this many layers fewer than an even split (it also embeds)"
+    )
+    pp_last_stage_fewer_layers: int = Field(
+        default=0,
+        ge=0,
+        description="the last stage holds this many layers "
+        "fewer than an even split (it also runs the norm, head and loss)",
+    )
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     overlap: bool = True
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
-    hbm_headroom: float = Field(default=0.1, ge=0, lt=1,
-                                description="fraction of HBM the plan keeps free (allocator fragmentation, NCCL "
-                                            "growth): a layout fits when its memory per rank is within the rest")
+    hbm_headroom: float = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        description="fraction of HBM the plan keeps free (allocator fragmentation, NCCL "
+        "growth): a layout fits when its memory per rank is within the rest",
+    )
 
     @property
     def world_size(self) -> int:
@@ -317,8 +401,11 @@ class Parallel(_Base):
 
 
 class DataSource(_Base):
-    path: str = Field(min_length=1, description="a prepared dataset directory, relative to the trainer's --data "
-                                                 "(in the cluster the FSx /datasets mount)")
+    path: str = Field(
+        min_length=1,
+        description="a prepared dataset directory, relative to the trainer's --data "
+        "(in the cluster the FSx /datasets mount)",
+    )
     weight: float = Field(default=1.0, gt=0, description="share of the samples, relative to the blend's other weights")
 
 
@@ -337,39 +424,68 @@ class Training(_Base):
     async_checkpoint: bool = True
     collective_timeout_s: int = Field(default=600, ge=10)
     max_restarts: int = Field(default=3, ge=0)
-    max_non_finite_steps: int = Field(default=5, ge=1, description="consecutive steps with a non-finite loss or "
-                                      "gradient norm (their updates skipped) before the run stops, exit 1")
+    max_non_finite_steps: int = Field(
+        default=5,
+        ge=1,
+        description="consecutive steps with a non-finite loss or "
+        "gradient norm (their updates skipped) before the run stops, exit 1",
+    )
     seed: int = 0
     weights_uri: Optional[str] = None
     weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-    data: list[DataSource] = Field(default_factory=list, description="a blend of prepared datasets, sampled by "
-                                   "weight (deterministic for the seed); empty: the dataset at the trainer's --data. "
-                                   "Windows may cross documents (EOS separates them; see documentMasking)")
-    document_masking: bool = Field(default=False, description="false: a window of seqLen tokens cut from the "
-                                   "token stream is one causal sequence, so a token may attend across the EOS into "
-                                   "the previous document; true: each token attends only within its own document, "
-                                   "RoPE positions restart at each document and the target after an EOS (the next "
-                                   "document's first token) is not counted in the loss, which is divided by the "
-                                   "step's counted tokens. Needs the datasets' manifests to record their EOS id")
+    data: list[DataSource] = Field(
+        default_factory=list,
+        description="a blend of prepared datasets, sampled by "
+        "weight (deterministic for the seed); empty: the dataset at the trainer's --data. "
+        "Windows may cross documents (EOS separates them; see documentMasking)",
+    )
+    document_masking: bool = Field(
+        default=False,
+        description="false: a window of seqLen tokens cut from the "
+        "token stream is one causal sequence, so a token may attend across the EOS into "
+        "the previous document; true: each token attends only within its own document, "
+        "RoPE positions restart at each document and the target after an EOS (the next "
+        "document's first token) is not counted in the loss, which is divided by the "
+        "step's counted tokens. Needs the datasets' manifests to record their EOS id",
+    )
 
 
 class Workload(_Base):
     namespace: str = Field(default="training", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     service_account: str = Field(default="trainer", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    gate_min_fraction: float = Field(default=0.8, gt=0, le=1.5,
-                                     description="interconnect gate: fraction of the catalog baseline")
+    gate_min_fraction: float = Field(
+        default=0.8, gt=0, le=1.5, description="interconnect gate: fraction of the catalog baseline"
+    )
     termination_grace_s: int = Field(default=900, ge=30)
     hugepages_2mi_gib: int = Field(default=5, ge=0)
-    fabric_check_schedule: str = Field(default="0 3 * * 0", pattern=r"^\S+( \S+){4}$", description="cron "
-                                       "schedule of the fabric re-run compared with the deploy-time baseline")
-    fabric_regression: float = Field(default=0.2, gt=0, lt=1, description="a node pair regresses below (1 - this) "
-                                     "x its baseline bandwidth (or above its latency / (1 - this))")
-    restore_drill_schedule: str = Field(default="0 5 1 * *", pattern=r"^\S+( \S+){4}$",
-                                        description="cron schedule of the checkpoint restore drill")
-    inventory_interval_minutes: int = Field(default=60, ge=5, le=1440, description="how often the inventory "
-                                            "DaemonSet compares each GPU node with its baseline")
-    max_clock_offset_ms: float = Field(default=10.0, gt=0, le=1000, description="the inventory flags a GPU node "
-                                       "whose clock offset (chrony, or the kernel's estimated error) exceeds this")
+    fabric_check_schedule: str = Field(
+        default="0 3 * * 0",
+        pattern=r"^\S+( \S+){4}$",
+        description="cron schedule of the fabric re-run compared with the deploy-time baseline",
+    )
+    fabric_regression: float = Field(
+        default=0.2,
+        gt=0,
+        lt=1,
+        description="a node pair regresses below (1 - this) "
+        "x its baseline bandwidth (or above its latency / (1 - this))",
+    )
+    restore_drill_schedule: str = Field(
+        default="0 5 1 * *", pattern=r"^\S+( \S+){4}$", description="cron schedule of the checkpoint restore drill"
+    )
+    inventory_interval_minutes: int = Field(
+        default=60,
+        ge=5,
+        le=1440,
+        description="how often the inventory DaemonSet compares each GPU node with its baseline",
+    )
+    max_clock_offset_ms: float = Field(
+        default=10.0,
+        gt=0,
+        le=1000,
+        description="the inventory flags a GPU node "
+        "whose clock offset (chrony, or the kernel's estimated error) exceeds this",
+    )
 
 
 class Inference(_Base):
@@ -377,12 +493,17 @@ class Inference(_Base):
     locally (`supernode serve --local`). Sized by the inference planner (supernode/core/inference.py)."""
 
     image: str = Field(description="the vLLM server image, pinned by digest: REPOSITORY@sha256:<64 hex digits>")
-    weights_prefix: str = Field(default="models/", pattern=r"^[A-Za-z0-9._/-]+/$",
-                                description="where `supernode export` output is pushed, under the stack's bucket; "
-                                            "the pods copy it from the FSx mount (/models) and verify it")
-    manifest_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$",
-                                           description="sha256 of the export's manifest.json: pins the weights "
-                                                       "the init container verifies file by file")
+    weights_prefix: str = Field(
+        default="models/",
+        pattern=r"^[A-Za-z0-9._/-]+/$",
+        description="where `supernode export` output is pushed, under the stack's bucket; "
+        "the pods copy it from the FSx mount (/models) and verify it",
+    )
+    manifest_sha256: Optional[str] = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the export's manifest.json: pins the weights the init container verifies file by file",
+    )
     tp: int = Field(default=1, ge=1, description="tensor-parallel degree of one replica")
     pp: int = Field(default=1, ge=1, description="pipeline stages of one replica (> 1 node: a LeaderWorkerSet)")
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -390,15 +511,22 @@ class Inference(_Base):
     max_concurrency: int = Field(default=64, ge=1, description="sequences batched at once (vLLM --max-num-seqs)")
     replicas_min: int = Field(default=1, ge=1)
     replicas_max: int = Field(default=1, ge=1)
-    target_running_per_replica: int = Field(default=32, ge=1, description="autoscaling: add a replica when "
-                                            "requests running + waiting per replica exceed this")
+    target_running_per_replica: int = Field(
+        default=32,
+        ge=1,
+        description="autoscaling: add a replica when requests running + waiting per replica exceed this",
+    )
     ttft_target_ms: Optional[float] = Field(default=None, gt=0, description="time to first token, p99")
     itl_target_ms: Optional[float] = Field(default=None, gt=0, description="inter-token latency, p99")
     namespace: str = Field(default="serving", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    allowed_client_namespaces: list[str] = Field(default=["gateway"], description="namespaces whose pods may "
-                                                 "reach the server (NetworkPolicy); nothing else may")
-    gpu_quota: Optional[int] = Field(default=None, ge=1, description="GPUs the serving namespace may request "
-                                     "(ResourceQuota); default replicasMax x GPUs per replica")
+    allowed_client_namespaces: list[str] = Field(
+        default=["gateway"], description="namespaces whose pods may reach the server (NetworkPolicy); nothing else may"
+    )
+    gpu_quota: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="GPUs the serving namespace may request (ResourceQuota); default replicasMax x GPUs per replica",
+    )
 
     @field_validator("image")
     @classmethod
@@ -487,6 +615,8 @@ class StackConfig(_Base):
             parallel["dp_shard"] = max(1, self.local.nproc // rest)
         data["parallel"] = parallel
         return StackConfig.model_validate(data)
+
+
 def _value_at(data: Any, loc: tuple) -> Any:
     for part in loc:
         try:
@@ -552,8 +682,12 @@ def issues_from_validation(err: ValidationError, prefix: str, data: Any) -> list
             msg += f'; quote it in YAML: "{e["input"]}"'
         missing = e["type"] == "missing"
         value = None if missing else e.get("input")
-        out.append(Issue(path=_path(prefix, loc), value=value if value is not None else _value_at(data, loc),
-                         message=msg, missing=missing))
+        out.append(
+            Issue(
+                path=_path(prefix, loc),
+                value=value if value is not None else _value_at(data, loc),
+                message=msg,
+                missing=missing,
+            )
+        )
     return out
-
-
