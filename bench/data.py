@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from supernode.core.config import load_stack
 from supernode.core.plan import Plan, build_plan
 from trainer.prepare import write_synthetic

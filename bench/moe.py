@@ -26,7 +26,8 @@
    glibc is told to keep freed memory (`freed_memory_kept`): what is left without page faults.
    torchtitan is not a project dependency: install it beside the project, e.g.
 
-       pip install --target /tmp/tt --no-deps torchtitan==0.3.0 einops safetensors tyro spmd-types docstring-parser triton
+       pip install --target /tmp/tt --no-deps torchtitan==0.3.0 einops safetensors tyro spmd-types \
+           docstring-parser triton
        supernode bench moe --compare torchtitan --torchtitan-path /tmp/tt --dtype bfloat16
 
    (--torchtitan-path, or $SUPERNODE_TORCHTITAN_PATH, is put on sys.path in this process only.)
@@ -47,8 +48,8 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -114,7 +115,7 @@ def layer_throughput(args: argparse.Namespace) -> dict:
 
     impls["dense_ceiling"] = dense
     times: dict[str, list[float]] = {k: [] for k in impls}
-    for name, fn in impls.items():  # warm-up
+    for fn in impls.values():  # warm-up
         _timed(fn, x, upstream)
     for _ in range(args.repeat):
         for name, fn in impls.items():

@@ -7,7 +7,8 @@ Against a running server (--url), or one it starts for the export (after verifyi
 `supernode serve` does). For each concurrency level, `--requests` streamed greedy completions of
 `--max-tokens` tokens each (EOS ignored, so every request does the same work) are sent by that many
 clients at once; concurrency 1 is the sequential baseline. One JSON line per level: time to first
-token and inter-token latency (per request: (total - first token) / (tokens - 1)) p50/p99 (ms), output tokens/s over the level's wall time, and the
+token and inter-token latency (per request: (total - first token) / (tokens - 1)) p50/p99 (ms), output tokens/s
+over the level's wall time, and the
 speed-up over sequential (tokens/s ratio), then a summary line.
 """
 
@@ -19,7 +20,6 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
 
 from supernode.ops.serve import Completion, LocalServer, complete, metrics, serve_python, verify_export
 
@@ -59,7 +59,7 @@ def level(url: str, name: str, concurrency: int, requests: int, max_tokens: int)
     }
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="supernode bench serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=Path("out/demo/model"), help="the exported model directory")
     p.add_argument("--url", default=None, help="a running server (default: start one for --model)")

@@ -9,8 +9,9 @@ p6e-gb200 card 0 is ENA-only); every other card is `efa-only` at the type's `efa
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 import pulumi
 import pulumi_aws as aws
@@ -187,7 +188,7 @@ class GpuNodeGroup(pulumi.ComponentResource):
         group: AcceleratorNodeGroup,
         args: AcceleratorsArgs,
         efa_security_group_id: pulumi.Input[str],
-        opts: Optional[pulumi.ResourceOptions] = None,
+        opts: pulumi.ResourceOptions | None = None,
     ):
         super().__init__("supernode:accelerators:GpuNodeGroup", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
@@ -295,7 +296,7 @@ class Accelerators(pulumi.ComponentResource):
     gpu_groups: list[GpuNodeGroup]
     efa_security_group_id: pulumi.Output[str]
 
-    def __init__(self, name: str, args: AcceleratorsArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: AcceleratorsArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:accelerators:Accelerators", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         tags = args.ctx.tagged()

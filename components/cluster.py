@@ -4,8 +4,8 @@ logging, IRSA OIDC provider, pinned core add-ons (issue 3, part 2)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import pulumi
 import pulumi_aws as aws
@@ -78,7 +78,7 @@ class Cluster(pulumi.ComponentResource):
     security_group_id: pulumi.Output[str]
     kubeconfig: pulumi.Output[str]  # secret
 
-    def __init__(self, name: str, args: ClusterArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:cluster:Cluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         cfg, tags = args.cluster, args.ctx.tagged()
@@ -151,10 +151,10 @@ class Cluster(pulumi.ComponentResource):
     def addon(
         self,
         addon: str,
-        service_account_role_arn: Optional[pulumi.Input[str]] = None,
+        service_account_role_arn: pulumi.Input[str] | None = None,
         depends_on: Sequence[pulumi.Resource] = (),
-        parent: Optional[pulumi.Resource] = None,
-        configuration_values: Optional[str] = None,
+        parent: pulumi.Resource | None = None,
+        configuration_values: str | None = None,
     ) -> aws.eks.Addon:
         return aws.eks.Addon(
             f"{self._addon_prefix}-{addon}",

@@ -4,8 +4,8 @@ as a parameter) instead of stack, region, account and tags repeated in every Arg
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import pulumi
 
@@ -20,7 +20,7 @@ class StackContext:
     tags: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, stack: str, region: str, account_id: pulumi.Input[str]) -> "StackContext":
+    def create(cls, stack: str, region: str, account_id: pulumi.Input[str]) -> StackContext:
         return cls(
             stack=stack,
             region=region,

@@ -10,8 +10,9 @@ policies, where AWS requires it (it means "this key").
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import pulumi
 import pulumi_aws as aws
@@ -142,7 +143,7 @@ class Keys(pulumi.ComponentResource):
     data_key_arn: pulumi.Output[str]
     ops: aws.kms.Key
 
-    def __init__(self, name: str, args: KeysArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: KeysArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:identity:Keys", name, None, opts)
         self.args, self.prefix = args, name
         ctx = args.ctx
@@ -221,7 +222,7 @@ class Keys(pulumi.ComponentResource):
 class NodeRole(pulumi.ComponentResource):
     """The EC2 role of every node: the four managed policies EKS nodes need, nothing else."""
 
-    def __init__(self, name: str, ctx: StackContext, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, ctx: StackContext, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:identity:NodeRole", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.role = aws.iam.Role(
@@ -292,7 +293,7 @@ class TrainerRoleArgs:
 class TrainerRole(pulumi.ComponentResource):
     """The trainer pods' AWS identity: IRSA or EKS Pod Identity, per `identity.podIdentity`."""
 
-    def __init__(self, name: str, args: TrainerRoleArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: TrainerRoleArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:identity:TrainerRole", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         pod_identity = args.identity.pod_identity == "pod-identity"
@@ -360,7 +361,7 @@ class ServiceAccountRole(pulumi.ComponentResource):
     """The IAM role of one Kubernetes service account (IRSA, as the CloudWatch add-on's agent), with
     one inline policy."""
 
-    def __init__(self, name: str, args: ServiceAccountRoleArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: ServiceAccountRoleArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:identity:ServiceAccountRole", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.role = aws.iam.Role(

@@ -15,8 +15,8 @@ becomes metrics through log metric filters on the application log group.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
 
 import pulumi
 import pulumi_aws as aws
@@ -90,7 +90,7 @@ class Monitoring(pulumi.ComponentResource):
     log_group_names: list[pulumi.Output[str]]
     alarm_names: list[pulumi.Output[str]]
 
-    def __init__(self, name: str, args: MonitoringArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: MonitoringArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:monitoring:Monitoring", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         m, ctx, cluster_name = args.monitoring, args.ctx, args.cluster.name
@@ -387,13 +387,13 @@ class Monitoring(pulumi.ComponentResource):
         threshold: float,
         comparison: str,
         periods: int,
-        namespace: Optional[str] = None,
-        metric_name: Optional[str] = None,
-        statistic: Optional[str] = None,
-        dimensions: Optional[Mapping] = None,
+        namespace: str | None = None,
+        metric_name: str | None = None,
+        statistic: str | None = None,
+        dimensions: Mapping | None = None,
         period: int = PERIOD_S,
         missing: str = "notBreaching",
-        metric_queries: Optional[list] = None,
+        metric_queries: list | None = None,
     ) -> aws.cloudwatch.MetricAlarm:
         """One alarm on one metric, or on a metric-math expression (`metric_queries`)."""
         single = (
@@ -446,7 +446,7 @@ def checkpoint_window(plan: Plan) -> int:
 
 
 def _query(
-    qid: str, *, period: int, namespace: str, metric_name: str, stat: str, dimensions: Optional[Mapping] = None
+    qid: str, *, period: int, namespace: str, metric_name: str, stat: str, dimensions: Mapping | None = None
 ) -> aws.cloudwatch.MetricAlarmMetricQueryArgs:
     return aws.cloudwatch.MetricAlarmMetricQueryArgs(
         id=qid,
@@ -491,7 +491,7 @@ def dashboard(
     throughput_floor: float,
     checkpoint_window_s: int,
 ) -> dict:
-    def metric(title: str, metrics: list, annotation: Optional[float] = None, label: str = "floor") -> dict:
+    def metric(title: str, metrics: list, annotation: float | None = None, label: str = "floor") -> dict:
         props = {"title": title, "region": region, "metrics": metrics, "period": PERIOD_S, "view": "timeSeries"}
         if annotation is not None:
             props["annotations"] = {"horizontal": [{"label": label, "value": annotation}]}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Optional
 
 import pulumi
 import pulumi_aws as aws
@@ -34,10 +33,10 @@ class Network(pulumi.ComponentResource):
     vpc_id: pulumi.Output[str]
     private_subnet_ids: list[pulumi.Output[str]]
     gpu_subnet_id: pulumi.Output[str]
-    endpoint_security_group_id: Optional[pulumi.Output[str]]  # None in an existing VPC
-    flow_log_group_name: Optional[pulumi.Output[str]]
+    endpoint_security_group_id: pulumi.Output[str] | None  # None in an existing VPC
+    flow_log_group_name: pulumi.Output[str] | None
 
-    def __init__(self, name: str, args: NetworkArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: NetworkArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:network:Network", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         net, tags = args.network, args.ctx.tagged()

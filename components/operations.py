@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -104,10 +105,10 @@ class OperationsArgs:
     service_account: pulumi.Input[str]  # the trainer's (IRSA: reads the checkpoints in S3)
     cluster_name: str
     region: str
-    config: Optional[StackConfig] = None  # the drill's stack file; None: no drill CronJob
-    bucket_name: Optional[pulumi.Input[str]] = None
+    config: StackConfig | None = None  # the drill's stack file; None: no drill CronJob
+    bucket_name: pulumi.Input[str] | None = None
     # The IAM role of the CloudWatch agent's Prometheus scrape (identity.ServiceAccountRole); None: no agent.
-    metrics_agent_role_arn: Optional[pulumi.Input[str]] = None
+    metrics_agent_role_arn: pulumi.Input[str] | None = None
     addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
 
 
@@ -199,7 +200,7 @@ RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"
 
 
 class Operations(pulumi.ComponentResource):
-    def __init__(self, name: str, args: OperationsArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: OperationsArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:workload:Operations", name, None, opts)
         self._child = pulumi.ResourceOptions(parent=self)
         job, wl = args.job, args.workload
@@ -383,7 +384,7 @@ class Operations(pulumi.ComponentResource):
         objs = load_addon(PROMETHEUS_AGENT_FILE)
         ns, child = METRICS_SCRAPER_NAMESPACE, self._child
 
-        def create(obj: dict[str, Any], suffix: str = "", namespace: Optional[str] = ns) -> pulumi.CustomResource:
+        def create(obj: dict[str, Any], suffix: str = "", namespace: str | None = ns) -> pulumi.CustomResource:
             return addon_resource(
                 f"{name}-{obj['kind'].lower()}-{obj['metadata']['name']}{suffix}", obj, child, namespace
             )

@@ -3,7 +3,8 @@ other teams' Pulumi programs call, both bound to the typed contract in `supernod
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import pulumi
 from pydantic import ValidationError
@@ -59,7 +60,7 @@ def parse_stack_outputs(stack_name: str, outputs: Mapping[str, Any]) -> StackOut
         raise StackOutputsError(f"stack {stack_name!r} has mismatched outputs: {problems}") from None
 
 
-def read_stack_outputs(stack_name: str, opts: Optional[pulumi.ResourceOptions] = None) -> pulumi.Output[StackOutputs]:
+def read_stack_outputs(stack_name: str, opts: pulumi.ResourceOptions | None = None) -> pulumi.Output[StackOutputs]:
     """The contract outputs of a deployed supernode stack (`org/supernode/prod`), for other teams'
     programs: `read_stack_outputs("acme/supernode/prod").apply(lambda o: o.cluster_name)`."""
     ref = pulumi.StackReference(stack_name, opts=opts)

@@ -27,11 +27,11 @@ from components.network import Network, NetworkArgs
 from components.operations import PROMETHEUS_AGENT_SA
 from components.outputs import export_stack_outputs
 from components.registry import Registry, RegistryArgs
+from components.stack_config import stack_config
 from components.storage import Storage, StorageArgs
 from components.workload import Fsx, GpuNodes, TrainingWorkload, WorkloadArgs
 from supernode.core.contract import CONTRACT_VERSION
 from supernode.core.plan import build_plan
-from components.stack_config import stack_config
 
 config = stack_config()
 stack = pulumi.get_stack()

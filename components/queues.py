@@ -21,8 +21,9 @@ with the controller (it will not start without them), so the objects are validat
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -180,7 +181,7 @@ class KueueController(pulumi.ComponentResource):
     Role reads the Secrets there: none but its certificate's). `ready`: the controller answers its
     webhooks, and so admits what the queued namespaces create."""
 
-    def __init__(self, name: str, args: KueueArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: KueueArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:workload:Kueue", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.namespaces = sorted(args.namespaces)
@@ -269,7 +270,7 @@ class QueuesArgs:
 
 
 class Queues(pulumi.ComponentResource):
-    def __init__(self, name: str, args: QueuesArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: QueuesArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:workload:Queues", name, None, opts)
         kueue = args.kueue
 

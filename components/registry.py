@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Optional
 
 import pulumi
 import pulumi_aws as aws
@@ -49,7 +48,7 @@ class RegistryArgs:
 class Registry(pulumi.ComponentResource):
     url: pulumi.Output[str]
 
-    def __init__(self, name: str, args: RegistryArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: RegistryArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:registry:Registry", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         # No force_delete: `pulumi destroy` keeps a repository that still holds images, which are the

@@ -34,8 +34,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -109,7 +110,7 @@ class ServingArgs:
     fsx_id: pulumi.Input[str]
     fsx_dns_name: pulumi.Input[str]
     fsx_mount_name: pulumi.Input[str]
-    queue_labels: Optional[dict[str, str]] = None  # Kueue LocalQueue and priority (components/queues.py)
+    queue_labels: dict[str, str] | None = None  # Kueue LocalQueue and priority (components/queues.py)
     addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
 
 
@@ -201,7 +202,7 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 
 class ServingWorkload(pulumi.ComponentResource):
-    def __init__(self, name: str, args: ServingArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: ServingArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:serving:ServingWorkload", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         plan, inf, ip = args.plan, args.inference, args.plan.inference

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Optional
 
 import pulumi
 import pulumi_aws as aws
@@ -85,7 +84,7 @@ class StorageArgs:
     data_kms_key_arn: pulumi.Input[str]
     logs_kms_key_arn: pulumi.Input[str]
     log_retention_days: int
-    weights_prefix: Optional[str] = None  # inference.weightsPrefix: `supernode model push` uploads the export there
+    weights_prefix: str | None = None  # inference.weightsPrefix: `supernode model push` uploads the export there
 
 
 class Storage(pulumi.ComponentResource):
@@ -95,7 +94,7 @@ class Storage(pulumi.ComponentResource):
     fsx_dns_name: pulumi.Output[str]
     fsx_mount_name: pulumi.Output[str]
 
-    def __init__(self, name: str, args: StorageArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: StorageArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:storage:Storage", name, None, opts)
         self._child = pulumi.ResourceOptions(parent=self)
         s, tags = args.storage, args.ctx.tagged()
@@ -193,11 +192,11 @@ class Storage(pulumi.ComponentResource):
     def _bucket(
         self,
         name: str,
-        bucket_name: Optional[str],
+        bucket_name: str | None,
         tags: dict,
-        kms_key_arn: Optional[pulumi.Input[str]],
+        kms_key_arn: pulumi.Input[str] | None,
         rules: list,
-        log_bucket: Optional[aws.s3.Bucket] = None,
+        log_bucket: aws.s3.Bucket | None = None,
     ) -> aws.s3.Bucket:
         child = self._child
         bucket = aws.s3.Bucket(name, bucket=bucket_name, force_destroy=False, tags=tags, opts=child)

@@ -7,13 +7,13 @@ nothing here reads config.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
 
 import pulumi
 import pulumi_kubernetes as k8s
 
-from supernode.core.config import Images, Identity, StackConfig, Workload
+from supernode.core.config import Identity, Images, StackConfig, Workload
 from supernode.core.plan import Plan
 
 from .context import StackContext
@@ -48,15 +48,15 @@ class WorkloadArgs:
     # exported to S3), the whole config (Kueue pools from the node groups; the restore drill's stack
     # file) and the bucket the drill restores from. Without config and bucket: no drill CronJob.
     baseline_dir: str = "/baselines"
-    config: Optional[StackConfig] = None
-    bucket_name: Optional[pulumi.Input[str]] = None
+    config: StackConfig | None = None
+    bucket_name: pulumi.Input[str] | None = None
     cluster_name: str = ""
     # The IAM role of the CloudWatch agent's Prometheus scrape (program.py); None: the agent is not deployed.
-    metrics_agent_role_arn: Optional[pulumi.Input[str]] = None
+    metrics_agent_role_arn: pulumi.Input[str] | None = None
 
 
 class TrainingWorkload(pulumi.ComponentResource):
-    def __init__(self, name: str, args: WorkloadArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: WorkloadArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:workload:TrainingWorkload", name, None, opts)
         self.provider = k8s.Provider(
             f"{name}-k8s",

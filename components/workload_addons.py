@@ -2,7 +2,8 @@
 can render and validate them offline, which Helm releases cannot): the NVIDIA and EFA device
 plugins, the DCGM exporter with a Prometheus scrape endpoint, the Kubeflow training operator
 (PyTorchJob only) and, where the plan's NVLink domain spans nodes (GB200 UltraServers), the NVIDIA DRA
-driver in ComputeDomain mode with the ComputeDomain CRD. The FSx CSI driver is an EKS add-on on the AWS side, so it is not here.
+driver in ComputeDomain mode with the ComputeDomain CRD. The FSx CSI driver is an EKS add-on on the AWS side, so it
+is not here.
 
 The manifests are third-party software, so they live as pinned YAML files in `components/addons/`
 (and the CRD in `components/crds/`), reviewed and bumped as files. This module loads them and
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -154,7 +156,7 @@ def _snake(field: str) -> str:
 
 
 def addon_resource(
-    resource_name: str, obj: dict[str, Any], opts: pulumi.ResourceOptions, namespace: Optional[pulumi.Input[str]] = None
+    resource_name: str, obj: dict[str, Any], opts: pulumi.ResourceOptions, namespace: pulumi.Input[str] | None = None
 ) -> pulumi.CustomResource:
     """The typed resource (KINDS) for one object of an add-on file, with the ownership labels, in
     `namespace` (a created Namespace's name, so after it) or else the file's own."""
@@ -171,7 +173,7 @@ def addon_resource(
 class ClusterAddons(pulumi.ComponentResource):
     """Device plugins, GPU metrics and the training operator. `ready` lists what a job must wait for."""
 
-    def __init__(self, name: str, args: AddonArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: AddonArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:workload:ClusterAddons", name, None, opts)
         self._child = pulumi.ResourceOptions(parent=self)
         gpu = args.gpu_nodes

@@ -4,9 +4,10 @@ resources, the CRD and add-on files."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -32,7 +33,7 @@ class GpuNodes:
     taints: Sequence[Taint]
 
     @classmethod
-    def for_groups(cls, labels: Mapping[str, Mapping[str, str]], taints: Mapping[str, Sequence[Taint]]) -> "GpuNodes":
+    def for_groups(cls, labels: Mapping[str, Mapping[str, str]], taints: Mapping[str, Sequence[Taint]]) -> GpuNodes:
         """From per-group labels and taints: the label keys every group has (with any group's value),
         and every group's taints, so a pod may land on a node of any of the groups."""
         groups = list(labels.values())
@@ -58,9 +59,9 @@ class GpuNodes:
 
 def meta(
     name: str,
-    namespace: Optional[pulumi.Input[str]] = None,
-    labels: Optional[Mapping[str, str]] = None,
-    annotations: Optional[Mapping[str, pulumi.Input[str]]] = None,
+    namespace: pulumi.Input[str] | None = None,
+    labels: Mapping[str, str] | None = None,
+    annotations: Mapping[str, pulumi.Input[str]] | None = None,
 ) -> dict[str, Any]:
     """Object metadata with explicit names: the offline manifests must not depend on auto-naming."""
     m: dict[str, Any] = {"name": name, "labels": {**PART_OF, **(labels or {})}}

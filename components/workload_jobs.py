@@ -7,8 +7,9 @@ and read the plan from the same ConfigMap mount (`--plan PLAN_MOUNT_PATH`).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -71,7 +72,7 @@ def plan_volume(args: JobArgs) -> dict[str, Any]:
     }
 
 
-def pod_metadata(args: JobArgs, mesh: str, annotations: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+def pod_metadata(args: JobArgs, mesh: str, annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The job's pod labels and the plan's hash: the pods read the plan from a ConfigMap, so without
     the hash in the spec a changed plan would not replace (re-run) the job."""
     plan_hash = hashlib.sha256(args.plan.to_json().encode()).hexdigest()
@@ -93,7 +94,7 @@ class BaselineStore:
 
 
 def fabric_pod_template(
-    args: JobArgs, mesh: str, service: str, store: Optional[BaselineStore], report: str, job_name: Optional[str] = None
+    args: JobArgs, mesh: str, service: str, store: BaselineStore | None, report: str, job_name: str | None = None
 ) -> dict[str, Any]:
     """The pod of an Indexed fabric-check Job: one per GPU node, torchrun's static rendezvous on
     index 0 (`<job>-0.<service>`). With a baseline store it compares with the baseline (recording it
@@ -308,8 +309,8 @@ class InterconnectGate(pulumi.ComponentResource):
         name: str,
         args: JobArgs,
         job_name: str,
-        opts: Optional[pulumi.ResourceOptions] = None,
-        baseline: Optional[BaselineStore] = None,
+        opts: pulumi.ResourceOptions | None = None,
+        baseline: BaselineStore | None = None,
     ):
         super().__init__("supernode:workload:InterconnectGate", name, None, opts)
         plan, mesh = args.plan, job_name
@@ -321,7 +322,8 @@ class InterconnectGate(pulumi.ComponentResource):
             )
         self.min_busbw_gbytes_s = plan.gate_floor_gbytes_s
         after = fabric_mesh(name, args, mesh, self)
-        # The first gate records the fabric baseline, every later one compares with it (and fails when a node regressed).
+        # The first gate records the fabric baseline, every later one compares with it (and fails when a node
+        # regressed).
         template = fabric_pod_template(args, mesh, job_name, baseline, "gate.json", job_name=job_name)
         # Pulumi waits for the Job to complete and fails the update if it fails; replaceUnready makes
         # the next `pulumi up` run a fresh gate instead of waiting on the failed one.
@@ -358,7 +360,7 @@ class TrainerArgs:
 class TrainerJob(pulumi.ComponentResource):
     """PyTorchJob (kubeflow.org/v1), elastic with c10d rendezvous, one worker per GPU node."""
 
-    def __init__(self, name: str, args: TrainerArgs, job_name: str, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: TrainerArgs, job_name: str, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:workload:TrainerJob", name, None, opts)
         plan, mesh = args.job.plan, job_name
         self.name = job_name

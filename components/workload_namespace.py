@@ -5,7 +5,7 @@ identity, the FSx volume and the plan. Everything the jobs in it read is created
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -64,7 +64,7 @@ class NamespaceArgs:
 
 
 class TrainingNamespace(pulumi.ComponentResource):
-    def __init__(self, name: str, args: NamespaceArgs, opts: Optional[pulumi.ResourceOptions] = None):
+    def __init__(self, name: str, args: NamespaceArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:workload:TrainingNamespace", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         nodes, pod = args.plan.nodes, args.plan.pod
@@ -243,7 +243,7 @@ class TrainingNamespace(pulumi.ComponentResource):
             (
                 each.format(
                     "!has(c.securityContext) || !has(c.securityContext.capabilities) || "
-                    f"!has(c.securityContext.capabilities.add) || c.securityContext.capabilities.add.all(a, a in {allowed})"
+                    f"!has(c.securityContext.capabilities.add) || c.securityContext.capabilities.add.all(a, a in {allowed})"  # noqa: E501
                 ),
                 f"added capabilities must be among {allowed}",
             ),

@@ -8,9 +8,10 @@ the offline runner and the reports ask the policy objects for these (there is no
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any
 
 from pulumi_policy import (
     EnforcementLevel,
@@ -25,10 +26,10 @@ from pulumi_policy import (
 from .settings import PolicySettings, schema_for, settings_for
 from .view import PlanError, Res, Stack
 
-Report = Callable[[Optional[Res], str], None]
+Report = Callable[[Res | None, str], None]
 StackCheck = Callable[[Stack, Any, Report], None]
 ResourceCheck = Callable[[Res, Any, Report], None]
-Remediation = Callable[[Res], Optional[Mapping[str, Any]]]
+Remediation = Callable[[Res], Mapping[str, Any] | None]
 
 
 class ChecklistPolicy:
@@ -36,9 +37,9 @@ class ChecklistPolicy:
 
     name: str
     item: int  # the deployment checklist item it enforces (1-10): the compliance table and JUnit group by it
-    settings: Optional[type[PolicySettings]]  # its config model; None: the policy takes no settings
+    settings: type[PolicySettings] | None  # its config model; None: the policy takes no settings
 
-    def settings_from(self, raw: Optional[Mapping[str, Any]]) -> Any:
+    def settings_from(self, raw: Mapping[str, Any] | None) -> Any:
         """The policy's settings, validated with defaults filled in (pulumi-policy applies no defaults)."""
         return settings_for(self.name, self.settings, raw) if self.settings else None
 
@@ -50,7 +51,7 @@ class ChecklistPolicy:
 # inside `one_analysis()` the stack policies share the Stack the first one built. Without it (the
 # Pulumi CLI serving the pack) each policy wraps its own Stack; the Plan is still parsed once, since
 # its parse is keyed on the ConfigMap text (view._plan_from_json).
-_ANALYSIS: ContextVar[Optional[dict[str, Any]]] = ContextVar("supernode_policy_analysis", default=None)
+_ANALYSIS: ContextVar[dict[str, Any] | None] = ContextVar("supernode_policy_analysis", default=None)
 
 
 @contextmanager
@@ -95,7 +96,7 @@ class StackPolicy(ChecklistPolicy, StackValidationPolicy):
         check: StackCheck,
         *,
         level: EnforcementLevel = EnforcementLevel.MANDATORY,
-        settings: Optional[type[PolicySettings]] = None,
+        settings: type[PolicySettings] | None = None,
     ):
         self.item, self.settings, self.check = item, settings, check
         super().__init__(
@@ -110,7 +111,7 @@ class StackPolicy(ChecklistPolicy, StackValidationPolicy):
         stack = stack_of(args.resources)
         conf = self.settings_from(args.get_config())
 
-        def report(res: Optional[Res], message: str) -> None:
+        def report(res: Res | None, message: str) -> None:
             report_violation(message, res.urn if res else None)
 
         try:
@@ -131,8 +132,8 @@ class ResourcePolicy(ChecklistPolicy, ResourceValidationPolicy):
         check: ResourceCheck,
         *,
         level: EnforcementLevel = EnforcementLevel.MANDATORY,
-        settings: Optional[type[PolicySettings]] = None,
-        remediate: Optional[Remediation] = None,
+        settings: type[PolicySettings] | None = None,
+        remediate: Remediation | None = None,
     ):
         self.item, self.settings, self.types, self.check, self.fix = item, settings, types, check, remediate
         # Passed, not overridden: pulumi-policy treats a subclass that overrides `remediate` as remediating.
@@ -159,7 +160,7 @@ class ResourcePolicy(ChecklistPolicy, ResourceValidationPolicy):
             except _SHAPE_ERRORS as e:
                 raise MalformedInput(self.name, args.urn, e) from e
 
-    def _remediate(self, args: ResourceValidationArgs) -> Optional[Mapping[str, Any]]:
+    def _remediate(self, args: ResourceValidationArgs) -> Mapping[str, Any] | None:
         if not (self.fix and args.resource_type in self.types):
             return None
         try:

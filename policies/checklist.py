@@ -9,8 +9,6 @@ its data repository association).
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pulumi_policy import EnforcementLevel
 from pydantic import ValidationError
 
@@ -20,8 +18,8 @@ from supernode.core.config import DIGEST_RE, Fsx
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH
 from supernode.core.resource_types import (
     BUCKET,
-    COMPUTE_DOMAIN,
     BUCKET_LIFECYCLE,
+    COMPUTE_DOMAIN,
     DAEMON_SET,
     EKS_CLUSTER,
     FSX_DRA,
@@ -157,7 +155,7 @@ def _memory_fit(stack: Stack, _conf: None, report: Report) -> None:
 # -- 3. interconnect ------------------------------------------------------------------------------
 
 
-def _instance_type_for_template(stack: Stack, lt: Res) -> Optional[str]:
+def _instance_type_for_template(stack: Stack, lt: Res) -> str | None:
     if lt.get("instanceType"):
         return lt.get("instanceType")
     for ng in stack.gpu_node_groups():
@@ -251,7 +249,7 @@ def efa_groups(stack: Stack) -> list[set[str]]:
     point at it (its URN and/or its id as rules and launch templates spell it)."""
     groups: dict[str, dict[str, set]] = {}
 
-    def add(key: str, direction: str, *ids: Optional[str]) -> None:
+    def add(key: str, direction: str, *ids: str | None) -> None:
         g = groups.setdefault(key, {"dirs": set(), "ids": set()})
         g["dirs"].add(direction)
         g["ids"].update(str(i) for i in ids if i)
@@ -318,7 +316,7 @@ def _reads_plan(container: object) -> bool:
     )
 
 
-def _plan_config_map_name(stack: Stack) -> Optional[str]:
+def _plan_config_map_name(stack: Stack) -> str | None:
     cm = stack.plan_config_map()
     return (cm.get("metadata", "name") or cm.name) if cm else None
 
@@ -455,7 +453,7 @@ def _code_config(stack: Stack, _conf: None, report: Report) -> None:
         if cm_name is None:
             report(
                 job,
-                f"{job.label} has no plan to run: no ConfigMap holds data['{PLAN_CONFIGMAP_KEY}']. Fix: create the plan "
+                f"{job.label} has no plan to run: no ConfigMap holds data['{PLAN_CONFIGMAP_KEY}']. Fix: create the plan "  # noqa: E501
                 f"ConfigMap from supernode.core.plan.Plan.to_json() and mount it at {PLAN_MOUNT_DIR}.",
             )
             continue

@@ -8,7 +8,7 @@ can reach inside the VPC: IMDSv2 on launch templates and an all-true S3 public-a
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pulumi_policy import EnforcementLevel
 
@@ -56,7 +56,7 @@ NO_RESOURCE_LEVEL = {"sts:GetCallerIdentity", "ecr:GetAuthorizationToken"}
 # -- IAM ------------------------------------------------------------------------------------------
 
 
-def _documents(res: Res) -> list[tuple[str, Optional[dict]]]:
+def _documents(res: Res) -> list[tuple[str, dict | None]]:
     if res.type == IAM_ROLE:
         return [
             (f"inline policy '{get(p, 'name')}'", json_doc(get(p, "policy"))) for p in items(res.get("inlinePolicies"))
@@ -98,7 +98,7 @@ def _iam(res: Res, _conf: None, report: Report) -> None:
 # -- S3 -------------------------------------------------------------------------------------------
 
 
-def bucket_name(stack: Stack, bucket: Res) -> Optional[str]:
+def bucket_name(stack: Stack, bucket: Res) -> str | None:
     """The bucket's name: its own `bucket` input, else what its configuration resources call it."""
     if bucket.get("bucket"):
         return bucket.get("bucket")
@@ -140,7 +140,7 @@ def _pab(res: Res, _conf: None, report: Report) -> None:
         report(res, f"{res.label} leaves {off} off. Fix: set all of {', '.join(PAB_FLAGS)} to true.")
 
 
-def _pab_fix(res: Res) -> Optional[dict[str, Any]]:
+def _pab_fix(res: Res) -> dict[str, Any] | None:
     if all(is_true(res.get(f)) for f in PAB_FLAGS):
         return None
     return {**plain(res.props), **{f: True for f in PAB_FLAGS}}
@@ -203,7 +203,7 @@ def _imdsv2(res: Res, _conf: None, report: Report) -> None:
         )
 
 
-def _imdsv2_fix(res: Res) -> Optional[dict[str, Any]]:
+def _imdsv2_fix(res: Res) -> dict[str, Any] | None:
     if res.get("metadataOptions", "httpTokens") == "required":
         return None
     props = plain(res.props)

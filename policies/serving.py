@@ -124,7 +124,7 @@ def _fits(stack: Stack, _conf: None, report: Report) -> None:
         report(
             stack.plan_config_map(),
             f"the inference plan needs {ip.memory_per_gpu_gib:.1f} GiB per GPU (weights "
-            f"{ip.weights_per_gpu_gib:.1f} + KV cache {ip.kv_per_gpu_gib:.1f} + runtime {ip.overhead_per_gpu_gib:.1f}), "
+            f"{ip.weights_per_gpu_gib:.1f} + KV cache {ip.kv_per_gpu_gib:.1f} + runtime {ip.overhead_per_gpu_gib:.1f}), "  # noqa: E501
             f"over the usable {ip.usable_hbm_gib:.1f} GiB by {ip.over_by_gib:.1f} GiB. Fix: {hint}.",
         )
 

@@ -9,7 +9,8 @@ Keys are camelCase, as in Pulumi policy config files.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from pulumi_policy import PolicyConfigSchema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -39,7 +40,7 @@ class Gate(PolicySettings):
 
 
 class Data(PolicySettings):
-    dataset_prefix: Optional[str] = Field(
+    dataset_prefix: str | None = Field(
         default=None,
         description="S3 key prefix of the training data; "
         "when unset any non-empty prefix readable by the trainer role passes",
@@ -47,7 +48,7 @@ class Data(PolicySettings):
 
 
 class CheckpointThroughput(PolicySettings):
-    checkpoint_write_budget_s: Optional[float] = Field(
+    checkpoint_write_budget_s: float | None = Field(
         default=None,
         gt=0,
         description="seconds one checkpoint write may take; default: the budget the plan was sized for",
@@ -55,7 +56,7 @@ class CheckpointThroughput(PolicySettings):
 
 
 class Lifecycle(PolicySettings):
-    checkpoint_prefix: Optional[str] = Field(
+    checkpoint_prefix: str | None = Field(
         default=None,
         description="S3 key prefix of checkpoints; when unset any rule with a transition and an expiration counts",
     )
@@ -72,7 +73,7 @@ class PolicyConfigError(ValueError):
     """Policy config that does not validate; names the policy, key and value."""
 
 
-def settings_for(policy: str, model: type[S], raw: Optional[Mapping[str, Any]]) -> S:
+def settings_for(policy: str, model: type[S], raw: Mapping[str, Any] | None) -> S:
     data = {k: v for k, v in (raw or {}).items() if k != "enforcementLevel"}
     try:
         return model.model_validate(data)

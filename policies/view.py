@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -72,7 +72,7 @@ def is_true(value: Any) -> bool:
     return value is True or (isinstance(value, str) and value.lower() == "true")
 
 
-def json_doc(value: Any) -> Optional[dict]:
+def json_doc(value: Any) -> dict | None:
     """An IAM-style policy document given as a JSON string or an object; None when absent or invalid."""
     if isinstance(value, str):
         try:
@@ -82,7 +82,7 @@ def json_doc(value: Any) -> Optional[dict]:
     return plain(value) if isinstance(value, Mapping) else None
 
 
-def statements(doc: Optional[dict]) -> list[dict]:
+def statements(doc: dict | None) -> list[dict]:
     st = (doc or {}).get("Statement", [])
     return [s for s in (st if isinstance(st, list) else [st]) if isinstance(s, dict)]
 
@@ -121,10 +121,10 @@ class Stack:
     def __init__(self, resources: Iterable[Res]):
         self.resources = list(resources)
         self.by_urn = {r.urn: r for r in self.resources}
-        self._plan: Optional[tuple[Optional[Plan]]] = None  # plan() memo: (the Plan or None,) once parsed
+        self._plan: tuple[Plan | None] | None = None  # plan() memo: (the Plan or None,) once parsed
 
     @classmethod
-    def from_policy_resources(cls, resources: Iterable[Any]) -> "Stack":
+    def from_policy_resources(cls, resources: Iterable[Any]) -> Stack:
         """From `StackValidationArgs.resources` (pulumi_policy.PolicyResource)."""
         return cls(
             Res(
@@ -139,7 +139,7 @@ class Stack:
         )
 
     @classmethod
-    def from_json(cls, resources: Iterable[dict[str, Any]]) -> "Stack":
+    def from_json(cls, resources: Iterable[dict[str, Any]]) -> Stack:
         """From recorded resources (`supernode preview --json`), e.g. to inspect what the policies see."""
         return cls(
             Res(
@@ -172,14 +172,14 @@ class Stack:
         return [r for r in self.of(*types) if self.depends_on(r, res)]
 
     # -- compute ---------------------------------------------------------------------------
-    def launch_template_of(self, node_group: Res) -> Optional[Res]:
+    def launch_template_of(self, node_group: Res) -> Res | None:
         lt_name = node_group.get("launchTemplate", "name")
         for lt in self.of(LAUNCH_TEMPLATE):
             if lt.urn in node_group.deps or (lt_name and lt_name in (lt.get("name"), lt.name)):
                 return lt
         return None
 
-    def instance_type_of(self, node_group: Res) -> Optional[str]:
+    def instance_type_of(self, node_group: Res) -> str | None:
         types = items(node_group.get("instanceTypes"))
         if types:
             return types[0]
@@ -206,13 +206,13 @@ class Stack:
         return list(out.values())
 
     # -- the plan --------------------------------------------------------------------------
-    def plan_config_map(self) -> Optional[Res]:
+    def plan_config_map(self) -> Res | None:
         for cm in self.of(CONFIG_MAP):
             if cm.get("data", PLAN_CONFIGMAP_KEY) is not None:
                 return cm
         return None
 
-    def plan(self) -> Optional[Plan]:
+    def plan(self) -> Plan | None:
         """The Plan the job runs: parsed from the plan ConfigMap with the core's own deserialiser,
         once per Stack (an invalid plan raises PlanError on every call)."""
         if self._plan is None:
@@ -301,7 +301,7 @@ def mounts_config_map(spec: Any, config_map: str) -> bool:
     return any(get(m, "name") in volumes for c in items(get(spec, "containers")) for m in items(get(c, "volumeMounts")))
 
 
-def resource_quantity(container: Any, name: str) -> Optional[float]:
+def resource_quantity(container: Any, name: str) -> float | None:
     """A container's limit (or request) for an extended resource such as vpc.amazonaws.com/efa."""
     for kind in ("limits", "requests"):
         value = get(container, "resources", kind, name)

@@ -39,10 +39,11 @@ import random
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -85,7 +86,7 @@ class MissingDigest(Exception):
     """A save left a file that no rank's digest file covers: it is not committed."""
 
 
-def inject(fault: str) -> Optional[str]:
+def inject(fault: str) -> str | None:
     """The argument of `fault@ARG` in SUPERNODE_INJECT_FAULT, if the test asked for that fault."""
     for item in os.environ.get(INJECT_ENV, "").split(","):
         name, _, arg = item.partition("@")
@@ -139,7 +140,7 @@ class OutDirLock:
         self.path = Path(out) / LOCK
         self._f = None
 
-    def acquire(self) -> Optional[str]:
+    def acquire(self) -> str | None:
         """None when this process now holds the lock, else who holds it ("pid P on host H since T")."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         f = self.path.open("a+", encoding="utf-8")
@@ -169,7 +170,7 @@ class OutDirLock:
             return "another process (no holder recorded)"
 
     @staticmethod
-    def holder_pid(out: str | Path) -> tuple[Optional[int], Optional[str]]:
+    def holder_pid(out: str | Path) -> tuple[int | None, str | None]:
         try:
             h = json.loads((Path(out) / LOCK).read_text(encoding="utf-8"))
             return int(h["pid"]), str(h["host"])
@@ -350,7 +351,7 @@ class Checkpointer:
         keep: int,
         state: dict[str, Stateful],
         async_save: bool = True,
-        meta: Optional[dict] = None,
+        meta: dict | None = None,
         say: Callable[[str], None] = print,
     ):
         """`state`: the Statefuls saved and restored (`train_state(...)`), registered once; the
@@ -487,7 +488,7 @@ class Checkpointer:
             os.replace(final, aside)  # until the new one is in place; start-up puts it back after a crash
         os.replace(tmp, final)  # the checkpoint now counts, marker and all, in one rename
         shutil.rmtree(aside, ignore_errors=True)
-        for old_step, old in complete_checkpoints(self.root)[: -self.keep]:
+        for _old_step, old in complete_checkpoints(self.root)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         for d in self.root.glob(PREFIX + "*"):  # uncommitted leftovers older than this one
             if not (d / COMPLETE).exists() and d.name[len(PREFIX) :].isdigit() and int(d.name[len(PREFIX) :]) < step:
@@ -507,7 +508,7 @@ class Checkpointer:
             return {}
 
     @classmethod
-    def problem(cls, path: Path, share: tuple[int, int] = (0, 1)) -> Optional[str]:
+    def problem(cls, path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
         """Why the checkpoint at `path` cannot be trusted (a file missing, unreadable or not matching
         its recorded sha256), or None. Checkpoints from before checksums carry no "files": trusted.
         `share` (rank, world): check only the files whose index in name order is rank modulo world,
@@ -527,7 +528,7 @@ class Checkpointer:
                 return f"{f} cannot be read ({e.strerror or e})"
         return None
 
-    def _choose(self) -> tuple[Optional[tuple[int, Path]], Optional[str]]:
+    def _choose(self) -> tuple[tuple[int, Path] | None, str | None]:
         """The newest checkpoint that verifies, or (None, why none can be used). Collective: every
         rank checks its share of each candidate's files and all take the same verdict."""
         found = [complete_checkpoints(self.root) if self.rank == 0 else None]
@@ -536,7 +537,7 @@ class Checkpointer:
         say = self.say if self.rank == 0 else (lambda line: None)
         bad = []
         for step, path in reversed(found[0]):
-            verdicts: list[Optional[str]] = [None] * self.world
+            verdicts: list[str | None] = [None] * self.world
             dist.all_gather_object(verdicts, self.problem(path, (self.rank, self.world)), group=self.group)
             why = next((v for v in verdicts if v is not None), None)
             if why is None:

@@ -25,18 +25,18 @@ from __future__ import annotations
 import bisect
 import hashlib
 import mmap
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from .manifest import (
+from .manifest import (  # noqa: F401 (re-exported: the loader's callers import them from here)
     DataError,
     check_vocab,
     dataset_dirs,
     document_eos,
-    ensure_verified,  # noqa: F401
+    ensure_verified,
     read_manifest,
     verify,
 )

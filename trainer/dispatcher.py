@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ ProcessGroup = dist.ProcessGroup
 class TokenDispatcher:
     """All experts local; an optional tensor-parallel token split around the layer."""
 
-    def __init__(self, tp_group: Optional[ProcessGroup] = None):
+    def __init__(self, tp_group: ProcessGroup | None = None):
         self.tp_group = tp_group
 
     def scatter(self, rows: Tensor) -> tuple[Tensor, float]:
@@ -43,8 +43,8 @@ class TokenDispatcher:
         return rows if self.tp_group is None else _TokenGather.apply(rows, self.tp_group)
 
     def compute(
-        self, experts: nn.Module, routed: Tensor, counts: Tensor, shared: Callable[[], Optional[Tensor]]
-    ) -> tuple[Tensor, Optional[Tensor]]:
+        self, experts: nn.Module, routed: Tensor, counts: Tensor, shared: Callable[[], Tensor | None]
+    ) -> tuple[Tensor, Tensor | None]:
         """routed: token copies sorted by expert, counts[e] of them for expert e (all experts).
         -> (expert outputs in the same order, the shared expert's output or None)."""
         return experts(routed, counts), shared()
@@ -53,13 +53,13 @@ class TokenDispatcher:
 class AllToAllDispatcher(TokenDispatcher):
     """Experts split along E over `ep_group`: dispatch copies to their expert's rank, compute, return."""
 
-    def __init__(self, ep_group: ProcessGroup, tp_group: Optional[ProcessGroup] = None, overlap: bool = True):
+    def __init__(self, ep_group: ProcessGroup, tp_group: ProcessGroup | None = None, overlap: bool = True):
         super().__init__(tp_group)
         self.ep_group, self.overlap = ep_group, overlap
 
     def compute(
-        self, experts: nn.Module, routed: Tensor, counts: Tensor, shared: Callable[[], Optional[Tensor]]
-    ) -> tuple[Tensor, Optional[Tensor]]:
+        self, experts: nn.Module, routed: Tensor, counts: Tensor, shared: Callable[[], Tensor | None]
+    ) -> tuple[Tensor, Tensor | None]:
         group = self.ep_group
         ep = dist.get_world_size(group)
         local = counts.numel() // ep
@@ -69,7 +69,7 @@ class AllToAllDispatcher(TokenDispatcher):
         dist.all_to_all_single(recv, counts, group=group)
         send_splits = counts.view(ep, local).sum(1).tolist()
         recv_splits = recv.view(ep, local).sum(1).tolist()
-        pending: Optional[list] = [] if self.overlap else None
+        pending: list | None = [] if self.overlap else None
         received = _AllToAll.apply(routed, send_splits, recv_splits, group, pending)
         shared_out = shared()  # runs while the dispatch is in flight when overlap is on
         for work in pending or ():
@@ -94,7 +94,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: Tensor, send: list[int], recv: list[int], group: ProcessGroup, pending: Optional[list] = None
+        ctx, x: Tensor, send: list[int], recv: list[int], group: ProcessGroup, pending: list | None = None
     ) -> Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty(sum(recv), *x.shape[1:])

@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -56,7 +56,7 @@ def resolve_checkpoint(path: Path) -> Path:
     return found[-1][1]
 
 
-def checkpoint_model(path: Path, fallback: Optional[Model]) -> Model:
+def checkpoint_model(path: Path, fallback: Model | None) -> Model:
     """The model the checkpoint was trained as (its marker records it), else `fallback`."""
     recorded = Checkpointer.marker(path).get("model")
     if isinstance(recorded, dict):
@@ -176,7 +176,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def _tokenizer(data: Optional[Path], tmp: Path) -> tuple[Optional[int], Optional[str]]:
+def _tokenizer(data: Path | None, tmp: Path) -> tuple[int | None, str | None]:
     """Copy (or, for bytes, write) the data's tokenizer; -> (EOS id, EOS token)."""
     if data is None:
         return None, None
@@ -210,9 +210,9 @@ def _tokenizer(data: Optional[Path], tmp: Path) -> tuple[Optional[int], Optional
 def export(
     checkpoint: Path,
     out: Path,
-    model: Optional[Model] = None,
+    model: Model | None = None,
     dtype: str = "bf16",
-    data: Optional[Path] = None,
+    data: Path | None = None,
     shard_bytes: int = 2 << 30,
     say: Callable[[str], None] = print,
 ) -> dict:

@@ -44,7 +44,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,7 +130,7 @@ SLOW_RANK_DELAY_S = 0.25  # SUPERNODE_INJECT_FAULT=slow-rank@R: rank R waits thi
 def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
     """Every pair of n units exactly once, in rounds of disjoint pairs (the circle method of a
     round-robin tournament): n-1 rounds for even n, n for odd n (each round one unit sits out)."""
-    units: list[Optional[int]] = list(range(n)) + ([None] if n % 2 else [])
+    units: list[int | None] = list(range(n)) + ([None] if n % 2 else [])
     m = len(units)
     rounds = []
     for _ in range(m - 1):
@@ -206,7 +206,7 @@ def _pair_times(
     return timed(exchange), timed(ping) / 2
 
 
-def measure_pairs(ranks_per_node: int, nbytes: int, device: torch.device, warmup: int, iters: int) -> Optional[dict]:
+def measure_pairs(ranks_per_node: int, nbytes: int, device: torch.device, warmup: int, iters: int) -> dict | None:
     """The node-pair matrix (on rank 0; None elsewhere): nodes (identities) and, per pair, the
     node-to-node bandwidth (the local links' sum) and latency (the worst local link)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -280,7 +280,7 @@ def typical(pairs: list[dict]) -> dict[str, float]:
     )
 
 
-def compare(pairs: list[dict], threshold: float, baseline: Optional[list[dict]] = None) -> dict:
+def compare(pairs: list[dict], threshold: float, baseline: list[dict] | None = None) -> dict:
     """Which pairs regressed beyond `threshold` (a fraction) of their reference, and which nodes:
     those with more than half of their compared pairs regressed. The reference is the baseline's
     pair of the same two nodes; a pair the baseline lacks (a node that joined since, e.g. one that
@@ -314,7 +314,7 @@ def compare(pairs: list[dict], threshold: float, baseline: Optional[list[dict]] 
     }
 
 
-def extend_baseline(baseline: dict, matrix: dict, found: dict, when: float) -> Optional[dict]:
+def extend_baseline(baseline: dict, matrix: dict, found: dict, when: float) -> dict | None:
     """The baseline with the healthy new nodes added, or None when there are none: their identities,
     and those of their pairs that did not regress (a pair with a bad old node is left out and stays
     held to the fleet figures). The old nodes' pairs are kept as recorded; `rebaselined` says when

@@ -35,8 +35,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
 
@@ -95,33 +96,33 @@ def parse_nvidia_smi_gpus(csv_text: str) -> list[dict[str, str]]:
     return gpus
 
 
-def parse_cuda_version(nvidia_smi_text: str) -> Optional[str]:
+def parse_cuda_version(nvidia_smi_text: str) -> str | None:
     """The driver's CUDA version from `nvidia-smi`'s banner ("CUDA Version: 13.0")."""
     m = re.search(r"CUDA Version:\s*([\d.]+)", nvidia_smi_text)
     return m.group(1) if m else None
 
 
-def parse_fi_info_version(text: str) -> Optional[str]:
+def parse_fi_info_version(text: str) -> str | None:
     """`fi_info --version`: the libfabric line ("libfabric: 2.1.0amzn3.0")."""
     m = re.search(r"^libfabric:\s*(\S+)", text, re.MULTILINE)
     return m.group(1) if m else None
 
 
-def parse_efa_installer(text: str) -> Optional[str]:
+def parse_efa_installer(text: str) -> str | None:
     """/opt/amazon/efa_installed_packages: "# EFA installer version: 1.43.3"."""
     m = re.search(r"EFA installer version:\s*(\S+)", text)
     return m.group(1) if m else None
 
 
-def parse_ofi_nccl_version(library: bytes) -> Optional[str]:
+def parse_ofi_nccl_version(library: bytes) -> str | None:
     """The version aws-ofi-nccl compiles into its plugin library (its package string)."""
     m = re.search(rb"aws-ofi-nccl[ -]v?(\d+\.\d+\.\d+(?:-[\w.]+)?)", library)
     return m.group(1).decode() if m else None
 
 
-def parse_limits(text: str) -> dict[str, Optional[str]]:
+def parse_limits(text: str) -> dict[str, str | None]:
     """/proc/self/limits: the soft nofile and memlock limits ("unlimited" or a number)."""
-    out: dict[str, Optional[str]] = {"nofile": None, "memlock": None}
+    out: dict[str, str | None] = {"nofile": None, "memlock": None}
     for line in text.splitlines():
         for key, label in (("nofile", "Max open files"), ("memlock", "Max locked memory")):
             if line.startswith(label):
@@ -149,7 +150,7 @@ def parse_chrony_tracking(text: str) -> dict[str, Any]:
 # -- collection on a node --------------------------------------------------------------------------
 
 
-def _run(argv: list[str]) -> Optional[str]:
+def _run(argv: list[str]) -> str | None:
     if shutil.which(argv[0]) is None:
         return None
     try:
@@ -158,7 +159,7 @@ def _run(argv: list[str]) -> Optional[str]:
         return None
 
 
-def _read(path: str | Path) -> Optional[str]:
+def _read(path: str | Path) -> str | None:
     try:
         return Path(path).read_text(encoding="utf-8", errors="replace").strip()
     except OSError:
@@ -199,13 +200,13 @@ def time_sync() -> dict[str, Any]:
     return parse_chrony_tracking(text) if text else kernel_time_sync()
 
 
-def instance_id() -> Optional[str]:
+def instance_id() -> str | None:
     """Nitro publishes the instance id as the DMI board asset tag (no instance metadata needed)."""
     tag = _read("/sys/devices/virtual/dmi/id/board_asset_tag") or ""
     return tag if tag.startswith("i-") else None
 
 
-def nccl_version() -> Optional[str]:
+def nccl_version() -> str | None:
     try:
         import torch
 
@@ -217,7 +218,7 @@ def nccl_version() -> Optional[str]:
         return None
 
 
-def ofi_nccl_version(lib_dir: str = "/opt/aws-ofi-nccl/lib") -> Optional[str]:
+def ofi_nccl_version(lib_dir: str = "/opt/aws-ofi-nccl/lib") -> str | None:
     for lib in sorted(Path(lib_dir).glob("libnccl-net*.so*")) if Path(lib_dir).is_dir() else []:
         try:
             found = parse_ofi_nccl_version(lib.read_bytes())
@@ -231,18 +232,18 @@ def ofi_nccl_version(lib_dir: str = "/opt/aws-ofi-nccl/lib") -> Optional[str]:
 def build_record(
     gpus: list[dict[str, str]],
     *,
-    cuda: Optional[str],
-    nccl: Optional[str],
-    libfabric: Optional[str],
-    efa_installer: Optional[str],
-    aws_ofi_nccl: Optional[str],
+    cuda: str | None,
+    nccl: str | None,
+    libfabric: str | None,
+    efa_installer: str | None,
+    aws_ofi_nccl: str | None,
     efa_devices: int,
-    sysctl: dict[str, Optional[int]],
-    limits: dict[str, Optional[str]],
-    hugepages_2mi: Optional[int],
+    sysctl: dict[str, int | None],
+    limits: dict[str, str | None],
+    hugepages_2mi: int | None,
     time_sync: dict[str, Any],
     node: str,
-    instance: Optional[str],
+    instance: str | None,
 ) -> dict[str, Any]:
     """One node's record from what the readers returned."""
     return {
@@ -309,7 +310,7 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def drift(
-    baseline: dict[str, Any], current: dict[str, Any], fields: Optional[tuple[str, ...]] = None
+    baseline: dict[str, Any], current: dict[str, Any], fields: tuple[str, ...] | None = None
 ) -> list[dict[str, Any]]:
     """What changed from the baseline (restricted to `fields` when given), volatile fields aside:
     one {field, baseline, current} per differing leaf, sorted by field."""
@@ -362,7 +363,7 @@ class ConfigMaps:
         self.token = (SA_DIR / "token").read_text(encoding="utf-8").strip()
         self.tls = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
 
-    def _call(self, method: str, url: str, body: Optional[dict] = None) -> dict:
+    def _call(self, method: str, url: str, body: dict | None = None) -> dict:
         req = urllib.request.Request(
             url,
             method=method,
@@ -431,7 +432,7 @@ def _load(path: str) -> dict[str, Any]:
     return doc
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.inventory", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("collect", help="print this node's record")

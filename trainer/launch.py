@@ -17,7 +17,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_OK
 
@@ -25,7 +24,7 @@ EXIT_FILE = ".exit.json"  # written by trainer.train's rank 0
 LAUNCHER_ENV = "SUPERNODE_LAUNCHER_PID"
 
 
-def out_dir(argv: list[str]) -> Optional[Path]:
+def out_dir(argv: list[str]) -> Path | None:
     """The trainer's --out among torchrun's arguments (the training script's come after --module NAME)."""
     for i, arg in enumerate(argv):
         if arg == "--out" and i + 1 < len(argv):
@@ -35,7 +34,7 @@ def out_dir(argv: list[str]) -> Optional[Path]:
     return None
 
 
-def recorded_code(out: Path) -> Optional[int]:
+def recorded_code(out: Path) -> int | None:
     """The exit code a worker recorded for this run, if any."""
     try:
         rec = json.loads((out / EXIT_FILE).read_text(encoding="utf-8"))
@@ -45,7 +44,7 @@ def recorded_code(out: Path) -> Optional[int]:
     return code if isinstance(code, int) else None
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     out = out_dir(argv)
     if out is None:

@@ -20,8 +20,8 @@ import fcntl
 import hashlib
 import json
 import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
 from supernode.core.files import sha256_file
 
@@ -125,7 +125,7 @@ def _verify_tokenizer(data_dir: Path, manifest: dict) -> None:
         )
 
 
-def mark_verified(data_dir: Path, stats: Optional[list] = None) -> None:
+def mark_verified(data_dir: Path, stats: list | None = None) -> None:
     key = _key(data_dir, stats if stats is not None else _check_sizes(data_dir, read_manifest(data_dir)))
     for path in (data_dir / VERIFIED, _node_marker(key)):
         try:

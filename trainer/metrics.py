@@ -22,7 +22,6 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 from prometheus_client import CollectorRegistry, Gauge, start_http_server, write_to_textfile
@@ -81,7 +80,7 @@ class StepRecord:
     data_s: float
     tokens_per_s: float
     flops_per_s_per_rank: float
-    mfu: Optional[float]
+    mfu: float | None
     expert_load_max_over_mean: list[float]
     time: float
     skipped: bool = False  # non-finite loss or gradient norm: the update was not applied
@@ -95,12 +94,12 @@ class Metrics:
         world_size: int,
         device_type: str,
         rank: int = 0,
-        prometheus_port: Optional[int] = None,
+        prometheus_port: int | None = None,
         progress: bool = False,
         total_steps: int = 0,
         start_step: int = 0,
         prometheus_addr: str = "127.0.0.1",
-        checkpoints: Optional[Path] = None,
+        checkpoints: Path | None = None,
     ):
         """`checkpoints`: the checkpointer's root, whose newest complete checkpoint the age gauges show."""
         self.out = Path(out_dir)
@@ -201,9 +200,9 @@ class Metrics:
         compute_s: float,
         comm_s: float,
         data_s: float,
-        expert_load: Optional[torch.Tensor],
+        expert_load: torch.Tensor | None,
         skipped: bool = False,
-    ) -> Optional[StepRecord]:
+    ) -> StepRecord | None:
         if self.rank != 0:
             return None
         tps = tokens / step_s

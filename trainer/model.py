@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +69,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd) if cfg.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         """mask: None for causal attention over the whole sequence, else [b, 1, s, s] (True: may attend)."""
         b, s, _ = x.shape
         # Head counts come from the (possibly tensor-parallel, i.e. local) projection widths.
@@ -104,12 +103,12 @@ class Block(nn.Module):
         # in backward, "full" the whole block.
         self.checkpoint = "none"
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         if self.checkpoint == "full" and torch.is_grad_enabled():
             return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
         return self._forward(x, cos, sin, mask)
 
-    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor]) -> Tensor:
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         h = self.ffn_norm(x)
         if self.moe:  # the MoE layer works on rows of tokens
@@ -147,7 +146,7 @@ class Transformer(nn.Module):
             self.output.weight = self.embed.weight
         return self
 
-    def forward(self, tokens: Tensor, documents: Optional[Tensor] = None) -> Tensor:
+    def forward(self, tokens: Tensor, documents: Tensor | None = None) -> Tensor:
         """Logits [b, s, vocab] of tokens [b, s]; `documents` [b, s]: each token's document index in
         its window (see `inputs_and_targets`), None for one causal sequence."""
         if tokens.shape[1] > self.cfg.seq_len:
@@ -240,7 +239,7 @@ def init_normal_(p: Tensor, std: float, seed: int, name: str) -> None:
 IGNORE = -100  # a target the loss does not count (cross_entropy's ignore_index)
 
 
-def inputs_and_targets(windows: Tensor, eos: Optional[int] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+def inputs_and_targets(windows: Tensor, eos: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Inputs, next-token targets and, given the EOS id (`training.documentMasking`), the document
     index of each input token, of windows [b, seq + 1]. A document ends with its EOS (the model
     learns to predict it), so the token after an EOS starts the next document: the target at an
@@ -252,9 +251,7 @@ def inputs_and_targets(windows: Tensor, eos: Optional[int] = None) -> tuple[Tens
     return inputs, targets.masked_fill(ends.bool(), IGNORE), ends.cumsum(-1) - ends
 
 
-def document_attention(
-    cos: Tensor, sin: Tensor, documents: Optional[Tensor]
-) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+def document_attention(cos: Tensor, sin: Tensor, documents: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """(cos, sin, mask) for the blocks. Without documents: the RoPE tables and no mask (SDPA's
     causal kernel). With documents [b, s]: each token's RoPE row at its position in its document,
     and the mask [b, 1, s, s] of the earlier tokens of the same document.
@@ -277,7 +274,7 @@ def document_attention(
     return cos[positions], sin[positions], mask[:, None]
 
 
-def loss_fn(logits: Tensor, targets: Tensor, counted: Optional[Tensor | float] = None) -> Tensor:
+def loss_fn(logits: Tensor, targets: Tensor, counted: Tensor | float | None = None) -> Tensor:
     """Next-token cross-entropy summed over the counted targets (not IGNORE) and divided by
     `counted`; default: the counted targets here, i.e. their mean. logits [b, s, vocab], targets [b, s].
     The trainer passes the step's counted targets per micro-batch (`trainer.counted_per_micro_batch`):

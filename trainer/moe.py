@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 import math
 import weakref
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -91,7 +90,7 @@ def _contiguous_grad(t: Tensor) -> Tensor:
     return t
 
 
-def expert_ffn(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, strategy: Optional[str] = None) -> Tensor:
+def expert_ffn(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, strategy: str | None = None) -> Tensor:
     """SwiGLU per expert on rows sorted by expert: rows [sum(counts[:e]), sum(counts[:e+1])) use expert e.
 
     `strategy=None` picks with `expert_strategy`; every strategy computes the same function.
@@ -239,7 +238,7 @@ class _PaddedSwiGLU(torch.autograd.Function):
 # backward: ~4x cheaper on CPU, and deterministic on every device.
 
 
-def _sum_copies(copies: Tensor, inverse: Tensor, k: int, weights: Optional[Tensor] = None) -> Tensor:
+def _sum_copies(copies: Tensor, inverse: Tensor, k: int, weights: Tensor | None = None) -> Tensor:
     """copies [T*k, d] sorted by expert -> [T, d]: each token's copies (times `weights` [T, k]) summed."""
     unsorted = torch.index_select(copies, 0, inverse, out=_POOL.take(copies, inverse.numel(), copies.shape[-1]))
     by_token = unsorted.view(-1, k, copies.shape[-1])
@@ -297,7 +296,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
-        self.strategy: Optional[str] = None  # None: `expert_strategy` picks per call
+        self.strategy: str | None = None  # None: `expert_strategy` picks per call
         self.grad_scale = 1.0  # set by trainer.parallel
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
@@ -410,7 +409,7 @@ class MoE(nn.Module):
             combined = combined + shared
         return d.gather(combined)
 
-    def _shared(self, rows: Tensor) -> Optional[Tensor]:
+    def _shared(self, rows: Tensor) -> Tensor | None:
         if self.shared is None:
             return None
         return _module_scaled(self.shared, rows, self.grad_scale)
@@ -437,12 +436,12 @@ class ExpertBalancer:
     all-reduce, and each router's bias moves toward balance: up for under-loaded experts, down for
     over-loaded ones. The reduced counts stay on the device (`last_load`) for logging to read."""
 
-    def __init__(self, layers: list[MoE], rate: float, group: Optional[ProcessGroup] = None):
+    def __init__(self, layers: list[MoE], rate: float, group: ProcessGroup | None = None):
         """`group`: the ranks that route distinct tokens (default: every rank of the job)."""
         self.layers, self.rate = layers, rate
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
         self.group = (group or dist.group.WORLD) if distributed else None
-        self.last_load: Optional[Tensor] = None
+        self.last_load: Tensor | None = None
 
     def reduce(self) -> Tensor:
         """The global token copies per expert since the last call, [layers, experts]; restarts the count."""
@@ -460,7 +459,7 @@ class ExpertBalancer:
             m.tokens_per_expert.zero_()
 
     @torch.no_grad()
-    def step(self, load: Optional[Tensor] = None) -> Tensor:
+    def step(self, load: Tensor | None = None) -> Tensor:
         """One bias step from `load` [layers, experts] (default: `reduce()`); returns the load used."""
         load = self.reduce() if load is None else load
         if tuple(load.shape) != (len(self.layers), self.layers[0].experts_total if self.layers else 0):

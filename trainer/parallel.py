@@ -23,9 +23,9 @@ import math
 import os
 import socket
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_plan(cls, plan: Plan, world_size: int, max_tp: Optional[int] = None) -> "ParallelDims":
+    def from_plan(cls, plan: Plan, world_size: int, max_tp: int | None = None) -> ParallelDims:
         """The plan's degrees for a job of `world_size` ranks, checked by the core's layout validator
         (tp at most `max_tp`, the GPUs of a node; default: no limit beyond the world size)."""
         issues = layout_rules(
@@ -95,7 +95,7 @@ class ParallelDims:
     def ep_rank(self, rank: int) -> int:
         return rank % self.ep
 
-    def build_mesh(self, device_type: str) -> "Meshes":
+    def build_mesh(self, device_type: str) -> Meshes:
         pp = (("pp", self.pp),)
         return Meshes(
             dense=_mesh(
@@ -115,7 +115,7 @@ class ParallelDims:
         )
 
 
-def _mesh(device_type: str, dims: tuple[tuple[str, int], ...]) -> Optional[DeviceMesh]:
+def _mesh(device_type: str, dims: tuple[tuple[str, int], ...]) -> DeviceMesh | None:
     kept = [(name, n) for name, n in dims if n > 1]
     if not kept:
         return None
@@ -135,7 +135,7 @@ def nvlink_domain() -> str:
     return os.environ.get(DOMAIN_ENV) or nvml_clique() or socket.gethostname()
 
 
-def nvml_clique() -> Optional[str]:
+def nvml_clique() -> str | None:
     """`<clusterUuid>.<cliqueId>` of this node's GPUs once their NVLink fabric is up; None without
     pynvml, a GPU, or a multi-node fabric (pre-GB200 GPUs report the state not supported). GPU 0
     speaks for the node: GPU Feature Discovery, too, labels a node with one clique."""
@@ -163,11 +163,12 @@ def nvml_clique() -> Optional[str]:
 def domain_order(dims: ParallelDims, placement: Sequence[GroupPlacement], say: Callable[[str], None]) -> list[int]:
     """torchrun's ranks in the order to number them, NVLink domain by domain
     (`supernode.core.topology.rank_order`), so that every EP and TP group the plan places inside a
-    domain (`placement`, the Plan's topology) lies inside one. One all_gather_object of the domain labels: the only collective, and
+    domain (`placement`, the Plan's topology) lies inside one. One all_gather_object of the domain labels: the only
+    collective, and
     every rank then computes the same order. A group the plan lets cross domains by design (EP wider
     than a domain) is said once; the ranks are still ordered domain by domain, as the plan's costs
     assume. Raises BadInput (on every rank alike) when the labels cannot keep a group inside."""
-    labels: list[Optional[str]] = [None] * dims.world_size
+    labels: list[str | None] = [None] * dims.world_size
     dist.all_gather_object(labels, nvlink_domain())
     placed = {g.dim: g for g in placement if g.dim in GROUPED_DIMS and g.size > 1}
     inside = [g for g in placed.values() if g.inside_domain]
@@ -218,56 +219,56 @@ def renumber_by_domain(
 
 @dataclass(frozen=True)
 class Meshes:
-    dense: Optional[DeviceMesh]
-    experts: Optional[DeviceMesh]
-    moe: Optional[DeviceMesh]
-    stage: Optional[DeviceMesh] = None
+    dense: DeviceMesh | None
+    experts: DeviceMesh | None
+    moe: DeviceMesh | None
+    stage: DeviceMesh | None = None
 
     @staticmethod
-    def sub(mesh: Optional[DeviceMesh], *names: str) -> Optional[DeviceMesh]:
+    def sub(mesh: DeviceMesh | None, *names: str) -> DeviceMesh | None:
         """The named dims that exist in `mesh` (None when none does)."""
         present = tuple(n for n in names if mesh is not None and n in (mesh.mesh_dim_names or ()))
         return mesh[present] if present else None
 
     @property
-    def tp(self) -> Optional[DeviceMesh]:
+    def tp(self) -> DeviceMesh | None:
         return self.sub(self.dense, "tp")
 
     @property
-    def dp(self) -> Optional[DeviceMesh]:
+    def dp(self) -> DeviceMesh | None:
         """FSDP's mesh: 2-D (HSDP: replicate x shard) when both degrees exceed 1. With dp_shard = 1
         it is the replicate dim alone, which FSDP then shards over: same maths, less memory."""
         return self.sub(self.dense, "dp_replicate", "dp_shard")
 
     @property
-    def pp(self) -> Optional[DeviceMesh]:
+    def pp(self) -> DeviceMesh | None:
         return self.sub(self.dense, "pp")
 
     @property
-    def router(self) -> Optional[DeviceMesh]:
+    def router(self) -> DeviceMesh | None:
         """The router's and shared expert's FSDP mesh (see the module docstring)."""
         return self.sub(self.moe, "dp_replicate", "dp_shard_tp")
 
     @property
-    def stage_group(self) -> Optional[dist.ProcessGroup]:
+    def stage_group(self) -> dist.ProcessGroup | None:
         """The ranks of this rank's pipeline stage; None at pp 1: every rank of the job."""
         return self.stage["stage"].get_group() if self.stage is not None else None
 
     @property
-    def ep(self) -> Optional[DeviceMesh]:
+    def ep(self) -> DeviceMesh | None:
         return self.sub(self.experts, "ep")
 
     @property
-    def expert_dp(self) -> Optional[DeviceMesh]:
+    def expert_dp(self) -> DeviceMesh | None:
         return self.sub(self.experts, "dp_replicate", "edp")
 
 
-def _size(mesh: Optional[DeviceMesh]) -> int:
+def _size(mesh: DeviceMesh | None) -> int:
     return mesh.size() if mesh is not None else 1
 
 
 def build_model(
-    cfg: Model, dims: ParallelDims, parallel: Parallel, device: torch.device, seed: int, mesh: Optional[Meshes] = None
+    cfg: Model, dims: ParallelDims, parallel: Parallel, device: torch.device, seed: int, mesh: Meshes | None = None
 ) -> Transformer:
     """The model sharded from the first byte: built on the meta device, parallelised, then only this
     rank's shards are allocated (`to_empty`) and initialised in place, equal to the single-process

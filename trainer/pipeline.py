@@ -23,8 +23,8 @@ between stages), and each stage builds its attention mask and RoPE positions fro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -75,7 +75,7 @@ class Stage(nn.Module):
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
-    def forward(self, x: Tensor, documents: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
         """Tokens [b, s] on the first stage, else the previous stage's activations [b, s, dim];
         `documents` as `Transformer.forward`'s."""
         if self.embed is not None:
@@ -116,7 +116,7 @@ class StageParts(nn.Module):
     def moe_layer_ids(self) -> list[int]:
         """The model-wide MoE index of each of `moe_layers()` (for the expert-load table)."""
         cfg = self.cfg
-        moe_index = {layer: i for i, layer in enumerate(l for l in range(cfg.layers) if cfg.is_moe(l))}
+        moe_index = {layer: i for i, layer in enumerate(n for n in range(cfg.layers) if cfg.is_moe(n))}
         return [moe_index[int(k)] for s in self.stages for k, b in s.layers.items() if isinstance(b.ffn, MoE)]
 
 
@@ -135,7 +135,7 @@ class Pipeline:
     has_last: bool
     micro_batches: int
 
-    def step(self, tokens: Tensor, eos: Optional[int] = None, counted: Optional[Tensor | float] = None) -> list[Tensor]:
+    def step(self, tokens: Tensor, eos: int | None = None, counted: Tensor | float | None = None) -> list[Tensor]:
         """Forward and backward of one step's tokens [micro_batches x micro_batch, seq + 1]; returns
         the last stage's loss per micro-batch (empty elsewhere). Gradients are left on the stages.
         `eos`: attend within documents (`inputs_and_targets`); `counted`: the loss's divisor (`loss_fn`)."""
@@ -162,8 +162,8 @@ def build_pipeline(
     micro_batch: int,
     micro_batches: int,
     loss_fn: Callable[..., Tensor],
-    mesh: Optional[Meshes] = None,
-    sizes: Optional[list[int]] = None,
+    mesh: Meshes | None = None,
+    sizes: list[int] | None = None,
 ) -> Pipeline:
     """This rank's stages, each built like `trainer.parallel.build_model` (meta device, parallelise,
     `to_empty`, init in place), and the plan's schedule over `micro_batches` micro-batches of

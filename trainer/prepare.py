@@ -20,10 +20,10 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -59,7 +59,7 @@ def chunks(paths: Sequence[Path], chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]
     return out
 
 
-_worker_tok: Optional[Tokenizer] = None
+_worker_tok: Tokenizer | None = None
 
 
 def _init(tok: Tokenizer) -> None:
@@ -223,10 +223,10 @@ def prepare(
     out_dir: str | Path,
     shard_tokens: int = 1 << 27,
     *,
-    tokenizer: Optional[Path] = None,
-    train_bpe_vocab: Optional[int] = None,
-    eos: Optional[str] = None,
-    workers: Optional[int] = None,
+    tokenizer: Path | None = None,
+    train_bpe_vocab: int | None = None,
+    eos: str | None = None,
+    workers: int | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     progress: bool = False,
 ) -> dict:
@@ -309,7 +309,7 @@ def prepare(
 
 
 def _tokenizer(
-    paths: Sequence[Path], out: Path, given: Optional[Path], bpe_vocab: Optional[int], eos: Optional[str], journal: dict
+    paths: Sequence[Path], out: Path, given: Path | None, bpe_vocab: int | None, eos: str | None, journal: dict
 ) -> Tokenizer:
     if given is not None:
         tok = from_file(given, eos)
@@ -327,7 +327,7 @@ def _tokenizer(
     return byte_tokenizer()
 
 
-def _run(todo: list[Chunk], tok: Tokenizer, workers: Optional[int]) -> Iterator[tuple[np.ndarray, int, int]]:
+def _run(todo: list[Chunk], tok: Tokenizer, workers: int | None) -> Iterator[tuple[np.ndarray, int, int]]:
     """Tokenized chunks in input order: in this process for one chunk or one worker, else in a pool
     of spawned processes (the parent may run rich's refresh thread, which a fork would copy
     mid-lock). A worker that dies ends the prepare with BrokenProcessPool instead of a hang."""
@@ -368,7 +368,7 @@ class _Progress:
             self.task = self.bar.add_task("tokenizing", total=total, completed=done, tokens=0, rate="")
             self.tokens = 0
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         if self.bar:
             self.bar.start()
         return self

@@ -9,9 +9,9 @@ the smallest unsigned type that holds the vocabulary (`dtype_for`).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -38,9 +38,9 @@ class Tokenizer:
     kind: str  # "bytes", "huggingface" (a given tokenizer.json) or "bpe" (trained here)
     vocab: int
     eos: int
-    eos_token: Optional[str] = None
-    file: Optional[Path] = None
-    sha256: Optional[str] = None
+    eos_token: str | None = None
+    file: Path | None = None
+    sha256: str | None = None
 
     @property
     def dtype(self) -> str:
@@ -74,7 +74,7 @@ class Tokenizer:
 _loaded: dict[Path, object] = {}
 
 
-def _hf(path: Optional[Path]):
+def _hf(path: Path | None):
     """The `tokenizers` object for a file, loaded once per process (workers reload it by path)."""
     if path not in _loaded:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # our processes are the parallelism
@@ -92,7 +92,7 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer(BYTES, 256, 0)
 
 
-def from_file(path: Path, eos_token: Optional[str] = None, kind: str = "huggingface") -> Tokenizer:
+def from_file(path: Path, eos_token: str | None = None, kind: str = "huggingface") -> Tokenizer:
     """A Hugging Face tokenizer.json; EOS is `eos_token`, else the first of EOS_NAMES it knows."""
     if not path.is_file():
         raise DataError(f"--tokenizer {path}: file not found")
@@ -113,7 +113,8 @@ def train_bpe(texts: Iterator[str], vocab: int, out: Path) -> Tokenizer:
     if not MIN_BPE_VOCAB <= vocab <= 1 << 32:
         raise DataError(f"--train-bpe {vocab}: a BPE vocabulary must be between {MIN_BPE_VOCAB} and {1 << 32}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     hf = HF(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -37,7 +37,6 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -80,7 +79,7 @@ class CommClock:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self.prof = profile(activities=acts) if enabled else None
 
-    def __enter__(self) -> "CommClock":
+    def __enter__(self) -> CommClock:
         if self.prof is not None:
             with _quiet_stderr():
                 self.prof.__enter__()
@@ -138,7 +137,7 @@ def _die_with_parent() -> None:
 # -- outcomes that a restart cannot change ----------------------------------------------------
 
 
-def _classify(exc: BaseException) -> Optional[tuple[int, list[str]]]:
+def _classify(exc: BaseException) -> tuple[int, list[str]] | None:
     """(exit code, lines) for a failure a restart would only repeat; None for a transient one."""
     lines = bad_input_lines(exc)
     if lines is not None:
@@ -150,7 +149,7 @@ def _classify(exc: BaseException) -> Optional[tuple[int, list[str]]]:
     return None
 
 
-def _recorded(out: Path) -> Optional[dict]:
+def _recorded(out: Path) -> dict | None:
     """The outcome recorded by this torchrun run (same TORCHELASTIC_RUN_ID), if any."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     try:
@@ -361,7 +360,7 @@ def _run(
                     raise NonFinite(
                         f"training diverged: loss or gradient norm not finite for {bad_streak} consecutive steps "
                         f"(steps {step - bad_streak + 1}-{step}, updates skipped); stopped without a checkpoint. "
-                        f"{'The checkpoint of step ' + str(last_saved) + ' holds the last finite state' if last_saved else 'No checkpoint was written'}; "
+                        f"{'The checkpoint of step ' + str(last_saved) + ' holds the last finite state' if last_saved else 'No checkpoint was written'}; "  # noqa: E501
                         "lower training.lr or raise training.warmupSteps, then run again"
                     )
             else:
@@ -401,7 +400,7 @@ def _run(
     return code
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     stop = StopRequest()  # first: a Ctrl-C during start-up must not become a KeyboardInterrupt traceback
     args = build_parser().parse_args(argv)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from supernode.core.config import Training
 from supernode.core.errors import BadInput
 from supernode.core.plan import Plan
 
-from .checkpoint import CheckpointMismatch, Checkpointer, train_state
+from .checkpoint import Checkpointer, CheckpointMismatch, train_state
 from .data import DataError, TokenLoader
 from .model import inputs_and_targets, loss_fn
 from .moe import ExpertBalancer
@@ -65,7 +65,7 @@ def lr_factor(t: Training) -> Callable[[int], float]:
 
 
 def clip_grad_norm(
-    params: Iterable[torch.nn.Parameter], max_norm: float, pp_group: Optional[dist.ProcessGroup] = None
+    params: Iterable[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Global gradient norm over every shard (a device tensor: no host sync), then clip. Parameters
     live on different meshes (dense, experts, router), and DTensor norms only combine within one
@@ -92,9 +92,7 @@ def clip_grad_norm(
     return total
 
 
-def counted_per_micro_batch(
-    micro: list[torch.Tensor], eos: Optional[int], device: torch.device
-) -> torch.Tensor | float:
+def counted_per_micro_batch(micro: list[torch.Tensor], eos: int | None, device: torch.device) -> torch.Tensor | float:
     """The divisor of each micro-batch's summed cross-entropy (`loss_fn`'s `counted`): the step's counted
     targets over every rank and micro-batch, per micro-batch of one rank. A micro-batch's loss is then
     its share of the step's mean, and the data-parallel mean of the micro-batches' gradients is the
@@ -114,7 +112,7 @@ def counted_per_micro_batch(
 
 def apply_hyper_parameters(
     t: Training, saved: dict, step: int, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR
-) -> Optional[str]:
+) -> str | None:
     """A resume with changed hyper-parameters applies the plan's values (the checkpoint's optimizer
     and scheduler state would silently keep the old lr); returns the line that says so."""
     ours = {k: getattr(t, k) for k in HYPER_PARAMETERS}
@@ -129,7 +127,7 @@ def apply_hyper_parameters(
     scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
     diff = ", ".join(f"training.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-    return f"checkpoint of step {step} was trained with other settings: {diff}; the plan's values apply from step {step + 1}"
+    return f"checkpoint of step {step} was trained with other settings: {diff}; the plan's values apply from step {step + 1}"  # noqa: E501
 
 
 @dataclass
@@ -205,7 +203,7 @@ class Trainer:
             say=say,
         )
 
-    def restore(self) -> tuple[int, Optional[str]]:
+    def restore(self) -> tuple[int, str | None]:
         """(the step resumed from, 0 for none; the line saying which settings changed, if any)."""
         try:
             start = self.checkpointer.restore()
@@ -274,7 +272,7 @@ class Trainer:
         loss = loss_fn(logits, targets, counted)
         return loss * float("nan") if self._poison else loss
 
-    def expert_load(self) -> Optional[torch.Tensor]:
+    def expert_load(self) -> torch.Tensor | None:
         """The last applied step's global token counts per MoE layer and expert, on the host (log steps
         only; with pp > 1 a collective: every stage adds its layers' rows to the whole table)."""
         load = self.balancer.last_load

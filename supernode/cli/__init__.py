@@ -15,11 +15,10 @@ import os
 import pkgutil
 import sys
 
-from ..core.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_BAD_INPUT, bad_input_lines
 from .. import __version__
+from ..core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, bad_input_lines
 from . import commands
 from .args import err
-
 
 DESCRIPTION = (
     "Mixture-of-Experts training on GPU supernode clusters, declared as code: plan the parallel layout, "

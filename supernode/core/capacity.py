@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Optional
 
 from pydantic import BaseModel
 
@@ -255,7 +254,7 @@ class StepTime(BaseModel):
     links: dict[str, Link] = {}
 
 
-def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType, domain: Optional[int] = None) -> StepTime:
+def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType, domain: int | None = None) -> StepTime:
     """Compute and communication time of one optimizer step on NVLink domains of `domain` GPUs
     (default: one instance), each collective costed on its mesh dimension's placement
     (`supernode.core.topology`)."""
@@ -373,7 +372,7 @@ def usable_hbm_bytes(p: Parallel, hw: InstanceType) -> int:
 
 
 def suggest(
-    m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3, domain: Optional[int] = None
+    m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3, domain: int | None = None
 ) -> list[Suggestion]:
     """Layouts with the same world size that fit within the usable HBM: each one passes the same
     layout validator and the same fit test as the stack's own layout. EP inside the NVLink domain
@@ -457,7 +456,7 @@ class PodShape(BaseModel):
     hugepages_gib: int
 
     @classmethod
-    def for_node(cls, hw: InstanceType, hugepages_gib: int) -> "PodShape":
+    def for_node(cls, hw: InstanceType, hugepages_gib: int) -> PodShape:
         keep = 1 - NODE_RESERVE_FRACTION
         return cls(
             gpus=hw.accelerators,
@@ -467,6 +466,6 @@ class PodShape(BaseModel):
             hugepages_gib=hugepages_gib,
         )
 
-    def times(self, n: int) -> "PodShape":
+    def times(self, n: int) -> PodShape:
         """What n such pods take together (a pool's quota)."""
         return PodShape(**{field: n * value for field, value in self.model_dump().items()})

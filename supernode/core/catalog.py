@@ -13,7 +13,7 @@ whole UltraServer (9 or 18 instances, 36 or 72 GPUs, joined by NVLink switches a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 GIB = 1024**3
 
@@ -188,7 +188,7 @@ def ultraserver_only(instance_type: str) -> bool:
     return any(u.instance_type == instance_type for u in ULTRASERVERS.values())
 
 
-def nvlink_domain_gpus(instance_type: str, ultra_server: Optional[str] = None) -> int:
+def nvlink_domain_gpus(instance_type: str, ultra_server: str | None = None) -> int:
     """GPUs in one NVLink domain: the UltraServer's, else one instance's."""
     return ULTRASERVERS[ultra_server].gpus if ultra_server else CATALOG[instance_type].accelerators
 

@@ -8,8 +8,6 @@ what a StackReference returns against this model.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import BaseModel, ConfigDict
 
 CONTRACT_VERSION = "1.1"  # 1.1: trainer_repository_url
@@ -42,4 +40,4 @@ class StackOutputs(BaseModel):
     log_group_names: list[str]
     alarm_names: list[str]
     kubeconfig: str  # exported as a secret
-    trainer_repository_url: Optional[str] = None  # 1.1: the ECR repository `make image` pushes to
+    trainer_repository_url: str | None = None  # 1.1: the ECR repository `make image` pushes to

@@ -7,7 +7,7 @@ is the one mapping from the known error types to those lines.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -42,7 +42,7 @@ class ConfigError(Exception):
         super().__init__("\n".join(str(i) for i in issues))
 
 
-def bad_input_lines(exc: BaseException) -> Optional[list[str]]:
+def bad_input_lines(exc: BaseException) -> list[str] | None:
     """The lines to print for a known bad-input error (exit 2), or None when `exc` is not one."""
     if isinstance(exc, ConfigError):
         head = f"invalid configuration{' ' + exc.source if exc.source else ''}: {len(exc.issues)} problem(s)"

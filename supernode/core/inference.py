@@ -22,7 +22,7 @@ Two things, both pure:
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -91,7 +91,7 @@ def served_architecture(m: Model) -> str:
     return GLM4_MOE if m.router == "sigmoid" else QWEN3_MOE
 
 
-def hf_config(m: Model, dtype: str = "bf16", eos: Optional[int] = None, bos: Optional[int] = None) -> dict:
+def hf_config(m: Model, dtype: str = "bf16", eos: int | None = None, bos: int | None = None) -> dict:
     """config.json for the exported model (transformers 5 / vLLM field names)."""
     arch = served_architecture(m)
     common = {
@@ -175,14 +175,14 @@ class InferencePlan(BaseModel):
     usable_hbm_gib: float  # HBM less parallel.hbmHeadroom, as for training
     fits: bool
     over_by_gib: float
-    suggested_tp: Optional[int]  # the smallest tp (at this pp) that fits; None if none within a node
+    suggested_tp: int | None  # the smallest tp (at this pp) that fits; None if none within a node
     hbm_gbytes_s: float
     decode_step_s: float  # one decode step at max_concurrency, full context
     decode_tokens_s: float  # per replica, at max_concurrency
     decode_tokens_s_single: float  # one sequence alone
     itl_ms: float  # inter-token latency at max_concurrency (= decode_step_s)
-    itl_target_ms: Optional[float]
-    meets_itl_target: Optional[bool]
+    itl_target_ms: float | None
+    meets_itl_target: bool | None
 
 
 def kv_bytes_per_token(m: Model, dtype: str, tp: int = 1, pp: int = 1) -> float:
@@ -212,7 +212,7 @@ def _memory(m: Model, dtype: str, tp: int, pp: int, seq: int, conc: int) -> tupl
     return w, kv, w + kv + RUNTIME_OVERHEAD_GIB * GIB
 
 
-def build_inference_plan(cfg: StackConfig, hw: Optional[InstanceType] = None) -> Optional[InferencePlan]:
+def build_inference_plan(cfg: StackConfig, hw: InstanceType | None = None) -> InferencePlan | None:
     """The serving plan of the stack's `inference` section (None without one)."""
     inf = cfg.inference
     if inf is None:

@@ -2,7 +2,8 @@
 start-up check all call `layout_rules`, so a layout is valid in one place or nowhere.
 
 It checks the degrees against the model (heads, kv heads, experts, layers), the hardware (tp
-inside an NVLink domain: one node, or a whole UltraServer) and the batch (global batch divisible by micro batch x dp), and names every
+inside an NVLink domain: one node, or a whole UltraServer) and the batch (global batch divisible by micro batch x
+dp), and names every
 problem by its config path.
 """
 
@@ -19,7 +20,8 @@ def layout_rules(
 ) -> list[Issue]:
     """model.dim is divisible by heads with an even head dim (RoPE); heads is a multiple of kvHeads;
     topK <= experts; firstDenseLayers <= layers. dpReplicate x dpShard x tp x pp equals the world
-    size; tp is at most the GPUs of one NVLink domain (a node, or an UltraServer) and divides heads and kvHeads; ep divides experts and
+    size; tp is at most the GPUs of one NVLink domain (a node, or an UltraServer) and divides heads and kvHeads; ep
+    divides experts and
     dpShard x tp; training.globalBatch is divisible by microBatch x dpReplicate x dpShard;
     warmupSteps is below steps. Pipeline (pp > 1): every one of the pp x ppVirtualStages stages holds
     at least one layer (`stage_layers`: an even split, less the first/last stage's fewer layers);

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -16,9 +15,8 @@ from . import capacity as cap
 from .catalog import CATALOG, GIB, InstanceType, gate_floor_gbytes_s, nvlink_domain_gpus
 from .config import Model, Parallel, StackConfig, Training, with_local_nproc
 from .errors import BadInput
-from .topology import GroupPlacement, place
 from .inference import InferencePlan, build_inference_plan
-
+from .topology import GroupPlacement, place
 
 # In the cluster the Plan travels as this ConfigMap key, mounted read-only in this directory: the
 # workload writes it, the trainer reads it (`--plan PLAN_MOUNT_PATH`), the policy pack checks it.
@@ -40,7 +38,7 @@ class Topology(BaseModel):
     """The NVLink domain and where the mesh lands on it (supernode.core.topology)."""
 
     model_config = ConfigDict(frozen=True)
-    ultra_server: Optional[str]  # e.g. u-p6e-gb200x72; None: the domain is one instance
+    ultra_server: str | None  # e.g. u-p6e-gb200x72; None: the domain is one instance
     domain_gpus: int
     nodes_per_domain: int
     domains: int  # NVLink domains the job spans (world / domain_gpus, rounded up)
@@ -90,14 +88,14 @@ class Plan(BaseModel):
     checkpoint: cap.CheckpointIO
     # The interconnect gate's all_reduce bus-bandwidth floor in GB/s (catalog baseline x
     # workload.gateMinFraction); None where no baseline is published for the instance type.
-    gate_floor_gbytes_s: Optional[float]
+    gate_floor_gbytes_s: float | None
     pod: cap.PodShape  # the distributed job's pod on one GPU node
     cost_per_hour_usd: float
     run_hours: float
     run_cost_usd: float
     # The serving plan of the `inference` section (None without one): components/serving.py and the
     # serving policies read it from here.
-    inference: Optional[InferencePlan] = None
+    inference: InferencePlan | None = None
 
     @property
     def hardware(self) -> InstanceType:
@@ -107,11 +105,11 @@ class Plan(BaseModel):
         return self.model_dump_json(indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         return cls.model_validate_json(text)
 
     @classmethod
-    def read(cls, path: str | Path) -> "Plan":
+    def read(cls, path: str | Path) -> Plan:
         """A plan file as the trainer and the gate read it (`--plan`): every unusable file is
         BadInput naming it and why, never a traceback."""
         where = f"--plan {path}"
@@ -226,7 +224,7 @@ def build_plan(stack: str, cfg: StackConfig) -> Plan:
     return _plan(stack, cfg, local=False)
 
 
-def build_local_plan(stack: str, cfg: StackConfig, nproc: Optional[int] = None) -> Plan:
+def build_local_plan(stack: str, cfg: StackConfig, nproc: int | None = None) -> Plan:
     """The same plan scaled down by the stack's `local` section, for a CPU run with nproc ranks
     (default: local.nproc; another count rescales the local dpShard, see `with_local_nproc`)."""
     if nproc is not None:

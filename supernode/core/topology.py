@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Hashable, Sequence
 from functools import lru_cache
-from typing import Hashable, Literal, Sequence
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 

@@ -23,7 +23,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ..core.plan import PLAN_MOUNT_PATH, Plan
 from .awscheck import Aws, describe_error
@@ -38,7 +38,7 @@ class DrillResult:
     detail: str
     bucket: str
     prefix: str
-    step: Optional[int] = None
+    step: int | None = None
     source: str = ""
     restored_to: str = ""
     files: int = 0
@@ -46,8 +46,8 @@ class DrillResult:
     download_s: float = 0.0
     mb_per_s: float = 0.0
     verify_s: float = 0.0
-    load_s: Optional[float] = None
-    loaded_tensors: Optional[int] = None
+    load_s: float | None = None
+    loaded_tensors: int | None = None
     cluster_command: list[str] = field(default_factory=list)
 
     @property
@@ -58,9 +58,9 @@ class DrillResult:
         return {"restore_drill": self.result, **{k: v for k, v in asdict(self).items() if k != "result"}}
 
 
-def latest_checkpoint(s3: Any, bucket: str, prefix: str) -> Optional[tuple[int, str]]:
+def latest_checkpoint(s3: Any, bucket: str, prefix: str) -> tuple[int, str] | None:
     """(step, key prefix of its directory) of the newest checkpoint with a COMPLETE marker, or None."""
-    best: Optional[tuple[int, str]] = None
+    best: tuple[int, str] | None = None
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
             m = STEP_MARKER.match(obj["Key"])
@@ -122,7 +122,7 @@ def cluster_command(plan: Plan, path: str) -> list[str]:
 
 
 def restore_drill(
-    aws: Aws, bucket: str, prefix: str, plan: Plan, dest: Optional[Path] = None, load: bool = True
+    aws: Aws, bucket: str, prefix: str, plan: Plan, dest: Path | None = None, load: bool = True
 ) -> DrillResult:
     from trainer.checkpoint import Checkpointer  # torch is imported only by the command that needs it
 

@@ -14,7 +14,7 @@ import json
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from google.protobuf import json_format, struct_pb2
@@ -188,7 +188,7 @@ def load_resources(path: Path) -> list[dict[str, Any]]:
         for key, kind in (("inputs", dict), ("dependencies", list), ("parent", str)):
             if r.get(key) is not None and not isinstance(r[key], kind):
                 problems.append(
-                    f"resources[{i}].{key}: expected {'an object' if kind is dict else 'a list' if kind is list else 'a string'} "
+                    f"resources[{i}].{key}: expected {'an object' if kind is dict else 'a list' if kind is list else 'a string'} "  # noqa: E501
                     f"(got {_quote(r[key])})"
                 )
         if _too_deep(r.get("inputs")):
@@ -267,7 +267,7 @@ def _struct(props: dict[str, Any]) -> struct_pb2.Struct:
     return s
 
 
-def check(resources: list[dict[str, Any]], config: Optional[dict[str, Any]] = None) -> PolicyReport:
+def check(resources: list[dict[str, Any]], config: dict[str, Any] | None = None) -> PolicyReport:
     servicer = _PolicyAnalyzerServicer(PACK_NAME, PACK_VERSION, POLICIES, EnforcementLevel.MANDATORY)
     request, levels = _configure_request(config or {})
     servicer.Configure(request, None)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 
 from botocore.exceptions import ClientError
 
-from .awscheck import Aws, Check, Step, error_code, failed, passed, run_checks, warned
 from ..core.catalog import CATALOG, LOCAL_ZONES, zone_group
 from ..core.config import AcceleratorNodeGroup, StackConfig
+from .awscheck import Aws, Check, Step, error_code, failed, passed, run_checks, warned
 
 CATALOG_FIX = (
     "correct supernode/catalog.py (the plan was sized with the catalog's figures), then re-run `supernode plan`"
@@ -163,7 +163,7 @@ def block_end_problems(groups: list[AcceleratorNodeGroup], ends: datetime | None
         for g in groups
         if g.capacity.ends_at != ends
     ]
-    if not problems and groups[0].capacity.scale_to_zero_at <= datetime.now(timezone.utc):
+    if not problems and groups[0].capacity.scale_to_zero_at <= datetime.now(UTC):
         problems.append(
             f"the block ends {ends}: its node groups' scale to 0 at "
             f"{groups[0].capacity.scale_to_zero_at} is past (buy a new block)"

@@ -24,9 +24,9 @@ from pulumi.runtime import settings as psettings
 from pulumi.runtime.config import set_all_config
 from pulumi.runtime.stack import run_pulumi_func
 
+from ..core import resource_types as T
 from ..core.catalog import CATALOG
 from ..core.config import NAMESPACE, StackConfig
-from ..core import resource_types as T
 from ..core.plan import PLAN_CONFIGMAP_KEY, Plan
 
 # The Pulumi program, found as a module (not imported: it runs on import), so an installed package

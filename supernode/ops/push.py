@@ -13,17 +13,20 @@ anything is uploaded, for the same reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import ClientError
 
-from trainer.manifest import MANIFEST as DATA_MANIFEST, ensure_verified
+from trainer.manifest import MANIFEST as DATA_MANIFEST
+from trainer.manifest import ensure_verified
 
 from ..core.files import sha256_file
-from .serve import MANIFEST as EXPORT_MANIFEST, verify_export
+from .serve import MANIFEST as EXPORT_MANIFEST
+from .serve import verify_export
 
 PART_BYTES = 64 << 20
 
@@ -57,13 +60,13 @@ def export_objects(model_dir: Path) -> Objects:
     ]
 
 
-def base_key(prefix: str, name: Optional[str] = None) -> str:
+def base_key(prefix: str, name: str | None = None) -> str:
     """The key prefix of a push: `prefix/name/`, or `prefix/` itself without a name."""
     parts = [p for p in (prefix.strip("/"), name) if p]
     return "".join(p + "/" for p in parts)
 
 
-def _remote(s3: Any, bucket: str, key: str) -> Optional[str]:
+def _remote(s3: Any, bucket: str, key: str) -> str | None:
     """The sha256 metadata of an object ("" without), or None where there is none. S3 writes an
     object whole or not at all, so the checksum it was written with identifies its content."""
     try:

@@ -23,7 +23,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlsplit
 
 from ..core.errors import BadInput
@@ -39,7 +38,7 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 CPU_MEMORY_UTILIZATION = 0.3
 
 
-def verify_export(model_dir: Path, manifest_sha256: Optional[str] = None) -> dict:
+def verify_export(model_dir: Path, manifest_sha256: str | None = None) -> dict:
     """The export's manifest once every file matches it; BadInput naming the first file that does not.
     `manifest_sha256` (the inference config's pin) also checks the manifest itself."""
     model_dir = Path(model_dir)
@@ -149,9 +148,9 @@ class LocalServer:
     port: int = 0
     max_num_seqs: int = 16
     name: str = "supernode"
-    log: Optional[Path] = None
+    log: Path | None = None
     ready_timeout_s: float = 300.0
-    proc: Optional[subprocess.Popen] = field(default=None, init=False)
+    proc: subprocess.Popen | None = field(default=None, init=False)
 
     @property
     def url(self) -> str:
@@ -171,7 +170,7 @@ class LocalServer:
             tokenizer=(self.model_dir / "tokenizer.json").is_file(),
         )
 
-    def start(self) -> "LocalServer":
+    def start(self) -> LocalServer:
         self.port = self.port or free_port()
         self.log = self.log or self.model_dir.parent / f"vllm-{self.port}.log"
         with self.log.open("wb") as log:
@@ -217,7 +216,7 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 continue
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self) -> LocalServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -227,7 +226,7 @@ class LocalServer:
 # -- client ---------------------------------------------------------------------------------------
 
 
-def _request(method: str, url: str, body: Optional[dict] = None, timeout: float = 60):
+def _request(method: str, url: str, body: dict | None = None, timeout: float = 60):
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     conn.request(

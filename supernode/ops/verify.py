@@ -8,17 +8,18 @@ Reads the stack outputs (the contract in `supernode.core.contract.StackOutputs`,
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
-from .awscheck import Aws, Check, Step, error_code, failed, passed, run_checks, warned
 from ..core.config import Lifecycle, StackConfig
 from ..core.contract import CONTRACT_VERSION, StackOutputs
 from ..core.plan import Plan
+from .awscheck import Aws, Check, Step, error_code, failed, passed, run_checks, warned
 
 PULUMI_UP = "run `pulumi up` to converge the stack"
 

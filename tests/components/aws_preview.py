@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from supernode.core import resource_types as T
 from supernode.core.config import StackConfig, from_mapping, load_stack
 from supernode.ops.preview import PreviewResult, Resource, run_program
-from supernode.core import resource_types as T
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,11 +7,11 @@ import base64
 
 import pytest
 import yaml
-
 from aws_preview import GPU_GROUP, LT, NODE_GROUP, Stack, preview
+
 from components.accelerators import ami_parameter, efa_interfaces
-from supernode.core.catalog import CATALOG
 from supernode.core import resource_types as T
+from supernode.core.catalog import CATALOG
 
 # What the issue and ARCHITECTURE.md §4 state, written independently of the catalog.
 EXPECTED_EFA = {"p4d.24xlarge": 4, "p4de.24xlarge": 4, "p5.48xlarge": 32, "p5e.48xlarge": 32, "p5en.48xlarge": 16}

@@ -8,10 +8,10 @@ from pathlib import Path
 import pulumi
 import pytest
 import yaml
-
 from aws_preview import ROOT, preview
-from supernode.core.catalog import CATALOG
+
 from supernode.cli import main
+from supernode.core.catalog import CATALOG
 from supernode.core.config import ConfigError, from_mapping
 from supernode.ops.preview import run_program
 

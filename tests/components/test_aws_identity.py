@@ -7,6 +7,7 @@ import json
 from fnmatch import fnmatchcase
 
 from aws_preview import Stack, as_list, policy, preview, statements
+
 from components.identity import NODE_MANAGED_POLICIES
 from supernode.core import resource_types as T
 

@@ -4,10 +4,10 @@ cluster, GPU nodes and FSx in the configured subnets, and still passes the polic
 from __future__ import annotations
 
 import pytest
-
 from aws_preview import GPU_GROUP, NODE_GROUP, Stack, as_list, preview
-from supernode.ops.policycheck import check, config_from_stack
+
 from supernode.core import resource_types as T
+from supernode.ops.policycheck import check, config_from_stack
 
 VPC_ID = "vpc-0a1b2c3d4e5f60718"
 PRIVATE_IDS = ["subnet-0a1b2c3d4e5f60711", "subnet-0a1b2c3d4e5f60722"]

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 from aws_preview import Stack, preview
-from supernode.core.catalog import EKS_ADDON_VERSIONS
+
 from supernode.core import resource_types as T
+from supernode.core.catalog import EKS_ADDON_VERSIONS
 
 SUBNET = T.SUBNET
 ENDPOINT = T.VPC_ENDPOINT

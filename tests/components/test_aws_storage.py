@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 from aws_preview import Stack, policy, preview, statements
+
+from supernode.core import resource_types as T
 from supernode.core.catalog import GIB
 from supernode.core.plan import build_plan
-from supernode.core import resource_types as T
 
 BUCKET = T.BUCKET
 FSX = T.FSX_LUSTRE

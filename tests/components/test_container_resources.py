@@ -4,11 +4,12 @@ walked over the manifests the preview writes for dev and prod, add-ons and jobs 
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
-
 from aws_preview import preview
+
 from supernode.ops import manifests as mf
 
 BOUNDED = ("cpu", "memory")

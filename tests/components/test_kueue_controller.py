@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
-
 from aws_preview import preview
+
 from components import queues as q
 from supernode.core import resource_types as T
 from supernode.core.plan import build_plan

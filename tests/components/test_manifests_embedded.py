@@ -5,7 +5,7 @@ v1 PodTemplates) and a CronJob's jobTemplate (a built-in kind: its own schema re
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from supernode.core.config import from_mapping, load_stack
@@ -15,7 +15,7 @@ from supernode.ops.preview import run_program
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@lru_cache(maxsize=None)
+@cache
 def multinode_serving() -> tuple[str, list[dict]]:
     """The dev stack serving a replica of tp 8 x pp 2 (16 GPUs: two p5 nodes): a LeaderWorkerSet."""
     data = load_stack("dev", ROOT).to_mapping()

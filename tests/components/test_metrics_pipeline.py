@@ -10,8 +10,8 @@ import re
 
 import pytest
 import yaml
-
 from aws_preview import Stack, policy, preview, statements
+
 from components import serving
 from components.operations import AGENT_CONFIGMAP, SCRAPE_CONFIGMAP, scraped_namespaces
 from components.workload_addons import CONFIG_HASH, addon_images

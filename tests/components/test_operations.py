@@ -10,8 +10,8 @@ import re
 
 import pytest
 import yaml
-
 from aws_preview import Stack, preview
+
 from components import monitoring
 from components.operations import METRIC_DECLARATIONS, OPS_NAMESPACE
 from components.workload_common import load_addon

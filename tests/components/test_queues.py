@@ -7,8 +7,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-
 from aws_preview import ROOT, preview
+
 from components import queues as q
 from components.workload_common import pod_resources
 from supernode.core import resource_types as T

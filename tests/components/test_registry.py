@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from aws_preview import Stack
+
 from components.registry import LIFECYCLE_POLICY, repository_name
 from supernode.core import resource_types as T
 

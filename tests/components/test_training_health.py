@@ -8,8 +8,8 @@ import json
 import re
 
 import pytest
-
 from aws_preview import ROOT, Stack, preview
+
 from components.monitoring import PROMETHEUS_NAMESPACE, TRAINER_SCRAPE_JOB, LogPattern
 from supernode.core import resource_types as T
 from supernode.core.config import load_stack

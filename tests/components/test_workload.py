@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import json
 import textwrap
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
 
-from supernode.ops import manifests as mf
+from supernode.core import resource_types as T
 from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG
 from supernode.core.config import StackConfig, from_mapping, load_stack
 from supernode.core.plan import Plan, build_plan
+from supernode.ops import manifests as mf
 from supernode.ops.preview import PreviewResult, Resource, run_program
-from supernode.core import resource_types as T
 
 ROOT = Path(__file__).resolve().parents[2]
 FSX_ID = "fs-0123456789abcdef0"
@@ -55,7 +55,7 @@ def preview(stack: str, cfg: StackConfig, tmp: Path) -> PreviewResult:
     return run_program(stack, cfg, program)
 
 
-@lru_cache(maxsize=None)
+@cache
 def stack_preview(stack: str) -> tuple[StackConfig, PreviewResult]:
     import tempfile
 
@@ -373,5 +373,7 @@ def test_schema_version_is_the_closest_not_newer() -> None:
     assert "1.33" in shipped and mf.schema_version("1.33") == "1.33"
     newest = max(shipped, key=lambda v: tuple(map(int, v.split("."))))
     assert mf.schema_version("1.99") == newest
-    with pytest.raises(Exception):
+    from kubernetes_validate.utils import VersionNotSupportedError
+
+    with pytest.raises(VersionNotSupportedError):
         mf.schema_version("1.1")

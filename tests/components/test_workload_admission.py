@@ -8,7 +8,6 @@ from typing import Any
 
 import celpy
 import pytest
-
 from test_workload import objects, stack_preview
 
 

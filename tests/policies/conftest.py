@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from policy_resources import ROOT, compliant_stack
+
 from supernode.core.config import StackConfig, load_stack
 from supernode.core.plan import Plan, build_plan
 

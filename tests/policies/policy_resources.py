@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
@@ -376,16 +377,16 @@ def built_images(cfg: StackConfig) -> StackConfig:
     return from_mapping(data, "built images")
 
 
-def find(resources: list[dict], typ: str, name: Optional[str] = None) -> dict:
+def find(resources: list[dict], typ: str, name: str | None = None) -> dict:
     return next(r for r in resources if r["type"] == typ and (name is None or r["name"] == name))
 
 
-def mutate(resources: list[dict], typ: str, change: Callable[[dict], None], name: Optional[str] = None) -> list[dict]:
+def mutate(resources: list[dict], typ: str, change: Callable[[dict], None], name: str | None = None) -> list[dict]:
     out = copy.deepcopy(resources)
     change(find(out, typ, name)["inputs"])
     return out
 
 
-def without(resources: list[dict], typ: str, name: Optional[str] = None) -> list[dict]:
+def without(resources: list[dict], typ: str, name: str | None = None) -> list[dict]:
     gone = find(resources, typ, name)
     return [r for r in resources if r is not gone]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+from policy_resources import doc, find, mutate, without
 
 from policies.pack import POLICIES, item_of
 from supernode.core import resource_types as T
@@ -13,8 +15,6 @@ from supernode.core.catalog import CATALOG
 from supernode.core.config import StackConfig
 from supernode.core.plan import build_plan
 from supernode.ops.policycheck import check
-
-from policy_resources import doc, find, mutate, without
 
 LT, NG = T.LAUNCH_TEMPLATE, T.NODE_GROUP
 JOB, GATE, CM = T.PYTORCH_JOB, T.K8S_JOB, T.CONFIG_MAP

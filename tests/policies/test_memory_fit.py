@@ -8,6 +8,7 @@ import json
 
 import pytest
 import yaml
+from policy_resources import ROOT, compliant_stack
 from rich.console import Console
 
 from supernode.cli import main
@@ -16,8 +17,6 @@ from supernode.core.capacity import Suggestion
 from supernode.core.config import StackConfig, load_stack
 from supernode.core.plan import Plan, build_plan
 from supernode.ops.policycheck import check
-
-from policy_resources import ROOT, compliant_stack
 
 
 def _variant(

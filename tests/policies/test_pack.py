@@ -9,12 +9,11 @@ import grpc
 import pytest
 import yaml
 from google.protobuf import empty_pb2, struct_pb2
+from policy_resources import ROOT
 from pulumi.runtime.proto import analyzer_pb2, analyzer_pb2_grpc
 
 from policies.pack import POLICIES
 from supernode.core.resource_types import LAUNCH_TEMPLATE
-
-from policy_resources import ROOT
 
 
 @pytest.mark.slow  # a second process

@@ -6,11 +6,10 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+from policy_resources import ROOT, mutate
 
 from supernode.cli import main
 from supernode.core import resource_types as T
-
-from policy_resources import ROOT, mutate
 
 LT = T.LAUNCH_TEMPLATE
 

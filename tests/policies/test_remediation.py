@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from policy_resources import find, mutate
+
 from supernode.core import resource_types as T
 from supernode.ops.policycheck import check
-
-from policy_resources import find, mutate
 
 LT = T.LAUNCH_TEMPLATE
 PAB = T.BUCKET_PAB

@@ -4,6 +4,7 @@ advisory in a dev stack (images.requireDigests false), mandatory in prod and by 
 from __future__ import annotations
 
 import pytest
+from policy_resources import ROOT, built_images, mutate
 
 from policies.security import IMAGE_POLICIES
 from supernode.core import resource_types as T
@@ -11,8 +12,6 @@ from supernode.core.config import load_stack
 from supernode.core.config.schema import PLACEHOLDER_DIGEST
 from supernode.ops.policycheck import check, config_from_stack
 from supernode.ops.preview import run_program
-
-from policy_resources import ROOT, built_images, mutate
 
 DCGM = "dcgm-exporter"
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from policy_resources import mutate
 
 from supernode.core import resource_types as T
 from supernode.ops.policycheck import check
-
-from policy_resources import mutate
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import copy
 import json
 
 import pytest
+from policy_resources import ROOT, built_images
 
 from policies.view import Stack
 from supernode.core import resource_types as T
@@ -17,8 +18,6 @@ from supernode.core.config import load_stack
 from supernode.core.plan import build_plan
 from supernode.ops.policycheck import check, config_from_stack
 from supernode.ops.preview import run_program
-
-from policy_resources import ROOT, built_images
 
 pytestmark = pytest.mark.slow  # runs the Pulumi program under the mock engine (seconds per stack)
 

@@ -8,6 +8,7 @@ import copy
 import json
 
 import pytest
+from policy_resources import ROOT
 
 from policies.view import Stack
 from supernode.core import resource_types as T
@@ -16,8 +17,6 @@ from supernode.core.plan import PLAN_CONFIGMAP_KEY, build_plan
 from supernode.ops import manifests as mf
 from supernode.ops.policycheck import check, config_from_stack
 from supernode.ops.preview import run_program
-
-from policy_resources import ROOT
 
 pytestmark = pytest.mark.slow  # runs the Pulumi program under the mock engine (seconds per stack)
 

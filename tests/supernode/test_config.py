@@ -52,8 +52,8 @@ def test_runtime_config_reads_the_same_schema(stack):
     """`__main__.py` reads Pulumi's runtime config (JSON strings) into the same StackConfig."""
     from pulumi.runtime.config import set_all_config
 
-    from supernode.ops.preview import config_for_engine
     from components.stack_config import stack_config
+    from supernode.ops.preview import config_for_engine
 
     cfg = load_stack(stack, ROOT)
     set_all_config(config_for_engine(stack, cfg))
@@ -276,7 +276,7 @@ BYO_RULES = [
     (
         {"existingGpuSubnetId": None},
         "network.existingGpuSubnetId",
-        "required with network.existingVpcId: the id (subnet-...) of the GPU nodes' subnet in availabilityZone us-east-1a",
+        "required with network.existingVpcId: the id (subnet-...) of the GPU nodes' subnet in availabilityZone us-east-1a",  # noqa: E501
     ),
     ({"natGateway": True}, "network.natGateway", "the VPC owner provides egress"),
     ({"privateSubnetCidrs": ["10.20.0.0/19", "10.20.32.0/19"]}, "network.privateSubnetCidrs", "ambiguous"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import yaml
@@ -13,7 +14,6 @@ from components.workload_addons import addon_images
 from supernode.cli import main
 from supernode.core.config import Images, load_stack
 from supernode.core.config.schema import PLACEHOLDER_DIGEST, AddonImage
-from typing import get_args
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = "123456789012.dkr.ecr.us-east-1.amazonaws.com/supernode-dev-trainer@sha256:" + "a" * 64

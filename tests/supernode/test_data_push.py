@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from supernode.cli import main
-from supernode.ops.push import base_key, dataset_objects, export_objects, push as push_objects
+from supernode.ops.push import base_key, dataset_objects, export_objects
+from supernode.ops.push import push as push_objects
 from trainer.prepare import DEFAULT_CORPUS, ShardWriter, prepare, write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,10 +161,10 @@ def export_dir(tmp: Path) -> Path:
     import torch.distributed.checkpoint as dcp
 
     from supernode.core.config import Model
+    from supernode.core.files import sha256_file
     from trainer.checkpoint import COMPLETE
     from trainer.export import export
     from trainer.model import Transformer
-    from supernode.core.files import sha256_file
 
     m = Model(
         layers=2,

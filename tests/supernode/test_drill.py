@@ -13,11 +13,11 @@ from pathlib import Path
 
 import boto3
 import pytest
+from test_verify import OUTPUTS
 
 from supernode.cli import main
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.plan import build_local_plan
-from test_verify import OUTPUTS
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # the fixture trains for real (two gloo ranks)

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import boto3
 import pytest
 import yaml
 
-from supernode.core import catalog
-from supernode.ops.awscheck import Aws, Check
 from supernode.cli import main
+from supernode.core import catalog
 from supernode.core.config import from_mapping, read_stack_file
+from supernode.ops.awscheck import Aws, Check
 from supernode.ops.preflight import (
     P_QUOTA_CODE,
     check_bucket,
@@ -32,7 +32,7 @@ from supernode.ops.preflight import (
 ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
 # A Capacity Block's end (they end at 11:30 UTC), two weeks ahead: its scale to 0 must not be past.
-BLOCK_END = (datetime.now(timezone.utc) + timedelta(days=14)).replace(hour=11, minute=30, second=0, microsecond=0)
+BLOCK_END = (datetime.now(UTC) + timedelta(days=14)).replace(hour=11, minute=30, second=0, microsecond=0)
 
 
 def dev_data() -> dict:
@@ -634,7 +634,7 @@ def test_capacity_block_end_must_be_ec2s_end_date_and_ahead(moto_aws):
     same = BLOCK_END.astimezone(timezone(timedelta(hours=-6))).isoformat()
     assert by_name(run_preflight(reserved("capacity-block", ends_at=same)))[f"capacity {cr}"].result == "pass"
     # A block ending within 40 minutes: the scale to 0 is past, and AWS would refuse its schedule.
-    soon = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(minutes=20)
+    soon = datetime.now(UTC).replace(microsecond=0) + timedelta(minutes=20)
     moto_aws.answer("DescribeCapacityReservations", reservation_xml(moto_aws, cr, rtype="capacity-block", end=soon))
     check = by_name(run_preflight(reserved("capacity-block", ends_at=soon.isoformat())))[f"capacity {cr}"]
     assert check.result == "fail"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from supernode.cli import main
+from supernode.core import resource_types as T
 from supernode.core.config import load_stack
 from supernode.ops.preview import run_program
-from supernode.core import resource_types as T
 
 ROOT = Path(__file__).resolve().parents[2]
 

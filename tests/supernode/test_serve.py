@@ -134,8 +134,8 @@ def test_vllm_greedy_equals_transformers_greedy(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     from supernode.core.config import Model
     from supernode.ops.serve import greedy_token_ids
-    from trainer.export import export
     from tests.trainer.test_export import _checkpoint
+    from trainer.export import export
 
     monkeypatch.delenv(PYTHON_ENV, raising=False)
     m = Model(

@@ -16,11 +16,11 @@ from pathlib import Path
 import boto3
 import pytest
 
-from supernode.ops.awscheck import Aws, Check
 from supernode.cli import main
 from supernode.core.config import StackConfig, from_mapping, read_stack_file
 from supernode.core.contract import CONTRACT_VERSION, StackOutputs
 from supernode.core.plan import build_plan
+from supernode.ops.awscheck import Aws, Check
 from supernode.ops.verify import run_verify
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def dev() -> StackConfig:
     return from_mapping(read_stack_file(ROOT / "Pulumi.dev.yaml"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Drift:
     """How the deployed state differs from the config (the defaults deploy it as configured)."""
 
@@ -81,7 +81,10 @@ class Drift:
     subscribe: bool = True
 
 
-def deploy(stub, cfg: StackConfig, drift: Drift = Drift()) -> dict:
+NO_DRIFT = Drift()
+
+
+def deploy(stub, cfg: StackConfig, drift: Drift = NO_DRIFT) -> dict:
     """Create the stack's resources in moto and return its outputs, as the JSON pulumi would print."""
     base = stub.unique("sn")
     plan = build_plan("dev", cfg)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import pickle
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch

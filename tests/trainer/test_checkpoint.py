@@ -19,8 +19,8 @@ import trainer.checkpoint
 from supernode.core.files import sha256_file
 from trainer.checkpoint import (
     COMPLETE,
-    CheckpointMismatch,
     Checkpointer,
+    CheckpointMismatch,
     MissingDigest,
     complete_checkpoints,
     train_state,
@@ -252,7 +252,7 @@ def test_each_rank_hashes_its_files_and_a_restore_at_another_world_size_checks_e
 
     root = tmp_path / "ck"
     seen, saved = spawn(save_three_steps, 3, tmp_path / "save", root)[0]
-    for step, (digests, files) in seen.items():
+    for digests, files in seen.values():
         assert sorted(digests) == [".sha256.0", ".sha256.1", ".sha256.2", ".sha256.metadata"]
         for rank in range(3):  # exactly the files rank r wrote, with the digests of their bytes
             assert sorted(digests[f".sha256.{rank}"]) == [f for f in files if f.startswith(f"__{rank}_")] != []

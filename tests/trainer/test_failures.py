@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_checkpoint import Position, checkpointer, counting_hashes, make, train_steps
+from test_train import ROOT, losses, write_plan
 
 from supernode.cli import main as cli
 from supernode.core.config import from_mapping, load_stack
@@ -24,17 +26,14 @@ from supernode.core.plan import build_local_plan
 from trainer.checkpoint import (
     COMPLETE,
     CheckpointCorrupt,
-    CheckpointMismatch,
     Checkpointer,
+    CheckpointMismatch,
     OutDirLock,
     complete_checkpoints,
 )
 from trainer.data import DEFAULT_CORPUS, DataError, prepare, verify
 from trainer.metrics import JSONL, Metrics
 from trainer.trainer import apply_hyper_parameters, lr_factor
-
-from test_checkpoint import Position, checkpointer, counting_hashes, make, train_steps
-from test_train import ROOT, losses, write_plan
 
 
 def one_rank_plan(model: dict | None = None, **training):

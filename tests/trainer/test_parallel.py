@@ -105,7 +105,7 @@ class CountReductions:
         self.calls: list[tuple[str, tuple[int, ...]]] = []
         self.phase = "forward/backward"
 
-    def __enter__(self) -> "CountReductions":
+    def __enter__(self) -> CountReductions:
         real = self.real = dist.all_reduce
 
         def counting(tensor, *args, **kwargs):

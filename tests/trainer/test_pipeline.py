@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -69,7 +68,7 @@ LAYOUTS = {
 }
 
 
-def batch(eos: Optional[int] = None) -> torch.Tensor:
+def batch(eos: int | None = None) -> torch.Tensor:
     """Random tokens; with `eos`, tokens other than it and about one in five replaced by it (documents)."""
     g = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, MODEL.vocab, (BATCH, MODEL.seq_len + 1), generator=g)
@@ -83,7 +82,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference(groups: int, eos: Optional[int] = None) -> dict:
+def reference(groups: int, eos: int | None = None) -> dict:
     """One process, the whole batch: CE + aux, its gradients, then an SGD step with the router-bias step."""
     model = Transformer(MODEL)
     model.init_weights(SEED)
@@ -105,7 +104,7 @@ def reference(groups: int, eos: Optional[int] = None) -> dict:
     }
 
 
-def run_layouts(rank: int, world_size: int, names: list[str], eos: Optional[int] = None) -> dict:
+def run_layouts(rank: int, world_size: int, names: list[str], eos: int | None = None) -> dict:
     results = {}
     for name in names:
         _, dps, ep, pp, schedule, virtual, ac, tp = LAYOUTS[name]
@@ -168,7 +167,7 @@ def run_layouts(rank: int, world_size: int, names: list[str], eos: Optional[int]
     return results
 
 
-def check_layout(name: str, per_rank: list[dict], eos: Optional[int] = None) -> None:
+def check_layout(name: str, per_rank: list[dict], eos: int | None = None) -> None:
     world, dps, *_, tp = LAYOUTS[name]
     ref = reference(groups=dps * tp * MICRO_BATCHES, eos=eos)  # each tp rank routes its own 1/tp of the tokens
     got = [r[name] for r in per_rank]

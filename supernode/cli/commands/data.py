@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ...core.errors import EXIT_FAILED, BadInput
 from ..args import add_stack_args, err, stack_from_args
-from ...core.errors import BadInput, EXIT_FAILED
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -101,8 +101,9 @@ def run_verify(args) -> int:
 
 
 def run_push(args) -> int:
-    from ...ops.push import base_key, dataset_objects
     from trainer.manifest import DataError
+
+    from ...ops.push import base_key, dataset_objects
 
     stack, cfg = stack_from_args(args)
     name = args.name or args.dir.resolve().name
@@ -119,7 +120,7 @@ def run_push(args) -> int:
         return EXIT_FAILED
     print(
         f"{result.uri}: {len(result.uploaded)} object(s) uploaded ({result.bytes_uploaded:,} bytes), "
-        f"{len(result.skipped)} already there; manifest last. FSx imports it as /datasets/{name}; the trainer reads it with "
+        f"{len(result.skipped)} already there; manifest last. FSx imports it as /datasets/{name}; the trainer reads it with "  # noqa: E501
         f"training.data: [{{path: {name}}}] (its --data is the FSx /datasets mount)"
     )
     return 0

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..args import add_stack_args, stack_from_args
-from ...core.errors import BadInput, EXIT_FAILED, EXIT_OK
+from ...core.errors import EXIT_FAILED, EXIT_OK, BadInput
 from ...core.plan import build_local_plan, build_plan
 from ...ops.verify import OutputsError, load_outputs
+from ..args import add_stack_args, stack_from_args
 from .verify import outputs_from_pulumi
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..args import add_stack_args, stack_from_args
 from ...core.errors import BadInput
+from ..args import add_stack_args, stack_from_args
 
 
 def register(sub) -> None:

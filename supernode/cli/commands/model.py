@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...core.errors import EXIT_FAILED, BadInput
 from ..args import add_stack_args, stack_from_args
-from ...core.errors import BadInput, EXIT_FAILED
 from .data import add_bucket_args, bucket_from_args, push_with_progress
 
 

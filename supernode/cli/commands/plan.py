@@ -7,11 +7,11 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from ...core.catalog import GIB
+from ...core.errors import EXIT_FAILED
+from ...core.plan import Plan, build_plan
 from ..args import add_stack_args, stack_from_args
 from .data import add_data_arg, check_plan_data
-from ...core.errors import EXIT_FAILED
-from ...core.catalog import GIB
-from ...core.plan import Plan, build_plan
 
 
 def register(sub) -> None:

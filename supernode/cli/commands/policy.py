@@ -5,14 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Optional
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..args import add_stack_args, stack_from_args
-from ...core.errors import BadInput, EXIT_FAILED
+from ...core.errors import EXIT_FAILED, BadInput
 from ...ops.policycheck import (
     PolicyInputError,
     PolicyReport,
@@ -22,6 +20,7 @@ from ...ops.policycheck import (
     load_policy_config,
     load_resources,
 )
+from ..args import add_stack_args, stack_from_args
 
 STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "remediated": "cyan", "disabled": "dim"}
 
@@ -57,7 +56,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--junit", type=Path, help="also write a JUnit XML report of the policy results")
 
 
-def policy_config(path: Optional[Path], base: Optional[dict] = None) -> dict:
+def policy_config(path: Path | None, base: dict | None = None) -> dict:
     """`base` (what the stack implies) overlaid per policy by the user's file."""
     merged = {k: dict(v) for k, v in (base or {}).items()}
     try:
@@ -72,7 +71,7 @@ def policy_config(path: Optional[Path], base: Optional[dict] = None) -> dict:
     return merged
 
 
-def run_pack(resources: list[dict], config: dict, junit: Optional[Path]) -> PolicyReport:
+def run_pack(resources: list[dict], config: dict, junit: Path | None) -> PolicyReport:
     try:
         report = check(resources, config)
     except PolicyInputError as e:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from ...ops.awscheck import failures, render, to_json
-from ..args import add_stack_args, stack_from_args
 from ...core.errors import EXIT_FAILED, EXIT_OK
+from ...ops.awscheck import failures, render, to_json
 from ...ops.preflight import run_preflight
+from ..args import add_stack_args, stack_from_args
 
 
 def register(sub) -> None:

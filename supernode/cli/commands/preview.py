@@ -10,14 +10,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from ..args import add_stack_args, err, stack_from_args
 from ...core.errors import EXIT_FAILED
 from ...ops.manifests import export as export_manifests
-from ...ops.preview import PreviewResult, run_program
 from ...ops.policycheck import config_from_stack
+from ...ops.preview import PreviewResult, run_program
+from ..args import add_stack_args, err, stack_from_args
 from .data import add_data_arg, check_plan_data
 from .plan import render as render_plan
-from .policy import add_policy_args, policy_config, render as render_policy, run_pack
+from .policy import add_policy_args, policy_config, run_pack
+from .policy import render as render_policy
 
 
 def register(sub) -> None:

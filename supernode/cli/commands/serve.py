@@ -9,8 +9,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+from ...core.errors import EXIT_FAILED, BadInput
 from ..args import add_stack_args, stack_from_args
-from ...core.errors import BadInput, EXIT_FAILED
 
 
 def register(sub) -> None:

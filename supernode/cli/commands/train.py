@@ -21,9 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..args import add_stack_args, err, stack_from_args
-from ...core.errors import BadInput, EXIT_FAILED, EXIT_INTERRUPTED
+from ...core.errors import EXIT_FAILED, EXIT_INTERRUPTED, BadInput
 from ...core.plan import Plan, build_local_plan
+from ..args import add_stack_args, err, stack_from_args
 
 
 def register(sub) -> None:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ...ops.awscheck import failures, render, to_json
-from ..args import add_stack_args, stack_from_args
-from ...core.errors import BadInput, EXIT_FAILED, EXIT_OK
 from ...core.contract import StackOutputs
+from ...core.errors import EXIT_FAILED, EXIT_OK, BadInput
 from ...core.plan import build_plan
+from ...ops.awscheck import failures, render, to_json
 from ...ops.verify import OutputsError, load_outputs, parse_outputs, run_verify
+from ..args import add_stack_args, stack_from_args
 
 
 def register(sub) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import AwareDatetime, BaseModel
 from pydantic.fields import FieldInfo
@@ -28,7 +28,7 @@ VALIDATED = {
 }
 
 
-def _model_of(annotation: Any) -> Optional[type[BaseModel]]:
+def _model_of(annotation: Any) -> type[BaseModel] | None:
     for arg in (annotation, *get_args(annotation), *(a for t in get_args(annotation) for a in get_args(t))):
         if isinstance(arg, type) and issubclass(arg, BaseModel):
             return arg

@@ -4,7 +4,6 @@ parallel layout (through the one layout validator, `supernode.core.layout`)."""
 from __future__ import annotations
 
 import ipaddress
-from typing import Optional
 
 from pydantic import ValidationError
 
@@ -24,7 +23,7 @@ def _nets(paths_cidrs: list[tuple[str, str]], issues: list[Issue]) -> list[tuple
     return nets
 
 
-def _created_vpc_rules(c: StackConfig, vpc: Optional[ipaddress.IPv4Network]) -> list[Issue]:
+def _created_vpc_rules(c: StackConfig, vpc: ipaddress.IPv4Network | None) -> list[Issue]:
     """The stack creates the VPC: its subnets come from the *Cidrs keys, inside vpcCidr, disjoint."""
     net, issues = c.network, []
     azs = len(net.availability_zones)
@@ -448,7 +447,7 @@ RULES = (
 )
 
 
-def rules(c: StackConfig, valid: Optional[set[str]] = None) -> list[Issue]:
+def rules(c: StackConfig, valid: set[str] | None = None) -> list[Issue]:
     """Every cross-field problem; with `valid` (the sections that passed the schema) only the
     rules whose sections are all valid run."""
     return [issue for sections, rule in RULES if valid is None or valid.issuperset(sections) for issue in rule(c)]

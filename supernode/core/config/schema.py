@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import difflib
 import re
-from datetime import datetime, timedelta, timezone
-from typing import Annotated, Any, Literal, Optional, get_args
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -80,12 +80,12 @@ class Network(_Base):
     availability_zones: list[str] = Field(min_length=2, description="AZs of the private subnets")
     private_subnet_cidrs: list[str] = []  # required unless existingVpcId (infra_rules)
     public_subnet_cidrs: list[str] = []
-    gpu_subnet_cidr: Optional[str] = None  # required unless existingVpcId (infra_rules)
-    nat_gateway: Optional[bool] = None  # default: on for a VPC the stack creates, off in an existing one
+    gpu_subnet_cidr: str | None = None  # required unless existingVpcId (infra_rules)
+    nat_gateway: bool | None = None  # default: on for a VPC the stack creates, off in an existing one
     flow_logs: bool = True
-    existing_vpc_id: Optional[str] = Field(default=None, pattern=r"^vpc-[0-9a-f]{8,17}$")
+    existing_vpc_id: str | None = Field(default=None, pattern=r"^vpc-[0-9a-f]{8,17}$")
     existing_private_subnet_ids: list[SubnetId] = Field(default=[], description="one per availabilityZones entry")
-    existing_gpu_subnet_id: Optional[SubnetId] = Field(default=None, description="in the GPU availabilityZone")
+    existing_gpu_subnet_id: SubnetId | None = Field(default=None, description="in the GPU availabilityZone")
 
     @property
     def use_nat_gateway(self) -> bool:
@@ -99,9 +99,9 @@ CAPACITY_BLOCK_DRAIN = timedelta(minutes=40)
 
 class Capacity(_Base):
     type: Literal["on-demand", "capacity-reservation", "capacity-block"] = "on-demand"
-    reservation_id: Optional[str] = Field(default=None, pattern=r"^cr-[0-9a-f]{8,17}$")
-    availability_zone: Optional[str] = None
-    ends_at: Optional[AwareDatetime] = Field(
+    reservation_id: str | None = Field(default=None, pattern=r"^cr-[0-9a-f]{8,17}$")
+    availability_zone: str | None = None
+    ends_at: AwareDatetime | None = Field(
         default=None,
         description="capacity-block only, required there: the block's end (EC2's EndDate) as an ISO "
         "date-time with its offset, e.g. 2026-03-14T11:30:00Z. The node group is scaled to 0 forty minutes before "
@@ -109,11 +109,11 @@ class Capacity(_Base):
     )
 
     @property
-    def scale_to_zero_at(self) -> Optional[datetime]:
+    def scale_to_zero_at(self) -> datetime | None:
         """When a capacity-block node group goes to 0 nodes (UTC): EKS's guide says 40 minutes before
         the block's end, 10 before EC2 starts terminating its instances, so pods are drained (the
         trainer checkpoints on SIGTERM) instead of killed."""
-        return None if self.ends_at is None else (self.ends_at - CAPACITY_BLOCK_DRAIN).astimezone(timezone.utc)
+        return None if self.ends_at is None else (self.ends_at - CAPACITY_BLOCK_DRAIN).astimezone(UTC)
 
 
 class AcceleratorNodeGroup(_Base):
@@ -122,9 +122,9 @@ class AcceleratorNodeGroup(_Base):
     nodes: int = Field(ge=1, le=512)
     capacity: Capacity = Capacity()
     ami_release_version: str = Field(pattern=r"^1\.\d+\.\d+-\d{8}$")
-    placement_group: Optional[bool] = None  # default: on, unless a reservation is targeted
+    placement_group: bool | None = None  # default: on, unless a reservation is targeted
     require_efa: bool = True
-    ultra_server: Optional[str] = Field(
+    ultra_server: str | None = Field(
         default=None,
         description="the UltraServer this group is (e.g. "
         "u-p6e-gb200x72): its instances form one NVLink domain, bought as one "
@@ -140,7 +140,7 @@ class AcceleratorNodeGroup(_Base):
 
     @field_validator("ultra_server")
     @classmethod
-    def _ultra_server(cls, v: Optional[str]) -> Optional[str]:
+    def _ultra_server(cls, v: str | None) -> str | None:
         if v is not None and v not in ULTRASERVERS:
             raise ValueError(f"not a known UltraServer type; valid: {', '.join(ULTRASERVERS)}")
         return v
@@ -181,13 +181,13 @@ class Lifecycle(_Base):
 
 class Fsx(_Base):
     deployment_type: Literal["PERSISTENT_2"] = "PERSISTENT_2"
-    capacity_gib: Optional[int] = Field(default=None, description="None: sized by the planner")
+    capacity_gib: int | None = Field(default=None, description="None: sized by the planner")
     per_unit_throughput: int = 250
     checkpoint_write_budget_s: int = Field(default=300, ge=10)
 
     @field_validator("capacity_gib")
     @classmethod
-    def _fsx_capacity(cls, v: Optional[int]) -> Optional[int]:
+    def _fsx_capacity(cls, v: int | None) -> int | None:
         if v is not None and not (v == 1200 or (v >= 2400 and v % 2400 == 0)):
             raise ValueError("FSx for Lustre PERSISTENT_2 accepts 1200 GiB or a multiple of 2400 GiB")
         return v
@@ -201,7 +201,7 @@ class Fsx(_Base):
 
 
 class Storage(_Base):
-    bucket_name: Optional[str] = Field(default=None, pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+    bucket_name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
     existing_bucket: bool = False
     dataset_prefix: str = Field(default="datasets/", pattern=r"^[A-Za-z0-9._/-]+/$")
     checkpoint_prefix: str = Field(default="checkpoints/", pattern=r"^[A-Za-z0-9._/-]+/$")
@@ -211,9 +211,7 @@ class Storage(_Base):
 
 
 class Identity(_Base):
-    kms_key_arn: Optional[str] = Field(
-        default=None, pattern=r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[0-9a-f-]{36}$"
-    )
+    kms_key_arn: str | None = Field(default=None, pattern=r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[0-9a-f-]{36}$")
     kms_key_rotation: bool = True
     pod_identity: Literal["irsa", "pod-identity"] = "irsa"
 
@@ -277,7 +275,7 @@ ImageReference = Annotated[str, AfterValidator(_image_reference)]
 
 class Images(_Base):
     trainer: str
-    fabric_check: Optional[str] = None  # default: the trainer image (it carries trainer.fabric)
+    fabric_check: str | None = None  # default: the trainer image (it carries trainer.fabric)
     addons: dict[AddonImage, ImageReference] = Field(
         default={},
         description="add-on container -> image, pinned as REPOSITORY:TAG@sha256:<digest>; an add-on "
@@ -291,7 +289,7 @@ class Images(_Base):
 
     @field_validator("trainer", "fabric_check")
     @classmethod
-    def _digest(cls, v: Optional[str]) -> Optional[str]:
+    def _digest(cls, v: str | None) -> str | None:
         if v is not None and not DIGEST_RE.match(v):
             raise ValueError("image must be pinned by digest: REPOSITORY@sha256:<64 hex digits>")
         return v
@@ -431,8 +429,8 @@ class Training(_Base):
         "gradient norm (their updates skipped) before the run stops, exit 1",
     )
     seed: int = 0
-    weights_uri: Optional[str] = None
-    weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    weights_uri: str | None = None
+    weights_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     data: list[DataSource] = Field(
         default_factory=list,
         description="a blend of prepared datasets, sampled by "
@@ -499,7 +497,7 @@ class Inference(_Base):
         description="where `supernode export` output is pushed, under the stack's bucket; "
         "the pods copy it from the FSx mount (/models) and verify it",
     )
-    manifest_sha256: Optional[str] = Field(
+    manifest_sha256: str | None = Field(
         default=None,
         pattern=r"^[0-9a-f]{64}$",
         description="sha256 of the export's manifest.json: pins the weights the init container verifies file by file",
@@ -516,13 +514,13 @@ class Inference(_Base):
         ge=1,
         description="autoscaling: add a replica when requests running + waiting per replica exceed this",
     )
-    ttft_target_ms: Optional[float] = Field(default=None, gt=0, description="time to first token, p99")
-    itl_target_ms: Optional[float] = Field(default=None, gt=0, description="inter-token latency, p99")
+    ttft_target_ms: float | None = Field(default=None, gt=0, description="time to first token, p99")
+    itl_target_ms: float | None = Field(default=None, gt=0, description="inter-token latency, p99")
     namespace: str = Field(default="serving", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     allowed_client_namespaces: list[str] = Field(
         default=["gateway"], description="namespaces whose pods may reach the server (NetworkPolicy); nothing else may"
     )
-    gpu_quota: Optional[int] = Field(
+    gpu_quota: int | None = Field(
         default=None,
         ge=1,
         description="GPUs the serving namespace may request (ResourceQuota); default replicasMax x GPUs per replica",
@@ -546,7 +544,7 @@ class Inference(_Base):
 
 def _partial(model: type[_Base]) -> type[_Base]:
     """The same fields, all optional: used by `local` to override parts of the plan."""
-    fields = {name: (Optional[f.annotation], None) for name, f in model.model_fields.items()}
+    fields = {name: (f.annotation | None, None) for name, f in model.model_fields.items()}
     return create_model(f"{model.__name__}Override", __base__=_Base, **fields)
 
 
@@ -581,7 +579,7 @@ class StackConfig(_Base):
     parallel: Parallel = Parallel()
     training: Training
     workload: Workload = Workload()
-    inference: Optional[Inference] = None
+    inference: Inference | None = None
     local: Local = Local()
 
     # -- derived ---------------------------------------------------------------------------
@@ -598,7 +596,7 @@ class StackConfig(_Base):
         optional section, e.g. `inference`, stays absent: Pulumi config has no null)."""
         return {k: v for k, v in self.model_dump(by_alias=True, mode="json").items() if v is not None}
 
-    def local_config(self) -> "StackConfig":
+    def local_config(self) -> StackConfig:
         """This stack with the `local` overrides applied; the layout then has world size nproc.
 
         The mesh degrees are not inherited: a layout sized for the cluster's world never fits nproc
@@ -636,7 +634,7 @@ def _path(prefix: str, loc: tuple) -> str:
     return out
 
 
-def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
+def _model_at(loc: tuple) -> type[BaseModel] | None:
     """The schema model that holds the keys at `loc` (list indices skipped), or None."""
     model: Any = StackConfig
     for part in loc:
