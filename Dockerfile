@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The trainer image: the PyTorchJob (trainer.train), the interconnect gate (trainer.fabric) and the
+# The trainer image: the PyTorchJob (trainer.train), the interconnect gate (trainer.node.fabric) and the
 # drills run it. Build and push with `make image STACK=<stack>`; the digest it prints goes into
 # supernode:images.trainer.
 #
@@ -83,5 +83,5 @@ RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl \
  && useradd --uid 10001 --create-home --shell /usr/sbin/nologin trainer
 USER 10001
 WORKDIR /home/trainer
-# The jobs set the command (torchrun --module trainer.train | trainer.fabric); this checks the image.
-CMD ["python", "-c", "import torch, trainer.train, trainer.fabric; print(torch.__version__, torch.version.cuda)"]
+# The jobs set the command (torchrun --module trainer.train | trainer.node.fabric); this checks the image.
+CMD ["python", "-c", "import torch, trainer.train, trainer.node.fabric; print(torch.__version__, torch.version.cuda)"]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from supernode.core.config import load_stack
 from supernode.core.plan import Plan, build_plan
-from trainer.prepare import write_synthetic
+from trainer.data.prepare import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 32768
@@ -48,7 +48,7 @@ def _status() -> dict:
 
 def measure(data: str, plan_path: str, steps: int) -> dict:
     """In a fresh process: resident memory after the loader's start-up and `steps` steps, and its rate."""
-    from trainer.data import TokenLoader
+    from trainer.data.loader import TokenLoader
 
     plan = Plan.read(plan_path)
     t, dp = plan.training, plan.degrees.dp_replicate * plan.degrees.dp_shard

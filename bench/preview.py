@@ -12,7 +12,7 @@ import statistics
 import time
 
 from supernode.core.config import StackConfig, load_stack
-from supernode.ops.preview import run_program
+from supernode.tools.preview import run_program
 
 
 def scaled(cfg: StackConfig, factor: int) -> StackConfig:

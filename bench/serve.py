@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from supernode.ops.serve import Completion, LocalServer, complete, metrics, serve_python, verify_export
+from supernode.tools.serve import Completion, LocalServer, complete, metrics, serve_python, verify_export
 
 PROMPTS = ("def ", "The ", "import ", "class ", "for i in ", "return ", "# ", "if __name__")
 

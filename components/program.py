@@ -9,10 +9,9 @@ import json
 import pulumi
 import pulumi_aws as aws
 
-from components.accelerators import Accelerators, AcceleratorsArgs
-from components.cluster import NODE_ADDONS, SERVICE_CIDR, WORKLOAD_ADDONS, Cluster, ClusterArgs
-from components.context import StackContext
-from components.identity import (
+from components.aws.accelerators import Accelerators, AcceleratorsArgs
+from components.aws.cluster import NODE_ADDONS, SERVICE_CIDR, WORKLOAD_ADDONS, Cluster, ClusterArgs
+from components.aws.identity import (
     Keys,
     KeysArgs,
     NodeRole,
@@ -22,14 +21,15 @@ from components.identity import (
     TrainerRoleArgs,
     metrics_agent_policy,
 )
-from components.monitoring import Monitoring, MonitoringArgs
-from components.network import Network, NetworkArgs
-from components.operations import PROMETHEUS_AGENT_SA
-from components.outputs import export_stack_outputs
-from components.registry import Registry, RegistryArgs
+from components.aws.monitoring import Monitoring, MonitoringArgs
+from components.aws.network import Network, NetworkArgs
+from components.aws.outputs import export_stack_outputs
+from components.aws.registry import Registry, RegistryArgs
+from components.aws.storage import Storage, StorageArgs
+from components.context import StackContext
+from components.k8s.operations import PROMETHEUS_AGENT_SA
+from components.k8s.workload import FsxVolume, GpuNodes, TrainingWorkload, WorkloadArgs
 from components.stack_config import stack_config
-from components.storage import Storage, StorageArgs
-from components.workload import Fsx, GpuNodes, TrainingWorkload, WorkloadArgs
 from supernode.core.contract import CONTRACT_VERSION
 from supernode.core.plan import build_plan
 
@@ -188,7 +188,7 @@ workload = TrainingWorkload(
         ctx=ctx,
         kubeconfig=cluster.kubeconfig,
         cluster_version=cluster.version,
-        fsx=Fsx(
+        fsx=FsxVolume(
             id=storage.fsx_id,
             dns_name=storage.fsx_dns_name,
             mount_name=storage.fsx_mount_name,

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from supernode.core import capacity as cap
 from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG, gate_floor_gbytes_s
-from supernode.core.config import DIGEST_RE, Fsx
+from supernode.core.config import DIGEST_RE, FsxConfig
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH
 from supernode.core.resource_types import (
     BUCKET,
@@ -330,7 +330,7 @@ def _gate(stack: Stack, conf: Gate, report: Report) -> None:
         for job in jobs:
             report(
                 job,
-                f"{job.label} has no interconnect gate: no Job runs `python -m trainer.fabric`. Fix: deploy "
+                f"{job.label} has no interconnect gate: no Job runs `python -m trainer.node.fabric`. Fix: deploy "
                 f"the fabric-check Job across the GPU nodes and make the trainer job depend on it.",
             )
         return
@@ -347,7 +347,7 @@ def _gate(stack: Stack, conf: Gate, report: Report) -> None:
     cm_name = _plan_config_map_name(stack)
     fix = (
         f"Fix: add a configMap volume for the plan ConfigMap, mount it at {PLAN_MOUNT_DIR} and run "
-        f"`python -m trainer.fabric --plan {PLAN_MOUNT_PATH}`."
+        f"`python -m trainer.node.fabric --plan {PLAN_MOUNT_PATH}`."
     )
     for g in gates:
         if cm_name is None or not all(mounts_config_map(spec, cm_name) for spec in pod_specs(g)):
@@ -571,7 +571,7 @@ def _checkpoint_throughput(stack: Stack, conf: CheckpointThroughput, report: Rep
     for fs in stack.of(FSX_LUSTRE):
         capacity, per_unit = fs.get("storageCapacity"), fs.get("perUnitStorageThroughput")
         try:
-            fsx = Fsx(
+            fsx = FsxConfig(
                 capacity_gib=int(capacity or 0),
                 per_unit_throughput=int(per_unit or 0),
                 checkpoint_write_budget_s=max(10, round(budget)),

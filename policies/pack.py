@@ -1,4 +1,4 @@
-"""The pack's contents: served by `__main__.py` (Pulumi CLI) and run in-process by `supernode.ops.policycheck`."""
+"""The pack's contents: served by `__main__.py` (Pulumi CLI) and run in-process by `supernode.tools.policycheck`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Serving policies (issue 17): checklist item 7 made mandatory for serving workloads, availability,
 exposure and fit of the inference plan. Serving workloads are the Deployments / LeaderWorkerSets
-labelled `app.kubernetes.io/component: serving` (components/serving.py)."""
+labelled `app.kubernetes.io/component: serving` (components/k8s/serving.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _weights_verified(stack: Stack, _conf: None, report: Report) -> None:
                     f"{res.label} starts its server without weights verified by digest: it needs the "
                     f"'{VERIFY_CONTAINER}' init container (copies the export and checks every file's sha256 "
                     f"against manifest.json) and must serve only the verified copy at {MODELS}. "
-                    "Fix: deploy serving through components/serving.py.",
+                    "Fix: deploy serving through components/k8s/serving.py.",
                 )
 
 

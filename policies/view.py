@@ -287,7 +287,7 @@ def command_line(container: Any) -> str:
 
 
 def is_fabric_check(container: Any) -> bool:
-    return "trainer.fabric" in command_line(container)
+    return "trainer.node.fabric" in command_line(container)
 
 
 def is_gate(res: Res) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from supernode.core.config import load_stack
-from supernode.ops.preview import PROGRAM, run_program
+from supernode.tools.preview import PROGRAM, run_program
 
 ROOT = Path(__file__).resolve().parents[1]
 

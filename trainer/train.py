@@ -46,10 +46,10 @@ from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED,
 from supernode.core.plan import Plan
 
 from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, inject
+from .engine import Trainer
 from .launch import EXIT_FILE, LAUNCHER_ENV  # where a failure a restart cannot fix is recorded
 from .metrics import Metrics
 from .parallel import ParallelDims, renumber_by_domain
-from .trainer import Trainer
 
 
 class NonFinite(Exception):

@@ -9,7 +9,7 @@ out (docs/architecture.md §6):
   then sharded by FSDP over dp_shard. Expert weights are split by ep and FSDP-sharded over
   dp_shard*tp/ep, so each rank holds experts/(dp_shard*tp) of them.
 - Activations are itemised per token per layer (see `activation_terms`); no sequence parallel.
-- Pipeline (`pipeline`): stages by layer (`layout.stage_layers`), the busiest rank is pp rank 0
+- PipelineShape (`pipeline`): stages by layer (`layout.stage_layers`), the busiest rank is pp rank 0
   (the most micro-batches in flight); the bubble is (pp-1)/(m*v + pp-1) of a step for m
   micro-batches per step and v virtual stages per rank.
 """
@@ -22,7 +22,7 @@ import math
 from pydantic import BaseModel
 
 from .catalog import GIB, InstanceType
-from .config import Fsx, Model, Parallel, Training
+from .config import FsxConfig, Model, Parallel, Training
 from .layout import layout_rules, stage_layers
 from .topology import GroupPlacement, Link, all_to_all_seconds, group_span, place, ring_seconds
 
@@ -125,7 +125,7 @@ def activation_terms(m: Model, p: Parallel, tokens: int) -> dict[str, int]:
     }
 
 
-class Pipeline(BaseModel):
+class PipelineShape(BaseModel):
     """How a layout pipelines one step (pp 1: one stage, no bubble)."""
 
     pp: int
@@ -150,7 +150,7 @@ def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> flo
     return (pp - 1) / (micro_batches * virtual_stages + pp - 1)
 
 
-def pipeline(m: Model, p: Parallel, t: Training) -> Pipeline:
+def pipeline(m: Model, p: Parallel, t: Training) -> PipelineShape:
     mbs = max(1, t.global_batch // (t.micro_batch * p.dp))
     v = p.pp_virtual_stages if p.pp > 1 else 1
     sizes = stage_layers(
@@ -170,7 +170,7 @@ def pipeline(m: Model, p: Parallel, t: Training) -> Pipeline:
     a = 2 if p.mixed_precision == "bf16" else 4
     # Each of the rank's v stages sends every micro-batch's output on and its input gradient back.
     p2p = 2 * mbs * v * t.micro_batch * m.seq_len * m.dim * a if p.pp > 1 else 0
-    return Pipeline(
+    return PipelineShape(
         pp=p.pp,
         schedule=p.pp_schedule,
         virtual_stages=v,
@@ -246,7 +246,7 @@ class StepTime(BaseModel):
     step_s: float
     mfu: float
     all_to_all_bytes_per_rank: int  # per step, both directions, fwd + bwd
-    # Pipeline: the bubble (idle compute-time: compute x (pp-1)/(m*v)) and the stage-to-stage sends.
+    # PipelineShape: the bubble (idle compute-time: compute x (pp-1)/(m*v)) and the stage-to-stage sends.
     pipeline_bubble_s: float = 0.0
     p2p_s: float = 0.0
     # The link each communication term crosses (NVLink, EFA, or NVLink+EFA for a group spanning
@@ -333,7 +333,7 @@ def fsx_capacity_for(mb_s: float, per_unit: int, min_bytes: int) -> int:
     return 1200 if gib <= 1200 else math.ceil(gib / FSX_INCREMENT_GIB) * FSX_INCREMENT_GIB
 
 
-def checkpoint_io(m: Model, t: Training, fsx: Fsx) -> CheckpointIO:
+def checkpoint_io(m: Model, t: Training, fsx: FsxConfig) -> CheckpointIO:
     size = CHECKPOINT_BYTES * param_counts(m).total
     required = size / 1e6 / fsx.checkpoint_write_budget_s
     hold = size * (t.keep_checkpoints + 1)  # kept checkpoints + one being written

@@ -2,7 +2,7 @@
 
 Two things, both pure:
 
-- **The mapping** (`served_architecture`, `hf_config`). Our model is exported (trainer.export) as a
+- **The mapping** (`served_architecture`, `hf_config`). Our model is exported (trainer.hf.export) as a
   Hugging Face model directory of an architecture vLLM and SGLang serve, and the mapping is exact:
   - sigmoid router + aux-loss-free bias + shared experts (+ leading dense layers): DeepSeek-V3
     style, GLM-4.5's `Glm4MoeForCausalLM` (`e_score_correction_bias`, `n_group = topk_group = 1`,

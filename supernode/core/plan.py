@@ -82,7 +82,7 @@ class Plan(BaseModel):
     micro_batches_per_step: int  # gradient accumulation: global_batch / (micro_batch x dp)
     # pp, the schedule, virtual stages, the layers of each stage (the trainer builds its stages from
     # these), the bubble, the in-flight micro-batches and the stage-to-stage volume.
-    pipeline: cap.Pipeline
+    pipeline: cap.PipelineShape
     step: cap.StepTime
     topology: Topology
     checkpoint: cap.CheckpointIO
@@ -93,7 +93,7 @@ class Plan(BaseModel):
     cost_per_hour_usd: float
     run_hours: float
     run_cost_usd: float
-    # The serving plan of the `inference` section (None without one): components/serving.py and the
+    # The serving plan of the `inference` section (None without one): components/k8s/serving.py and the
     # serving policies read it from here.
     inference: InferencePlan | None = None
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from supernode.core import resource_types as T
 from supernode.core.config import StackConfig, from_mapping, load_stack
-from supernode.ops.preview import PreviewResult, Resource, run_program
+from supernode.tools.preview import PreviewResult, Resource, run_program
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from aws_preview import ROOT, preview
 from supernode.cli import main
 from supernode.core.catalog import CATALOG
 from supernode.core.config import ConfigError, from_mapping
-from supernode.ops.preview import run_program
+from supernode.tools.preview import run_program
 
 
 def _write_variant(tmp_path: Path, change) -> Path:

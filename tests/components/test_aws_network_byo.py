@@ -7,7 +7,7 @@ import pytest
 from aws_preview import GPU_GROUP, NODE_GROUP, Stack, as_list, preview
 
 from supernode.core import resource_types as T
-from supernode.ops.policycheck import check, config_from_stack
+from supernode.tools.policycheck import check, config_from_stack
 
 VPC_ID = "vpc-0a1b2c3d4e5f60718"
 PRIVATE_IDS = ["subnet-0a1b2c3d4e5f60711", "subnet-0a1b2c3d4e5f60722"]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aws_preview import preview
 
-from supernode.ops import manifests as mf
+from supernode.tools import manifests as mf
 
 BOUNDED = ("cpu", "memory")
 

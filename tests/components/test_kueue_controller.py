@@ -13,10 +13,10 @@ import pytest
 import yaml
 from aws_preview import preview
 
-from components import queues as q
+from components.k8s import queues as q
 from supernode.core import resource_types as T
 from supernode.core.plan import build_plan
-from supernode.ops import manifests as mf
+from supernode.tools import manifests as mf
 
 # Each integration the stack needs and the resource its webhooks intercept (Kueue serves a webhook path
 # only for an enabled integration: a webhook for any other kind would fail every request).

@@ -1,5 +1,5 @@
 """Pod templates embedded in other objects are validated as strictly as a Pod: the LeaderWorkerSet's
-leader and worker templates (its CRD leaves them open, so supernode/ops/manifests.py checks them as
+leader and worker templates (its CRD leaves them open, so supernode/tools/manifests.py checks them as
 v1 PodTemplates) and a CronJob's jobTemplate (a built-in kind: its own schema reaches the pod)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from functools import cache
 from pathlib import Path
 
 from supernode.core.config import from_mapping, load_stack
-from supernode.ops import manifests as mf
-from supernode.ops.preview import run_program
+from supernode.tools import manifests as mf
+from supernode.tools.preview import run_program
 
 ROOT = Path(__file__).resolve().parents[2]
 

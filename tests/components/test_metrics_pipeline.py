@@ -12,12 +12,12 @@ import pytest
 import yaml
 from aws_preview import Stack, policy, preview, statements
 
-from components import serving
-from components.operations import AGENT_CONFIGMAP, SCRAPE_CONFIGMAP, scraped_namespaces
-from components.workload_addons import CONFIG_HASH, addon_images
-from components.workload_jobs import METRICS_SCRAPER_NAMESPACE
+from components.k8s import serving
+from components.k8s.addons import CONFIG_HASH, addon_images
+from components.k8s.jobs import METRICS_SCRAPER_NAMESPACE
+from components.k8s.operations import AGENT_CONFIGMAP, SCRAPE_CONFIGMAP, scraped_namespaces
 from supernode.core import resource_types as T
-from supernode.ops import manifests as mf
+from supernode.tools import manifests as mf
 
 pytestmark = pytest.mark.slow  # previews of the program under the mock engine
 

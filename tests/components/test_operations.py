@@ -12,14 +12,14 @@ import pytest
 import yaml
 from aws_preview import Stack, preview
 
-from components import monitoring
-from components.operations import METRIC_DECLARATIONS, OPS_NAMESPACE
-from components.workload_common import load_addon
-from components.workload_jobs import BASELINE_MOUNT, FABRIC_BASELINE, METRICS_PORT
+from components.aws import monitoring
+from components.k8s.common import load_addon
+from components.k8s.jobs import BASELINE_MOUNT, FABRIC_BASELINE, METRICS_PORT
+from components.k8s.operations import METRIC_DECLARATIONS, OPS_NAMESPACE
 from supernode.core import resource_types as T
 from supernode.core.config import load_file
 from supernode.core.plan import build_plan
-from supernode.ops import manifests as mf
+from supernode.tools import manifests as mf
 
 pytestmark = pytest.mark.slow  # one preview of the dev program under the mock engine
 
@@ -61,7 +61,7 @@ def test_gate_records_and_cron_compares_the_fabric_baseline_outside_the_checkpoi
     for spec in (gate["spec"], job):
         pod = spec["template"]["spec"]
         c = container(pod)
-        assert "trainer.fabric" in argv(c) and flag(c, "--baseline") == FABRIC_BASELINE
+        assert "trainer.node.fabric" in argv(c) and flag(c, "--baseline") == FABRIC_BASELINE
         assert float(flag(c, "--regression")) == wl.fabric_regression
         [mount] = [m for m in c["volumeMounts"] if m["mountPath"] == BASELINE_MOUNT]
         [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
@@ -153,7 +153,7 @@ def test_inventory_daemonset_on_gpu_nodes_keeps_baselines_it_cannot_rewrite(stac
     assert ds["metadata"]["namespace"] == OPS_NAMESPACE
     pod = ds["spec"]["template"]["spec"]
     c = container(pod)
-    assert argv(c)[:4] == ["python", "-m", "trainer.inventory", "watch"]
+    assert argv(c)[:4] == ["python", "-m", "trainer.node.inventory", "watch"]
     assert flag(c, "--namespace") == OPS_NAMESPACE and flag(c, "--interval-s") == str(
         wl.inventory_interval_minutes * 60
     )

@@ -9,13 +9,13 @@ import copy
 import pytest
 from aws_preview import ROOT, preview
 
-from components import queues as q
-from components.workload_common import pod_resources
+from components.k8s import queues as q
+from components.k8s.common import pod_resources
 from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
 from supernode.core.config import load_stack
 from supernode.core.plan import build_plan
-from supernode.ops import manifests as mf
+from supernode.tools import manifests as mf
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])

@@ -10,12 +10,12 @@ import re
 import pytest
 from aws_preview import ROOT, Stack, preview
 
-from components.monitoring import PROMETHEUS_NAMESPACE, TRAINER_SCRAPE_JOB, LogPattern
+from components.aws.monitoring import PROMETHEUS_NAMESPACE, TRAINER_SCRAPE_JOB, LogPattern
 from supernode.core import resource_types as T
 from supernode.core.config import load_stack
 from supernode.core.plan import build_local_plan, build_plan
-from trainer import fabric
 from trainer.metrics import Metrics
+from trainer.node import fabric
 
 GRAFANA = ROOT / "components" / "dashboards" / "training.json"
 
@@ -211,7 +211,7 @@ def test_grafana_check_catches_a_misspelt_metric(exported):
 
 def test_nvidia_device_plugin_fails_on_init_errors():
     """Issue 18, item 4: a node whose GPUs are not recognised must not look healthy."""
-    from components.workload_common import load_addon
+    from components.k8s.common import load_addon
 
     container = load_addon("nvidia-device-plugin.yaml")["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "FAIL_ON_INIT_ERROR", "value": "true"} in container["env"]

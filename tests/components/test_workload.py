@@ -17,8 +17,8 @@ from supernode.core import resource_types as T
 from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG
 from supernode.core.config import StackConfig, from_mapping, load_stack
 from supernode.core.plan import Plan, build_plan
-from supernode.ops import manifests as mf
-from supernode.ops.preview import PreviewResult, Resource, run_program
+from supernode.tools import manifests as mf
+from supernode.tools.preview import PreviewResult, Resource, run_program
 
 ROOT = Path(__file__).resolve().parents[2]
 FSX_ID = "fs-0123456789abcdef0"
@@ -32,7 +32,7 @@ GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 # The component alone, fed literal AWS outputs; config and plan come from the engine's config.
 PROGRAM = textwrap.dedent(f"""
     import pulumi
-    from components.workload import Fsx, GpuNodes, StackContext, Taint, TrainingWorkload, WorkloadArgs
+    from components.k8s.workload import FsxVolume, GpuNodes, StackContext, Taint, TrainingWorkload, WorkloadArgs
     from supernode.core.plan import build_plan
     from components.stack_config import stack_config
 
@@ -41,7 +41,7 @@ PROGRAM = textwrap.dedent(f"""
         ctx=StackContext.create(pulumi.get_stack(), cfg.region, "123456789012"),
         kubeconfig=pulumi.Output.secret("apiVersion: v1\\nkind: Config\\n"),
         cluster_version=cfg.cluster.kubernetes_version,
-        fsx=Fsx(id="{FSX_ID}", dns_name="{FSX_ID}.fsx.us-east-1.amazonaws.com", mount_name="abcdef12",
+        fsx=FsxVolume(id="{FSX_ID}", dns_name="{FSX_ID}.fsx.us-east-1.amazonaws.com", mount_name="abcdef12",
                 size_gib=pulumi.Output.from_input(4800), data_dir="/datasets", checkpoint_dir="/checkpoints"),
         trainer_role_arn="{ROLE_ARN}",
         gpu_nodes=GpuNodes.for_groups({GPU_LABELS!r}, {{"gpu-a": [Taint(**{GPU_TAINT!r})], "gpu-b": [Taint(**{GPU_TAINT!r})]}}),
@@ -237,7 +237,7 @@ def test_trainer_waits_for_the_interconnect_gate(stack: str) -> None:
     assert spec["backoffLimit"] == 0
     pod = spec["template"]["spec"]
     (c,) = pod["containers"]
-    assert c["command"][-1] == "trainer.fabric"
+    assert c["command"][-1] == "trainer.node.fabric"
     assert pod["priorityClassName"] == "supernode-training"
     threshold = gate_floor(result)
     assert threshold == pytest.approx(ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type] * cfg.workload.gate_min_fraction)

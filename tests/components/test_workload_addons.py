@@ -5,9 +5,9 @@ from __future__ import annotations
 import yaml
 from test_workload import objects, stack_preview
 
+from components.k8s.addons import DRA_DRIVER, DRA_DRIVER_FILE, addon_images, load_addon_objects, regional_image
+from components.k8s.common import ADDON_DIR, PART_OF, GpuNodes
 from components.taints import Taint
-from components.workload_addons import DRA_DRIVER, DRA_DRIVER_FILE, addon_images, load_addon_objects, regional_image
-from components.workload_common import ADDON_DIR, PART_OF, GpuNodes
 
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 

@@ -11,7 +11,7 @@ from supernode.cli import main
 from supernode.core.config import load_stack
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_OK
 from supernode.core.plan import build_plan
-from supernode.ops import manifests as mf
+from supernode.tools import manifests as mf
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
 from supernode.core.config import StackConfig
 from supernode.core.plan import build_plan
-from supernode.ops.policycheck import check
+from supernode.tools.policycheck import check
 
 LT, NG = T.LAUNCH_TEMPLATE, T.NODE_GROUP
 JOB, GATE, CM = T.PYTORCH_JOB, T.K8S_JOB, T.CONFIG_MAP
@@ -152,7 +152,7 @@ CASES: list[tuple[str, Callable, str, str]] = [
             s,
             GATE,
             lambda i: i["spec"]["template"]["spec"]["containers"][0].update(
-                command=["python", "-m", "trainer.fabric", "--min-busbw-gbytes-s", "1"]
+                command=["python", "-m", "trainer.node.fabric", "--min-busbw-gbytes-s", "1"]
             ),
         ),
         "interconnect-gate",

@@ -16,7 +16,7 @@ from supernode.cli.commands.plan import render
 from supernode.core.capacity import Suggestion
 from supernode.core.config import StackConfig, load_stack
 from supernode.core.plan import Plan, build_plan
-from supernode.ops.policycheck import check
+from supernode.tools.policycheck import check
 
 
 def _variant(

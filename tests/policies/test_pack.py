@@ -84,7 +84,7 @@ def test_one_stack_and_one_plan_per_analysis(stack, monkeypatch):
     # plan's text-keyed parse keep it to one Stack and one Plan per AnalyzeStack.
     from policies import view
     from supernode.core.plan import Plan
-    from supernode.ops.policycheck import check
+    from supernode.tools.policycheck import check
 
     built, parsed = [], []
     from_resources, from_json = view.Stack.from_policy_resources.__func__, Plan.from_json.__func__

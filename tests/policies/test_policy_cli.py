@@ -196,7 +196,7 @@ def test_unusable_resources_exit_2(tmp_path, capsys, content, expected):
 
 
 def test_a_large_bad_file_gives_a_short_error_and_files_have_a_size_limit(tmp_path, capsys, monkeypatch):
-    from supernode.ops import policycheck
+    from supernode.tools import policycheck
 
     f = tmp_path / "r.json"
     f.write_text(json.dumps([{"urn": "x" * 1000, "type": ["y" * 10_000]}] * 5000))  # ~50 MB of problems

@@ -5,7 +5,7 @@ from __future__ import annotations
 from policy_resources import find, mutate
 
 from supernode.core import resource_types as T
-from supernode.ops.policycheck import check
+from supernode.tools.policycheck import check
 
 LT = T.LAUNCH_TEMPLATE
 PAB = T.BUCKET_PAB

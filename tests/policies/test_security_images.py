@@ -10,8 +10,8 @@ from policies.security import IMAGE_POLICIES
 from supernode.core import resource_types as T
 from supernode.core.config import load_stack
 from supernode.core.config.schema import PLACEHOLDER_DIGEST
-from supernode.ops.policycheck import check, config_from_stack
-from supernode.ops.preview import run_program
+from supernode.tools.policycheck import check, config_from_stack
+from supernode.tools.preview import run_program
 
 DCGM = "dcgm-exporter"
 

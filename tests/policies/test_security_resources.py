@@ -6,7 +6,7 @@ import pytest
 from policy_resources import mutate
 
 from supernode.core import resource_types as T
-from supernode.ops.policycheck import check
+from supernode.tools.policycheck import check
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ import pytest
 
 from supernode.core import resource_types as T
 from supernode.core.config import load_stack
-from supernode.ops.policycheck import check, config_from_stack
-from supernode.ops.preview import run_program
+from supernode.tools.policycheck import check, config_from_stack
+from supernode.tools.preview import run_program
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING_POLICIES = {"serving-weights-verified", "serving-availability", "serving-not-public", "serving-plan-fits"}
@@ -117,7 +117,7 @@ def test_inference_plan_that_does_not_fit_is_reported(prod):
 
 def test_verify_script_blocks_a_corrupted_file(tmp_path):
     """The init container's script: copies and verifies; one changed byte stops the pod (exit 1)."""
-    from components.serving import VERIFY_SCRIPT
+    from components.k8s.serving import VERIFY_SCRIPT
 
     src = tmp_path / "src"
     src.mkdir()

@@ -14,9 +14,9 @@ from policies.view import Stack
 from supernode.core import resource_types as T
 from supernode.core.config import load_stack
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, build_plan
-from supernode.ops import manifests as mf
-from supernode.ops.policycheck import check, config_from_stack
-from supernode.ops.preview import run_program
+from supernode.tools import manifests as mf
+from supernode.tools.policycheck import check, config_from_stack
+from supernode.tools.preview import run_program
 
 pytestmark = pytest.mark.slow  # runs the Pulumi program under the mock engine (seconds per stack)
 

@@ -8,7 +8,7 @@ import pytest
 
 from supernode.core import capacity as cap
 from supernode.core.catalog import CATALOG, GIB
-from supernode.core.config import Fsx, Model, Parallel, Training, load_stack
+from supernode.core.config import FsxConfig, Model, Parallel, Training, load_stack
 from supernode.core.plan import Plan, build_local_plan, build_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,13 +93,13 @@ def test_bf16_halves_activations_and_tp_splits_weights():
 
 
 def test_checkpoint_size_and_fsx_sizing():
-    ck = cap.checkpoint_io(TINY, TRAIN, Fsx(checkpoint_write_budget_s=60))
+    ck = cap.checkpoint_io(TINY, TRAIN, FsxConfig(checkpoint_write_budget_s=60))
     assert ck.checkpoint_bytes == 12 * 93248
     assert ck.fsx_capacity_gib == 1200 and ck.within_budget
     # 10 TB checkpoint in 300 s needs 33,333 MB/s: at 500 MB/s/TiB that is 66.7 TiB -> 69,600 GiB (x 2400)
     assert cap.fsx_capacity_for(10e12 / 1e6 / 300, 500, 0) == 69600
     small = cap.checkpoint_io(
-        TINY, TRAIN, Fsx(capacity_gib=1200, per_unit_throughput=125, checkpoint_write_budget_s=10)
+        TINY, TRAIN, FsxConfig(capacity_gib=1200, per_unit_throughput=125, checkpoint_write_budget_s=10)
     )
     assert small.fsx_throughput_mb_s == pytest.approx(1200 / 1024 * 125)
 

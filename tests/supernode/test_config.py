@@ -53,7 +53,7 @@ def test_runtime_config_reads_the_same_schema(stack):
     from pulumi.runtime.config import set_all_config
 
     from components.stack_config import stack_config
-    from supernode.ops.preview import config_for_engine
+    from supernode.tools.preview import config_for_engine
 
     cfg = load_stack(stack, ROOT)
     set_all_config(config_for_engine(stack, cfg))

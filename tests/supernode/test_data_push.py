@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from supernode.cli import main
-from supernode.ops.push import base_key, dataset_objects, export_objects
-from supernode.ops.push import push as push_objects
-from trainer.prepare import DEFAULT_CORPUS, ShardWriter, prepare, write_manifest
+from supernode.tools.push import base_key, dataset_objects, export_objects
+from supernode.tools.push import push as push_objects
+from trainer.data.prepare import DEFAULT_CORPUS, ShardWriter, prepare, write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -153,7 +153,7 @@ def test_push_to_a_missing_bucket_says_so_once(moto_aws, tmp_path, capsys):
 
 
 def export_dir(tmp: Path) -> Path:
-    """A real export (trainer.export) of a small committed checkpoint, in shards of 7 MiB: the 6 MiB
+    """A real export (trainer.hf.export) of a small committed checkpoint, in shards of 7 MiB: the 6 MiB
     embedding and head make two shards above the 5 MiB part size, so they go up in parts."""
     import warnings
 
@@ -163,7 +163,7 @@ def export_dir(tmp: Path) -> Path:
     from supernode.core.config import Model
     from supernode.core.files import sha256_file
     from trainer.checkpoint import COMPLETE
-    from trainer.export import export
+    from trainer.hf.export import export
     from trainer.model import Transformer
 
     m = Model(
@@ -202,7 +202,7 @@ def export_dir(tmp: Path) -> Path:
 
 
 def test_model_push_resumes_lands_where_serving_reads_and_passes_its_verify_script(moto_aws, tmp_path, capsys):
-    from components.serving import VERIFY_SCRIPT
+    from components.k8s.serving import VERIFY_SCRIPT
     from supernode.core.config import load_stack
 
     s3 = boto3.client("s3", region_name="us-east-1")

@@ -19,8 +19,8 @@ import yaml
 from supernode.cli import main
 from supernode.core import catalog
 from supernode.core.config import from_mapping, read_stack_file
-from supernode.ops.awscheck import Aws, Check
-from supernode.ops.preflight import (
+from supernode.tools.awscheck import Aws, Check
+from supernode.tools.preflight import (
     P_QUOTA_CODE,
     check_bucket,
     check_instance_type,

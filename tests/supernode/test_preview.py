@@ -10,7 +10,7 @@ import pytest
 from supernode.cli import main
 from supernode.core import resource_types as T
 from supernode.core.config import load_stack
-from supernode.ops.preview import run_program
+from supernode.tools.preview import run_program
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,13 +17,13 @@ import pytest
 
 from supernode.cli import main
 from supernode.core.errors import BadInput
-from supernode.ops.serve import PYTHON_ENV, LocalServer, ServerFailed, verify_export, vllm_command
+from supernode.tools.serve import PYTHON_ENV, LocalServer, ServerFailed, verify_export, vllm_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _export(d: Path) -> Path:
-    """A model directory with a manifest, as trainer.export writes one (contents irrelevant here)."""
+    """A model directory with a manifest, as trainer.hf.export writes one (contents irrelevant here)."""
     d.mkdir(parents=True)
     files = {
         "config.json": b'{"max_position_embeddings": 64}',
@@ -133,9 +133,9 @@ def test_vllm_greedy_equals_transformers_greedy(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from supernode.core.config import Model
-    from supernode.ops.serve import greedy_token_ids
+    from supernode.tools.serve import greedy_token_ids
     from tests.trainer.test_export import _checkpoint
-    from trainer.export import export
+    from trainer.hf.export import export
 
     monkeypatch.delenv(PYTHON_ENV, raising=False)
     m = Model(

@@ -20,8 +20,8 @@ from supernode.cli import main
 from supernode.core.config import StackConfig, from_mapping, read_stack_file
 from supernode.core.contract import CONTRACT_VERSION, StackOutputs
 from supernode.core.plan import build_plan
-from supernode.ops.awscheck import Aws, Check
-from supernode.ops.verify import run_verify
+from supernode.tools.awscheck import Aws, Check
+from supernode.tools.verify import run_verify
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
@@ -555,7 +555,7 @@ def _topology(stub, blocks: dict[str, str | None]) -> None:
 
 
 def test_ultraserver_group_in_one_nvlink_domain_passes_and_a_split_one_fails(moto_aws):
-    from supernode.ops.verify import check_ultraserver
+    from supernode.tools.verify import check_ultraserver
 
     group = moto_aws.unique("gb200")
     ids = _ultraserver_instances(moto_aws, group, 3)
@@ -570,8 +570,8 @@ def test_ultraserver_group_in_one_nvlink_domain_passes_and_a_split_one_fails(mot
 
 
 def test_ultraserver_check_without_the_api_warns(moto_aws):
-    from supernode.ops.awscheck import Step, run_checks
-    from supernode.ops.verify import check_ultraserver
+    from supernode.tools.awscheck import Step, run_checks
+    from supernode.tools.verify import check_ultraserver
 
     group = moto_aws.unique("gb200")
     _ultraserver_instances(moto_aws, group, 1)

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import DEFAULT_CORPUS, DataError, TokenLoader, decode, encode, prepare, read_manifest
+from trainer.data.loader import TokenLoader, decode, encode
+from trainer.data.manifest import DataError, read_manifest
+from trainer.data.prepare import DEFAULT_CORPUS, prepare
 
 SEQ = 16
 
@@ -117,10 +119,10 @@ import sys
 
 import numpy as np
 
-from trainer import manifest as manifest_module
-from trainer.data import permute
-from trainer.manifest import VERIFIED, ensure_verified
-from trainer.prepare import write_synthetic
+from trainer.data import manifest as manifest_module
+from trainer.data.loader import permute
+from trainer.data.manifest import VERIFIED, ensure_verified
+from trainer.data.prepare import write_synthetic
 
 
 def synthetic(out: Path, tokens: int, vocab: int = 1000, seed: int = 0, shard_tokens: int = 1 << 20) -> Path:
@@ -198,7 +200,7 @@ def test_vocab_larger_than_the_model_names_both_numbers(tmp_path):
 
 RSS = """
 import sys, resource
-from trainer.data import TokenLoader
+from trainer.data.loader import TokenLoader
 def anon():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
 before = anon()

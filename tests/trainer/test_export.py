@@ -19,7 +19,7 @@ from supernode.core.errors import BadInput
 from supernode.core.files import sha256_file
 from supernode.core.inference import GLM4_MOE, QWEN3_MOE
 from trainer.checkpoint import COMPLETE
-from trainer.export import MANIFEST, export, rope_halves
+from trainer.hf.export import MANIFEST, export, rope_halves
 from trainer.model import Transformer, apply_rope, rope_tables
 
 transformers = pytest.importorskip("transformers")
@@ -128,7 +128,7 @@ def test_rope_permutation_preserves_attention_scores():
 
 
 def test_bf16_export_and_tokenizer(tmp_path):
-    from trainer.data import DEFAULT_CORPUS, prepare
+    from trainer.data.prepare import DEFAULT_CORPUS, prepare
 
     _, path = _checkpoint(tmp_path, GLM.model_copy(update={"vocab": 256}))
     prepare(DEFAULT_CORPUS[:1], tmp_path / "data", shard_tokens=1 << 16)

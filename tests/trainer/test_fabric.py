@@ -12,7 +12,7 @@ import pytest
 
 from supernode.core.config import load_stack
 from supernode.core.plan import Plan, build_plan
-from trainer import fabric
+from trainer.node import fabric
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def torchrun_fabric(*flags: str) -> subprocess.CompletedProcess:
         "--nproc-per-node",
         "2",
         "-m",
-        "trainer.fabric",
+        "trainer.node.fabric",
         "--sizes",
         "64K,1M",
         "--iters",
@@ -247,7 +247,7 @@ def test_four_rank_pair_matrix_names_the_injected_slow_rank_and_records_the_base
         "--nproc-per-node",
         "4",
         "-m",
-        "trainer.fabric",
+        "trainer.node.fabric",
         "--min-busbw-gbytes-s",
         "0.0001",
         "--sizes",
@@ -298,7 +298,7 @@ def four_rank_pairs(*flags: str, fault: str = "") -> subprocess.CompletedProcess
         "--nproc-per-node",
         "4",
         "-m",
-        "trainer.fabric",
+        "trainer.node.fabric",
         "--min-busbw-gbytes-s",
         "0.0001",
         "--sizes",

@@ -31,9 +31,10 @@ from trainer.checkpoint import (
     OutDirLock,
     complete_checkpoints,
 )
-from trainer.data import DEFAULT_CORPUS, DataError, prepare, verify
+from trainer.data.manifest import DataError, verify
+from trainer.data.prepare import DEFAULT_CORPUS, prepare
+from trainer.engine import apply_hyper_parameters, lr_factor
 from trainer.metrics import JSONL, Metrics
-from trainer.trainer import apply_hyper_parameters, lr_factor
 
 
 def one_rank_plan(model: dict | None = None, **training):
@@ -487,7 +488,7 @@ def test_bad_manifests_and_out_paths_exit_2(tmp_path, capsys):
 
 
 def test_token_ids_outside_the_vocab_are_bad_input(tmp_path):
-    from trainer.data import TokenLoader
+    from trainer.data.loader import TokenLoader
 
     prepare(DEFAULT_CORPUS, tmp_path, shard_tokens=1 << 18)
     with pytest.raises(DataError, match=r"holds token id 2\d\d, outside the model's vocab of 128"):

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.manifest import DataError, read_manifest, verify
-from trainer.prepare import DEFAULT_CORPUS, ShardWriter, prepare
-from trainer.tokenizer import EOS_TOKEN, byte_tokenizer, dtype_for, from_file
+from trainer.data.manifest import DataError, read_manifest, verify
+from trainer.data.prepare import DEFAULT_CORPUS, ShardWriter, prepare
+from trainer.data.tokenizer import EOS_TOKEN, byte_tokenizer, dtype_for, from_file
 
 TEXT = "Grüße, 世界: def f(x):\n    return x ** 2  # the docs\n\n\tTabs and NUL-free bytes ~ é"
 

@@ -17,8 +17,8 @@ from supernode.cli import main as cli
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.plan import Plan, build_local_plan
 from trainer.checkpoint import complete_checkpoints
-from trainer.data import DEFAULT_CORPUS, prepare
-from trainer.trainer import lr_factor
+from trainer.data.prepare import DEFAULT_CORPUS, prepare
+from trainer.engine import lr_factor
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -63,8 +63,8 @@ def _positive(flag: str, value) -> None:
 
 
 def run_prepare(args) -> int:
-    from trainer.manifest import DataError
-    from trainer.prepare import DEFAULT_CORPUS, prepare
+    from trainer.data.manifest import DataError
+    from trainer.data.prepare import DEFAULT_CORPUS, prepare
 
     _positive("--shard-tokens", args.shard_tokens)
     _positive("--workers", args.workers)
@@ -90,7 +90,7 @@ def run_prepare(args) -> int:
 
 
 def run_verify(args) -> int:
-    from trainer.manifest import DataError, verify
+    from trainer.data.manifest import DataError, verify
 
     try:
         m = verify(args.dir)
@@ -101,9 +101,9 @@ def run_verify(args) -> int:
 
 
 def run_push(args) -> int:
-    from trainer.manifest import DataError
+    from trainer.data.manifest import DataError
 
-    from ...ops.push import base_key, dataset_objects
+    from ...tools.push import base_key, dataset_objects
 
     stack, cfg = stack_from_args(args)
     name = args.name or args.dir.resolve().name
@@ -128,7 +128,7 @@ def run_push(args) -> int:
 
 def bucket_from_args(args, stack: str, cfg):
     """(bucket, the stack outputs when they named it, else None): --bucket, storage.bucketName, or --outputs."""
-    from ...ops.verify import OutputsError, load_outputs
+    from ...tools.verify import OutputsError, load_outputs
 
     bucket = args.bucket or cfg.storage.bucket_name
     if bucket is not None:
@@ -149,8 +149,8 @@ def push_with_progress(region: str, directory: Path, objects, bucket: str, base:
     """`ops.push.push` behind a progress bar on stderr; None (said in one line) when AWS stops it."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from ...ops.awscheck import Aws, describe_error
-    from ...ops.push import push, push_bytes
+    from ...tools.awscheck import Aws, describe_error
+    from ...tools.push import push, push_bytes
 
     s3 = Aws(region, read_timeout=120).client("s3")
     bar = Progress(
@@ -197,7 +197,7 @@ def add_data_arg(p) -> None:
 def check_plan_data(plan, data_dir) -> None:
     """Exit 2 (BadInput) when the data's vocabulary does not fit the plan's model.vocab, or
     training.documentMasking is on and the data records no document separator."""
-    from trainer.manifest import DataError, check_data
+    from trainer.data.manifest import DataError, check_data
 
     if data_dir is not None:
         try:

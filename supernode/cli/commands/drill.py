@@ -1,4 +1,4 @@
-"""`supernode drill restore`: the checkpoint restore drill (supernode/ops/drill.py)."""
+"""`supernode drill restore`: the checkpoint restore drill (supernode/tools/drill.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ...core.errors import EXIT_FAILED, EXIT_OK, BadInput
 from ...core.plan import build_local_plan, build_plan
-from ...ops.verify import OutputsError, load_outputs
+from ...tools.verify import OutputsError, load_outputs
 from ..args import add_stack_args, stack_from_args
 from .verify import outputs_from_pulumi
 
@@ -46,8 +46,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ...ops.awscheck import Aws
-    from ...ops.drill import cleanup, restore_drill
+    from ...tools.awscheck import Aws
+    from ...tools.drill import cleanup, restore_drill
 
     stack, cfg = stack_from_args(args)
     if args.bucket is not None:

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ...core.errors import EXIT_FAILED, BadInput
-from ...ops.policycheck import (
+from ...tools.policycheck import (
     PolicyInputError,
     PolicyReport,
     check,

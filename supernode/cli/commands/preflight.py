@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 
 from ...core.errors import EXIT_FAILED, EXIT_OK
-from ...ops.awscheck import failures, render, to_json
-from ...ops.preflight import run_preflight
+from ...tools.awscheck import failures, render, to_json
+from ...tools.preflight import run_preflight
 from ..args import add_stack_args, stack_from_args
 
 

@@ -11,9 +11,9 @@ from rich.table import Table
 from rich.tree import Tree
 
 from ...core.errors import EXIT_FAILED
-from ...ops.manifests import export as export_manifests
-from ...ops.policycheck import config_from_stack
-from ...ops.preview import PreviewResult, run_program
+from ...tools.manifests import export as export_manifests
+from ...tools.policycheck import config_from_stack
+from ...tools.preview import PreviewResult, run_program
 from ..args import add_stack_args, err, stack_from_args
 from .data import add_data_arg, check_plan_data
 from .plan import render as render_plan

@@ -2,7 +2,7 @@
 exported model, after verifying every file's sha256 against the export's manifest (a mismatch:
 exit 2 naming the file; the server never starts). With --prompt it answers those prompts, prints
 each completion with its latency and stops; without, it serves until Ctrl-C. In the cluster the
-stack's serving workload does the same (components/serving.py)."""
+stack's serving workload does the same (components/k8s/serving.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def run(args) -> int:
     if args.max_tokens < 1:
         raise BadInput(f"--max-tokens must be at least 1 (got {args.max_tokens})")
     stack, cfg = stack_from_args(args)
-    from ...ops.serve import LocalServer, ServerFailed, complete, serve_python, verify_export
+    from ...tools.serve import LocalServer, ServerFailed, complete, serve_python, verify_export
 
     model = args.model or Path("out") / f"export-{stack}"
     manifest = verify_export(model)  # before anything starts: a changed file is bad input

@@ -101,7 +101,8 @@ def run(args) -> int:
         raise BadInput(f"--out {out} is an existing file, not a directory")
 
     from trainer.checkpoint import OutDirLock, complete_checkpoints  # torch only for this command
-    from trainer.data import DEFAULT_CORPUS, DataError, prepare, verify
+    from trainer.data.manifest import DataError, verify
+    from trainer.data.prepare import DEFAULT_CORPUS, prepare
     from trainer.launch import EXIT_FILE, LAUNCHER_ENV
 
     lock = OutDirLock(out)  # before anything in OUT is written: plan.json belongs to the holder

@@ -11,8 +11,8 @@ from rich.console import Console
 from ...core.contract import StackOutputs
 from ...core.errors import EXIT_FAILED, EXIT_OK, BadInput
 from ...core.plan import build_plan
-from ...ops.awscheck import failures, render, to_json
-from ...ops.verify import OutputsError, load_outputs, parse_outputs, run_verify
+from ...tools.awscheck import failures, render, to_json
+from ...tools.verify import OutputsError, load_outputs, parse_outputs, run_verify
 from ..args import add_stack_args, stack_from_args
 
 

@@ -19,9 +19,9 @@ from .schema import CW_RETENTION_DAYS, DIGEST_RE, FSX_PER_UNIT_THROUGHPUT, NAMES
 VALIDATED = {
     ("AcceleratorNodeGroup", "instance_type"): "one of " + ", ".join(CATALOG),
     ("SystemNodeGroup", "instance_type"): "one of " + ", ".join(SYSTEM_INSTANCE_TYPES),
-    ("Fsx", "capacity_gib"): "1200 or a multiple of 2400",
-    ("Fsx", "per_unit_throughput"): "one of " + ", ".join(map(str, FSX_PER_UNIT_THROUGHPUT)),
-    ("Monitoring", "log_retention_days"): "one of " + ", ".join(map(str, CW_RETENTION_DAYS)),
+    ("FsxConfig", "capacity_gib"): "1200 or a multiple of 2400",
+    ("FsxConfig", "per_unit_throughput"): "one of " + ", ".join(map(str, FSX_PER_UNIT_THROUGHPUT)),
+    ("MonitoringConfig", "log_retention_days"): "one of " + ", ".join(map(str, CW_RETENTION_DAYS)),
     ("Images", "trainer"): f"pinned by digest: `{DIGEST_RE.pattern}`",
     ("Images", "fabric_check"): f"pinned by digest: `{DIGEST_RE.pattern}`",
     ("Images", "addons"): "keys as listed; each value an image by tag (not `latest`) or digest",

@@ -61,7 +61,7 @@ class _Base(BaseModel):
     )
 
 
-class Cluster(_Base):
+class ClusterConfig(_Base):
     kubernetes_version: str = Field(pattern=r"^1\.(2[89]|3[0-9])$")
     endpoint_private_access: bool = True
     endpoint_public_access: bool = False
@@ -71,7 +71,7 @@ class Cluster(_Base):
 SubnetId = Annotated[str, Field(pattern=r"^subnet-[0-9a-f]{8,17}$")]
 
 
-class Network(_Base):
+class NetworkConfig(_Base):
     """A VPC the stack creates (the *Cidrs keys), or an existing one (existingVpcId and the
     existing*SubnetId(s) keys). vpcCidr is required either way: security-group rules use it, and
     preflight compares it with the existing VPC's."""
@@ -179,7 +179,7 @@ class Lifecycle(_Base):
     abort_multipart_days: int = Field(default=3, ge=1, le=30)
 
 
-class Fsx(_Base):
+class FsxConfig(_Base):
     deployment_type: Literal["PERSISTENT_2"] = "PERSISTENT_2"
     capacity_gib: int | None = Field(default=None, description="None: sized by the planner")
     per_unit_throughput: int = 250
@@ -200,14 +200,14 @@ class Fsx(_Base):
         return v
 
 
-class Storage(_Base):
+class StorageConfig(_Base):
     bucket_name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
     existing_bucket: bool = False
     dataset_prefix: str = Field(default="datasets/", pattern=r"^[A-Za-z0-9._/-]+/$")
     checkpoint_prefix: str = Field(default="checkpoints/", pattern=r"^[A-Za-z0-9._/-]+/$")
     log_prefix: str = Field(default="logs/", pattern=r"^[A-Za-z0-9._/-]+/$")
     lifecycle: Lifecycle = Lifecycle()
-    fsx: Fsx = Fsx()
+    fsx: FsxConfig = FsxConfig()
 
 
 class Identity(_Base):
@@ -216,7 +216,7 @@ class Identity(_Base):
     pod_identity: Literal["irsa", "pod-identity"] = "irsa"
 
 
-class Monitoring(_Base):
+class MonitoringConfig(_Base):
     log_retention_days: int = 30
     gpu_util_floor_percent: float = Field(default=40.0, gt=0, le=100)
     gpu_util_window_minutes: int = Field(default=30, ge=5, le=1440)
@@ -275,7 +275,7 @@ ImageReference = Annotated[str, AfterValidator(_image_reference)]
 
 class Images(_Base):
     trainer: str
-    fabric_check: str | None = None  # default: the trainer image (it carries trainer.fabric)
+    fabric_check: str | None = None  # default: the trainer image (it carries trainer.node.fabric)
     addons: dict[AddonImage, ImageReference] = Field(
         default={},
         description="add-on container -> image, pinned as REPOSITORY:TAG@sha256:<digest>; an add-on "
@@ -487,7 +487,7 @@ class Workload(_Base):
 
 
 class Inference(_Base):
-    """Serving the training run's export with vLLM: in the cluster (components/serving.py) and
+    """Serving the training run's export with vLLM: in the cluster (components/k8s/serving.py) and
     locally (`supernode serve --local`). Sized by the inference planner (supernode/core/inference.py)."""
 
     image: str = Field(description="the vLLM server image, pinned by digest: REPOSITORY@sha256:<64 hex digits>")
@@ -567,13 +567,13 @@ class Local(_Base):
 class StackConfig(_Base):
     region: str = Field(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
     availability_zone: str
-    cluster: Cluster
-    network: Network
+    cluster: ClusterConfig
+    network: NetworkConfig
     accelerator_node_groups: list[AcceleratorNodeGroup] = Field(min_length=1)
     system_node_group: SystemNodeGroup = SystemNodeGroup()
-    storage: Storage = Storage()
+    storage: StorageConfig = StorageConfig()
     identity: Identity = Identity()
-    monitoring: Monitoring
+    monitoring: MonitoringConfig
     images: Images
     model: Model
     parallel: Parallel = Parallel()

