@@ -1,1 +1,1 @@
-"""Pulumi ComponentResources of the supernode stack (ARCHITECTURE.md §2)."""
+"""Pulumi ComponentResources of the supernode stack (docs/architecture.md §4); program.py wires them."""

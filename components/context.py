@@ -1,4 +1,4 @@
-"""What every component shares about the stack it belongs to, built once in `__main__.py` and
+"""What every component shares about the stack it belongs to, built once by the program (components/program.py) and
 passed once to each component (the first field of its Args; NodeRole, which has no Args, takes it
 as a parameter) instead of stack, region, account and tags repeated in every Args class."""
 

@@ -1,4 +1,5 @@
-"""StackConfig from Pulumi's runtime config, for `__main__.py` under `pulumi up` or the mock engine.
+"""StackConfig from Pulumi's runtime config, for the program
+(components/program.py) under `pulumi up` or the mock engine.
 
 The CLI hands structured values to the program as JSON strings and plain strings as they are;
 both then go through the same `from_mapping` as the stack file, so there is one schema.

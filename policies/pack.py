@@ -1,4 +1,5 @@
-"""The pack's contents: served by `__main__.py` (Pulumi CLI) and run in-process by `supernode.tools.policycheck`."""
+"""The pack's contents: served by `policies/__main__.py` (Pulumi CLI) and run in-process by
+`supernode.tools.policycheck`."""
 
 from __future__ import annotations
 

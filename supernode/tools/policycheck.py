@@ -4,7 +4,7 @@
 gRPC; here we call it directly with the same protobuf requests (private API: pulumi-policy is
 pinned exactly in requirements.txt). Like the engine, per resource we run Remediate first and
 analyze the remediated properties, then one AnalyzeStack over every resource. Input is the
-recorded `resources` list of `supernode preview --json` (ARCHITECTURE.md §6), so a PR check needs
+recorded `resources` list of `supernode preview --json` (docs/architecture.md §7), so a PR check needs
 neither the Pulumi CLI nor cloud credentials.
 """
 

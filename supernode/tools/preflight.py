@@ -138,7 +138,7 @@ def check_reservation(aws: Aws, reservation_id: str, groups: list[AcceleratorNod
         )
     detail = f"{rtype} {r.get('InstanceType')} in {az}: {available}/{total} available, {need} needed ({users})"
     if rtype == "capacity-block":
-        # HARDWARE.md: block instances terminate from 30 min before the end; node groups go to 0 by 40 min before.
+        # docs/hardware.md: block instances terminate from 30 min before the end; node groups go to 0 by 40 min before.
         detail += (
             f"; window {starts} to {ends} (instances stop from 30 min before the end: the node groups scale "
             f"to 0 at {groups[0].capacity.scale_to_zero_at})"

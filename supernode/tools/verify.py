@@ -108,7 +108,7 @@ def check_nodegroup(aws: Aws, cluster: str, name: str, instance_type: str, sizes
 
 def check_ultraserver(aws: Aws, name: str, nodes: int, ultra_server: str) -> Check:
     """The node group's running instances share one NVLink domain: EC2's instance topology gives
-    every UltraServer instance the capacity block that is its domain (../shared/HARDWARE.md), so
+    every UltraServer instance the capacity block that is its domain (docs/hardware.md), so
     one `CapacityBlockId` for all of them, and as many instances as the UltraServer has."""
     check = f"ultraserver {name}"
     ec2 = aws.client("ec2")

@@ -1,4 +1,4 @@
-"""`supernode plan` / `supernode preview` per the command-line contract (ARCHITECTURE.md §6)."""
+"""`supernode plan` / `supernode preview` per the command-line contract (docs/architecture.md §7)."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def test_catalog_against_what_ec2_reports(moto_aws, instance_type):
 
 
 def test_p6_card_layouts_and_architecture_are_compared_with_ec2(moto_aws):
-    """The figures the launch templates are built from, as EC2 reports them (HARDWARE.md)."""
+    """The figures the launch templates are built from, as EC2 reports them (docs/hardware.md)."""
     b300 = check_instance_type(Aws(REGION), "p6-b300.48xlarge").detail
     assert "accelerator B300" in b300 and "max EFA interfaces 16" in b300 and "network cards 17" in b300
     assert "card 0 EFA False" in b300 and "architecture x86_64" in b300 and "GPU memory MiB 275040" in b300
