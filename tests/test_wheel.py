@@ -73,7 +73,7 @@ def installed(tmp_path_factory) -> Path:
 
 def test_the_installed_wheel_is_what_runs(installed, tmp_path):
     code = (
-        "import supernode, components.k8s.common as w, trainer.data.loader as d, supernode.tools.preview as p; "
+        "import supernode, components.k8s.common as w, trainer.data.prepare as d, supernode.tools.preview as p; "
         "print(supernode.__file__); print(p.PROGRAM); print(len(list(w.ADDON_DIR.glob('*.yaml'))), "
         "len(list(w.CRD_DIR.glob('*.yaml'))), len(d.DEFAULT_CORPUS))"
     )
