@@ -66,6 +66,9 @@ COMPLETE = "COMPLETE"
 PREFIX, TMP_PREFIX, OLD_PREFIX = "step_", ".tmp-step_", ".old-step_"
 DIGESTS = ".sha256."  # `.sha256.<rank>`: the digests of the files one rank wrote, in a save's temporary directory
 LOCK = ".lock"
+# A marker without sha256 (a checkpoint from before checksums, or an edited marker) proves nothing about
+# its weights: it is refused unless this variable is "1", and then the restore says it used one.
+TRUST_UNCHECKED_ENV = "SUPERNODE_TRUST_UNCHECKED_CHECKPOINT"
 # Test hook: "enospc@N" makes the save of step N fail as a full disk does (errno ENOSPC).
 INJECT_ENV = "SUPERNODE_INJECT_FAULT"
 
@@ -508,14 +511,29 @@ class Checkpointer:
             return {}
 
     @classmethod
+    def unchecked(cls, path: Path) -> bool:
+        """The marker is readable but records no sha256 of the files (see TRUST_UNCHECKED_ENV)."""
+        m = cls.marker(path)
+        return bool(m) and not isinstance(m.get("files"), dict)
+
+    @classmethod
     def problem(cls, path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
-        """Why the checkpoint at `path` cannot be trusted (a file missing, unreadable or not matching
-        its recorded sha256), or None. Checkpoints from before checksums carry no "files": trusted.
+        """Why the checkpoint at `path` cannot be trusted (an unreadable marker, one without sha256,
+        a file missing, unreadable or not matching its recorded sha256), or None. A marker without
+        sha256 is trusted only where TRUST_UNCHECKED_ENV is "1".
         `share` (rank, world): check only the files whose index in name order is rank modulo world,
         so that `world` processes check every file once between them; (0, 1), all: one process."""
-        files = cls.marker(path).get("files")
+        marker = cls.marker(path)
+        if not marker:
+            return f"{path / COMPLETE} is unreadable or not a JSON object"
+        files = marker.get("files")
         if not isinstance(files, dict):
-            return None if (path / COMPLETE).is_file() else f"{path / COMPLETE} is unreadable"
+            if os.environ.get(TRUST_UNCHECKED_ENV) == "1":
+                return None
+            return (
+                f"{path / COMPLETE} records no sha256 of its files (written before checksums, or edited), "
+                f"so nothing proves its weights are the ones saved; set {TRUST_UNCHECKED_ENV}=1 to use it anyway"
+            )
         rank, world = share
         for name in sorted(files)[rank::world]:
             f = path / name
@@ -541,6 +559,10 @@ class Checkpointer:
             dist.all_gather_object(verdicts, self.problem(path, (self.rank, self.world)), group=self.group)
             why = next((v for v in verdicts if v is not None), None)
             if why is None:
+                if self.unchecked(path):
+                    say(
+                        f"checkpoint {path} has no sha256 of its files; used unverified because {TRUST_UNCHECKED_ENV}=1"
+                    )
                 if bad:
                     say(f"checkpoint {bad[0]}; resuming from the previous complete checkpoint, step {step}")
                 return (step, path), None
@@ -601,5 +623,6 @@ __all__ = [
     "OutDirLock",
     "complete_checkpoints",
     "COMPLETE",
+    "TRUST_UNCHECKED_ENV",
     "train_state",
 ]

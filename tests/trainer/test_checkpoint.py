@@ -19,6 +19,8 @@ import trainer.checkpoint
 from supernode.core.files import sha256_file
 from trainer.checkpoint import (
     COMPLETE,
+    TRUST_UNCHECKED_ENV,
+    CheckpointCorrupt,
     Checkpointer,
     CheckpointMismatch,
     MissingDigest,
@@ -198,6 +200,33 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(group, tmp_path):
         checkpointer(
             tmp_path / "ck", other, other_opt, torch.optim.lr_scheduler.LambdaLR(other_opt, lambda s: 1.0), keep=1
         ).restore()
+
+
+@pytest.mark.parametrize("marker", ["no-files", "files-not-a-dict", "not-json"])
+def test_a_marker_without_checksums_is_never_trusted_silently(group, tmp_path, monkeypatch, marker):
+    """Issue 30 #3: a COMPLETE marker lacking its sha256 (or unreadable) used to be trusted, so flipped
+    weights resumed silently and were re-checkpointed under fresh checksums."""
+    model, opt, sched = make(0)
+    checkpointer(tmp_path, model, opt, sched, keep=2, async_save=False).save(1)
+    trained = model[0].weight.detach().clone()
+    path = tmp_path / "step_00000001"
+    m = json.loads((path / COMPLETE).read_text())
+    body = {"no-files": {k: v for k, v in m.items() if k != "files"}, "files-not-a-dict": {**m, "files": []}}
+    (path / COMPLETE).write_text("{not json" if marker == "not-json" else json.dumps(body[marker]))
+    problem = Checkpointer.problem(path)  # what the restore drill and the export check
+    assert problem and str(path / COMPLETE) in problem
+    model2, opt2, sched2 = make(1)
+    with pytest.raises(CheckpointCorrupt, match="no usable checkpoint"):
+        checkpointer(tmp_path, model2, opt2, sched2, keep=2).restore()
+    if marker == "not-json":
+        return
+    # The explicit opt-in for checkpoints from before checksums: used, and the restore says so.
+    monkeypatch.setenv(TRUST_UNCHECKED_ENV, "1")
+    said = []
+    assert Checkpointer.problem(path) is None
+    assert checkpointer(tmp_path, model2, opt2, sched2, keep=2, say=said.append).restore() == 1
+    assert torch.equal(model2[0].weight, trained)
+    assert any("used unverified" in line for line in said)
 
 
 # -- checksums at scale: each rank hashes its own files, a restore splits the check --------------
