@@ -121,7 +121,7 @@ import numpy as np
 
 from trainer.data import manifest as manifest_module
 from trainer.data.loader import permute
-from trainer.data.manifest import VERIFIED, ensure_verified
+from trainer.data.manifest import MANIFEST, VERIFIED, ensure_verified, verify
 from trainer.data.prepare import write_synthetic
 
 
@@ -141,15 +141,43 @@ def test_verification_happens_once_until_a_shard_changes(shards, monkeypatch):
     ensure_verified(shards)  # prepare left the marker; this reads no shard
     assert (shards / VERIFIED).is_file()
 
-    def no_hashing(path):
+    def no_hashing(path, dtype):
         raise AssertionError(f"{path} hashed again")
 
-    monkeypatch.setattr(manifest_module, "sha256_file", no_hashing)
+    monkeypatch.setattr(manifest_module, "_scan_shard", no_hashing)
     ensure_verified(shards)
     loader(shards).next_step()
     os.utime(shards / "shard_00001.bin")  # rewritten since: verified again, in full
     with pytest.raises(AssertionError, match=r"shard_00000\.bin hashed again"):
         ensure_verified(shards)
+
+
+@pytest.mark.parametrize("lie", ["shard-max-id", "manifest-max-id", "vocab"])
+def test_verify_reads_the_ids_not_the_manifests_word_for_them(tmp_path, lie):
+    """Issue 30 #12: a manifest claiming max_id 200 over ids up to 8001 verified, and training then
+    died with an IndexError on every rank. The shards' sha256 are intact here: only the claims lie."""
+    d = synthetic(tmp_path / "d", 10_000, shard_tokens=997)
+    m = json.loads((d / MANIFEST).read_text())
+    true_top = m["max_id"]
+    if lie == "shard-max-id":
+        m["shards"][3]["max_id"] = 200
+    elif lie == "manifest-max-id":
+        m["max_id"] = 200
+    else:  # a vocab below the ids the shards hold (and the max_id claims that match it)
+        m["vocab"] = 201
+        m["max_id"] = 200
+        for s in m["shards"]:
+            s["max_id"] = min(s["max_id"], 200)
+    (d / MANIFEST).write_text(json.dumps(m))
+    (d / VERIFIED).unlink(missing_ok=True)
+    expected = {
+        "shard-max-id": r"shard_00003\.bin: the manifest says max_id 200, the shard's largest id is \d+",
+        "manifest-max-id": rf"manifest\.json: max_id 200, but the shards' largest id is {true_top}",
+        "vocab": r"shard_\d+\.bin holds token id \d+, outside the manifest's vocab of 201",
+    }[lie]
+    with pytest.raises(DataError, match=expected):
+        verify(d)
+    assert not (d / VERIFIED).exists()
 
 
 def test_windows_cross_shards_and_read_the_token_stream(tmp_path):

@@ -1,5 +1,6 @@
 """A prepared dataset's manifest: reading it, verifying its shards, and checking its vocabulary
-against the model's. Imports neither torch nor the tokenizers library (the CLI's plan and push use it).
+against the model's. Imports neither torch nor the tokenizers library (the CLI's plan and push use it);
+numpy reads the ids.
 
     DIR/shard_00000.bin ...   token ids, the manifest's dtype, fixed size (the last may be shorter)
     DIR/tokenizer.json        the tokenizer, unless it is the byte tokenizer
@@ -22,6 +23,8 @@ import json
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from supernode.core.files import sha256_file
 
@@ -100,14 +103,37 @@ def verify(data_dir: str | Path) -> dict:
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
     stats = _check_sizes(data_dir, manifest)
+    dtype, vocab = manifest.get("dtype", "uint8"), manifest["vocab"]
+    top = -1
     for s in manifest["shards"]:
         path = data_dir / s["file"]
-        digest = sha256_file(path)
+        digest, max_id = _scan_shard(path, dtype)
         if digest != s["sha256"]:
             raise DataError(f"shard {path} is corrupt: sha256 {digest} does not match the manifest's {s['sha256']}")
+        # The ids themselves, not only the manifest's word for them: an id at or above the vocab
+        # would be an IndexError on every rank of the run.
+        if max_id >= vocab:
+            raise DataError(f"shard {path} holds token id {max_id}, outside the manifest's vocab of {vocab}")
+        if s.get("max_id", max_id) != max_id:
+            raise DataError(
+                f"shard {path}: the manifest says max_id {s['max_id']!r}, the shard's largest id is {max_id}"
+            )
+        top = max(top, max_id)
+    if manifest["shards"] and manifest.get("max_id", top) != top:
+        raise DataError(f"{data_dir / MANIFEST}: max_id {manifest['max_id']!r}, but the shards' largest id is {top}")
     _verify_tokenizer(data_dir, manifest)
     mark_verified(data_dir, stats)
     return manifest
+
+
+def _scan_shard(path: Path, dtype: str, chunk_tokens: int = 1 << 22) -> tuple[str, int]:
+    """sha256 of the shard's bytes and its largest token id (-1 if empty), in one bounded read."""
+    h, top = hashlib.sha256(), -1
+    with open(path, "rb") as f:
+        while block := f.read(chunk_tokens * ITEMSIZE[dtype]):
+            h.update(block)
+            top = max(top, int(np.frombuffer(block, dtype=dtype).max()))
+    return h.hexdigest(), top
 
 
 def _verify_tokenizer(data_dir: Path, manifest: dict) -> None:
