@@ -3,7 +3,9 @@ a private EKS API, IMDSv2 out of pods' reach, rotated KMS keys, no ingress from 
 containers the stack deploys: images pinned by digest (never the placeholder), CPU and memory bounded.
 
 Two remediations, both safe because they only tighten a setting and never change what a workload
-can reach inside the VPC: IMDSv2 on launch templates and an all-true S3 public-access block.
+can reach inside the VPC: IMDSv2 on launch templates and an all-true S3 public-access block. They
+apply only where the Pulumi CLI runs the pack on an update; every check the project runs sets them
+mandatory (`REMEDIATING_POLICIES`), so a weakened setting fails a PR instead of passing "fixed".
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from typing import Any
 
 from pulumi_policy import EnforcementLevel
 
+from supernode.core import resource_types
 from supernode.core.config import DIGEST_RE
 from supernode.core.config.schema import PLACEHOLDER_DIGEST
 from supernode.core.resource_types import (
     BUCKET,
+    BUCKET_ACL,
+    BUCKET_ACL_V2,
     BUCKET_LOGGING,
     BUCKET_PAB,
     BUCKET_POLICY,
@@ -49,6 +54,26 @@ from .view import OPEN_CIDRS, Res, Stack, as_list, containers, get, is_true, ite
 REMEDIATE = EnforcementLevel.REMEDIATE
 PAB_FLAGS = ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")
 # `*` resources are allowed only for read-only calls that AWS offers no resource-level permission for.
+# Condition keys that confine an Allow to known accounts, networks or callers: AWS's own evaluation
+# of "public" (S3 Block Public Access) does not count a statement confined by one of them.
+CONFINING_KEYS = (
+    "aws:sourcevpce",
+    "aws:sourcevpc",
+    "aws:principalorgid",
+    "aws:principalaccount",
+    "aws:principalarn",
+    "aws:sourceaccount",
+    "aws:sourcearn",
+    "aws:sourceowner",
+    "aws:userid",
+)
+PUBLIC_ACLS = ("public-read", "public-read-write", "authenticated-read")
+PUBLIC_GRANTEES = (
+    "http://acs.amazonaws.com/groups/global/AllUsers",
+    "http://acs.amazonaws.com/groups/global/AuthenticatedUsers",
+)
+# What the pack has been reviewed against (see supernode/core/resource_types.py).
+REVIEWED_AWS_TYPES = frozenset(v for v in vars(resource_types).values() if isinstance(v, str) and v.startswith("aws:"))
 READ_ONLY_VERBS = ("Describe", "List")
 NO_RESOURCE_LEVEL = {"sts:GetCallerIdentity", "ecr:GetAuthorizationToken"}
 
@@ -144,6 +169,56 @@ def _pab_fix(res: Res) -> dict[str, Any] | None:
     if all(is_true(res.get(f)) for f in PAB_FLAGS):
         return None
     return {**plain(res.props), **{f: True for f in PAB_FLAGS}}
+
+
+def _anyone(st: dict) -> bool:
+    """The statement's principal is everyone: "*", {"AWS": "*"}, or a NotPrincipal (all but some)."""
+    principal = st.get("Principal")
+    aws = principal.get("AWS") if isinstance(principal, dict) else None
+    return "NotPrincipal" in st or principal == "*" or "*" in [str(a) for a in as_list(aws)]
+
+
+def _confined(st: dict) -> bool:
+    condition = st.get("Condition")
+    keys = {k.lower() for op in (condition or {}).values() if isinstance(op, dict) for k in op}
+    return isinstance(condition, dict) and bool(keys & set(CONFINING_KEYS))
+
+
+def _public_policy(res: Res, _conf: None, report: Report) -> None:
+    for i, st in enumerate(statements(json_doc(res.get("policy")))):
+        if st.get("Effect") == "Allow" and _anyone(st) and not _confined(st):
+            report(
+                res,
+                f"{res.label} statement {i} allows {as_list(st.get('Action'))} to anyone (Principal "
+                f"{st.get('Principal', 'NotPrincipal')!r}, no condition confining it to an account, VPC or "
+                f"organisation): the bucket is public. Fix: name the principals (the stack's roles).",
+            )
+
+
+def _public_acl(res: Res, _conf: None, report: Report) -> None:
+    acl = res.get("acl")
+    grants = items(res.get("grants")) + items(res.get("accessControlPolicy", "grants"))
+    grantees = [str(g) for g in (get(x, "uri") or get(x, "grantee", "uri") for x in grants) if g]
+    public = ([f"acl {acl!r}"] if str(acl) in PUBLIC_ACLS else []) + [
+        f"a grant to {g.rsplit('/', 1)[-1]}" for g in grantees if g in PUBLIC_GRANTEES
+    ]
+    if public:
+        report(
+            res,
+            f"{res.label} makes objects public with {', '.join(public)}. Fix: drop the ACL (bucket owner "
+            f"enforced ownership) and grant access by IAM to the stack's roles.",
+        )
+
+
+def _aws_types_reviewed(stack: Stack, _conf: None, report: Report) -> None:
+    for r in stack.resources:
+        if r.type.startswith("aws:") and r.type not in REVIEWED_AWS_TYPES:
+            report(
+                r,
+                f"{r.label} is of type {r.type}, which no security policy has been reviewed against: it could "
+                f"open access that nothing here reads. Fix: check what it can grant, add a policy if it can, "
+                f"and name the type in supernode/core/resource_types.py.",
+            )
 
 
 def _tls_only(stack: Stack, _conf: None, report: Report) -> None:
@@ -334,6 +409,20 @@ POLICIES = [
         level=REMEDIATE,
         remediate=_pab_fix,
     ),
+    ResourcePolicy(
+        "s3-no-public-policy",
+        10,
+        "No bucket policy allows anyone (Principal '*') without a condition confining it.",
+        (BUCKET_POLICY,),
+        _public_policy,
+    ),
+    ResourcePolicy(
+        "s3-no-public-acl",
+        10,
+        "No bucket ACL grants access to all or all authenticated AWS users.",
+        (BUCKET, BUCKET_ACL, BUCKET_ACL_V2),
+        _public_acl,
+    ),
     StackPolicy("s3-tls-only", 10, "S3 buckets deny non-TLS requests.", _tls_only),
     ResourcePolicy("eks-secrets-encryption", 10, "EKS encrypts secrets with KMS.", (EKS_CLUSTER,), _eks_secrets),
     ResourcePolicy(
@@ -370,5 +459,11 @@ POLICIES = [
     StackPolicy(
         "container-resources", 10, "Every container sets CPU and memory requests and limits.", _container_resources
     ),
+    StackPolicy(
+        "aws-types-reviewed", 10, "Every AWS resource is of a type the security policies read.", _aws_types_reviewed
+    ),
 ]
 IMAGE_POLICIES = ("image-digests", "image-placeholder")
+# Remediated where the Pulumi CLI applies the pack to an update; a check (the offline preview, the
+# PR check, a plain `pulumi up` without the pack) must fail instead: nothing else applies the fix.
+REMEDIATING_POLICIES = ("s3-public-access-block", "ec2-imdsv2")

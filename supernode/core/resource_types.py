@@ -4,6 +4,10 @@ One module for everything that names resources by type: the policy pack (which r
 reads), the offline preview's mocks (what ids and outputs a resource gets) and the tests. A provider
 upgrade that renames a token then changes one line here, not a string in each of them. Plain strings,
 so the core stays free of pulumi.
+
+Every AWS type named here is one the security policies have been reviewed against: the pack's
+`aws-types-reviewed` policy fails a stack with an AWS resource of any other type (it could grant
+access in a way no policy reads). Add a type here only after checking what it can open.
 """
 
 # -- AWS: network ---------------------------------------------------------------------------------
@@ -39,6 +43,9 @@ BUCKET_POLICY = "aws:s3/bucketPolicy:BucketPolicy"
 BUCKET_LOGGING = "aws:s3/bucketLogging:BucketLogging"
 BUCKET_LIFECYCLE = "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration"
 BUCKET_VERSIONING = "aws:s3/bucketVersioning:BucketVersioning"
+BUCKET_OWNERSHIP = "aws:s3/bucketOwnershipControls:BucketOwnershipControls"
+BUCKET_ACL = "aws:s3/bucketAcl:BucketAcl"
+BUCKET_ACL_V2 = "aws:s3/bucketAclV2:BucketAclV2"  # the deprecated name pulumi_aws 7 still registers
 FSX_LUSTRE = "aws:fsx/lustreFileSystem:LustreFileSystem"
 FSX_DRA = "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation"
 
@@ -52,6 +59,7 @@ IAM_GROUP_POLICY = "aws:iam/groupPolicy:GroupPolicy"
 IAM_OIDC_PROVIDER = "aws:iam/openIdConnectProvider:OpenIdConnectProvider"
 KMS_KEY = "aws:kms/key:Key"
 KMS_KEY_POLICY = "aws:kms/keyPolicy:KeyPolicy"
+KMS_ALIAS = "aws:kms/alias:Alias"
 
 # -- AWS: registry ------------------------------------------------------------------------------
 ECR_REPOSITORY = "aws:ecr/repository:Repository"

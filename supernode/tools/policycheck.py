@@ -24,7 +24,7 @@ from pulumi_policy.policy import _PolicyAnalyzerServicer
 
 from policies.base import MalformedInput, one_analysis
 from policies.pack import BY_NAME, CHECKLIST_ITEMS, PACK_NAME, POLICIES, item_of
-from policies.security import IMAGE_POLICIES
+from policies.security import IMAGE_POLICIES, REMEDIATING_POLICIES
 from policies.settings import PolicyConfigError
 
 from ..core.config import StackConfig
@@ -217,12 +217,14 @@ def load_policy_config(path: Path) -> dict[str, Any]:
 def config_from_stack(cfg: StackConfig) -> dict[str, Any]:
     """What `supernode preview` tells the pack about the stack (a real CLI run passes the same file).
     The image policies are mandatory in the pack; a stack with images.requireDigests false (dev) lowers
-    them to advisory, so its add-on tags and placeholder trainer digest warn instead of failing."""
+    them to advisory, so its add-on tags and placeholder trainer digest warn instead of failing. The
+    remediating policies are mandatory here: a check fails what only an update with the pack would fix."""
     images = "mandatory" if cfg.images.require_digests else "advisory"
     return {
         "data-ready": {"datasetPrefix": cfg.storage.dataset_prefix},
         "checkpoint-lifecycle": {"checkpointPrefix": cfg.storage.checkpoint_prefix},
         **{name: {"enforcementLevel": images} for name in IMAGE_POLICIES},
+        **{name: {"enforcementLevel": "mandatory"} for name in REMEDIATING_POLICIES},
     }
 
 
