@@ -10,13 +10,11 @@ neither the Pulumi CLI nor cloud credentials.
 
 from __future__ import annotations
 
-import json
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from google.protobuf import json_format, struct_pb2
 from pulumi.runtime.proto import analyzer_pb2
 from pulumi_policy import EnforcementLevel
@@ -28,6 +26,7 @@ from policies.security import IMAGE_POLICIES, REMEDIATING_POLICIES
 from policies.settings import PolicyConfigError
 
 from ..core.config import StackConfig
+from ..core.inputs import MIB, InputError, load_json, load_yaml, read_bounded
 
 PACK_VERSION = "0.1.0"
 LEVELS = {level.value: level for level in EnforcementLevel}
@@ -124,9 +123,8 @@ class PolicyReport:
 # -- inputs ---------------------------------------------------------------------------------------
 
 # A prod preview is about 1 MB of JSON; anything near this is not a preview (and reading it whole would hurt).
-MAX_RESOURCES_BYTES = 64 * 2**20
-# protobuf's Struct refuses deeper values; provider inputs nest about ten deep.
-MAX_DEPTH = 64
+MAX_RESOURCES_BYTES = 64 * MIB
+MAX_POLICY_CONFIG_BYTES = MIB
 MAX_PROBLEMS = 20  # listed in one error; the rest are counted
 
 
@@ -136,36 +134,13 @@ def _quote(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
-def _not_json_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON (a number must be finite)")
-
-
-def _too_deep(value: Any, depth: int = 0) -> bool:
-    if depth > MAX_DEPTH:
-        return True
-    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    return any(_too_deep(child, depth + 1) for child in children)
-
-
 def load_resources(path: Path) -> list[dict[str, Any]]:
     """A `supernode preview --json` document or a bare resources list, checked entry by entry."""
     where = f"--resources {path}"
-    try:
-        size = Path(path).stat().st_size
-        if size > MAX_RESOURCES_BYTES:
-            raise PolicyInputError(
-                f"{where}: {size:,} bytes, over the {MAX_RESOURCES_BYTES:,}-byte limit for a "
-                f"resources file (a prod preview is about 1 MB)"
-            )
-        data = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_not_json_constant)
-    except FileNotFoundError:
-        raise PolicyInputError(f"{where}: file not found") from None
-    except IsADirectoryError:
-        raise PolicyInputError(f"{where}: is a directory, not a file") from None
-    except RecursionError:
-        raise PolicyInputError(f"{where}: nested deeper than JSON can be read here") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise PolicyInputError(f"{where}: not a JSON file ({str(e)[:200]})") from None
+    try:  # a prod preview is about 0.5 MB
+        data = load_json(read_bounded(path, MAX_RESOURCES_BYTES, where), where)
+    except InputError as e:
+        raise PolicyInputError(str(e)) from None
     resources = data.get("resources") if isinstance(data, dict) else data
     if not isinstance(resources, list):
         raise PolicyInputError(
@@ -191,8 +166,9 @@ def load_resources(path: Path) -> list[dict[str, Any]]:
                     f"resources[{i}].{key}: expected {'an object' if kind is dict else 'a list' if kind is list else 'a string'} "  # noqa: E501
                     f"(got {_quote(r[key])})"
                 )
-        if _too_deep(r.get("inputs")):
-            problems.append(f"resources[{i}].inputs: nested deeper than {MAX_DEPTH} levels")
+        deps = r.get("dependencies")
+        if isinstance(deps, list) and not all(isinstance(d, str) for d in deps):
+            problems.append(f"resources[{i}].dependencies: expected a list of URNs (got {_quote(deps)})")
     if problems:
         more = f"; and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
         raise PolicyInputError(f"{where}: " + "; ".join(problems[:MAX_PROBLEMS]) + more)
@@ -201,12 +177,11 @@ def load_resources(path: Path) -> list[dict[str, Any]]:
 
 def load_policy_config(path: Path) -> dict[str, Any]:
     """A policy config file in the Pulumi CLI's `--policy-pack-config` format (JSON, or YAML)."""
+    where = f"--policy-config {path}"
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))  # JSON is YAML
-    except FileNotFoundError:
-        raise PolicyInputError(f"--policy-config {path}: file not found") from None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise PolicyInputError(f"--policy-config {path}: not JSON or YAML ({str(e).splitlines()[0]})") from None
+        data = load_yaml(read_bounded(path, MAX_POLICY_CONFIG_BYTES, where), where)  # JSON is YAML
+    except InputError as e:
+        raise PolicyInputError(str(e)) from None
     if not isinstance(data, dict):
         raise PolicyInputError(
             f"--policy-config {path}: expected an object of policy name -> level or settings, got {data!r}"

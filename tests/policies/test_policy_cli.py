@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -73,7 +74,7 @@ def test_advisory_only_exits_zero(stack, tmp_path, capsys):
     "content,expected",
     [
         (None, "file not found"),
-        ("{not json", "not a JSON file"),
+        ("{not json", "not valid JSON"),
         ('{"stack": "dev"}', "expected a list of resources"),
         (json.dumps([{"type": T.BUCKET, "name": "b", "inputs": {}}]), "resources[0].urn: required"),
         ('[{"urn": "u", "type": "t", "name": "n", "inputs": []}]', "resources[0].inputs: expected an object"),
@@ -172,15 +173,21 @@ def test_wrongly_shaped_inputs_exit_2_naming_the_policy_and_resource(
     [
         ("[]", "holds no resources, so there is nothing to check"),  # not a vacuous pass
         ('{"resources": []}', "holds no resources"),
-        ('[{"urn": "u", "type": "t", "name": "n", "inputs": {"size": NaN}}]', "NaN is not JSON"),
+        ('[{"urn": "u", "type": "t", "name": "n", "inputs": {"size": NaN}}]', "NaN is not a JSON number"),
         (
             '[{"urn": "u", "type": "t", "name": "n", "inputs": ' + '{"a": ' * 100 + "1" + "}" * 100 + "}]",
-            "resources[0].inputs: nested deeper than 64 levels",
+            "nested deeper than 64 levels",
         ),
         (
             '[{"urn": "u", "type": "t", "name": "n", "inputs": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}]",
-            "nested deeper than JSON can be read here",
+            "nested deeper than 64 levels",
         ),
+        # Issue 30 #11: these were "internal error" (exit 1) with a traceback.
+        ('[{"urn": "u", "type": "t", "name": "n", "dependencies": [1, 2]}]', "dependencies: expected a list of URNs"),
+        ('[{"urn": "u", "type": "t", "name": "n", "dependencies": [["u"]]}]', "dependencies: expected a list of URNs"),
+        ('[{"urn": "u", "type": "t", "name": "n", "inputs": {"n": ' + "9" * 400 + "}}]", "is beyond 64 bits"),
+        ('[{"urn": "u\\ud800", "type": "t", "name": "n"}]', "holds a lone surrogate"),
+        ('[{"urn": "u", "urn": "v", "type": "t", "name": "n"}]', "duplicate key 'urn'"),
         (
             '[{"urn": "u", "type": "t", "name": "n", "dependencies": "urn:x"}]',
             "resources[0].dependencies: expected a list",
@@ -205,4 +212,35 @@ def test_a_large_bad_file_gives_a_short_error_and_files_have_a_size_limit(tmp_pa
     assert len(err) < 3000 and "... (10004 chars)" in err and "and 9980 more" in err
     monkeypatch.setattr(policycheck, "MAX_RESOURCES_BYTES", 1000)
     assert main(["policy", "check", "--resources", str(f)]) == 2
-    assert "over the 1,000-byte limit for a resources file" in capsys.readouterr().err
+    assert "over the 1,000-byte limit for this file" in capsys.readouterr().err
+
+
+def test_a_pipe_as_resources_is_refused_not_read_for_ever(tmp_path, capsys):
+    fifo = tmp_path / "r.json"
+    os.mkfifo(fifo)  # nothing writes to it: opening it would block
+    assert main(["policy", "check", "--resources", str(fifo)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content,expected",
+    [
+        # an alias bomb: nine levels of ten aliases each would be 10**9 strings
+        (
+            "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+            + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8)),
+            "aliases (*name) are not accepted",
+        ),
+        ("all: advisory\nall: mandatory\n", "duplicate key 'all'"),
+        ("s3-tls-only: " + "[" * 200 + "]" * 200 + "\n", "nested deeper than 64 levels"),
+    ],
+)
+def test_a_hostile_policy_config_is_refused_before_it_costs_anything(tmp_path, capsys, content, expected):
+    """Issue 30 #10: an alias bomb took 5.9 GB at 60 s; duplicate keys silently took the last value."""
+    f = tmp_path / "policy.yaml"
+    f.write_text(content)
+    r = tmp_path / "r.json"
+    r.write_text('[{"urn": "u", "type": "t", "name": "n"}]')
+    assert main(["policy", "check", "--resources", str(r), "--policy-config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err and len(err.splitlines()) == 1

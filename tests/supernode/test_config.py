@@ -394,3 +394,20 @@ def test_a_suggestion_copied_into_the_stack_keeps_the_local_run_valid(tmp_path):
     local = cfg.local_config().parallel
     assert (local.dp_replicate, local.dp_shard, local.tp, local.ep, local.pp) == (1, cfg.local.nproc, 1, 1, 1)
     assert local.activation_checkpointing == cfg.parallel.activation_checkpointing  # the rest is inherited
+
+
+def test_a_pipe_or_an_oversized_file_as_the_stack_file_is_refused(tmp_path, capsys, monkeypatch):
+    """Issue 30 #10: a FIFO blocked for ever; a 100 MB stack file was read and accepted."""
+    import os
+
+    from supernode.core.config import loading
+
+    fifo = tmp_path / "Pulumi.fifo.yaml"
+    os.mkfifo(fifo)
+    assert main(["plan", "--config", str(fifo)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    big = tmp_path / "Pulumi.big.yaml"
+    big.write_text((ROOT / "Pulumi.dev.yaml").read_text() + "#" * 2_000)
+    monkeypatch.setattr(loading, "MAX_STACK_FILE_BYTES", 1_000)
+    assert main(["plan", "--config", str(big)]) == 2
+    assert "over the 1,000-byte limit for this file" in capsys.readouterr().err

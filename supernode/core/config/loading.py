@@ -9,13 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from ..errors import ConfigError, Issue
+from ..inputs import MIB, InputError, load_yaml, read_bounded
 from ..layout import P
 from .rules import rules
 from .schema import NAMESPACE, StackConfig, did_you_mean, issues_from_validation
+
+
+MAX_STACK_FILE_BYTES = MIB
 
 
 def from_mapping(data: Any, source: str = "") -> StackConfig:
@@ -55,19 +58,17 @@ def _valid_sections(data: dict, err: ValidationError) -> tuple[StackConfig, set[
 def read_stack_file(path: Path) -> dict[str, Any]:
     """The `supernode:` keys of a Pulumi.<stack>.yaml, namespace stripped; other namespaces checked lightly."""
     src = str(path)
-    if not path.is_file():
+    if not path.exists():
         stacks = sorted(f.name for f in path.parent.glob("Pulumi.*.yaml")) if path.parent.is_dir() else []
         hint = f"; found: {', '.join(stacks)}" if stacks else ""
         raise ConfigError([Issue(path=src, message=f"stack file not found{hint}", missing=True)], src)
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(
-            [Issue(path=src, value=None, message=f"not valid YAML: {e}".replace("\n", " "))], src
-        ) from None
+    try:  # a stack file is a few KB; bounded, without aliases or duplicate keys (supernode.core.inputs)
+        doc = load_yaml(read_bounded(path, MAX_STACK_FILE_BYTES, src), src)
+    except InputError as e:
+        raise ConfigError([Issue(path=src, message=str(e).removeprefix(f"{src}: "), missing=True)], src) from None
     if doc is None:
         raise ConfigError(
-            [Issue(path=src, value=None, message="file is empty; expected a top-level 'config:' mapping")], src
+            [Issue(path=src, message="file is empty; expected a top-level 'config:' mapping", missing=True)], src
         )
     if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
         raise ConfigError(
