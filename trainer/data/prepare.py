@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from supernode.core.processes import die_with_parent
+
 from .manifest import MANIFEST, VERIFIED, DataError, mark_verified
 from .tokenizer import TOKENIZER_FILE, Tokenizer, byte_tokenizer, from_file, train_bpe
 
@@ -62,9 +64,11 @@ def chunks(paths: Sequence[Path], chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]
 _worker_tok: Tokenizer | None = None
 
 
-def _init(tok: Tokenizer) -> None:
+def _init(tok: Tokenizer, parent: int | None = None) -> None:
     global _worker_tok
     _worker_tok = tok
+    if parent is not None:  # a pool worker: killed with the prepare, not left tokenizing for minutes
+        die_with_parent(parent)
 
 
 def _texts(c: Chunk) -> list[str]:
@@ -330,13 +334,16 @@ def _tokenizer(
 def _run(todo: list[Chunk], tok: Tokenizer, workers: int | None) -> Iterator[tuple[np.ndarray, int, int]]:
     """Tokenized chunks in input order: in this process for one chunk or one worker, else in a pool
     of spawned processes (the parent may run rich's refresh thread, which a fork would copy
-    mid-lock). A worker that dies ends the prepare with BrokenProcessPool instead of a hang."""
+    mid-lock). A worker that dies ends the prepare with BrokenProcessPool instead of a hang; the
+    prepare dying (SIGKILL included) kills its workers."""
     n = min(workers or os.cpu_count() or 1, len(todo))
     if n <= 1:
         _init(tok)
         yield from map(_tokenize, todo)
         return
-    with ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"), initializer=_init, initargs=(tok,)) as pool:
+    with ProcessPoolExecutor(
+        n, mp_context=mp.get_context("spawn"), initializer=_init, initargs=(tok, os.getpid())
+    ) as pool:
         yield from pool.map(_tokenize, todo)
 
 
