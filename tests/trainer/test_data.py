@@ -272,3 +272,14 @@ def test_document_masking_takes_the_eos_id_from_the_manifests(tmp_path):
     rewrite(b, eos=1000)
     with pytest.raises(DataError, match=r"eos must be a token id below the vocab of 1000 \(got 1000\)"):
         read_manifest(b)
+
+
+@pytest.mark.parametrize("name", ["../../../../etc/hostname", "/etc/hostname", "sub/shard.bin", "..", None, 7])
+def test_a_manifest_file_outside_its_folder_or_not_a_name_is_refused(tmp_path, name):
+    """Issue 30 #9 (data half) and #11: paths escaping the folder were read; `"file": null` crashed."""
+    d = synthetic(tmp_path / "d", 2_000, shard_tokens=997)
+    m = json.loads((d / MANIFEST).read_text())
+    m["shards"][1]["file"] = name
+    (d / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(DataError, match="not a plain file name|a file name is required"):
+        verify(d)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from supernode.core.files import sha256_file
+from supernode.core.files import plain_name, sha256_file
 
 MANIFEST = "manifest.json"
 VERIFIED = ".verified"
@@ -52,6 +52,10 @@ def read_manifest(data_dir: str | Path) -> dict:
     dtype = manifest.get("dtype", "uint8")
     if dtype not in DTYPES:
         raise DataError(f"{path}: dtype {dtype!r} is not a token id type; use one of {', '.join(DTYPES)}")
+    tok = manifest.get("tokenizer")
+    for name in [s["file"] for s in shards] + ([tok["file"]] if isinstance(tok, dict) and tok.get("file") else []):
+        if why := plain_name(name):
+            raise DataError(f"{path}: {why}")
     for s in shards:
         if not isinstance(s["tokens"], int) or isinstance(s["tokens"], bool) or s["tokens"] < 0:
             raise DataError(f"{path}: shard {s['file']!r}: tokens must be a count (got {s['tokens']!r})")
