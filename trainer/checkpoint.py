@@ -423,7 +423,7 @@ class Checkpointer:
             else:
                 dcp.save(state, storage_writer=_DigestingWriter(tmp), process_group=self.group)
                 self._commit(step)
-        except Exception as e:
+        except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
             self._failed(e, step)
             raise
         self.last_stall_s = time.perf_counter() - t0
@@ -431,15 +431,20 @@ class Checkpointer:
     def _failed(self, exc: BaseException, step: int) -> None:
         """A save failed: drop its partial files; a full disk becomes NoSpace (not retryable)."""
         tmp = _step_dir(self.root, step, tmp=True)
+        # Free space as the failed write saw it: measured after the partial save is gone, a full disk
+        # looks roomy and the failure would be retried onto it.
+        free = shutil.disk_usage(self.root).free if self.root.exists() else 0
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(self.root).free if self.root.exists() else 0
-        # A write error without an errno counts as a full disk only when this rank's own part would not
-        # fit: other failures (a lost peer) stay retryable, however large the whole checkpoint is.
+        # A write error without an errno (torch's zip writer says "unexpected pos") counts as a full
+        # disk only when this rank's own part would not fit: other failures (a lost peer) stay
+        # retryable, however large the whole checkpoint is.
         if _is_no_space(exc) or (_is_write_error(exc) and free < self._rank_bytes):
+            usage = shutil.disk_usage(self.root) if self.root.exists() else None
+            room = f" of {usage.total / 1e6:,.0f} MB, {usage.free / 1e6:,.0f} MB free without it" if usage else ""
             raise NoSpace(
                 f"no space left on {self.root}: the checkpoint of step {step} needs "
-                f"~{self._save_bytes / 1e6:,.0f} MB, {free / 1e6:,.0f} MB are free; free space, "
+                f"~{self._save_bytes / 1e6:,.1f} MB{room}; free space (or keep fewer checkpoints), "
                 "then run again to resume from the last checkpoint"
             ) from None
 
@@ -468,7 +473,7 @@ class Checkpointer:
             try:
                 fut.result()  # raises if the write failed: the checkpoint then stays uncommitted
                 self._commit(step)
-            except Exception as e:
+            except BaseException as e:  # CheckpointException included
                 self._failed(e, step)
                 raise
 

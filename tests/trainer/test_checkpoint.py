@@ -24,6 +24,7 @@ from trainer.checkpoint import (
     Checkpointer,
     CheckpointMismatch,
     MissingDigest,
+    NoSpace,
     complete_checkpoints,
     train_state,
 )
@@ -319,3 +320,39 @@ def test_a_save_with_a_missing_digest_file_is_not_committed(group, tmp_path):
     ck.save(3)  # the next save is unaffected
     ck.close()
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [1, 3]
+
+
+# -- a real full disk (issue 30 #5) ---------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs, mounted and removed by the test (root only): a real ENOSPC, not the hook."""
+    import os
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; the enospc@N hook covers the rest")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_real_full_disk_is_no_space_and_leaves_no_partial_save(group, small_disk, async_save):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8192), torch.nn.Linear(8192, 4))  # ~1.2 MB with AdamW state
+    opt = torch.optim.AdamW(model.parameters())
+    train_steps(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), 1)
+    ck = checkpointer(small_disk / "ck", model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), keep=1)
+    with pytest.raises(NoSpace, match=r"no space left on .*ck: the checkpoint of step 1 needs ~\d"):
+        ck.save(1, sync=not async_save)
+        ck.wait()
+    assert not list((small_disk / "ck").glob(".tmp-*"))  # the partial save is gone: the disk has room again
+    assert complete_checkpoints(small_disk / "ck") == []
