@@ -28,6 +28,7 @@ from supernode.core.resource_types import (
     CRON_JOB,
     DAEMON_SET,
     DEPLOYMENT,
+    ECR_REPOSITORY,
     EKS_CLUSTER,
     IAM_GROUP_POLICY,
     IAM_POLICY,
@@ -351,6 +352,11 @@ def _image_digests(stack: Stack, _conf: None, report: Report) -> None:
             )
 
 
+def _repository(image: str) -> str:
+    """`ACCOUNT.dkr.ecr.REGION.amazonaws.com/NAME@sha256:...` -> NAME (the path after the registry host)."""
+    return image.split("@", 1)[0].split(":", 1)[0].partition("/")[2] if "/" in image else ""
+
+
 def _image_placeholder(stack: Stack, _conf: None, report: Report) -> None:
     for w, c in _all_containers(stack):
         image = str(get(c, "image", default=""))
@@ -361,6 +367,26 @@ def _image_placeholder(stack: Stack, _conf: None, report: Report) -> None:
                 f"exists, so its pods never start. Fix: `make image STACK=<stack>` and put the digest it prints "
                 f"in supernode:images.trainer.",
             )
+    # The trainer image is built into the stack's own ECR repository (`make image`): a digest in any
+    # other repository is one this stack never pushed, however real it looks.
+    own = {str(r.get("name")) for r in stack.of(ECR_REPOSITORY) if r.get("name")}
+    if not own:
+        return
+    for w in stack.trainer_jobs():
+        for c in containers(w, init=True):
+            image = str(get(c, "image", default=""))
+            if (
+                DIGEST_RE.match(image)
+                and not image.endswith("@" + PLACEHOLDER_DIGEST)
+                and _repository(image) not in own
+            ):
+                report(
+                    w,
+                    f"{w.label} container '{get(c, 'name')}' runs {image!r}, from repository "
+                    f"{_repository(image)!r}, which this stack does not create (its trainer repository: "
+                    f"{', '.join(sorted(own))}): no `make image` of this stack pushed that digest. Fix: "
+                    f"`make image STACK=<stack>` and put the line it prints in supernode:images.trainer.",
+                )
 
 
 def _container_resources(stack: Stack, _conf: None, report: Report) -> None:
@@ -455,7 +481,12 @@ POLICIES = [
     # Both image policies are mandatory unless the stack says otherwise (supernode:images.requireDigests
     # false, a dev stack: `supernode policy config` makes them advisory).
     StackPolicy("image-digests", 10, "Every container image the stack deploys is pinned by digest.", _image_digests),
-    StackPolicy("image-placeholder", 10, "No container runs the placeholder image digest.", _image_placeholder),
+    StackPolicy(
+        "image-placeholder",
+        10,
+        "No container runs the placeholder image digest; the trainer's comes from the stack's own repository.",
+        _image_placeholder,
+    ),
     StackPolicy(
         "container-resources", 10, "Every container sets CPU and memory requests and limits.", _container_resources
     ),

@@ -4,7 +4,7 @@ advisory in a dev stack (images.requireDigests false), mandatory in prod and by 
 from __future__ import annotations
 
 import pytest
-from policy_resources import ROOT, built_images, mutate
+from policy_resources import ROOT, built_images, mutate, res
 
 from policies.security import IMAGE_POLICIES
 from supernode.core import resource_types as T
@@ -102,3 +102,21 @@ def test_prod_with_built_images_passes():
     assert report.violations == [] and report.passed
     ds = next(r for r in result.resources if r.type == T.DAEMON_SET and r.inputs["metadata"]["name"] == DCGM)
     assert _container(ds.inputs)["image"] == cfg.images.addons[DCGM]  # the config's digest reaches the add-on
+
+
+def test_a_trainer_digest_from_a_repository_the_stack_does_not_create_is_caught(stack, dev_cfg):
+    """Issue 30 #15: gb200/b300 carried a real-looking digest in `supernode-trainer`, a repository no
+    stack creates; the placeholder policy passed it. Only the stack's own ECR repository counts."""
+    own = dev_cfg.images.trainer.split("@")[0].split("/", 1)[1]  # the repository the fixture's image names
+    assert check([*stack, res(T.ECR_REPOSITORY, "trainer", {"name": own})]).violations == []
+    found = check([*stack, res(T.ECR_REPOSITORY, "trainer", {"name": "supernode-other-trainer"})]).violations
+    assert [(v.policy, v.enforcement) for v in found] == [("image-placeholder", "mandatory")]
+    assert f"from repository '{own}', which this stack does not create" in found[0].message
+
+
+@pytest.mark.parametrize("stack_name", ["dev", "prod", "gb200", "b300"])
+def test_every_stack_file_names_its_own_trainer_repository(stack_name):
+    from components.aws.registry import repository_name
+
+    cfg = load_stack(stack_name, ROOT)
+    assert cfg.images.trainer.split("@")[0].endswith("/" + repository_name(stack_name))
