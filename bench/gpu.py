@@ -251,7 +251,7 @@ def _model_worker(
     from bench.memory import measure
     from supernode.core.plan import Plan
     from trainer.model import loss_fn
-    from trainer.parallel import ParallelDims, build_model
+    from trainer.parallel import build_model, checked_layout
 
     plan = Plan.model_validate_json(plan_json)
     memory = measure(rank, world, plan, device)
@@ -259,7 +259,7 @@ def _model_worker(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     t = plan.training
-    model = build_model(plan.model, ParallelDims.from_plan(plan, world), plan.parallel, device, t.seed)
+    model = build_model(plan.model, checked_layout(plan, world), device, t.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr)
     tokens = torch.randint(
         0, plan.model.vocab, (t.micro_batch, plan.model.seq_len + 1), generator=torch.Generator().manual_seed(rank)

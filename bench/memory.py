@@ -53,12 +53,12 @@ def local_bytes(tensors) -> int:
 def measure(rank: int, world: int, plan: Plan, device: torch.device) -> dict:
     """Build, one step, the terms (call with the process group initialised)."""
     from trainer.model import loss_fn
-    from trainer.parallel import ParallelDims, build_model
+    from trainer.parallel import build_model, checked_layout
 
-    dims = ParallelDims.from_plan(plan, world)
+    layout = checked_layout(plan, world)
     t, mem = plan.training, plan.memory
     baseline = resident_bytes()
-    model = build_model(plan.model, dims, plan.parallel, device, t.seed)
+    model = build_model(plan.model, layout, device, t.seed)
     build_peak = resident_bytes("VmHWM") - baseline
     params = local_bytes(model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr)

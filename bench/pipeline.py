@@ -32,7 +32,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from supernode.core.capacity import bubble_fraction
 from supernode.core.config import Model, Parallel
 from trainer.model import loss_fn
-from trainer.parallel import ParallelDims
 from trainer.pipeline import build_pipeline
 from trainer.train import _quiet_stderr  # Kineto's two "USDT" lines per profiled step
 
@@ -85,11 +84,8 @@ def _worker(rank: int, world: int, workdir: str, args: argparse.Namespace) -> No
     out = {}
     try:
         for schedule, virtual in SCHEDULES:
-            dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, ep=1, pp=world, world_size=world)
             parallel = Parallel(pp=world, pp_schedule=schedule, pp_virtual_stages=virtual, mixed_precision="fp32")
-            pipe = build_pipeline(
-                cfg, dims, parallel, torch.device("cpu"), 0, args.micro_batch, args.micro_batches, loss_fn
-            )
+            pipe = build_pipeline(cfg, parallel, torch.device("cpu"), 0, args.micro_batch, args.micro_batches, loss_fn)
             stages = getattr(pipe.schedule, "_stages", None) or [pipe.schedule._stage]
             for stage in stages:
                 _recorded(stage)

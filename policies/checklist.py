@@ -13,7 +13,7 @@ from pulumi_policy import EnforcementLevel
 from pydantic import ValidationError
 
 from supernode.core import capacity as cap
-from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG, gate_floor_gbytes_s
+from supernode.core.catalog import CATALOG, EFA_INTERFACE_TYPES, gate_floor_gbytes_s
 from supernode.core.config import DIGEST_RE, FsxConfig
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH
 from supernode.core.resource_types import (
@@ -40,7 +40,6 @@ from supernode.core.resource_types import (
 from .base import Report, ResourcePolicy, StackPolicy
 from .settings import ApprovedInstances, CheckpointThroughput, Data, Gate, Lifecycle, LogRetention
 from .view import (
-    EFA_INTERFACE_TYPES,
     EFA_RESOURCE,
     Res,
     Stack,
@@ -111,7 +110,7 @@ def _memory_fit(stack: Stack, _conf: None, report: Report) -> None:
     # Item 2's global address space: one replica's state against its shard group's aggregate HBM.
     domain = ""
     if not topo.replica_fits:
-        shard = plan.degrees.dp_shard * plan.degrees.tp * plan.degrees.pp
+        shard = plan.degrees.shard_group
         domain = (
             f"One replica's training state is {topo.replica_state_gib:,.0f} GiB but its {shard} shard-group "
             f"GPUs ({topo.replica_domains} NVLink domain(s) of {topo.domain_gpus} GPUs, "
@@ -170,8 +169,7 @@ def _efa_interfaces(stack: Stack, _conf: None, report: Report) -> None:
         if itype not in CATALOG:
             continue  # unapproved types are item 1's finding
         hw = CATALOG[itype]
-        # One EFA interface per EFA-capable card: all cards, or cards 1..n where card 0 is ENA-only.
-        want = list(range(0 if hw.card0_efa else 1, hw.network_cards))
+        want = hw.efa_cards
         efa = [ni for ni in items(lt.get("networkInterfaces")) if get(ni, "interfaceType") in EFA_INTERFACE_TYPES]
         cards = sorted({int(get(ni, "networkCardIndex", default=0)) for ni in efa})
         if len(efa) != len(want) or cards != want:
@@ -180,7 +178,7 @@ def _efa_interfaces(stack: Stack, _conf: None, report: Report) -> None:
                 f"{lt.label} ({itype}) has {len(efa)} EFA interfaces on network cards {cards}; {itype} has "
                 f"{hw.efa_interfaces} EFA-capable network cards and needs one EFA interface on each "
                 f"({want[0]}..{want[-1]}), else NCCL loses bandwidth. Fix: build networkInterfaces from "
-                f"supernode.core.catalog ({itype}: efa_interfaces, card0_efa).",
+                f"the catalog's layout (supernode.core.catalog: {itype} network_interfaces).",
             )
 
 
@@ -367,7 +365,7 @@ def _gate(stack: Stack, conf: Gate, report: Report) -> None:
     if minimum is None or plan.gate_floor_gbytes_s is None:
         return  # no published baseline for this instance type: nothing to compare with
     if plan.gate_floor_gbytes_s < minimum:
-        baseline = ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type]
+        baseline = CATALOG[plan.instance_type].all_reduce_baseline_gbytes_s
         for g in gates:
             report(
                 g,
@@ -584,7 +582,7 @@ def _checkpoint_throughput(stack: Stack, conf: CheckpointThroughput, report: Rep
                 f"({plan.checkpoint.fsx_capacity_gib} GiB).",
             )
             continue
-        io = cap.checkpoint_io(plan.model, plan.training, fsx)
+        io = cap.checkpoint_io(plan.params, plan.training, fsx)
         if not io.within_budget:
             report(
                 fs,

@@ -32,7 +32,7 @@ from .data.loader import TokenLoader
 from .data.manifest import DataError
 from .model import inputs_and_targets, loss_fn
 from .moe import ExpertBalancer
-from .parallel import ParallelDims, build_model
+from .parallel import Meshes, build_model
 from .pipeline import build_pipeline
 
 BETAS = (0.9, 0.95)
@@ -144,24 +144,22 @@ class Trainer:
     def __init__(
         self,
         plan: Plan,
-        dims: ParallelDims,
         device: torch.device,
         data: Path,
         out: Path,
         async_checkpoint: bool,
         say: Callable[[str], None],
     ):
-        t = plan.training
-        self.plan, self.dims, self.device = plan, dims, device
+        t, layout = plan.training, plan.parallel
+        self.plan, self.device = plan, device
         rank = dist.get_rank()
         torch.manual_seed(t.seed + rank)
-        mesh = dims.build_mesh(device.type)
+        mesh = Meshes.build(layout, device.type)
         self.pipeline, self.pp_group, self._poison = None, None, False
-        if dims.pp > 1:
+        if layout.pp > 1:
             self.pipeline = build_pipeline(
                 plan.model,
-                dims,
-                plan.parallel,
+                layout,
                 device,
                 t.seed,
                 t.micro_batch,
@@ -173,7 +171,7 @@ class Trainer:
             self.model = self.pipeline.parts  # the stages under the whole model's names
             self.pp_group = mesh.pp.get_group()
         else:
-            self.model = build_model(plan.model, dims, plan.parallel, device, t.seed, mesh)
+            self.model = build_model(plan.model, layout, device, t.seed, mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=BETAS, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(t))
         # The counts of a stage's layers are summed over the ranks of that stage.
@@ -185,8 +183,8 @@ class Trainer:
                 plan.model.seq_len,
                 t.global_batch,
                 t.micro_batch,
-                dims.dp_rank(rank),
-                dims.dp_size,
+                layout.dp_rank(rank),
+                layout.dp,
                 t.seed,
                 vocab=plan.model.vocab,
                 blend=t.data,
@@ -262,7 +260,7 @@ class Trainer:
         self.scheduler.step()  # the schedule follows the step count either way
         # Every rank of the last stage holds its data-parallel slice's loss (tensor-parallel ranks alike).
         return StepResult(
-            loss=loss_total / (dist.get_world_size() // self.dims.pp),
+            loss=loss_total / (dist.get_world_size() // self.plan.parallel.pp),
             grad_norm=norm,
             skipped=skipped,
             stop_term=term > 0,

@@ -1,10 +1,11 @@
-"""Parallelism from the Plan: degrees, device meshes, and `parallelize` (TP -> EP -> AC -> FSDP2).
+"""Parallelism from the Plan: the layout checked, device meshes, and `parallelize` (TP -> EP -> AC -> FSDP2).
 
-Rank layout (row-major, tp fastest, pp outermost as in torchtitan):
-rank = ((r_pp * dp_replicate + r_replicate) * dp_shard + r_shard) * tp + r_tp, with the ranks
-numbered NVLink domain by domain (`renumber_by_domain`), so every EP and TP group lies inside one
-domain whatever order torchrun handed them out in. Each pipeline stage is a block of world/pp
-consecutive ranks; inside it, three meshes (each with the "pp" dim in front, dims of degree 1 left out):
+The layout is the Plan's `parallel`, a `supernode.core.mesh.Mesh`: it owns the rank order (tp
+fastest, pp outermost, as in torchtitan), every rank's coordinates and the shape of each device
+mesh; this module only builds those meshes. The ranks are numbered NVLink domain by domain
+(`renumber_by_domain`), so every EP and TP group lies inside one domain whatever order torchrun
+handed them out in. Each pipeline stage is a block of world/pp consecutive ranks; inside it, three
+meshes (each with the "pp" dim in front, dims of degree 1 left out):
 - `dense` ("dp_replicate", "dp_shard", "tp"): attention, dense FFN, embeddings (TP + FSDP/HSDP);
 - `experts` ("dp_replicate", "edp", "ep"): the EP group is carved out of dp_shard*tp (consecutive
   ranks), edp = dp_shard*tp/ep ranks hold the same experts and FSDP-shard them;
@@ -38,6 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from supernode.core.config import Model, Parallel
 from supernode.core.errors import BadInput, ConfigError
 from supernode.core.layout import layout_rules
+from supernode.core.mesh import Mesh
 from supernode.core.plan import Plan
 from supernode.core.topology import GroupPlacement, rank_order
 
@@ -46,73 +48,21 @@ from .model import Transformer
 from .moe import MoE
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    ep: int
-    pp: int
-    world_size: int
-
-    @classmethod
-    def from_plan(cls, plan: Plan, world_size: int, max_tp: int | None = None) -> ParallelDims:
-        """The plan's degrees for a job of `world_size` ranks, checked by the core's layout validator
-        (tp at most `max_tp`, the GPUs of a node; default: no limit beyond the world size)."""
-        issues = layout_rules(
-            plan.model,
-            plan.parallel,
-            plan.training,
-            world_size,
-            max_tp or world_size,
-            prefix="plan:",
-            world_source=" (WORLD_SIZE of this job)",
-        )
-        if issues:
-            raise ConfigError(issues, "the plan does not fit this job")
-        return cls(**plan.degrees.model_dump(), world_size=world_size)
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel degree: how many distinct streams of data the job reads."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def edp(self) -> int:
-        """Ranks that hold the same experts (FSDP shards them): dp_replicate excluded."""
-        return self.dp_shard * self.tp // self.ep
-
-    def dp_rank(self, rank: int) -> int:
-        """Which data shard `rank` reads; tensor-parallel ranks and the stages of one pipeline read the same one."""
-        return rank % (self.dp_size * self.tp) // self.tp
-
-    def pp_rank(self, rank: int) -> int:
-        return rank // (self.dp_size * self.tp)
-
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
-
-    def ep_rank(self, rank: int) -> int:
-        return rank % self.ep
-
-    def build_mesh(self, device_type: str) -> Meshes:
-        pp = (("pp", self.pp),)
-        return Meshes(
-            dense=_mesh(
-                device_type, pp + (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))
-            ),
-            experts=_mesh(device_type, pp + (("dp_replicate", self.dp_replicate), ("edp", self.edp), ("ep", self.ep))),
-            moe=_mesh(
-                device_type, pp + (("dp_replicate", self.dp_replicate), ("dp_shard_tp", self.dp_shard * self.tp))
-            ),
-            # The ranks of one stage, for what sums over all of its tokens (the expert counts); kept
-            # even with one rank per stage, where None would mean the whole job.
-            stage=(
-                init_device_mesh(device_type, (self.pp, self.world_size // self.pp), mesh_dim_names=("pp", "stage"))
-                if self.pp > 1
-                else None
-            ),
-        )
+def checked_layout(plan: Plan, world_size: int, max_tp: int | None = None) -> Parallel:
+    """The plan's layout for a job of `world_size` ranks, checked by the core's layout validator
+    (tp at most `max_tp`, the GPUs of a node; default: no limit beyond the world size)."""
+    issues = layout_rules(
+        plan.model,
+        plan.parallel,
+        plan.training,
+        world_size,
+        max_tp or world_size,
+        prefix="plan:",
+        world_source=" (WORLD_SIZE of this job)",
+    )
+    if issues:
+        raise ConfigError(issues, "the plan does not fit this job")
+    return plan.parallel
 
 
 def _mesh(device_type: str, dims: tuple[tuple[str, int], ...]) -> DeviceMesh | None:
@@ -160,7 +110,7 @@ def nvml_clique() -> str | None:
     return f"{uuid.UUID(bytes=cluster)}.{info.cliqueId}"
 
 
-def domain_order(dims: ParallelDims, placement: Sequence[GroupPlacement], say: Callable[[str], None]) -> list[int]:
+def domain_order(world_size: int, placement: Sequence[GroupPlacement], say: Callable[[str], None]) -> list[int]:
     """torchrun's ranks in the order to number them, NVLink domain by domain
     (`supernode.core.topology.rank_order`), so that every EP and TP group the plan places inside a
     domain (`placement`, the Plan's topology) lies inside one. One all_gather_object of the domain labels: the only
@@ -168,7 +118,7 @@ def domain_order(dims: ParallelDims, placement: Sequence[GroupPlacement], say: C
     every rank then computes the same order. A group the plan lets cross domains by design (EP wider
     than a domain) is said once; the ranks are still ordered domain by domain, as the plan's costs
     assume. Raises BadInput (on every rank alike) when the labels cannot keep a group inside."""
-    labels: list[str | None] = [None] * dims.world_size
+    labels: list[str | None] = [None] * world_size
     dist.all_gather_object(labels, nvlink_domain())
     placed = {g.dim: g for g in placement if g.dim in GROUPED_DIMS and g.size > 1}
     inside = [g for g in placed.values() if g.inside_domain]
@@ -191,7 +141,7 @@ def domain_order(dims: ParallelDims, placement: Sequence[GroupPlacement], say: C
 
 
 def renumber_by_domain(
-    dims: ParallelDims,
+    world_size: int,
     placement: Sequence[GroupPlacement],
     backend: str,
     timeout: timedelta,
@@ -207,14 +157,14 @@ def renumber_by_domain(
     coordinate, so a mesh whose ranks do not ascend along every dim silently scrambles sharded
     tensors (tests/trainer/test_parallel.py shows it). Rank 0 keeps rank 0: the first domain is
     rank 0's and ranks ascend inside a domain."""
-    order = domain_order(dims, placement, say)
+    order = domain_order(world_size, placement, say)
     if order == sorted(order):
         return
     rank = order.index(dist.get_rank())
     # Re-rendezvous on the job's store (a fresh prefix), as the same processes under new numbers.
     store = dist.PrefixStore("supernode/domain-order/", dist.distributed_c10d._get_default_store())
     dist.destroy_process_group()
-    dist.init_process_group(backend, store=store, rank=rank, world_size=dims.world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 @dataclass(frozen=True)
@@ -223,6 +173,23 @@ class Meshes:
     experts: DeviceMesh | None
     moe: DeviceMesh | None
     stage: DeviceMesh | None = None
+
+    @classmethod
+    def build(cls, layout: Mesh, device_type: str) -> Meshes:
+        """The layout's device meshes (`Mesh.device_meshes`), over the default process group."""
+        shapes = layout.device_meshes()
+        return cls(
+            dense=_mesh(device_type, shapes["dense"]),
+            experts=_mesh(device_type, shapes["experts"]),
+            moe=_mesh(device_type, shapes["moe"]),
+            # The ranks of one stage, for what sums over all of its tokens (the expert counts); kept
+            # even with one rank per stage, where None would mean the whole job.
+            stage=(
+                init_device_mesh(device_type, (layout.pp, layout.stride("pp")), mesh_dim_names=("pp", "stage"))
+                if layout.pp > 1
+                else None
+            ),
+        )
 
     @staticmethod
     def sub(mesh: DeviceMesh | None, *names: str) -> DeviceMesh | None:
@@ -268,14 +235,14 @@ def _size(mesh: DeviceMesh | None) -> int:
 
 
 def build_model(
-    cfg: Model, dims: ParallelDims, parallel: Parallel, device: torch.device, seed: int, mesh: Meshes | None = None
+    cfg: Model, parallel: Parallel, device: torch.device, seed: int, mesh: Meshes | None = None
 ) -> Transformer:
     """The model sharded from the first byte: built on the meta device, parallelised, then only this
     rank's shards are allocated (`to_empty`) and initialised in place, equal to the single-process
     `Transformer.init_weights(seed)` at every layout. (pp > 1: `trainer.pipeline.build_pipeline`.)"""
     with torch.device("meta"):
         model = Transformer(cfg)
-    parallelize(model, dims, mesh or dims.build_mesh(device.type), parallel, device.type)
+    parallelize(model, parallel, mesh or Meshes.build(parallel, device.type), device.type)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
@@ -293,31 +260,29 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
-def parallelize(
-    model: Transformer, dims: ParallelDims, mesh: Meshes, parallel: Parallel, device_type: str
-) -> Transformer:
-    """Apply tensor parallel, expert parallel, activation checkpointing and FSDP2, in that order.
+def parallelize(model: Transformer, parallel: Parallel, mesh: Meshes, device_type: str) -> Transformer:
+    """Apply tensor parallel, expert parallel, activation checkpointing and FSDP2, in that order,
+    as the layout `parallel` says, on its device meshes `mesh` (`Meshes.build`).
 
     `model` may be on the meta device (then `to_empty` and `init_weights`, as `build_model` does)
-    or hold the same full weights on every rank. The layout was checked once, by
-    `ParallelDims.from_plan`.
+    or hold the same full weights on every rank. The layout was checked once, by `checked_layout`.
     """
-    if dims.tp > 1:
+    if parallel.tp > 1:
         _tensor_parallel(model, mesh.tp)
-    tp_group = mesh.tp.get_group() if dims.tp > 1 else None
+    tp_group = mesh.tp.get_group() if parallel.tp > 1 else None
     for moe in model.moe_layers():
-        if dims.ep > 1:
+        if parallel.ep > 1:
             for name in ("w1", "w2", "w3"):
                 full = getattr(moe.experts, name)
                 setattr(moe.experts, name, nn.Parameter(distribute_tensor(full.detach(), mesh.ep, [Shard(0)])))
             moe.dispatcher = AllToAllDispatcher(mesh.ep.get_group(), tp_group, parallel.overlap)
         else:
             moe.dispatcher = TokenDispatcher(tp_group)
-        # FSDP averages over its mesh; rescale to the mean over the dp_size data-parallel streams.
-        moe.grad_scale = _size(mesh.router) / dims.dp_size
-        moe.experts.grad_scale = _size(mesh.expert_dp) / dims.dp_size
+        # FSDP averages over its mesh; rescale to the mean over the dp data-parallel streams.
+        moe.grad_scale = _size(mesh.router) / parallel.dp
+        moe.experts.grad_scale = _size(mesh.expert_dp) / parallel.dp
     _activation_checkpointing(model, parallel.activation_checkpointing)
-    _fully_shard(model, mesh, parallel, device_type, pipelined=dims.pp > 1)
+    _fully_shard(model, mesh, parallel, device_type, pipelined=parallel.pp > 1)
     return model
 
 

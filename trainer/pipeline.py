@@ -35,7 +35,7 @@ from supernode.core.layout import stage_layers
 
 from .model import Transformer, document_attention, inputs_and_targets
 from .moe import MoE
-from .parallel import Meshes, ParallelDims, compute_dtype, parallelize
+from .parallel import Meshes, compute_dtype, parallelize
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 
@@ -155,7 +155,6 @@ class Pipeline:
 
 def build_pipeline(
     cfg: Model,
-    dims: ParallelDims,
     parallel: Parallel,
     device: torch.device,
     seed: int,
@@ -169,9 +168,9 @@ def build_pipeline(
     `to_empty`, init in place), and the plan's schedule over `micro_batches` micro-batches of
     `micro_batch` sequences. `sizes`: layers per stage (the Plan's `pipeline.stage_layers`; default
     the core's split of the same config)."""
-    mesh = mesh or dims.build_mesh(device.type)
+    mesh = mesh or Meshes.build(parallel, device.type)
     virtual = parallel.pp_virtual_stages
-    total = dims.pp * virtual
+    total = parallel.stages
     sizes = sizes or stage_layers(
         cfg.layers, total, parallel.pp_first_stage_fewer_layers, parallel.pp_last_stage_fewer_layers
     )
@@ -185,9 +184,9 @@ def build_pipeline(
     dtype = compute_dtype(mesh, parallel, device.type)
     seq = cfg.seq_len
     stages, pipe_stages = [], []
-    for s in rank_stages(pp_rank, dims.pp, virtual):
+    for s in rank_stages(pp_rank, parallel.pp, virtual):
         stage = Stage(whole, range(starts[s], starts[s + 1]), first=s == 0, last=s == total - 1)
-        parallelize(stage, dims, mesh, parallel, device.type)
+        parallelize(stage, parallel, mesh, device.type)
         stage.to_empty(device=device)
         stage.init_weights(seed)
         stages.append(stage)

@@ -49,7 +49,7 @@ from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, inject
 from .engine import Trainer
 from .launch import EXIT_FILE, LAUNCHER_ENV  # where a failure a restart cannot fix is recorded
 from .metrics import Metrics
-from .parallel import ParallelDims, renumber_by_domain
+from .parallel import checked_layout, renumber_by_domain
 
 
 class NonFinite(Exception):
@@ -221,7 +221,7 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     gpu = torch.cuda.is_available()
     # The core's layout validator, before any collective: a mismatch must not hang. tp stays in a node.
-    dims = ParallelDims.from_plan(plan, world, plan.accelerators_per_node if gpu else None)
+    checked_layout(plan, world, plan.accelerators_per_node if gpu else None)
     t, steps = plan.training, args.steps or plan.training.steps
     if steps < 1:
         raise BadInput(f"--steps must be at least 1 (got {steps})")
@@ -233,14 +233,14 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
     lock = OutDirLock(args.out)
     try:
         renumber_by_domain(
-            dims,
+            world,
             plan.topology.placement,
             backend,
             timeout,
             say=lambda line: print(line, flush=True) if dist.get_rank() == 0 else None,
         )
         _own_out_dir(args.out, lock)
-        return _run(args, plan, dims, steps, device, stop)
+        return _run(args, plan, steps, device, stop)
     except Exception as e:
         outcome = _classify(e)
         if outcome is not None:  # recorded before the process group goes, so peers that fail on
@@ -271,13 +271,11 @@ def _own_out_dir(out: Path, lock: OutDirLock) -> None:
         )
 
 
-def _run(
-    args: argparse.Namespace, plan: Plan, dims: ParallelDims, steps: int, device: torch.device, stop: StopRequest
-) -> int:
+def _run(args: argparse.Namespace, plan: Plan, steps: int, device: torch.device, stop: StopRequest) -> int:
     t = plan.training
     rank, world = dist.get_rank(), dist.get_world_size()
     say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
-    trainer = Trainer(plan, dims, device, args.data, args.out, t.async_checkpoint and not args.sync_checkpoint, say)
+    trainer = Trainer(plan, device, args.data, args.out, t.async_checkpoint and not args.sync_checkpoint, say)
     ckpt = trainer.checkpointer
     start, changed = trainer.restore()
     if start > steps:

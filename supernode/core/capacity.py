@@ -12,6 +12,10 @@ out (docs/architecture.md §6):
 - PipelineShape (`pipeline`): stages by layer (`layout.stage_layers`), the busiest rank is pp rank 0
   (the most micro-batches in flight); the bubble is (pp-1)/(m*v + pp-1) of a step for m
   micro-batches per step and v virtual stages per rank.
+
+The estimate is one pass: `param_counts` (per model) -> `pipeline` (per layout) -> `memory` and
+`step_time`, each taking what the steps before computed; `supernode.core.plan` runs it once per plan,
+`suggest` once per candidate layout with the plan's counts.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pydantic import BaseModel
 from .catalog import GIB, InstanceType
 from .config import FsxConfig, Model, Parallel, Training
 from .layout import layout_rules, stage_layers
+from .mesh import Mesh
 from .topology import GroupPlacement, Link, all_to_all_seconds, group_span, place, ring_seconds
 
 ADAM_STATE_BYTES = 16  # fp32 master + fp32 grad + 2 fp32 moments, per sharded parameter
@@ -31,6 +36,7 @@ CHECKPOINT_BYTES = 12  # fp32 master + 2 moments (gradients are not saved)
 RUNTIME_RESERVE_BYTES = int(1.5 * GIB)  # CUDA context, NCCL/EFA buffers, allocator slack
 MATMUL_EFFICIENCY = 0.55  # fraction of dense peak a well-tuned bf16 GEMM mix reaches
 FSX_INCREMENT_GIB = 2400
+AC_MODES = ("none", "selective", "full")  # activation checkpointing, least recomputation first
 
 
 class ParamCounts(BaseModel):
@@ -75,9 +81,9 @@ def param_counts(m: Model) -> ParamCounts:
     )
 
 
-def flops_per_token(m: Model) -> float:
+def flops_per_token(m: Model, pc: ParamCounts) -> float:
     """Training FLOPs per token: 6 x active params + causal attention (6 * seq * q_dim per layer)."""
-    return 6 * param_counts(m).active + 6 * m.layers * m.seq_len * m.heads * m.head_dim
+    return 6 * pc.active + 6 * m.layers * m.seq_len * m.heads * m.head_dim
 
 
 class Memory(BaseModel):
@@ -182,10 +188,9 @@ def pipeline(m: Model, p: Parallel, t: Training) -> PipelineShape:
     )
 
 
-def memory(m: Model, p: Parallel, t: Training) -> Memory:
-    pc = param_counts(m)
+def memory(m: Model, p: Parallel, t: Training, pc: ParamCounts, pipe: PipelineShape) -> Memory:
+    """Bytes per rank on the busiest stage, from the model's counts and the layout's pipeline shape."""
     compute_bytes = 2 if p.mixed_precision == "bf16" else 4
-    pipe = pipeline(m, p, t)
     stage = pipe.busiest_rank_layers / m.layers
     outer = pc.embedding + pc.head if p.pp == 1 else max(pc.embedding, pc.head)  # first/last stage
     # As the trainer lays them out: attention and dense FFN split by tp; embedding, output head and
@@ -254,14 +259,22 @@ class StepTime(BaseModel):
     links: dict[str, Link] = {}
 
 
-def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType, domain: int | None = None) -> StepTime:
+def step_time(
+    m: Model,
+    p: Parallel,
+    t: Training,
+    hw: InstanceType,
+    pc: ParamCounts,
+    pipe: PipelineShape,
+    domain: int | None = None,
+) -> StepTime:
     """Compute and communication time of one optimizer step on NVLink domains of `domain` GPUs
     (default: one instance), each collective costed on its mesh dimension's placement
-    (`supernode.core.topology`)."""
+    (`supernode.core.topology`), from the model's counts and the layout's pipeline shape."""
     world = p.world_size
     a = 2 if p.mixed_precision == "bf16" else 4
     tokens_step = t.global_batch * m.seq_len
-    flops_rank = tokens_step * flops_per_token(m) / world
+    flops_rank = tokens_step * flops_per_token(m, pc) / world
     compute = flops_rank / (hw.peak_flops * MATMUL_EFFICIENCY)
     nvlink = hw.nvlink_gbytes_s * 1e9 / 2  # one direction
     efa = hw.efa_gbytes_s * 1e9 / hw.accelerators  # per GPU
@@ -278,7 +291,6 @@ def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType, domain: int 
     a2a = all_to_all_seconds(a2a_bytes, groups["ep"], nvlink, efa)
     if p.ep > 1:
         links["all_to_all"] = groups["ep"].link
-    pc = param_counts(m)
     stage = 1 / p.pp
     nonexpert = (pc.total - pc.experts) * stage / p.tp  # gathered by each rank over dp_shard
     experts = pc.experts * stage / p.ep  # gathered over dp_shard*tp/ep
@@ -290,11 +302,10 @@ def step_time(m: Model, p: Parallel, t: Training, hw: InstanceType, domain: int 
     replicate = ring("replicate", 2 * shard_bytes, groups["dp_replicate"])  # all-reduce = RS + AG
     # TP: 2 all-reduces (RS + AG) per layer forward and backward of the activations
     tpc = ring("tensor_parallel", 4 * (m.layers / p.pp) * 2 * tokens_rank * m.dim * a, groups["tp"])
-    pipe = pipeline(m, p, t)
     bubble = compute * (p.pp - 1) / (pipe.micro_batches * pipe.virtual_stages)
     p2p = 0.0
-    if p.pp > 1:  # stage neighbours are world/pp ranks apart: EFA once a pipeline leaves the domain
-        spans, _ = group_span(p.pp, world // p.pp, world, domain or hw.accelerators)
+    if p.pp > 1:  # stage neighbours are a stage's ranks apart: EFA once a pipeline leaves the domain
+        spans, _ = group_span(p.pp, p.stride("pp"), world, domain or hw.accelerators)
         links["p2p"] = "NVLink" if spans == 1 else "EFA"
         p2p = pipe.p2p_bytes_per_rank / (nvlink if spans == 1 else efa)
     comm = a2a + fsdp + replicate + tpc + p2p
@@ -333,8 +344,8 @@ def fsx_capacity_for(mb_s: float, per_unit: int, min_bytes: int) -> int:
     return 1200 if gib <= 1200 else math.ceil(gib / FSX_INCREMENT_GIB) * FSX_INCREMENT_GIB
 
 
-def checkpoint_io(m: Model, t: Training, fsx: FsxConfig) -> CheckpointIO:
-    size = CHECKPOINT_BYTES * param_counts(m).total
+def checkpoint_io(pc: ParamCounts, t: Training, fsx: FsxConfig) -> CheckpointIO:
+    size = CHECKPOINT_BYTES * pc.total
     required = size / 1e6 / fsx.checkpoint_write_budget_s
     hold = size * (t.keep_checkpoints + 1)  # kept checkpoints + one being written
     capacity = fsx.capacity_gib or fsx_capacity_for(required, fsx.per_unit_throughput, hold)
@@ -352,12 +363,9 @@ def checkpoint_io(m: Model, t: Training, fsx: FsxConfig) -> CheckpointIO:
     )
 
 
-class Suggestion(BaseModel):
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    ep: int
-    pp: int
+class Suggestion(Mesh):
+    """A layout the planner found to fit: its degrees, the options it was costed with, the figures."""
+
     activation_checkpointing: str
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
@@ -372,67 +380,54 @@ def usable_hbm_bytes(p: Parallel, hw: InstanceType) -> int:
 
 
 def suggest(
-    m: Model, p: Parallel, t: Training, hw: InstanceType, limit: int = 3, domain: int | None = None
+    m: Model,
+    p: Parallel,
+    t: Training,
+    hw: InstanceType,
+    pc: ParamCounts,
+    limit: int = 3,
+    domain: int | None = None,
 ) -> list[Suggestion]:
-    """Layouts with the same world size that fit within the usable HBM: each one passes the same
-    layout validator and the same fit test as the stack's own layout. EP inside the NVLink domain
-    first, then fastest, as NVIDIA's GB200 recipes place it (HARDWARE.md: EP in the NVL domain,
-    DP/FSDP across domains); tp up to the domain's GPUs."""
+    """Layouts with the same world size that fit within the usable HBM (`Mesh.candidates`, each with
+    the pipeline schedules and activation checkpointing modes): each one passes the same layout
+    validator and the same fit test as the stack's own layout. EP inside the NVLink domain first,
+    then fastest, as NVIDIA's GB200 recipes place it (docs/hardware.md: EP in the NVL domain, DP/FSDP
+    across domains); tp up to the domain's GPUs. `pc`: the model's counts, the same for every layout."""
     domain = domain or hw.accelerators
     world, out = p.world_size, []
-    divisors = [n for n in range(1, world + 1) if world % n == 0]
-    # Pipelines: 1f1b, and interleaved with 2 virtual stages where the layers allow; the bubble
-    # slows them, so they rank after the layouts without one that fit, and show where pp helps fit.
-    pipelines = [(1, "1f1b", 1)] + [
-        (pp, sched, v)
-        for pp in divisors
-        if 1 < pp <= m.layers
-        for sched, v in (("1f1b", 1), ("interleaved1f1b", 2))
-        if pp * v <= m.layers
-    ]
-    for (pp, sched, v), tp, rep, ac in itertools.product(
-        pipelines, [d for d in divisors if d <= domain], divisors, ("none", "selective", "full")
-    ):
-        if world % (tp * rep * pp):
-            continue
-        shard = world // (tp * rep * pp)
-        for ep in [d for d in divisors if m.experts % d == 0 and (shard * tp) % d == 0]:
+    for mesh in Mesh.candidates(world, max_tp=domain, max_pp=m.layers, experts=m.experts):
+        # Pipelines: 1f1b, and interleaved with 2 virtual stages where the layers allow; the bubble
+        # slows them, so they rank after the layouts without one that fit, and show where pp helps fit.
+        schedules = [("1f1b", 1)] + ([("interleaved1f1b", 2)] if 1 < mesh.pp and 2 * mesh.pp <= m.layers else [])
+        for (schedule, virtual), ac in itertools.product(schedules, AC_MODES):
+            options = dict(pp_schedule=schedule, pp_virtual_stages=virtual, activation_checkpointing=ac)
             cand = p.model_copy(
-                update=dict(
-                    dp_replicate=rep,
-                    dp_shard=shard,
-                    tp=tp,
-                    ep=ep,
-                    pp=pp,
-                    pp_schedule=sched,
-                    pp_virtual_stages=v,
-                    activation_checkpointing=ac,
-                    pp_first_stage_fewer_layers=0,
-                    pp_last_stage_fewer_layers=0,
-                )
+                update=mesh.model_dump() | options | dict(pp_first_stage_fewer_layers=0, pp_last_stage_fewer_layers=0)
             )
             if layout_rules(m, cand, t, world, domain):
                 continue
-            mem = memory(m, cand, t)
+            pipe = pipeline(m, cand, t)
+            mem = memory(m, cand, t, pc, pipe)
             if mem.total <= usable_hbm_bytes(cand, hw):
-                st = step_time(m, cand, t, hw, domain)
+                st = step_time(m, cand, t, hw, pc, pipe, domain)
                 inside = next(g for g in place(cand, domain) if g.dim == "ep").inside_domain
                 out.append(
                     Suggestion(
-                        dp_replicate=rep,
-                        dp_shard=shard,
-                        tp=tp,
-                        ep=ep,
-                        pp=pp,
-                        pp_schedule=sched,
-                        pp_virtual_stages=v,
-                        activation_checkpointing=ac,
+                        **mesh.model_dump(),
+                        **options,
                         memory_gib=round(mem.total_gib, 2),
                         step_s=round(st.step_s, 4),
                         ep_inside_domain=inside,
                     )
                 )
-    out.sort(key=lambda s: (not s.ep_inside_domain, s.step_s, s.memory_gib))
+    # Ties (equal rounded figures) go to the simpler layout: fewer stages, the plain schedule, less
+    # tp, less replication, less recomputation, smaller EP groups.
+    out.sort(
+        key=lambda s: (
+            (not s.ep_inside_domain, s.step_s, s.memory_gib),
+            (s.pp, s.pp_virtual_stages, s.tp, s.dp_replicate, AC_MODES.index(s.activation_checkpointing), s.ep),
+        )
+    )
     return out[:limit]
 
 

@@ -22,20 +22,28 @@ Two things, both pure:
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from .capacity import param_counts
+from .capacity import ParamCounts
 from .catalog import CATALOG, GIB, InstanceType
 from .config import StackConfig
 from .config.schema import Model
 from .errors import BadInput
 
 GLM4_MOE, QWEN3_MOE = "Glm4MoeForCausalLM", "Qwen3MoeForCausalLM"
-RMS_NORM_EPS = 1e-6  # trainer.model.RMSNorm's
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+RMS_NORM_EPS = 1e-6  # the model's RMSNorm (trainer.model) trains with it, the exported config declares it
+
+
+class Dtype(NamedTuple):
+    torch_name: str  # as torch, Hugging Face's config.json and vLLM's --dtype spell it
+    bytes: int
+
+
+# The weight dtypes a model is exported and served at (inference.dtype, `supernode export --dtype`).
+DTYPES = {"bf16": Dtype("bfloat16", 2), "fp16": Dtype("float16", 2), "fp32": Dtype("float32", 4)}
+
 # What a vLLM replica holds besides weights and KV cache: CUDA context, CUDA graphs, the activations
 # of one prefill chunk, NCCL buffers. vLLM profiles it at start; 2 GiB per GPU is its usual order on
 # H100 for models of this size (stated, not measured here: no GPU).
@@ -112,8 +120,8 @@ def hf_config(m: Model, dtype: str = "bf16", eos: int | None = None, bos: int | 
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
-        "torch_dtype": TORCH_DTYPE[dtype],
-        "dtype": TORCH_DTYPE[dtype],
+        "torch_dtype": DTYPES[dtype].torch_name,
+        "dtype": DTYPES[dtype].torch_name,
         "intermediate_size": m.dense_hidden,
         "moe_intermediate_size": m.expert_hidden,
         "num_experts_per_tok": m.top_k,
@@ -188,32 +196,34 @@ class InferencePlan(BaseModel):
 def kv_bytes_per_token(m: Model, dtype: str, tp: int = 1, pp: int = 1) -> float:
     """K and V of one token on one GPU: layers / pp, kv heads / tp (a kv head is replicated, not split,
     when tp exceeds the kv heads)."""
-    return 2 * math.ceil(m.layers / pp) * math.ceil(m.kv_heads / tp) * m.head_dim * DTYPE_BYTES[dtype]
+    return 2 * math.ceil(m.layers / pp) * math.ceil(m.kv_heads / tp) * m.head_dim * DTYPES[dtype].bytes
 
 
-def weight_bytes(m: Model, dtype: str) -> int:
-    return param_counts(m).total * DTYPE_BYTES[dtype]
+def weight_bytes(params: ParamCounts, dtype: str) -> int:
+    return params.total * DTYPES[dtype].bytes
 
 
-def _decode_read_bytes(m: Model, dtype: str, batch: int, context: int, tp: int, pp: int) -> float:
+def _decode_read_bytes(m: Model, p: ParamCounts, dtype: str, batch: int, context: int, tp: int, pp: int) -> float:
     """Bytes one GPU reads from HBM in one decode step of `batch` sequences: the weights its stages
     use (of each MoE layer only the experts some token picks: E * (1 - (1 - k/E)^batch) expected)
     and the batch's KV cache at `context` tokens."""
-    p = param_counts(m)
     touched = m.experts * (1 - (1 - m.top_k / m.experts) ** batch) if m.experts else 0
     expert_bytes = p.experts * (touched / m.experts if m.experts else 0)
-    weights = (p.total - p.experts + expert_bytes) * DTYPE_BYTES[dtype] / (tp * pp)
+    weights = (p.total - p.experts + expert_bytes) * DTYPES[dtype].bytes / (tp * pp)
     return weights + batch * context * kv_bytes_per_token(m, dtype, tp, pp)
 
 
-def _memory(m: Model, dtype: str, tp: int, pp: int, seq: int, conc: int) -> tuple[float, float, float]:
-    w = weight_bytes(m, dtype) / (tp * pp)
+def _memory(
+    m: Model, params: ParamCounts, dtype: str, tp: int, pp: int, seq: int, conc: int
+) -> tuple[float, float, float]:
+    w = weight_bytes(params, dtype) / (tp * pp)
     kv = conc * seq * kv_bytes_per_token(m, dtype, tp, pp)
     return w, kv, w + kv + RUNTIME_OVERHEAD_GIB * GIB
 
 
-def build_inference_plan(cfg: StackConfig, hw: InstanceType | None = None) -> InferencePlan | None:
-    """The serving plan of the stack's `inference` section (None without one)."""
+def build_inference_plan(cfg: StackConfig, params: ParamCounts, hw: InstanceType | None = None) -> InferencePlan | None:
+    """The serving plan of the stack's `inference` section (None without one); `params`: the model's
+    counts, as the training estimate made them (one count per plan)."""
     inf = cfg.inference
     if inf is None:
         return None
@@ -222,19 +232,21 @@ def build_inference_plan(cfg: StackConfig, hw: InstanceType | None = None) -> In
     arch = served_architecture(m)
     usable = hw.hbm_bytes * (1 - cfg.parallel.hbm_headroom)
     seq, conc, tp, pp = inf.max_seq_len, inf.max_concurrency, inf.tp, inf.pp
-    w, kv, total = _memory(m, inf.dtype, tp, pp, seq, conc)
+    w, kv, total = _memory(m, params, inf.dtype, tp, pp, seq, conc)
     suggested = next(
         (
             t
             for t in (1, 2, 4, 8, 16, 32, 64)
-            if t <= hw.accelerators and m.heads % t == 0 and _memory(m, inf.dtype, t, pp, seq, conc)[2] <= usable
+            if t <= hw.accelerators
+            and m.heads % t == 0
+            and _memory(m, params, inf.dtype, t, pp, seq, conc)[2] <= usable
         ),
         None,
     )
-    step_s = _decode_read_bytes(m, inf.dtype, conc, seq, tp, pp) / (hw.hbm_gbytes_s * 1e9 * HBM_EFFICIENCY)
+    step_s = _decode_read_bytes(m, params, inf.dtype, conc, seq, tp, pp) / (hw.hbm_gbytes_s * 1e9 * HBM_EFFICIENCY)
     # Pipeline stages run one after another for one token: pp stages' reads in series.
     step_s *= pp
-    single_s = pp * _decode_read_bytes(m, inf.dtype, 1, seq, tp, pp) / (hw.hbm_gbytes_s * 1e9 * HBM_EFFICIENCY)
+    single_s = pp * _decode_read_bytes(m, params, inf.dtype, 1, seq, tp, pp) / (hw.hbm_gbytes_s * 1e9 * HBM_EFFICIENCY)
     gpus = tp * pp
     itl_ms = step_s * 1e3
     return InferencePlan(
@@ -250,7 +262,7 @@ def build_inference_plan(cfg: StackConfig, hw: InstanceType | None = None) -> In
         max_concurrency=conc,
         replicas_min=inf.replicas_min,
         replicas_max=inf.replicas_max,
-        weights_gib=weight_bytes(m, inf.dtype) / GIB,
+        weights_gib=weight_bytes(params, inf.dtype) / GIB,
         weights_per_gpu_gib=w / GIB,
         kv_per_sequence_gib=seq * kv_bytes_per_token(m, inf.dtype) / GIB,
         kv_per_gpu_gib=kv / GIB,

@@ -46,13 +46,14 @@ def layout_rules(
             Issue(path=mp + "firstDenseLayers", value=m.first_dense_layers, message=f"at most layers ({m.layers})")
         )
     if p.world_size != world_size:
+        factors = p.factors()
         issues.append(
             Issue(
                 path=pp_ + "dpShard",
                 value=p.dp_shard,
-                message=f"dpReplicate*dpShard*tp*pp = {p.dp_replicate}*{p.dp_shard}*{p.tp}*{p.pp} = "
+                message=f"{'*'.join(factors)} = {'*'.join(map(str, factors.values()))} = "
                 f"{p.world_size}, but the world size is {world_size}{world_source}; "
-                f"dpShard = {world_size / (p.dp_replicate * p.tp * p.pp):g} would match",
+                f"dpShard = {world_size / (p.world_size // p.dp_shard):g} would match",
             )
         )
     if p.tp > max_tp:

@@ -16,6 +16,7 @@ from .catalog import CATALOG, GIB, InstanceType, gate_floor_gbytes_s, nvlink_dom
 from .config import Model, Parallel, StackConfig, Training, with_local_nproc
 from .errors import BadInput
 from .inference import InferencePlan, build_inference_plan
+from .mesh import Mesh
 from .topology import GroupPlacement, place
 
 # In the cluster the Plan travels as this ConfigMap key, mounted read-only in this directory: the
@@ -23,15 +24,6 @@ from .topology import GroupPlacement, place
 PLAN_CONFIGMAP_KEY = "plan.json"
 PLAN_MOUNT_DIR = "/etc/supernode"
 PLAN_MOUNT_PATH = f"{PLAN_MOUNT_DIR}/{PLAN_CONFIGMAP_KEY}"
-
-
-class Degrees(BaseModel):
-    model_config = ConfigDict(frozen=True)
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    ep: int
-    pp: int
 
 
 class Topology(BaseModel):
@@ -65,7 +57,7 @@ class Plan(BaseModel):
     nodes: int
     accelerators_per_node: int
     world_size: int
-    degrees: Degrees
+    degrees: Mesh  # the layout: rank order, groups, shard group (`parallel` holds the same degrees and the options)
     model: Model
     parallel: Parallel
     training: Training
@@ -156,15 +148,17 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
         )
     )
     domain = world if local else nvlink_domain_gpus(hw.name, ultra)  # a CPU run: one host, one "domain"
-    mem = cap.memory(m, p, t)
+    # The estimate, one pass: each figure computed once and handed on.
+    params = cap.param_counts(m)
+    pipe = cap.pipeline(m, p, t)  # micro-batches per step, stages, bubble: one figure for all readers
+    mem = cap.memory(m, p, t, params, pipe)
+    st = cap.step_time(m, p, t, hw, params, pipe, domain)
     usable = cap.usable_hbm_bytes(p, hw)
     fits = mem.total <= usable
-    st = cap.step_time(m, p, t, hw, domain)
-    ckpt = cap.checkpoint_io(m, t, cfg.storage.fsx)
+    ckpt = cap.checkpoint_io(params, t, cfg.storage.fsx)
     hours = t.steps * st.step_s / 3600
     per_hour, total = cap.hours_cost(_nodes(cfg), CATALOG, hours)
-    params = cap.param_counts(m)
-    shard_group = p.dp_shard * p.tp * p.pp
+    shard_group = p.shard_group
     replica_domains = -(-shard_group // domain)
     replica_state = cap.ADAM_STATE_BYTES * params.total
     topology = Topology(
@@ -178,7 +172,6 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
         replica_fits=replica_state <= shard_group * usable,
         placement=place(p, domain),
     )
-    pipe = cap.pipeline(m, p, t)  # micro-batches per step, stages, bubble: one figure for all readers
     return Plan(
         stack=stack,
         local=local,
@@ -186,19 +179,19 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
         nodes=cfg.nodes,
         accelerators_per_node=hw.accelerators,
         world_size=world,
-        degrees=Degrees(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep, pp=p.pp),
+        degrees=p.degrees(),
         model=m,
         parallel=p,
         training=t,
         params=params,
-        flops_per_token=cap.flops_per_token(m),
+        flops_per_token=cap.flops_per_token(m, params),
         memory=mem,
         memory_per_rank_gib=mem.total_gib,
         hbm_gib=hw.hbm_gib,
         usable_hbm_gib=usable / GIB,
         fits=fits,
         over_by_gib=max(0.0, (mem.total - usable) / GIB),
-        suggestions=[] if fits or local else cap.suggest(m, p, t, hw, domain=domain),
+        suggestions=[] if fits or local else cap.suggest(m, p, t, hw, params, domain=domain),
         micro_batches_per_step=pipe.micro_batches,
         pipeline=pipe,
         step=st,
@@ -209,7 +202,7 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
         cost_per_hour_usd=per_hour,
         run_hours=hours,
         run_cost_usd=total,
-        inference=None if local else build_inference_plan(cfg, hw),
+        inference=None if local else build_inference_plan(cfg, params, hw),
     )
 
 

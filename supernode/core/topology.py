@@ -5,9 +5,9 @@ costs differently inside an NVLink domain (NVLink, ~900 GB/s per direction per G
 domains (EFA, ~50 GB/s per GPU). The planner therefore places every mesh dimension explicitly:
 
 - Rank order: ranks are numbered domain by domain (the trainer reorders them with `rank_order`, so
-  this holds whatever order torchrun handed out), tp fastest, then dp_shard, dp_replicate, pp; the
-  EP group is `ep` consecutive ranks carved out of dp_shard x tp and `edp` strides over the rest
-  (docs/architecture.md §6).
+  this holds whatever order torchrun handed out), then as the layout orders them
+  (`supernode.core.mesh.Mesh`: tp fastest, then dp_shard, dp_replicate, pp; the EP group carved out
+  of dp_shard x tp), which gives every group its size and stride (docs/architecture.md §6).
 - A group of `size` members `stride` ranks apart spans some domains; `place` reports the worst
   group of each dimension (every collective waits for its slowest group).
 - Costs are hierarchical: a group spanning k domains with m members in each pays NVLink for its
@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .config import Parallel
+from .mesh import Mesh
 
 Link = Literal["NVLink", "EFA", "NVLink+EFA"]
 
@@ -50,18 +50,6 @@ class GroupPlacement(BaseModel):
         return self.domains == 1
 
 
-def mesh_groups(p: Parallel) -> dict[str, tuple[int, int]]:
-    """Each mesh dimension as (size, stride) in the rank order above."""
-    st = p.dp_shard * p.tp
-    return {
-        "tp": (p.tp, 1),
-        "ep": (p.ep, 1),
-        "edp": (st // p.ep, p.ep),
-        "dp_shard": (p.dp_shard, p.tp),
-        "dp_replicate": (p.dp_replicate, st),
-    }
-
-
 @lru_cache(maxsize=4096)  # the planner asks for the same spans for every candidate layout
 def group_span(size: int, stride: int, world: int, domain: int) -> tuple[int, int]:
     """(domains, members per domain) of the worst group of `size` members `stride` ranks apart among
@@ -80,11 +68,12 @@ def group_span(size: int, stride: int, world: int, domain: int) -> tuple[int, in
     return worst
 
 
-def place(p: Parallel, domain: int) -> list[GroupPlacement]:
-    world = p.world_size
+def place(mesh: Mesh, domain: int) -> list[GroupPlacement]:
+    """Each collective group of the layout on NVLink domains of `domain` GPUs."""
+    world = mesh.world_size
     return [
         GroupPlacement(dim=dim, size=n, stride=s, domains=k, per_domain=m)
-        for dim, (n, s) in mesh_groups(p).items()
+        for dim, (n, s) in mesh.groups().items()
         for k, m in [group_span(n, s, world, domain)]
     ]
 

@@ -32,6 +32,15 @@ FP32_EP2 = Parallel(dp_shard=2, ep=2, mixed_precision="fp32")
 TRAIN = Training(global_batch=4, micro_batch=2, steps=10, lr=1e-3, checkpoint_interval=5)
 
 
+def memory(m: Model, p: Parallel, t: Training) -> cap.Memory:
+    """The estimate's memory step, handed the counts and the pipeline shape as a plan build hands them."""
+    return cap.memory(m, p, t, cap.param_counts(m), cap.pipeline(m, p, t))
+
+
+def step_time(m: Model, p: Parallel, t: Training, hw, domain: int | None = None) -> cap.StepTime:
+    return cap.step_time(m, p, t, hw, cap.param_counts(m), cap.pipeline(m, p, t), domain)
+
+
 def test_parameter_counts_by_hand():
     pc = cap.param_counts(TINY)
     assert pc.embedding == 100 * 64 == 6400
@@ -49,11 +58,11 @@ def test_parameter_counts_by_hand():
 
 def test_flops_per_token_by_hand():
     # 6 x active + 6 x layers x seq x q_dim (causal attention, fwd + bwd)
-    assert cap.flops_per_token(TINY) == 6 * 74560 + 6 * 2 * 16 * 64 == 459648
+    assert cap.flops_per_token(TINY, cap.param_counts(TINY)) == 6 * 74560 + 6 * 2 * 16 * 64 == 459648
 
 
 def test_memory_terms_by_hand():
-    mem = cap.memory(TINY, FP32_EP2, TRAIN)
+    mem = memory(TINY, FP32_EP2, TRAIN)
     # non-expert: (attn 24576 + shared 6144 + dense 24576 + emb 6400 + head 6400) / tp 1 + norms/router 576,
     # FSDP over dp_shard 2 -> 34336; experts 24576 / (dp_shard 2 * tp 1) -> 12288
     assert mem.params_per_rank == 34336 + 12288 == 46624
@@ -70,43 +79,45 @@ def test_memory_terms_by_hand():
 
 
 def test_activation_checkpointing_modes_by_hand():
-    full = cap.memory(TINY, FP32_EP2.model_copy(update={"activation_checkpointing": "full"}), TRAIN)
+    full = memory(TINY, FP32_EP2.model_copy(update={"activation_checkpointing": "full"}), TRAIN)
     # each layer keeps its input (4*32*64 = 8192) + one layer is recomputed at a time (109312)
     assert full.activations == 2 * 8192 + 109312
-    sel = cap.memory(TINY, FP32_EP2.model_copy(update={"activation_checkpointing": "selective"}), TRAIN)
+    sel = memory(TINY, FP32_EP2.model_copy(update={"activation_checkpointing": "selective"}), TRAIN)
     # attention + FFN inputs kept per layer; one FFN's internals (67840 - 16384) recomputed
     assert sel.activations == 2 * (41472 + 16384) + (67840 - 16384)
-    none = cap.memory(TINY, FP32_EP2, TRAIN)
+    none = memory(TINY, FP32_EP2, TRAIN)
     assert full.activations < sel.activations < none.activations
 
 
 def test_bf16_halves_activations_and_tp_splits_weights():
-    bf16 = cap.memory(TINY, FP32_EP2.model_copy(update={"mixed_precision": "bf16"}), TRAIN)
-    fp32 = cap.memory(TINY, FP32_EP2, TRAIN)
+    bf16 = memory(TINY, FP32_EP2.model_copy(update={"mixed_precision": "bf16"}), TRAIN)
+    fp32 = memory(TINY, FP32_EP2, TRAIN)
     assert bf16.model_states == fp32.model_states  # fp32 master/grads/moments either way
     assert bf16.activations < fp32.activations
-    tp2 = cap.memory(TINY, Parallel(dp_shard=1, tp=2, ep=2, mixed_precision="fp32"), TRAIN)
+    tp2 = memory(TINY, Parallel(dp_shard=1, tp=2, ep=2, mixed_precision="fp32"), TRAIN)
     # As the trainer lays it out: (attention 24576 + dense 24576) / tp 2; norms 320 + embedding 6400 + head
     # 6400 not tensor-parallel; (router 256 + shared 6144) / (dp_shard 1 x tp 2); experts 24576 / (1 x 2)
     assert tp2.params_per_rank == 49152 // 2 + 13120 + 6400 // 2 + 12288
-    assert tp2.logits == cap.memory(TINY, FP32_EP2, TRAIN).logits  # the output head is not split by tp
+    assert tp2.logits == memory(TINY, FP32_EP2, TRAIN).logits  # the output head is not split by tp
 
 
 def test_checkpoint_size_and_fsx_sizing():
-    ck = cap.checkpoint_io(TINY, TRAIN, FsxConfig(checkpoint_write_budget_s=60))
+    ck = cap.checkpoint_io(cap.param_counts(TINY), TRAIN, FsxConfig(checkpoint_write_budget_s=60))
     assert ck.checkpoint_bytes == 12 * 93248
     assert ck.fsx_capacity_gib == 1200 and ck.within_budget
     # 10 TB checkpoint in 300 s needs 33,333 MB/s: at 500 MB/s/TiB that is 66.7 TiB -> 69,600 GiB (x 2400)
     assert cap.fsx_capacity_for(10e12 / 1e6 / 300, 500, 0) == 69600
     small = cap.checkpoint_io(
-        TINY, TRAIN, FsxConfig(capacity_gib=1200, per_unit_throughput=125, checkpoint_write_budget_s=10)
+        cap.param_counts(TINY),
+        TRAIN,
+        FsxConfig(capacity_gib=1200, per_unit_throughput=125, checkpoint_write_budget_s=10),
     )
     assert small.fsx_throughput_mb_s == pytest.approx(1200 / 1024 * 125)
 
 
 def test_all_to_all_volume_by_hand():
     hw = CATALOG["p5.48xlarge"]
-    st = cap.step_time(TINY, Parallel(dp_shard=2, ep=2, mixed_precision="fp32"), TRAIN, hw)
+    st = step_time(TINY, Parallel(dp_shard=2, ep=2, mixed_precision="fp32"), TRAIN, hw)
     # tokens per rank 4*16/2 = 32; 4 passes (dispatch+combine, fwd+bwd) x 32 x top-2 x 64 x 4 B x 1/2 x 1 MoE layer
     assert st.all_to_all_bytes_per_rank == 4 * 32 * 2 * 64 * 4 // 2
     assert 0 < st.mfu <= cap.MATMUL_EFFICIENCY
@@ -179,13 +190,13 @@ def test_pipeline_bubble_by_hand():
     assert (inter.stage_layers, inter.bubble) == ([1, 1, 1, 1], pytest.approx(1 / 9))
     # each of a rank's 2 stages sends 4 micro-batches of [2, 16, 64] fp32 on and their gradients back
     assert inter.p2p_bytes_per_rank == 2 * 4 * 2 * (2 * 16 * 64 * 4) == 131072
-    st = cap.step_time(FOUR, pp_layout("interleaved1f1b", 2), PP_TRAIN, hw)
+    st = step_time(FOUR, pp_layout("interleaved1f1b", 2), PP_TRAIN, hw)
     # the bubble is idle compute time: compute x (pp-1)/(m*v), on top of the overlapped compute/comm
     assert st.pipeline_bubble_s == pytest.approx(st.compute_s * 1 / 8)
     comm = st.all_to_all_s + st.fsdp_s + st.replicate_s + st.tensor_parallel_s + st.p2p_s
     assert st.step_s == pytest.approx(max(st.compute_s, comm) + st.compute_s / 8)
     assert st.links["p2p"] == "NVLink"  # 4 ranks on one 8-GPU node
-    flat = cap.step_time(FOUR, Parallel(dp_shard=4, ep=2, mixed_precision="fp32"), PP_TRAIN, hw)
+    flat = step_time(FOUR, Parallel(dp_shard=4, ep=2, mixed_precision="fp32"), PP_TRAIN, hw)
     assert flat.pipeline_bubble_s == 0 and flat.p2p_s == 0
     assert cap.bubble_fraction(8, 32, 1) == pytest.approx(7 / 39)  # a deeper pipeline: 7/(32+7)
 
@@ -199,7 +210,7 @@ def test_in_flight_activations_follow_the_schedule():
     }
     assert flights == {"gpipe": 4, "1f1b": 2, "interleaved1f1b": 5}
     act = {
-        s: cap.memory(FOUR, pp_layout(s, v), PP_TRAIN).activations
+        s: memory(FOUR, pp_layout(s, v), PP_TRAIN).activations
         for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2))
     }
     # layer x micro-batch activations held: gpipe 4 x 2 layers, 1f1b 2 x 2, interleaved 5 x 1
@@ -212,7 +223,7 @@ def test_suggestions_consider_pipeline_stages_where_nothing_else_fits():
     m = FOUR.model_copy(update={"kv_heads": 1, "heads": 4})
     t = Training(global_batch=48, micro_batch=1, steps=10, lr=1e-3, checkpoint_interval=5)
     p = Parallel(dp_shard=16, pp=2)
-    found = cap.suggest(m, p, t, CATALOG["p5.48xlarge"], limit=50)
+    found = cap.suggest(m, p, t, CATALOG["p5.48xlarge"], cap.param_counts(m), limit=50)
     assert found and all(s.pp >= 2 for s in found)
     assert {s.pp for s in found} == {2, 4}
     for s in found:  # each passes the same validator as a stack's own layout
@@ -252,3 +263,31 @@ def test_plan_carries_the_pipeline():
     assert plan.pipeline.micro_batches == plan.micro_batches_per_step == 4
     assert plan.pipeline.stage_layers == [3, 3, 3, 3] and plan.pipeline.bubble == pytest.approx(1 / 9)
     assert Plan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_one_plan_build_is_one_pass_of_the_estimate(monkeypatch, fits):
+    """Parameter counts -> pipeline -> memory -> step time, each computed once per plan and handed
+    on; the suggestions (a plan that does not fit) reuse the plan's counts for every candidate."""
+    calls: dict[str, int] = {}
+
+    def counted(name):
+        real = getattr(cap, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(cap, name, wrapper)
+
+    for name in ("param_counts", "pipeline", "memory", "step_time"):
+        counted(name)
+    cfg = load_stack("prod", ROOT)
+    if not fits:  # prod's layout on A100 40 GB
+        groups = [g.model_copy(update={"instance_type": "p4d.24xlarge"}) for g in cfg.accelerator_node_groups]
+        cfg = cfg.model_copy(update={"accelerator_node_groups": groups})
+    plan = build_plan("prod", cfg)
+    assert plan.fits == fits and bool(plan.suggestions) != fits
+    assert calls["param_counts"] == 1
+    if fits:
+        assert calls == {"param_counts": 1, "pipeline": 1, "memory": 1, "step_time": 1}

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from supernode.core.capacity import param_counts
 from supernode.core.catalog import CATALOG, GIB
 from supernode.core.config import Model, load_stack
 from supernode.core.config.schema import Inference
@@ -40,13 +41,18 @@ SMALL = Model(
 )
 
 
+def plan_of(cfg):
+    """The inference plan from the model's counts, as build_plan hands them over."""
+    return build_inference_plan(cfg, param_counts(cfg.model))
+
+
 def _cfg(model: Model, **inference):
     cfg = load_stack("dev", ROOT)
     return cfg.model_copy(update={"model": model, "inference": Inference(image=IMAGE, **inference)})
 
 
 def test_small_model_by_hand():
-    plan = build_inference_plan(_cfg(SMALL, max_seq_len=128, max_concurrency=4))
+    plan = plan_of(_cfg(SMALL, max_seq_len=128, max_concurrency=4))
     # parameters: embedding 6400 + head 6400 + attention 2 x (64*64 + 2*64*32 + 64*64) = 24576
     # + norms 320 + router 256 + experts 4*3*64*32 = 24576 + shared 3*64*32 = 6144 + dense 3*64*128 = 24576
     total = 6400 + 6400 + 24576 + 320 + 256 + 24576 + 6144 + 24576
@@ -69,7 +75,7 @@ def test_prod_needs_tp4_and_says_so():
     cfg = load_stack("prod", ROOT)
     plan = build_plan("prod", cfg).inference
     assert plan.tp == 4 and plan.fits and plan.suggested_tp == 4
-    at_tp1 = build_inference_plan(cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"tp": 1})}))
+    at_tp1 = plan_of(cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"tp": 1})}))
     assert not at_tp1.fits and at_tp1.suggested_tp == 4
     assert at_tp1.over_by_gib == pytest.approx(at_tp1.memory_per_gpu_gib - at_tp1.usable_hbm_gib)
     # the same headroom rule as training: usable = HBM x (1 - parallel.hbmHeadroom)
@@ -77,7 +83,7 @@ def test_prod_needs_tp4_and_says_so():
 
 
 def test_replica_across_nodes_is_a_leaderworkerset():
-    plan = build_inference_plan(_cfg(SMALL, tp=4, pp=4))
+    plan = plan_of(_cfg(SMALL, tp=4, pp=4))
     assert plan.gpus_per_replica == 16 and plan.pods_per_replica == 2 and plan.workload_kind == "LeaderWorkerSet"
 
 
@@ -90,7 +96,7 @@ def test_bandwidth_scales_decode():
             ]
         }
     )
-    a, b = build_inference_plan(base), build_inference_plan(h200)
+    a, b = plan_of(base), plan_of(h200)
     assert b.decode_tokens_s / a.decode_tokens_s == pytest.approx(4800 / 3350)
 
 

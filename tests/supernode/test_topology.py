@@ -36,8 +36,13 @@ MOE = Model(
 TRAIN = Training(global_batch=144, micro_batch=1, steps=10, lr=1e-3, checkpoint_interval=5)
 
 
+def step_time(m: Model, p: Parallel, t: Training, hw, domain: int | None = None) -> cap.StepTime:
+    """The estimate's step-time step, handed the counts and the pipeline shape as a plan build hands them."""
+    return cap.step_time(m, p, t, hw, cap.param_counts(m), cap.pipeline(m, p, t), domain)
+
+
 def test_catalog_holds_the_supernode_facts():
-    """HARDWARE.md, written independently of the catalog."""
+    """docs/hardware.md, written independently of the catalog."""
     assert ULTRASERVERS["u-p6e-gb200x72"].gpus == 72 and ULTRASERVERS["u-p6e-gb200x36"].gpus == 36
     assert nvlink_domain_gpus("p6e-gb200.36xlarge", "u-p6e-gb200x72") == 72
     assert nvlink_domain_gpus("p6-b300.48xlarge") == nvlink_domain_gpus("p5.48xlarge") == 8
@@ -76,8 +81,8 @@ def test_all_to_all_inside_one_nvl72_versus_spanning_two_by_hand():
     """Each rank sends V bytes to its n-1 peers, V/(n-1) each: the m-1 peers in its domain over NVLink
     (900 GB/s one way), the n-m others over EFA (4 x 400 Gb/s per 4-GPU node = 50 GB/s per GPU)."""
     nvlink, efa = 1800e9 / 2, 4 * 400 / 8 * 1e9 / 4
-    inside = cap.step_time(MOE, Parallel(dp_shard=144, ep=72), TRAIN, GB200, NVL72)
-    across = cap.step_time(MOE, Parallel(dp_shard=144, ep=144), TRAIN, GB200, NVL72)
+    inside = step_time(MOE, Parallel(dp_shard=144, ep=72), TRAIN, GB200, NVL72)
+    across = step_time(MOE, Parallel(dp_shard=144, ep=144), TRAIN, GB200, NVL72)
     tokens_rank = 144 * 1024 / 144
     v72 = int(4 * tokens_rank * 8 * 1024 * 2 * 71 / 72 * 2)  # 4 passes x tokens x topK x dim x bf16 x (n-1)/n x layers
     v144 = int(4 * tokens_rank * 8 * 1024 * 2 * 143 / 144 * 2)
@@ -93,7 +98,7 @@ def test_ring_collectives_are_hierarchical_by_hand():
     """FSDP over 144 ranks in 2 domains: a ring of 72 on NVLink, then each GPU's 1/72 share across 2 domains."""
     nvlink, efa = 900e9, 50e9
     p = Parallel(dp_shard=144, ep=72)
-    st = cap.step_time(MOE, p, TRAIN, GB200, NVL72)
+    st = step_time(MOE, p, TRAIN, GB200, NVL72)
     pc = cap.param_counts(MOE)
     buf_dense = (pc.total - pc.experts) * (2 * 2 + 4)
     buf_experts = pc.experts / 72 * (2 * 2 + 4)  # edp = 2, stride 72: one member per domain
@@ -107,7 +112,7 @@ def test_single_node_domains_keep_the_old_figures_inside_a_node():
     hw = CATALOG["p5.48xlarge"]
     m = MOE.model_copy(update={"experts": 8})
     t = Training(global_batch=8, micro_batch=1, steps=1, lr=1e-3, checkpoint_interval=1)
-    st = cap.step_time(m, Parallel(dp_shard=8, ep=8), t, hw)
+    st = step_time(m, Parallel(dp_shard=8, ep=8), t, hw)
     assert st.all_to_all_s == pytest.approx(st.all_to_all_bytes_per_rank / (hw.nvlink_gbytes_s * 1e9 / 2))
     assert set(st.links.values()) == {"NVLink"}
 
@@ -182,7 +187,7 @@ def test_suggestions_prefer_ep_inside_the_domain():
     )
     plan = build_plan("gb200", cfg)
     assert not plan.fits and plan.suggestions
-    sug = cap.suggest(cfg.model, cfg.parallel, cfg.training, GB200, limit=50, domain=NVL72)
+    sug = cap.suggest(cfg.model, cfg.parallel, cfg.training, GB200, cap.param_counts(cfg.model), limit=50, domain=NVL72)
     inside = [s.ep_inside_domain for s in sug]
     assert inside == sorted(inside, reverse=True) and inside[0]  # every EP-inside layout before any crossing one
     for s in plan.suggestions:

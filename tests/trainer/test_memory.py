@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from supernode.core.config import Model, Parallel
 from trainer.checkpoint import ModelState
-from trainer.parallel import ParallelDims, build_model
+from trainer.parallel import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 # ~110 M parameters: 440 MB in fp32, four times what each of 4 FSDP ranks holds. Large enough that the
@@ -42,13 +42,12 @@ def full_bytes(cfg: Model) -> int:
 def build_and_restore(rank: int, world: int, ckpt: str) -> dict:
     from bench.memory import local_bytes, resident_bytes
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, ep=2, pp=1, world_size=world)
     parallel = Parallel(dp_shard=world, ep=2, mixed_precision="fp32")
     baseline = resident_bytes()
-    model = build_model(BIG, dims, parallel, torch.device("cpu"), seed=1)
+    model = build_model(BIG, parallel, torch.device("cpu"), seed=1)
     built = resident_bytes("VmHWM") - baseline
     dcp.save({"model": ModelState(model)}, checkpoint_id=ckpt)
-    again = build_model(BIG, dims, parallel, torch.device("cpu"), seed=2)  # other weights...
+    again = build_model(BIG, parallel, torch.device("cpu"), seed=2)  # other weights...
     dcp.load({"model": ModelState(again)}, checkpoint_id=ckpt)  # ...replaced by the checkpoint's, in place
     same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), again.parameters()))
     return {

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from supernode.core.config import Model, Parallel
 from trainer.model import Transformer, loss_fn
 from trainer.moe import ExpertBalancer
-from trainer.parallel import ParallelDims, build_model, parallelize
+from trainer.parallel import Meshes, build_model, checked_layout, parallelize
 
 SEED = 7
 LR = 0.5
@@ -124,36 +124,35 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def layout(name: str, world_size: int) -> tuple[ParallelDims, Parallel]:
+def layout(name: str, world_size: int) -> Parallel:
     dpr, dps, tp, ep, ac, overlap, _ = LAYOUTS[name]
-    return (
-        ParallelDims(dp_replicate=dpr, dp_shard=dps, tp=tp, ep=ep, pp=1, world_size=world_size),
-        Parallel(
-            dp_replicate=dpr,
-            dp_shard=dps,
-            tp=tp,
-            ep=ep,
-            activation_checkpointing=ac,
-            overlap=overlap,
-            mixed_precision="bf16",
-        ),
+    parallel = Parallel(
+        dp_replicate=dpr,
+        dp_shard=dps,
+        tp=tp,
+        ep=ep,
+        activation_checkpointing=ac,
+        overlap=overlap,
+        mixed_precision="bf16",
     )  # bf16 must be ignored on CPU
+    assert parallel.world_size == world_size
+    return parallel
 
 
 def run_layouts(rank: int, world_size: int, names=tuple(LAYOUTS)) -> dict:
     results = {}
     for name in names:
-        dims, parallel = layout(name, world_size)
-        tp, model_cfg = dims.tp, LAYOUTS[name][-1]
-        mesh = dims.build_mesh("cpu")
+        parallel = layout(name, world_size)
+        tp, dp, model_cfg = parallel.tp, parallel.dp, LAYOUTS[name][-1]
+        mesh = Meshes.build(parallel, "cpu")
         if name == BF16_LAYOUT:  # parallelize's device type decides mixed precision: "cuda" is the GPU (bf16) path
             model = Transformer(model_cfg)
             model.init_weights(SEED)
-            parallelize(model, dims, mesh, parallel, "cuda")
+            parallelize(model, parallel, mesh, "cuda")
         else:
-            model = build_model(model_cfg, dims, parallel, torch.device("cpu"), SEED, mesh)
+            model = build_model(model_cfg, parallel, torch.device("cpu"), SEED, mesh)
         params = {n: _full(p.detach()) for n, p in model.named_parameters()}  # collective: every rank
-        tokens = batch().chunk(dims.dp_size)[dims.dp_rank(rank)]
+        tokens = batch().chunk(dp)[parallel.dp_rank(rank)]
         compute_dtypes: set[str] = set()
         for moe in model.moe_layers():
             moe.experts.register_forward_hook(lambda mod, args, out: compute_dtypes.add(str(out.dtype)))
@@ -162,14 +161,14 @@ def run_layouts(rank: int, world_size: int, names=tuple(LAYOUTS)) -> dict:
         aux = model.aux_loss()
         (ce + aux).backward()
         # Data-parallel mean of the CE; aux terms are split over tp slices, so sum them then average.
-        stats = torch.stack([ce.detach() / dims.dp_size * (1 / tp), aux.detach() / dims.dp_size])
+        stats = torch.stack([ce.detach() / dp * (1 / tp), aux.detach() / dp])
         dist.all_reduce(stats)
         grads = {n: _full(p.grad) for n, p in model.named_parameters()}  # collective: every rank
         dtypes = {str(p.dtype) for p in model.parameters()}
         counted.phase = "step"
         ce_after, load = second_step(model, tokens)
         counted.__exit__()
-        ce_after = ce_after / (dims.dp_size * tp)
+        ce_after = ce_after / (dp * tp)
         dist.all_reduce(ce_after)
         results[name] = {
             "ce": stats[0].item(),
@@ -254,19 +253,19 @@ def run_domain_ordered(rank: int, world_size: int) -> dict:
     )
     # EP 4 in domains of 2: where the plan keeps it inside one domain every rank refuses alike (no
     # hang); where the plan lets it cross by design, the ranks are ordered and that is said.
-    wide, wide_parallel = layout("ep", world_size)
+    wide = layout("ep", world_size)
     try:
-        domain_order(wide, place(wide_parallel, domain=4), print)
+        domain_order(world_size, place(wide, domain=4), print)
     except BadInput as e:
         out["refused"] = str(e)
     out["design_said"] = []
-    out["by_design"] = domain_order(wide, place(wide_parallel, domain=2), out["design_said"].append)
+    out["by_design"] = domain_order(world_size, place(wide, domain=2), out["design_said"].append)
 
-    dims, parallel = layout(ORDERED_LAYOUT, world_size)
+    parallel = layout(ORDERED_LAYOUT, world_size)
     said: list[str] = []
-    renumber_by_domain(dims, place(parallel, domain=2), "gloo", timedelta(seconds=60), said.append)
+    renumber_by_domain(world_size, place(parallel, domain=2), "gloo", timedelta(seconds=60), said.append)
     new_rank = dist.get_rank()
-    mesh = dims.build_mesh("cpu")
+    mesh = Meshes.build(parallel, "cpu")
     out |= {
         "said": said,
         "new_rank": new_rank,
@@ -321,32 +320,33 @@ def _with_degrees(plan, **degrees):
     )
 
 
-def test_dims_from_degrees_and_errors() -> None:
+def test_layout_from_degrees_and_errors() -> None:
     from pydantic import ValidationError
 
     from supernode.core.config import Parallel
     from supernode.core.errors import ConfigError
 
-    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, ep=4, pp=1, world_size=8)
-    assert (dims.dp_size, dims.edp) == (4, 1)
-    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    parallel = Parallel(dp_replicate=2, dp_shard=2, tp=2, ep=4, pp=1)
+    assert (parallel.dp, parallel.edp) == (4, 1)
+    assert [parallel.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     # Layout errors come from the core's one validator, named by the plan's field.
     plan = _dev_local_plan()
     with pytest.raises(ConfigError, match=r"world size is 6"):
-        ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=4, tp=1, ep=1, pp=1), 6)
+        checked_layout(_with_degrees(plan, dp_replicate=1, dp_shard=4, tp=1, ep=1, pp=1), 6)
     with pytest.raises(ConfigError, match=r"plan:parallel.ep: ep must divide dpShard\*tp"):
-        ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=4, tp=1, ep=3, pp=1), 4)
+        checked_layout(_with_degrees(plan, dp_replicate=1, dp_shard=4, tp=1, ep=3, pp=1), 4)
     # pp > 1 is accepted (trainer.pipeline); its rules are the core's too, e.g. a stage per layer at least.
     with pytest.raises(ConfigError, match=r"plan:parallel.pp: every pipeline stage needs a layer"):
-        ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=1, tp=1, ep=1, pp=4), 4)
-    dims = ParallelDims.from_plan(_with_degrees(plan, dp_replicate=1, dp_shard=1, tp=1, ep=1, pp=2), 2)
-    assert (dims.pp, dims.dp_size) == (2, 1)
-    assert [dims.pp_rank(r) for r in range(2)] == [0, 1] and [dims.dp_rank(r) for r in range(2)] == [0, 0]
+        checked_layout(_with_degrees(plan, dp_replicate=1, dp_shard=1, tp=1, ep=1, pp=4), 4)
+    parallel = checked_layout(_with_degrees(plan, dp_replicate=1, dp_shard=1, tp=1, ep=1, pp=2), 2)
+    assert (parallel.pp, parallel.dp) == (2, 1)
+    assert [parallel.coordinate(r, "pp") for r in range(2)] == [0, 1]
+    assert [parallel.dp_rank(r) for r in range(2)] == [0, 0]
     with pytest.raises(ValidationError, match=r"tp\n.*greater than or equal to 1"):
         Parallel(dp_replicate=1, dp_shard=2, tp=0, ep=1, pp=1)
 
 
-def test_dims_from_the_dev_stack_plan() -> None:
+def test_layout_from_the_dev_stack_plan() -> None:
     from pathlib import Path
 
     from supernode.core.config import load_stack
@@ -356,13 +356,13 @@ def test_dims_from_the_dev_stack_plan() -> None:
     root = Path(__file__).resolve().parents[2]
     cfg = load_stack("dev", root)
     local = build_local_plan("dev", cfg)
-    dims = ParallelDims.from_plan(local, local.world_size)
-    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.ep, dims.pp) == (1, 2, 1, 2, 1)
-    assert dims.dp_size == 2 and dims.edp == 1
+    parallel = checked_layout(local, local.world_size)
+    assert (parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.ep, parallel.pp) == (1, 2, 1, 2, 1)
+    assert parallel.dp == 2 and parallel.edp == 1
     full = build_plan("dev", cfg)
-    assert ParallelDims.from_plan(full, full.world_size).dp_size == full.parallel.dp
+    assert checked_layout(full, full.world_size).dp == full.degrees.dp
     with pytest.raises(ConfigError, match=f"the world size is {local.world_size + 1}"):
-        ParallelDims.from_plan(local, local.world_size + 1)
+        checked_layout(local, local.world_size + 1)
 
 
 class FakeNvml:

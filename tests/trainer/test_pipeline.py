@@ -30,10 +30,11 @@ from torch.distributed.tensor import DTensor
 
 from supernode.core.config import Model, Parallel, from_mapping, load_stack
 from supernode.core.layout import stage_layers
+from supernode.core.mesh import Mesh
 from trainer.engine import counted_per_micro_batch
 from trainer.model import Transformer, inputs_and_targets, loss_fn
 from trainer.moe import ExpertBalancer
-from trainer.parallel import ParallelDims
+from trainer.parallel import Meshes
 from trainer.pipeline import Stage, StageParts, build_pipeline, rank_stages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +109,6 @@ def run_layouts(rank: int, world_size: int, names: list[str], eos: int | None = 
     results = {}
     for name in names:
         _, dps, ep, pp, schedule, virtual, ac, tp = LAYOUTS[name]
-        dims = ParallelDims(dp_replicate=1, dp_shard=dps, tp=tp, ep=ep, pp=pp, world_size=world_size)
         parallel = Parallel(
             dp_shard=dps,
             tp=tp,
@@ -118,11 +118,11 @@ def run_layouts(rank: int, world_size: int, names: list[str], eos: int | None = 
             pp_virtual_stages=virtual,
             activation_checkpointing=ac,
         )
-        mesh = dims.build_mesh("cpu")
-        tokens = batch(eos).chunk(dims.dp_size)[dims.dp_rank(rank)]
+        assert parallel.world_size == world_size
+        mesh = Meshes.build(parallel, "cpu")
+        tokens = batch(eos).chunk(parallel.dp)[parallel.dp_rank(rank)]
         pipe = build_pipeline(
             MODEL,
-            dims,
             parallel,
             torch.device("cpu"),
             SEED,
@@ -236,9 +236,9 @@ def test_stage_split_and_placement() -> None:
     assert stage_layers(8, 4, 1, 1) == [1, 3, 3, 1]  # fewer layers on the first and last
     assert rank_stages(1, 4, 2) == [1, 5]  # loop placement for interleaved 1F1B
     # pp is the outermost mesh dim: a stage is a block of consecutive ranks, read the same data slices.
-    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, ep=2, pp=2, world_size=8)
-    assert [dims.pp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    layout = Mesh(dp_replicate=1, dp_shard=2, tp=2, ep=2, pp=2)
+    assert [layout.coordinate(r, "pp") for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [layout.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 def test_stages_keep_the_whole_models_names() -> None:

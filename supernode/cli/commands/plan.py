@@ -140,8 +140,7 @@ def render(plan: Plan, console: Console) -> None:
     t.add_row(
         "replica state",
         f"{topo.replica_state_gib:,.0f} GiB",
-        f"{fits_domain} the aggregate HBM of its {d.dp_shard * d.tp * d.pp} shard-group GPUs "
-        f"({topo.replica_domains} domain(s))",
+        f"{fits_domain} the aggregate HBM of its {d.shard_group} shard-group GPUs ({topo.replica_domains} domain(s))",
     )
     m = plan.memory
     t.add_row(

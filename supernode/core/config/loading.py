@@ -6,6 +6,7 @@ reported at once as a ConfigError (exit 2).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ from ..inputs import MIB, InputError, load_yaml, read_bounded
 from ..layout import P
 from .rules import rules
 from .schema import NAMESPACE, StackConfig, did_you_mean, issues_from_validation
-
 
 MAX_STACK_FILE_BYTES = MIB
 
@@ -129,7 +129,8 @@ def with_local_nproc(cfg: StackConfig, nproc: int) -> StackConfig:
     if nproc == cfg.local.nproc:
         return cfg
     p = cfg.local_config().parallel
-    fixed = p.dp_replicate * p.tp * p.pp
+    kept = p.factors(without="dp_shard")
+    fixed = math.prod(kept.values())
     if nproc < 1 or nproc % fixed:
         raise ConfigError(
             [
@@ -137,11 +138,11 @@ def with_local_nproc(cfg: StackConfig, nproc: int) -> StackConfig:
                     path="--nproc",
                     value=nproc,
                     message=f"must be a positive multiple of the local "
-                    f"dpReplicate*tp*pp ({p.dp_replicate}*{p.tp}*{p.pp} = {fixed})",
+                    f"{'*'.join(kept)} ({'*'.join(map(str, kept.values()))} = {fixed})",
                 )
             ],
             "--nproc",
         )
     data = cfg.to_mapping()
-    data["local"]["nproc"], data["local"]["parallel"]["dpShard"] = nproc, nproc // fixed
+    data["local"]["nproc"], data["local"]["parallel"]["dpShard"] = nproc, p.rescaled(nproc).dp_shard
     return from_mapping(data, f"--nproc {nproc}")

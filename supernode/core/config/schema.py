@@ -25,6 +25,7 @@ from pydantic.alias_generators import to_camel
 
 from ..catalog import CATALOG, SYSTEM_INSTANCE_TYPES, ULTRASERVERS, nvlink_domain_gpus
 from ..errors import Issue
+from ..mesh import Mesh
 
 NAMESPACE = "supernode"
 DIGEST_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}$")
@@ -93,7 +94,7 @@ class NetworkConfig(_Base):
 
 
 # Capacity Blocks: EC2 terminates the instances from 30 min before the end; EKS wants the node group at 0
-# by 40 min before (../shared/HARDWARE.md "Buying and placing").
+# by 40 min before (docs/hardware.md "Buying and placing").
 CAPACITY_BLOCK_DRAIN = timedelta(minutes=40)
 
 
@@ -333,26 +334,9 @@ class Model(_Base):
         return sum(self.is_moe(i) for i in range(self.layers))
 
 
-# Parallel keys that describe the mesh: sized per world, so `local` does not inherit them.
-LOCAL_LAYOUT_KEYS = (
-    "dp_replicate",
-    "dp_shard",
-    "tp",
-    "ep",
-    "pp",
-    "pp_schedule",
-    "pp_virtual_stages",
-    "pp_first_stage_fewer_layers",
-    "pp_last_stage_fewer_layers",
-)
-
-
-class Parallel(_Base):
-    dp_replicate: int = Field(default=1, ge=1)
-    dp_shard: int = Field(default=1, ge=1)
-    tp: int = Field(default=1, ge=1)
-    ep: int = Field(default=1, ge=1)
-    pp: int = Field(default=1, ge=1, description="pipeline stages (layers split by stage; the outermost mesh dim)")
+# The degrees (dpReplicate, dpShard, tp, ep, pp) are declared once, by the Mesh; Parallel adds the
+# layout's options. (No docstring: docs/configuration.md would print it.)
+class Parallel(_Base, Mesh):
     pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = Field(
         default="1f1b",
         description="pipeline schedule (pp > 1): gpipe holds every micro-batch's activations, 1f1b "
@@ -385,17 +369,19 @@ class Parallel(_Base):
     )
 
     @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
     def stages(self) -> int:
         """Pipeline stages in all: pp ranks x virtual stages per rank."""
         return self.pp * self.pp_virtual_stages
+
+
+# Parallel keys sized per world, so `local` does not inherit them: the degrees and the pipeline's shape.
+LOCAL_LAYOUT_KEYS = (
+    *Mesh.model_fields,
+    "pp_schedule",
+    "pp_virtual_stages",
+    "pp_first_stage_fewer_layers",
+    "pp_last_stage_fewer_layers",
+)
 
 
 class DataSource(_Base):
@@ -609,8 +595,8 @@ class StackConfig(_Base):
         layout = self.local.parallel.model_dump(exclude_none=True)
         parallel = {k: v for k, v in data["parallel"].items() if k not in LOCAL_LAYOUT_KEYS} | layout
         if "dp_shard" not in layout:
-            rest = parallel.get("dp_replicate", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
-            parallel["dp_shard"] = max(1, self.local.nproc // rest)
+            given = Mesh.model_construct(**{k: v for k, v in layout.items() if k in Mesh.model_fields})
+            parallel["dp_shard"] = given.rescaled(self.local.nproc).dp_shard
         data["parallel"] = parallel
         return StackConfig.model_validate(data)
 
