@@ -1,4 +1,4 @@
-"""vLLM's continuous batching against sequential requests, on the exported model, in one run.
+"""The serving backend's continuous batching against sequential requests, on the exported model, in one run.
 
     supernode bench serve --model out/demo/model [--url http://HOST:PORT] [--concurrency 1,2,4,8,16]
                           [--requests 32] [--max-tokens 32]
@@ -7,9 +7,9 @@ Against a running server (--url), or one it starts for the export (after verifyi
 `supernode serve` does). For each concurrency level, `--requests` streamed greedy completions of
 `--max-tokens` tokens each (EOS ignored, so every request does the same work) are sent by that many
 clients at once; concurrency 1 is the sequential baseline. One JSON line per level: time to first
-token and inter-token latency (per request: (total - first token) / (tokens - 1)) p50/p99 (ms), output tokens/s
-over the level's wall time, and the
-speed-up over sequential (tokens/s ratio), then a summary line.
+token and inter-token latency (per request: (total - first token) / (tokens - 1)) p50/p99 (ms),
+output tokens/s over the level's wall time, and the speed-up over sequential (tokens/s ratio), then a
+summary line with the server's in-flight gauges (what the cluster's HPA scales on).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from supernode.core.serving import BACKEND
 from supernode.tools.serve import Completion, LocalServer, complete, metrics, serve_python, verify_export
 
 PROMPTS = ("def ", "The ", "import ", "class ", "for i in ", "return ", "# ", "if __name__")
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="supernode bench serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=Path("out/demo/model"), help="the exported model directory")
     p.add_argument("--url", default=None, help="a running server (default: start one for --model)")
-    p.add_argument("--name", default="supernode", help="the served model name (vLLM --served-model-name)")
+    p.add_argument("--name", default="supernode", help="the served model name")
     p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated levels; 1 is the sequential baseline")
     p.add_argument("--requests", type=int, default=32, help="requests per level")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -101,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                     "best_concurrency": best["concurrency"],
                     "best_tokens_per_s": best["tokens_per_s"],
                     "continuous_batching_speedup": best["speedup_vs_sequential"],
-                    "vllm_requests_running": gauges.get("vllm:num_requests_running"),
-                    "vllm_requests_waiting": gauges.get("vllm:num_requests_waiting"),
+                    "requests_in_flight": {series: gauges.get(series) for series in BACKEND.in_flight_series},
                 }
             ),
             flush=True,

@@ -7,13 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from supernode.core.resource_types import DEPLOYMENT, K8S_SERVICE, LEADER_WORKER_SET, NETWORK_POLICY, PDB
+from supernode.core.serving import MODELS_DIR, VERIFY_CONTAINER
 
 from .base import Report, StackPolicy
 from .view import Res, Stack, get, items, pod_templates
 
 COMPONENT = "app.kubernetes.io/component"
-VERIFY_CONTAINER = "verify-weights"
-MODELS = "/models"
 OPEN_CIDRS = ("0.0.0.0/0", "::/0")
 
 
@@ -37,8 +36,8 @@ def _weights_verified(stack: Stack, _conf: None, report: Report) -> None:
             inits = [c for c in items(get(spec, "initContainers")) if get(c, "name") == VERIFY_CONTAINER]
             servers = items(get(spec, "containers"))
             reads_verified = all(
-                any(get(m, "mountPath") == MODELS for m in items(get(c, "volumeMounts")))
-                and MODELS in items(get(c, "args"))
+                any(get(m, "mountPath") == MODELS_DIR for m in items(get(c, "volumeMounts")))
+                and MODELS_DIR in items(get(c, "args"))
                 for c in servers
             )
             if not inits or not reads_verified:
@@ -46,7 +45,7 @@ def _weights_verified(stack: Stack, _conf: None, report: Report) -> None:
                     res,
                     f"{res.label} starts its server without weights verified by digest: it needs the "
                     f"'{VERIFY_CONTAINER}' init container (copies the export and checks every file's sha256 "
-                    f"against manifest.json) and must serve only the verified copy at {MODELS}. "
+                    f"against manifest.json) and must serve only the verified copy at {MODELS_DIR}. "
                     "Fix: deploy serving through components/k8s/serving.py.",
                 )
 

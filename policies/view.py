@@ -31,7 +31,6 @@ from supernode.core.resource_types import (
 )
 
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
-EFA_INTERFACE_TYPES = ("efa", "efa-only")
 OPEN_CIDRS = ("0.0.0.0/0", "::/0")
 
 

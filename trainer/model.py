@@ -23,12 +23,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils.checkpoint import checkpoint
 
 from supernode.core.config import Model
+from supernode.core.inference import RMS_NORM_EPS
 
 from .moe import MoE, SwiGLU
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = RMS_NORM_EPS):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps

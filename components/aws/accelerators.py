@@ -1,9 +1,8 @@
 """Accelerator node groups with EFA, and the small system node group (issue 3, part 3).
 
-The EFA layout follows the catalog's card layout (../shared/HARDWARE.md "Network cards"): one
-interface per network card. Card 0 / device 0 is `efa`, or an ENA primary (`interface`) on types
-with `ena_primary`, with `efa-only` beside it at device 1 only where card 0 carries EFA (p6-b300 and
-p6e-gb200 card 0 is ENA-only); every other card is `efa-only` at the type's `efa_only_device_index`.
+Each launch template carries the catalog's interface layout (InstanceType.network_interfaces, after
+docs/hardware.md "Network cards"): one interface per network card, the EFA ones on the cards
+the policy pack checks.
 """
 
 from __future__ import annotations
@@ -11,14 +10,14 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import pulumi
 import pulumi_aws as aws
 import yaml
 
-from supernode.core.catalog import CATALOG, InstanceType
+from supernode.core.catalog import CATALOG
 from supernode.core.config import AcceleratorNodeGroup, SystemNodeGroup
+from supernode.core.host import AMAZON_TIME_SYNC, HOST_SYSCTLS, NOFILE
 
 from ..context import StackContext
 from ..taints import Taint
@@ -35,21 +34,6 @@ IMDS = aws.ec2.LaunchTemplateMetadataOptionsArgs(
 AWS_TIME = "%Y-%m-%dT%H:%M:%SZ"  # a scheduled action's start time, in UTC
 CAPACITY_TYPES = {"on-demand": "ON_DEMAND", "capacity-reservation": "ON_DEMAND", "capacity-block": "CAPACITY_BLOCK"}
 _TAINT_EFFECTS = {"NoSchedule": "NO_SCHEDULE", "NoExecute": "NO_EXECUTE", "PreferNoSchedule": "PREFER_NO_SCHEDULE"}
-
-
-class InterfaceSlot(NamedTuple):
-    network_card_index: int
-    device_index: int
-    interface_type: str  # "efa", "efa-only", or "interface" (ENA)
-
-
-def efa_interfaces(hw: InstanceType) -> list[InterfaceSlot]:
-    """The launch template's interfaces for an instance type: one per network card."""
-    if not hw.ena_primary:
-        slots = [InterfaceSlot(0, 0, "efa")]
-    else:  # EC2: an efa-only interface cannot be primary; beside the ENA primary only if card 0 has EFA
-        slots = [InterfaceSlot(0, 0, "interface")] + ([InterfaceSlot(0, 1, "efa-only")] if hw.card0_efa else [])
-    return slots + [InterfaceSlot(card, hw.efa_only_device_index, "efa-only") for card in range(1, hw.network_cards)]
 
 
 # Nodes of one NVLink domain share this label (the node group: one group is one UltraServer). GPU
@@ -73,7 +57,7 @@ def node_labels(group: AcceleratorNodeGroup) -> dict[str, str]:
 
 def ami_parameter(kubernetes_version: str, release: str, arch: str = "x86_64") -> str:
     """SSM parameter of the EKS-optimised AL2023 NVIDIA AMI for one release (1.33.5-20251120) and CPU
-    architecture: x86_64, or arm64 for the Grace CPUs of p6e-gb200 (HARDWARE.md "EKS")."""
+    architecture: x86_64, or arm64 for the Grace CPUs of p6e-gb200 (docs/hardware.md "EKS")."""
     date = release.rsplit("-", 1)[1]
     return (
         f"/aws/service/eks/optimized-ami/{kubernetes_version}/amazon-linux-2023/{arch}/nvidia/"
@@ -81,18 +65,9 @@ def ami_parameter(kubernetes_version: str, release: str, arch: str = "x86_64") -
     )
 
 
-# The host baseline (the EFA and NCCL guides' settings), checked on every node by trainer.node.inventory
-# (its HOST_SYSCTLS / MIN_NOFILE; a test keeps them equal).
-HOST_SYSCTLS = {
-    "vm.max_map_count": 1048576,  # EFA/NCCL register many memory regions, one mapping each
-    "kernel.numa_balancing": 0,
-}  # page migration under pinned RDMA/CUDA buffers stalls transfers
-NOFILE = 1048576
-AMAZON_TIME_SYNC = "169.254.169.123"
-
-
 def host_baseline_script(hugepages_2mi: int) -> str:
-    """Bootstrap shell: sysctls (persisted), nofile/memlock limits for logins and for containerd (its
+    """Bootstrap shell for the core's host baseline (supernode.core.host, which the node inventory
+    checks): sysctls (persisted), nofile/memlock limits for logins and for containerd (its
     pods inherit them: EFA locks memory without bound), and chrony on Amazon Time Sync. Runs before
     nodeadm starts containerd and kubelet, so they start with these settings."""
     sysctls = {"vm.nr_hugepages": hugepages_2mi, **HOST_SYSCTLS}
@@ -107,8 +82,8 @@ def host_baseline_script(hugepages_2mi: int) -> str:
         f"[Service]\nLimitNOFILE={NOFILE}\nLimitMEMLOCK=infinity\nEOF\nsystemctl daemon-reload\n"
         # The AMI points chrony at Amazon Time Sync; make sure, then wait briefly for sync. A slow sync
         # does not fail the boot: the inventory reports the offset and flags it beyond the bound.
-        f"grep -q '{AMAZON_TIME_SYNC}' /etc/chrony.conf /etc/chrony.d/* 2>/dev/null || {{ "
-        f"echo 'server {AMAZON_TIME_SYNC} prefer iburst minpoll 4 maxpoll 4' >> /etc/chrony.conf; "
+        f"grep -q '{AMAZON_TIME_SYNC[0]}' /etc/chrony.conf /etc/chrony.d/* 2>/dev/null || {{ "
+        f"echo 'server {AMAZON_TIME_SYNC[0]} prefer iburst minpoll 4 maxpoll 4' >> /etc/chrony.conf; "
         "systemctl restart chronyd; }\n"
         "chronyc waitsync 6 0.01 || echo 'supernode: chrony not yet within 10 ms of Amazon Time Sync' >&2\n"
     )
@@ -219,7 +194,7 @@ class GpuNodeGroup(pulumi.ComponentResource):
                 security_groups=security_groups,
                 delete_on_termination=True,
             )
-            for s in efa_interfaces(hw)
+            for s in hw.network_interfaces
         ]
         ami = aws.ssm.get_parameter_output(
             name=ami_parameter(args.kubernetes_version, group.ami_release_version, hw.arch),

@@ -1,21 +1,23 @@
-"""The serving workload: vLLM on the training run's export, sized by the Plan's inference plan.
+"""The serving workload: the serving backend (supernode.core.serving: vLLM) on the training run's
+export, sized by the Plan's inference plan.
 
 - **Where the weights come from.** `supernode export` writes the model directory to FSx at
   `inference.weightsPrefix` (FSx is linked to the stack's bucket, so it is in S3 as well). An init
   container copies it from the read-only FSx mount to the pod's local disk and verifies every file
   against manifest.json (sha256; the manifest itself against `inference.manifestSha256` when set):
-  a mismatch fails the pod before vLLM starts (checklist item 7, the `serving-weights-verified`
-  policy). vLLM then serves the local copy offline (`HF_HUB_OFFLINE`: nothing is downloaded).
+  a mismatch fails the pod before the server starts (checklist item 7, the `serving-weights-verified`
+  policy). The server then reads the local copy offline (`HF_HUB_OFFLINE`: nothing is downloaded).
 - **Kind.** A Deployment when one replica (tp x pp GPUs) fits a node; a LeaderWorkerSet when it
   spans nodes (one leader + workers per replica, scheduled as a group; CRD shipped in crds/).
-- **Health.** Startup, readiness and liveness probes on vLLM's `/health`; a Service in front.
+- **Health.** Startup, readiness and liveness probes on the backend's health path; a Service in front.
 - **Autoscaling.** An HPA (autoscaling/v2) between replicasMin and replicasMax on the pods metric
-  `vllm_requests_in_flight` (vLLM's `vllm:num_requests_running + vllm:num_requests_waiting`,
-  exposed by a Prometheus adapter rule, `ADAPTER_RULE`), target `targetRunningPerReplica`. Why HPA
-  over KEDA: the HPA is core Kubernetes (validated against the cluster's own schemas, no extra
-  controller or CRD), and with an adapter it reads the same signal KEDA's Prometheus scaler would.
+  `vllm_requests_in_flight` (the backend's in-flight gauges, vLLM's `vllm:num_requests_running +
+  vllm:num_requests_waiting`, summed by a Prometheus adapter rule, `ADAPTER_RULE`), target
+  `targetRunningPerReplica`. Why HPA over KEDA: the HPA is core Kubernetes (validated against the
+  cluster's own schemas, no extra controller or CRD), and with an adapter it reads the same signal
+  KEDA's Prometheus scaler would.
   The metric's path, installed with serving only (namespace `monitoring`, add-on files in
-  components/addons/): a one-replica Prometheus scraping vLLM's /metrics on the serving pods alone
+  components/addons/): a one-replica Prometheus scraping the server's metrics on the serving pods alone
   and keeping only the two gauges the rule reads (so its memory is a few series per pod), and
   prometheus-adapter serving `custom.metrics.k8s.io` (APIService) from it with `ADAPTER_RULE` as
   its only rule. Why not the CloudWatch agent's scrape, which already runs: the HPA reads the
@@ -44,33 +46,32 @@ import yaml
 
 from supernode.core.config.schema import Inference
 from supernode.core.inference import InferencePlan
+from supernode.core.observability import METRICS_SCRAPER_NAMESPACE
 from supernode.core.plan import Plan
+from supernode.core.serving import BACKEND, MODELS_DIR, VERIFY_CONTAINER, ServerSpec
 
 from .addons import addon_resource, load_addon_objects, with_config_hash, with_images
 from .common import GpuNodes, dns_name, fsx_claim, gib, meta, shipped_crd
-from .jobs import METRICS_SCRAPER_NAMESPACE
 
 PORT = 8000
 PRIORITY_CLASS = "supernode-serving"
 PRIORITY_VALUE = 200000  # above supernode-training (100000, workload_namespace.py)
-MODELS = "/models"  # the verified local copy vLLM serves
 FSX_MOUNT = "/fsx"
 VERIFY_CONFIGMAP = "weights-verify"
 MONITORING_NAMESPACE = "monitoring"  # the serving Prometheus and the adapter behind the HPA
 METRICS_NAMESPACES = (METRICS_SCRAPER_NAMESPACE, MONITORING_NAMESPACE)  # scrapers of /metrics
 PROMETHEUS_FILE, ADAPTER_FILE = "prometheus.yaml", "prometheus-adapter.yaml"
 PROMETHEUS_CONFIG, ADAPTER_CONFIG = "prometheus.yaml", "config.yaml"  # the files their Deployments read
-HPA_METRIC = "vllm_requests_in_flight"
-# The Prometheus adapter rule behind HPA_METRIC (install the adapter with this rule).
+# The prometheus-adapter rule behind the HPA's metric: the backend's in-flight gauges, summed per pod.
+_IN_FLIGHT = " + ".join(f"{series}{{<<.LabelMatchers>>}}" for series in BACKEND.in_flight_series)
 ADAPTER_RULE = {
-    "seriesQuery": 'vllm:num_requests_running{namespace!="",pod!=""}',
+    "seriesQuery": f'{BACKEND.in_flight_series[0]}{{namespace!="",pod!=""}}',
     "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
-    "name": {"as": HPA_METRIC},
-    "metricsQuery": "sum(vllm:num_requests_running{<<.LabelMatchers>>} + "
-    "vllm:num_requests_waiting{<<.LabelMatchers>>}) by (<<.GroupBy>>)",
+    "name": {"as": BACKEND.in_flight_metric},
+    "metricsQuery": f"sum({_IN_FLIGHT}) by (<<.GroupBy>>)",
 }
 
-# Runs in the init container (the vLLM image's Python, standard library only): each file is hashed as
+# Runs in the init container (the server image's Python, standard library only): each file is hashed as
 # it is copied (one read of FSx, not a copy and a re-read), several files at once (hashlib and file I/O
 # release the GIL): a 700 B model's 1.4 TB export is ~23 min of one core's sha256, ~3 min on 8.
 VERIFY_SCRIPT = r"""
@@ -114,41 +115,27 @@ class ServingArgs:
     addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
 
 
-def server_args(ip: InferencePlan, inf: Inference, name: str) -> list[str]:
-    """vLLM's flags: the same as `supernode serve --local` (supernode/tools/serve.py), for a GPU."""
-    return [
-        "--model",
-        MODELS,
-        "--served-model-name",
-        name,
-        "--dtype",
-        {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[ip.dtype],
-        "--max-model-len",
-        str(ip.max_seq_len),
-        "--max-num-seqs",
-        str(ip.max_concurrency),
-        "--tensor-parallel-size",
-        str(ip.tp),
-        "--pipeline-parallel-size",
-        str(ip.pp),
-        # the planner's headroom rule: vLLM may use HBM less parallel.hbmHeadroom
-        "--gpu-memory-utilization",
-        f"{ip.usable_hbm_gib / ip.hbm_gib:.2f}",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(PORT),
-    ]
-
-
-def rule_series(rule: Mapping[str, Any]) -> list[str]:
-    """The vLLM series an adapter rule's query reads."""
-    return sorted(set(re.findall(r"(vllm:\w+)\{", rule["metricsQuery"])))
+def server_spec(ip: InferencePlan, name: str) -> ServerSpec:
+    """The server the inference plan sizes, on the verified weights (`supernode serve --local` fills the
+    same fields for this machine, supernode/tools/serve.py)."""
+    return ServerSpec(
+        model_dir=MODELS_DIR,
+        name=name,
+        dtype=ip.dtype,
+        max_seq_len=ip.max_seq_len,
+        max_concurrency=ip.max_concurrency,
+        tp=ip.tp,
+        pp=ip.pp,
+        # the planner's headroom rule: the server may use HBM less parallel.hbmHeadroom
+        memory_fraction=ip.usable_hbm_gib / ip.hbm_gib,
+        host="0.0.0.0",
+        port=PORT,
+    )
 
 
 def serving_scrape_config(namespace: str, pod_labels: Mapping[str, str]) -> dict[str, Any]:
-    """The serving Prometheus' one job: vLLM's /metrics on PORT of the pods with the serving labels in
-    the serving namespace, keeping only the series ADAPTER_RULE reads, each labelled `namespace` and
+    """The serving Prometheus' one job: the server's metrics on PORT of the pods with the serving labels
+    in the serving namespace, keeping only the series ADAPTER_RULE reads, each labelled `namespace` and
     `pod` (the rule's resource overrides)."""
     selected = [
         {
@@ -162,8 +149,8 @@ def serving_scrape_config(namespace: str, pod_labels: Mapping[str, str]) -> dict
         "global": {"scrape_interval": "15s", "scrape_timeout": "10s"},  # the HPA re-reads every 15 s
         "scrape_configs": [
             {
-                "job_name": "vllm",
-                "metrics_path": "/metrics",
+                "job_name": BACKEND.name,
+                "metrics_path": BACKEND.metrics_path,
                 "kubernetes_sd_configs": [{"role": "pod", "namespaces": {"names": [namespace]}}],
                 "relabel_configs": [
                     *selected,
@@ -180,7 +167,7 @@ def serving_scrape_config(namespace: str, pod_labels: Mapping[str, str]) -> dict
                     {
                         "source_labels": ["__name__"],
                         "action": "keep",
-                        "regex": "|".join(map(re.escape, rule_series(ADAPTER_RULE))),
+                        "regex": "|".join(map(re.escape, BACKEND.in_flight_series)),
                     }
                 ],
             }
@@ -210,7 +197,7 @@ class ServingWorkload(pulumi.ComponentResource):
             raise ValueError("the plan has no inference plan (no inference section)")
         hw = plan.hardware
         ns_name = inf.namespace
-        app = dns_name(plan.stack, "vllm")
+        app = dns_name(plan.stack, BACKEND.name)
         labels = {"app.kubernetes.io/name": app, "app.kubernetes.io/component": "serving"}
         gpus_per_pod = min(ip.gpus_per_replica, hw.accelerators)
 
@@ -272,32 +259,32 @@ class ServingWorkload(pulumi.ComponentResource):
         }
         small = {"cpu": "1", "memory": "2Gi"}
         verify = {
-            "name": "verify-weights",
+            "name": VERIFY_CONTAINER,
             "image": inf.image,
             "command": ["python3", "/verify/verify.py"],
-            "args": [f"{FSX_MOUNT}/{inf.weights_prefix.strip('/')}", MODELS]
+            "args": [f"{FSX_MOUNT}/{inf.weights_prefix.strip('/')}", MODELS_DIR]
             + ([inf.manifest_sha256] if inf.manifest_sha256 else []),
             "volumeMounts": [
                 {"name": "fsx", "mountPath": FSX_MOUNT, "readOnly": True},
-                {"name": "models", "mountPath": MODELS},
+                {"name": "models", "mountPath": MODELS_DIR},
                 {"name": "verify", "mountPath": "/verify"},
             ],
             "resources": {"requests": small, "limits": small},
             "securityContext": secure,
         }
         server = {
-            "name": "vllm",
+            "name": BACKEND.name,
             "image": inf.image,
-            "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
-            "args": server_args(ip, inf, app),
+            "command": BACKEND.command(),
+            "args": BACKEND.flags(server_spec(ip, app)),
             "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "HOME", "value": "/tmp"}],
             "ports": [{"name": "http", "containerPort": PORT}],
-            "startupProbe": _probe("/health", 10, 180),  # up to 30 min to load large weights
-            "readinessProbe": _probe("/health", 5, 3),
-            "livenessProbe": _probe("/health", 10, 6),
+            "startupProbe": _probe(BACKEND.health_path, 10, 180),  # up to 30 min to load large weights
+            "readinessProbe": _probe(BACKEND.health_path, 5, 3),
+            "livenessProbe": _probe(BACKEND.health_path, 10, 6),
             "resources": {"requests": amounts, "limits": dict(amounts)},
             "volumeMounts": [
-                {"name": "models", "mountPath": MODELS, "readOnly": True},
+                {"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
                 {"name": "shm", "mountPath": "/dev/shm"},
                 {"name": "tmp", "mountPath": "/tmp"},
             ],
@@ -310,7 +297,7 @@ class ServingWorkload(pulumi.ComponentResource):
                 "annotations": {
                     "prometheus.io/scrape": "true",
                     "prometheus.io/port": str(PORT),
-                    "prometheus.io/path": "/metrics",
+                    "prometheus.io/path": BACKEND.metrics_path,
                 },
             },
             "spec": {
@@ -397,7 +384,7 @@ class ServingWorkload(pulumi.ComponentResource):
                     {
                         "type": "Pods",
                         "pods": {
-                            "metric": {"name": HPA_METRIC},
+                            "metric": {"name": BACKEND.in_flight_metric},
                             "target": {"type": "AverageValue", "averageValue": str(inf.target_running_per_replica)},
                         },
                     }
@@ -556,7 +543,7 @@ class ServingWorkload(pulumi.ComponentResource):
 
 
 def _worker(template: dict[str, Any]) -> dict[str, Any]:
-    """A LeaderWorkerSet worker: the same pod (it joins the leader's Ray cluster through vLLM), without
+    """A LeaderWorkerSet worker: the same pod (vLLM's workers join the leader's Ray cluster), without
     the HTTP probes, which only the leader answers."""
     spec = dict(template["spec"])
     spec["containers"] = [{k: v for k, v in c.items() if not k.endswith("Probe")} for c in spec["containers"]]

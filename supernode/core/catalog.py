@@ -1,6 +1,6 @@
 """Accelerator instance catalog: the hardware facts every other part builds on.
 
-Figures follow AWS's published instance specifications (sources in ../shared/HARDWARE.md). GPU memory is what
+Figures follow AWS's published instance specifications (sources in docs/hardware.md). GPU memory is what
 EC2's DescribeInstanceTypes reports (`GpuInfo.Gpus[].MemoryInfo.SizeInMiB`), so preflight can
 compare it field for field. Prices are us-east-1 on-demand list prices per instance-hour, used
 only for the planner's cost estimate.
@@ -13,27 +13,38 @@ whole UltraServer (9 or 18 instances, 36 or 72 GPUs, joined by NVLink switches a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 GIB = 1024**3
 
 
-@dataclass(frozen=True)
+class NetworkInterface(NamedTuple):
+    """One interface of a launch template, in EC2's terms."""
+
+    network_card_index: int
+    device_index: int
+    interface_type: str  # "efa", "efa-only", or "interface" (ENA)
+
+
+EFA_INTERFACE_TYPES = ("efa", "efa-only")
+
+
+@dataclass(frozen=True, kw_only=True)
 class InstanceType:
     name: str
     accelerator: str
     accelerators: int  # GPUs per node
     hbm_mib: int  # per GPU, as EC2 reports it
+    # HBM bandwidth per GPU, GB/s (vendor datasheets: A100 40/80 GB SXM 1555/2039, H100 SXM 3350,
+    # H200 4800, B200/B300/GB200 8000). Decoding reads every weight once per step, so this bounds
+    # the inference planner's decode tokens/s. 0: unknown.
+    hbm_gbytes_s: float = 0.0
+    bf16_tflops: float  # dense peak per GPU
+    nvlink_gbytes_s: int  # per GPU, GB/s (bidirectional aggregate)
     efa_interfaces: int  # EFA devices per node, one per EFA-capable network card (MaximumEfaInterfaces)
     efa_gbps: int  # per EFA device, Gb/s
-    nvlink_gbytes_s: int  # per GPU, GB/s (bidirectional aggregate)
-    bf16_tflops: float  # dense peak per GPU
-    vcpus: int
-    memory_gib: int
-    local_nvme: bool
     # AWS's newer layout puts an ENA primary at card 0 / device 0 and EFA-only at card 0 / device 1.
     ena_primary: bool
-    price_per_hour: float
     # Network card 0 carries EFA. When it does not (p6-b300, p6e-gb200) the instance has one card
     # more than EFA devices (the rule aws-parallelcluster's add_network_interfaces uses:
     # MaximumEfaInterfaces < MaximumNetworkCards), and card 0 holds only the ENA primary.
@@ -41,11 +52,14 @@ class InstanceType:
     # Device index of the efa-only interface on cards 1..n: 1 in the layout the p4/p5 types were
     # validated with; 0 in EC2's current guidance (efa-acc-inst-types), used for the P6 types.
     efa_only_device_index: int = 1
+    vcpus: int
+    memory_gib: int
+    local_nvme: bool
     arch: Literal["x86_64", "arm64"] = "x86_64"
-    # HBM bandwidth per GPU, GB/s (vendor datasheets: A100 40/80 GB SXM 1555/2039, H100 SXM 3350,
-    # H200 4800, B200/B300/GB200 8000). Decoding reads every weight once per step, so this bounds
-    # the inference planner's decode tokens/s. 0: unknown.
-    hbm_gbytes_s: float = 0.0
+    price_per_hour: float  # us-east-1 on-demand, for the planner's cost estimate
+    # NCCL all_reduce bus bandwidth at large messages (GB/s), published for this type; the interconnect
+    # gate's floor is a fraction of it. None: no published figure, so no gate.
+    all_reduce_baseline_gbytes_s: float | None = None
 
     @property
     def family(self) -> str:
@@ -55,6 +69,26 @@ class InstanceType:
     def network_cards(self) -> int:
         """Network cards the launch template fills (EC2's MaximumNetworkCards)."""
         return self.efa_interfaces + (0 if self.card0_efa else 1)
+
+    @property
+    def network_interfaces(self) -> list[NetworkInterface]:
+        """The launch template's interfaces, one per network card: card 0 / device 0 is `efa`, or an ENA
+        primary (EC2: an efa-only interface cannot be primary) with `efa-only` beside it at device 1 only
+        where card 0 carries EFA; every other card is `efa-only` at `efa_only_device_index`."""
+        if not self.ena_primary:
+            card0 = [NetworkInterface(0, 0, "efa")]
+        elif self.card0_efa:
+            card0 = [NetworkInterface(0, 0, "interface"), NetworkInterface(0, 1, "efa-only")]
+        else:
+            card0 = [NetworkInterface(0, 0, "interface")]
+        return card0 + [
+            NetworkInterface(card, self.efa_only_device_index, "efa-only") for card in range(1, self.network_cards)
+        ]
+
+    @property
+    def efa_cards(self) -> list[int]:
+        """The network cards that carry an EFA interface (NCCL uses one per card)."""
+        return [i.network_card_index for i in self.network_interfaces if i.interface_type in EFA_INTERFACE_TYPES]
 
     @property
     def hbm_bytes(self) -> int:
@@ -75,86 +109,163 @@ class InstanceType:
         return self.bf16_tflops * 1e12
 
 
-# The P6 rows follow ../shared/HARDWARE.md: B200/B300 memory, EFA counts and network cards as EC2
+# The P6 rows follow docs/hardware.md: B200/B300 memory, EFA counts and network cards as EC2
 # (moto 5.2.5) reports them; NVLink 5 at 1.8 TB/s per GPU; bf16 dense ~2.25 PFLOP/s (B200, B300) and
 # ~2.5 PFLOP/s (GB200). p6e-gb200 is not in moto's data: its figures are AWS's P6e page (4 GPUs,
 # ~185 GB HBM3e each, 144 Grace vCPUs, arm64) and the EKS UltraServer guide for the EFA count
 # (docs.aws.amazon.com/eks/latest/userguide/ml-eks-nvidia-ultraserver.html: 4 allocatable EFA
 # devices per node, one efa-only interface per NCI group; aws-parallelcluster's tests bind 8, so
 # this is the one place to change, and preflight compares it with EC2 where EC2 knows the type).
-# p6-b200/p6-b300 prices are list prices noted for the estimate only (not in HARDWARE.md); the
-# p6e-gb200 price is the UltraServer fixture of HARDWARE.md ($761.90/h per x72) divided by 18.
+# p6-b200/p6-b300 prices are list prices noted for the estimate only (not in docs/hardware.md); the
+# p6e-gb200 price is the UltraServer fixture of docs/hardware.md ($761.90/h per x72) divided by 18.
+# All-reduce baselines: 2 x p5.48xlarge NCCL all_reduce bus bandwidth at large message sizes (public
+# reference); P6: aws-parallelcluster's NCCL test minimums at 1 GiB (docs/hardware.md "Interconnect
+# baselines"): p6-b200 > 300 GB/s on 2 nodes, p6e-gb200 > 500 GB/s inside one UltraServer. No figure is
+# published for p6-b300; it has twice p6-b200's EFA, so p6-b200's minimum is a floor that cannot over-reject.
 CATALOG: dict[str, InstanceType] = {
     t.name: t
     for t in [
         InstanceType(
-            "p4d.24xlarge", "A100", 8, 40960, 4, 100, 600, 312.0, 96, 1152, True, False, 21.96, hbm_gbytes_s=1555.0
+            name="p4d.24xlarge",
+            accelerator="A100",
+            accelerators=8,
+            hbm_mib=40960,
+            hbm_gbytes_s=1555.0,
+            bf16_tflops=312.0,
+            nvlink_gbytes_s=600,
+            efa_interfaces=4,
+            efa_gbps=100,
+            ena_primary=False,
+            vcpus=96,
+            memory_gib=1152,
+            local_nvme=True,
+            price_per_hour=21.96,
+            all_reduce_baseline_gbytes_s=45.0,
         ),
         InstanceType(
-            "p4de.24xlarge", "A100", 8, 81920, 4, 100, 600, 312.0, 96, 1152, True, False, 27.45, hbm_gbytes_s=2039.0
+            name="p4de.24xlarge",
+            accelerator="A100",
+            accelerators=8,
+            hbm_mib=81920,
+            hbm_gbytes_s=2039.0,
+            bf16_tflops=312.0,
+            nvlink_gbytes_s=600,
+            efa_interfaces=4,
+            efa_gbps=100,
+            ena_primary=False,
+            vcpus=96,
+            memory_gib=1152,
+            local_nvme=True,
+            price_per_hour=27.45,
+            all_reduce_baseline_gbytes_s=45.0,
         ),
         InstanceType(
-            "p5.48xlarge", "H100", 8, 81920, 32, 100, 900, 989.0, 192, 2048, True, False, 55.04, hbm_gbytes_s=3350.0
+            name="p5.48xlarge",
+            accelerator="H100",
+            accelerators=8,
+            hbm_mib=81920,
+            hbm_gbytes_s=3350.0,
+            bf16_tflops=989.0,
+            nvlink_gbytes_s=900,
+            efa_interfaces=32,
+            efa_gbps=100,
+            ena_primary=False,
+            vcpus=192,
+            memory_gib=2048,
+            local_nvme=True,
+            price_per_hour=55.04,
+            all_reduce_baseline_gbytes_s=480.0,
         ),
         InstanceType(
-            "p5e.48xlarge", "H200", 8, 144384, 32, 100, 900, 989.0, 192, 2048, True, False, 60.70, hbm_gbytes_s=4800.0
+            name="p5e.48xlarge",
+            accelerator="H200",
+            accelerators=8,
+            hbm_mib=144384,
+            hbm_gbytes_s=4800.0,
+            bf16_tflops=989.0,
+            nvlink_gbytes_s=900,
+            efa_interfaces=32,
+            efa_gbps=100,
+            ena_primary=False,
+            vcpus=192,
+            memory_gib=2048,
+            local_nvme=True,
+            price_per_hour=60.70,
+            all_reduce_baseline_gbytes_s=480.0,
         ),
         InstanceType(
-            "p5en.48xlarge", "H200", 8, 144384, 16, 200, 900, 989.0, 192, 2048, True, True, 63.30, hbm_gbytes_s=4800.0
+            name="p5en.48xlarge",
+            accelerator="H200",
+            accelerators=8,
+            hbm_mib=144384,
+            hbm_gbytes_s=4800.0,
+            bf16_tflops=989.0,
+            nvlink_gbytes_s=900,
+            efa_interfaces=16,
+            efa_gbps=200,
+            ena_primary=True,
+            vcpus=192,
+            memory_gib=2048,
+            local_nvme=True,
+            price_per_hour=63.30,
+            all_reduce_baseline_gbytes_s=480.0,
         ),
         InstanceType(
-            "p6-b200.48xlarge",
-            "B200",
-            8,
-            183359,
-            8,
-            400,
-            1800,
-            2250.0,
-            192,
-            2048,
-            True,
-            True,
-            113.93,
-            efa_only_device_index=0,
+            name="p6-b200.48xlarge",
+            accelerator="B200",
+            accelerators=8,
+            hbm_mib=183359,
             hbm_gbytes_s=8000.0,
+            bf16_tflops=2250.0,
+            nvlink_gbytes_s=1800,
+            efa_interfaces=8,
+            efa_gbps=400,
+            ena_primary=True,
+            efa_only_device_index=0,
+            vcpus=192,
+            memory_gib=2048,
+            local_nvme=True,
+            price_per_hour=113.93,
+            all_reduce_baseline_gbytes_s=300.0,
         ),
         InstanceType(
-            "p6-b300.48xlarge",
-            "B300",
-            8,
-            275040,
-            16,
-            400,
-            1800,
-            2250.0,
-            192,
-            4096,
-            True,
-            True,
-            142.42,
+            name="p6-b300.48xlarge",
+            accelerator="B300",
+            accelerators=8,
+            hbm_mib=275040,
+            hbm_gbytes_s=8000.0,
+            bf16_tflops=2250.0,
+            nvlink_gbytes_s=1800,
+            efa_interfaces=16,
+            efa_gbps=400,
+            ena_primary=True,
             card0_efa=False,
             efa_only_device_index=0,
-            hbm_gbytes_s=8000.0,
+            vcpus=192,
+            memory_gib=4096,
+            local_nvme=True,
+            price_per_hour=142.42,
+            all_reduce_baseline_gbytes_s=300.0,
         ),
         InstanceType(
-            "p6e-gb200.36xlarge",
-            "GB200",
-            4,
-            189440,
-            4,
-            400,
-            1800,
-            2500.0,
-            144,
-            960,
-            True,
-            True,
-            round(761.90 / 18, 2),
+            name="p6e-gb200.36xlarge",
+            accelerator="GB200",
+            accelerators=4,
+            hbm_mib=189440,
+            hbm_gbytes_s=8000.0,
+            bf16_tflops=2500.0,
+            nvlink_gbytes_s=1800,
+            efa_interfaces=4,
+            efa_gbps=400,
+            ena_primary=True,
             card0_efa=False,
             efa_only_device_index=0,
+            vcpus=144,
+            memory_gib=960,
+            local_nvme=True,
             arch="arm64",
-            hbm_gbytes_s=8000.0,
+            price_per_hour=round(761.90 / 18, 2),
+            all_reduce_baseline_gbytes_s=500.0,
         ),
     ]
 }
@@ -173,7 +284,7 @@ class UltraServer:
         return self.instances * CATALOG[self.instance_type].accelerators
 
 
-# HARDWARE.md "Buying and placing": u-p6e-gb200x36 = 9 instances, x72 = 18, sold only as Capacity Blocks.
+# docs/hardware.md "Buying and placing": u-p6e-gb200x36 = 9 instances, x72 = 18, sold only as Capacity Blocks.
 ULTRASERVERS: dict[str, UltraServer] = {
     u.name: u
     for u in [
@@ -196,26 +307,11 @@ def nvlink_domain_gpus(instance_type: str, ultra_server: str | None = None) -> i
 # Instance types allowed for the small system node group (no accelerators, no EFA).
 SYSTEM_INSTANCE_TYPES = ("m6i.large", "m6i.xlarge", "m6i.2xlarge", "m7i.large", "m7i.xlarge", "m7i.2xlarge")
 
-# Public reference: 2 x p5.48xlarge NCCL all_reduce bus bandwidth at large message sizes (GB/s).
-# P6: aws-parallelcluster's NCCL test minimums at 1 GiB (HARDWARE.md "Interconnect baselines"): p6-b200
-# > 300 GB/s on 2 nodes, p6e-gb200 > 500 GB/s inside one UltraServer. No figure is published for
-# p6-b300; it has twice p6-b200's EFA, so p6-b200's minimum is a floor that cannot over-reject.
-ALL_REDUCE_BASELINE_GBYTES_S = {
-    "p5.48xlarge": 480.0,
-    "p5e.48xlarge": 480.0,
-    "p5en.48xlarge": 480.0,
-    "p4d.24xlarge": 45.0,
-    "p4de.24xlarge": 45.0,
-    "p6-b200.48xlarge": 300.0,
-    "p6-b300.48xlarge": 300.0,
-    "p6e-gb200.36xlarge": 500.0,
-}
-
 
 def gate_floor_gbytes_s(instance_type: str, fraction: float) -> float | None:
     """The interconnect gate's all_reduce bus-bandwidth floor: the published baseline x fraction
     (None where no baseline is published). The gate Job passes it; the policy pack checks it."""
-    baseline = ALL_REDUCE_BASELINE_GBYTES_S.get(instance_type)
+    baseline = CATALOG[instance_type].all_reduce_baseline_gbytes_s if instance_type in CATALOG else None
     return None if baseline is None else round(baseline * fraction, 3)
 
 
@@ -231,7 +327,7 @@ REGION_AZS: dict[str, tuple[str, ...]] = {
     "ap-southeast-2": ("a", "b", "c"),
 }
 # Local Zones where accelerators are sold (opt in to the zone group first): P6e-GB200 UltraServers are
-# in Dallas (HARDWARE.md "Buying and placing"). Only the GPU subnet may lie in one.
+# in Dallas (docs/hardware.md "Buying and placing"). Only the GPU subnet may lie in one.
 LOCAL_ZONES: dict[str, tuple[str, ...]] = {"us-east-1": ("us-east-1-dfw-2a",)}
 
 

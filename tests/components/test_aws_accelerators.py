@@ -9,13 +9,13 @@ import pytest
 import yaml
 from aws_preview import GPU_GROUP, LT, NODE_GROUP, Stack, preview
 
-from components.aws.accelerators import ami_parameter, efa_interfaces
+from components.aws.accelerators import ami_parameter
 from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
 
-# What the issue and ARCHITECTURE.md §4 state, written independently of the catalog.
+# What the issue and docs/hardware.md state, written independently of the catalog.
 EXPECTED_EFA = {"p4d.24xlarge": 4, "p4de.24xlarge": 4, "p5.48xlarge": 32, "p5e.48xlarge": 32, "p5en.48xlarge": 16}
-# The P6 types (../shared/HARDWARE.md "Network cards"): (card, device) -> interface type, every slot.
+# The P6 types (docs/hardware.md "Network cards"): (card, device) -> interface type, every slot.
 P6_LAYOUTS = {
     # 8 cards, each EFA-capable: ENA primary, efa-only beside it on card 0, efa-only at device 0 elsewhere
     "p6-b200.48xlarge": {(0, 0): "interface", (0, 1): "efa-only", **{(c, 0): "efa-only" for c in range(1, 8)}},
@@ -94,20 +94,23 @@ def test_launch_template_has_one_interface_per_network_card(stack_name, instance
             assert "subnetId" not in n  # the node group places instances in the GPU subnet
 
 
-def test_efa_layout_function_matches_the_facts():
-    b300 = efa_interfaces(CATALOG["p6-b300.48xlarge"])
+def test_the_catalog_interface_layout_matches_the_facts():
+    b300 = CATALOG["p6-b300.48xlarge"].network_interfaces
     assert [(s.network_card_index, s.device_index, s.interface_type) for s in b300[:3]] == [
         (0, 0, "interface"),
         (1, 0, "efa-only"),
         (2, 0, "efa-only"),
     ]
-    p5en = efa_interfaces(CATALOG["p5en.48xlarge"])
+    p5en = CATALOG["p5en.48xlarge"].network_interfaces
     assert [(s.network_card_index, s.device_index, s.interface_type) for s in p5en[:3]] == [
         (0, 0, "interface"),
         (0, 1, "efa-only"),
         (1, 1, "efa-only"),
     ]
-    assert [s.interface_type for s in efa_interfaces(CATALOG["p4d.24xlarge"])] == ["efa"] + ["efa-only"] * 3
+    assert [s.interface_type for s in CATALOG["p4d.24xlarge"].network_interfaces] == ["efa"] + ["efa-only"] * 3
+    # the cards the policy pack wants an EFA interface on: every card, or 1..n where card 0 is ENA-only
+    assert CATALOG["p5en.48xlarge"].efa_cards == list(range(16))
+    assert CATALOG["p6-b300.48xlarge"].efa_cards == list(range(1, 17))
 
 
 def test_placement_group_is_cluster_for_on_demand():
@@ -153,7 +156,7 @@ def test_capacity_block_uses_its_market_type():
 
 
 def test_capacity_block_groups_scale_to_zero_40_minutes_before_the_block_ends():
-    """HARDWARE.md: instances terminate from 30 min before the end; EKS wants 0 nodes by 40 min before.
+    """docs/hardware.md: instances terminate from 30 min before the end; EKS wants 0 nodes by 40 min before.
     Every capacity-block group has one schedule, on its own node group's Auto Scaling group."""
     s = preview("gb200")
     groups = s.all(GPU_GROUP)

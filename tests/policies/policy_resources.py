@@ -48,17 +48,15 @@ def doc(*statements: dict) -> str:
 
 
 def efa_interfaces(instance_type: str) -> list[dict[str, Any]]:
-    """One EFA interface per EFA-capable card (cards 1..n where card 0 is ENA-only, as on p6-b300)."""
-    t = CATALOG[instance_type]
-    first = 0 if t.card0_efa else 1
+    """The catalog's interface layout, as the launch template lists it."""
     return [
         {
-            "networkCardIndex": i,
-            "deviceIndex": 0 if i == 0 else 1,
-            "interfaceType": "efa" if i == 0 else "efa-only",
+            "networkCardIndex": i.network_card_index,
+            "deviceIndex": i.device_index,
+            "interfaceType": i.interface_type,
             "securityGroups": ["sg-efa"],
         }
-        for i in range(first, first + t.efa_interfaces)
+        for i in CATALOG[instance_type].network_interfaces
     ]
 
 

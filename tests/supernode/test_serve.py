@@ -17,7 +17,7 @@ import pytest
 
 from supernode.cli import main
 from supernode.core.errors import BadInput
-from supernode.tools.serve import PYTHON_ENV, LocalServer, ServerFailed, verify_export, vllm_command
+from supernode.tools.serve import PYTHON_ENV, LocalServer, ServerFailed, verify_export
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,19 +108,22 @@ def test_serve_needs_local_and_a_serving_env(tmp_path, capsys, monkeypatch):
 
 def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path, fake_vllm):
     server = LocalServer(_export(tmp_path / "m"), Path(os.environ[PYTHON_ENV]), ready_timeout_s=30)
-    with pytest.raises(ServerFailed, match=r"vLLM exited \(3\) before it was ready"):
+    with pytest.raises(ServerFailed, match=r"the server exited \(3\) before it was ready"):
         server.start()
     assert "--max-model-len 64" in fake_vllm.read_text()  # from the export's config.json
 
 
-def test_vllm_command_flags():
-    cmd = vllm_command(Path("/py"), Path("/m"), 8001, "bf16", 2048, 64, "demo", tp=4)
+def test_the_local_server_runs_the_backend_with_the_exports_settings(tmp_path):
+    model = _export(tmp_path / "m")
+    cmd = LocalServer(model, Path("/py"), port=8001, max_num_seqs=64).command()
     flags = {a: (b if not b.startswith("--") else None) for a, b in zip(cmd[3:], cmd[4:] + [""]) if a.startswith("--")}
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert "--skip-tokenizer-init" not in flags
-    assert "--skip-tokenizer-init" in vllm_command(Path("/py"), Path("/m"), 1, "bf16", 64, 1, "d", tokenizer=False)
-    assert flags["--dtype"] == "bfloat16" and flags["--tensor-parallel-size"] == "4"
-    assert flags["--max-num-seqs"] == "64" and flags["--max-model-len"] == "2048" and flags["--port"] == "8001"
+    assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert flags["--model"] == str(model) and flags["--served-model-name"] == "supernode"
+    assert flags["--dtype"] == "bfloat16" and flags["--max-model-len"] == "64"  # the manifest's, config.json's
+    assert flags["--max-num-seqs"] == "64" and flags["--port"] == "8001" and flags["--host"] == "127.0.0.1"
+    assert "--enforce-eager" in flags and "--skip-tokenizer-init" not in flags
+    (model / "tokenizer.json").unlink()  # an export of data without a tokenizer: token ids in and out
+    assert "--skip-tokenizer-init" in LocalServer(model, Path("/py")).command()
 
 
 SERVE_PY = ROOT / ".venv-serve" / "bin" / "python"

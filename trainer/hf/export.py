@@ -36,13 +36,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from supernode.core.config.schema import Model
 from supernode.core.errors import BadInput
 from supernode.core.files import sha256_file
-from supernode.core.inference import GLM4_MOE, hf_config, served_architecture
+from supernode.core.inference import DTYPES, GLM4_MOE, hf_config, served_architecture
 
 from ..checkpoint import COMPLETE, Checkpointer, complete_checkpoints
 
 MANIFEST = "manifest.json"
 FORMAT = "supernode-export/1"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TORCH_DTYPES = {name: getattr(torch, d.torch_name) for name, d in DTYPES.items()}
 PREFIX = "model."  # the model's keys in the training checkpoint (trainer.checkpoint.train_state)
 
 
@@ -260,7 +260,7 @@ def export(
             weight_map.update({k: name for k in shard})
             shard, size = {}, 0
 
-    for name, t in _stream(path, m, arch, DTYPES[dtype]):
+    for name, t in _stream(path, m, arch, TORCH_DTYPES[dtype]):
         nbytes = t.numel() * t.element_size()
         if shard and size + nbytes > shard_bytes:
             flush()

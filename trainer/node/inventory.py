@@ -7,8 +7,8 @@
 A record holds what tells a GPU node apart and what must agree across the fleet: the EC2 instance
 id; per GPU its UUID, serial, PCI bus id and VBIOS; the driver and CUDA (nvidia-smi), NCCL (torch),
 libfabric (fi_info), EFA installer and aws-ofi-nccl versions, the EFA device count; the host
-settings the node bootstrap sets (sysctls, nofile/memlock limits, huge pages) and time sync (chrony
-on Amazon Time Sync: its offset, or the kernel's estimated error). Each reader parses a command's
+settings the node bootstrap sets (sysctls, nofile/memlock limits, huge pages: supernode.core.host) and
+time sync (chrony on Amazon Time Sync: its offset, or the kernel's estimated error). Each reader parses a command's
 or file's text, so tests feed them captured samples; a tool that is absent gives null.
 
 `watch` keeps the first record of each node as that node's baseline and the first record of any
@@ -40,16 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
+from supernode.core.host import AMAZON_TIME_SYNC, HOST_SYSCTLS, NOFILE
 
-# The host baseline the node bootstrap sets (components/aws/accelerators.py, nodeadm_user_data; a test
-# keeps the two equal). vm.* and kernel.* are host-wide, so a pod reads the node's values.
-HOST_SYSCTLS = {
-    "vm.max_map_count": 1048576,  # EFA/NCCL register many memory regions; each is a mapping
-    "kernel.numa_balancing": 0,  # page migration under pinned (RDMA / CUDA) buffers stalls transfers
-}
-MIN_NOFILE = 1048576  # NCCL with EFA opens many sockets and devices per rank
 MEMLOCK_UNLIMITED = "unlimited"  # EFA pins (locks) its buffers
-AMAZON_TIME_SYNC = ("169.254.169.123", "fd00:ec2::123")
 NVIDIA_SMI_QUERY = "index,uuid,serial,pci.bus_id,name,vbios_version,driver_version"
 GPU_FIELDS = ("index", "uuid", "serial", "pci_bus_id", "name", "vbios")
 # Fields every node of the fleet must share (the first node's record is the reference).
@@ -333,8 +326,8 @@ def host_findings(record: dict[str, Any], max_offset_ms: float) -> list[str]:
         if got is not None and got != want:
             out.append(f"sysctl {key} = {got}, the bootstrap sets {want}")
     nofile, memlock = record["limits"].get("nofile"), record["limits"].get("memlock")
-    if nofile is not None and nofile != "unlimited" and int(nofile) < MIN_NOFILE:
-        out.append(f"nofile limit {nofile} < {MIN_NOFILE}")
+    if nofile is not None and nofile != "unlimited" and int(nofile) < NOFILE:
+        out.append(f"nofile limit {nofile} < {NOFILE}")
     if memlock is not None and memlock != MEMLOCK_UNLIMITED:
         out.append(f"memlock limit {memlock}, EFA needs unlimited")
     t = record["time"]

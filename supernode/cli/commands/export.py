@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...core.errors import BadInput
+from ...core.inference import DTYPES
 from ..args import add_stack_args, stack_from_args
 
 
@@ -25,7 +26,7 @@ def register(sub) -> None:
     p.add_argument(
         "--dtype",
         default=None,
-        choices=["bf16", "fp16", "fp32"],
+        choices=list(DTYPES),
         help="weights' dtype (default: inference.dtype, else bf16)",
     )
     p.add_argument("--shard-gib", type=float, default=2.0, help="safetensors shard size (default 2 GiB)")

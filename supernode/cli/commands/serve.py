@@ -1,8 +1,9 @@
-"""`supernode serve --stack S --local`: vLLM's OpenAI-compatible server on this machine, for the
-exported model, after verifying every file's sha256 against the export's manifest (a mismatch:
-exit 2 naming the file; the server never starts). With --prompt it answers those prompts, prints
-each completion with its latency and stops; without, it serves until Ctrl-C. In the cluster the
-stack's serving workload does the same (components/k8s/serving.py)."""
+"""`supernode serve --stack S --local`: the serving backend's OpenAI-compatible server (vLLM,
+supernode.core.serving) on this machine, for the exported model, after verifying every file's sha256
+against the export's manifest (a mismatch: exit 2 naming the file; the server never starts). With
+--prompt it answers those prompts, prints each completion with its latency and stops; without, it
+serves until Ctrl-C. In the cluster the stack's serving workload does the same
+(components/k8s/serving.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..args import add_stack_args, stack_from_args
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="serve the exported model with vLLM locally (weights verified first)")
+    p = sub.add_parser("serve", help="serve the exported model locally (weights verified first)")
     add_stack_args(p)
     p.add_argument("--local", action="store_true", help="run on this machine (the cluster serves through the stack)")
     p.add_argument("--model", type=Path, default=None, help="the exported model directory (default: out/export-STACK)")
@@ -59,13 +60,13 @@ def run(args) -> int:
     )
     try:
         server.start()
-        print(f"vLLM serving {manifest['architecture']} at {server.url}/v1 (log {server.log})", flush=True)
+        print(f"serving {manifest['architecture']} at {server.url}/v1 (log {server.log})", flush=True)
         if not args.prompt:
             print("Ctrl-C stops it", flush=True)
             # SIGTERM as Ctrl-C: either way the finally below stops the server's process group.
             signal.signal(signal.SIGTERM, signal.default_int_handler)
             rc = server.proc.wait()
-            print(f"vLLM exited ({rc}):\n{server.tail()}")
+            print(f"the server exited ({rc}):\n{server.tail()}")
             return EXIT_FAILED
         for prompt in args.prompt:
             c = complete(server.url, prompt, args.max_tokens, model=server.name)
