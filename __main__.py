@@ -1,4 +1,6 @@
-"""Entry point for the Pulumi CLI: the program is components/program.py (it runs on import), so the
-installed package carries it too."""
+"""Entry point for the Pulumi CLI: the program is a function in the package (components/program.py), so
+the installed package carries it too."""
 
-import components.program  # noqa: F401
+from components.program import main
+
+main()

@@ -1,5 +1,5 @@
-"""StackConfig from Pulumi's runtime config, for the program
-(components/program.py) under `pulumi up` or the mock engine.
+"""StackConfig from Pulumi's runtime config, for the program's `main()` (components/program.py), which the
+Pulumi CLI runs (`pulumi up`); the offline preview hands `program` the config it loaded instead.
 
 The CLI hands structured values to the program as JSON strings and plain strings as they are;
 both then go through the same `from_mapping` as the stack file, so there is one schema.

@@ -1,33 +1,40 @@
-"""The Pulumi program lives in the package (components/program.py, so the wheel ships it); the root
-__main__.py the Pulumi CLI runs only imports it (issue 19, item 4)."""
+"""The Pulumi program is a function in the package (components/program.py, so the wheel ships it): the
+root __main__.py the Pulumi CLI runs only calls its `main()`, the preview calls `program`, and
+importing the module declares nothing (issue 19, item 4; issue 25, item 4)."""
 
 from __future__ import annotations
 
 import ast
-import sys
+import importlib
+import runpy
 from pathlib import Path
 
 import pytest
 
+import components.program
 from supernode.core.config import load_stack
-from supernode.tools.preview import PROGRAM, run_program
+from supernode.tools.preview import run_program
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_root_main_only_imports_the_program():
-    body = [n for n in ast.parse((ROOT / "__main__.py").read_text()).body if not isinstance(n, ast.Expr)]
-    assert len(body) == 1 and isinstance(body[0], ast.Import) and body[0].names[0].name == "components.program"
-    assert PROGRAM == ROOT / "components" / "program.py"  # preview runs the packaged program
+def test_root_main_only_calls_the_programs_main():
+    imported, called = ast.parse((ROOT / "__main__.py").read_text()).body[-2:]
+    assert ast.unparse(imported) == "from components.program import main"
+    assert ast.unparse(called) == "main()"
+
+
+def test_importing_the_program_declares_nothing():
+    """Under the engine, with the stack's config set: the import alone registers no resource, no output."""
+    result = run_program("dev", load_stack("dev", ROOT), lambda *_: importlib.reload(components.program))
+    assert result.resources == [] and result.outputs == {}
 
 
 @pytest.mark.slow  # two previews under the mock engine
-def test_the_cli_entry_point_deploys_what_preview_shows(monkeypatch):
+def test_the_cli_entry_point_deploys_what_preview_shows():
     cfg = load_stack("dev", ROOT)
-    monkeypatch.delitem(sys.modules, "components.program", raising=False)  # the shim's import runs it
-    via_shim = run_program("dev", cfg, program=ROOT / "__main__.py")
-    sys.modules.pop("components.program", None)
+    via_cli = run_program("dev", cfg, lambda *_: runpy.run_path(str(ROOT / "__main__.py"), run_name="__main__"))
     direct = run_program("dev", cfg)
-    assert len(via_shim.resources) > 100
-    assert [r.urn for r in via_shim.resources] == [r.urn for r in direct.resources]
-    assert via_shim.outputs == direct.outputs
+    assert len(via_cli.resources) > 100
+    assert [r.to_json() for r in via_cli.resources] == [r.to_json() for r in direct.resources]
+    assert via_cli.outputs == direct.outputs

@@ -73,8 +73,8 @@ def installed(tmp_path_factory) -> Path:
 
 def test_the_installed_wheel_is_what_runs(installed, tmp_path):
     code = (
-        "import supernode, components.k8s.common as w, trainer.data.prepare as d, supernode.tools.preview as p; "
-        "print(supernode.__file__); print(p.PROGRAM); print(len(list(w.ADDON_DIR.glob('*.yaml'))), "
+        "import supernode, components.k8s.common as w, trainer.data.prepare as d, components.program as p; "
+        "print(supernode.__file__); print(p.__file__); print(len(list(w.ADDON_DIR.glob('*.yaml'))), "
         "len(list(w.CRD_DIR.glob('*.yaml'))), len(d.DEFAULT_CORPUS))"
     )
     r = run(installed / "bin" / "python", "-c", code, cwd=tmp_path)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry, Gauge, start_http_server, write_to_textfile
 
+from supernode.core import observability as obs
 from supernode.core.errors import BadInput
 from supernode.core.plan import Plan
 
@@ -115,34 +116,12 @@ class Metrics:
         self.out.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
         self.registry = CollectorRegistry()
-        names = {
-            "loss": "training loss (mean over the global batch)",
-            "lr": "learning rate",
-            "grad_norm": "global gradient norm before clipping",
-            "tokens_per_s": "tokens per second, all ranks",
-            "flops_per_s_per_rank": "achieved training FLOP/s per rank",
-            "mfu": "model FLOPs utilisation",
-            "step_seconds": "wall time of the last step",
-            "step": "last completed step",
+        # The observability contract's gauges: the scrape, the alarms and the dashboard read them by these names.
+        self.gauges = {
+            m: Gauge(m.name, m.help, [m.label] if m.label else [], registry=self.registry) for m in obs.TRAINER_METRICS
         }
-        self.gauges = {k: Gauge(f"supernode_train_{k}", doc, registry=self.registry) for k, doc in names.items()}
-        self.phase = Gauge("supernode_train_phase_seconds", "step time by phase", ["phase"], registry=self.registry)
-        self.load = Gauge(
-            "supernode_train_expert_load_max_over_mean",
-            "max/mean expert token share",
-            ["layer"],
-            registry=self.registry,
-        )
-        self.checkpoint_time = Gauge(
-            "supernode_train_last_checkpoint_timestamp_seconds",
-            "unix time the newest complete checkpoint was committed (checkpoint age = now - this)",
-            registry=self.registry,
-        )
-        self.checkpoint_step = Gauge(
-            "supernode_train_last_checkpoint_step", "step of the newest complete checkpoint", registry=self.registry
-        )
-        self.checkpoint_time.set(float("nan"))
-        self.checkpoint_step.set(float("nan"))
+        self.gauges[obs.CHECKPOINT_TIME].set(float("nan"))
+        self.gauges[obs.CHECKPOINT_STEP].set(float("nan"))
         self._checkpoint_gauges()
         if prometheus_port is not None:
             try:
@@ -237,14 +216,22 @@ class Metrics:
         return rec
 
     def _prometheus(self, rec: StepRecord) -> None:
-        for k in ("loss", "lr", "grad_norm", "tokens_per_s", "flops_per_s_per_rank", "step"):
-            self.gauges[k].set(getattr(rec, k))
-        self.gauges["step_seconds"].set(rec.step_s)
-        self.gauges["mfu"].set(rec.mfu if rec.mfu is not None else float("nan"))
+        mfu = rec.mfu if rec.mfu is not None else float("nan")
+        for metric, value in (
+            (obs.LOSS, rec.loss),
+            (obs.LR, rec.lr),
+            (obs.GRAD_NORM, rec.grad_norm),
+            (obs.TOKENS_PER_S, rec.tokens_per_s),
+            (obs.FLOPS_PER_S_PER_RANK, rec.flops_per_s_per_rank),
+            (obs.MFU, mfu),
+            (obs.STEP_SECONDS, rec.step_s),
+            (obs.STEP, rec.step),
+        ):
+            self.gauges[metric].set(value)
         for phase in ("compute", "comm", "data"):
-            self.phase.labels(phase).set(getattr(rec, phase + "_s"))
+            self.gauges[obs.PHASE_SECONDS].labels(phase).set(getattr(rec, phase + "_s"))
         for layer, v in enumerate(rec.expert_load_max_over_mean):
-            self.load.labels(str(layer)).set(v)
+            self.gauges[obs.EXPERT_LOAD].labels(str(layer)).set(v)
         self._checkpoint_gauges()
         write_to_textfile(str(self.out / PROM), self.registry)
 
@@ -253,8 +240,8 @@ class Metrics:
         found = complete_checkpoints(self.checkpoints) if self.checkpoints is not None else []
         if found:
             step, path = found[-1]
-            self.checkpoint_time.set((path / COMPLETE).stat().st_mtime)
-            self.checkpoint_step.set(step)
+            self.gauges[obs.CHECKPOINT_TIME].set((path / COMPLETE).stat().st_mtime)
+            self.gauges[obs.CHECKPOINT_STEP].set(step)
 
     def message(self, text: str) -> None:
         """A line above the progress bar (or plain stdout without one), rank 0 only."""

@@ -4,7 +4,8 @@ SNS topic every alarm notifies, and a dashboard (issue 3, part 6).
 
 Training health (issue 18): the trainer's Prometheus gauges (trainer/metrics.py) reach CloudWatch
 through the CloudWatch agent's Prometheus scrape of the trainer pods (by annotation, see
-components/k8s/operations.py), as embedded-metric-format metrics in PROMETHEUS_NAMESPACE. We chose that
+components/k8s/operations.py), as embedded-metric-format metrics in PROMETHEUS_NAMESPACE; the names both
+ends use are the observability contract (supernode/core/observability.py). We chose that
 over Amazon Managed Prometheus + a PodMonitor because every alarm here already goes through
 CloudWatch to one SNS topic: one alerting path, no workspace or alert manager to run. What the
 trainer, the fabric check, the inventory and the restore drill say as log lines (non-finite steps,
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
+from supernode.core import observability as obs
 from supernode.core.catalog import GIB
 from supernode.core.config import MonitoringConfig
 from supernode.core.plan import Plan
@@ -32,17 +34,10 @@ from .identity import irsa_trust_policy, managed_policy_arn
 CONTAINER_INSIGHTS = "ContainerInsights"
 # Container Insights writes to these groups; creating them first sets retention and KMS.
 INSIGHTS_LOG_GROUPS = ("application", "dataplane", "host", "performance", "prometheus")
-CW_AGENT = ("amazon-cloudwatch", "cloudwatch-agent")  # the add-on's namespace and service account
 PERIOD_S = 60
-# Where the CloudWatch agent's Prometheus scrape puts the trainer's gauges, and their dimensions.
-PROMETHEUS_NAMESPACE = "ContainerInsights/Prometheus"
-TRAINER_SCRAPE_JOB = "supernode-trainer"  # the scrape job name; a dimension of every trainer metric
-CHECKPOINT_TIME_METRIC = "supernode_train_last_checkpoint_timestamp_seconds"  # when the newest checkpoint committed
-# One GPU exporter: ours (components/addons/dcgm-exporter.yaml, its counters CSV), scraped into
-# PROMETHEUS_NAMESPACE like the trainer. The add-on's own NVIDIA GPU collection is switched off, so
-# no second exporter's series exist to be confused with ours.
-DCGM_SCRAPE_JOB = "dcgm-exporter"
-GPU_UTIL_METRIC, GPU_MEMORY_METRIC = "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED"
+# One GPU exporter: ours (components/addons/dcgm-exporter.yaml), scraped into the Prometheus namespace
+# like the trainer. The add-on's own NVIDIA GPU collection is switched off, so no second exporter's
+# series exist to be confused with ours.
 AGENT_CONFIGURATION = {
     "agent": {
         "config": {
@@ -109,7 +104,7 @@ class Monitoring(pulumi.ComponentResource):
         for kind in INSIGHTS_LOG_GROUPS:
             groups[kind] = aws.cloudwatch.LogGroup(
                 f"{name}-{kind}",
-                name=f"/aws/containerinsights/{cluster_name}/{kind}",
+                name=obs.insights_log_group(cluster_name, kind),
                 retention_in_days=m.log_retention_days,
                 kms_key_id=args.ops_kms_key_arn,
                 tags=tags,
@@ -124,7 +119,7 @@ class Monitoring(pulumi.ComponentResource):
             tags=tags,
             opts=child,
             assume_role_policy=irsa_trust_policy(
-                args.cluster.oidc_provider_arn, args.cluster.oidc_issuer_url, *CW_AGENT
+                args.cluster.oidc_provider_arn, args.cluster.oidc_issuer_url, *obs.CLOUDWATCH_AGENT
             ),
         )
         attach = aws.iam.RolePolicyAttachment(
@@ -171,7 +166,7 @@ class Monitoring(pulumi.ComponentResource):
 
         insights = {"ClusterName": cluster_name}
         window = m.gpu_util_window_minutes * 60 // PERIOD_S
-        train = training_dimensions(cluster_name, args.training_namespace)
+        train = obs.trainer_dimensions(cluster_name, args.training_namespace)
         floor = round(m.throughput_floor_fraction * planned_tokens_per_s(args.plan), 1)
         checkpoint_window_s = checkpoint_window(args.plan)
         self.alarms = [
@@ -180,9 +175,9 @@ class Monitoring(pulumi.ComponentResource):
                 "gpu-util-low",
                 f"GPU utilisation below {m.gpu_util_floor_percent}% for "
                 f"{m.gpu_util_window_minutes} min (DCGM exporter, mean over the GPUs)",
-                namespace=PROMETHEUS_NAMESPACE,
-                metric_name=GPU_UTIL_METRIC,
-                dimensions=dcgm_dimensions(cluster_name),
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.GPU_UTIL,
+                dimensions=obs.dcgm_dimensions(cluster_name),
                 statistic="Average",
                 threshold=m.gpu_util_floor_percent,
                 comparison="LessThanThreshold",
@@ -263,8 +258,8 @@ class Monitoring(pulumi.ComponentResource):
                 "training-throughput-low",
                 f"tokens/s below {m.throughput_floor_fraction:g} x the "
                 f"plan's estimate ({floor:,.0f} tokens/s) for {m.step_stall_minutes} min",
-                namespace=PROMETHEUS_NAMESPACE,
-                metric_name="supernode_train_tokens_per_s",
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.TOKENS_PER_S.name,
                 dimensions=train,
                 statistic="Average",
                 threshold=floor,
@@ -424,16 +419,6 @@ class Monitoring(pulumi.ComponentResource):
         )
 
 
-def dcgm_dimensions(cluster_name: pulumi.Input[str]) -> dict:
-    """The cluster-wide dimension set the agent's declaration gives the DCGM exporter's fields."""
-    return {"ClusterName": cluster_name, "job": DCGM_SCRAPE_JOB}
-
-
-def training_dimensions(cluster_name: pulumi.Input[str], namespace: str) -> dict:
-    """The dimensions the agent's embedded-metric declaration gives every trainer gauge."""
-    return {"ClusterName": cluster_name, "Namespace": namespace, "job": TRAINER_SCRAPE_JOB}
-
-
 def planned_tokens_per_s(plan: Plan) -> float:
     """The plan's throughput estimate: one global batch of sequences per planned step time."""
     return plan.training.global_batch * plan.model.seq_len / plan.step.step_s
@@ -465,9 +450,7 @@ def progress_queries(
     dimensions: Mapping, period_s: int, expression_id: str = "advanced", return_data: bool = True
 ) -> list:
     """Steps advanced within one `period_s` window: max - min of the trainer's step gauge."""
-    step = dict(
-        namespace=PROMETHEUS_NAMESPACE, metric_name="supernode_train_step", dimensions=dimensions, period=period_s
-    )
+    step = dict(namespace=obs.PROMETHEUS_NAMESPACE, metric_name=obs.STEP.name, dimensions=dimensions, period=period_s)
     return [
         _query("last", stat="Maximum", **step),
         _query("first", stat="Minimum", **step),
@@ -497,15 +480,19 @@ def dashboard(
             props["annotations"] = {"horizontal": [{"label": label, "value": annotation}]}
         return {"type": "metric", "width": 12, "height": 6, "properties": props}
 
-    dims = training_dimensions(cluster_name, training_namespace)
-    flat = [x for kv in dims.items() for x in kv]
+    def series(metric_name: str, dimensions: dict) -> list:
+        """A series of the Prometheus namespace: its name, then each dimension's name and value."""
+        return [obs.PROMETHEUS_NAMESPACE, metric_name, *(x for kv in dimensions.items() for x in kv)]
 
-    def trainer(name: str) -> list:
-        return [PROMETHEUS_NAMESPACE, name, *flat]
+    dims, gpus = obs.trainer_dimensions(cluster_name, training_namespace), obs.dcgm_dimensions(cluster_name)
 
-    def by_label(name: str, label: str) -> list:
+    def trainer(metric: obs.TrainerMetric) -> list:
+        return series(metric.name, dims)
+
+    def by_label(metric: obs.TrainerMetric) -> list:
         """Every series of a labelled gauge (one per phase, one per MoE layer)."""
-        keys = ",".join([PROMETHEUS_NAMESPACE, *dims, label])
+        name, label = metric.name, metric.label
+        keys = ",".join([obs.PROMETHEUS_NAMESPACE, *dims, label])
         where = " ".join(f'{k}="{v}"' for k, v in dims.items())
         return [
             {
@@ -517,15 +504,8 @@ def dashboard(
 
     return {
         "widgets": [
-            metric(
-                "GPU utilisation (%)",
-                [[PROMETHEUS_NAMESPACE, GPU_UTIL_METRIC, "ClusterName", cluster_name, "job", DCGM_SCRAPE_JOB]],
-                m.gpu_util_floor_percent,
-            ),
-            metric(
-                "GPU memory used (MiB)",
-                [[PROMETHEUS_NAMESPACE, GPU_MEMORY_METRIC, "ClusterName", cluster_name, "job", DCGM_SCRAPE_JOB]],
-            ),
+            metric("GPU utilisation (%)", [series(obs.GPU_UTIL, gpus)], m.gpu_util_floor_percent),
+            metric("GPU memory used (MiB)", [series(obs.GPU_MEMORY_USED, gpus)]),
             metric("Failed nodes", [[CONTAINER_INSIGHTS, "cluster_failed_node_count", "ClusterName", cluster_name]]),
             metric(
                 "Training failures",
@@ -537,20 +517,17 @@ def dashboard(
                     [namespace, "TrainerStarts"],
                 ],
             ),
-            metric("Training loss", [trainer("supernode_train_loss")]),
-            metric("Tokens/s", [trainer("supernode_train_tokens_per_s")], throughput_floor),
-            metric("MFU", [trainer("supernode_train_mfu")]),
-            metric("Step", [trainer("supernode_train_step")]),
-            metric("Step time by phase (s)", by_label("supernode_train_phase_seconds", "phase")),
-            metric(
-                "Expert load (max/mean per MoE layer; 1 = balanced)",
-                by_label("supernode_train_expert_load_max_over_mean", "layer"),
-            ),
+            metric("Training loss", [trainer(obs.LOSS)]),
+            metric("Tokens/s", [trainer(obs.TOKENS_PER_S)], throughput_floor),
+            metric("MFU", [trainer(obs.MFU)]),
+            metric("Step", [trainer(obs.STEP)]),
+            metric("Step time by phase (s)", by_label(obs.PHASE_SECONDS)),
+            metric("Expert load (max/mean per MoE layer; 1 = balanced)", by_label(obs.EXPERT_LOAD)),
             # The trainer's commit-time gauge; EPOCH gives each datapoint's own time, so age = EPOCH(ts) - ts.
             metric(
                 "Checkpoint age (s)",
                 [
-                    trainer(CHECKPOINT_TIME_METRIC) + [{"id": "ts", "stat": "Maximum", "visible": False}],
+                    trainer(obs.CHECKPOINT_TIME) + [{"id": "ts", "stat": "Maximum", "visible": False}],
                     {"expression": "EPOCH(ts) - ts", "id": "age", "label": "since the last commit"},
                 ],
                 checkpoint_window_s,

@@ -1,6 +1,6 @@
 """The two distributed jobs: the interconnect gate (an Indexed Job measuring the fabric on every GPU
 node) and the trainer (a PyTorchJob). Both run one pod per GPU node owning the whole node, with
-the EFA/NCCL environment of ARCHITECTURE.md §4, talk only to each other's pods of the same job,
+the EFA/NCCL environment of docs/architecture.md §4, talk only to each other's pods of the same job,
 and read the plan from the same ConfigMap mount (`--plan PLAN_MOUNT_PATH`).
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 import pulumi
 import pulumi_kubernetes as k8s
 
+from supernode.core.observability import METRICS_SCRAPER_NAMESPACE
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH, Plan
 
 from .common import MESH_LABEL, GpuNodes, meta, pod_resources
@@ -46,7 +47,6 @@ SCRAPE_ANNOTATIONS = {
     "prometheus.io/port": str(METRICS_PORT),
     "prometheus.io/path": "/metrics",
 }
-METRICS_SCRAPER_NAMESPACE = "amazon-cloudwatch"  # the CloudWatch observability add-on's agent
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def fabric_job_spec(args: JobArgs, template: dict[str, Any]) -> dict[str, Any]:
 
 # Multi-node NVLink (GB200 UltraServers): each job's pods claim the IMEX channel of the job's own
 # ComputeDomain (NVIDIA DRA driver), and GPU Feature Discovery labels the nodes of one NVLink domain
-# with the same clique (../shared/HARDWARE.md "EKS").
+# with the same clique (docs/hardware.md "EKS").
 IMEX_CLAIM = "imex-channel"
 CLIQUE_LABEL = "nvidia.com/gpu.clique"
 
@@ -318,7 +318,7 @@ class InterconnectGate(pulumi.ComponentResource):
             # The fabric check would refuse the plan (exit 2) only once the GPU nodes are up: say so now.
             raise pulumi.RunError(
                 f"no interconnect gate floor for {plan.instance_type}: the catalog publishes no "
-                f"all_reduce baseline for it (supernode.core.catalog.ALL_REDUCE_BASELINE_GBYTES_S)"
+                f"all_reduce baseline for it (its row's all_reduce_baseline_gbytes_s in supernode/core/catalog.py)"
             )
         self.min_busbw_gbytes_s = plan.gate_floor_gbytes_s
         after = fabric_mesh(name, args, mesh, self)

@@ -18,7 +18,8 @@ and validates it.
   prometheus.io annotations) and our DCGM exporter, as embedded-metric-format metrics in
   ContainerInsights/Prometheus with the dimensions the alarms and dashboard use. The agent lists pods
   only in the namespaces its scrape configuration names and writes only to the Prometheus log group
-  (IRSA: identity.metrics_agent_policy).
+  (IRSA: identity.metrics_agent_policy). Jobs, namespaces, service account and metric names are the
+  observability contract (supernode/core/observability.py), which the alarms read too.
 """
 
 from __future__ import annotations
@@ -35,14 +36,20 @@ import yaml
 
 from supernode.core.config import StackConfig
 from supernode.core.config import Workload as WorkloadConfig
+from supernode.core.observability import (
+    DCGM_SCRAPE_JOB,
+    METRIC_DECLARATIONS,
+    PROMETHEUS_AGENT,
+    PROMETHEUS_NAMESPACE,
+    TRAINER_SCRAPE_JOB,
+    insights_log_group,
+)
 
-from ..aws.monitoring import DCGM_SCRAPE_JOB, PROMETHEUS_NAMESPACE, TRAINER_SCRAPE_JOB
 from .addons import SYSTEM_NAMESPACE, addon_resource, with_config_hash, with_images
 from .common import MESH_LABEL, GpuNodes, dns_name, load_addon, meta
 from .jobs import (
     BASELINE_MOUNT,
     FABRIC_BASELINE,
-    METRICS_SCRAPER_NAMESPACE,
     BaselineStore,
     JobArgs,
     fabric_job_spec,
@@ -59,41 +66,6 @@ DCGM_NAMESPACE = SYSTEM_NAMESPACE  # where the add-ons (our DCGM exporter among 
 PROMETHEUS_AGENT_FILE = "cwagent-prometheus.yaml"
 # The agent's two ConfigMaps, by the names AWS's manifest mounts: what to scrape, what becomes a metric.
 SCRAPE_CONFIGMAP, AGENT_CONFIGMAP = "prometheus-config", "prometheus-cwagentconfig"
-# The agent's namespace and service account, which its IAM role trusts (components/program.py).
-PROMETHEUS_AGENT_SA = (
-    METRICS_SCRAPER_NAMESPACE,
-    load_addon(PROMETHEUS_AGENT_FILE)["ServiceAccount"]["metadata"]["name"],
-)
-# Which scraped series become CloudWatch metrics, and their dimensions (one declaration per set).
-METRIC_DECLARATIONS = [
-    {
-        "source_labels": ["job"],
-        "label_matcher": f"^{TRAINER_SCRAPE_JOB}$",
-        "dimensions": [["ClusterName", "Namespace", "job"]],
-        "metric_selectors": [
-            "^supernode_train_(loss|lr|grad_norm|tokens_per_s|flops_per_s_per_rank|mfu|step_seconds|step|last_checkpoint_timestamp_seconds|last_checkpoint_step)$"
-        ],
-    },
-    {
-        "source_labels": ["job"],
-        "label_matcher": f"^{TRAINER_SCRAPE_JOB}$",
-        "dimensions": [["ClusterName", "Namespace", "job", "phase"]],
-        "metric_selectors": ["^supernode_train_phase_seconds$"],
-    },
-    {
-        "source_labels": ["job"],
-        "label_matcher": f"^{TRAINER_SCRAPE_JOB}$",
-        "dimensions": [["ClusterName", "Namespace", "job", "layer"]],
-        "metric_selectors": ["^supernode_train_expert_load_max_over_mean$"],
-    },
-    # Our DCGM exporter (components/addons/dcgm-exporter.yaml): cluster-wide per field, and per node.
-    {
-        "source_labels": ["job"],
-        "label_matcher": f"^{DCGM_SCRAPE_JOB}$",
-        "dimensions": [["ClusterName", "job"], ["ClusterName", "job", "Hostname"]],
-        "metric_selectors": ["^DCGM_FI_DEV_(GPU_UTIL|FB_USED|FB_FREE|GPU_TEMP|POWER_USAGE|XID_ERRORS)$"],
-    },
-]
 
 
 @dataclass(frozen=True)
@@ -105,10 +77,10 @@ class OperationsArgs:
     service_account: pulumi.Input[str]  # the trainer's (IRSA: reads the checkpoints in S3)
     cluster_name: str
     region: str
-    config: StackConfig | None = None  # the drill's stack file; None: no drill CronJob
-    bucket_name: pulumi.Input[str] | None = None
-    # The IAM role of the CloudWatch agent's Prometheus scrape (identity.ServiceAccountRole); None: no agent.
-    metrics_agent_role_arn: pulumi.Input[str] | None = None
+    stack_file: str  # the stack's config as the restore drill reads it (stack_file())
+    bucket_name: pulumi.Input[str]  # the drill restores from it
+    # The IAM role of the CloudWatch agent's Prometheus scrape (identity.ServiceAccountRole).
+    metrics_agent_role_arn: pulumi.Input[str]
     addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
 
 
@@ -178,7 +150,7 @@ def cloudwatch_agent_config(cluster_name: str, region: str) -> dict[str, Any]:
             "metrics_collected": {
                 "prometheus": {
                     "cluster_name": cluster_name,
-                    "log_group_name": f"/aws/containerinsights/{cluster_name}/prometheus",
+                    "log_group_name": insights_log_group(cluster_name, "prometheus"),
                     "prometheus_config_path": "/etc/prometheusconfig/prometheus.yaml",
                     "emf_processor": {
                         "metric_declaration_dedup": True,
@@ -215,32 +187,26 @@ class Operations(pulumi.ComponentResource):
             opts=self._child,
         )
         self.inventory = self._inventory(name, job.image, job.gpu_nodes, wl)
-        self.restore_drill = (
-            self._restore_drill(name, job, wl, args, stack)
-            if args.config is not None and args.bucket_name is not None
-            else None
-        )
+        self.restore_drill = self._restore_drill(name, job, wl, args, stack)
         scrape = prometheus_scrape_config(wl.namespace)
         scrape_yaml = yaml.safe_dump(scrape, sort_keys=False)
         agent_json = json.dumps(cloudwatch_agent_config(args.cluster_name, args.region), indent=1)
         self.scrape_config = [
             k8s.core.v1.ConfigMap(
                 f"{name}-prometheus-config",
-                metadata=meta(SCRAPE_CONFIGMAP, METRICS_SCRAPER_NAMESPACE),
+                metadata=meta(SCRAPE_CONFIGMAP, PROMETHEUS_AGENT.namespace),
                 data={"prometheus.yaml": scrape_yaml},
                 opts=self._child,
             ),
             k8s.core.v1.ConfigMap(
                 f"{name}-prometheus-cwagentconfig",
-                metadata=meta(AGENT_CONFIGMAP, METRICS_SCRAPER_NAMESPACE),
+                metadata=meta(AGENT_CONFIGMAP, PROMETHEUS_AGENT.namespace),
                 data={"cwagentconfig.json": agent_json},
                 opts=self._child,
             ),
         ]
-        self.prometheus_agent = (
-            None
-            if args.metrics_agent_role_arn is None
-            else self._prometheus_agent(name, args, scraped_namespaces(scrape), (scrape_yaml, agent_json))
+        self.prometheus_agent = self._prometheus_agent(
+            name, args, scraped_namespaces(scrape), (scrape_yaml, agent_json)
         )
         self.register_outputs(
             {"fabric_check": self.fabric_check.metadata.name, "inventory": self.inventory.metadata.name}
@@ -382,7 +348,7 @@ class Operations(pulumi.ComponentResource):
         """AWS's cwagent-prometheus on the two ConfigMaps above: its pod-reading ClusterRole bound only
         in the namespaces the scrape discovers pods in; IRSA lets it write the Prometheus log group."""
         objs = load_addon(PROMETHEUS_AGENT_FILE)
-        ns, child = METRICS_SCRAPER_NAMESPACE, self._child
+        ns, child = PROMETHEUS_AGENT.namespace, self._child
 
         def create(obj: dict[str, Any], suffix: str = "", namespace: str | None = ns) -> pulumi.CustomResource:
             return addon_resource(
@@ -390,6 +356,7 @@ class Operations(pulumi.ComponentResource):
             )
 
         sa_obj = objs["ServiceAccount"]
+        sa_obj["metadata"]["name"] = PROMETHEUS_AGENT.name  # the account its IAM role trusts
         sa_obj["metadata"]["annotations"] = {
             "eks.amazonaws.com/role-arn": args.metrics_agent_role_arn,
             "eks.amazonaws.com/sts-regional-endpoints": "true",
@@ -416,7 +383,7 @@ class Operations(pulumi.ComponentResource):
         cm = k8s.core.v1.ConfigMap(
             f"{name}-stack",
             metadata=meta(STACK_CONFIGMAP, job.namespace),
-            data={filename: stack_file(args.config)},
+            data={filename: args.stack_file},
             opts=self._child,
         )
         container = {

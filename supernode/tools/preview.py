@@ -1,4 +1,4 @@
-"""Offline preview: run the Pulumi program (components/program.py) in-process under Pulumi's mock
+"""Offline preview: call the Pulumi program (components/program.py) in-process under Pulumi's mock
 engine (docs/architecture.md §3).
 
 Pulumi's `MockMonitor` stands in for the engine and the cloud. `RecordingMonitor` keeps every
@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 import json
-import runpy
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pulumi
@@ -27,11 +25,10 @@ from pulumi.runtime.stack import run_pulumi_func
 from ..core import resource_types as T
 from ..core.catalog import CATALOG
 from ..core.config import NAMESPACE, StackConfig
-from ..core.plan import PLAN_CONFIGMAP_KEY, Plan
+from ..core.plan import PLAN_CONFIGMAP_KEY, Plan, build_plan
 
-# The Pulumi program, found as a module (not imported: it runs on import), so an installed package
-# previews the program it ships wherever the command runs; the root __main__.py only imports it.
-PROGRAM = Path(str(importlib.util.find_spec("components.program").origin))
+# A Pulumi program: declares the stack's resources (and exports its outputs) from its config and plan.
+Program = Callable[[str, StackConfig, Plan], None]
 ACCOUNT = "123456789012"
 
 
@@ -258,8 +255,13 @@ def config_for_engine(stack: str, cfg: StackConfig) -> dict[str, str]:
     return out
 
 
-def run_program(stack: str, cfg: StackConfig, program: Path = PROGRAM) -> PreviewResult:
-    """Run the Pulumi program under the mock engine and return every registered resource."""
+def run_program(stack: str, cfg: StackConfig, program: Program | None = None) -> PreviewResult:
+    """Run a Pulumi program (by default the stack's, components.program.program) under the mock engine
+    and return every registered resource."""
+    if program is None:
+        # Here, not at the top: the AWS and Kubernetes SDKs take a second to import, which every other
+        # `supernode` command would pay.
+        from components.program import program
     psettings.reset_options()
     psettings.set_root_resource(None)  # type: ignore[arg-type]
     loop = asyncio.new_event_loop()
@@ -272,7 +274,7 @@ def run_program(stack: str, cfg: StackConfig, program: Path = PROGRAM) -> Previe
     secret_outputs: list[str] = []
 
     async def program_run() -> None:
-        runpy.run_path(str(program), run_name="__main__")
+        program(stack, cfg, build_plan(stack, cfg))
         root = psettings.get_root_resource()
         exported = getattr(root, "outputs", {})
         exports = [pulumi.Output.from_input(v) for v in exported.values()]

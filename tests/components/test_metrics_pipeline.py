@@ -14,9 +14,10 @@ from aws_preview import Stack, policy, preview, statements
 
 from components.k8s import serving
 from components.k8s.addons import CONFIG_HASH, addon_images
-from components.k8s.jobs import METRICS_SCRAPER_NAMESPACE
 from components.k8s.operations import AGENT_CONFIGMAP, SCRAPE_CONFIGMAP, scraped_namespaces
 from supernode.core import resource_types as T
+from supernode.core.observability import METRICS_SCRAPER_NAMESPACE
+from supernode.core.serving import BACKEND
 from supernode.tools import manifests as mf
 
 pytestmark = pytest.mark.slow  # previews of the program under the mock engine
@@ -143,7 +144,7 @@ def test_adapter_rules_are_adapter_rule_and_name_the_hpa_metric(objs):
     assert rules == {"rules": [serving.ADAPTER_RULE]}
     [hpa] = [m for (k, _, _), m in objs.items() if k == "HorizontalPodAutoscaler"]
     [metric] = hpa["spec"]["metrics"]
-    assert rules["rules"][0]["name"]["as"] == metric["pods"]["metric"]["name"] == serving.HPA_METRIC
+    assert rules["rules"][0]["name"]["as"] == metric["pods"]["metric"]["name"] == BACKEND.in_flight_metric
     # the adapter asks the serving Prometheus, through its Service
     svc = the(objs, "Service", "prometheus", serving.MONITORING_NAMESPACE)
     assert (
@@ -224,8 +225,8 @@ def test_prometheus_scrapes_the_serving_pods_on_vllms_port_and_keeps_what_the_ru
     assert not _relabel_keeps(rules, _target(prometheus["spec"]["template"], ns, port))  # the serving pods only
     # the series the rule discovers and reads survive the scrape, labelled as its overrides expect
     [keep] = job["metric_relabel_configs"]
-    series = serving.rule_series(serving.ADAPTER_RULE)
-    assert series == ["vllm:num_requests_running", "vllm:num_requests_waiting"]
+    series = re.findall(r"(vllm:\w+)\{", serving.ADAPTER_RULE["metricsQuery"])  # the series the rule reads
+    assert series == list(BACKEND.in_flight_series) == ["vllm:num_requests_running", "vllm:num_requests_waiting"]
     assert all(re.fullmatch(keep["regex"], s) for s in series) and not re.fullmatch(
         keep["regex"], "vllm:e2e_request_latency_seconds_bucket"
     )

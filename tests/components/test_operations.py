@@ -12,10 +12,11 @@ import pytest
 import yaml
 from aws_preview import Stack, preview
 
-from components.aws import monitoring
+from components.aws.monitoring import LogPattern
 from components.k8s.common import load_addon
 from components.k8s.jobs import BASELINE_MOUNT, FABRIC_BASELINE, METRICS_PORT
-from components.k8s.operations import METRIC_DECLARATIONS, OPS_NAMESPACE
+from components.k8s.operations import OPS_NAMESPACE
+from supernode.core import observability as obs
 from supernode.core import resource_types as T
 from supernode.core.config import load_file
 from supernode.core.plan import build_plan
@@ -77,7 +78,7 @@ def test_gate_records_and_cron_compares_the_fabric_baseline_outside_the_checkpoi
     summary = json.loads(objects[("ConfigMap", "fabric-baseline")]["data"]["summary.json"])
     assert summary["baseline"] == FABRIC_BASELINE and summary["s3_prefix"] == "baselines/fabric/"
     # the scheduled check prints the field the fabric-regressed alarm reads
-    assert "fabric_regressed_node_count" in monitoring.LogPattern.FABRIC_REGRESSED
+    assert "fabric_regressed_node_count" in LogPattern.FABRIC_REGRESSED
 
 
 def test_trainer_serves_metrics_on_the_pod_ip_and_may_be_scraped(stack, objects):
@@ -93,7 +94,7 @@ def test_trainer_serves_metrics_on_the_pod_ip_and_may_be_scraped(stack, objects)
     assert rule["from"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] == "amazon-cloudwatch"
     scrape = yaml.safe_load(objects[("ConfigMap", "prometheus-config")]["data"]["prometheus.yaml"])
     jobs = {j["job_name"]: j for j in scrape["scrape_configs"]}
-    assert jobs[monitoring.TRAINER_SCRAPE_JOB]["kubernetes_sd_configs"][0]["namespaces"]["names"] == [
+    assert jobs[obs.TRAINER_SCRAPE_JOB]["kubernetes_sd_configs"][0]["namespaces"]["names"] == [
         stack.cfg.workload.namespace
     ]
 
@@ -104,12 +105,12 @@ def _read_metrics(stack) -> list[tuple[str, frozenset]]:
     for a in stack.all(T.METRIC_ALARM):
         queries = [q["metric"] for q in a.inputs.get("metricQueries") or [] if q.get("metric")]
         for m in [a.inputs, *queries]:
-            if m.get("namespace") == monitoring.PROMETHEUS_NAMESPACE:
+            if m.get("namespace") == obs.PROMETHEUS_NAMESPACE:
                 out.append((m["metricName"], frozenset(m["dimensions"])))
     body = json.loads(stack.one(T.DASHBOARD).inputs["dashboardBody"])
     for w in body["widgets"]:
         for series in w["properties"]["metrics"]:
-            if isinstance(series, list) and series[0] == monitoring.PROMETHEUS_NAMESPACE:
+            if isinstance(series, list) and series[0] == obs.PROMETHEUS_NAMESPACE:
                 names = [s for s in series if not isinstance(s, dict)]  # a trailing dict is rendering options
                 out.append((names[1], frozenset(names[2::2])))
     return out
@@ -118,15 +119,13 @@ def _read_metrics(stack) -> list[tuple[str, frozenset]]:
 def test_every_prometheus_metric_read_is_declared_with_its_dimensions(stack, objects):
     agent = json.loads(objects[("ConfigMap", "prometheus-cwagentconfig")]["data"]["cwagentconfig.json"])
     emf = agent["logs"]["metrics_collected"]["prometheus"]["emf_processor"]
-    assert (
-        emf["metric_namespace"] == monitoring.PROMETHEUS_NAMESPACE and emf["metric_declaration"] == METRIC_DECLARATIONS
-    )
+    assert emf["metric_namespace"] == obs.PROMETHEUS_NAMESPACE and emf["metric_declaration"] == obs.METRIC_DECLARATIONS
     read = _read_metrics(stack)
-    assert {"supernode_train_tokens_per_s", "supernode_train_step", monitoring.GPU_UTIL_METRIC} <= {m for m, _ in read}
+    assert {"supernode_train_tokens_per_s", "supernode_train_step", obs.GPU_UTIL} <= {m for m, _ in read}
     for metric, dims in read:
         assert any(
             any(re.search(sel, metric) for sel in d["metric_selectors"]) and dims in map(frozenset, d["dimensions"])
-            for d in METRIC_DECLARATIONS
+            for d in obs.METRIC_DECLARATIONS
         ), (metric, sorted(dims))
 
 
@@ -136,7 +135,7 @@ def test_one_gpu_exporter_whose_counters_are_the_metrics_read(stack, objects):
     read = {m for m, _ in _read_metrics(stack) if m.startswith("DCGM_")}
     assert read and read <= fields  # the exporter emits each counter under its DCGM field name
     alarm = [a.inputs for a in stack.all(T.METRIC_ALARM) if a.inputs["name"].endswith("gpu-util-low")][0]
-    assert (alarm["namespace"], alarm["metricName"]) == (monitoring.PROMETHEUS_NAMESPACE, "DCGM_FI_DEV_GPU_UTIL")
+    assert (alarm["namespace"], alarm["metricName"]) == (obs.PROMETHEUS_NAMESPACE, "DCGM_FI_DEV_GPU_UTIL")
     ds = objects[("DaemonSet", "dcgm-exporter")]["spec"]["template"]["spec"]
     c = container(ds)
     [mount] = [m for m in c["volumeMounts"] if env(c)["DCGM_EXPORTER_COLLECTORS"].startswith(m["mountPath"])]

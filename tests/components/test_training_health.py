@@ -10,9 +10,16 @@ import re
 import pytest
 from aws_preview import ROOT, Stack, preview
 
-from components.aws.monitoring import PROMETHEUS_NAMESPACE, TRAINER_SCRAPE_JOB, LogPattern
+from components.aws.monitoring import LogPattern
 from supernode.core import resource_types as T
 from supernode.core.config import load_stack
+from supernode.core.observability import (
+    METRIC_DECLARATIONS,
+    PROMETHEUS_NAMESPACE,
+    TRAINER_DIMENSIONS,
+    TRAINER_METRICS,
+    TRAINER_SCRAPE_JOB,
+)
 from supernode.core.plan import build_local_plan, build_plan
 from trainer.metrics import Metrics
 from trainer.node import fabric
@@ -29,6 +36,18 @@ def exported(tmp_path_factory) -> set[str]:
     m.close()
     assert "supernode_train_loss" in names  # the registry was read, not an empty set
     return names
+
+
+def test_the_trainer_exports_exactly_the_contracts_gauges(exported):
+    """The trainer registers the observability contract's gauges, so none it exports goes unscraped."""
+    assert exported == {m.name for m in TRAINER_METRICS}
+
+
+def test_every_trainer_gauge_becomes_a_metric_with_its_label_as_a_dimension():
+    for m in TRAINER_METRICS:
+        [declared] = [d for d in METRIC_DECLARATIONS if re.search(d["metric_selectors"][0], m.name)]
+        assert declared["label_matcher"] == f"^{TRAINER_SCRAPE_JOB}$"
+        assert declared["dimensions"] == [[*TRAINER_DIMENSIONS, *([m.label] if m.label else [])]]
 
 
 def alarms(stack: Stack) -> dict[str, dict]:

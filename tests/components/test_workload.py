@@ -1,5 +1,6 @@
-"""The Kubernetes workload component under Pulumi's mock engine, with literal stand-ins for the AWS
-outputs (kubeconfig, FSx, trainer role, GPU node labels/taints), for the dev and prod stacks.
+"""The Kubernetes side of the program (components.program.kubernetes) under Pulumi's mock engine, with
+literal stand-ins for the AWS outputs (kubeconfig, FSx, IAM roles, GPU node labels/taints), for the dev
+and prod stacks.
 
 Every expected figure comes from the plan, the catalog or the config, never typed in here.
 """
@@ -7,14 +8,20 @@ Every expected figure comes from the plan, the catalog or the config, never type
 from __future__ import annotations
 
 import json
-import textwrap
 from functools import cache
 from pathlib import Path
 
+import pulumi
 import pytest
 
+from components.context import StackContext
+from components.k8s.common import GpuNodes
+from components.k8s.namespace import FsxVolume
+from components.k8s.operations import OPS_NAMESPACE
+from components.program import AwsOutputs, kubernetes
+from components.taints import Taint
 from supernode.core import resource_types as T
-from supernode.core.catalog import ALL_REDUCE_BASELINE_GBYTES_S, CATALOG
+from supernode.core.catalog import CATALOG
 from supernode.core.config import StackConfig, from_mapping, load_stack
 from supernode.core.plan import Plan, build_plan
 from supernode.tools import manifests as mf
@@ -27,41 +34,43 @@ GPU_LABELS = {
     "gpu-a": {"supernode.io/node-group": "gpu-a", "nvidia.com/gpu.present": "true"},
     "gpu-b": {"supernode.io/node-group": "gpu-b", "nvidia.com/gpu.present": "true"},
 }
-GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
-
-# The component alone, fed literal AWS outputs; config and plan come from the engine's config.
-PROGRAM = textwrap.dedent(f"""
-    import pulumi
-    from components.k8s.workload import FsxVolume, GpuNodes, StackContext, Taint, TrainingWorkload, WorkloadArgs
-    from supernode.core.plan import build_plan
-    from components.stack_config import stack_config
-
-    cfg = stack_config()
-    TrainingWorkload("workload", WorkloadArgs(
-        ctx=StackContext.create(pulumi.get_stack(), cfg.region, "123456789012"),
-        kubeconfig=pulumi.Output.secret("apiVersion: v1\\nkind: Config\\n"),
-        cluster_version=cfg.cluster.kubernetes_version,
-        fsx=FsxVolume(id="{FSX_ID}", dns_name="{FSX_ID}.fsx.us-east-1.amazonaws.com", mount_name="abcdef12",
-                size_gib=pulumi.Output.from_input(4800), data_dir="/datasets", checkpoint_dir="/checkpoints"),
-        trainer_role_arn="{ROLE_ARN}",
-        gpu_nodes=GpuNodes.for_groups({GPU_LABELS!r}, {{"gpu-a": [Taint(**{GPU_TAINT!r})], "gpu-b": [Taint(**{GPU_TAINT!r})]}}),
-        plan=build_plan(pulumi.get_stack(), cfg), images=cfg.images, workload=cfg.workload, identity=cfg.identity))
-""")
+GPU_TAINT = Taint(key="nvidia.com/gpu", value="true", effect="NoSchedule")
 
 
-def preview(stack: str, cfg: StackConfig, tmp: Path) -> PreviewResult:
-    program = tmp / "workload_program.py"
-    program.write_text(PROGRAM, encoding="utf-8")
-    return run_program(stack, cfg, program)
+def kubernetes_alone(stack: str, cfg: StackConfig, plan: Plan) -> None:
+    """The Kubernetes side fed literal AWS outputs; config and plan as the program gets them."""
+    kubernetes(
+        StackContext.create(stack, cfg.region, "123456789012"),
+        cfg,
+        plan,
+        AwsOutputs(
+            kubeconfig=pulumi.Output.secret("apiVersion: v1\nkind: Config\n"),
+            fsx=FsxVolume(
+                id=FSX_ID,
+                dns_name=f"{FSX_ID}.fsx.us-east-1.amazonaws.com",
+                mount_name="abcdef12",
+                size_gib=pulumi.Output.from_input(4800),
+                data_dir="/datasets",
+                checkpoint_dir="/checkpoints",
+            ),
+            baseline_dir="/baselines",
+            bucket_name=f"supernode-{stack}-data",
+            trainer_role_arn=ROLE_ARN,
+            metrics_agent_role_arn="arn:aws:iam::123456789012:role/supernode-metrics-agent",
+            gpu_nodes=GpuNodes.for_groups(GPU_LABELS, {group: [GPU_TAINT] for group in GPU_LABELS}),
+            cluster_name=f"supernode-{stack}",
+        ),
+    )
+
+
+def preview(stack: str, cfg: StackConfig) -> PreviewResult:
+    return run_program(stack, cfg, kubernetes_alone)
 
 
 @cache
 def stack_preview(stack: str) -> tuple[StackConfig, PreviewResult]:
-    import tempfile
-
     cfg = load_stack(stack, ROOT)
-    with tempfile.TemporaryDirectory() as tmp:
-        return cfg, preview(stack, cfg, Path(tmp))
+    return cfg, preview(stack, cfg)
 
 
 def one(result: PreviewResult, typ: str, name: str | None = None) -> Resource:
@@ -173,7 +182,7 @@ def test_plan_configmap_is_the_core_serialisation(stack: str) -> None:
     assert Plan.from_json(cm["data"]["plan.json"]) == plan
 
 
-def test_job_follows_the_config(tmp_path: Path) -> None:
+def test_job_follows_the_config() -> None:
     """Three nodes instead of two and other workload settings: the job (and quota) change with them."""
     base = load_stack("dev", ROOT)
     data = base.to_mapping()
@@ -189,22 +198,29 @@ def test_job_follows_the_config(tmp_path: Path) -> None:
     cfg = from_mapping(data)
     plan = build_plan("dev", cfg)
     assert plan.nodes == 3 != base.nodes
-    result = preview("dev", cfg, tmp_path)
+    result = preview("dev", cfg)
     check_trainer(cfg, plan, result)
     quota = objects(result)[("ResourceQuota", "training-quota")]["spec"]["hard"]
     assert quota["requests.nvidia.com/gpu"] == str(plan.world_size)
     gate = objects(result)[("Job", "dev-fabric-gate")]["spec"]
     assert gate["completions"] == gate["parallelism"] == 3
-    assert gate_floor(result) == pytest.approx(ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type] * 0.5)
+    assert gate_floor(result) == pytest.approx(CATALOG[plan.instance_type].all_reduce_baseline_gbytes_s * 0.5)
 
 
-def test_job_follows_the_hardware(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_job_follows_the_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
     """A (hypothetical) 4-GPU, 2-EFA instance type: nproc, GPUs and EFA devices all follow the catalog."""
     from dataclasses import replace
 
-    small = replace(CATALOG["p5.48xlarge"], name="p5.test", accelerators=4, efa_interfaces=2, vcpus=96, memory_gib=1024)
+    small = replace(
+        CATALOG["p5.48xlarge"],
+        name="p5.test",
+        accelerators=4,
+        efa_interfaces=2,
+        vcpus=96,
+        memory_gib=1024,
+        all_reduce_baseline_gbytes_s=200.0,
+    )
     monkeypatch.setitem(CATALOG, small.name, small)
-    monkeypatch.setitem(ALL_REDUCE_BASELINE_GBYTES_S, small.name, 200.0)
     base = load_stack("dev", ROOT)
     data = base.to_mapping()
     data["acceleratorNodeGroups"][0]["instanceType"] = small.name
@@ -212,7 +228,7 @@ def test_job_follows_the_hardware(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     cfg = from_mapping(data)
     plan = build_plan("dev", cfg)
     assert plan.accelerators_per_node == 4
-    result = preview("dev", cfg, tmp_path)
+    result = preview("dev", cfg)
     check_trainer(cfg, plan, result)
     quota = objects(result)[("ResourceQuota", "training-quota")]["spec"]["hard"]
     assert quota["requests.vpc.amazonaws.com/efa"] == str(2 * plan.nodes)
@@ -240,7 +256,9 @@ def test_trainer_waits_for_the_interconnect_gate(stack: str) -> None:
     assert c["command"][-1] == "trainer.node.fabric"
     assert pod["priorityClassName"] == "supernode-training"
     threshold = gate_floor(result)
-    assert threshold == pytest.approx(ALL_REDUCE_BASELINE_GBYTES_S[plan.instance_type] * cfg.workload.gate_min_fraction)
+    assert threshold == pytest.approx(
+        CATALOG[plan.instance_type].all_reduce_baseline_gbytes_s * cfg.workload.gate_min_fraction
+    )
     # the gate measures the same fabric the trainer uses: whole nodes, all EFA devices, one pod per node
     _, w = worker(result)
     assert c["resources"] == w["template"]["spec"]["containers"][0]["resources"]
@@ -255,8 +273,13 @@ def test_trainer_waits_for_the_interconnect_gate(stack: str) -> None:
 
 
 def test_network_policies_deny_by_default_and_allow_narrowly() -> None:
-    _, result = stack_preview("prod")
-    policies = {m["metadata"]["name"]: m["spec"] for (k, _), m in objects(result).items() if k == "NetworkPolicy"}
+    cfg, result = stack_preview("prod")
+    # the training and operations namespaces' (serving's own: tests/policies/test_serving.py)
+    policies = {
+        m["metadata"]["name"]: m["spec"]
+        for (k, _), m in objects(result).items()
+        if k == "NetworkPolicy" and m["metadata"]["namespace"] in (cfg.workload.namespace, OPS_NAMESPACE)
+    }
     assert policies.pop("default-deny") == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
     dns = policies.pop("allow-dns")
     assert "ingress" not in dns and dns["policyTypes"] == ["Egress"]
@@ -316,10 +339,10 @@ def test_namespace_guard_rails_identity_and_storage() -> None:
     assert quota["requests.vpc.amazonaws.com/efa"] == str(plan.nodes * CATALOG[plan.instance_type].efa_interfaces)
 
 
-def test_pod_identity_mode_drops_irsa_and_allows_only_the_agent(tmp_path: Path) -> None:
+def test_pod_identity_mode_drops_irsa_and_allows_only_the_agent() -> None:
     data = load_stack("dev", ROOT).to_mapping()
     data["identity"]["podIdentity"] = "pod-identity"
-    result = preview("dev", from_mapping(data), tmp_path)
+    result = preview("dev", from_mapping(data))
     objs = objects(result)
     assert "annotations" not in objs[("ServiceAccount", "trainer")]["metadata"]
     egress = objs[("NetworkPolicy", "allow-aws-apis")]["spec"]["egress"]

@@ -1,0 +1,141 @@
+"""The observability contract: the names that the trainer, the scrape that reads it and the alarms
+and dashboard that watch it must agree on, declared once.
+
+A training-health series travels: the trainer's gauge (trainer/metrics.py registers TRAINER_METRICS)
+-> the CloudWatch agent's Prometheus scrape (components/k8s/operations.py), which runs in
+METRICS_SCRAPER_NAMESPACE as PROMETHEUS_AGENT and finds the trainer pods as TRAINER_SCRAPE_JOB and our
+DCGM exporter as DCGM_SCRAPE_JOB -> a CloudWatch metric in PROMETHEUS_NAMESPACE, for the series
+METRIC_DECLARATIONS selects, with its dimensions -> the alarms and dashboard (components/aws/monitoring.py),
+which name it by exactly those. A name typed at one end only is a metric no alarm ever sees; so every
+end imports it from here. Plain strings, so the core stays free of pulumi.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+
+class ServiceAccount(NamedTuple):
+    namespace: str
+    name: str
+
+
+# The CloudWatch observability add-on's namespace: its agent and our Prometheus scrape agent run there,
+# and the trainer's network policy admits scrapes from it.
+METRICS_SCRAPER_NAMESPACE = "amazon-cloudwatch"
+# The agents' service accounts, which their IAM roles trust (IRSA): the add-on's (Container Insights) and
+# the Prometheus scrape's (components/addons/cwagent-prometheus.yaml).
+CLOUDWATCH_AGENT = ServiceAccount(METRICS_SCRAPER_NAMESPACE, "cloudwatch-agent")
+PROMETHEUS_AGENT = ServiceAccount(METRICS_SCRAPER_NAMESPACE, "cwagent-prometheus")
+
+# The CloudWatch metric namespace the scrape writes its series to (embedded metric format).
+PROMETHEUS_NAMESPACE = "ContainerInsights/Prometheus"
+# The scrape jobs; a job's name is the `job` dimension of every series it brings in. The DCGM job keeps
+# the pods labelled app.kubernetes.io/name=dcgm-exporter.
+TRAINER_SCRAPE_JOB = "supernode-trainer"
+DCGM_SCRAPE_JOB = "dcgm-exporter"
+
+
+def insights_log_group(cluster_name: str, kind: str) -> str:
+    """A Container Insights log group: the agents write to it, monitoring creates it first (retention, KMS)."""
+    return f"/aws/containerinsights/{cluster_name}/{kind}"
+
+
+class TrainerMetric(NamedTuple):
+    name: str
+    help: str
+    label: str | None = None  # a series per value (a phase, a MoE layer), and one more dimension
+
+
+LOSS = TrainerMetric("supernode_train_loss", "training loss (mean over the global batch)")
+LR = TrainerMetric("supernode_train_lr", "learning rate")
+GRAD_NORM = TrainerMetric("supernode_train_grad_norm", "global gradient norm before clipping")
+TOKENS_PER_S = TrainerMetric("supernode_train_tokens_per_s", "tokens per second, all ranks")
+FLOPS_PER_S_PER_RANK = TrainerMetric("supernode_train_flops_per_s_per_rank", "achieved training FLOP/s per rank")
+MFU = TrainerMetric("supernode_train_mfu", "model FLOPs utilisation")
+STEP_SECONDS = TrainerMetric("supernode_train_step_seconds", "wall time of the last step")
+STEP = TrainerMetric("supernode_train_step", "last completed step")
+CHECKPOINT_TIME = TrainerMetric(
+    "supernode_train_last_checkpoint_timestamp_seconds",
+    "unix time the newest complete checkpoint was committed (checkpoint age = now - this)",
+)
+CHECKPOINT_STEP = TrainerMetric("supernode_train_last_checkpoint_step", "step of the newest complete checkpoint")
+PHASE_SECONDS = TrainerMetric("supernode_train_phase_seconds", "step time by phase", "phase")
+EXPERT_LOAD = TrainerMetric("supernode_train_expert_load_max_over_mean", "max/mean expert token share", "layer")
+# Every gauge the trainer exports, and so every one the scrape turns into a CloudWatch metric.
+TRAINER_METRICS = (
+    LOSS,
+    LR,
+    GRAD_NORM,
+    TOKENS_PER_S,
+    FLOPS_PER_S_PER_RANK,
+    MFU,
+    STEP_SECONDS,
+    STEP,
+    PHASE_SECONDS,
+    EXPERT_LOAD,
+    CHECKPOINT_TIME,
+    CHECKPOINT_STEP,
+)
+# The DCGM exporter's fields that become metrics (its counters CSV, components/addons/dcgm-exporter.yaml,
+# emits each under this name).
+GPU_UTIL, GPU_MEMORY_USED = "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED"
+DCGM_METRICS = (
+    GPU_UTIL,
+    GPU_MEMORY_USED,
+    "DCGM_FI_DEV_FB_FREE",
+    "DCGM_FI_DEV_GPU_TEMP",
+    "DCGM_FI_DEV_POWER_USAGE",
+    "DCGM_FI_DEV_XID_ERRORS",
+)
+
+# The dimensions of a series (the scrape relabels each pod's namespace and node to Namespace and
+# Hostname); CloudWatch finds a metric only by exactly one of its dimension sets.
+TRAINER_DIMENSIONS = ("ClusterName", "Namespace", "job")  # and a labelled gauge's label
+DCGM_DIMENSIONS = (("ClusterName", "job"), ("ClusterName", "job", "Hostname"))  # cluster-wide, and per node
+
+
+def trainer_dimensions(cluster_name: Any, namespace: str) -> dict[str, Any]:
+    """The dimensions of a trainer series: its cluster, its namespace, the trainer's scrape job."""
+    return dict(zip(TRAINER_DIMENSIONS, (cluster_name, namespace, TRAINER_SCRAPE_JOB)))
+
+
+def dcgm_dimensions(cluster_name: Any) -> dict[str, Any]:
+    """The cluster-wide dimensions of a DCGM field (the mean over the cluster's GPUs)."""
+    return dict(zip(DCGM_DIMENSIONS[0], (cluster_name, DCGM_SCRAPE_JOB)))
+
+
+def _matching(names: Sequence[str], prefix: str) -> str:
+    """An anchored regular expression for exactly `names`, the shared prefix written once."""
+    if len(names) == 1:
+        return f"^{names[0]}$"
+    return f"^{prefix}({'|'.join(n.removeprefix(prefix) for n in names)})$"
+
+
+def _declaration(job: str, dimensions: Sequence[Sequence[str]], selector: str) -> dict[str, Any]:
+    return {
+        "source_labels": ["job"],
+        "label_matcher": f"^{job}$",
+        "dimensions": [list(d) for d in dimensions],
+        "metric_selectors": [selector],
+    }
+
+
+def _metric_declarations() -> list[dict[str, Any]]:
+    """One declaration per trainer label set (none, phase, layer), one for the DCGM fields."""
+    by_label: dict[str | None, list[str]] = {}
+    for metric in TRAINER_METRICS:
+        by_label.setdefault(metric.label, []).append(metric.name)
+    trainer = [
+        _declaration(
+            TRAINER_SCRAPE_JOB, [TRAINER_DIMENSIONS + ((label,) if label else ())], _matching(names, "supernode_train_")
+        )
+        for label, names in by_label.items()
+    ]
+    return [*trainer, _declaration(DCGM_SCRAPE_JOB, DCGM_DIMENSIONS, _matching(DCGM_METRICS, "DCGM_FI_DEV_"))]
+
+
+# The agent's embedded-metric declarations: which scraped series become CloudWatch metrics, with which
+# dimensions.
+METRIC_DECLARATIONS = _metric_declarations()
