@@ -7,8 +7,10 @@ writer and manifest as `supernode data prepare`) of each size, then for each siz
 process: the loader's resident memory (anonymous and file-backed, kB from /proc) after start-up and
 `--steps` steps of the prod plan's rank-0 batch. For the dev and prod plans, on the first dataset:
 the loader's tokens/s for one data-parallel rank against what that rank consumes (the plan's tokens
-per step / dp / its estimated step time). One JSON line per measurement; the memory lines are
-side by side in one run, and a summary line gives the growth between the smallest and largest set.
+per step / dp / its estimated step time). On the largest dataset: `data verify`'s pass over the shards
+(sha256 and the largest id, read once) against a sha256 alone, alternated, best of three each. One
+JSON line per measurement; the memory lines are side by side in one run, and a summary line gives the
+growth between the smallest and largest set.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import time
 from pathlib import Path
 
 from supernode.core.config import load_stack
+from supernode.core.files import sha256_file
 from supernode.core.plan import Plan, build_plan
+from trainer.data.manifest import read_manifest, scan_shard
 from trainer.data.prepare import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +80,28 @@ def _child(data: Path, plan: Plan, steps: int, scratch: Path) -> dict:
     return json.loads(r.stdout)
 
 
+def verify_cost(data: Path, repeats: int = 3) -> dict:
+    """Seconds to read every shard for its sha256 alone, and for its sha256 and largest id (what
+    `data verify` does), alternated so both see the same page cache and machine noise."""
+    m = read_manifest(data)
+    shards = [data / s["file"] for s in m["shards"]]
+    size = sum(f.stat().st_size for f in shards)
+    best = {"sha256": float("inf"), "sha256_and_max_id": float("inf")}
+    for _ in range(repeats):
+        for kind in best:
+            t0 = time.perf_counter()
+            for f in shards:
+                sha256_file(f) if kind == "sha256" else scan_shard(f, m["dtype"])
+            best[kind] = min(best[kind], time.perf_counter() - t0)
+    return {
+        "bench": "data",
+        "measure": "verify",
+        "dataset_gb": round(size / 1e9, 2),
+        **{f"{k}_gb_per_s": round(size / 1e9 / v, 2) for k, v in best.items()},
+        "max_id_cost_ratio": round(best["sha256_and_max_id"] / best["sha256"], 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.data", description=__doc__.split("\n")[0])
     p.add_argument("--sizes-gb", type=float, nargs="+", default=[0.5, 2.0])
@@ -91,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         plans = {s: build_plan(s, load_stack(s, ROOT)) for s in ("dev", "prod")}
         sets = {gb: synthetic(scratch / f"{gb:g}gb", gb) for gb in args.sizes_gb}
         for stack, plan in plans.items():
-            t, dp = plan.training, plan.degrees.dp_replicate * plan.degrees.dp_shard
+            t, dp = plan.training, plan.degrees.dp
             need = t.global_batch * plan.model.seq_len / dp / plan.step.step_s
             got = _child(sets[args.sizes_gb[0]], plan, args.steps, scratch)["tokens_per_s"]
             print(
@@ -124,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 flush=True,
             )
+        print(json.dumps(verify_cost(sets[max(sets)])), flush=True)
         lo, hi = memory[min(memory)], memory[max(memory)]
         print(
             json.dumps(

@@ -353,8 +353,10 @@ def _image_digests(stack: Stack, _conf: None, report: Report) -> None:
 
 
 def _repository(image: str) -> str:
-    """`ACCOUNT.dkr.ecr.REGION.amazonaws.com/NAME@sha256:...` -> NAME (the path after the registry host)."""
-    return image.split("@", 1)[0].split(":", 1)[0].partition("/")[2] if "/" in image else ""
+    """`ACCOUNT.dkr.ecr.REGION.amazonaws.com/NAME[:TAG]@sha256:...` -> NAME: the path after the registry
+    host (which may carry a port), less a tag."""
+    path = image.split("@", 1)[0].partition("/")[2]
+    return path.rsplit(":", 1)[0] if ":" in path.rsplit("/", 1)[-1] else path
 
 
 def _image_placeholder(stack: Stack, _conf: None, report: Report) -> None:

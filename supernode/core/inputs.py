@@ -17,6 +17,7 @@ Every refusal is an InputError whose message names the file and what is wrong wi
 from __future__ import annotations
 
 import json
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import yaml
 MAX_DEPTH = 64
 MAX_INT = 2**63 - 1
 MIB = 1 << 20
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 class InputError(ValueError):
@@ -168,8 +170,11 @@ def load_json(text: str, where: str) -> Any:
         raise InputError(f"{where}: not valid JSON ({str(e)[:200]})") from None
     if _depth(value) > MAX_DEPTH:
         raise InputError(f"{where}: nested deeper than {MAX_DEPTH} levels")
-    try:  # a "\ud800" escape decodes to a string no file or terminal can hold
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InputError(f"{where}: holds a lone surrogate ({e.object[e.start : e.end]!a}), not text") from None
+    # A lone "\ud800" escape decodes to a string no file or terminal can hold. The text is UTF-8, so a
+    # surrogate can only come from such an escape: re-encode the value only when the text has one.
+    if SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InputError(f"{where}: holds a lone surrogate ({e.object[e.start : e.end]!a}), not text") from None
     return value

@@ -144,7 +144,7 @@ def test_verification_happens_once_until_a_shard_changes(shards, monkeypatch):
     def no_hashing(path, dtype):
         raise AssertionError(f"{path} hashed again")
 
-    monkeypatch.setattr(manifest_module, "_scan_shard", no_hashing)
+    monkeypatch.setattr(manifest_module, "scan_shard", no_hashing)
     ensure_verified(shards)
     loader(shards).next_step()
     os.utime(shards / "shard_00001.bin")  # rewritten since: verified again, in full

@@ -111,7 +111,7 @@ def verify(data_dir: str | Path) -> dict:
     top = -1
     for s in manifest["shards"]:
         path = data_dir / s["file"]
-        digest, max_id = _scan_shard(path, dtype)
+        digest, max_id = scan_shard(path, dtype)
         if digest != s["sha256"]:
             raise DataError(f"shard {path} is corrupt: sha256 {digest} does not match the manifest's {s['sha256']}")
         # The ids themselves, not only the manifest's word for them: an id at or above the vocab
@@ -130,7 +130,7 @@ def verify(data_dir: str | Path) -> dict:
     return manifest
 
 
-def _scan_shard(path: Path, dtype: str, chunk_tokens: int = 1 << 22) -> tuple[str, int]:
+def scan_shard(path: Path, dtype: str, chunk_tokens: int = 1 << 22) -> tuple[str, int]:
     """sha256 of the shard's bytes and its largest token id (-1 if empty), in one bounded read."""
     h, top = hashlib.sha256(), -1
     with open(path, "rb") as f:
