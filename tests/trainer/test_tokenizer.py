@@ -4,6 +4,7 @@ selection, EOS between documents, parallel = serial shards, and an interrupted p
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,25 @@ def test_documents_are_separated_by_eos(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": 1}\n')
     with pytest.raises(DataError, match=r"c\.jsonl: line at byte 0 is not a JSON object with a \"text\" string"):
         prepare([tmp_path / "c.jsonl"], tmp_path / "e")
+
+
+def test_bad_corpus_lines_and_files_name_where_they_are(tmp_path):
+    """Issue 30 #11 and "also seen": a lone surrogate was an internal error, a bad line was "near byte
+    0" whatever its place, a directory or a pipe as the corpus was "not found"."""
+    good = json.dumps({"text": "fine"}) + "\n"
+    (tmp_path / "s.jsonl").write_text(good + '{"text": "a\\ud800b"}\n')
+    with pytest.raises(DataError, match=rf"s\.jsonl: line at byte {len(good)} has a lone surrogate escape"):
+        prepare([tmp_path / "s.jsonl"], tmp_path / "a")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"text": "\ud83d\ude00"}) + "\n")  # a pair: one emoji, fine
+    assert prepare([tmp_path / "p.jsonl"], tmp_path / "b")["documents"] == 1
+    (tmp_path / "j.jsonl").write_text(good + good + "{oops\n")
+    with pytest.raises(DataError, match=rf"j\.jsonl: line at byte {2 * len(good)} is not JSON \(column 2: "):
+        prepare([tmp_path / "j.jsonl"], tmp_path / "c")
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    for name in ("dir", "fifo"):
+        with pytest.raises(DataError, match=rf"corpus .*{name} is not a regular file"):
+            prepare([tmp_path / name], tmp_path / "d")
 
 
 def test_parallel_workers_write_the_same_shards_as_one(tmp_path):

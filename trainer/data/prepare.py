@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from supernode.core.inputs import SURROGATE_ESCAPE
 from supernode.core.processes import die_with_parent
 
 from .manifest import MANIFEST, VERIFIED, DataError, mark_verified
@@ -79,21 +80,32 @@ def _texts(c: Chunk) -> list[str]:
     try:
         if not c.jsonl:
             return [raw.decode("utf-8")]
-        docs = []
-        for n, line in enumerate(raw.splitlines()):
+        docs, at = [], c.start  # `at`: the byte offset of the line in the file, for messages
+        for line in raw.split(b"\n"):
             if line.strip():
-                doc = json.loads(line)
+                try:
+                    doc = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{c.path}: line at byte {at} is not JSON (column {e.colno}: {e.msg})") from None
                 if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
+                    raise DataError(f'{c.path}: line at byte {at} is not a JSON object with a "text" string')
+                if SURROGATE_ESCAPE.search(line.decode("utf-8")) and not _encodable(doc["text"]):
                     raise DataError(
-                        f"{c.path}: line at byte {c.start + sum(len(x) + 1 for x in raw.splitlines()[:n])}"
-                        ' is not a JSON object with a "text" string'
+                        f"{c.path}: line at byte {at} has a lone surrogate escape (\\ud800-\\udfff): not text"
                     )
                 docs.append(doc["text"])
+            at += len(line) + 1
         return docs
     except UnicodeDecodeError as e:
         raise DataError(f"corpus file is not UTF-8 text: {c.path} (byte {c.start + e.start})") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{c.path}: not JSON lines near byte {c.start + e.pos}: {e.msg}") from None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _tokenize(c: Chunk) -> tuple[np.ndarray, int, int]:
@@ -241,8 +253,10 @@ def prepare(
         raise DataError("give either --tokenizer FILE or --train-bpe VOCAB, not both")
     paths = [Path(p) for p in corpus_paths]
     for p in paths:
-        if not p.is_file():
+        if not p.exists():
             raise DataError(f"corpus file not found: {p}")
+        if not p.is_file():  # a directory, or a pipe that would be read without end
+            raise DataError(f"corpus {p} is not a regular file")
     if not any(p.stat().st_size for p in paths):
         raise DataError(f"the corpus is empty: {[str(p) for p in corpus_paths]}")
     out = Path(out_dir)

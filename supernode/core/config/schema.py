@@ -57,8 +57,10 @@ FSX_PER_UNIT_THROUGHPUT = (125, 250, 500, 1000)  # MB/s per TiB, PERSISTENT_2
 
 
 class _Base(BaseModel):
+    # Strict: `nodes: true` or `nodes: "2"` is an error naming the key, not a silent 1 or 2 (YAML and
+    # JSON give every value its type already; a float field still takes an integer).
     model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True, strict=False
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True, strict=True
     )
 
 
@@ -104,6 +106,7 @@ class Capacity(_Base):
     availability_zone: str | None = None
     ends_at: AwareDatetime | None = Field(
         default=None,
+        strict=False,  # an ISO string in the stack file (and in Pulumi's runtime config) is the way to write it
         description="capacity-block only, required there: the block's end (EC2's EndDate) as an ISO "
         "date-time with its offset, e.g. 2026-03-14T11:30:00Z. The node group is scaled to 0 forty minutes before "
         "(EC2 terminates the instances from 30 minutes before); preflight compares it with EC2",
@@ -297,19 +300,22 @@ class Images(_Base):
 
 
 class Model(_Base):
-    layers: int = Field(ge=1)
-    dim: int = Field(ge=8)
-    heads: int = Field(ge=1)
-    kv_heads: int = Field(ge=1)
-    experts: int = Field(ge=1)
-    top_k: int = Field(ge=1)
-    shared_experts: int = Field(default=0, ge=0)
-    expert_hidden: int = Field(ge=1)
-    dense_hidden: int = Field(ge=1)
-    moe_every: int = Field(default=1, ge=1, description="every n-th layer is MoE; 1: all")
-    first_dense_layers: int = Field(default=0, ge=0)
-    vocab: int = Field(ge=2)
-    seq_len: int = Field(ge=2)
+    # Upper bounds well beyond any published MoE (DeepSeek-V3: 61 layers, dim 7168, 256 experts, a 129k
+    # vocabulary; Kimi K2: 384 experts): a typo of a few digits is an error here, not an estimate that
+    # loops over 10**15 layers.
+    layers: int = Field(ge=1, le=1024)
+    dim: int = Field(ge=8, le=65536)
+    heads: int = Field(ge=1, le=1024)
+    kv_heads: int = Field(ge=1, le=1024)
+    experts: int = Field(ge=1, le=4096)
+    top_k: int = Field(ge=1, le=64)
+    shared_experts: int = Field(default=0, ge=0, le=64)
+    expert_hidden: int = Field(ge=1, le=262144)
+    dense_hidden: int = Field(ge=1, le=262144)
+    moe_every: int = Field(default=1, ge=1, le=1024, description="every n-th layer is MoE; 1: all")
+    first_dense_layers: int = Field(default=0, ge=0, le=1024)
+    vocab: int = Field(ge=2, le=1 << 22)
+    seq_len: int = Field(ge=2, le=1 << 20)
     router: Literal["softmax", "sigmoid"] = "softmax"
     load_balance_coef: float = Field(default=0.0, ge=0)
     z_loss_coef: float = Field(default=0.0, ge=0)
@@ -394,20 +400,20 @@ class DataSource(_Base):
 
 
 class Training(_Base):
-    global_batch: int = Field(ge=1, description="sequences per optimizer step")
-    micro_batch: int = Field(ge=1)
-    steps: int = Field(ge=1)
+    global_batch: int = Field(ge=1, le=1 << 24, description="sequences per optimizer step")
+    micro_batch: int = Field(ge=1, le=1 << 16)
+    steps: int = Field(ge=1, le=10**9)
     lr: float = Field(gt=0, le=1)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     warmup_steps: int = Field(default=0, ge=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     weight_decay: float = Field(default=0.1, ge=0)
     grad_clip: float = Field(default=1.0, gt=0)
-    checkpoint_interval: int = Field(ge=1)
-    keep_checkpoints: int = Field(default=3, ge=1)
+    checkpoint_interval: int = Field(ge=1, le=10**9)
+    keep_checkpoints: int = Field(default=3, ge=1, le=1000)
     async_checkpoint: bool = True
-    collective_timeout_s: int = Field(default=600, ge=10)
-    max_restarts: int = Field(default=3, ge=0)
+    collective_timeout_s: int = Field(default=600, ge=10, le=86400)
+    max_restarts: int = Field(default=3, ge=0, le=1000)
     max_non_finite_steps: int = Field(
         default=5,
         ge=1,
