@@ -1,4 +1,4 @@
-"""What every command shares: the --stack / --config arguments and the stderr console."""
+"""What every command shares: the --stack / --config arguments and the consoles."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from rich.console import Console
 
 from ..core.config import StackConfig, load_file, load_stack
 
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+def plain_console(stderr: bool = False, **kwargs) -> Console:
+    """Every console the CLI prints on: no emoji codes, so `:x:` in a message or a resource's name
+    stays the text it is (rich would print it as an emoji)."""
+    return Console(stderr=stderr, emoji=False, **kwargs)
+
+
+err = plain_console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def add_stack_args(p: argparse.ArgumentParser, required: bool = True) -> None:

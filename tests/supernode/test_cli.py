@@ -100,3 +100,10 @@ def test_an_output_path_under_a_file_is_bad_input(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert f"error: {blocker / 'out'}: Not a directory" in err and "internal error" not in err
+
+
+def test_emoji_codes_in_messages_stay_text(tmp_path, capsys):
+    """Issue 30, also seen: rich printed `:x:` in an error message (here a path) as an emoji."""
+    assert main(["plan", "--config", str(tmp_path / "Pulumi.:x:.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "Pulumi.:x:.yaml" in err and "\u274c" not in err

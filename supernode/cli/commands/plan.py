@@ -10,7 +10,7 @@ from rich.table import Table
 from ...core.catalog import GIB
 from ...core.errors import EXIT_FAILED
 from ...core.plan import Plan, build_plan
-from ..args import add_stack_args, stack_from_args
+from ..args import add_stack_args, plain_console, stack_from_args
 from .data import add_data_arg, check_plan_data
 
 
@@ -214,5 +214,5 @@ def run(args) -> int:
     if args.json:
         print(plan.to_json() if args.full else json.dumps(plan_json(plan), indent=2))
     else:
-        render(plan, Console())
+        render(plan, plain_console())
     return 0 if plan.fits else EXIT_FAILED

@@ -20,7 +20,7 @@ from ...tools.policycheck import (
     load_policy_config,
     load_resources,
 )
-from ..args import add_stack_args, stack_from_args
+from ..args import add_stack_args, plain_console, stack_from_args
 
 STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "remediated": "cyan", "disabled": "dim"}
 
@@ -119,7 +119,7 @@ def run_check(args) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        render(report, Console())
+        render(report, plain_console())
     return 0 if report.passed else EXIT_FAILED
 
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from rich.console import Console
-
 from ...core.errors import EXIT_FAILED, EXIT_OK
 from ...tools.awscheck import failures, render, to_json
 from ...tools.preflight import run_preflight
-from ..args import add_stack_args, stack_from_args
+from ..args import add_stack_args, plain_console, stack_from_args
 
 
 def register(sub) -> None:
@@ -27,5 +25,5 @@ def run(args) -> int:
     if args.json:
         print(to_json("preflight", stack, checks))
     else:
-        render(f"supernode preflight: {stack} ({cfg.region}, {cfg.availability_zone})", checks, Console())
+        render(f"supernode preflight: {stack} ({cfg.region}, {cfg.availability_zone})", checks, plain_console())
     return EXIT_FAILED if failures(checks) else EXIT_OK

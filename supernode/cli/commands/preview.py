@@ -14,7 +14,7 @@ from ...core.errors import EXIT_FAILED
 from ...tools.manifests import export as export_manifests
 from ...tools.policycheck import config_from_stack
 from ...tools.preview import PreviewResult, run_program
-from ..args import add_stack_args, err, stack_from_args
+from ..args import add_stack_args, err, plain_console, stack_from_args
 from .data import add_data_arg, check_plan_data
 from .plan import render as render_plan
 from .policy import add_policy_args, policy_config, run_pack
@@ -87,7 +87,7 @@ def run(args) -> int:
         for line in manifests.lines() if manifests else []:  # stdout holds only the JSON
             err.print(line, markup=False)
     else:
-        console = Console()
+        console = plain_console()
         if args.tree:
             render_tree(result, console)
         render_counts(result, console)

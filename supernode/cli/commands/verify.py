@@ -6,14 +6,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from rich.console import Console
-
 from ...core.contract import StackOutputs
 from ...core.errors import EXIT_FAILED, EXIT_OK, BadInput
 from ...core.plan import build_plan
 from ...tools.awscheck import failures, render, to_json
 from ...tools.verify import OutputsError, load_outputs, parse_outputs, run_verify
-from ..args import add_stack_args, stack_from_args
+from ..args import add_stack_args, plain_console, stack_from_args
 
 
 def register(sub) -> None:
@@ -60,5 +58,5 @@ def run(args) -> int:
     if args.json:
         print(to_json("verify", stack, checks))
     else:
-        render(f"supernode verify: {stack} ({cfg.region}, cluster {outs.cluster_name})", checks, Console())
+        render(f"supernode verify: {stack} ({cfg.region}, cluster {outs.cluster_name})", checks, plain_console())
     return EXIT_FAILED if failures(checks) else EXIT_OK
