@@ -360,7 +360,8 @@ class Checkpointer:
         """`state`: the Statefuls saved and restored (`train_state(...)`), registered once; the
         checkpointer adds the step and every rank's RNG states.
         `meta` (the model and training settings) is recorded in every checkpoint's marker;
-        `say` reports (rank 0) what restore decided, e.g. a fallback past a corrupt checkpoint.
+        `say` reports (rank 0) what restore decided, e.g. a fallback past a corrupt checkpoint, and
+        step directories without a marker, which are kept.
         The caller must own the out directory (OutDirLock): start-up removes leftovers of saves."""
         self.root, self.keep, self.async_save = Path(root), keep, async_save
         self.state = state
@@ -394,6 +395,14 @@ class Checkpointer:
                     shutil.rmtree(old, ignore_errors=True)
                 else:
                     os.replace(old, final)
+            # A step directory without its marker (deleted, or lost with a copy) is never resumed from;
+            # it may still hold good weights, so it is named and kept, never removed in silence.
+            for d in sorted(self.root.glob(PREFIX + "*")):
+                if d.is_dir() and not (d / COMPLETE).is_file():
+                    say(
+                        f"{d} has no {COMPLETE} marker, so it is not a checkpoint to resume from; kept as it "
+                        "is (restore its marker from a copy, or delete it)"
+                    )
         dist.barrier(group=self.group)
 
     # -- saving ----------------------------------------------------------------------------
@@ -498,9 +507,6 @@ class Checkpointer:
         shutil.rmtree(aside, ignore_errors=True)
         for _old_step, old in complete_checkpoints(self.root)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-        for d in self.root.glob(PREFIX + "*"):  # uncommitted leftovers older than this one
-            if not (d / COMPLETE).exists() and d.name[len(PREFIX) :].isdigit() and int(d.name[len(PREFIX) :]) < step:
-                shutil.rmtree(d, ignore_errors=True)
 
     # -- restoring -------------------------------------------------------------------------
     def latest(self) -> tuple[int, Path] | None:

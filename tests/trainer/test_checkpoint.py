@@ -230,6 +230,19 @@ def test_a_marker_without_checksums_is_never_trusted_silently(group, tmp_path, m
     assert any("used unverified" in line for line in said)
 
 
+def test_a_step_directory_without_its_marker_is_named_and_kept(group, tmp_path):
+    """Issue 30, also seen: it was skipped, then deleted by the next commit without a word."""
+    model, opt, sched = make(0)
+    checkpointer(tmp_path, model, opt, sched, keep=3, async_save=False).save(2)
+    (tmp_path / "step_00000002" / COMPLETE).unlink()
+    said = []
+    ck = checkpointer(tmp_path, model, opt, sched, keep=3, async_save=False, say=said.append)
+    assert [line for line in said if "step_00000002 has no COMPLETE marker" in line and "kept" in line]
+    assert ck.restore() == 0
+    ck.save(4)
+    assert (tmp_path / "step_00000002").is_dir() and [s for s, _ in complete_checkpoints(tmp_path)] == [4]
+
+
 # -- checksums at scale: each rank hashes its own files, a restore splits the check --------------
 
 
