@@ -17,6 +17,11 @@ per measurement, in this order:
    (dpShard = GPUs, ep = GPUs when it divides the experts, tp = pp = 1): `layout` says which.
 4. `model_mfu`: the same layout trains `--steps` timed steps (after 2 warm-up steps): tokens/s per
    GPU and MFU = tokens/s x the plan's flops_per_token / the GPU's dense bf16 peak.
+
+With `--calibration-out FILE` it then writes the figures the planner's step time takes from a
+calibration (`supernode.core.capacity.Calibration`, read by `supernode plan --calibration FILE` or
+the stack key `supernode:calibration`): the matmul efficiency from (1) and the NVLink all-to-all
+efficiency derived from (2) against (1) (`calibration_from`); EFA is not measured on one machine.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import json
 import sys
 import tempfile
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import torch
@@ -45,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, default=6)
     ap.add_argument("--repeat", type=int, default=10, help="MoE layer: timed forward+backward passes")
     ap.add_argument("--steps", type=int, default=10, help="model MFU: timed training steps")
+    ap.add_argument(
+        "--calibration-out",
+        type=Path,
+        metavar="FILE",
+        help="write the calibration the planner reads (supernode plan --calibration FILE)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():  # before anything slow: this benchmark measures GPUs only
         print(
@@ -61,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.topk > args.experts:
         problems.append(f"--topk must be at most --experts ({args.experts}) (got {args.topk})")
+    if args.calibration_out is not None and not args.calibration_out.parent.is_dir():
+        problems.append(f"--calibration-out {args.calibration_out}: no such directory")
     if problems:
         ap.error("; ".join(problems))  # exit 2
     from supernode.core.errors import ConfigError
@@ -76,27 +89,40 @@ def main(argv: list[str] | None = None) -> int:
     from bench.gpu_moe import layer_mfu, peak_flops
 
     start = time.monotonic()
-    _, peak = peak_flops(torch.cuda.get_device_name())
-    print(json.dumps(layer_mfu(args, peak)), flush=True)
+    accelerator, peak = peak_flops(torch.cuda.get_device_name())
+    lines: list[dict] = []
+
+    def emit(line: dict) -> None:
+        lines.append(line)
+        print(json.dumps(line), flush=True)
+
+    emit(layer_mfu(args, peak))
     torch.cuda.empty_cache()
     gpus = torch.cuda.device_count()
     if gpus > 1:
         if args.experts % gpus:
-            print(
-                json.dumps(
-                    {
-                        "measurement": "moe_layer_expert_parallel",
-                        "skipped": True,
-                        "reason": f"--experts {args.experts} is not divisible by the {gpus} GPUs",
-                    }
-                ),
-                flush=True,
+            emit(
+                {
+                    "measurement": "moe_layer_expert_parallel",
+                    "skipped": True,
+                    "reason": f"--experts {args.experts} is not divisible by the {gpus} GPUs",
+                }
             )
         else:
             for line in _spawn(_ep_worker, gpus, "cuda", args, peak):
-                print(json.dumps(line), flush=True)
+                emit(line)
     for line in _spawn(_model_worker, plan.world_size, "cuda", plan.model_dump_json(), layout, args.steps, peak):
-        print(json.dumps(line), flush=True)
+        emit(line)
+    if args.calibration_out is not None:
+        cal = calibration_from(lines, accelerator, torch.cuda.get_device_name())
+        write_calibration(args.calibration_out, cal)
+        emit(
+            {
+                "measurement": "calibration",
+                "path": str(args.calibration_out),
+                **cal.model_dump(exclude={"measurements"}),
+            }
+        )
     elapsed = time.monotonic() - start
     print(
         json.dumps(
@@ -110,6 +136,49 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     return 0
+
+
+def calibration_from(lines: list[dict], accelerator: str, device: str, measured_at: str | None = None):
+    """The planner's calibration from this run's lines (no GPU needed: the tests feed it lines).
+
+    - matmul_efficiency: `moe_layer_mfu`, the MFU of the bf16 MoE layer's forward+backward on one GPU
+      (compute alone: what the plan's compute term divides the peak by).
+    - nvlink_efficiency: `moe_layer_expert_parallel` runs the same layer, the same tokens per GPU,
+      with its experts over ep GPUs; the slowest rank's step less the one-GPU step is the time its
+      all-to-alls add (the bench layer has no shared expert, so nothing hides them). Its four
+      all-to-alls move 4 x tokens x topk x dim x 2 B x (ep-1)/ep per rank (the plan's
+      all_to_all_bytes_per_rank for one layer); over that time, against the catalog's one-direction
+      NVLink bandwidth. None when not measured (one GPU, skipped) or not in (0, 1].
+    - efa_efficiency: None, `bench gpu` runs on one machine.
+    """
+    from supernode.core.capacity import Calibration
+    from supernode.core.catalog import CATALOG
+
+    (layer,) = [x for x in lines if x.get("measurement") == "moe_layer_mfu"]
+    ep_lines = [x for x in lines if x.get("measurement") == "moe_layer_expert_parallel" and not x.get("skipped")]
+    used = [layer, *ep_lines]
+    nvlink = None
+    if ep_lines:
+        first, ep = ep_lines[0], ep_lines[0]["ep"]
+        exposed = max(x["step_s"] for x in ep_lines) - layer["step_s"]
+        moved = 4 * first["tokens_per_rank"] * first["topk"] * first["dim"] * 2 * (ep - 1) / ep
+        hw = next(t for t in CATALOG.values() if t.accelerator == accelerator)
+        if exposed > 0:
+            figure = moved / exposed / (hw.nvlink_gbytes_s * 1e9 / 2)
+            nvlink = round(figure, 4) if 0 < figure <= 1 else None
+    return Calibration(
+        accelerator=accelerator,
+        device=device,
+        measured_at=measured_at or datetime.now(UTC).isoformat(timespec="seconds"),
+        matmul_efficiency=layer["mfu"],
+        nvlink_efficiency=nvlink,
+        measurements=used,
+    )
+
+
+def write_calibration(path: Path, calibration) -> None:
+    """The calibration as `Calibration.read` reads it back (without `path`: the reader sets it)."""
+    Path(path).write_text(calibration.model_dump_json(indent=2, exclude={"path"}) + "\n", encoding="utf-8")
 
 
 def gpu_plan(stack: str, root: Path, gpus: int):

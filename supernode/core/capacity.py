@@ -12,6 +12,10 @@ out (docs/architecture.md §6):
 - PipelineShape (`pipeline`): stages by layer (`layout.stage_layers`), the busiest rank is pp rank 0
   (the most micro-batches in flight); the bubble is (pp-1)/(m*v + pp-1) of a step for m
   micro-batches per step and v virtual stages per rank.
+- Step time (`step_time`) is the time as the trainer runs it: the recomputation its activation
+  checkpointing mode does, and only the communication it overlaps by design credited as hidden
+  (each term names the trainer code path it models). Efficiencies come from a `Calibration` that
+  `bench gpu` measured, or else from the uncalibrated defaults below (`UNCALIBRATED` says which).
 
 The estimate is one pass: `param_counts` (per model) -> `pipeline` (per layout) -> `memory` and
 `step_time`, each taking what the steps before computed; `supernode.core.plan` runs it once per plan,
@@ -21,12 +25,16 @@ The estimate is one pass: `param_counts` (per model) -> `pipeline` (per layout) 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .catalog import GIB, InstanceType
 from .config import FsxConfig, Model, Parallel, Training
+from .errors import BadInput
 from .layout import layout_rules, stage_layers
 from .mesh import Mesh
 from .topology import GroupPlacement, Link, all_to_all_seconds, group_span, place, ring_seconds
@@ -34,7 +42,18 @@ from .topology import GroupPlacement, Link, all_to_all_seconds, group_span, plac
 ADAM_STATE_BYTES = 16  # fp32 master + fp32 grad + 2 fp32 moments, per sharded parameter
 CHECKPOINT_BYTES = 12  # fp32 master + 2 moments (gradients are not saved)
 RUNTIME_RESERVE_BYTES = int(1.5 * GIB)  # CUDA context, NCCL/EFA buffers, allocator slack
-MATMUL_EFFICIENCY = 0.55  # fraction of dense peak a well-tuned bf16 GEMM mix reaches
+# Uncalibrated defaults, used where no `Calibration` gives a measured figure:
+MATMUL_EFFICIENCY = 0.55  # fraction of the dense bf16 peak the step's GEMM mix reaches
+NVLINK_EFFICIENCY = 1.0  # fraction of the catalog's NVLink bandwidth a collective reaches
+EFA_EFFICIENCY = 1.0  # fraction of the catalog's EFA bandwidth a collective reaches
+# What a plan without a calibration rests on, and where the default comes from (printed by `supernode plan`).
+UNCALIBRATED = (
+    f"uncalibrated estimate: compute at {MATMUL_EFFICIENCY:.0%} of the GPU's dense bf16 peak (the top of "
+    "published training MFU: MegaScale, arXiv:2402.15627, 55.2% on a dense 175B model; NVIDIA's NeMo "
+    "AutoModel performance summary shows MoE pretraining on DGX-H100 in BF16 at about 330 model "
+    "TFLOP/s per GPU, ~34% of the 989 TFLOP/s peak, communication included), NVLink and EFA at their "
+    "catalog bandwidth (an upper bound); measure them with `supernode bench gpu --calibration-out FILE`"
+)
 FSX_INCREMENT_GIB = 2400
 AC_MODES = ("none", "selective", "full")  # activation checkpointing, least recomputation first
 
@@ -242,16 +261,79 @@ def memory(m: Model, p: Parallel, t: Training, pc: ParamCounts, pipe: PipelineSh
     )
 
 
+class Calibration(BaseModel):
+    """Efficiencies measured on one GPU type (`supernode bench gpu --calibration-out FILE` writes this
+    file); the step time uses them in place of the uncalibrated defaults. A figure left None was not
+    measured (e.g. EFA: `bench gpu` runs on one machine) and keeps its default."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    version: Literal[1] = 1
+    accelerator: str  # the catalog's accelerator it was measured on (H100, B300, ...): the plan must use it
+    device: str  # the CUDA device name
+    measured_at: str  # ISO 8601
+    matmul_efficiency: float = Field(gt=0, le=1)  # bench gpu `moe_layer_mfu`: bf16 MoE layer fwd+bwd / peak
+    nvlink_efficiency: float | None = Field(default=None, gt=0, le=1)  # from `moe_layer_expert_parallel`
+    efa_efficiency: float | None = Field(default=None, gt=0, le=1)
+    measurements: list[dict[str, Any]] = []  # the bench lines the figures come from
+    path: str | None = None  # the file the plan read it from (set by `read`)
+
+    @property
+    def nvlink(self) -> float:
+        return self.nvlink_efficiency or NVLINK_EFFICIENCY
+
+    @property
+    def efa(self) -> float:
+        return self.efa_efficiency or EFA_EFFICIENCY
+
+    def describe(self) -> str:
+        """One line for `supernode plan`: which figures were measured, where, and which are defaults."""
+        measured = [f"compute at {self.matmul_efficiency:.0%} of peak"]
+        defaults = []
+        for name, value in (("NVLink", self.nvlink_efficiency), ("EFA", self.efa_efficiency)):
+            (measured.append(f"{name} at {value:.0%}") if value else defaults.append(name))
+        return (
+            f"calibrated by {self.path or 'a calibration'} (bench gpu on {self.device}, {self.measured_at}): "
+            + ", ".join(measured)
+            + (f"; {' and '.join(defaults)} not measured, at catalog bandwidth" if defaults else "")
+        )
+
+    @classmethod
+    def read(cls, path: str | Path, where: str = "calibration") -> Calibration:
+        """A calibration file, every unusable one a BadInput naming it (`where`: the key or flag)."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            return cls.model_validate(data).model_copy(update={"path": str(path)})
+        except FileNotFoundError:
+            raise BadInput(f"{where} {path}: file not found") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadInput(f"{where} {path}: cannot be read as JSON ({e})") from None
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
+            raise BadInput(
+                f"{where} {path}: not a calibration: {'.'.join(map(str, first['loc']))}: {first['msg']} "
+                "(write one with `supernode bench gpu --calibration-out FILE`)"
+            ) from None
+
+
 class StepTime(BaseModel):
-    compute_s: float
-    all_to_all_s: float
-    fsdp_s: float
-    replicate_s: float
-    tensor_parallel_s: float
+    """One optimizer step as the trainer runs it. step_s = compute_s + recompute_s +
+    exposed_all_to_all_s + exposed_fsdp_s + tensor_parallel_s + p2p_s + pipeline_bubble_s; the other
+    terms are the traffic the step moves (all_to_all_s, fsdp_s, replicate_s), of which the exposed
+    ones are what the trainer does not overlap."""
+
+    compute_s: float  # model FLOPs (6 x active params + attention) at the matmul efficiency
+    recompute_s: float = 0.0  # forward FLOPs activation checkpointing runs again in backward
+    all_to_all_s: float  # dispatch + combine, forward + backward
+    recompute_all_to_all_s: float = 0.0  # the forward's dispatch + combine, run again by checkpointing
+    exposed_all_to_all_s: float = 0.0
+    fsdp_s: float  # all-gathers (per micro-batch where resharded) + the step's reduce-scatter
+    replicate_s: float  # HSDP all-reduce over dp_replicate
+    exposed_fsdp_s: float = 0.0  # of fsdp_s + replicate_s
+    tensor_parallel_s: float  # every TP collective, recomputed ones included: none is overlapped
     step_s: float
     mfu: float
     all_to_all_bytes_per_rank: int  # per step, both directions, fwd + bwd
-    # PipelineShape: the bubble (idle compute-time: compute x (pp-1)/(m*v)) and the stage-to-stage sends.
+    # PipelineShape: the bubble (idle time: the per-micro-batch work x (pp-1)/(m*v)) and the stage-to-stage sends.
     pipeline_bubble_s: float = 0.0
     p2p_s: float = 0.0
     # The link each communication term crosses (NVLink, EFA, or NVLink+EFA for a group spanning
@@ -267,59 +349,131 @@ def step_time(
     pc: ParamCounts,
     pipe: PipelineShape,
     domain: int | None = None,
+    calibration: Calibration | None = None,
 ) -> StepTime:
     """Compute and communication time of one optimizer step on NVLink domains of `domain` GPUs
     (default: one instance), each collective costed on its mesh dimension's placement
-    (`supernode.core.topology`), from the model's counts and the layout's pipeline shape."""
+    (`supernode.core.topology`), from the model's counts and the layout's pipeline shape; efficiencies
+    from `calibration` where it measured them, else the uncalibrated defaults."""
     world = p.world_size
     a = 2 if p.mixed_precision == "bf16" else 4
+    cal = calibration
+    flop_s = hw.peak_flops * (cal.matmul_efficiency if cal else MATMUL_EFFICIENCY)
     tokens_step = t.global_batch * m.seq_len
     flops_rank = tokens_step * flops_per_token(m, pc) / world
-    compute = flops_rank / (hw.peak_flops * MATMUL_EFFICIENCY)
-    nvlink = hw.nvlink_gbytes_s * 1e9 / 2  # one direction
-    efa = hw.efa_gbytes_s * 1e9 / hw.accelerators  # per GPU
+    compute = flops_rank / flop_s
+    nvlink = hw.nvlink_gbytes_s * 1e9 / 2 * (cal.nvlink if cal else NVLINK_EFFICIENCY)  # one direction
+    efa = hw.efa_gbytes_s * 1e9 / hw.accelerators * (cal.efa if cal else EFA_EFFICIENCY)  # per GPU
     groups = {g.dim: g for g in place(p, domain or hw.accelerators)}
     links: dict[str, Link] = {}
+    ac = p.activation_checkpointing
 
     def ring(term: str, buffer_bytes: float, g: GroupPlacement) -> float:
         if g.size > 1:
             links[term] = g.link
         return ring_seconds(buffer_bytes, g, nvlink, efa)
 
+    # Recomputation (trainer/model.py Block): "full" wraps Block._forward in torch.utils.checkpoint, so
+    # backward re-runs every block's forward, 1/3 of its 6-per-parameter FLOPs (the head and loss are
+    # outside the blocks); "selective" wraps only self.ffn (Block._ffn), so backward re-runs the
+    # FFN/MoE forward: router, top-k routed experts, shared expert, dense FFN (2 FLOPs per parameter).
+    if ac == "full":
+        recompute_per_token = (flops_per_token(m, pc) - 6 * (m.vocab * m.dim + m.dim)) / 3
+    elif ac == "selective":
+        routed = pc.experts * m.top_k // m.experts if m.experts else 0
+        recompute_per_token = 2 * (pc.router + routed + pc.shared_experts + pc.dense_ffn)
+    else:
+        recompute_per_token = 0
+    recompute = tokens_step * recompute_per_token / world / flop_s
+
     tokens_rank = tokens_step / p.dp  # tp ranks process the same tokens
     a2a_bytes = int(4 * tokens_rank * m.top_k * m.dim * a * (p.ep - 1) / p.ep * m.moe_layers / p.pp)
     a2a = all_to_all_seconds(a2a_bytes, groups["ep"], nvlink, efa)
     if p.ep > 1:
         links["all_to_all"] = groups["ep"].link
+    # Both checkpointing modes re-run MoE.forward, so its dispatch and combine (the forward half of
+    # the four all-to-alls) travel again (trainer/dispatcher.py AllToAllDispatcher.compute).
+    forwards = 1 if ac == "none" or not m.moe_layers else 2
+    a2a_again = a2a / 2 * (forwards - 1)
+    # The one overlap the dispatcher has: with parallel.overlap the forward dispatch is asynchronous
+    # while the shared expert computes (AllToAllDispatcher.compute `pending`); the combine and both
+    # backward all-to-alls (_AllToAll.backward) are synchronous.
+    shared_fwd = tokens_step * 2 * pc.shared_experts / world / flop_s
+    hidden_a2a = min(a2a / 4, shared_fwd) if p.overlap and p.ep > 1 else 0.0
+    exposed_a2a = a2a + a2a_again - forwards * hidden_a2a
+
+    # FSDP2 units (trainer/parallel.py _fully_shard): each block (non-expert weights over dp_shard,
+    # experts over edp) and the root (embedding, final norm, head). Per byte of buffer, a ring over each group:
+    per_byte_shard = ring("fsdp", 1.0, groups["dp_shard"])
+    per_byte_experts = ring("fsdp_experts", 1.0, groups["edp"])
     stage = 1 / p.pp
     nonexpert = (pc.total - pc.experts) * stage / p.tp  # gathered by each rank over dp_shard
     experts = pc.experts * stage / p.ep  # gathered over dp_shard*tp/ep
-    # all-gather fwd + bwd in compute dtype, reduce-scatter grads in fp32
-    fsdp = ring("fsdp", nonexpert * (2 * a + 4), groups["dp_shard"]) + ring(
-        "fsdp_experts", experts * (2 * a + 4), groups["edp"]
-    )
+    root = (pc.embedding + pc.head + m.dim) * stage / p.tp
+    block = (nonexpert - root) / (m.layers * stage)
+    block_experts = experts / (m.moe_layers * stage) if m.moe_layers else 0.0
+
+    def fsdp_pass(shard_params: float, expert_params: float, nbytes: int) -> float:
+        return (shard_params * per_byte_shard + expert_params * per_byte_experts) * nbytes
+
+    # All-gathers in the compute dtype. pp 1: blocks reshard after forward and backward, and gradient
+    # accumulation (trainer/engine.py train_step) only skips the reduce-scatter, so every micro-batch
+    # gathers each block twice and the root (reshard_after_forward=False) once. pp > 1: stages keep
+    # their weights gathered through the schedule (reshard_after_forward=False; pipelining's stage
+    # sets reshard_after_backward only on the last backward): once per step.
+    mbs = pipe.micro_batches if p.pp == 1 else 1
+    fwd_gather = fsdp_pass(nonexpert, experts, a)
+    bwd_gather = fsdp_pass(nonexpert - root, experts, a) if p.pp == 1 else 0.0
+    reduce = fsdp_pass(nonexpert, experts, 4)  # gradients in fp32 (reduce_dtype), once per step
+    fsdp = mbs * (fwd_gather + bwd_gather) + reduce
     shard_bytes = 4 * pc.total * stage / (p.tp * p.dp_shard)
     replicate = ring("replicate", 2 * shard_bytes, groups["dp_replicate"])  # all-reduce = RS + AG
-    # TP: 2 all-reduces (RS + AG) per layer forward and backward of the activations
+    # Exposed: what has no compute beside it. Each forward waits for the root's and the first block's
+    # gathers, each backward for its first (the last) block's; after the last backward, block 0's and
+    # the root's reduce-scatter and HSDP all-reduce. The rest runs on FSDP2's own streams beside
+    # compute: forward gathers prefetched one block ahead (set_modules_to_forward_prefetch, only with
+    # parallel.overlap; without it every forward gather waits), backward gathers by FSDP2's default
+    # backward prefetch, reduce-scatters as each block's backward ends. Traffic beyond the compute
+    # it runs beside is exposed too.
+    first = root + block, block_experts
+    last_share = (root + block + block_experts) / (nonexpert + experts)
+    exposed_fsdp = (
+        mbs * (fsdp_pass(*first, a) if p.overlap else fwd_gather)
+        + (mbs * fsdp_pass(block, block_experts, a) if p.pp == 1 else 0.0)
+        + fsdp_pass(*first, 4)
+        + replicate * last_share
+    )
+    exposed_fsdp += max(0.0, fsdp + replicate - exposed_fsdp - (compute + recompute))
+
+    # TP: 2 all-reduces (RS + AG) per layer forward and backward of the activations, synchronous in
+    # the compute stream (DTensor's ColwiseParallel/RowwiseParallel; the MoE layer's token gather);
+    # checkpointing re-runs the forward ones: all of them (full), the FFN's (selective).
     tpc = ring("tensor_parallel", 4 * (m.layers / p.pp) * 2 * tokens_rank * m.dim * a, groups["tp"])
-    bubble = compute * (p.pp - 1) / (pipe.micro_batches * pipe.virtual_stages)
+    tpc *= {"none": 1, "selective": 1.25, "full": 1.5}[ac]
     p2p = 0.0
     if p.pp > 1:  # stage neighbours are a stage's ranks apart: EFA once a pipeline leaves the domain
         spans, _ = group_span(p.pp, p.stride("pp"), world, domain or hw.accelerators)
         links["p2p"] = "NVLink" if spans == 1 else "EFA"
+        # Exposed: Schedule1F1B/GPipe fuse each send with the next receive and wait on both
+        # (torch.distributed.pipelining _wait_batch_p2p) before computing.
         p2p = pipe.p2p_bytes_per_rank / (nvlink if spans == 1 else efa)
-    comm = a2a + fsdp + replicate + tpc + p2p
-    # The bubble is idle time on the critical path: nothing overlaps it.
-    step = (max(compute, comm) if p.overlap else compute + comm) + bubble
-    mfu = flops_rank / (step * hw.peak_flops)
+    # The bubble: (pp-1) micro-batch stage-times of fill and drain, each as long as the work a
+    # micro-batch puts on the critical path (FSDP traffic is once per step, not per micro-batch).
+    busy = compute + recompute + exposed_a2a + tpc + p2p
+    bubble = busy * (p.pp - 1) / (pipe.micro_batches * pipe.virtual_stages)
+    step = busy + exposed_fsdp + bubble
     return StepTime(
         compute_s=compute,
+        recompute_s=recompute,
         all_to_all_s=a2a,
+        recompute_all_to_all_s=a2a_again,
+        exposed_all_to_all_s=exposed_a2a,
         fsdp_s=fsdp,
         replicate_s=replicate,
+        exposed_fsdp_s=exposed_fsdp,
         tensor_parallel_s=tpc,
         step_s=step,
-        mfu=mfu,
+        mfu=flops_rank / (step * hw.peak_flops),
         all_to_all_bytes_per_rank=a2a_bytes,
         links=links,
         pipeline_bubble_s=bubble,
@@ -369,6 +523,8 @@ class Suggestion(Mesh):
     activation_checkpointing: str
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
+    micro_batch: int = 1  # training.microBatch
+    micro_batches: int = 1  # per step: globalBatch / (microBatch x dp), the gradient accumulation
     memory_gib: float
     step_s: float
     ep_inside_domain: bool = True  # every EP group on one NVLink domain
@@ -379,6 +535,82 @@ def usable_hbm_bytes(p: Parallel, hw: InstanceType) -> int:
     return int(hw.hbm_bytes * (1 - p.hbm_headroom))
 
 
+def micro_batch_options(t: Training) -> list[int]:
+    """Micro-batches the search tries: the stack's, every power of two below it (less activation
+    memory, more accumulation) and the next one above (fewer gathers per step where memory allows)."""
+    return sorted({t.micro_batch} | {2**k for k in range(t.micro_batch.bit_length() + 1)})
+
+
+def pareto(found: list[Suggestion]) -> list[Suggestion]:
+    """The suggestions no other one beats on step time and memory both (equal on one and better on
+    the other beats); of equal figures, the first in `found`'s order. Sorted by step time."""
+    front: list[Suggestion] = []
+    for s in sorted(found, key=lambda s: (s.step_s, s.memory_gib)):  # stable: `found`'s order breaks ties
+        if not front or s.memory_gib < front[-1].memory_gib:
+            front.append(s)
+    return front
+
+
+def fitting_layouts(
+    m: Model,
+    p: Parallel,
+    t: Training,
+    hw: InstanceType,
+    pc: ParamCounts,
+    domain: int | None = None,
+    calibration: Calibration | None = None,
+) -> list[Suggestion]:
+    """Every layout with the same world size that fits within the usable HBM (`Mesh.candidates`, each
+    with the pipeline schedules, activation checkpointing modes and micro-batches), simplest first:
+    each one passes the same layout validator and the same fit test as the stack's own layout; tp up
+    to the domain's GPUs. `pc`: the model's counts, the same for every layout."""
+    domain = domain or hw.accelerators
+    world, out = p.world_size, []
+    for mesh in Mesh.candidates(world, max_tp=domain, max_pp=m.layers, experts=m.experts):
+        # Pipelines: 1f1b, and interleaved with 2 virtual stages where the layers allow (gpipe has
+        # 1f1b's bubble and holds more activations: never better).
+        schedules = [("1f1b", 1)] + ([("interleaved1f1b", 2)] if 1 < mesh.pp and 2 * mesh.pp <= m.layers else [])
+        for (schedule, virtual), ac, mb in itertools.product(schedules, AC_MODES, micro_batch_options(t)):
+            options = dict(pp_schedule=schedule, pp_virtual_stages=virtual, activation_checkpointing=ac)
+            cand = p.model_copy(
+                update=mesh.model_dump() | options | dict(pp_first_stage_fewer_layers=0, pp_last_stage_fewer_layers=0)
+            )
+            train = t.model_copy(update={"micro_batch": mb})
+            if layout_rules(m, cand, train, world, domain):
+                continue
+            pipe = pipeline(m, cand, train)
+            mem = memory(m, cand, train, pc, pipe)
+            if mem.total <= usable_hbm_bytes(cand, hw):
+                st = step_time(m, cand, train, hw, pc, pipe, domain, calibration)
+                inside = next(g for g in place(cand, domain) if g.dim == "ep").inside_domain
+                out.append(
+                    Suggestion(
+                        **mesh.model_dump(),
+                        **options,
+                        micro_batch=mb,
+                        micro_batches=pipe.micro_batches,
+                        memory_gib=round(mem.total_gib, 2),
+                        step_s=round(st.step_s, 4),
+                        ep_inside_domain=inside,
+                    )
+                )
+    # Simplest first, so that of equal (rounded) figures the simpler layout is kept: fewer stages,
+    # the plain schedule, less tp, less replication, less recomputation, smaller EP groups, the
+    # stack's own micro-batch.
+    out.sort(
+        key=lambda s: (
+            s.pp,
+            s.pp_virtual_stages,
+            s.tp,
+            s.dp_replicate,
+            AC_MODES.index(s.activation_checkpointing),
+            s.ep,
+            s.micro_batch != t.micro_batch,
+        )
+    )
+    return out
+
+
 def suggest(
     m: Model,
     p: Parallel,
@@ -387,48 +619,15 @@ def suggest(
     pc: ParamCounts,
     limit: int = 3,
     domain: int | None = None,
+    calibration: Calibration | None = None,
 ) -> list[Suggestion]:
-    """Layouts with the same world size that fit within the usable HBM (`Mesh.candidates`, each with
-    the pipeline schedules and activation checkpointing modes): each one passes the same layout
-    validator and the same fit test as the stack's own layout. EP inside the NVLink domain first,
+    """The fitting layouts (`fitting_layouts`) worth offering: only the Pareto front of step time and
+    memory (no suggestion is slower and larger than another), EP inside the NVLink domain first,
     then fastest, as NVIDIA's GB200 recipes place it (docs/hardware.md: EP in the NVL domain, DP/FSDP
-    across domains); tp up to the domain's GPUs. `pc`: the model's counts, the same for every layout."""
-    domain = domain or hw.accelerators
-    world, out = p.world_size, []
-    for mesh in Mesh.candidates(world, max_tp=domain, max_pp=m.layers, experts=m.experts):
-        # Pipelines: 1f1b, and interleaved with 2 virtual stages where the layers allow; the bubble
-        # slows them, so they rank after the layouts without one that fit, and show where pp helps fit.
-        schedules = [("1f1b", 1)] + ([("interleaved1f1b", 2)] if 1 < mesh.pp and 2 * mesh.pp <= m.layers else [])
-        for (schedule, virtual), ac in itertools.product(schedules, AC_MODES):
-            options = dict(pp_schedule=schedule, pp_virtual_stages=virtual, activation_checkpointing=ac)
-            cand = p.model_copy(
-                update=mesh.model_dump() | options | dict(pp_first_stage_fewer_layers=0, pp_last_stage_fewer_layers=0)
-            )
-            if layout_rules(m, cand, t, world, domain):
-                continue
-            pipe = pipeline(m, cand, t)
-            mem = memory(m, cand, t, pc, pipe)
-            if mem.total <= usable_hbm_bytes(cand, hw):
-                st = step_time(m, cand, t, hw, pc, pipe, domain)
-                inside = next(g for g in place(cand, domain) if g.dim == "ep").inside_domain
-                out.append(
-                    Suggestion(
-                        **mesh.model_dump(),
-                        **options,
-                        memory_gib=round(mem.total_gib, 2),
-                        step_s=round(st.step_s, 4),
-                        ep_inside_domain=inside,
-                    )
-                )
-    # Ties (equal rounded figures) go to the simpler layout: fewer stages, the plain schedule, less
-    # tp, less replication, less recomputation, smaller EP groups.
-    out.sort(
-        key=lambda s: (
-            (not s.ep_inside_domain, s.step_s, s.memory_gib),
-            (s.pp, s.pp_virtual_stages, s.tp, s.dp_replicate, AC_MODES.index(s.activation_checkpointing), s.ep),
-        )
-    )
-    return out[:limit]
+    across domains)."""
+    front = pareto(fitting_layouts(m, p, t, hw, pc, domain, calibration))
+    front.sort(key=lambda s: (not s.ep_inside_domain, s.step_s, s.memory_gib))  # stable: ties stay simplest first
+    return front[:limit]
 
 
 def hours_cost(nodes_by_type: dict[str, int], catalog: dict[str, InstanceType], hours: float) -> tuple[float, float]:

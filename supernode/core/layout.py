@@ -47,13 +47,19 @@ def layout_rules(
         )
     if p.world_size != world_size:
         factors = p.factors()
+        rest = p.world_size // p.dp_shard  # the other degrees' product
+        # Only an integer degree is a suggestion; otherwise say what the world size must divide by.
+        fix = (
+            f"dpShard = {world_size // rest} would match"
+            if world_size % rest == 0
+            else f"no integer dpShard matches: the world size must be a multiple of the other degrees' {rest}"
+        )
         issues.append(
             Issue(
                 path=pp_ + "dpShard",
                 value=p.dp_shard,
                 message=f"{'*'.join(factors)} = {'*'.join(map(str, factors.values()))} = "
-                f"{p.world_size}, but the world size is {world_size}{world_source}; "
-                f"dpShard = {world_size / (p.world_size // p.dp_shard):g} would match",
+                f"{p.world_size}, but the world size is {world_size}{world_source}; {fix}",
             )
         )
     if p.tp > max_tp:

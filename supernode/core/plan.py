@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from . import capacity as cap
 from .catalog import CATALOG, GIB, InstanceType, gate_floor_gbytes_s, nvlink_domain_gpus
-from .config import Model, Parallel, StackConfig, Training, with_local_nproc
+from .config import NAMESPACE, Model, Parallel, StackConfig, Training, with_local_nproc
 from .errors import BadInput
 from .inference import InferencePlan, build_inference_plan
 from .mesh import Mesh
@@ -76,6 +76,9 @@ class Plan(BaseModel):
     # these), the bubble, the in-flight micro-batches and the stage-to-stage volume.
     pipeline: cap.PipelineShape
     step: cap.StepTime
+    # The measured efficiencies the step time used (`supernode:calibration` or `plan --calibration`);
+    # None: an uncalibrated estimate on the defaults `capacity.UNCALIBRATED` names.
+    calibration: cap.Calibration | None = None
     topology: Topology
     checkpoint: cap.CheckpointIO
     # The interconnect gate's all_reduce bus-bandwidth floor in GB/s (catalog baseline x
@@ -133,10 +136,16 @@ class Plan(BaseModel):
         }
 
 
-def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
+def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibration | None = None) -> Plan:
     # Mixed instance types are allowed; the plan is sized for the smallest GPU memory among them,
     # and for the smallest NVLink domain among the groups of that type.
     hw = min((CATALOG[g.instance_type] for g in cfg.accelerator_node_groups), key=lambda t: t.hbm_mib)
+    if calibration is not None and calibration.accelerator != hw.accelerator:
+        raise BadInput(
+            f"calibration {calibration.path or ''}: measured on {calibration.accelerator} ({calibration.device}), "
+            f"but the plan's GPUs are {hw.accelerator} ({hw.name}); run `supernode bench gpu "
+            f"--calibration-out FILE` on a {hw.accelerator}"
+        )
     m, p, t = cfg.model, cfg.parallel, cfg.training
     world = cfg.local.nproc if local else cfg.accelerators
     ultra = (
@@ -152,7 +161,7 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
     params = cap.param_counts(m)
     pipe = cap.pipeline(m, p, t)  # micro-batches per step, stages, bubble: one figure for all readers
     mem = cap.memory(m, p, t, params, pipe)
-    st = cap.step_time(m, p, t, hw, params, pipe, domain)
+    st = cap.step_time(m, p, t, hw, params, pipe, domain, calibration)
     usable = cap.usable_hbm_bytes(p, hw)
     fits = mem.total <= usable
     ckpt = cap.checkpoint_io(params, t, cfg.storage.fsx)
@@ -191,10 +200,11 @@ def _plan(stack: str, cfg: StackConfig, local: bool) -> Plan:
         usable_hbm_gib=usable / GIB,
         fits=fits,
         over_by_gib=max(0.0, (mem.total - usable) / GIB),
-        suggestions=[] if fits or local else cap.suggest(m, p, t, hw, params, domain=domain),
+        suggestions=[] if fits or local else cap.suggest(m, p, t, hw, params, domain=domain, calibration=calibration),
         micro_batches_per_step=pipe.micro_batches,
         pipeline=pipe,
         step=st,
+        calibration=calibration,
         topology=topology,
         checkpoint=ckpt,
         gate_floor_gbytes_s=gate_floor_gbytes_s(hw.name, cfg.workload.gate_min_fraction),
@@ -213,8 +223,14 @@ def _nodes(cfg: StackConfig) -> Counter:
     return c
 
 
-def build_plan(stack: str, cfg: StackConfig) -> Plan:
-    return _plan(stack, cfg, local=False)
+def build_plan(
+    stack: str, cfg: StackConfig, calibration: cap.Calibration | None = None, root: str | Path = "."
+) -> Plan:
+    """The stack's plan; its step time on `calibration` if given, else on the file the stack's
+    `supernode:calibration` names (relative to the project directory `root`), else uncalibrated."""
+    if calibration is None and cfg.calibration:
+        calibration = cap.Calibration.read(Path(root) / cfg.calibration, f"{NAMESPACE}:calibration")
+    return _plan(stack, cfg, local=False, calibration=calibration)
 
 
 def build_local_plan(stack: str, cfg: StackConfig, nproc: int | None = None) -> Plan:

@@ -35,8 +35,10 @@ def _variant(
 
 
 def _with_layout(cfg: StackConfig, s: Suggestion) -> StackConfig:
+    # A suggestion's micro-batch is part of its layout (the search lowers it where the stack's does not fit).
     return _variant(
         cfg,
+        training=dict(micro_batch=s.micro_batch),
         dp_replicate=s.dp_replicate,
         dp_shard=s.dp_shard,
         tp=s.tp,
@@ -54,10 +56,13 @@ BIG_MICRO_BATCH = dict(dp_replicate=16, dp_shard=8, ep=8, activation_checkpointi
 OVER = {
     "prod-p4d": _variant(PROD, "p4d.24xlarge"),  # the case: prod's layout on A100 40 GB
     "prod-microbatch4": _variant(PROD, training=dict(micro_batch=4, global_batch=1024), **BIG_MICRO_BATCH),
-    # micro batch 2, not 4: at 4 the untensor-parallel output head's logits (15.6 GiB) leave no layout
-    # of 128 A100-40GB that fits, so there would be no suggestion to check
     "prod-p4d-microbatch2": _variant(
         PROD, "p4d.24xlarge", training=dict(micro_batch=2, global_batch=1024), **BIG_MICRO_BATCH
+    ),
+    # at micro batch 4 the untensor-parallel output head's logits (15.6 GiB) leave no layout of 128
+    # A100-40GB that fits: only a lower microBatch does, and the suggestions say so
+    "prod-p4d-microbatch4": _variant(
+        PROD, "p4d.24xlarge", training=dict(micro_batch=4, global_batch=1024), **BIG_MICRO_BATCH
     ),
     # no headroom: suggestions up to the whole 40 GiB (the policy used to require 10% of its own)
     "prod-p4d-microbatch4-no-headroom": _variant(

@@ -107,3 +107,56 @@ def test_emoji_codes_in_messages_stay_text(tmp_path, capsys):
     assert main(["plan", "--config", str(tmp_path / "Pulumi.:x:.yaml")]) == 2
     err = capsys.readouterr().err
     assert "Pulumi.:x:.yaml" in err and "\u274c" not in err
+
+
+def test_plan_says_its_figures_are_uncalibrated_and_on_what(capsys, monkeypatch):
+    """Without a calibration the plan records none and says which assumption its figures rest on."""
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["plan", "--stack", "prod", "--root", str(ROOT)]) == 0
+    out = capsys.readouterr().out
+    assert "uncalibrated estimate" in out and "55% of the GPU's dense bf16 peak" in out
+    assert "arXiv:2402.15627" in out and "NeMo AutoModel" in out  # the public sources of the default
+    assert "--calibration-out" in out  # and how to measure instead
+    assert main(["plan", "--stack", "prod", "--root", str(ROOT), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"] is None
+
+
+def test_plan_prints_the_step_as_the_sum_of_its_terms(capsys, monkeypatch):
+    from supernode.core.plan import build_plan
+
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["plan", "--stack", "prod", "--root", str(ROOT)]) == 0
+    out = capsys.readouterr().out
+    s = build_plan("prod", load_stack("prod", ROOT)).step
+    assert (
+        f"compute {s.compute_s:.3f} + recompute {s.recompute_s:.3f} + exposed all-to-all "
+        f"{s.exposed_all_to_all_s:.3f} + exposed FSDP {s.exposed_fsdp_s:.3f} + TP {s.tensor_parallel_s:.3f} "
+        f"= {s.step_s:.3f} s"
+    ) in out
+    assert f"all-to-all {s.all_to_all_s:.3f} (NVLink+EFA) + {s.recompute_all_to_all_s:.3f} recomputed" in out
+
+
+def test_a_short_run_costs_minutes_not_zero_hours(capsys, monkeypatch):
+    from supernode.core.plan import build_plan
+
+    monkeypatch.setenv("COLUMNS", "400")
+    plan = build_plan("dev", load_stack("dev", ROOT))
+    assert plan.run_hours < 1  # 2000 steps of a small model
+    assert main(["plan", "--stack", "dev", "--root", str(ROOT)]) == 0
+    out = capsys.readouterr().out
+    assert "~ 0.0 h" not in out and f"~ {plan.run_hours * 60:.1f} min ~ ${plan.run_cost_usd:,.2f} on demand" in out
+
+
+def test_suggestions_print_their_micro_batch(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    doc = yaml.safe_load((ROOT / "Pulumi.prod.yaml").read_text())
+    doc["config"]["supernode:parallel"].update(dpReplicate=16, dpShard=8, ep=8, activationCheckpointing="none")
+    doc["config"]["supernode:training"].update(microBatch=4)
+    for group in doc["config"]["supernode:acceleratorNodeGroups"]:
+        group["instanceType"] = "p4d.24xlarge"  # A100 40 GB: only a lower microBatch fits
+    f = tmp_path / "Pulumi.big.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    assert main(["plan", "--config", str(f)]) == 1
+    out = capsys.readouterr().out
+    assert "none slower and larger than another" in out
+    assert "microBatch 1 (" in out or "microBatch 2 (" in out

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from ...core.capacity import UNCALIBRATED, Calibration
 from ...core.catalog import GIB
 from ...core.errors import EXIT_FAILED
 from ...core.plan import Plan, build_plan
@@ -19,6 +21,13 @@ def register(sub) -> None:
     add_stack_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--full", action="store_true", help="with --json: the whole serialised plan")
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        metavar="FILE",
+        help="efficiencies measured by `supernode bench gpu --calibration-out FILE` (default: the stack's "
+        "supernode:calibration, else uncalibrated defaults)",
+    )
     add_data_arg(p)
     p.set_defaults(func=run)
 
@@ -39,6 +48,7 @@ def plan_json(plan: Plan) -> dict:
                     "over_by_gib",
                     "suggestions",
                     "step",
+                    "calibration",
                     "pipeline",
                     "topology",
                     "checkpoint",
@@ -52,25 +62,57 @@ def plan_json(plan: Plan) -> dict:
     return out
 
 
-# The step-time terms in the order `render` prints them: (StepTime field, its key in `links`, label).
-COMM_TERMS = (
-    ("all_to_all_s", ("all_to_all",), "all-to-all"),
-    ("fsdp_s", ("fsdp", "fsdp_experts"), "FSDP"),
-    ("replicate_s", ("replicate",), "replicate"),
-    ("tensor_parallel_s", ("tensor_parallel",), "TP"),
-)
+def step_detail(plan: Plan) -> str:
+    """The step as the planner adds it up (StepTime): exposed is what the trainer does not overlap."""
+    s = plan.step
+    terms = [
+        f"compute {s.compute_s:.3f}",
+        f"recompute {s.recompute_s:.3f}",
+        f"exposed all-to-all {s.exposed_all_to_all_s:.3f}",
+        f"exposed FSDP {s.exposed_fsdp_s:.3f}",
+        f"TP {s.tensor_parallel_s:.3f}",
+    ]
+    if plan.degrees.pp > 1:
+        terms += [f"p2p {s.p2p_s:.3f}", f"bubble {s.pipeline_bubble_s:.3f}"]
+    return " + ".join(terms) + f" = {s.step_s:.3f} s"
 
 
 def comm_detail(plan: Plan) -> str:
-    """Each communication term with the link it crosses, as the plan placed it."""
+    """The traffic the step moves, each collective with the link it crosses, as the plan placed it."""
     s = plan.step
-    parts = []
-    for attr, keys, label in COMM_TERMS:
+
+    def term(label: str, seconds: float, *keys: str) -> str:
         links = sorted({s.links[k] for k in keys if k in s.links})
-        parts.append(f"{label} {getattr(s, attr):.3f}" + (f" ({', '.join(links)})" if links else ""))
+        return f"{label} {seconds:.3f}" + (f" ({', '.join(links)})" if links else "")
+
+    parts = [
+        term("all-to-all", s.all_to_all_s, "all_to_all")
+        + (f" + {s.recompute_all_to_all_s:.3f} recomputed" if s.recompute_all_to_all_s else ""),
+        term("FSDP", s.fsdp_s, "fsdp", "fsdp_experts"),
+        term("replicate", s.replicate_s, "replicate"),
+        term("TP", s.tensor_parallel_s, "tensor_parallel"),
+    ]
     if plan.degrees.pp > 1:
-        parts.append(f"p2p {s.p2p_s:.3f} ({s.links.get('p2p', 'NVLink')}), bubble {s.pipeline_bubble_s:.3f}")
-    return f"compute {s.compute_s:.3f}, " + ", ".join(parts) + " s"
+        parts.append(term("p2p", s.p2p_s, "p2p"))
+    return ", ".join(parts) + " s"
+
+
+def calibration_detail(plan: Plan) -> str:
+    """Which efficiencies the step time rests on: a calibration's measured ones, or the defaults."""
+    return plan.calibration.describe() if plan.calibration else UNCALIBRATED
+
+
+def duration(hours: float) -> str:
+    """A run's length with the precision it needs: a short dev run is minutes or seconds, not 0.0 h."""
+    if hours >= 1:
+        return f"{hours:,.1f} h"
+    if hours * 60 >= 1:
+        return f"{hours * 60:.1f} min"
+    return f"{hours * 3600:.1f} s"
+
+
+def money(usd: float) -> str:
+    return f"${usd:,.0f}" if usd >= 100 else f"${usd:,.2f}"
 
 
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "interleaved 1F1B"}
@@ -157,8 +199,11 @@ def render(plan: Plan, console: Console) -> None:
     )
     t.add_row("HBM / rank", f"{plan.hbm_gib:.1f} GiB", fit)
     s = plan.step
-    t.add_row("step time (est.)", f"{s.step_s:.3f} s", comm_detail(plan))
+    t.add_row("step time (est.)", f"{s.step_s:.3f} s", step_detail(plan))
+    exposed = s.exposed_all_to_all_s + s.exposed_fsdp_s + s.tensor_parallel_s + s.p2p_s
+    t.add_row("communication", f"{exposed:.3f} s exposed", comm_detail(plan))
     t.add_row("MFU (est.)", f"{s.mfu:.1%}", f"{plan.flops_per_token / 1e9:.2f} GFLOP/token")
+    t.add_row("calibration", plan.calibration.accelerator if plan.calibration else "none", calibration_detail(plan))
     c = plan.checkpoint
     t.add_row(
         "checkpoint",
@@ -170,7 +215,7 @@ def render(plan: Plan, console: Console) -> None:
     t.add_row(
         "cost",
         f"${plan.cost_per_hour_usd:,.2f}/h",
-        f"{plan.training.steps} steps ~ {plan.run_hours:.1f} h ~ ${plan.run_cost_usd:,.0f} on demand",
+        f"{plan.training.steps} steps ~ {duration(plan.run_hours)} ~ {money(plan.run_cost_usd)} on demand",
     )
     console.print(t)
     if not plan.fits:
@@ -181,7 +226,8 @@ def render(plan: Plan, console: Console) -> None:
         )
         if plan.suggestions:
             console.print(
-                "Layouts with the same world size that fit (EP inside the NVLink domain first, then fastest):"
+                "Layouts with the same world size that fit (EP inside the NVLink domain first, then fastest; "
+                "none slower and larger than another):"
             )
             for sug in plan.suggestions:
                 pipe = (
@@ -195,7 +241,8 @@ def render(plan: Plan, console: Console) -> None:
                 )
                 console.print(
                     f"  dpReplicate {sug.dp_replicate}, dpShard {sug.dp_shard}, tp {sug.tp}, ep {sug.ep}, "
-                    f"pp {sug.pp}{pipe}, activationCheckpointing {sug.activation_checkpointing}: "
+                    f"pp {sug.pp}{pipe}, activationCheckpointing {sug.activation_checkpointing}, "
+                    f"microBatch {sug.micro_batch} ({sug.micro_batches} per step): "
                     f"{sug.memory_gib} GiB, ~{sug.step_s} s/step"
                     f"{'' if sug.ep_inside_domain else ', EP crosses NVLink domains'}",
                     markup=False,
@@ -209,7 +256,8 @@ def render(plan: Plan, console: Console) -> None:
 
 def run(args) -> int:
     stack, cfg = stack_from_args(args)
-    plan = build_plan(stack, cfg)
+    calibration = Calibration.read(args.calibration, "--calibration") if args.calibration else None
+    plan = build_plan(stack, cfg, calibration, root=args.root)
     check_plan_data(plan, args.data)
     if args.json:
         print(plan.to_json() if args.full else json.dumps(plan_json(plan), indent=2))

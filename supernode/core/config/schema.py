@@ -59,9 +59,7 @@ FSX_PER_UNIT_THROUGHPUT = (125, 250, 500, 1000)  # MB/s per TiB, PERSISTENT_2
 class _Base(BaseModel):
     # Strict: `nodes: true` or `nodes: "2"` is an error naming the key, not a silent 1 or 2 (YAML and
     # JSON give every value its type already; a float field still takes an integer).
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True, strict=True
-    )
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True, strict=True)
 
 
 class ClusterConfig(_Base):
@@ -573,6 +571,13 @@ class StackConfig(_Base):
     workload: Workload = Workload()
     inference: Inference | None = None
     local: Local = Local()
+    calibration: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a calibration file (`supernode bench gpu --calibration-out FILE` on this stack's GPU "
+        "type), relative to the project directory: the plan's step time uses its measured efficiencies; "
+        "without one the plan says its figures are uncalibrated estimates",
+    )
 
     # -- derived ---------------------------------------------------------------------------
     @property
