@@ -113,7 +113,9 @@ class Memory(BaseModel):
     gradients: int  # fp32 sharded gradients (4 B each)
     optimizer_state: int  # two fp32 Adam moments (8 B each); the step counters (4 B per tensor) live on the host
     model_states: int  # parameters + gradients + optimizer_state: 16 B per sharded parameter
-    fsdp_buffers: int  # unsharded compute copies of two layers (current + prefetch) + one layer's grads
+    # pp 1: unsharded compute copies of two layers (current + prefetch) + one layer's grads; pp > 1: the
+    # stage's gathered weights and, over several micro-batches, its unsharded fp32 gradients
+    fsdp_buffers: int
     activations: int
     logits: int
     runtime_reserve: int
@@ -227,7 +229,16 @@ def memory(m: Model, p: Parallel, t: Training, pc: ParamCounts, pipe: PipelineSh
     moe_layer = (m.experts // p.ep + m.shared_experts / p.tp) * 3 * d * m.expert_hidden if m.moe_layers else 0
     dense_layer = 3 * d * m.dense_hidden / p.tp if m.moe_layers < m.layers else 0
     layer = attn_layer + max(moe_layer, dense_layer)
-    fsdp_buffers = int(layer * (2 * compute_bytes + 4)) if p.dp_shard * p.tp > 1 else 0
+    if p.dp_shard * p.tp == 1:  # nothing sharded: no gathered copies
+        fsdp_buffers = 0
+    elif p.pp == 1:  # two layers gathered (current + prefetch) and one layer's unsharded gradient
+        fsdp_buffers = int(layer * (2 * compute_bytes + 4))
+    else:
+        # Pipelined (trainer/parallel.py _fully_shard: reshard_after_forward=False; torch's pipeline
+        # stage skips the gradient sync until the last backward): the stage's weights stay gathered
+        # through the schedule, and with several micro-batches its unsharded fp32 gradients too.
+        unsharded = tp_split + not_split + (pc.router + pc.shared_experts) * stage + pc.experts * stage / p.ep
+        fsdp_buffers = int(unsharded * compute_bytes + (unsharded if pipe.micro_batches > 1 else layer) * 4)
 
     tokens = t.micro_batch * m.seq_len
     act = activation_terms(m, p, tokens)
@@ -416,16 +427,17 @@ def step_time(
     def fsdp_pass(shard_params: float, expert_params: float, nbytes: int) -> float:
         return (shard_params * per_byte_shard + expert_params * per_byte_experts) * nbytes
 
-    # All-gathers in the compute dtype. pp 1: blocks reshard after forward and backward, and gradient
-    # accumulation (trainer/engine.py train_step) only skips the reduce-scatter, so every micro-batch
-    # gathers each block twice and the root (reshard_after_forward=False) once. pp > 1: stages keep
+    # All-gathers in the compute dtype. pp 1: blocks reshard after forward and backward, and every
+    # micro-batch's gradients are reduce-scattered as its backward ends (trainer/engine.py train_step:
+    # a rank holds only its gradient shard), so every micro-batch gathers each block twice, the root
+    # (reshard_after_forward=False) once, and reduce-scatters everything once. pp > 1: stages keep
     # their weights gathered through the schedule (reshard_after_forward=False; pipelining's stage
-    # sets reshard_after_backward only on the last backward): once per step.
+    # syncs and reshards only on the last backward): once per step.
     mbs = pipe.micro_batches if p.pp == 1 else 1
     fwd_gather = fsdp_pass(nonexpert, experts, a)
     bwd_gather = fsdp_pass(nonexpert - root, experts, a) if p.pp == 1 else 0.0
-    reduce = fsdp_pass(nonexpert, experts, 4)  # gradients in fp32 (reduce_dtype), once per step
-    fsdp = mbs * (fwd_gather + bwd_gather) + reduce
+    reduce = fsdp_pass(nonexpert, experts, 4)  # gradients in fp32 (reduce_dtype)
+    fsdp = mbs * (fwd_gather + bwd_gather + reduce)
     shard_bytes = 4 * pc.total * stage / (p.tp * p.dp_shard)
     replicate = ring("replicate", 2 * shard_bytes, groups["dp_replicate"])  # all-reduce = RS + AG
     # Exposed: what has no compute beside it. Each forward waits for the root's and the first block's
