@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         verify_export(args.model)
         server = LocalServer(args.model.resolve(), serve_python(args.root), max_num_seqs=max(levels), name=args.name)
-        server.start()
-        url = server.url
     try:
+        if server is not None:  # inside the try: interrupted while it starts, it is stopped too
+            url = server.start().url
         complete(url, PROMPTS[0], 4, model=args.name)  # warm-up, not measured
         rows = []
         for c in ([1] if 1 not in levels else []) + levels:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import ClientError
 
@@ -104,9 +105,19 @@ def push(
             on_bytes(size)
             on_file(file, False)
             continue
-        s3.upload_file(
-            str(path), bucket, base + file, ExtraArgs={"Metadata": {"sha256": sha}}, Config=config, Callback=on_bytes
-        )
+        try:
+            s3.upload_file(
+                str(path),
+                bucket,
+                base + file,
+                ExtraArgs={"Metadata": {"sha256": sha}},
+                Config=config,
+                Callback=on_bytes,
+            )
+        except S3UploadFailedError as e:
+            # boto3's transfer manager wraps AWS's answer (NoSuchBucket, AccessDenied) in a message of its
+            # own; the ClientError it wraps is what says why, and what callers know how to describe.
+            raise (e.__cause__ or e.__context__ or e) from None
         result.uploaded.append(file)
         result.bytes_uploaded += size
         on_file(file, True)

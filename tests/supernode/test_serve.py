@@ -6,10 +6,17 @@ the serving environment (`make serve-env`); it is skipped without one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
+import signal
 import stat
+import subprocess
+import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -17,7 +24,7 @@ import pytest
 
 from supernode.cli import main
 from supernode.core.errors import BadInput
-from supernode.tools.serve import PYTHON_ENV, LocalServer, ServerFailed, verify_export
+from supernode.tools.serve import PYTHON_ENV, LocalServer, ServerFailed, free_port, verify_export
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -170,3 +177,182 @@ def test_vllm_greedy_equals_transformers_greedy(tmp_path, monkeypatch):
                 torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
             )[0, len(prompt) :].tolist()
             assert ids == want
+
+
+@pytest.mark.parametrize("entry", ["../secret", "ABSOLUTE", "sub/x", ".."])
+def test_manifest_entries_outside_the_folder_are_refused_by_every_consumer(tmp_path, entry, fake_vllm, capsys):
+    """A manifest naming a file outside the export (with its true sha256) is not verified, served or pushed."""
+    from supernode.tools.push import export_objects
+
+    model = _export(tmp_path / "m")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not the model's")
+    entry = str(secret) if entry == "ABSOLUTE" else entry
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["files"][entry] = {"sha256": hashlib.sha256(secret.read_bytes()).hexdigest(), "bytes": 15}
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    needle = f"manifest.json: files entry {entry!r} is not a plain file name"
+    with pytest.raises(BadInput, match=re.escape(needle)):
+        verify_export(model)
+    with pytest.raises(BadInput, match=re.escape(needle)):
+        export_objects(model)  # `model push` uploads nothing outside the prefix
+    assert main(["serve", "--stack", "dev", "--root", str(ROOT), "--local", "--model", str(model)]) == 2
+    assert needle in capsys.readouterr().err and not fake_vllm.exists()
+
+
+# -- the server this command started, and only it; never outliving the command -----------------------
+
+FAKE_SERVER = """
+import http.server, json, os, subprocess, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # as vLLM's engine core
+with open(os.environ["FAKE_RECORD"] + ".part", "w") as f:
+    json.dump({"server": os.getpid(), "engine": engine.pid}, f)
+os.replace(os.environ["FAKE_RECORD"] + ".part", os.environ["FAKE_RECORD"])
+if os.environ.get("FAKE_MODE") == "never-ready":
+    time.sleep(600)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_server(tmp_path, monkeypatch) -> Path:
+    """A 'serving python' that runs a tiny health-only server with a child process of its own, like vLLM
+    and its engine core; it writes their PIDs to the returned file. FAKE_MODE=never-ready: it never binds."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    record = tmp_path / "pids.json"
+    monkeypatch.setenv(PYTHON_ENV, str(python))
+    monkeypatch.setenv("FAKE_RECORD", str(record))
+    return record
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")  # a zombie has ended (whoever reaps it)
+
+
+def _wait_for(cond, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+class Foreign:
+    """Another HTTP server on 127.0.0.1:port that answers every request 200: not the one started."""
+
+    def __init__(self, port: int):
+        import http.server
+
+        class Any(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+
+            do_POST = do_GET
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.HTTPServer(("127.0.0.1", port), Any)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _gone(record: Path) -> bool:
+    """The fake server and its engine have ended; where not (a failing test), they are killed now."""
+    pids = json.loads(record.read_text())
+    if _wait_for(lambda: not _alive(pids["server"]) and not _alive(pids["engine"])):
+        return True
+    for pid in filter(_alive, pids.values()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return False
+
+
+def _serve_in_a_child(model: Path, record: Path, mode: str = "") -> subprocess.Popen:
+    code = "import sys; from supernode.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = ["serve", "--stack", "dev", "--root", str(ROOT), "--local", "--model", str(model), "--port", "0"]
+    env = {**os.environ, "FAKE_MODE": mode}
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    assert _wait_for(record.is_file), "the fake server did not start"
+    return proc
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_sigkilled_serve_takes_its_server_and_engine_with_it(tmp_path, fake_server):
+    proc = _serve_in_a_child(_export(tmp_path / "m"), fake_server)
+    try:
+        assert "serving" in proc.stdout.readline() + proc.stdout.readline()
+        pids = json.loads(fake_server.read_text())
+        assert _alive(pids["server"]) and _alive(pids["engine"])
+        proc.kill()  # SIGKILL: no handler, no finally runs
+        proc.wait()
+    finally:
+        proc.kill()
+        proc.wait()
+        assert _gone(fake_server)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_sigterm_during_start_up_stops_the_server_and_exits_130(tmp_path, fake_server):
+    proc = _serve_in_a_child(_export(tmp_path / "m"), fake_server, mode="never-ready")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 130 and "serving" not in proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        assert _gone(fake_server)
+
+
+def test_serve_refuses_a_port_another_server_holds(tmp_path, fake_server, capsys):
+    port = free_port()
+    foreign = Foreign(port)
+    try:
+        args = ["serve", "--stack", "dev", "--root", str(ROOT), "--local", "--model", str(_export(tmp_path / "m"))]
+        assert main([*args, "--port", str(port), "--prompt", "x"]) == 2
+    finally:
+        foreign.close()
+    out, err = capsys.readouterr()
+    assert f"port {port} on 127.0.0.1 is in use by another process" in err and "serving" not in out
+    assert not fake_server.exists()  # never started
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="socket ownership is read from /proc/net/tcp")
+def test_a_server_that_took_the_port_after_start_is_not_ours(tmp_path, fake_server, monkeypatch):
+    """The port was free when the server started, then another process bound it first."""
+    monkeypatch.setenv("FAKE_MODE", "never-ready")
+    port = free_port()
+    server = LocalServer(_export(tmp_path / "m"), Path(os.environ[PYTHON_ENV]), port=port, ready_timeout_s=30)
+    foreign = []
+    threading.Thread(target=lambda: _wait_for(fake_server.is_file) and foreign.append(Foreign(port))).start()
+    try:
+        with pytest.raises(ServerFailed, match=f"another process answers on 127.0.0.1:{port}, not the server"):
+            server.start()
+        assert _gone(fake_server)  # start() stopped it
+    finally:
+        server.stop()
+        for f in foreign:
+            f.close()

@@ -189,3 +189,124 @@ def test_corrupt_checkpoint_and_other_model_are_refused(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-8] + b"corrupt!")
     with pytest.raises(BadInput, match="does not match its recorded sha256"):
         export(path, tmp_path / "hf", say=lambda s: None)
+
+
+# -- what an export may write over and what a failed one leaves ---------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+DEV_LOCAL = ["--stack", "dev", "--root", str(ROOT), "--local"]
+
+
+def _dev_checkpoint(tmp: Path) -> Path:
+    """A checkpoint of the dev stack's local model (what `supernode export --stack dev --local` takes)."""
+    from supernode.core.config import load_stack
+
+    return _checkpoint(tmp, load_stack("dev", ROOT).local_config().model)[1]
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_out_is_only_ever_a_new_folder_or_an_earlier_export(tmp_path, capsys):
+    from supernode.cli import main
+    from trainer.data.manifest import verify
+    from trainer.data.prepare import DEFAULT_CORPUS, prepare
+
+    path = _dev_checkpoint(tmp_path)
+    data = tmp_path / "data"
+    prepare(DEFAULT_CORPUS[:1], data, shard_tokens=1 << 16)
+    before = _tree(data)
+    for out in (data, tmp_path):  # --out equal to --data (a data manifest); a folder without a manifest
+        rc = main(["export", *DEV_LOCAL, "--checkpoint", str(path), "--data", str(data), "--out", str(out)])
+        assert rc == 2
+        assert f"--out {out} exists and is not an earlier export" in capsys.readouterr().err
+    assert _tree(data) == before and verify(data)  # the dataset is untouched
+
+    out, mine = tmp_path / "hf", tmp_path / "hf.tmp"
+    mine.mkdir()
+    (mine / "notes").write_text("someone's")  # a folder named like a temporary one is not ours to delete
+    export(path, out, say=lambda s: None)
+    first = _tree(out)
+    export(path, out, dtype="fp32", say=lambda s: None)  # an earlier export is replaced
+    assert _tree(out) != first and json.loads((out / MANIFEST).read_text())["dtype"] == "fp32"
+    assert (mine / "notes").read_text() == "someone's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "data", "hf", "hf.tmp"]
+
+    (out / "notes.txt").write_text("mine")  # an export folder that holds more than the export
+    with pytest.raises(BadInput, match=r"notes.txt is not a file of the export there"):
+        export(path, out, say=lambda s: None)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_marker_without_model_is_checked_against_the_stack_model(tmp_path, capsys):
+    from supernode.cli import main
+
+    _, path = _checkpoint(tmp_path, GLM)
+    marker = json.loads((path / COMPLETE).read_text())
+    del marker["model"]
+    (path / COMPLETE).write_text(json.dumps(marker))
+    out = tmp_path / "hf"
+    # The stack's model is not the one trained: refused, not exported under a config.json that lies.
+    assert main(["export", *DEV_LOCAL, "--checkpoint", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "tensor model.embed.weight is [96, 128] there and [256, 128] in the stack's model" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    export(path, out, model=GLM, say=lambda s: None)  # the right model: exported
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == GLM.layers
+
+    marker["model"] = {**GLM.model_dump(mode="json"), "dim": "wide"}
+    (path / COMPLETE).write_text(json.dumps(marker))
+    with pytest.raises(BadInput, match=r"COMPLETE: model.dim: .*the marker's model is unreadable"):
+        export(path, tmp_path / "other", say=lambda s: None)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs, mounted and removed by the test (root only): a real ENOSPC."""
+    import os
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; test_a_full_disk_injected covers the rest")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _full_disk_says_no_space_and_leaves_nothing(tmp_path, disk: Path, capsys) -> None:
+    from supernode.cli import main
+
+    path = _dev_checkpoint(tmp_path)
+    rc = main(["export", *DEV_LOCAL, "--checkpoint", str(path), "--out", str(disk / "model"), "--dtype", "fp32"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith(f"export failed: no space left on {disk}") and "nothing was written" in err
+    assert "internal error" not in err and len(err.strip().splitlines()) == 1
+    assert list(disk.iterdir()) == []  # no model.tmp, no partial shard
+
+
+def test_a_full_disk_says_no_space_and_leaves_nothing(tmp_path, small_disk, capsys):
+    _full_disk_says_no_space_and_leaves_nothing(tmp_path, small_disk, capsys)
+
+
+def test_a_full_disk_injected(tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as its own error type, "... (os error 28)": that is recognised too."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    _full_disk_says_no_space_and_leaves_nothing(tmp_path, disk, capsys)

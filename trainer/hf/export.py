@@ -6,13 +6,16 @@
     OUT/tokenizer.json, tokenizer_config.json   the data's tokenizer (bytes: an equivalent tokenizer.json)
     OUT/generation_config.json
     OUT/manifest.json                    written last: every other file's sha256 and size, the source
-                                         checkpoint and step; what `supernode serve` and the cluster's
+                                         checkpoint and step, and `format` (supernode-export/1, the
+                                         export's own kind); what `supernode serve` and the cluster's
                                          init container verify before a server starts
 
 Streams tensor by tensor: each tensor is read from the sharded checkpoint on its own (DCP reads only
 its byte ranges), converted and appended to the current shard, which is written once it reaches
 the shard size; memory stays at one shard plus one tensor whatever the model's size. The directory
-is built under OUT.tmp and renamed into place, so OUT is either complete or absent.
+is built under .OUT.tmp-PID next to it and renamed into place, so OUT is either complete or absent;
+a failed export (a full disk included) removes what it wrote. OUT must be absent or an earlier export
+holding only the files its manifest lists: an export replaces nothing else (a dataset, a checkpoint).
 
 Conventions mapped (exactly; tests/trainer/test_export.py compares logits with `transformers`):
 RoPE pairs (even, odd) here, halves there: the rows of wq/wk (and the qk-norm weights) are permuted
@@ -22,7 +25,9 @@ aux-loss-free bias becomes `e_score_correction_bias` (GLM-4.5) or must be zero (
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -30,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from pydantic import ValidationError
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -39,11 +45,16 @@ from supernode.core.files import sha256_file
 from supernode.core.inference import DTYPES, GLM4_MOE, hf_config, served_architecture
 
 from ..checkpoint import COMPLETE, Checkpointer, complete_checkpoints
+from ..model import Transformer
 
 MANIFEST = "manifest.json"
 FORMAT = "supernode-export/1"
 TORCH_DTYPES = {name: getattr(torch, d.torch_name) for name, d in DTYPES.items()}
 PREFIX = "model."  # the model's keys in the training checkpoint (trainer.checkpoint.train_state)
+
+
+class NoSpace(Exception):
+    """The export did not fit on the disk (what it had written is removed): exit 1, said in one line."""
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -59,11 +70,75 @@ def resolve_checkpoint(path: Path) -> Path:
 def checkpoint_model(path: Path, fallback: Model | None) -> Model:
     """The model the checkpoint was trained as (its marker records it), else `fallback`."""
     recorded = Checkpointer.marker(path).get("model")
-    if isinstance(recorded, dict):
-        return Model.model_validate(recorded)
+    if recorded is not None:
+        try:
+            return Model.model_validate(recorded)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise BadInput(
+                f"{path / COMPLETE}: model{'.' + where if where else ''}: {first['msg']}; the marker's model is "
+                "unreadable (edited?): export a checkpoint whose marker the trainer wrote"
+            ) from None
     if fallback is None:
         raise BadInput(f"--checkpoint {path}: its marker records no model; give --stack")
     return fallback
+
+
+def _check_shapes(path: Path, m: Model, assumed: bool) -> int:
+    """The checkpoint holds exactly `m`'s tensors, name for name and shape for shape (read from its
+    metadata, nothing loaded), else BadInput naming the first that differs: the exported config.json
+    must describe the weights beside it. -> the number of model parameters."""
+    with torch.device("meta"):  # shapes only, no memory
+        want = {PREFIX + k: tuple(v.shape) for k, v in Transformer(m).state_dict().items()}
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    have = {k: tuple(md.size) for k, md in meta.items() if k.startswith(PREFIX) and hasattr(md, "size")}
+    for key in sorted(want.keys() | have.keys()):
+        if want.get(key) != have.get(key):
+            whose = "the stack's model (the marker records none)" if assumed else "the model its marker records"
+            raise BadInput(
+                f"--checkpoint {path}: tensor {key} is {list(have[key]) if key in have else 'absent'} there and "
+                f"{list(want[key]) if key in want else 'absent'} in {whose}; export it with the stack "
+                "(and --local or not) it was trained with"
+            )
+    return sum(math.prod(shape) for shape in have.values())
+
+
+def _prior_export(out: Path) -> None:
+    """BadInput unless `out` is absent or an earlier export holding only the files its manifest lists:
+    the one folder an export deletes (to replace it). A dataset (its manifest.json is a data manifest),
+    a checkpoint, `--data` itself or any other folder is never deleted."""
+    if not out.exists() and not out.is_symlink():
+        return
+    try:
+        prior = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        prior = None
+    # `format` is the export's own kind: a data manifest has another (an integer).
+    if out.is_symlink() or not isinstance(prior, dict) or prior.get("format") != FORMAT:
+        raise BadInput(
+            f"--out {out} exists and is not an earlier export (no {MANIFEST} of format {FORMAT}); an export "
+            "replaces only its own output: choose another --out"
+        )
+    listed = prior.get("files")
+    ours = {*(listed if isinstance(listed, dict) else ()), MANIFEST}
+    for p in sorted(out.iterdir()):
+        if p.name not in ours or p.is_symlink() or not p.is_file():
+            raise BadInput(
+                f"--out {out}: {p} is not a file of the export there (its {MANIFEST} does not list it); an export "
+                "replaces only its own output: move it away or choose another --out"
+            )
+
+
+def _no_space(exc: BaseException | None) -> bool:
+    """A full disk or quota: an OSError's errno, or safetensors' Rust I/O error ("os error 28")."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if f"(os error {errno.ENOSPC})" in str(exc) or f"(os error {errno.EDQUOT})" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def rope_halves(w: Tensor, head_dim: int) -> Tensor:
@@ -126,10 +201,7 @@ def _stream(path: Path, m: Model, arch: str, dtype: torch.dtype) -> Iterator[tup
     """(HF name, tensor) one checkpoint tensor at a time."""
     reader = FileSystemReader(str(path))
     meta = reader.read_metadata().state_dict_metadata
-    keys = [k for k in meta if k.startswith(PREFIX)]
-    if not keys:
-        raise BadInput(f"--checkpoint {path}: holds no model tensors (keys {PREFIX}*)")
-    for key in keys:
+    for key in [k for k in meta if k.startswith(PREFIX)]:  # _check_shapes: exactly the model's
         md = meta[key]
         if not hasattr(md, "size"):
             continue
@@ -237,13 +309,43 @@ def export(
             )
         )
     arch = served_architecture(m)
+    params = _check_shapes(path, m, assumed=Checkpointer.marker(path).get("model") is None)
     out = Path(out)
-    if out.exists() and not (out / MANIFEST).is_file():
-        raise BadInput(f"--out {out} exists and is not an export (no {MANIFEST}); remove it or choose another")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    _prior_export(out)
+    out = out.resolve()  # `--out .` has a name to put the temporary folder beside
+    # Our own name (not OUT.tmp, which may be someone's folder): a folder there already is refused, not deleted.
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
+    try:
+        manifest, shards = _write(tmp, path, m, arch, dtype, data, shard_bytes)
+        if out.exists():  # an earlier export (_prior_export): swapped out, then deleted
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _no_space(e):
+            need = params * TORCH_DTYPES[dtype].itemsize
+            raise NoSpace(
+                f"no space left on {out.parent} for the export of {path} (~{need / 2**20:,.1f} MiB of weights; "
+                f"{shutil.disk_usage(out.parent).free / 2**20:,.1f} MiB free); nothing was written: free space "
+                "or choose another --out, then run again"
+            ) from None
+        raise
+    say(
+        f"exported step {manifest['source']['step']} of {path.parent} as {arch} ({dtype}, "
+        f"{manifest['total_bytes'] / 2**20:.1f} MiB in {shards} shard(s)) to {out}"
+    )
+    return manifest
 
+
+def _write(
+    tmp: Path, path: Path, m: Model, arch: str, dtype: str, data: Path | None, shard_bytes: int
+) -> tuple[dict, int]:
+    """The export's files in `tmp`, the manifest last; -> (the manifest, the number of shards)."""
     from safetensors.torch import save_file
 
     weight_map: dict[str, str] = {}
@@ -275,13 +377,12 @@ def export(
     eos, _ = _tokenizer(data, tmp)
     (tmp / "config.json").write_text(json.dumps(hf_config(m, dtype, eos=eos), indent=2), encoding="utf-8")
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}), encoding="utf-8")
-    marker = Checkpointer.marker(path)
     manifest = {
         "format": FORMAT,
         "architecture": arch,
         "dtype": dtype,
         "total_bytes": total,
-        "source": {"checkpoint": str(path), "step": marker.get("step")},
+        "source": {"checkpoint": str(path), "step": Checkpointer.marker(path).get("step")},
         "files": {
             f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size}
             for f in sorted(tmp.iterdir())
@@ -289,11 +390,4 @@ def export(
         },
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    say(
-        f"exported step {marker.get('step')} of {path.parent} as {arch} ({dtype}, {total / 2**20:.1f} MiB in "
-        f"{shards} shard(s)) to {out}"
-    )
-    return manifest
+    return manifest, shards

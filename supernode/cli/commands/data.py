@@ -147,11 +147,21 @@ def bucket_from_args(args, stack: str, cfg):
 
 def push_with_progress(region: str, directory: Path, objects, bucket: str, base: str):
     """`ops.push.push` behind a progress bar on stderr; None (said in one line) when AWS stops it."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from pydantic import ValidationError
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from ...tools.awscheck import Aws, describe_error
+    from ...core.config.schema import StorageConfig
+    from ...tools.awscheck import Aws, describe_error, error_code
     from ...tools.push import push, push_bytes
 
+    try:  # storage.bucketName's rule, for --bucket too: a name AWS would refuse is bad input, not an AWS error
+        StorageConfig(bucket_name=bucket)
+    except ValidationError:
+        raise BadInput(
+            f"bucket {bucket!r} (--bucket): not an S3 bucket name (3-63 lowercase letters, digits, '.' and '-', "
+            "beginning and ending with a letter or digit)"
+        ) from None
     s3 = Aws(region, read_timeout=120).client("s3")
     bar = Progress(
         TextColumn("pushing"),
@@ -173,8 +183,13 @@ def push_with_progress(region: str, directory: Path, objects, bucket: str, base:
                 on_bytes=lambda n: bar.advance(task, n),
                 on_file=lambda f, up: bar.update(task, file=f),
             )
-    except Exception as e:  # an AWS error: said in one line, the objects already sent stay (a rerun skips them)
+    except (BotoCoreError, ClientError) as e:  # said in one line; the objects already sent stay (a rerun skips them)
         detail, fix = describe_error(e)
+        if isinstance(e, ClientError) and error_code(e) == "NoSuchBucket":
+            fix = (
+                f"check the bucket's name (--bucket, storage.bucketName or --outputs' bucket_name) and region "
+                f"({region}): it must exist (a new stack's does once `pulumi up` has run)"
+            )
         err.print(
             f"push to s3://{bucket}/{base} stopped: {detail}; {fix}, then run the push again "
             "(objects already uploaded are skipped)",

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...core.errors import BadInput
+from ...core.errors import EXIT_FAILED, BadInput
 from ...core.inference import DTYPES
-from ..args import add_stack_args, stack_from_args
+from ..args import add_stack_args, err, stack_from_args
 
 
 def register(sub) -> None:
@@ -21,7 +21,12 @@ def register(sub) -> None:
         required=True,
         help="a step_N checkpoint directory, or a checkpoints directory (its newest complete one)",
     )
-    p.add_argument("--out", type=Path, required=True, help="the model directory to write")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="the model directory to write: a new one, or an earlier export (replaced; nothing else is)",
+    )
     p.add_argument("--data", type=Path, default=None, help="the prepared data whose tokenizer ships with the model")
     p.add_argument(
         "--dtype",
@@ -45,11 +50,20 @@ def run(args) -> int:
     dtype = args.dtype or (cfg.inference.dtype if cfg.inference else "bf16")
     import warnings
 
-    from trainer.hf.export import export  # torch only for this command
+    from trainer.hf.export import NoSpace, export  # torch only for this command
 
     with warnings.catch_warnings():  # DCP's "loading in a single process" is the intent here
         warnings.simplefilter("ignore", UserWarning)
-        export(
-            args.checkpoint, args.out, model=model, dtype=dtype, data=args.data, shard_bytes=int(args.shard_gib * 2**30)
-        )
+        try:
+            export(
+                args.checkpoint,
+                args.out,
+                model=model,
+                dtype=dtype,
+                data=args.data,
+                shard_bytes=int(args.shard_gib * 2**30),
+            )
+        except NoSpace as e:  # the disk, not the input: exit 1
+            err.print(f"export failed: {e}", markup=False)
+            return EXIT_FAILED
     return 0

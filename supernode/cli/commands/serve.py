@@ -58,13 +58,13 @@ def run(args) -> int:
         ready_timeout_s=args.ready_timeout,
         max_num_seqs=min(inf.max_concurrency, 16) if inf else 16,
     )
+    # SIGTERM as Ctrl-C, from before the server starts: either way the finally below stops its session.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.start()
         print(f"serving {manifest['architecture']} at {server.url}/v1 (log {server.log})", flush=True)
         if not args.prompt:
             print("Ctrl-C stops it", flush=True)
-            # SIGTERM as Ctrl-C: either way the finally below stops the server's process group.
-            signal.signal(signal.SIGTERM, signal.default_int_handler)
             rc = server.proc.wait()
             print(f"the server exited ({rc}):\n{server.tail()}")
             return EXIT_FAILED
@@ -82,3 +82,4 @@ def run(args) -> int:
         return EXIT_FAILED
     finally:
         server.stop()
+        signal.signal(signal.SIGTERM, previous)
