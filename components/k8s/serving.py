@@ -94,6 +94,10 @@ if pin and got != pin:
 files = json.load(open(man))["files"]
 os.makedirs(dst, exist_ok=True)
 names = sorted(files)
+# Plain names only (supernode.core.files.plain_name): a path would read or write outside the folders.
+bad = [n for n in names if not n or "/" in n or "\\" in n or "\0" in n or n in (".", "..")]
+if bad:
+    sys.exit(f"weights: manifest.json lists {bad[0]!r}, not a plain file name in the folder: not serving")
 with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
     for name, got in zip(names, pool.map(copy, names)):
         if got != files[name]["sha256"]:

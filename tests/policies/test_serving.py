@@ -136,3 +136,18 @@ def test_verify_script_blocks_a_corrupted_file(tmp_path):
         [sys.executable, str(script), str(src), str(tmp_path / "dst2")], capture_output=True, text=True
     )
     assert bad.returncode == 1 and "model-00001.safetensors sha256" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["../escape.safetensors", "/etc/hostname", "sub/x.safetensors", ".."])
+def test_verify_script_refuses_a_manifest_entry_outside_its_folder(tmp_path, name):
+    """Issue 30 #9, the cluster's copy: the init container joined manifest names to its folders as given."""
+    from components.k8s.serving import VERIFY_SCRIPT
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "manifest.json").write_text(json.dumps({"files": {name: {"sha256": "0" * 64}}}))
+    script = tmp_path / "verify.py"
+    script.write_text(VERIFY_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(src), str(tmp_path / "dst")], capture_output=True, text=True)
+    assert r.returncode == 1 and f"lists {name!r}, not a plain file name" in r.stderr
+    assert not (tmp_path / "escape.safetensors").exists()
