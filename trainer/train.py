@@ -13,17 +13,30 @@ shared rendezvous store a restarted attempt reads the failed attempt's addresses
 
 Failures are classified. Bad input (plan, data, --steps, a checkpoint of another model or none that
 verifies, an out directory another run holds), a full disk and a diverged run (non-finite loss for
-`training.maxNonFiniteSteps` steps) cannot be cured by a restart: rank 0 prints one message and
-records it in OUT/.exit.json, and a worker torchrun restarts into the same run exits at once with the
-recorded code. Anything else (a lost peer, a timeout) raises, and torchrun restarts the workers.
-Under `supernode train` (SUPERNODE_LAUNCHER_PID set) workers exit 0 after recording, so torchrun
-neither restarts nor prints a traceback, and the launcher exits with the recorded code.
+`training.maxNonFiniteSteps` steps, or a run that ends on skipped steps) cannot be cured by a
+restart: rank 0 prints one message and records it for the launcher (OUT/.exit-<run key>.json,
+trainer.launch), and a worker torchrun restarts into the same run exits at once with the recorded
+code. Anything else (a lost peer, a timeout) raises, and torchrun restarts the workers. Under a
+launcher (SUPERNODE_LAUNCHER_PID set) workers exit 0 after recording, so torchrun neither restarts
+nor prints a traceback, and the launcher exits with the recorded code.
 
-Exit codes: 0 done (or stopped by SIGTERM with a checkpoint); 1 failure (full disk, divergence);
-2 bad input; 130 SIGINT (with a checkpoint).
+No checkpoint is ever written of a step whose update was skipped (non-finite): its weights are an
+earlier step's, so the run's latest checkpoint stays the last one trained through.
+
+Exit codes: 0 done (or stopped by SIGTERM); 1 failure (full disk, divergence, a non-finite last
+step); 2 bad input; 130 SIGINT.
 """
 
+# ruff: noqa: E402 (the imports follow a worker's signal set-up)
 from __future__ import annotations
+
+import signal
+
+if __name__ == "__main__":
+    # A worker. torchrun forwards SIGINT/SIGTERM when it stops the run, and torch's import takes
+    # seconds: until StopRequest takes over, either signal ends this worker quietly by its default
+    # action (nothing to save yet), not in a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import argparse
 import contextlib
@@ -31,7 +44,6 @@ import ctypes
 import json
 import math
 import os
-import signal
 import socket
 import sys
 import time
@@ -47,7 +59,7 @@ from supernode.core.plan import Plan
 
 from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, inject
 from .engine import Trainer
-from .launch import EXIT_FILE, LAUNCHER_ENV  # where a failure a restart cannot fix is recorded
+from .launch import LAUNCHER_ENV, RUN_KEY_ENV, exit_file  # where a failure a restart cannot fix is recorded
 from .metrics import Metrics
 from .parallel import checked_layout, renumber_by_domain
 
@@ -149,49 +161,68 @@ def _classify(exc: BaseException) -> tuple[int, list[str]] | None:
     return None
 
 
+def _run_key() -> str | None:
+    """The key this worker's outcome is recorded under: its launcher's, else torchrun's run id
+    (plain torchrun: its restarts still stop at a recorded failure); None alone, where nothing restarts."""
+    return os.environ.get(RUN_KEY_ENV) or os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+# The run keys of every node's launcher, once the process group has formed (`_learn_run_keys`):
+# rank 0 records an outcome under each, so a peer that saw only the broken connection finds it,
+# and so does every node's launcher.
+_run_keys: list[str] = []
+
+
+def _learn_run_keys() -> None:
+    keys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, _run_key())
+    _run_keys[:] = sorted({k for k in keys if k})
+
+
 def _recorded(out: Path) -> dict | None:
-    """The outcome recorded by this torchrun run (same TORCHELASTIC_RUN_ID), if any."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    """The outcome recorded for this worker's launcher (or torchrun run), if any."""
+    key = _run_key()
     try:
-        rec = json.loads((out / EXIT_FILE).read_text(encoding="utf-8"))
+        rec = json.loads(exit_file(out, key).read_text(encoding="utf-8")) if key else None
     except (OSError, ValueError):
         return None
-    return rec if run_id and isinstance(rec, dict) and rec.get("run_id") == run_id else None
+    return rec if isinstance(rec, dict) else None
 
 
 _reported = False
 
 
 def _report(out: Path, code: int, lines: list[str], to_stderr: bool = True) -> None:
-    """Rank 0 prints the lines once and records the outcome for restarts and the launcher."""
+    """Rank 0 prints the lines once. One rank per node records the outcome, for restarts and the
+    launchers: rank 0 under every node's launcher key, each other node's first rank under its own
+    (a failure before the process group formed, which every rank meets alike). Not every rank: a
+    sibling's record would stop rank 0 at its start (main's check for a finished run) unprinted."""
     global _reported
-    if _reported or int(os.environ.get("RANK", "0")) != 0:
+    if _reported:
         return
     _reported = True
-    print("\n".join(lines), file=sys.stderr if to_stderr else sys.stdout, flush=True)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / (EXIT_FILE + ".tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "code": code,
-                    "lines": lines,
-                    "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                }
-            ),
-            encoding="utf-8",
-        )
-        tmp.replace(out / EXIT_FILE)
-    except OSError:
-        pass  # the message is printed; only a restart's shortcut is lost
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        print("\n".join(lines), file=sys.stderr if to_stderr else sys.stdout, flush=True)
+    own = _run_key()
+    keys = set(_run_keys) if rank0 else set()
+    if own and os.environ.get("LOCAL_RANK", "0") == "0":
+        keys.add(own)
+    record = json.dumps({"code": code, "lines": lines, "pid": os.getpid(), "host": socket.gethostname()})
+    for key in sorted(keys):
+        path = exit_file(out, key)
+        tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # one per writer
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(record, encoding="utf-8")
+            tmp.replace(path)
+        except OSError:
+            pass  # the message is printed; only a restart's shortcut is lost
 
 
 def _exit_code(code: int) -> int:
     """Under the launcher every recorded outcome exits 0: torchrun then neither restarts nor
-    prints a traceback, and the launcher exits with the code from OUT/.exit.json."""
+    prints a traceback, and the launcher exits with the recorded code."""
     return EXIT_OK if os.environ.get(LAUNCHER_ENV) else code
 
 
@@ -232,6 +263,7 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
     dist.init_process_group(backend, timeout=timeout)
     lock = OutDirLock(args.out)
     try:
+        _learn_run_keys()
         renumber_by_domain(
             world,
             plan.topology.placement,
@@ -261,8 +293,6 @@ def _own_out_dir(out: Path, lock: OutDirLock) -> None:
             pid, host = OutDirLock.holder_pid(out)
             if pid is not None and str(pid) == os.environ.get(LAUNCHER_ENV) and host == socket.gethostname():
                 holder = None
-        if holder is None:  # an earlier run's outcome is stale now (this run's restarts stopped in main)
-            (out / EXIT_FILE).unlink(missing_ok=True)
     found = [holder]
     dist.broadcast_object_list(found, src=0)
     if found[0] is not None:
@@ -363,34 +393,54 @@ def _run(args: argparse.Namespace, plan: Plan, steps: int, device: torch.device,
                     )
             else:
                 bad_streak = 0
-            stopping = r.stop_term or r.stop_interrupt
-            # While updates are skipped the weights are those of the last good step: a periodic save
-            # would only rotate good checkpoints out, so it waits.
-            if (step % t.checkpoint_interval == 0 and not bad_streak) or step == steps or stopping:
+            stopping, last = r.stop_term or r.stop_interrupt, step == steps
+            # Never a checkpoint of a skipped step: its weights are an earlier step's. A periodic save
+            # waits for the streak to end (it would only rotate good checkpoints out), and a run
+            # that stops or ends in one keeps the last checkpoint it trained through.
+            saved = (step % t.checkpoint_interval == 0 or last or stopping) and not bad_streak
+            if saved:
                 if not trainer.finite_params():  # never checkpoint a non-finite state
                     ckpt.close()
                     raise NonFinite(
                         f"step {step}: the weights are not finite; no checkpoint written (the last is "
                         f"step {last_saved}); lower training.lr, then run again"
                     )
-                ckpt.save(step, sync=stopping or step == steps)
+                ckpt.save(step, sync=stopping or last)
                 last_saved = step
                 metrics.message(
                     f"step {step}: loss {r.loss:.4f}; checkpoint "
-                    f"{'written' if stopping or step == steps else 'started (async)'}, "
+                    f"{'written' if stopping or last else 'started (async)'}, "
                     f"training blocked {ckpt.last_stall_s * 1e3:.0f} ms"
                 )
+            if bad_streak:
+                skipped = f"step {step}" if bad_streak == 1 else f"steps {step - bad_streak + 1}-{step}"
+                kept = (
+                    f"the checkpoint of step {last_saved} holds the last trained state"
+                    if last_saved
+                    else "no checkpoint was written"
+                )
+                if last:  # the run did not train through its last steps: not a success
+                    ckpt.close()  # a save in flight is of an earlier, finite step: keep it
+                    raise NonFinite(
+                        f"training ended on non-finite steps: loss or gradient norm not finite at {skipped} "
+                        f"(updates skipped), so the weights are still those of step {step - bad_streak}; no "
+                        f"checkpoint of step {step} written ({kept}). Lower training.lr or raise "
+                        "training.warmupSteps, then run again"
+                    )
             if stopping:
+                why = "" if saved else f" ({skipped} not finite; {kept})"
                 if r.stop_interrupt:
                     code = EXIT_INTERRUPTED
+                    done = "checkpoint written" if saved else "no checkpoint written"
                     _report(
                         args.out,
                         code,
-                        [f"interrupted at step {step}; checkpoint written; run again to resume"],
+                        [f"interrupted at step {step}; {done}{why}; run again to resume"],
                         to_stderr=False,
                     )
                 else:
-                    metrics.message(f"SIGTERM: stopped after step {step} with a checkpoint; run again to resume")
+                    done = "with a checkpoint" if saved else "without a checkpoint"
+                    metrics.message(f"SIGTERM: stopped after step {step} {done}{why}; run again to resume")
                 break
         ckpt.close()
     finally:

@@ -35,7 +35,18 @@ FABRIC_ENV = {
 }
 # torchrun reads PET_* variables for its flags; the PyTorchJob operator sets them for the trainer.
 TORCHRUN = ["python", "-m", "torch.distributed.run", "--module"]
-LAUNCH = ["python", "-m", "trainer.launch", "--module"]
+# torchrun SIGKILLs its workers --shutdown-timeout seconds (30 by default) after forwarding SIGTERM,
+# whatever the pod's grace period: the trainer's get the grace period, less this for the launcher
+# to exit after them (before the kubelet's SIGKILL), so the final checkpoint has all the time there is.
+SHUTDOWN_MARGIN_S = 10
+
+
+def launch(termination_grace_s: int) -> list[str]:
+    """trainer.launch (torchrun whose exit code says a recorded failure) with the pod's grace period."""
+    shutdown_s = termination_grace_s - SHUTDOWN_MARGIN_S  # the config's minimum grace (30 s) leaves 20
+    return ["python", "-m", "trainer.launch", "--shutdown-timeout", str(shutdown_s), "--module"]
+
+
 # The fabric baseline: a directory of its own on FSx, exported to S3 (storage.baseline_dir -> the
 # bucket's baselines/ prefix, which no lifecycle rule expires, unlike checkpoints/).
 BASELINE_MOUNT = "/baselines"
@@ -402,7 +413,7 @@ class TrainerJob(pulumi.ComponentResource):
             "image": args.job.image,
             # trainer.launch: torchrun whose exit code says a recorded failure (bad input 2, failed 1)
             # apart from a signal, so the ExitCode restart policy below retries only what can recover.
-            "command": LAUNCH + ["trainer.train"],
+            "command": launch(args.termination_grace_s) + ["trainer.train"],
             # Rank 0 serves its gauges on the pod IP (not loopback) for the CloudWatch agent's scrape.
             "args": [
                 "--plan",

@@ -16,6 +16,7 @@ import pytest
 
 from components.context import StackContext
 from components.k8s.common import GpuNodes
+from components.k8s.jobs import SHUTDOWN_MARGIN_S
 from components.k8s.namespace import FsxVolume
 from components.k8s.operations import OPS_NAMESPACE
 from components.program import AwsOutputs, kubernetes
@@ -157,6 +158,9 @@ def check_trainer(cfg: StackConfig, plan: Plan, result: PreviewResult) -> None:
     # trainer.launch (torchrun with a recorded failure as its exit code) and ExitCode restarts: the
     # operator retries a signal (128-255), never bad input or a full disk recorded by the trainer
     assert c["command"][:3] == ["python", "-m", "trainer.launch"] and c["command"][-1] == "trainer.train"
+    # torchrun gives the workers the pod's grace period to checkpoint (its default SIGKILLs them after 30 s)
+    shutdown_s = int(c["command"][c["command"].index("--shutdown-timeout") + 1])
+    assert shutdown_s == pod["terminationGracePeriodSeconds"] - SHUTDOWN_MARGIN_S and shutdown_s > 0
     assert args[args.index("--plan") + 1] == "/etc/supernode/plan.json"
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}

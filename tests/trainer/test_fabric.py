@@ -119,6 +119,18 @@ def test_bad_sizes_exit_2(sizes, capsys):
     assert "--sizes" in capsys.readouterr().err
 
 
+def test_outside_torchrun_exits_2_with_one_line(tmp_path: Path):
+    """Issue 30 #11: run by hand, without torchrun, it ended in init_process_group's traceback (exit 1)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "trainer.node.fabric", "--min-busbw-gbytes-s", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        "error: trainer.node.fabric runs under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set): "
+        "torchrun --nproc-per-node N -m trainer.node.fabric ..."
+    ]
+
+
 def test_sizes_parse_with_units():
     assert fabric.parse_sizes("4096,64K,16M,1G") == [4096, 65536, 16 << 20, 1 << 30]
 

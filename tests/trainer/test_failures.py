@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_checkpoint import Position, checkpointer, counting_hashes, make, train_steps
-from test_train import ROOT, losses, write_plan
+from test_train import ROOT, local_plan, losses, write_plan
 
 from supernode.cli import main as cli
 from supernode.core.config import from_mapping, load_stack
@@ -515,3 +515,220 @@ def test_prometheus_listens_on_loopback_and_a_busy_port_is_a_plain_error(tmp_pat
             Metrics(tmp_path / "b", plan, world_size=1, device_type="cpu", prometheus_port=port)
     finally:
         m.close()
+
+
+# Issue 30 ----------------------------------------------------------------------------------------
+
+
+def cluster_launcher(
+    plan: Path,
+    data: Path,
+    out: Path,
+    *flags: str,
+    torchrun_flags: tuple[str, ...] = (),
+    env: dict | None = None,
+    node: tuple[int, int, int] | None = None,
+) -> subprocess.Popen:
+    """`python -m trainer.launch` (the PyTorchJob's command) in a session of its own, as a terminal
+    or a container runtime starts it: alone, or as node `rank` of `nodes` meeting on `port` of this
+    host (node=(rank, nodes, port)), as each pod of a job runs it."""
+    world = json.loads(plan.read_text())["world_size"]
+    if node is None:
+        where = ["--standalone", "--nproc-per-node", str(world)]
+    else:
+        rank, nodes, port = node
+        where = ["--nnodes", str(nodes), "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
+        where += ["--master-port", str(port), "--nproc-per-node", str(world // nodes)]
+    cmd = [sys.executable, "-m", "trainer.launch", *where, "--max-restarts", "1", *torchrun_flags]
+    cmd += ["--module", "trainer.train", "--plan", str(plan), "--data", str(data), "--out", str(out), *flags]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env or {})),
+    )
+
+
+@pytest.fixture
+def reap():
+    """`reap(proc)`: a process (with its session) the test started, killed when the test ends however."""
+    procs: list[subprocess.Popen] = []
+
+    def add(proc: subprocess.Popen) -> subprocess.Popen:
+        procs.append(proc)
+        return proc
+
+    yield add
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # its workers die with it (PR_SET_PDEATHSIG)
+            proc.communicate()
+
+
+def wait_for_child(pid: int, running: str, timeout: float = 60) -> int:
+    """The first child of `pid` whose command line holds `running`, as soon as it exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in children(pid):
+            try:
+                if running.encode() in Path(f"/proc/{child}/cmdline").read_bytes():
+                    return child
+            except OSError:
+                pass
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} started no {running} in {timeout} s")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_cluster_launcher_checkpoints_and_exits_143_without_a_traceback(tmp_path, data_dir, reap):
+    """#4: eviction SIGTERMs the PyTorchJob's `python -m trainer.launch`. It exited 1 with a
+    SignalException traceback, which `restartPolicy: ExitCode` treats as permanent; now the workers
+    finish the step and checkpoint (within --shutdown-timeout, the pod's grace period) and it exits
+    143, which the operator retries."""
+    plan = write_plan(one_rank_plan(steps=500, checkpointInterval=100), tmp_path / "plan.json")
+    out = tmp_path / "out"
+    proc = reap(cluster_launcher(plan, data_dir, out, torchrun_flags=("--shutdown-timeout", "110")))
+    wait_for_metrics_step(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, log[-3000:]
+    ((stopped, _),) = complete_checkpoints(out / "checkpoints")
+    assert f"SIGTERM: stopped after step {stopped} with a checkpoint; run again to resume" in log
+    assert "Traceback" not in log and "SignalException" not in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["launcher", "workers"])
+def test_ctrl_c_in_the_cluster_launchers_start_up_exits_130_at_once(tmp_path, data_dir, moment, reap):
+    """#13: Ctrl-C while trainer.launch imports torch, or while its workers do, ended in a
+    KeyboardInterrupt traceback and exit 1 (from the launcher, or from every worker). Now the run
+    stops at once, exit 130, nothing trained."""
+    plan = write_plan(one_rank_plan(steps=500), tmp_path / "plan.json")
+    out = tmp_path / "out"
+    proc = reap(cluster_launcher(plan, data_dir, out))
+    if moment == "workers":
+        wait_for_child(proc.pid, "trainer.train")
+    time.sleep(0.3)  # into torch's import (seconds), past the interpreter's own start
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    t0 = time.monotonic()
+    log, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, log[-3000:]
+    assert time.monotonic() - t0 < 10, "not at once"
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log
+    assert not (out / JSONL).exists() and not list(out.glob(".exit*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["spawn", "launcher", "workers"])
+def test_ctrl_c_while_supernode_train_starts_torchrun_exits_130_at_once(tmp_path, moment, reap):
+    """#13: Ctrl-C during start-up was handed to workers still importing torch (a KeyboardInterrupt
+    traceback each, then torchrun restarted them and the run trained to the end, exit 130) or to
+    torchrun itself (a traceback, exit 1). Now at any moment: exit 130 at once, no traceback."""
+    out = tmp_path / "out"
+    proc = reap(launcher(out, "--steps", "500"))
+    agent = wait_for_child(proc.pid, "trainer.train")  # torchrun's, whose command names the module
+    if moment == "workers":
+        wait_for_child(agent, "trainer.train")
+    if moment != "spawn":  # "spawn": the moment it exists, in Python's own start-up
+        time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    t0 = time.monotonic()
+    log, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, log[-3000:]
+    assert time.monotonic() - t0 < 10, "not at once"
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log
+    assert not (out / JSONL).exists()
+
+
+@pytest.mark.slow
+def test_a_refused_second_job_leaves_the_first_run_its_own_outcome(tmp_path, data_dir, reap):
+    """#6: a second trainer.launch on a busy --out is refused (exit 2) but its rank 0 wrote
+    {"code": 2} into the holder's OUT/.exit.json, so the first run trained to the end and exited 2.
+    Each launcher now reads only the record made for it: here the second job has two nodes (two
+    launchers, one shared OUT), and each of them exits 2 while the first run exits 0."""
+    out = tmp_path / "out"
+    first = reap(cluster_launcher(write_plan(one_rank_plan(steps=6), tmp_path / "a.json"), data_dir, out))
+    wait_for_metrics_step(out, 1, first)
+    (worker,) = children(first.pid)
+    os.kill(worker, signal.SIGSTOP)  # the first run holds --out, mid-training, while the second tries it
+    try:
+        plan, port = write_plan(local_plan(2), tmp_path / "b.json"), free_port()
+        nodes = [reap(cluster_launcher(plan, data_dir, out, node=(rank, 2, port))) for rank in (0, 1)]
+        logs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert [node.returncode for node in nodes] == [2, 2], logs[0][-3000:] + logs[1][-3000:]
+    assert f"--out {out} is in use by another run (pid {worker} on host" in logs[0]  # said by rank 0, once:
+    assert (logs[0] + logs[1]).count("is in use by another run") == 1  # no restart, no ChildFailedError
+    assert "ChildFailedError" not in logs[0] + logs[1]  # (torch may log its exit barrier's teardown)
+    log, _ = first.communicate(timeout=120)
+    assert first.returncode == 0, log[-3000:]
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [6]
+    assert not list(out.glob(".exit*"))  # each launcher took its own record, and only that
+
+
+@pytest.mark.slow
+def test_a_run_that_ends_on_non_finite_steps_fails_and_checkpoints_none_of_them(tmp_path, data_dir):
+    """#7: NaN from step 4 of 5 skipped steps 4-5 and wrote "step 5: loss nan; checkpoint written",
+    exit 0: a checkpoint named step 5 holding step 3's weights. Now: exit 1, said once, and the
+    latest checkpoint stays the last one trained through."""
+    plan = write_plan(one_rank_plan(steps=5, checkpointInterval=2, maxNonFiniteSteps=3), tmp_path / "plan.json")
+    out = tmp_path / "out"
+    r = trainer_alone(plan, data_dir, out, "--sync-checkpoint", env={"SUPERNODE_INJECT_FAULT": "nan@4"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (
+        "error: training ended on non-finite steps: loss or gradient norm not finite at steps 4-5 (updates "
+        "skipped), so the weights are still those of step 3; no checkpoint of step 5 written (the checkpoint "
+        "of step 2 holds the last trained state)" in r.stderr
+    )
+    assert "Traceback" not in r.stderr and "step 5: loss nan; checkpoint" not in r.stdout
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2]
+
+
+@pytest.mark.slow
+def test_supernode_train_ending_on_a_non_finite_step_exits_1(tmp_path, reap):
+    """#7 through `supernode train --local`, two ranks and the launcher's record: the last step
+    skipped is a failure, said once, with no summary and no checkpoint of it."""
+    out = tmp_path / "out"
+    proc = reap(launcher(out, "--steps", "6", env={"SUPERNODE_INJECT_FAULT": "nan@6"}))
+    log, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, log[-3000:]
+    assert log.count("error: training ended on non-finite steps: loss or gradient norm not finite at step 6") == 1
+    assert "Traceback" not in log and "tokens/s" not in log
+    assert complete_checkpoints(out / "checkpoints") == []
+
+
+@pytest.mark.slow
+def test_sigterm_while_steps_are_skipped_stops_without_checkpointing_them(tmp_path, data_dir, reap):
+    """#7 at a stop: the weights in a non-finite streak are an earlier step's, so the stop writes
+    no checkpoint named after the step it stopped at, and says so."""
+    plan = write_plan(one_rank_plan(steps=500, checkpointInterval=2, maxNonFiniteSteps=400), tmp_path / "plan.json")
+    out = tmp_path / "out"
+    proc = reap(cluster_launcher(plan, data_dir, out, env={"SUPERNODE_INJECT_FAULT": "nan@3"}))
+    wait_for_metrics_step(out, 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, log[-3000:]
+    stopped = int(log.split("SIGTERM: stopped after step ")[1].split()[0])
+    assert (
+        f"SIGTERM: stopped after step {stopped} without a checkpoint (steps 3-{stopped} not finite; the "
+        "checkpoint of step 2 holds the last trained state); run again to resume" in log
+    )
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2]
+
+
+def test_the_summary_counts_skipped_steps(tmp_path, capsys):
+    """#7: the closing summary read only the steps with a loss, so skipped ones vanished from it."""
+    from supernode.cli.commands.train import _summary
+
+    recs = [
+        {"step": 1, "loss": 3.0, "tokens_per_s": 100.0},
+        {"step": 2, "loss": None, "skipped": True, "tokens_per_s": 100.0},
+        {"step": 3, "loss": 2.5, "tokens_per_s": 100.0},
+    ]
+    (tmp_path / JSONL).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    _summary(tmp_path)
+    assert "loss 3.000 (step 1) -> 2.500 (step 3); 1 non-finite step(s) skipped;" in capsys.readouterr().out

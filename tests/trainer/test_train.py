@@ -273,4 +273,4 @@ def test_cluster_launcher_exits_with_the_recorded_code_without_restarts_or_trace
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.count("the world size is 3 (WORLD_SIZE of this job)") == 1  # once: rank 0, no restart
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
-    assert json.loads((tmp_path / "out" / ".exit.json").read_text())["code"] == 2
+    assert not list((tmp_path / "out").glob(".exit*"))  # the record was this launcher's alone: it took it

@@ -56,6 +56,7 @@ from ..checkpoint import inject
 from .inventory import instance_id
 
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun gives each rank
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
 
@@ -441,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
         if per_node < 1 or world % per_node:
             raise BadInput(f"--ranks-per-node {per_node}: must divide the world size {world}")
         baseline = read_report(args.baseline, "--baseline") if args.baseline and args.baseline.exists() else None
+        missing = [v for v in TORCHRUN_ENV if v not in os.environ]
+        if missing:  # else init_process_group's env:// rendezvous fails with a traceback
+            raise BadInput(
+                f"trainer.node.fabric runs under torchrun ({', '.join(missing)} not set): "
+                "torchrun --nproc-per-node N -m trainer.node.fabric ..."
+            )
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

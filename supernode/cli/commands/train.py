@@ -2,14 +2,15 @@
 for real on CPU with gloo under torchrun (the same trainer the cluster's PyTorchJob runs).
 
 Writes OUT/plan.json, prepares OUT/data from the shipped corpus when it holds no manifest, and
-runs `torchrun --standalone --nproc-per-node N --max-restarts R -m trainer.train`. Running it again
-with a larger --steps resumes from the checkpoint in OUT/checkpoints.
+runs `python -m trainer.launch --standalone --nproc-per-node N --max-restarts R -m trainer.train`:
+torchrun under the cluster's own launcher, whose exit code is the run's outcome (a failure the
+workers recorded: 2 bad input, 1 failed). Running it again with a larger --steps resumes from the
+checkpoint in OUT/checkpoints.
 
-It holds OUT/.lock for the run (a second run on OUT: exit 2 naming the holder), runs torchrun in a
-session of its own that dies with this process (PR_SET_PDEATHSIG; the workers die with torchrun),
-and forwards SIGINT/SIGTERM to the workers, which finish the step, checkpoint and stop (exit 130).
-Workers record a failure a restart cannot fix in OUT/.exit.json and exit 0, so torchrun neither
-restarts nor prints a traceback; the exit code is the recorded one.
+It holds OUT/.lock for the run (a second run on OUT: exit 2 naming the holder), runs the launcher
+in a session of its own that dies with this process (PR_SET_PDEATHSIG; the workers die with it),
+and forwards SIGINT/SIGTERM to it: torchrun hands the signal to the workers, which finish the step,
+checkpoint and stop; in start-up, the run just stops. Either way exit 130, no traceback.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def torchrun_command(plan: Plan, plan_path: Path, data: Path, out: Path, steps: int, log_every: int) -> list[str]:
+def launch_command(plan: Plan, plan_path: Path, data: Path, out: Path, steps: int, log_every: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "trainer.launch",
         "--standalone",
         "--nproc-per-node",
         str(plan.world_size),
@@ -65,22 +66,14 @@ def torchrun_command(plan: Plan, plan_path: Path, data: Path, out: Path, steps: 
     ]
 
 
-def _die_with_parent() -> None:
-    """In torchrun, before exec: SIGKILL it when this launcher dies (it runs in its own session, so
-    a kill of the launcher's process group would not reach it)."""
+def _child_setup() -> None:
+    """In trainer.launch, before exec: SIGKILL it when this process dies (it runs in its own session,
+    so a kill of this process group would not reach it), and hold SIGINT/SIGTERM blocked until it
+    has its handlers: a signal forwarded during Python's start-up then waits instead of becoming a
+    KeyboardInterrupt traceback (or being lost)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def _workers(agent: int) -> list[int]:
-    """torchrun's worker processes (its children), or [] before it started them."""
-    pids: list[int] = []
-    try:
-        for task in Path(f"/proc/{agent}/task").iterdir():
-            pids += map(int, (task / "children").read_text().split())
-    except OSError:
-        pass
-    return pids
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
 
 
 def run(args) -> int:
@@ -103,7 +96,7 @@ def run(args) -> int:
     from trainer.checkpoint import OutDirLock, complete_checkpoints  # torch only for this command
     from trainer.data.manifest import DataError, verify
     from trainer.data.prepare import DEFAULT_CORPUS, prepare
-    from trainer.launch import EXIT_FILE, LAUNCHER_ENV
+    from trainer.launch import LAUNCHER_ENV
 
     lock = OutDirLock(out)  # before anything in OUT is written: plan.json belongs to the holder
     holder = lock.acquire()
@@ -129,7 +122,6 @@ def run(args) -> int:
             verify(data)
         except DataError as e:
             raise BadInput(str(e)) from None
-        (out / EXIT_FILE).unlink(missing_ok=True)
         return _launch(args, stack, plan, plan_path, data, out, steps, LAUNCHER_ENV)
     finally:
         lock.release()
@@ -149,56 +141,61 @@ def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path
         os.environ,
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-        **{launcher_env: str(os.getpid())},
+        **{launcher_env: str(os.getpid())},  # the lock's holder: this process, on the run's behalf
     )
-    # Its own session: a Ctrl-C reaches only this process, which hands it to the workers. Sent to
-    # torchrun, it would kill them after a grace period and end in a SignalException traceback.
-    proc = subprocess.Popen(
-        torchrun_command(plan, plan_path, data, out, steps, args.log_every),
-        env=env,
-        start_new_session=True,
-        preexec_fn=_die_with_parent,
-    )
+    started: list[subprocess.Popen] = []
     forwarded: list[int] = []
 
     def forward(signum, frame) -> None:
         if not forwarded:
-            print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True)
+            print(
+                f"\n{signal.Signals(signum).name}: stopping (a step under way is finished and checkpointed)", flush=True
+            )
         forwarded.append(signum)
-        for pid in _workers(proc.pid) or [proc.pid]:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
+        for proc in started:
+            proc.send_signal(signum)
 
+    # Installed before the launcher starts, so no moment drops a signal: one that comes before it
+    # exists is sent as soon as it does (it waits, blocked, until trainer.launch can take it).
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        # Its own session: a Ctrl-C reaches only this process, which hands it to trainer.launch
+        # (torchrun's agent), which hands it to the workers once they run.
+        proc = subprocess.Popen(
+            launch_command(plan, plan_path, data, out, steps, args.log_every),
+            env=env,
+            start_new_session=True,
+            preexec_fn=_child_setup,
+        )
+        started.append(proc)
+        if forwarded:
+            proc.send_signal(forwarded[-1])
         rc = proc.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    from trainer.launch import recorded_code
-
-    code = recorded_code(out)
-    if code:  # a worker printed why (bad input, full disk, divergence, interrupted)
-        return code
-    if forwarded and rc == 0:  # stopped by SIGTERM; the worker said at which step
-        return EXIT_INTERRUPTED
-    if rc != 0:
-        err.print(f"training failed (torchrun exit {rc}); see the output above", markup=False)
+    if rc < 0:  # killed by a signal trainer.launch does not handle (SIGKILL: out of memory?)
+        err.print(f"training was killed by signal {-rc} ({signal.strsignal(-rc)})", markup=False)
         return EXIT_FAILED
-    _summary(out)
-    return 0
+    if rc >= 128:  # trainer.launch stopped on a signal (exit 128 + it): interrupted, whichever
+        return EXIT_INTERRUPTED
+    if rc == 0:
+        _summary(out)
+    return rc  # else a worker or torchrun printed why (2 bad input; 1 a failure)
 
 
 def _summary(out: Path) -> None:
     from trainer.metrics import read_records  # a torn last line must not break the summary
 
-    recs = [r for r in read_records(out / "metrics.jsonl") if isinstance(r.get("loss"), (int, float))]
+    records = read_records(out / "metrics.jsonl")
+    recs = [r for r in records if isinstance(r.get("loss"), (int, float))]
+    # A step whose update was skipped (non-finite) has no loss: the summary must not hide it.
+    skipped = sum(1 for r in records if r.get("skipped"))
+    note = f"{skipped} non-finite step(s) skipped; " if skipped else ""
     if recs:
         first, last = recs[0], recs[-1]
         print(
-            f"loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}); "
+            f"loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}); {note}"
             f"{last['tokens_per_s']:,.0f} tokens/s; metrics {out / 'metrics.jsonl'}, plots {out}/loss.png, "
             f"{out}/expert_load.png; checkpoints {out / 'checkpoints'}"
         )
