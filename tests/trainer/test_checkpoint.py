@@ -338,25 +338,6 @@ def test_a_save_with_a_missing_digest_file_is_not_committed(group, tmp_path):
 # -- a real full disk (issue 30 #5) ---------------------------------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 256 KiB tmpfs, mounted and removed by the test (root only): a real ENOSPC, not the hook."""
-    import os
-    import subprocess
-
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root; the enospc@N hook covers the rest")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_real_full_disk_is_no_space_and_leaves_no_partial_save(group, small_disk, async_save):
     torch.manual_seed(0)

@@ -263,25 +263,6 @@ def test_a_marker_without_model_is_checked_against_the_stack_model(tmp_path, cap
         export(path, tmp_path / "other", say=lambda s: None)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 256 KiB tmpfs, mounted and removed by the test (root only): a real ENOSPC."""
-    import os
-    import subprocess
-
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root; test_a_full_disk_injected covers the rest")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def _full_disk_says_no_space_and_leaves_nothing(tmp_path, disk: Path, capsys) -> None:
     from supernode.cli import main
 
