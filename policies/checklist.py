@@ -122,7 +122,8 @@ def _memory_fit(stack: Stack, _conf: None, report: Report) -> None:
             s = plan.suggestions[0]
             hint = (
                 f" e.g. dpReplicate {s.dp_replicate}, dpShard {s.dp_shard}, tp {s.tp}, ep {s.ep}, pp {s.pp}, "
-                f"activationCheckpointing {s.activation_checkpointing} ({s.memory_gib} GiB);"
+                f"activationCheckpointing {s.activation_checkpointing}, training.microBatch {s.micro_batch} "
+                f"({s.memory_gib} GiB);"
             )
         report(
             cm,

@@ -157,6 +157,7 @@ def test_plan_and_preview_agree_on_fit_for_p4d(tmp_path, capsys, monkeypatch):
     rc, preview = _run(capsys, "preview", "--config", over, "--json")
     (v,) = [v for v in preview["policy"]["violations"] if v["policy"] == "memory-fit"]
     assert rc == 1 and f"{plan['memory_per_rank_gib']:.1f} GiB" in v["message"]
+    assert f"training.microBatch {plan['suggestions'][0]['micro_batch']} (" in v["message"]  # the whole suggestion
 
     for s in plan["suggestions"][:1]:  # the planner's first choice, applied as the user would
         fit = _prod_file(
