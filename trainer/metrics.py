@@ -226,6 +226,7 @@ class Metrics:
             (obs.MFU, mfu),
             (obs.STEP_SECONDS, rec.step_s),
             (obs.STEP, rec.step),
+            (obs.STEP_OVER_PLAN, rec.step_s / self.plan.step.step_s),
         ):
             self.gauges[metric].set(value)
         for phase in ("compute", "comm", "data"):

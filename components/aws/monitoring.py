@@ -266,6 +266,30 @@ class Monitoring(pulumi.ComponentResource):
                 comparison="LessThanThreshold",
                 periods=m.step_stall_minutes,
             ),
+            # |measured / planned - 1| over the window: a slower run (a bad node, a slow link) and a
+            # faster one (the plan's efficiencies are off: calibrate) both mean the plan is not the run.
+            self._alarm(
+                name,
+                "training-plan-drift",
+                f"measured step time off the plan's estimate ({args.plan.step.step_s:.3g} s) by more than "
+                f"{m.plan_drift_fraction:.0%} for {m.step_stall_minutes} min",
+                threshold=m.plan_drift_fraction,
+                comparison="GreaterThanThreshold",
+                periods=m.step_stall_minutes,
+                metric_queries=[
+                    _query(
+                        "ratio",
+                        stat="Average",
+                        period=PERIOD_S,
+                        namespace=obs.PROMETHEUS_NAMESPACE,
+                        metric_name=obs.STEP_OVER_PLAN.name,
+                        dimensions=train,
+                    ),
+                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
+                        id="drift", expression="ABS(ratio - 1)", label="step time drift from the plan", return_data=True
+                    ),
+                ],
+            ),
             self._alarm(
                 name,
                 "training-loss-not-finite",

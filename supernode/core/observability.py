@@ -61,6 +61,9 @@ CHECKPOINT_TIME = TrainerMetric(
     "unix time the newest complete checkpoint was committed (checkpoint age = now - this)",
 )
 CHECKPOINT_STEP = TrainerMetric("supernode_train_last_checkpoint_step", "step of the newest complete checkpoint")
+STEP_OVER_PLAN = TrainerMetric(
+    "supernode_train_step_time_over_plan", "measured step time / the plan's estimate (1: as planned; the drift alarm)"
+)
 PHASE_SECONDS = TrainerMetric("supernode_train_phase_seconds", "step time by phase", "phase")
 EXPERT_LOAD = TrainerMetric("supernode_train_expert_load_max_over_mean", "max/mean expert token share", "layer")
 # Every gauge the trainer exports, and so every one the scrape turns into a CloudWatch metric.
@@ -77,6 +80,7 @@ TRAINER_METRICS = (
     EXPERT_LOAD,
     CHECKPOINT_TIME,
     CHECKPOINT_STEP,
+    STEP_OVER_PLAN,
 )
 # The DCGM exporter's fields that become metrics (its counters CSV, components/addons/dcgm-exporter.yaml,
 # emits each under this name).

@@ -32,6 +32,7 @@ def test_every_alarm_notifies_the_topic(stack: Stack):
         # training health and operations (issue 18; tests/components/test_training_health.py)
         "training-step-stalled",
         "training-throughput-low",
+        "training-plan-drift",
         "training-loss-not-finite",
         "checkpoint-stale",
         "training-restarts",

@@ -87,6 +87,22 @@ def test_throughput_floor_is_the_configured_fraction_of_the_plans_estimate(stack
     assert a["evaluationPeriods"] * a["period"] == stack.cfg.monitoring.step_stall_minutes * 60
 
 
+def test_plan_drift_alarms_on_the_measured_over_planned_step_either_way(stack: Stack, exported):
+    """Issue 29 item 4: the trainer exports measured / planned step time; the alarm fires when it is
+    off 1 by more than monitoring.planDriftFraction for the stall window."""
+    a = alarms(stack)["training-plan-drift"]
+    q = queried(a)
+    assert q["ratio"]["metric"]["metricName"] == "supernode_train_step_time_over_plan" in exported
+    assert q["ratio"]["metric"]["namespace"] == PROMETHEUS_NAMESPACE
+    assert q["ratio"]["metric"]["dimensions"]["Namespace"] == stack.cfg.workload.namespace
+    assert q["drift"]["expression"] == "ABS(ratio - 1)" and q["drift"]["returnData"] is True
+    assert (a["threshold"], a["comparisonOperator"]) == (
+        stack.cfg.monitoring.plan_drift_fraction,
+        "GreaterThanThreshold",
+    )
+    assert a["evaluationPeriods"] * q["ratio"]["metric"]["period"] == stack.cfg.monitoring.step_stall_minutes * 60
+
+
 def test_a_changed_config_moves_the_thresholds():
     def change(data: dict) -> None:
         data["monitoring"].update(stepStallMinutes=40, throughputFloorFraction=0.25, restartAlarmCount=5)

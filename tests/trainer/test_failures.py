@@ -723,12 +723,18 @@ def test_sigterm_while_steps_are_skipped_stops_without_checkpointing_them(tmp_pa
 def test_the_summary_counts_skipped_steps(tmp_path, capsys):
     """#7: the closing summary read only the steps with a loss, so skipped ones vanished from it."""
     from supernode.cli.commands.train import _summary
+    from supernode.core.config import load_stack
+    from supernode.core.plan import build_local_plan
 
+    plan = build_local_plan("dev", load_stack("dev", ROOT))
     recs = [
-        {"step": 1, "loss": 3.0, "tokens_per_s": 100.0},
+        {"step": 1, "loss": 3.0, "tokens_per_s": 100.0, "step_s": 9.0},  # the first step warms up
         {"step": 2, "loss": None, "skipped": True, "tokens_per_s": 100.0},
-        {"step": 3, "loss": 2.5, "tokens_per_s": 100.0},
+        {"step": 3, "loss": 2.5, "tokens_per_s": 100.0, "step_s": 3 * plan.step.step_s},
     ]
     (tmp_path / JSONL).write_text("".join(json.dumps(r) + "\n" for r in recs))
-    _summary(tmp_path)
-    assert "loss 3.000 (step 1) -> 2.500 (step 3); 1 non-finite step(s) skipped;" in capsys.readouterr().out
+    _summary(tmp_path, plan)
+    out = capsys.readouterr().out
+    assert "loss 3.000 (step 1) -> 2.500 (step 3); 1 non-finite step(s) skipped;" in out
+    # issue 29 item 4: the measured step (median, past the first) next to the plan's estimate
+    assert f"vs {plan.step.step_s:.3g} s planned: x3.00 of the plan" in out

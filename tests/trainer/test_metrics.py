@@ -61,6 +61,8 @@ def test_jsonl_and_prometheus_contents(tmp_path, plan):
     assert value["supernode_train_step{}"] == 2
     assert value["supernode_train_phase_seconds{'phase': 'comm'}"] == 0.15
     assert value["supernode_train_expert_load_max_over_mean{'layer': '0'}"] == 2.5
+    # the plan-drift ratio the alarm reads: measured step time over the plan's estimate
+    assert value["supernode_train_step_time_over_plan{}"] == pytest.approx(0.5 / plan.step.step_s)
 
 
 def test_mfu_on_gpu_uses_the_catalog_peak(tmp_path, plan):

@@ -180,11 +180,11 @@ def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path
     if rc >= 128:  # trainer.launch stopped on a signal (exit 128 + it): interrupted, whichever
         return EXIT_INTERRUPTED
     if rc == 0:
-        _summary(out)
+        _summary(out, plan)
     return rc  # else a worker or torchrun printed why (2 bad input; 1 a failure)
 
 
-def _summary(out: Path) -> None:
+def _summary(out: Path, plan: Plan) -> None:
     from trainer.metrics import read_records  # a torn last line must not break the summary
 
     records = read_records(out / "metrics.jsonl")
@@ -198,4 +198,16 @@ def _summary(out: Path) -> None:
             f"loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}); {note}"
             f"{last['tokens_per_s']:,.0f} tokens/s; metrics {out / 'metrics.jsonl'}, plots {out}/loss.png, "
             f"{out}/expert_load.png; checkpoints {out / 'checkpoints'}"
+        )
+        # The median step (the first one compiles and warms up) next to the plan's estimate: the same
+        # ratio the trainer exports as supernode_train_step_time_over_plan for the drift alarm.
+        timed = [r["step_s"] for r in recs if isinstance(r.get("step_s"), (int, float))]
+        if not timed:
+            return
+        steps = sorted(timed[1:] or timed)
+        measured = steps[len(steps) // 2]
+        print(
+            f"step time {measured:.3g} s measured (median) vs {plan.step.step_s:.3g} s planned: "
+            f"x{measured / plan.step.step_s:.2f} of the plan"
+            + (" (the local CPU run is not the plan's hardware)" if plan.local else "")
         )

@@ -230,6 +230,13 @@ class MonitoringConfig(_Base):
     throughput_floor_fraction: float = Field(
         default=0.5, gt=0, le=1, description="alarm below this fraction of the plan's tokens/s estimate"
     )
+    plan_drift_fraction: float = Field(
+        default=0.5,
+        gt=0,
+        le=10,
+        description="alarm when the measured step time is off the plan's estimate by more than this fraction, "
+        "either way, for stepStallMinutes: the plan's layout choices and costs rest on that estimate",
+    )
     restart_alarm_count: int = Field(
         default=2,
         ge=1,
