@@ -299,7 +299,7 @@ def test_four_rank_pair_matrix_names_the_injected_slow_rank_and_records_the_base
     assert {"instance_id", "gpus", "efa"} <= set(saved["nodes"][0]) and len(saved["pairs"]) == 6
 
 
-def four_rank_pairs(*flags: str, fault: str = "") -> subprocess.CompletedProcess:
+def four_rank_pairs(*flags: str, fault: str = "", regression: str = "0.95") -> subprocess.CompletedProcess:
     """4 CPU ranks, each its own "node" (names end in #0..#3); a 20x regression threshold keeps a
     shared CI host's noise out of the finding (an injected slow rank is ~50x)."""
     cmd = [
@@ -324,11 +324,16 @@ def four_rank_pairs(*flags: str, fault: str = "") -> subprocess.CompletedProcess
         "--pair-bytes",
         "4M",
         "--regression",
-        "0.95",
+        regression,
         *flags,
     ]
     env = {**os.environ, "SUPERNODE_INJECT_FAULT": fault, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+
+
+def failure(run: subprocess.CompletedProcess) -> str:
+    """What a failed run said: rank 0's verdict lines (stdout) first, then the end of stderr."""
+    return "\n".join(run.stdout.splitlines()[-4:]) + "\n" + run.stderr[-1500:]
 
 
 @pytest.mark.slow
@@ -336,8 +341,11 @@ def test_a_replaced_node_is_judged_against_the_fleet_then_added_to_the_baseline(
     """The baseline was recorded before node #3 replaced a failed node: it has the failed node's
     pairs, none of #3's. Slow, #3 is named and the baseline is left alone; healthy, its pairs join it."""
     recorded = tmp_path / "recorded.json"
-    first = four_rank_pairs("--baseline", str(recorded))
-    assert first.returncode == 0, first.stderr[-2000:]
+    # The recording run has no baseline, so it is judged against its own typical node, latency
+    # included: on a loaded 2-core CI host one node's gloo latency went past 20x of that once (CI,
+    # stop 32). Recording is not what this test checks, so it runs at 100x.
+    first = four_rank_pairs("--baseline", str(recorded), regression="0.99")
+    assert first.returncode == 0, failure(first)
     doc = json.loads(recorded.read_text(encoding="utf-8"))
     new = next(n["node"] for n in doc["nodes"] if n["node"].endswith("#3"))
 
@@ -357,7 +365,7 @@ def test_a_replaced_node_is_judged_against_the_fleet_then_added_to_the_baseline(
     baseline = tmp_path / "baseline.json"
     baseline.write_text(before, encoding="utf-8")
     slow = four_rank_pairs("--baseline", str(baseline), fault="slow-rank@3")
-    assert slow.returncode == 1, slow.stderr[-2000:]
+    assert slow.returncode == 1, failure(slow)
     check = next(p for p in json_lines(slow) if p.get("fabric_check") == "pairs")
     assert check["new_nodes"] == [new] and check["suspect_nodes"] == [new] and check["compared_pairs"] == 6
     assert {p["reference_gb_s"] for p in check["regressed_pairs"] if new in p["pair"]} == {
@@ -366,7 +374,7 @@ def test_a_replaced_node_is_judged_against_the_fleet_then_added_to_the_baseline(
     assert baseline.read_text(encoding="utf-8") == before  # a regressed node is not baselined
 
     healthy = four_rank_pairs("--baseline", str(baseline))
-    assert healthy.returncode == 0, healthy.stderr[-2000:]
+    assert healthy.returncode == 0, failure(healthy)
     lines = json_lines(healthy)
     check = next(p for p in lines if p.get("fabric_check") == "pairs")
     assert check["new_nodes"] == [new] and check["suspect_nodes"] == []
