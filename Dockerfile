@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The trainer image: the PyTorchJob (trainer.train), the interconnect gate (trainer.node.fabric) and the
+# The trainer image: the PyTorchJob (supernode.trainer.train), the interconnect gate (supernode.trainer.node.fabric) and the
 # drills run it. Build and push with `make image STACK=<stack>`; the digest it prints goes into
 # supernode:images.trainer.
 #
@@ -53,10 +53,6 @@ FROM efa AS wheel
 WORKDIR /src
 COPY pyproject.toml requirements.txt ./
 COPY supernode supernode
-COPY components components
-COPY policies policies
-COPY trainer trainer
-COPY bench bench
 RUN python3 -m venv /opt/build \
  && /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
@@ -83,5 +79,5 @@ RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl \
  && useradd --uid 10001 --create-home --shell /usr/sbin/nologin trainer
 USER 10001
 WORKDIR /home/trainer
-# The jobs set the command (torchrun --module trainer.train | trainer.node.fabric); this checks the image.
-CMD ["python", "-c", "import torch, trainer.train, trainer.node.fabric; print(torch.__version__, torch.version.cuda)"]
+# The jobs set the command (torchrun --module supernode.trainer.train | supernode.trainer.node.fabric); this checks the image.
+CMD ["python", "-c", "import torch, supernode.trainer.train, supernode.trainer.node.fabric; print(torch.__version__, torch.version.cuda)"]

@@ -1,6 +1,6 @@
-"""Entry point for the Pulumi CLI: the program is a function in the package (components/program.py), so
+"""Entry point for the Pulumi CLI: the program is a function in the package (supernode/components/program.py), so
 the installed package carries it too."""
 
-from components.program import main
+from supernode.components.program import main
 
 main()

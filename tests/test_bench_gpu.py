@@ -1,4 +1,4 @@
-"""bench/gpu.py: fails fast without a GPU; its layout for the GPUs at hand; its ranks' code on CPU (gloo)."""
+"""supernode/bench/gpu.py: fails fast without a GPU; its layout for the GPUs at hand; its ranks' code on CPU (gloo)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu
+from supernode.bench import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,13 +22,13 @@ def test_without_a_gpu_it_stops_at_once_with_exit_2(capsys) -> None:
     assert time.monotonic() - start < 5  # before loading a stack or building anything
     out, err = capsys.readouterr()
     assert out == ""  # no JSON line pretends to be a measurement
-    assert "needs a CUDA GPU and this machine has none" in err and "python -m bench.gpu" in err
+    assert "needs a CUDA GPU and this machine has none" in err and "python -m supernode.bench.gpu" in err
 
 
 def test_the_cli_runs_it_as_bench_gpu() -> None:
     from supernode.cli.commands.bench import BENCHES
 
-    assert BENCHES["gpu"] == "bench.gpu"
+    assert BENCHES["gpu"] == "supernode.bench.gpu"
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """`supernode bench moe --compare torchtitan`: a clear exit 2 without torchtitan; with it (outside the
-project: $SUPERNODE_TORCHTITAN_PATH, see bench/moe.py), the same function and a measured ratio."""
+project: $SUPERNODE_TORCHTITAN_PATH, see supernode/bench/moe.py), the same function and a measured ratio."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 
-from bench import moe as bench_moe
+from supernode.bench import moe as bench_moe
 
 TT_MODULES = ("torchtitan", "torchtitan.models", "torchtitan.models.common", "torchtitan.models.common.moe")
 TINY = [
@@ -66,7 +66,7 @@ def _torchtitan():
     try:
         return bench_moe.import_torchtitan(os.environ.get("SUPERNODE_TORCHTITAN_PATH"))
     except ImportError:
-        pytest.skip("torchtitan not importable (set SUPERNODE_TORCHTITAN_PATH; see bench/moe.py)")
+        pytest.skip("torchtitan not importable (set SUPERNODE_TORCHTITAN_PATH; see supernode/bench/moe.py)")
 
 
 @pytest.mark.parametrize("extra", [[], ["--shared", "1", "--score", "sigmoid"]])
@@ -94,7 +94,7 @@ def test_keeping_freed_memory_stops_the_page_faults_of_reallocation() -> None:
     # In a child: it changes the process's allocator for good.
     code = """
 import resource, torch
-from bench.moe import _keep_freed_memory
+from supernode.bench.moe import _keep_freed_memory
 def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(20):

@@ -1,4 +1,4 @@
-"""The Pulumi program is a function in the package (components/program.py, so the wheel ships it): the
+"""The Pulumi program is a function in the package (supernode/components/program.py, so the wheel ships it): the
 root __main__.py the Pulumi CLI runs only calls its `main()`, the preview calls `program`, and
 importing the module declares nothing (issue 19, item 4; issue 25, item 4)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import components.program
+import supernode.components.program
 from supernode.core.config import load_stack
 from supernode.tools.preview import run_program
 
@@ -20,13 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_root_main_only_calls_the_programs_main():
     imported, called = ast.parse((ROOT / "__main__.py").read_text()).body[-2:]
-    assert ast.unparse(imported) == "from components.program import main"
+    assert ast.unparse(imported) == "from supernode.components.program import main"
     assert ast.unparse(called) == "main()"
 
 
 def test_importing_the_program_declares_nothing():
     """Under the engine, with the stack's config set: the import alone registers no resource, no output."""
-    result = run_program("dev", load_stack("dev", ROOT), lambda *_: importlib.reload(components.program))
+    result = run_program("dev", load_stack("dev", ROOT), lambda *_: importlib.reload(supernode.components.program))
     assert result.resources == [] and result.outputs == {}
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "requirements.txt", "supernode", "components", "policies", "trainer", "bench")
+SOURCES = ("pyproject.toml", "requirements.txt", "supernode")
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def installed(tmp_path_factory) -> Path:
 
 def test_the_installed_wheel_is_what_runs(installed, tmp_path):
     code = (
-        "import supernode, components.k8s.common as w, trainer.data.prepare as d, components.program as p; "
+        "import supernode, supernode.components.k8s.common as w, supernode.trainer.data.prepare as d, supernode.components.program as p; "
         "print(supernode.__file__); print(p.__file__); print(len(list(w.ADDON_DIR.glob('*.yaml'))), "
         "len(list(w.CRD_DIR.glob('*.yaml'))), len(d.DEFAULT_CORPUS))"
     )
@@ -83,7 +83,7 @@ def test_the_installed_wheel_is_what_runs(installed, tmp_path):
     assert Path(package).is_relative_to(installed) and Path(program).is_relative_to(installed)
     assert Path(program).name == "program.py"
     # every add-on file and CRD schema of the source tree, and the shipped corpus, are in the wheel
-    source = ROOT / "components"
+    source = ROOT / "supernode" / "components"
     assert counts == f"{len(list((source / 'addons').glob('*.yaml')))} {len(list((source / 'crds').glob('*.yaml')))} 1"
 
 

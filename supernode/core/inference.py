@@ -2,7 +2,7 @@
 
 Two things, both pure:
 
-- **The mapping** (`served_architecture`, `hf_config`). Our model is exported (trainer.hf.export) as a
+- **The mapping** (`served_architecture`, `hf_config`). Our model is exported (supernode.trainer.hf.export) as a
   Hugging Face model directory of an architecture vLLM and SGLang serve, and the mapping is exact:
   - sigmoid router + aux-loss-free bias + shared experts (+ leading dense layers): DeepSeek-V3
     style, GLM-4.5's `Glm4MoeForCausalLM` (`e_score_correction_bias`, `n_group = topk_group = 1`,
@@ -33,7 +33,7 @@ from .config.schema import Model
 from .errors import BadInput
 
 GLM4_MOE, QWEN3_MOE = "Glm4MoeForCausalLM", "Qwen3MoeForCausalLM"
-RMS_NORM_EPS = 1e-6  # the model's RMSNorm (trainer.model) trains with it, the exported config declares it
+RMS_NORM_EPS = 1e-6  # the model's RMSNorm (supernode.trainer.model) trains with it, the exported config declares it
 
 
 class Dtype(NamedTuple):

@@ -1,11 +1,11 @@
 """The observability contract: the names that the trainer, the scrape that reads it and the alarms
 and dashboard that watch it must agree on, declared once.
 
-A training-health series travels: the trainer's gauge (trainer/metrics.py registers TRAINER_METRICS)
--> the CloudWatch agent's Prometheus scrape (components/k8s/operations.py), which runs in
+A training-health series travels: the trainer's gauge (supernode/trainer/metrics.py registers TRAINER_METRICS)
+-> the CloudWatch agent's Prometheus scrape (supernode/components/k8s/operations.py), which runs in
 METRICS_SCRAPER_NAMESPACE as PROMETHEUS_AGENT and finds the trainer pods as TRAINER_SCRAPE_JOB and our
 DCGM exporter as DCGM_SCRAPE_JOB -> a CloudWatch metric in PROMETHEUS_NAMESPACE, for the series
-METRIC_DECLARATIONS selects, with its dimensions -> the alarms and dashboard (components/aws/monitoring.py),
+METRIC_DECLARATIONS selects, with its dimensions -> the alarms and dashboard (supernode/components/aws/monitoring.py),
 which name it by exactly those. A name typed at one end only is a metric no alarm ever sees; so every
 end imports it from here. Plain strings, so the core stays free of pulumi.
 """
@@ -25,7 +25,7 @@ class ServiceAccount(NamedTuple):
 # and the trainer's network policy admits scrapes from it.
 METRICS_SCRAPER_NAMESPACE = "amazon-cloudwatch"
 # The agents' service accounts, which their IAM roles trust (IRSA): the add-on's (Container Insights) and
-# the Prometheus scrape's (components/addons/cwagent-prometheus.yaml).
+# the Prometheus scrape's (supernode/components/addons/cwagent-prometheus.yaml).
 CLOUDWATCH_AGENT = ServiceAccount(METRICS_SCRAPER_NAMESPACE, "cloudwatch-agent")
 PROMETHEUS_AGENT = ServiceAccount(METRICS_SCRAPER_NAMESPACE, "cwagent-prometheus")
 
@@ -82,7 +82,7 @@ TRAINER_METRICS = (
     CHECKPOINT_STEP,
     STEP_OVER_PLAN,
 )
-# The DCGM exporter's fields that become metrics (its counters CSV, components/addons/dcgm-exporter.yaml,
+# The DCGM exporter's fields that become metrics (its counters CSV, supernode/components/addons/dcgm-exporter.yaml,
 # emits each under this name).
 GPU_UTIL, GPU_MEMORY_USED = "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED"
 DCGM_METRICS = (

@@ -88,7 +88,7 @@ class Plan(BaseModel):
     cost_per_hour_usd: float
     run_hours: float
     run_cost_usd: float
-    # The serving plan of the `inference` section (None without one): components/k8s/serving.py and the
+    # The serving plan of the `inference` section (None without one): supernode/components/k8s/serving.py and the
     # serving policies read it from here.
     inference: InferencePlan | None = None
 

@@ -100,7 +100,7 @@ def ring_seconds(buffer_bytes: float, g: GroupPlacement, nvlink: float, efa: flo
 
 def rank_order(domain_of_rank: Sequence[Hashable], group: int) -> list[int]:
     """The rank order for the trainer: the process torchrun numbered `order[i]` becomes rank i
-    (trainer.parallel.renumber_by_domain), and the row-major meshes follow.
+    (supernode.trainer.parallel.renumber_by_domain), and the row-major meshes follow.
 
     `domain_of_rank[r]` is the NVLink domain of rank r (the node's `nvidia.com/gpu.clique` label, or
     anything equal exactly for GPUs of one domain). Ranks are grouped domain by domain (domains in

@@ -89,7 +89,7 @@ def load_model_state(path: Path, plan: Plan) -> int:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from trainer.model import Transformer
+    from supernode.trainer.model import Transformer
 
     with torch.device("cpu"):
         model = Transformer(plan.model)
@@ -113,7 +113,7 @@ def cluster_command(plan: Plan, path: str) -> list[str]:
         "--nproc-per-node",
         str(plan.accelerators_per_node),
         "-m",
-        "trainer.train",
+        "supernode.trainer.train",
         "--plan",
         PLAN_MOUNT_PATH,
         "--out",
@@ -124,7 +124,7 @@ def cluster_command(plan: Plan, path: str) -> list[str]:
 def restore_drill(
     aws: Aws, bucket: str, prefix: str, plan: Plan, dest: Path | None = None, load: bool = True
 ) -> DrillResult:
-    from trainer.checkpoint import Checkpointer  # torch is imported only by the command that needs it
+    from supernode.trainer.checkpoint import Checkpointer  # torch is imported only by the command that needs it
 
     base = DrillResult(result="failed", detail="", bucket=bucket, prefix=prefix)
     s3 = aws.client("s3")

@@ -20,10 +20,10 @@ from pulumi.runtime.proto import analyzer_pb2
 from pulumi_policy import EnforcementLevel
 from pulumi_policy.policy import _PolicyAnalyzerServicer
 
-from policies.base import MalformedInput, one_analysis
-from policies.pack import BY_NAME, CHECKLIST_ITEMS, PACK_NAME, POLICIES, item_of
-from policies.security import IMAGE_POLICIES, REMEDIATING_POLICIES
-from policies.settings import PolicyConfigError
+from supernode.policies.base import MalformedInput, one_analysis
+from supernode.policies.pack import BY_NAME, CHECKLIST_ITEMS, PACK_NAME, POLICIES, item_of
+from supernode.policies.security import IMAGE_POLICIES, REMEDIATING_POLICIES
+from supernode.policies.settings import PolicyConfigError
 
 from ..core.config import StackConfig
 from ..core.inputs import MIB, InputError, load_json, load_yaml, read_bounded

@@ -1,4 +1,4 @@
-"""Offline preview: call the Pulumi program (components/program.py) in-process under Pulumi's mock
+"""Offline preview: call the Pulumi program (supernode/components/program.py) in-process under Pulumi's mock
 engine (docs/architecture.md §3).
 
 Pulumi's `MockMonitor` stands in for the engine and the cloud. `RecordingMonitor` keeps every
@@ -256,12 +256,12 @@ def config_for_engine(stack: str, cfg: StackConfig) -> dict[str, str]:
 
 
 def run_program(stack: str, cfg: StackConfig, program: Program | None = None) -> PreviewResult:
-    """Run a Pulumi program (by default the stack's, components.program.program) under the mock engine
+    """Run a Pulumi program (by default the stack's, supernode.components.program.program) under the mock engine
     and return every registered resource."""
     if program is None:
         # Here, not at the top: the AWS and Kubernetes SDKs take a second to import, which every other
         # `supernode` command would pay.
-        from components.program import program
+        from supernode.components.program import program
     psettings.reset_options()
     psettings.set_root_resource(None)  # type: ignore[arg-type]
     loop = asyncio.new_event_loop()

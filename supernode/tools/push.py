@@ -22,8 +22,8 @@ from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import ClientError
 
-from trainer.data.manifest import MANIFEST as DATA_MANIFEST
-from trainer.data.manifest import ensure_verified
+from supernode.trainer.data.manifest import MANIFEST as DATA_MANIFEST
+from supernode.trainer.data.manifest import ensure_verified
 
 from ..core.files import sha256_file
 from .serve import MANIFEST as EXPORT_MANIFEST

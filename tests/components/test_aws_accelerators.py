@@ -9,7 +9,7 @@ import pytest
 import yaml
 from aws_preview import GPU_GROUP, LT, NODE_GROUP, Stack, preview
 
-from components.aws.accelerators import ami_parameter
+from supernode.components.aws.accelerators import ami_parameter
 from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from aws_preview import ROOT, preview
 
-import components.program
+import supernode.components.program
 from supernode.cli import main
 from supernode.core.catalog import CATALOG
 from supernode.core.config import ConfigError, from_mapping
@@ -71,7 +71,7 @@ def test_program_itself_rejects_bad_engine_config_with_its_path():
     ]
     bad = cfg.model_copy(update={"accelerator_node_groups": groups})  # unvalidated, as raw engine config
     with pytest.raises(pulumi.RunError, match=r"acceleratorNodeGroups\[0\]\.capacity\.availabilityZone"):
-        run_program("prod", bad, lambda *_: components.program.main())  # as the Pulumi CLI runs it
+        run_program("prod", bad, lambda *_: supernode.components.program.main())  # as the Pulumi CLI runs it
 
 
 def test_instance_type_without_efa_is_rejected_when_efa_is_required(monkeypatch):

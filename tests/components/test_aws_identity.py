@@ -8,7 +8,7 @@ from fnmatch import fnmatchcase
 
 from aws_preview import Stack, as_list, policy, preview, statements
 
-from components.aws.identity import NODE_MANAGED_POLICIES
+from supernode.components.aws.identity import NODE_MANAGED_POLICIES
 from supernode.core import resource_types as T
 
 ROLE = T.IAM_ROLE

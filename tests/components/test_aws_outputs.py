@@ -11,7 +11,12 @@ from aws_preview import Stack, preview
 from pulumi.runtime import mocks as pmocks
 from pulumi.runtime import settings as psettings
 
-from components.aws.outputs import StackOutputsError, export_stack_outputs, parse_stack_outputs, read_stack_outputs
+from supernode.components.aws.outputs import (
+    StackOutputsError,
+    export_stack_outputs,
+    parse_stack_outputs,
+    read_stack_outputs,
+)
 from supernode.core.contract import CONTRACT_VERSION, StackOutputs
 from supernode.tools.preview import CloudMocks
 

@@ -1,4 +1,4 @@
-"""The Kueue controller (components/addons/kueue.yaml, components/queues.KueueController): without it the
+"""The Kueue controller (supernode/components/addons/kueue.yaml, supernode.components.k8s.queues.KueueController): without it the
 queue labels, quotas and priorities are inert. Its configuration gangs admission (waitForPodsReady with
 blockAdmission) and integrates the job kinds the stack queues; its webhooks reach its Service, scoped to the
 queued namespaces; its RBAC covers what it writes; it comes before everything it admits; all objects valid."""
@@ -13,7 +13,7 @@ import pytest
 import yaml
 from aws_preview import preview
 
-from components.k8s import queues as q
+from supernode.components.k8s import queues as q
 from supernode.core import resource_types as T
 from supernode.core.plan import build_plan
 from supernode.tools import manifests as mf

@@ -12,9 +12,9 @@ import pytest
 import yaml
 from aws_preview import Stack, policy, preview, statements
 
-from components.k8s import serving
-from components.k8s.addons import CONFIG_HASH, addon_images
-from components.k8s.operations import AGENT_CONFIGMAP, SCRAPE_CONFIGMAP, scraped_namespaces
+from supernode.components.k8s import serving
+from supernode.components.k8s.addons import CONFIG_HASH, addon_images
+from supernode.components.k8s.operations import AGENT_CONFIGMAP, SCRAPE_CONFIGMAP, scraped_namespaces
 from supernode.core import resource_types as T
 from supernode.core.observability import METRICS_SCRAPER_NAMESPACE
 from supernode.core.serving import BACKEND

@@ -12,10 +12,10 @@ import pytest
 import yaml
 from aws_preview import Stack, preview
 
-from components.aws.monitoring import LogPattern
-from components.k8s.common import load_addon
-from components.k8s.jobs import BASELINE_MOUNT, FABRIC_BASELINE, METRICS_PORT
-from components.k8s.operations import OPS_NAMESPACE
+from supernode.components.aws.monitoring import LogPattern
+from supernode.components.k8s.common import load_addon
+from supernode.components.k8s.jobs import BASELINE_MOUNT, FABRIC_BASELINE, METRICS_PORT
+from supernode.components.k8s.operations import OPS_NAMESPACE
 from supernode.core import observability as obs
 from supernode.core import resource_types as T
 from supernode.core.config import load_file
@@ -62,7 +62,7 @@ def test_gate_records_and_cron_compares_the_fabric_baseline_outside_the_checkpoi
     for spec in (gate["spec"], job):
         pod = spec["template"]["spec"]
         c = container(pod)
-        assert "trainer.node.fabric" in argv(c) and flag(c, "--baseline") == FABRIC_BASELINE
+        assert "supernode.trainer.node.fabric" in argv(c) and flag(c, "--baseline") == FABRIC_BASELINE
         assert float(flag(c, "--regression")) == wl.fabric_regression
         [mount] = [m for m in c["volumeMounts"] if m["mountPath"] == BASELINE_MOUNT]
         [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
@@ -152,7 +152,7 @@ def test_inventory_daemonset_on_gpu_nodes_keeps_baselines_it_cannot_rewrite(stac
     assert ds["metadata"]["namespace"] == OPS_NAMESPACE
     pod = ds["spec"]["template"]["spec"]
     c = container(pod)
-    assert argv(c)[:4] == ["python", "-m", "trainer.node.inventory", "watch"]
+    assert argv(c)[:4] == ["python", "-m", "supernode.trainer.node.inventory", "watch"]
     assert flag(c, "--namespace") == OPS_NAMESPACE and flag(c, "--interval-s") == str(
         wl.inventory_interval_minutes * 60
     )

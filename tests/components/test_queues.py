@@ -9,8 +9,8 @@ import copy
 import pytest
 from aws_preview import ROOT, preview
 
-from components.k8s import queues as q
-from components.k8s.common import pod_resources
+from supernode.components.k8s import queues as q
+from supernode.components.k8s.common import pod_resources
 from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
 from supernode.core.config import load_stack

@@ -1,4 +1,4 @@
-"""The trainer image's ECR repository (components/aws/registry.py) in the dev and prod previews."""
+"""The trainer image's ECR repository (supernode/components/aws/registry.py) in the dev and prod previews."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from aws_preview import Stack
 
-from components.aws.registry import LIFECYCLE_POLICY, repository_name
+from supernode.components.aws.registry import LIFECYCLE_POLICY, repository_name
 from supernode.core import resource_types as T
 
 

@@ -1,4 +1,4 @@
-"""The Kubernetes side of the program (components.program.kubernetes) under Pulumi's mock engine, with
+"""The Kubernetes side of the program (supernode.components.program.kubernetes) under Pulumi's mock engine, with
 literal stand-ins for the AWS outputs (kubeconfig, FSx, IAM roles, GPU node labels/taints), for the dev
 and prod stacks.
 
@@ -14,13 +14,13 @@ from pathlib import Path
 import pulumi
 import pytest
 
-from components.context import StackContext
-from components.k8s.common import GpuNodes
-from components.k8s.jobs import SHUTDOWN_MARGIN_S
-from components.k8s.namespace import FsxVolume
-from components.k8s.operations import OPS_NAMESPACE
-from components.program import AwsOutputs, kubernetes
-from components.taints import Taint
+from supernode.components.context import StackContext
+from supernode.components.k8s.common import GpuNodes
+from supernode.components.k8s.jobs import SHUTDOWN_MARGIN_S
+from supernode.components.k8s.namespace import FsxVolume
+from supernode.components.k8s.operations import OPS_NAMESPACE
+from supernode.components.program import AwsOutputs, kubernetes
+from supernode.components.taints import Taint
 from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
 from supernode.core.config import StackConfig, from_mapping, load_stack
@@ -155,9 +155,12 @@ def check_trainer(cfg: StackConfig, plan: Plan, result: PreviewResult) -> None:
         "matchExpressions"
     ]
     args = c["args"]
-    # trainer.launch (torchrun with a recorded failure as its exit code) and ExitCode restarts: the
+    # supernode.trainer.launch (torchrun with a recorded failure as its exit code) and ExitCode restarts: the
     # operator retries a signal (128-255), never bad input or a full disk recorded by the trainer
-    assert c["command"][:3] == ["python", "-m", "trainer.launch"] and c["command"][-1] == "trainer.train"
+    assert (
+        c["command"][:3] == ["python", "-m", "supernode.trainer.launch"]
+        and c["command"][-1] == "supernode.trainer.train"
+    )
     # torchrun gives the workers the pod's grace period to checkpoint (its default SIGKILLs them after 30 s)
     shutdown_s = int(c["command"][c["command"].index("--shutdown-timeout") + 1])
     assert shutdown_s == pod["terminationGracePeriodSeconds"] - SHUTDOWN_MARGIN_S and shutdown_s > 0
@@ -257,7 +260,7 @@ def test_trainer_waits_for_the_interconnect_gate(stack: str) -> None:
     assert spec["backoffLimit"] == 0
     pod = spec["template"]["spec"]
     (c,) = pod["containers"]
-    assert c["command"][-1] == "trainer.node.fabric"
+    assert c["command"][-1] == "supernode.trainer.node.fabric"
     assert pod["priorityClassName"] == "supernode-training"
     threshold = gate_floor(result)
     assert threshold == pytest.approx(

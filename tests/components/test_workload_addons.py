@@ -1,13 +1,19 @@
-"""Third-party add-ons come from pinned YAML files in components/addons/ and are patched per stack."""
+"""Third-party add-ons come from pinned YAML files in supernode/components/addons/ and are patched per stack."""
 
 from __future__ import annotations
 
 import yaml
 from test_workload import objects, stack_preview
 
-from components.k8s.addons import DRA_DRIVER, DRA_DRIVER_FILE, addon_images, load_addon_objects, regional_image
-from components.k8s.common import ADDON_DIR, PART_OF, GpuNodes
-from components.taints import Taint
+from supernode.components.k8s.addons import (
+    DRA_DRIVER,
+    DRA_DRIVER_FILE,
+    addon_images,
+    load_addon_objects,
+    regional_image,
+)
+from supernode.components.k8s.common import ADDON_DIR, PART_OF, GpuNodes
+from supernode.components.taints import Taint
 
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 

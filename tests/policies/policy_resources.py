@@ -262,7 +262,7 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
                                 "name": "fabric",
                                 "image": image,
                                 "resources": bounded(),
-                                "command": ["python", "-m", "trainer.node.fabric", "--plan", PLAN_MOUNT_PATH],
+                                "command": ["python", "-m", "supernode.trainer.node.fabric", "--plan", PLAN_MOUNT_PATH],
                                 "volumeMounts": [{"name": "plan", "mountPath": PLAN_MOUNT_DIR}],
                             }
                         ],
@@ -276,7 +276,7 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
     worker = {
         "name": "trainer",
         "image": image,
-        "command": ["python", "-m", "trainer.train", "--plan", PLAN_MOUNT_PATH],
+        "command": ["python", "-m", "supernode.trainer.train", "--plan", PLAN_MOUNT_PATH],
         "resources": {
             "requests": bounded()["requests"],
             "limits": {
@@ -364,7 +364,7 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
 def built_images(cfg: StackConfig) -> StackConfig:
     """The stack as deployed: the trainer image built (`make image`), every add-on pinned by digest
     (`make addon-digests`) and vLLM's image pinned, instead of the placeholders and tags the repository carries."""
-    from components.k8s.addons import addon_images
+    from supernode.components.k8s.addons import addon_images
 
     data = cfg.to_mapping()
     images = data["images"]

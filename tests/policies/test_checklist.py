@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from policy_resources import doc, find, mutate, without
 
-from policies.pack import POLICIES, item_of
 from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
 from supernode.core.config import StackConfig
 from supernode.core.plan import build_plan
+from supernode.policies.pack import POLICIES, item_of
 from supernode.tools.policycheck import check
 
 LT, NG = T.LAUNCH_TEMPLATE, T.NODE_GROUP
@@ -152,7 +152,7 @@ CASES: list[tuple[str, Callable, str, str]] = [
             s,
             GATE,
             lambda i: i["spec"]["template"]["spec"]["containers"][0].update(
-                command=["python", "-m", "trainer.node.fabric", "--min-busbw-gbytes-s", "1"]
+                command=["python", "-m", "supernode.trainer.node.fabric", "--min-busbw-gbytes-s", "1"]
             ),
         ),
         "interconnect-gate",
@@ -166,7 +166,7 @@ CASES: list[tuple[str, Callable, str, str]] = [
         "mandatory",
     ),
     (
-        "gate image differs from trainer",
+        "gate image differs from supernode.trainer",
         lambda s, c: mutate(
             s,
             GATE,

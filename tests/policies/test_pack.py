@@ -1,4 +1,4 @@
-"""The pack as the Pulumi CLI runs it: `policies/__main__.py` serving gRPC, plus its packaging files."""
+"""The pack as the Pulumi CLI runs it: `supernode/policies/__main__.py` serving gRPC, plus its packaging files."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from google.protobuf import empty_pb2, struct_pb2
 from policy_resources import ROOT
 from pulumi.runtime.proto import analyzer_pb2, analyzer_pb2_grpc
 
-from policies.pack import POLICIES
 from supernode.core.resource_types import LAUNCH_TEMPLATE
+from supernode.policies.pack import POLICIES
 
 
 @pytest.mark.slow  # a second process
 def test_main_serves_the_pack_over_grpc(tmp_path):
     # Started from another directory, as the CLI's language host does: the pack finds the core itself.
     proc = subprocess.Popen(
-        [sys.executable, "-u", str(ROOT / "policies" / "__main__.py")],
+        [sys.executable, "-u", str(ROOT / "supernode" / "policies" / "__main__.py")],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -51,7 +51,7 @@ def test_main_serves_the_pack_over_grpc(tmp_path):
 
 
 def test_pack_files():
-    meta = yaml.safe_load((ROOT / "policies" / "PulumiPolicy.yaml").read_text())
+    meta = yaml.safe_load((ROOT / "supernode" / "policies" / "PulumiPolicy.yaml").read_text())
     assert meta["runtime"] == "python"
     pins = dict(
         line.split("==")
@@ -60,7 +60,7 @@ def test_pack_files():
     )
     pack = [
         line
-        for line in (ROOT / "policies" / "requirements.txt").read_text().splitlines()
+        for line in (ROOT / "supernode" / "policies" / "requirements.txt").read_text().splitlines()
         if line and not line.startswith("#")
     ]
     assert {p.split("==")[0] for p in pack} == {"pulumi-policy", "pulumi", "pydantic", "pyyaml"}
@@ -70,9 +70,9 @@ def test_pack_files():
 
 
 def test_each_policy_carries_its_item_and_settings():
-    from policies.base import ChecklistPolicy
-    from policies.pack import BY_NAME
-    from policies.settings import Gate
+    from supernode.policies.base import ChecklistPolicy
+    from supernode.policies.pack import BY_NAME
+    from supernode.policies.settings import Gate
 
     assert all(isinstance(p, ChecklistPolicy) and 1 <= p.item <= 10 for p in POLICIES)
     assert BY_NAME["interconnect-gate"].settings is Gate
@@ -82,8 +82,8 @@ def test_each_policy_carries_its_item_and_settings():
 def test_one_stack_and_one_plan_per_analysis(stack, monkeypatch):
     # pulumi-policy rebuilds the resources for every stack policy; the runner's analysis scope and the
     # plan's text-keyed parse keep it to one Stack and one Plan per AnalyzeStack.
-    from policies import view
     from supernode.core.plan import Plan
+    from supernode.policies import view
     from supernode.tools.policycheck import check
 
     built, parsed = [], []

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from policy_resources import ROOT, built_images, mutate, res
 
-from policies.security import IMAGE_POLICIES
 from supernode.core import resource_types as T
 from supernode.core.config import load_stack
 from supernode.core.config.schema import PLACEHOLDER_DIGEST
+from supernode.policies.security import IMAGE_POLICIES
 from supernode.tools.policycheck import check, config_from_stack
 from supernode.tools.preview import run_program
 
@@ -116,7 +116,7 @@ def test_a_trainer_digest_from_a_repository_the_stack_does_not_create_is_caught(
 
 @pytest.mark.parametrize("stack_name", ["dev", "prod", "gb200", "b300"])
 def test_every_stack_file_names_its_own_trainer_repository(stack_name):
-    from components.aws.registry import repository_name
+    from supernode.components.aws.registry import repository_name
 
     cfg = load_stack(stack_name, ROOT)
     assert cfg.images.trainer.split("@")[0].endswith("/" + repository_name(stack_name))

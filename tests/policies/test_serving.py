@@ -117,7 +117,7 @@ def test_inference_plan_that_does_not_fit_is_reported(prod):
 
 def test_verify_script_blocks_a_corrupted_file(tmp_path):
     """The init container's script: copies and verifies; one changed byte stops the pod (exit 1)."""
-    from components.k8s.serving import VERIFY_SCRIPT
+    from supernode.components.k8s.serving import VERIFY_SCRIPT
 
     src = tmp_path / "src"
     src.mkdir()
@@ -141,7 +141,7 @@ def test_verify_script_blocks_a_corrupted_file(tmp_path):
 @pytest.mark.parametrize("name", ["../escape.safetensors", "/etc/hostname", "sub/x.safetensors", ".."])
 def test_verify_script_refuses_a_manifest_entry_outside_its_folder(tmp_path, name):
     """Issue 30 #9, the cluster's copy: the init container joined manifest names to its folders as given."""
-    from components.k8s.serving import VERIFY_SCRIPT
+    from supernode.components.k8s.serving import VERIFY_SCRIPT
 
     src = tmp_path / "src"
     src.mkdir()

@@ -12,10 +12,10 @@ import json
 import pytest
 from policy_resources import ROOT, built_images
 
-from policies.view import Stack
 from supernode.core import resource_types as T
 from supernode.core.config import load_stack
 from supernode.core.plan import build_plan
+from supernode.policies.view import Stack
 from supernode.tools.policycheck import check, config_from_stack
 from supernode.tools.preview import run_program
 

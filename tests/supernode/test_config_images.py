@@ -10,8 +10,8 @@ from typing import get_args
 import pytest
 import yaml
 
-from components.k8s.addons import addon_images
 from supernode.cli import main
+from supernode.components.k8s.addons import addon_images
 from supernode.core.config import Images, load_stack
 from supernode.core.config.schema import PLACEHOLDER_DIGEST, AddonImage
 

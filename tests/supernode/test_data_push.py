@@ -18,7 +18,7 @@ import yaml
 from supernode.cli import main
 from supernode.tools.push import base_key, dataset_objects, export_objects
 from supernode.tools.push import push as push_objects
-from trainer.data.prepare import DEFAULT_CORPUS, ShardWriter, prepare, write_manifest
+from supernode.trainer.data.prepare import DEFAULT_CORPUS, ShardWriter, prepare, write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -172,7 +172,7 @@ def test_a_bucket_name_aws_would_refuse_is_bad_input(moto_aws, tmp_path, capsys,
 
 
 def export_dir(tmp: Path) -> Path:
-    """A real export (trainer.hf.export) of a small committed checkpoint, in shards of 7 MiB: the 6 MiB
+    """A real export (supernode.trainer.hf.export) of a small committed checkpoint, in shards of 7 MiB: the 6 MiB
     embedding and head make two shards above the 5 MiB part size, so they go up in parts."""
     import warnings
 
@@ -181,9 +181,9 @@ def export_dir(tmp: Path) -> Path:
 
     from supernode.core.config import Model
     from supernode.core.files import sha256_file
-    from trainer.checkpoint import COMPLETE
-    from trainer.hf.export import export
-    from trainer.model import Transformer
+    from supernode.trainer.checkpoint import COMPLETE
+    from supernode.trainer.hf.export import export
+    from supernode.trainer.model import Transformer
 
     m = Model(
         layers=2,
@@ -221,7 +221,7 @@ def export_dir(tmp: Path) -> Path:
 
 
 def test_model_push_resumes_lands_where_serving_reads_and_passes_its_verify_script(moto_aws, tmp_path, capsys):
-    from components.k8s.serving import VERIFY_SCRIPT
+    from supernode.components.k8s.serving import VERIFY_SCRIPT
     from supernode.core.config import load_stack
 
     s3 = boto3.client("s3", region_name="us-east-1")

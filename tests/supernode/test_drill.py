@@ -26,8 +26,8 @@ pytestmark = pytest.mark.slow  # the fixture trains for real (two gloo ranks)
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """The local trainer's committed checkpoint of step 2 (the dev stack's local plan, 2 ranks)."""
-    from trainer.checkpoint import complete_checkpoints
-    from trainer.data.prepare import DEFAULT_CORPUS, prepare
+    from supernode.trainer.checkpoint import complete_checkpoints
+    from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 
     tmp = tmp_path_factory.mktemp("train")
     data = load_stack("dev", ROOT).to_mapping()
@@ -43,7 +43,7 @@ def checkpoint(tmp_path_factory) -> Path:
         "--nproc-per-node",
         "2",
         "-m",
-        "trainer.train",
+        "supernode.trainer.train",
         "--plan",
         str(tmp / "plan.json"),
         "--data",

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _export(d: Path) -> Path:
-    """A model directory with a manifest, as trainer.hf.export writes one (contents irrelevant here)."""
+    """A model directory with a manifest, as supernode.trainer.hf.export writes one (contents irrelevant here)."""
     d.mkdir(parents=True)
     files = {
         "config.json": b'{"max_position_embeddings": 64}',
@@ -144,8 +144,8 @@ def test_vllm_greedy_equals_transformers_greedy(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     from supernode.core.config import Model
     from supernode.tools.serve import greedy_token_ids
+    from supernode.trainer.hf.export import export
     from tests.trainer.test_export import _checkpoint
-    from trainer.hf.export import export
 
     monkeypatch.delenv(PYTHON_ENV, raising=False)
     m = Model(

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import trainer.checkpoint
+import supernode.trainer.checkpoint
 from supernode.core.files import sha256_file
-from trainer.checkpoint import (
+from supernode.trainer.checkpoint import (
     COMPLETE,
     TRUST_UNCHECKED_ENV,
     CheckpointCorrupt,
@@ -84,11 +84,11 @@ def counting_hashes():
         hashed.append(Path(path).name)
         return sha256_file(path)
 
-    trainer.checkpoint.sha256_file = counted
+    supernode.trainer.checkpoint.sha256_file = counted
     try:
         yield hashed
     finally:
-        trainer.checkpoint.sha256_file = sha256_file
+        supernode.trainer.checkpoint.sha256_file = sha256_file
 
 
 @pytest.mark.parametrize("async_save", [True, False])

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data.loader import TokenLoader, decode, encode
-from trainer.data.manifest import DataError, read_manifest
-from trainer.data.prepare import DEFAULT_CORPUS, prepare
+from supernode.trainer.data.loader import TokenLoader, decode, encode
+from supernode.trainer.data.manifest import DataError, read_manifest
+from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 
 SEQ = 16
 
@@ -119,10 +119,10 @@ import sys
 
 import numpy as np
 
-from trainer.data import manifest as manifest_module
-from trainer.data.loader import permute
-from trainer.data.manifest import MANIFEST, VERIFIED, ensure_verified, verify
-from trainer.data.prepare import write_synthetic
+from supernode.trainer.data import manifest as manifest_module
+from supernode.trainer.data.loader import permute
+from supernode.trainer.data.manifest import MANIFEST, VERIFIED, ensure_verified, verify
+from supernode.trainer.data.prepare import write_synthetic
 
 
 def synthetic(out: Path, tokens: int, vocab: int = 1000, seed: int = 0, shard_tokens: int = 1 << 20) -> Path:
@@ -228,7 +228,7 @@ def test_vocab_larger_than_the_model_names_both_numbers(tmp_path):
 
 RSS = """
 import sys, resource
-from trainer.data.loader import TokenLoader
+from supernode.trainer.data.loader import TokenLoader
 def anon():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
 before = anon()

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import yaml
 
 from supernode.core.config import Model, from_mapping, load_stack
-from trainer.engine import counted_per_micro_batch
-from trainer.model import IGNORE, Transformer, document_attention, inputs_and_targets, loss_fn
+from supernode.trainer.engine import counted_per_micro_batch
+from supernode.trainer.model import IGNORE, Transformer, document_attention, inputs_and_targets, loss_fn
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 0
@@ -154,7 +154,7 @@ def stack_file(path: Path, nproc: int = 1, pp: int = 1, **training) -> Path:
 @pytest.fixture(scope="module")
 def documents_data(tmp_path_factory) -> Path:
     """The shipped corpus as JSON lines of short documents (paragraphs), so most windows hold an EOS."""
-    from trainer.data.prepare import DEFAULT_CORPUS, prepare
+    from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 
     tmp = tmp_path_factory.mktemp("documents")
     text = DEFAULT_CORPUS[0].read_text(encoding="utf-8")

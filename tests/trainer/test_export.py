@@ -18,9 +18,9 @@ from supernode.core.config import Model
 from supernode.core.errors import BadInput
 from supernode.core.files import sha256_file
 from supernode.core.inference import GLM4_MOE, QWEN3_MOE
-from trainer.checkpoint import COMPLETE
-from trainer.hf.export import MANIFEST, export, rope_halves
-from trainer.model import Transformer, apply_rope, rope_tables
+from supernode.trainer.checkpoint import COMPLETE
+from supernode.trainer.hf.export import MANIFEST, export, rope_halves
+from supernode.trainer.model import Transformer, apply_rope, rope_tables
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,7 +128,7 @@ def test_rope_permutation_preserves_attention_scores():
 
 
 def test_bf16_export_and_tokenizer(tmp_path):
-    from trainer.data.prepare import DEFAULT_CORPUS, prepare
+    from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 
     _, path = _checkpoint(tmp_path, GLM.model_copy(update={"vocab": 256}))
     prepare(DEFAULT_CORPUS[:1], tmp_path / "data", shard_tokens=1 << 16)
@@ -211,8 +211,8 @@ def _tree(d: Path) -> dict[str, bytes]:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_out_is_only_ever_a_new_folder_or_an_earlier_export(tmp_path, capsys):
     from supernode.cli import main
-    from trainer.data.manifest import verify
-    from trainer.data.prepare import DEFAULT_CORPUS, prepare
+    from supernode.trainer.data.manifest import verify
+    from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 
     path = _dev_checkpoint(tmp_path)
     data = tmp_path / "data"

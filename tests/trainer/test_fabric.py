@@ -12,7 +12,7 @@ import pytest
 
 from supernode.core.config import load_stack
 from supernode.core.plan import Plan, build_plan
-from trainer.node import fabric
+from supernode.trainer.node import fabric
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def torchrun_fabric(*flags: str) -> subprocess.CompletedProcess:
         "--nproc-per-node",
         "2",
         "-m",
-        "trainer.node.fabric",
+        "supernode.trainer.node.fabric",
         "--sizes",
         "64K,1M",
         "--iters",
@@ -122,12 +122,12 @@ def test_bad_sizes_exit_2(sizes, capsys):
 def test_outside_torchrun_exits_2_with_one_line(tmp_path: Path):
     """Issue 30 #11: run by hand, without torchrun, it ended in init_process_group's traceback (exit 1)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "trainer.node.fabric", "--min-busbw-gbytes-s", "1"]
+    cmd = [sys.executable, "-m", "supernode.trainer.node.fabric", "--min-busbw-gbytes-s", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [
-        "error: trainer.node.fabric runs under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set): "
-        "torchrun --nproc-per-node N -m trainer.node.fabric ..."
+        "error: supernode.trainer.node.fabric runs under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set): "
+        "torchrun --nproc-per-node N -m supernode.trainer.node.fabric ..."
     ]
 
 
@@ -259,7 +259,7 @@ def test_four_rank_pair_matrix_names_the_injected_slow_rank_and_records_the_base
         "--nproc-per-node",
         "4",
         "-m",
-        "trainer.node.fabric",
+        "supernode.trainer.node.fabric",
         "--min-busbw-gbytes-s",
         "0.0001",
         "--sizes",
@@ -310,7 +310,7 @@ def four_rank_pairs(*flags: str, fault: str = "", regression: str = "0.95") -> s
         "--nproc-per-node",
         "4",
         "-m",
-        "trainer.node.fabric",
+        "supernode.trainer.node.fabric",
         "--min-busbw-gbytes-s",
         "0.0001",
         "--sizes",

@@ -23,7 +23,7 @@ from supernode.cli import main as cli
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.errors import BadInput
 from supernode.core.plan import build_local_plan
-from trainer.checkpoint import (
+from supernode.trainer.checkpoint import (
     COMPLETE,
     CheckpointCorrupt,
     Checkpointer,
@@ -31,10 +31,10 @@ from trainer.checkpoint import (
     OutDirLock,
     complete_checkpoints,
 )
-from trainer.data.manifest import DataError, verify
-from trainer.data.prepare import DEFAULT_CORPUS, prepare
-from trainer.engine import apply_hyper_parameters, lr_factor
-from trainer.metrics import JSONL, Metrics
+from supernode.trainer.data.manifest import DataError, verify
+from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
+from supernode.trainer.engine import apply_hyper_parameters, lr_factor
+from supernode.trainer.metrics import JSONL, Metrics
 
 
 def one_rank_plan(model: dict | None = None, **training):
@@ -65,7 +65,7 @@ def strict_records(path: Path) -> list[dict]:
 def trainer_alone(
     plan: Path, data: Path, out: Path, *flags: str, env: dict | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess:
-    """`python -m trainer.train` as a single rank, without torchrun."""
+    """`python -m supernode.trainer.train` as a single rank, without torchrun."""
     env = dict(
         os.environ,
         RANK="0",
@@ -77,7 +77,18 @@ def trainer_alone(
         **(env or {}),
     )
     return subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--plan", str(plan), "--data", str(data), "--out", str(out), *flags],
+        [
+            sys.executable,
+            "-m",
+            "supernode.trainer.train",
+            "--plan",
+            str(plan),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            *flags,
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -330,7 +341,7 @@ def test_a_commit_keeps_the_committed_checkpoint_until_the_new_one_is_in_place(g
             raise OSError("killed")
         return real(src, dst)
 
-    monkeypatch.setattr("trainer.checkpoint.os.replace", crash_on_publish)
+    monkeypatch.setattr("supernode.trainer.checkpoint.os.replace", crash_on_publish)
     with pytest.raises(OSError, match="killed"):
         position.sd["position"] = 99
         ck.save(8)  # the same step again (a resume from an earlier one)
@@ -488,7 +499,7 @@ def test_bad_manifests_and_out_paths_exit_2(tmp_path, capsys):
 
 
 def test_token_ids_outside_the_vocab_are_bad_input(tmp_path):
-    from trainer.data.loader import TokenLoader
+    from supernode.trainer.data.loader import TokenLoader
 
     prepare(DEFAULT_CORPUS, tmp_path, shard_tokens=1 << 18)
     with pytest.raises(DataError, match=r"holds token id 2\d\d, outside the model's vocab of 128"):
@@ -529,7 +540,7 @@ def cluster_launcher(
     env: dict | None = None,
     node: tuple[int, int, int] | None = None,
 ) -> subprocess.Popen:
-    """`python -m trainer.launch` (the PyTorchJob's command) in a session of its own, as a terminal
+    """`python -m supernode.trainer.launch` (the PyTorchJob's command) in a session of its own, as a terminal
     or a container runtime starts it: alone, or as node `rank` of `nodes` meeting on `port` of this
     host (node=(rank, nodes, port)), as each pod of a job runs it."""
     world = json.loads(plan.read_text())["world_size"]
@@ -539,8 +550,8 @@ def cluster_launcher(
         rank, nodes, port = node
         where = ["--nnodes", str(nodes), "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
         where += ["--master-port", str(port), "--nproc-per-node", str(world // nodes)]
-    cmd = [sys.executable, "-m", "trainer.launch", *where, "--max-restarts", "1", *torchrun_flags]
-    cmd += ["--module", "trainer.train", "--plan", str(plan), "--data", str(data), "--out", str(out), *flags]
+    cmd = [sys.executable, "-m", "supernode.trainer.launch", *where, "--max-restarts", "1", *torchrun_flags]
+    cmd += ["--module", "supernode.trainer.train", "--plan", str(plan), "--data", str(data), "--out", str(out), *flags]
     return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -584,7 +595,7 @@ def wait_for_child(pid: int, running: str, timeout: float = 60) -> int:
 
 @pytest.mark.slow
 def test_sigterm_to_the_cluster_launcher_checkpoints_and_exits_143_without_a_traceback(tmp_path, data_dir, reap):
-    """#4: eviction SIGTERMs the PyTorchJob's `python -m trainer.launch`. It exited 1 with a
+    """#4: eviction SIGTERMs the PyTorchJob's `python -m supernode.trainer.launch`. It exited 1 with a
     SignalException traceback, which `restartPolicy: ExitCode` treats as permanent; now the workers
     finish the step and checkpoint (within --shutdown-timeout, the pod's grace period) and it exits
     143, which the operator retries."""
@@ -603,14 +614,14 @@ def test_sigterm_to_the_cluster_launcher_checkpoints_and_exits_143_without_a_tra
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["launcher", "workers"])
 def test_ctrl_c_in_the_cluster_launchers_start_up_exits_130_at_once(tmp_path, data_dir, moment, reap):
-    """#13: Ctrl-C while trainer.launch imports torch, or while its workers do, ended in a
+    """#13: Ctrl-C while supernode.trainer.launch imports torch, or while its workers do, ended in a
     KeyboardInterrupt traceback and exit 1 (from the launcher, or from every worker). Now the run
     stops at once, exit 130, nothing trained."""
     plan = write_plan(one_rank_plan(steps=500), tmp_path / "plan.json")
     out = tmp_path / "out"
     proc = reap(cluster_launcher(plan, data_dir, out))
     if moment == "workers":
-        wait_for_child(proc.pid, "trainer.train")
+        wait_for_child(proc.pid, "supernode.trainer.train")
     time.sleep(0.3)  # into torch's import (seconds), past the interpreter's own start
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
     t0 = time.monotonic()
@@ -629,9 +640,9 @@ def test_ctrl_c_while_supernode_train_starts_torchrun_exits_130_at_once(tmp_path
     torchrun itself (a traceback, exit 1). Now at any moment: exit 130 at once, no traceback."""
     out = tmp_path / "out"
     proc = reap(launcher(out, "--steps", "500"))
-    agent = wait_for_child(proc.pid, "trainer.train")  # torchrun's, whose command names the module
+    agent = wait_for_child(proc.pid, "supernode.trainer.train")  # torchrun's, whose command names the module
     if moment == "workers":
-        wait_for_child(agent, "trainer.train")
+        wait_for_child(agent, "supernode.trainer.train")
     if moment != "spawn":  # "spawn": the moment it exists, in Python's own start-up
         time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGINT)
@@ -645,7 +656,7 @@ def test_ctrl_c_while_supernode_train_starts_torchrun_exits_130_at_once(tmp_path
 
 @pytest.mark.slow
 def test_a_refused_second_job_leaves_the_first_run_its_own_outcome(tmp_path, data_dir, reap):
-    """#6: a second trainer.launch on a busy --out is refused (exit 2) but its rank 0 wrote
+    """#6: a second supernode.trainer.launch on a busy --out is refused (exit 2) but its rank 0 wrote
     {"code": 2} into the holder's OUT/.exit.json, so the first run trained to the end and exited 2.
     Each launcher now reads only the record made for it: here the second job has two nodes (two
     launchers, one shared OUT), and each of them exits 2 while the first run exits 0."""

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from trainer.node import inventory as inv
+from supernode.trainer.node import inventory as inv
 
 NVIDIA_SMI_CSV = """\
 0, GPU-5c2f6a1e-0d3b-4f5e-9a8b-1c2d3e4f5a6b, 1654922012345, 00000000:53:00.0, NVIDIA H100 80GB HBM3, 96.00.99.00.01, 580.95.05
@@ -138,13 +138,13 @@ def test_watch_keeps_the_first_record_and_counts_drift_for_the_alarm():
     other = inv.check(record(instance_id="i-0fff", node="ip-10-0-1-6"), keep_first, max_offset_ms=10)
     assert other["inventory_drift_count"] == 0 and other["fleet_reference"] == "ip-10-0-1-5"
     # the JSON line carries the field the inventory-drift log metric filter reads
-    from components.aws.monitoring import LogPattern
+    from supernode.components.aws.monitoring import LogPattern
 
     assert "$.inventory_drift_count" in LogPattern.INVENTORY_DRIFT and "inventory_drift_count" in later
 
 
 def test_the_node_bootstrap_sets_the_baseline_the_inventory_checks():
-    from components.aws import accelerators
+    from supernode.components.aws import accelerators
 
     script = accelerators.host_baseline_script(2560)
     for key, value in inv.HOST_SYSCTLS.items():

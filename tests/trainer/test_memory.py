@@ -11,8 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from supernode.core.config import Model, Parallel
-from trainer.checkpoint import ModelState
-from trainer.parallel import build_model
+from supernode.trainer.checkpoint import ModelState
+from supernode.trainer.parallel import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 # ~110 M parameters: 440 MB in fp32, four times what each of 4 FSDP ranks holds. Large enough that the
@@ -34,13 +34,13 @@ BIG = Model(
 
 def full_bytes(cfg: Model) -> int:
     with torch.device("meta"):
-        from trainer.model import Transformer
+        from supernode.trainer.model import Transformer
 
         return sum(p.numel() * 4 for p in Transformer(cfg).parameters())
 
 
 def build_and_restore(rank: int, world: int, ckpt: str) -> dict:
-    from bench.memory import local_bytes, resident_bytes
+    from supernode.bench.memory import local_bytes, resident_bytes
 
     parallel = Parallel(dp_shard=world, ep=2, mixed_precision="fp32")
     baseline = resident_bytes()
@@ -76,7 +76,7 @@ def test_no_rank_ever_holds_the_whole_model(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_bench_memory_state_terms_equal_the_plan(capsys) -> None:
-    from bench.memory import main
+    from supernode.bench.memory import main
 
     assert main(["--stack", "dev", "--root", str(ROOT), "--local", "--nproc", "2"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
@@ -88,7 +88,7 @@ def test_bench_memory_state_terms_equal_the_plan(capsys) -> None:
 
 
 def test_bench_memory_full_plan_without_gpus_exits_2(capsys) -> None:
-    from bench.memory import main
+    from supernode.bench.memory import main
 
     if torch.cuda.device_count() >= 16:
         pytest.skip("this machine can run the full dev plan")
@@ -102,7 +102,7 @@ def test_bench_memory_state_terms_equal_the_plan_under_tensor_parallel(tmp_path,
     over dp_shard x tp) is the trainer's, byte for byte."""
     import yaml
 
-    from bench.memory import main
+    from supernode.bench.memory import main
 
     doc = yaml.safe_load((ROOT / "Pulumi.dev.yaml").read_text())
     local = doc["config"]["supernode:local"]

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supernode.core.config import load_stack
 from supernode.core.plan import build_local_plan
-from trainer.metrics import JSONL, LOAD_PNG, LOSS_PNG, PROM, Metrics, load_imbalance, plot
+from supernode.trainer.metrics import JSONL, LOAD_PNG, LOSS_PNG, PROM, Metrics, load_imbalance, plot
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,7 +119,7 @@ def test_checkpoint_age_gauges_follow_the_commits(tmp_path, plan, group):
     step: an async save counts once committed, not when started; a restarted run shows it at once."""
     import time
 
-    from trainer.checkpoint import COMPLETE, Checkpointer
+    from supernode.trainer.checkpoint import COMPLETE, Checkpointer
 
     def gauges(m: Metrics) -> tuple[float, float]:
         return (

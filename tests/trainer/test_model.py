@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from supernode.core.config import Model
-from trainer.model import Transformer, apply_rope, loss_fn, rope_tables
-from trainer.moe import ExpertBalancer
+from supernode.trainer.model import Transformer, apply_rope, loss_fn, rope_tables
+from supernode.trainer.moe import ExpertBalancer
 
 CFG = Model(
     layers=3,

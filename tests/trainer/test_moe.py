@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from trainer.dispatcher import AllToAllDispatcher
-from trainer.moe import (
+from supernode.trainer.dispatcher import AllToAllDispatcher
+from supernode.trainer.moe import (
     BLOCK_WASTE,
     PAD_ROWS,
     ExpertBalancer,
@@ -163,7 +163,7 @@ def test_buffer_pool_lends_a_buffer_to_one_taker_at_a_time() -> None:
 def test_padded_experts_reuse_their_memory_and_survive_checkpointing(monkeypatch) -> None:
     from torch.utils.checkpoint import checkpoint
 
-    from trainer import moe
+    from supernode.trainer import moe
 
     sizes = torch.tensor([300, 0, 41, 97])
     x = torch.randn(int(sizes.sum()), DIM, generator=torch.Generator().manual_seed(4), requires_grad=True)
@@ -309,7 +309,7 @@ def test_dispatch_combine_exact_for_uneven_counts_and_an_idle_expert(tmp_path) -
 def test_bench_moe_reports_both_paths_and_minimal_all_to_all_bytes(capsys) -> None:
     import json
 
-    from bench.moe import main
+    from supernode.bench.moe import main
 
     assert (
         main(
@@ -343,7 +343,7 @@ def test_bench_moe_reports_both_paths_and_minimal_all_to_all_bytes(capsys) -> No
 
 
 def test_bench_moe_bad_flags_exit_2(capsys) -> None:
-    from bench.moe import main
+    from supernode.bench.moe import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--topk", "9", "--experts", "8"])
@@ -355,7 +355,7 @@ def test_bench_moe_bad_flags_exit_2(capsys) -> None:
 def test_gpu_bench_without_cuda_says_so(capsys) -> None:
     import json
 
-    from bench.gpu_moe import main
+    from supernode.bench.gpu_moe import main
 
     assert main([]) == 0
     line = json.loads(capsys.readouterr().out)

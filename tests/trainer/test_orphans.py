@@ -15,8 +15,8 @@ import pytest
 POOL = """
 import multiprocessing as mp, os, sys, time
 from concurrent.futures import ProcessPoolExecutor
-from trainer.data.prepare import _init
-from trainer.data.tokenizer import byte_tokenizer
+from supernode.trainer.data.prepare import _init
+from supernode.trainer.data.tokenizer import byte_tokenizer
 parent = os.getpid() if sys.argv[1] == "guarded" else None
 pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_init, initargs=(byte_tokenizer(), parent))
 print(pool.submit(os.getpid).result(), flush=True)

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from supernode.core.config import Model, Parallel
-from trainer.model import Transformer, loss_fn
-from trainer.moe import ExpertBalancer
-from trainer.parallel import Meshes, build_model, checked_layout, parallelize
+from supernode.trainer.model import Transformer, loss_fn
+from supernode.trainer.moe import ExpertBalancer
+from supernode.trainer.parallel import Meshes, build_model, checked_layout, parallelize
 
 SEED = 7
 LR = 0.5
@@ -241,7 +241,7 @@ def run_domain_ordered(rank: int, world_size: int) -> dict:
 
     from supernode.core.errors import BadInput
     from supernode.core.topology import place
-    from trainer.parallel import DOMAIN_ENV, domain_order, renumber_by_domain
+    from supernode.trainer.parallel import DOMAIN_ENV, domain_order, renumber_by_domain
 
     os.environ[DOMAIN_ENV] = DOMAINS[rank]  # as the PyTorchJob sets it per node (here per rank)
     out: dict = {}
@@ -335,7 +335,7 @@ def test_layout_from_degrees_and_errors() -> None:
         checked_layout(_with_degrees(plan, dp_replicate=1, dp_shard=4, tp=1, ep=1, pp=1), 6)
     with pytest.raises(ConfigError, match=r"plan:parallel.ep: ep must divide dpShard\*tp"):
         checked_layout(_with_degrees(plan, dp_replicate=1, dp_shard=4, tp=1, ep=3, pp=1), 4)
-    # pp > 1 is accepted (trainer.pipeline); its rules are the core's too, e.g. a stage per layer at least.
+    # pp > 1 is accepted (supernode.trainer.pipeline); its rules are the core's too, e.g. a stage per layer at least.
     with pytest.raises(ConfigError, match=r"plan:parallel.pp: every pipeline stage needs a layer"):
         checked_layout(_with_degrees(plan, dp_replicate=1, dp_shard=1, tp=1, ep=1, pp=4), 4)
     parallel = checked_layout(_with_degrees(plan, dp_replicate=1, dp_shard=1, tp=1, ep=1, pp=2), 2)
@@ -406,7 +406,7 @@ def test_nvlink_domain_label_from_the_env_then_nvml_clique_then_the_node(monkeyp
     import socket
     import sys
 
-    from trainer.parallel import DOMAIN_ENV, nvlink_domain
+    from supernode.trainer.parallel import DOMAIN_ENV, nvlink_domain
 
     cluster = bytes.fromhex("5f0e3a1c2b7d4e8f9a0b1c2d3e4f5a6b")
     monkeypatch.delenv(DOMAIN_ENV, raising=False)

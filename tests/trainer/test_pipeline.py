@@ -31,11 +31,11 @@ from torch.distributed.tensor import DTensor
 from supernode.core.config import Model, Parallel, from_mapping, load_stack
 from supernode.core.layout import stage_layers
 from supernode.core.mesh import Mesh
-from trainer.engine import counted_per_micro_batch
-from trainer.model import Transformer, inputs_and_targets, loss_fn
-from trainer.moe import ExpertBalancer
-from trainer.parallel import Meshes
-from trainer.pipeline import Stage, StageParts, build_pipeline, rank_stages
+from supernode.trainer.engine import counted_per_micro_batch
+from supernode.trainer.model import Transformer, inputs_and_targets, loss_fn
+from supernode.trainer.moe import ExpertBalancer
+from supernode.trainer.parallel import Meshes
+from supernode.trainer.pipeline import Stage, StageParts, build_pipeline, rank_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = 7
@@ -305,7 +305,7 @@ def cli_train(stack: Path, out: Path, data: Path, steps: int) -> str:
 
 @pytest.mark.slow
 def test_pp2_trains_checkpoints_and_resumes_also_at_pp1(tmp_path) -> None:
-    from trainer.data.prepare import DEFAULT_CORPUS, prepare
+    from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 
     data = tmp_path / "tokens"
     prepare(DEFAULT_CORPUS, data, shard_tokens=1 << 16)

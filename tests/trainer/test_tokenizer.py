@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.data.manifest import DataError, read_manifest, verify
-from trainer.data.prepare import DEFAULT_CORPUS, ShardWriter, prepare
-from trainer.data.tokenizer import EOS_TOKEN, byte_tokenizer, dtype_for, from_file
+from supernode.trainer.data.manifest import DataError, read_manifest, verify
+from supernode.trainer.data.prepare import DEFAULT_CORPUS, ShardWriter, prepare
+from supernode.trainer.data.tokenizer import EOS_TOKEN, byte_tokenizer, dtype_for, from_file
 
 TEXT = "Grüße, 世界: def f(x):\n    return x ** 2  # the docs\n\n\tTabs and NUL-free bytes ~ é"
 
@@ -178,7 +178,7 @@ def test_vocab_mismatch_is_exit_2_from_the_trainer(bpe, tmp_path):
         [
             sys.executable,
             "-m",
-            "trainer.train",
+            "supernode.trainer.train",
             "--plan",
             str(plan),
             "--data",

@@ -16,9 +16,9 @@ import pytest
 from supernode.cli import main as cli
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.plan import Plan, build_local_plan
-from trainer.checkpoint import complete_checkpoints
-from trainer.data.prepare import DEFAULT_CORPUS, prepare
-from trainer.engine import lr_factor
+from supernode.trainer.checkpoint import complete_checkpoints
+from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
+from supernode.trainer.engine import lr_factor
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def torchrun(plan_path: Path, data: Path, out: Path, nproc: int, *flags: str, re
         "--max-restarts",
         str(restarts),
         "-m",
-        "trainer.train",
+        "supernode.trainer.train",
         "--plan",
         str(plan_path),
         "--data",
@@ -120,7 +120,7 @@ def test_plan_that_does_not_match_the_world_size_exits_2(tmp_path, data_dir):
         [
             sys.executable,
             "-m",
-            "trainer.train",
+            "supernode.trainer.train",
             "--plan",
             str(plan),
             "--data",
@@ -145,7 +145,7 @@ def test_bad_plan_and_corrupt_data_exit_2(tmp_path, data_dir):
         [
             sys.executable,
             "-m",
-            "trainer.train",
+            "supernode.trainer.train",
             "--plan",
             str(tmp_path / "bad.json"),
             "--data",
@@ -250,14 +250,14 @@ def test_cluster_launcher_exits_with_the_recorded_code_without_restarts_or_trace
         [
             sys.executable,
             "-m",
-            "trainer.launch",
+            "supernode.trainer.launch",
             "--standalone",
             "--nproc-per-node",
             "3",
             "--max-restarts",
             "2",
             "--module",
-            "trainer.train",
+            "supernode.trainer.train",
             "--plan",
             str(plan),
             "--data",

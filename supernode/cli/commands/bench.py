@@ -1,4 +1,4 @@
-"""`supernode bench NAME [args...]`: run a benchmark from bench/ (one JSON line per measurement)."""
+"""`supernode bench NAME [args...]`: run a benchmark from supernode.bench/ (one JSON line per measurement)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import importlib
 from ...core.errors import BadInput
 
 BENCHES = {
-    "preview": "bench.preview",  # offline preview cost: prod vs a 4x larger stack
-    "moe": "bench.moe",  # MoE layer throughput and all-to-all volume; --compare torchtitan: side by side
-    "checkpoint": "bench.checkpoint",  # async vs sync checkpoint stall; per-rank vs rank-0 sha256
-    "data": "bench.data",  # loader tokens/s vs the plan's need; resident memory at 0.5 vs 2 GB
-    "memory": "bench.memory",  # the planner's memory per rank against a real build and step
-    "gpu": "bench.gpu",  # on a GPU machine: MoE layer (NCCL EP), bench memory vs the planner, model MFU
-    "pipeline": "bench.pipeline",  # 1F1B vs interleaved 1F1B on CPU: step time, measured vs planned bubble
-    "serve": "bench.serve",  # vLLM continuous batching vs sequential: TTFT, inter-token latency, tokens/s
+    "preview": "supernode.bench.preview",  # offline preview cost: prod vs a 4x larger stack
+    "moe": "supernode.bench.moe",  # MoE layer throughput and all-to-all volume; --compare torchtitan: side by side
+    "checkpoint": "supernode.bench.checkpoint",  # async vs sync checkpoint stall; per-rank vs rank-0 sha256
+    "data": "supernode.bench.data",  # loader tokens/s vs the plan's need; resident memory at 0.5 vs 2 GB
+    "memory": "supernode.bench.memory",  # the planner's memory per rank against a real build and step
+    "gpu": "supernode.bench.gpu",  # on a GPU machine: MoE layer (NCCL EP), bench memory vs the planner, model MFU
+    "pipeline": "supernode.bench.pipeline",  # 1F1B vs interleaved 1F1B on CPU: step time, measured vs planned bubble
+    "serve": "supernode.bench.serve",  # vLLM continuous batching vs sequential: TTFT, inter-token latency, tokens/s
 }
 
 

@@ -25,7 +25,7 @@ def register(sub) -> None:
         type=Path,
         nargs="+",
         default=None,
-        help="UTF-8 .txt / .jsonl files (default: the corpus shipped in trainer/corpus)",
+        help="UTF-8 .txt / .jsonl files (default: the corpus shipped in supernode/trainer/data/corpus)",
     )
     prep.add_argument("--out", type=Path, required=True, help="directory for the shards and manifest.json")
     tok = prep.add_mutually_exclusive_group()
@@ -63,8 +63,8 @@ def _positive(flag: str, value) -> None:
 
 
 def run_prepare(args) -> int:
-    from trainer.data.manifest import DataError
-    from trainer.data.prepare import DEFAULT_CORPUS, prepare
+    from supernode.trainer.data.manifest import DataError
+    from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 
     _positive("--shard-tokens", args.shard_tokens)
     _positive("--workers", args.workers)
@@ -90,7 +90,7 @@ def run_prepare(args) -> int:
 
 
 def run_verify(args) -> int:
-    from trainer.data.manifest import DataError, verify
+    from supernode.trainer.data.manifest import DataError, verify
 
     try:
         m = verify(args.dir)
@@ -101,7 +101,7 @@ def run_verify(args) -> int:
 
 
 def run_push(args) -> int:
-    from trainer.data.manifest import DataError
+    from supernode.trainer.data.manifest import DataError
 
     from ...tools.push import base_key, dataset_objects
 
@@ -212,7 +212,7 @@ def add_data_arg(p) -> None:
 def check_plan_data(plan, data_dir) -> None:
     """Exit 2 (BadInput) when the data's vocabulary does not fit the plan's model.vocab, or
     training.documentMasking is on and the data records no document separator."""
-    from trainer.data.manifest import DataError, check_data
+    from supernode.trainer.data.manifest import DataError, check_data
 
     if data_dir is not None:
         try:

@@ -1,6 +1,6 @@
 """`supernode export --stack S [--local] --checkpoint DIR --out DIR`: a training checkpoint as a
 Hugging Face model directory (Glm4MoeForCausalLM or Qwen3MoeForCausalLM) with a sha256 manifest,
-streamed tensor by tensor (trainer.hf.export)."""
+streamed tensor by tensor (supernode.trainer.hf.export)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def run(args) -> int:
     dtype = args.dtype or (cfg.inference.dtype if cfg.inference else "bf16")
     import warnings
 
-    from trainer.hf.export import NoSpace, export  # torch only for this command
+    from supernode.trainer.hf.export import NoSpace, export  # torch only for this command
 
     with warnings.catch_warnings():  # DCP's "loading in a single process" is the intent here
         warnings.simplefilter("ignore", UserWarning)

@@ -3,7 +3,7 @@ supernode.core.serving) on this machine, for the exported model, after verifying
 against the export's manifest (a mismatch: exit 2 naming the file; the server never starts). With
 --prompt it answers those prompts, prints each completion with its latency and stops; without, it
 serves until Ctrl-C. In the cluster the stack's serving workload does the same
-(components/k8s/serving.py)."""
+(supernode/components/k8s/serving.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 for real on CPU with gloo under torchrun (the same trainer the cluster's PyTorchJob runs).
 
 Writes OUT/plan.json, prepares OUT/data from the shipped corpus when it holds no manifest, and
-runs `python -m trainer.launch --standalone --nproc-per-node N --max-restarts R -m trainer.train`:
+runs `python -m supernode.trainer.launch --standalone --nproc-per-node N --max-restarts R -m supernode.trainer.train`:
 torchrun under the cluster's own launcher, whose exit code is the run's outcome (a failure the
 workers recorded: 2 bad input, 1 failed). Running it again with a larger --steps resumes from the
 checkpoint in OUT/checkpoints.
@@ -43,14 +43,14 @@ def launch_command(plan: Plan, plan_path: Path, data: Path, out: Path, steps: in
     return [
         sys.executable,
         "-m",
-        "trainer.launch",
+        "supernode.trainer.launch",
         "--standalone",
         "--nproc-per-node",
         str(plan.world_size),
         "--max-restarts",
         str(plan.training.max_restarts),
         "-m",
-        "trainer.train",
+        "supernode.trainer.train",
         "--plan",
         str(plan_path),
         "--data",
@@ -67,7 +67,7 @@ def launch_command(plan: Plan, plan_path: Path, data: Path, out: Path, steps: in
 
 
 def _child_setup() -> None:
-    """In trainer.launch, before exec: SIGKILL it when this process dies (it runs in its own session,
+    """In supernode.trainer.launch, before exec: SIGKILL it when this process dies (it runs in its own session,
     so a kill of this process group would not reach it), and hold SIGINT/SIGTERM blocked until it
     has its handlers: a signal forwarded during Python's start-up then waits instead of becoming a
     KeyboardInterrupt traceback (or being lost)."""
@@ -93,10 +93,10 @@ def run(args) -> int:
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out} is an existing file, not a directory")
 
-    from trainer.checkpoint import OutDirLock, complete_checkpoints  # torch only for this command
-    from trainer.data.manifest import DataError, verify
-    from trainer.data.prepare import DEFAULT_CORPUS, prepare
-    from trainer.launch import LAUNCHER_ENV
+    from supernode.trainer.checkpoint import OutDirLock, complete_checkpoints  # torch only for this command
+    from supernode.trainer.data.manifest import DataError, verify
+    from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
+    from supernode.trainer.launch import LAUNCHER_ENV
 
     lock = OutDirLock(out)  # before anything in OUT is written: plan.json belongs to the holder
     holder = lock.acquire()
@@ -156,10 +156,10 @@ def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path
             proc.send_signal(signum)
 
     # Installed before the launcher starts, so no moment drops a signal: one that comes before it
-    # exists is sent as soon as it does (it waits, blocked, until trainer.launch can take it).
+    # exists is sent as soon as it does (it waits, blocked, until supernode.trainer.launch can take it).
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        # Its own session: a Ctrl-C reaches only this process, which hands it to trainer.launch
+        # Its own session: a Ctrl-C reaches only this process, which hands it to supernode.trainer.launch
         # (torchrun's agent), which hands it to the workers once they run.
         proc = subprocess.Popen(
             launch_command(plan, plan_path, data, out, steps, args.log_every),
@@ -174,10 +174,10 @@ def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if rc < 0:  # killed by a signal trainer.launch does not handle (SIGKILL: out of memory?)
+    if rc < 0:  # killed by a signal supernode.trainer.launch does not handle (SIGKILL: out of memory?)
         err.print(f"training was killed by signal {-rc} ({signal.strsignal(-rc)})", markup=False)
         return EXIT_FAILED
-    if rc >= 128:  # trainer.launch stopped on a signal (exit 128 + it): interrupted, whichever
+    if rc >= 128:  # supernode.trainer.launch stopped on a signal (exit 128 + it): interrupted, whichever
         return EXIT_INTERRUPTED
     if rc == 0:
         _summary(out, plan)
@@ -185,7 +185,7 @@ def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path
 
 
 def _summary(out: Path, plan: Plan) -> None:
-    from trainer.metrics import read_records  # a torn last line must not break the summary
+    from supernode.trainer.metrics import read_records  # a torn last line must not break the summary
 
     records = read_records(out / "metrics.jsonl")
     recs = [r for r in records if isinstance(r.get("loss"), (int, float))]

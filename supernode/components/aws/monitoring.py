@@ -1,0 +1,577 @@
+"""Monitoring: Container Insights (the CloudWatch observability add-on), log groups, alarms on GPU
+utilisation, node health, GPU XID errors, FSx free capacity, NCCL timeouts and OOM, an encrypted
+SNS topic every alarm notifies, and a dashboard (issue 3, part 6).
+
+Training health (issue 18): the trainer's Prometheus gauges (supernode/trainer/metrics.py) reach CloudWatch
+through the CloudWatch agent's Prometheus scrape of the trainer pods (by annotation, see
+supernode/components/k8s/operations.py), as embedded-metric-format metrics in PROMETHEUS_NAMESPACE; the names both
+ends use are the observability contract (supernode/core/observability.py). We chose that
+over Amazon Managed Prometheus + a PodMonitor because every alarm here already goes through
+CloudWatch to one SNS topic: one alerting path, no workspace or alert manager to run. What the
+trainer, the fabric check, the inventory and the restore drill say as log lines (non-finite steps,
+checkpoints, starts, `fabric_regressed_node_count`, `inventory_drift_count`, `restore_drill`)
+becomes metrics through log metric filters on the application log group.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from supernode.core import observability as obs
+from supernode.core.catalog import GIB
+from supernode.core.config import MonitoringConfig
+from supernode.core.plan import Plan
+
+from ..context import StackContext
+from .cluster import Cluster
+from .identity import irsa_trust_policy, managed_policy_arn
+
+CONTAINER_INSIGHTS = "ContainerInsights"
+# Container Insights writes to these groups; creating them first sets retention and KMS.
+INSIGHTS_LOG_GROUPS = ("application", "dataplane", "host", "performance", "prometheus")
+PERIOD_S = 60
+# One GPU exporter: ours (supernode/components/addons/dcgm-exporter.yaml), scraped into the Prometheus namespace
+# like the trainer. The add-on's own NVIDIA GPU collection is switched off, so no second exporter's
+# series exist to be confused with ours.
+AGENT_CONFIGURATION = {
+    "agent": {
+        "config": {
+            "logs": {
+                "metrics_collected": {
+                    "kubernetes": {"enhanced_container_insights": True, "accelerated_compute_metrics": False}
+                }
+            }
+        }
+    }
+}
+
+
+class LogPattern:
+    """CloudWatch Logs filter patterns (any of the quoted terms) for failures worth a page."""
+
+    NCCL_TIMEOUT = '?"Watchdog caught collective operation timeout" ?"NCCL timeout" ?"NCCL communicator was aborted"'
+    OOM = '?"CUDA out of memory" ?"OutOfMemoryError" ?"Out of memory: Killed process"'
+    GPU_XID = '?"NVRM: Xid" ?"NVRM: GPU has fallen off the bus"'
+    # supernode/trainer/train.py's own lines (rank 0): a skipped non-finite step, a checkpoint, a (re)start.
+    NON_FINITE = '"not finite, update skipped"'
+    CHECKPOINT = '"; checkpoint "'  # "step N: loss L; checkpoint written|started (async), ..."
+    TRAINER_START = '?"resumed from checkpoint at step" ?"starting at step 0"'
+    # The JSON lines of the scheduled checks (supernode/trainer/node/fabric.py, the inventory, `supernode drill`).
+    FABRIC_REGRESSED = "{ $.fabric_regressed_node_count = * }"
+    INVENTORY_DRIFT = "{ $.inventory_drift_count = * }"
+    RESTORE_DRILL_FAILED = '{ $.restore_drill = "failed" }'
+
+
+@dataclass
+class MonitoringArgs:
+    ctx: StackContext
+    monitoring: MonitoringConfig
+    cluster: Cluster
+    fsx_id: pulumi.Input[str]
+    fsx_capacity_gib: int
+    ops_kms_key_arn: pulumi.Input[str]
+    node_groups: Sequence[pulumi.Resource]  # the add-on's agents run on them
+    plan: Plan  # the throughput estimate, the checkpoint interval and step time the training alarms use
+    training_namespace: str
+
+
+class Monitoring(pulumi.ComponentResource):
+    topic_arn: pulumi.Output[str]
+    log_group_names: list[pulumi.Output[str]]
+    alarm_names: list[pulumi.Output[str]]
+
+    def __init__(self, name: str, args: MonitoringArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("supernode:monitoring:Monitoring", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        m, ctx, cluster_name = args.monitoring, args.ctx, args.cluster.name
+        tags = ctx.tagged()
+        self.namespace, self.prefix = f"Supernode/{ctx.stack}", f"supernode-{ctx.stack}"
+
+        self.topic = aws.sns.Topic(
+            name, name=f"supernode-{ctx.stack}-alarms", kms_master_key_id=args.ops_kms_key_arn, tags=tags, opts=child
+        )
+        aws.sns.TopicSubscription(
+            f"{name}-email", topic=self.topic.arn, protocol="email", endpoint=m.notification_email, opts=child
+        )
+        self.topic_arn = self.topic.arn
+
+        groups = {}
+        for kind in INSIGHTS_LOG_GROUPS:
+            groups[kind] = aws.cloudwatch.LogGroup(
+                f"{name}-{kind}",
+                name=obs.insights_log_group(cluster_name, kind),
+                retention_in_days=m.log_retention_days,
+                kms_key_id=args.ops_kms_key_arn,
+                tags=tags,
+                opts=child,
+            )
+        self.log_group_names = [g.name for g in groups.values()]
+        self.training_log_group_name = groups["application"].name  # where the trainer pods' stdout lands
+        self.prometheus_log_group_arn = groups["prometheus"].arn  # where the Prometheus scrape writes (operations.py)
+
+        agent_role = aws.iam.Role(
+            f"{name}-cloudwatch-agent",
+            tags=tags,
+            opts=child,
+            assume_role_policy=irsa_trust_policy(
+                args.cluster.oidc_provider_arn, args.cluster.oidc_issuer_url, *obs.CLOUDWATCH_AGENT
+            ),
+        )
+        attach = aws.iam.RolePolicyAttachment(
+            f"{name}-cloudwatch-agent",
+            role=agent_role.name,
+            policy_arn=managed_policy_arn("CloudWatchAgentServerPolicy"),
+            opts=child,
+        )
+        self.agent_addon = args.cluster.addon(
+            "amazon-cloudwatch-observability",
+            service_account_role_arn=agent_role.arn,
+            parent=self,
+            depends_on=[attach, *groups.values(), *args.node_groups],
+            configuration_values=json.dumps(AGENT_CONFIGURATION, sort_keys=True),
+        )
+
+        # Each filter: (log group, pattern, metric value: 1 per line or a JSON field of the line).
+        filters = {
+            "NcclTimeouts": (groups["application"], LogPattern.NCCL_TIMEOUT, "1"),
+            "OutOfMemory": (groups["application"], LogPattern.OOM, "1"),
+            "GpuXidErrors": (groups["host"], LogPattern.GPU_XID, "1"),
+            "NonFiniteSteps": (groups["application"], LogPattern.NON_FINITE, "1"),
+            "CheckpointsSaved": (groups["application"], LogPattern.CHECKPOINT, "1"),
+            "TrainerStarts": (groups["application"], LogPattern.TRAINER_START, "1"),
+            "FabricRegressedNodes": (
+                groups["application"],
+                LogPattern.FABRIC_REGRESSED,
+                "$.fabric_regressed_node_count",
+            ),
+            "InventoryDrift": (groups["application"], LogPattern.INVENTORY_DRIFT, "$.inventory_drift_count"),
+            "RestoreDrillFailures": (groups["application"], LogPattern.RESTORE_DRILL_FAILED, "1"),
+        }
+        for metric, (group, pattern, value) in filters.items():
+            aws.cloudwatch.LogMetricFilter(
+                f"{name}-{metric}",
+                log_group_name=group.name,
+                pattern=pattern,
+                opts=child,
+                # JSON-valued metrics have no default: a line without the field is no datapoint.
+                metric_transformation=aws.cloudwatch.LogMetricFilterMetricTransformationArgs(
+                    name=metric, namespace=self.namespace, value=value, default_value="0" if value == "1" else None
+                ),
+            )
+
+        insights = {"ClusterName": cluster_name}
+        window = m.gpu_util_window_minutes * 60 // PERIOD_S
+        train = obs.trainer_dimensions(cluster_name, args.training_namespace)
+        floor = round(m.throughput_floor_fraction * planned_tokens_per_s(args.plan), 1)
+        checkpoint_window_s = checkpoint_window(args.plan)
+        self.alarms = [
+            self._alarm(
+                name,
+                "gpu-util-low",
+                f"GPU utilisation below {m.gpu_util_floor_percent}% for "
+                f"{m.gpu_util_window_minutes} min (DCGM exporter, mean over the GPUs)",
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.GPU_UTIL,
+                dimensions=obs.dcgm_dimensions(cluster_name),
+                statistic="Average",
+                threshold=m.gpu_util_floor_percent,
+                comparison="LessThanThreshold",
+                periods=window,
+                missing="notBreaching",
+            ),
+            self._alarm(
+                name,
+                "node-not-ready",
+                "a node is not ready",
+                namespace=CONTAINER_INSIGHTS,
+                metric_name="cluster_failed_node_count",
+                dimensions=insights,
+                statistic="Maximum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=5,
+            ),
+            self._alarm(
+                name,
+                "gpu-xid-errors",
+                "NVIDIA XID errors in node kernel logs",
+                namespace=self.namespace,
+                metric_name="GpuXidErrors",
+                statistic="Sum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+            ),
+            self._alarm(
+                name,
+                "nccl-timeouts",
+                "NCCL collective timeouts in training logs",
+                namespace=self.namespace,
+                metric_name="NcclTimeouts",
+                statistic="Sum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+            ),
+            self._alarm(
+                name,
+                "out-of-memory",
+                "out-of-memory errors in training logs",
+                namespace=self.namespace,
+                metric_name="OutOfMemory",
+                statistic="Sum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+            ),
+            self._alarm(
+                name,
+                "fsx-free-capacity-low",
+                f"FSx free capacity below {m.fsx_free_capacity_floor_percent}%",
+                namespace="AWS/FSx",
+                metric_name="FreeDataStorageCapacity",
+                dimensions={"FileSystemId": args.fsx_id},
+                statistic="Minimum",
+                threshold=fsx_free_floor_bytes(args.fsx_capacity_gib, m.fsx_free_capacity_floor_percent),
+                comparison="LessThanThreshold",
+                periods=5,
+            ),
+            # -- training health -------------------------------------------------------------------
+            # The step gauge unchanged over the window: max - min of one window-long period is 0.
+            self._alarm(
+                name,
+                "training-step-stalled",
+                f"no training step for {m.step_stall_minutes} min "
+                "(the trainer is up but its step gauge has not advanced)",
+                threshold=0,
+                comparison="LessThanOrEqualToThreshold",
+                periods=1,
+                metric_queries=progress_queries(train, m.step_stall_minutes * 60),
+            ),
+            self._alarm(
+                name,
+                "training-throughput-low",
+                f"tokens/s below {m.throughput_floor_fraction:g} x the "
+                f"plan's estimate ({floor:,.0f} tokens/s) for {m.step_stall_minutes} min",
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.TOKENS_PER_S.name,
+                dimensions=train,
+                statistic="Average",
+                threshold=floor,
+                comparison="LessThanThreshold",
+                periods=m.step_stall_minutes,
+            ),
+            # |measured / planned - 1| over the window: a slower run (a bad node, a slow link) and a
+            # faster one (the plan's efficiencies are off: calibrate) both mean the plan is not the run.
+            self._alarm(
+                name,
+                "training-plan-drift",
+                f"measured step time off the plan's estimate ({args.plan.step.step_s:.3g} s) by more than "
+                f"{m.plan_drift_fraction:.0%} for {m.step_stall_minutes} min",
+                threshold=m.plan_drift_fraction,
+                comparison="GreaterThanThreshold",
+                periods=m.step_stall_minutes,
+                metric_queries=[
+                    _query(
+                        "ratio",
+                        stat="Average",
+                        period=PERIOD_S,
+                        namespace=obs.PROMETHEUS_NAMESPACE,
+                        metric_name=obs.STEP_OVER_PLAN.name,
+                        dimensions=train,
+                    ),
+                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
+                        id="drift", expression="ABS(ratio - 1)", label="step time drift from the plan", return_data=True
+                    ),
+                ],
+            ),
+            self._alarm(
+                name,
+                "training-loss-not-finite",
+                "a training step had a non-finite loss or gradient norm (its update skipped)",
+                namespace=self.namespace,
+                metric_name="NonFiniteSteps",
+                statistic="Sum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+            ),
+            # Steps advanced but no checkpoint line for 2 x the checkpoint interval (at the planned step time).
+            self._alarm(
+                name,
+                "checkpoint-stale",
+                f"no checkpoint for {checkpoint_window_s // 60} min (2 x "
+                f"training.checkpointInterval = {args.plan.training.checkpoint_interval} steps at the "
+                "planned step time) while steps advance",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+                metric_queries=[
+                    *progress_queries(train, checkpoint_window_s, expression_id="progress", return_data=False),
+                    _query(
+                        "saved",
+                        period=checkpoint_window_s,
+                        namespace=self.namespace,
+                        metric_name="CheckpointsSaved",
+                        stat="Sum",
+                    ),
+                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
+                        id="stale",
+                        return_data=True,
+                        label="steps advanced without a checkpoint",
+                        expression="IF(progress > 0 AND FILL(saved, 0) == 0, 1, 0)",
+                    ),
+                ],
+            ),
+            self._alarm(
+                name,
+                "training-restarts",
+                f"the trainer started more than {m.restart_alarm_count} times in an hour",
+                namespace=self.namespace,
+                metric_name="TrainerStarts",
+                statistic="Sum",
+                threshold=m.restart_alarm_count,
+                comparison="GreaterThanThreshold",
+                periods=1,
+                period=3600,
+            ),
+            # -- operations (supernode/components/k8s/operations.py) ---------------------------------------------
+            self._alarm(
+                name,
+                "fabric-regressed",
+                "the scheduled fabric check names node(s) whose pairs regressed from the baseline",
+                namespace=self.namespace,
+                metric_name="FabricRegressedNodes",
+                statistic="Maximum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+            ),
+            self._alarm(
+                name,
+                "inventory-drift",
+                "a GPU node's driver, firmware, library or host settings differ from the inventory baseline",
+                namespace=self.namespace,
+                metric_name="InventoryDrift",
+                statistic="Maximum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+            ),
+            self._alarm(
+                name,
+                "restore-drill-failed",
+                "the checkpoint restore drill failed",
+                namespace=self.namespace,
+                metric_name="RestoreDrillFailures",
+                statistic="Sum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+            ),
+        ]
+        self.alarm_names = [a.name for a in self.alarms]
+        self.dashboard = aws.cloudwatch.Dashboard(
+            name,
+            dashboard_name=f"supernode-{ctx.stack}",
+            opts=child,
+            dashboard_body=pulumi.Output.all(args.fsx_id).apply(
+                lambda a: json.dumps(
+                    dashboard(
+                        ctx.region,
+                        cluster_name,
+                        self.namespace,
+                        a[0],
+                        m,
+                        args.training_namespace,
+                        floor,
+                        checkpoint_window_s,
+                    )
+                )
+            ),
+        )
+        self.register_outputs({"topic_arn": self.topic_arn, "alarm_names": self.alarm_names})
+
+    def _alarm(
+        self,
+        name: str,
+        short: str,
+        description: str,
+        *,
+        threshold: float,
+        comparison: str,
+        periods: int,
+        namespace: str | None = None,
+        metric_name: str | None = None,
+        statistic: str | None = None,
+        dimensions: Mapping | None = None,
+        period: int = PERIOD_S,
+        missing: str = "notBreaching",
+        metric_queries: list | None = None,
+    ) -> aws.cloudwatch.MetricAlarm:
+        """One alarm on one metric, or on a metric-math expression (`metric_queries`)."""
+        single = (
+            {}
+            if metric_queries
+            else dict(
+                namespace=namespace,
+                metric_name=metric_name,
+                dimensions=dict(dimensions) if dimensions else None,
+                statistic=statistic,
+                period=period,
+            )
+        )
+        return aws.cloudwatch.MetricAlarm(
+            f"{name}-{short}",
+            name=f"{self.prefix}-{short}",
+            alarm_description=description,
+            evaluation_periods=periods,
+            datapoints_to_alarm=periods,
+            threshold=threshold,
+            comparison_operator=comparison,
+            treat_missing_data=missing,
+            metric_queries=metric_queries,
+            alarm_actions=[self.topic.arn],
+            ok_actions=[self.topic.arn],
+            opts=pulumi.ResourceOptions(parent=self),
+            **single,
+        )
+
+
+def planned_tokens_per_s(plan: Plan) -> float:
+    """The plan's throughput estimate: one global batch of sequences per planned step time."""
+    return plan.training.global_batch * plan.model.seq_len / plan.step.step_s
+
+
+def checkpoint_window(plan: Plan) -> int:
+    """2 x the checkpoint interval at the planned step time, in whole minutes (CloudWatch periods)."""
+    seconds = 2 * plan.training.checkpoint_interval * plan.step.step_s
+    return max(PERIOD_S, -(-int(seconds) // PERIOD_S) * PERIOD_S)
+
+
+def _query(
+    qid: str, *, period: int, namespace: str, metric_name: str, stat: str, dimensions: Mapping | None = None
+) -> aws.cloudwatch.MetricAlarmMetricQueryArgs:
+    return aws.cloudwatch.MetricAlarmMetricQueryArgs(
+        id=qid,
+        return_data=False,
+        metric=aws.cloudwatch.MetricAlarmMetricQueryMetricArgs(
+            namespace=namespace,
+            metric_name=metric_name,
+            dimensions=dict(dimensions) if dimensions else None,
+            period=period,
+            stat=stat,
+        ),
+    )
+
+
+def progress_queries(
+    dimensions: Mapping, period_s: int, expression_id: str = "advanced", return_data: bool = True
+) -> list:
+    """Steps advanced within one `period_s` window: max - min of the trainer's step gauge."""
+    step = dict(namespace=obs.PROMETHEUS_NAMESPACE, metric_name=obs.STEP.name, dimensions=dimensions, period=period_s)
+    return [
+        _query("last", stat="Maximum", **step),
+        _query("first", stat="Minimum", **step),
+        aws.cloudwatch.MetricAlarmMetricQueryArgs(
+            id=expression_id, expression="last - first", label="steps advanced", return_data=return_data
+        ),
+    ]
+
+
+def fsx_free_floor_bytes(capacity_gib: int, floor_percent: float) -> float:
+    return capacity_gib * GIB * floor_percent / 100
+
+
+def dashboard(
+    region: str,
+    cluster_name: str,
+    namespace: str,
+    fsx_id: str,
+    m: MonitoringConfig,
+    training_namespace: str,
+    throughput_floor: float,
+    checkpoint_window_s: int,
+) -> dict:
+    def metric(title: str, metrics: list, annotation: float | None = None, label: str = "floor") -> dict:
+        props = {"title": title, "region": region, "metrics": metrics, "period": PERIOD_S, "view": "timeSeries"}
+        if annotation is not None:
+            props["annotations"] = {"horizontal": [{"label": label, "value": annotation}]}
+        return {"type": "metric", "width": 12, "height": 6, "properties": props}
+
+    def series(metric_name: str, dimensions: dict) -> list:
+        """A series of the Prometheus namespace: its name, then each dimension's name and value."""
+        return [obs.PROMETHEUS_NAMESPACE, metric_name, *(x for kv in dimensions.items() for x in kv)]
+
+    dims, gpus = obs.trainer_dimensions(cluster_name, training_namespace), obs.dcgm_dimensions(cluster_name)
+
+    def trainer(metric: obs.TrainerMetric) -> list:
+        return series(metric.name, dims)
+
+    def by_label(metric: obs.TrainerMetric) -> list:
+        """Every series of a labelled gauge (one per phase, one per MoE layer)."""
+        name, label = metric.name, metric.label
+        keys = ",".join([obs.PROMETHEUS_NAMESPACE, *dims, label])
+        where = " ".join(f'{k}="{v}"' for k, v in dims.items())
+        return [
+            {
+                "expression": f"SEARCH('{{{keys}}} MetricName=\"{name}\" {where}', 'Average', {PERIOD_S})",
+                "id": f"{label}s",
+                "label": label,
+            }
+        ]
+
+    return {
+        "widgets": [
+            metric("GPU utilisation (%)", [series(obs.GPU_UTIL, gpus)], m.gpu_util_floor_percent),
+            metric("GPU memory used (MiB)", [series(obs.GPU_MEMORY_USED, gpus)]),
+            metric("Failed nodes", [[CONTAINER_INSIGHTS, "cluster_failed_node_count", "ClusterName", cluster_name]]),
+            metric(
+                "Training failures",
+                [
+                    [namespace, "NcclTimeouts"],
+                    [namespace, "OutOfMemory"],
+                    [namespace, "GpuXidErrors"],
+                    [namespace, "NonFiniteSteps"],
+                    [namespace, "TrainerStarts"],
+                ],
+            ),
+            metric("Training loss", [trainer(obs.LOSS)]),
+            metric("Tokens/s", [trainer(obs.TOKENS_PER_S)], throughput_floor),
+            metric("MFU", [trainer(obs.MFU)]),
+            metric("Step", [trainer(obs.STEP)]),
+            metric("Step time by phase (s)", by_label(obs.PHASE_SECONDS)),
+            metric("Expert load (max/mean per MoE layer; 1 = balanced)", by_label(obs.EXPERT_LOAD)),
+            # The trainer's commit-time gauge; EPOCH gives each datapoint's own time, so age = EPOCH(ts) - ts.
+            metric(
+                "Checkpoint age (s)",
+                [
+                    trainer(obs.CHECKPOINT_TIME) + [{"id": "ts", "stat": "Maximum", "visible": False}],
+                    {"expression": "EPOCH(ts) - ts", "id": "age", "label": "since the last commit"},
+                ],
+                checkpoint_window_s,
+                "checkpoint-stale alarm",
+            ),
+            metric(
+                "Fabric, inventory and restore drill",
+                [
+                    [namespace, "FabricRegressedNodes"],
+                    [namespace, "InventoryDrift"],
+                    [namespace, "RestoreDrillFailures"],
+                ],
+            ),
+            metric("FSx free capacity (bytes)", [["AWS/FSx", "FreeDataStorageCapacity", "FileSystemId", fsx_id]]),
+            metric(
+                "FSx throughput (bytes)",
+                [
+                    ["AWS/FSx", "DataWriteBytes", "FileSystemId", fsx_id],
+                    ["AWS/FSx", "DataReadBytes", "FileSystemId", fsx_id],
+                ],
+            ),
+        ]
+    }

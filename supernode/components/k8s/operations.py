@@ -1,0 +1,437 @@
+"""Operations in the cluster after day one (issue 18): what runs on a schedule and what feeds the
+monitoring. Every object is a typed Kubernetes resource, so `supernode preview --manifests` renders
+and validates it.
+
+- **Fabric re-check** (CronJob, `workload.fabricCheckSchedule`): the interconnect gate's Indexed
+  Job again, comparing the node-pair matrix with the baseline the first gate recorded on FSx
+  (`/baselines/fabric/baseline.json`, exported to s3://BUCKET/baselines/fabric/, a prefix no
+  lifecycle rule expires). `supernode.trainer.node.fabric` prints `fabric_regressed_node_count`, which the
+  fabric-regressed alarm reads. Queued by Kueue at the experiments priority, so it runs only on
+  free GPU nodes and never preempts training. A ConfigMap summarises the baseline.
+- **Inventory** (DaemonSet on the GPU nodes, namespace supernode-ops): `supernode.trainer.node.inventory watch`
+  keeps each node's first record and the fleet's as ConfigMaps and prints `inventory_drift_count`
+  (the inventory-drift alarm) every `workload.inventoryIntervalMinutes`.
+- **Restore drill** (CronJob, `workload.restoreDrillSchedule`): `supernode drill restore --json`
+  from the trainer image, as the trainer's service account (read access to the checkpoints).
+- **Training-health scrape**: AWS's "CloudWatch agent with Prometheus monitoring" for EKS
+  (supernode/components/addons/cwagent-prometheus.yaml) and its two ConfigMaps: the trainer pods (by their
+  prometheus.io annotations) and our DCGM exporter, as embedded-metric-format metrics in
+  ContainerInsights/Prometheus with the dimensions the alarms and dashboard use. The agent lists pods
+  only in the namespaces its scrape configuration names and writes only to the Prometheus log group
+  (IRSA: identity.metrics_agent_policy). Jobs, namespaces, service account and metric names are the
+  observability contract (supernode/core/observability.py), which the alarms read too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+import yaml
+
+from supernode.core.config import StackConfig
+from supernode.core.config import Workload as WorkloadConfig
+from supernode.core.observability import (
+    DCGM_SCRAPE_JOB,
+    METRIC_DECLARATIONS,
+    PROMETHEUS_AGENT,
+    PROMETHEUS_NAMESPACE,
+    TRAINER_SCRAPE_JOB,
+    insights_log_group,
+)
+
+from .addons import SYSTEM_NAMESPACE, addon_resource, with_config_hash, with_images
+from .common import MESH_LABEL, GpuNodes, dns_name, load_addon, meta
+from .jobs import (
+    BASELINE_MOUNT,
+    FABRIC_BASELINE,
+    BaselineStore,
+    JobArgs,
+    fabric_job_spec,
+    fabric_mesh,
+    fabric_pod_template,
+)
+from .queues import EXPERIMENTS, job_labels
+
+OPS_NAMESPACE = "supernode-ops"
+INVENTORY_SA = "inventory"
+STACK_CONFIGMAP, STACK_MOUNT = "supernode-stack", "/etc/supernode-stack"
+DRILL_MOUNT = "/restore"  # the drill restores into FSx (drills/): a checkpoint may not fit a node's disk
+DCGM_NAMESPACE = SYSTEM_NAMESPACE  # where the add-ons (our DCGM exporter among them) run
+PROMETHEUS_AGENT_FILE = "cwagent-prometheus.yaml"
+# The agent's two ConfigMaps, by the names AWS's manifest mounts: what to scrape, what becomes a metric.
+SCRAPE_CONFIGMAP, AGENT_CONFIGMAP = "prometheus-config", "prometheus-cwagentconfig"
+
+
+@dataclass(frozen=True)
+class OperationsArgs:
+    job: JobArgs  # the gate's: image, GPU nodes, plan, plan ConfigMap, priority class
+    workload: WorkloadConfig
+    pvc: pulumi.Input[str]  # the FSx claim in the training namespace
+    baseline_subpath: str  # the FSx directory exported to s3://BUCKET/baselines/
+    service_account: pulumi.Input[str]  # the trainer's (IRSA: reads the checkpoints in S3)
+    cluster_name: str
+    region: str
+    stack_file: str  # the stack's config as the restore drill reads it (stack_file())
+    bucket_name: pulumi.Input[str]  # the drill restores from it
+    # The IAM role of the CloudWatch agent's Prometheus scrape (identity.ServiceAccountRole).
+    metrics_agent_role_arn: pulumi.Input[str]
+    addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
+
+
+def stack_file(cfg: StackConfig) -> str:
+    """The config as a Pulumi.<stack>.yaml (what `supernode drill restore --config` reads)."""
+    return yaml.safe_dump({"config": {f"supernode:{k}": v for k, v in cfg.to_mapping().items()}}, sort_keys=False)
+
+
+def scraped_namespaces(scrape: dict[str, Any]) -> list[str]:
+    """Every namespace a Prometheus scrape configuration discovers pods in."""
+    return sorted(
+        {
+            n
+            for job in scrape["scrape_configs"]
+            for sd in job["kubernetes_sd_configs"]
+            for n in sd["namespaces"]["names"]
+        }
+    )
+
+
+def prometheus_scrape_config(training_namespace: str) -> dict[str, Any]:
+    """Prometheus scrape jobs: pods that ask for it by annotation in the training namespace, and the
+    DCGM exporter's pods. Namespace and Hostname become labels (the metrics' dimensions)."""
+
+    def pods(job: str, namespace: str, keep: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "job_name": job,
+            "kubernetes_sd_configs": [{"role": "pod", "namespaces": {"names": [namespace]}}],
+            "relabel_configs": [
+                *keep,
+                {
+                    "source_labels": ["__address__", "__meta_kubernetes_pod_annotation_prometheus_io_port"],
+                    "action": "replace",
+                    "regex": r"([^:]+)(?::\d+)?;(\d+)",
+                    "replacement": "$1:$2",
+                    "target_label": "__address__",
+                },
+                {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "Namespace"},
+                {"source_labels": ["__meta_kubernetes_pod_node_name"], "target_label": "Hostname"},
+                {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod_name"},
+            ],
+        }
+
+    annotated = {
+        "source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_scrape"],
+        "action": "keep",
+        "regex": "true",
+    }
+    dcgm = {
+        "source_labels": ["__meta_kubernetes_pod_label_app_kubernetes_io_name"],
+        "action": "keep",
+        "regex": DCGM_SCRAPE_JOB,
+    }
+    return {
+        "global": {"scrape_interval": "1m", "scrape_timeout": "10s"},
+        "scrape_configs": [
+            pods(TRAINER_SCRAPE_JOB, training_namespace, [annotated]),
+            pods(DCGM_SCRAPE_JOB, DCGM_NAMESPACE, [dcgm, annotated]),
+        ],
+    }
+
+
+def cloudwatch_agent_config(cluster_name: str, region: str) -> dict[str, Any]:
+    return {
+        "agent": {"region": region},
+        "logs": {
+            "metrics_collected": {
+                "prometheus": {
+                    "cluster_name": cluster_name,
+                    "log_group_name": insights_log_group(cluster_name, "prometheus"),
+                    "prometheus_config_path": "/etc/prometheusconfig/prometheus.yaml",
+                    "emf_processor": {
+                        "metric_declaration_dedup": True,
+                        "metric_namespace": PROMETHEUS_NAMESPACE,
+                        "metric_declaration": METRIC_DECLARATIONS,
+                    },
+                }
+            },
+            "force_flush_interval": 5,
+        },
+    }
+
+
+def small(cpu: str, memory: str, cpu_limit: str, memory_limit: str) -> dict[str, Any]:
+    return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"cpu": cpu_limit, "memory": memory_limit}}
+
+
+RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+class Operations(pulumi.ComponentResource):
+    def __init__(self, name: str, args: OperationsArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("supernode:workload:Operations", name, None, opts)
+        self._child = pulumi.ResourceOptions(parent=self)
+        job, wl = args.job, args.workload
+        stack = job.plan.stack
+        store = BaselineStore(pvc=args.pvc, subpath=args.baseline_subpath, regression=wl.fabric_regression)
+
+        self.fabric_check = self._fabric_check(name, job, wl, store, dns_name(stack, "fabric-check"))
+        self.fabric_summary = k8s.core.v1.ConfigMap(
+            f"{name}-fabric-baseline",
+            metadata=meta("fabric-baseline", job.namespace),
+            data={"summary.json": json.dumps(self._summary(job, wl, args), indent=1)},
+            opts=self._child,
+        )
+        self.inventory = self._inventory(name, job.image, job.gpu_nodes, wl)
+        self.restore_drill = self._restore_drill(name, job, wl, args, stack)
+        scrape = prometheus_scrape_config(wl.namespace)
+        scrape_yaml = yaml.safe_dump(scrape, sort_keys=False)
+        agent_json = json.dumps(cloudwatch_agent_config(args.cluster_name, args.region), indent=1)
+        self.scrape_config = [
+            k8s.core.v1.ConfigMap(
+                f"{name}-prometheus-config",
+                metadata=meta(SCRAPE_CONFIGMAP, PROMETHEUS_AGENT.namespace),
+                data={"prometheus.yaml": scrape_yaml},
+                opts=self._child,
+            ),
+            k8s.core.v1.ConfigMap(
+                f"{name}-prometheus-cwagentconfig",
+                metadata=meta(AGENT_CONFIGMAP, PROMETHEUS_AGENT.namespace),
+                data={"cwagentconfig.json": agent_json},
+                opts=self._child,
+            ),
+        ]
+        self.prometheus_agent = self._prometheus_agent(
+            name, args, scraped_namespaces(scrape), (scrape_yaml, agent_json)
+        )
+        self.register_outputs(
+            {"fabric_check": self.fabric_check.metadata.name, "inventory": self.inventory.metadata.name}
+        )
+
+    @staticmethod
+    def _summary(job: JobArgs, wl: WorkloadConfig, args: OperationsArgs) -> dict[str, Any]:
+        """Where the baseline is and what it must cover; the baseline file itself names each node
+        (instance id, GPU and EFA device counts) and every pair's figures."""
+        plan = job.plan
+        return {
+            "baseline": FABRIC_BASELINE,
+            "fsx_directory": "/" + args.baseline_subpath,
+            "s3_prefix": f"{args.baseline_subpath}/fabric/",
+            "latest_report": f"{BASELINE_MOUNT}/fabric/latest.json",
+            "schedule": wl.fabric_check_schedule,
+            "regression": wl.fabric_regression,
+            "gate_floor_gbytes_s": plan.gate_floor_gbytes_s,
+            "nodes": plan.nodes,
+            "gpus_per_node": plan.pod.gpus,
+            "efa_per_node": plan.pod.efa,
+            "instance_type": plan.instance_type,
+            "rebaseline": f"delete {FABRIC_BASELINE} (and its S3 copy): the next check records a new one",
+        }
+
+    def _fabric_check(
+        self, name: str, job: JobArgs, wl: WorkloadConfig, store: BaselineStore, service: str
+    ) -> k8s.batch.v1.CronJob:
+        mesh = service
+        after = fabric_mesh(f"{name}-fabric", job, mesh, self)
+        template = fabric_pod_template(job, mesh, service, store, "latest.json")
+        return k8s.batch.v1.CronJob(
+            f"{name}-fabric-check",
+            metadata=meta(service, job.namespace),
+            spec={
+                "schedule": wl.fabric_check_schedule,
+                "concurrencyPolicy": "Forbid",  # one fabric check at a time: two would measure each other
+                "successfulJobsHistoryLimit": 3,
+                "failedJobsHistoryLimit": 3,
+                # Kueue keeps the Job suspended until the pool has free quota for all of its pods.
+                "jobTemplate": {
+                    "metadata": {"labels": job_labels(job.plan, EXPERIMENTS)},
+                    "spec": fabric_job_spec(job, template),
+                },
+            },
+            opts=pulumi.ResourceOptions(parent=self, depends_on=after),
+        )
+
+    def _inventory(self, name: str, image: str, gpu: GpuNodes, wl: WorkloadConfig) -> k8s.apps.v1.DaemonSet:
+        """Own namespace: the training namespace's quota counts one job's pods, and PSA baseline suffices."""
+        child = self._child
+        ns = k8s.core.v1.Namespace(
+            f"{name}-ops-ns",
+            metadata=meta(
+                OPS_NAMESPACE,
+                labels={
+                    "pod-security.kubernetes.io/enforce": "baseline",
+                    "pod-security.kubernetes.io/warn": "restricted",
+                },
+            ),
+            opts=child,
+        ).metadata.name
+        sa = k8s.core.v1.ServiceAccount(f"{name}-inventory", metadata=meta(INVENTORY_SA, ns), opts=child)
+        # Create (keep the first record) and read the baselines: no update, so a baseline is never rewritten.
+        role = k8s.rbac.v1.Role(
+            f"{name}-inventory",
+            metadata=meta("inventory-baselines", ns),
+            rules=[{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "get"]}],
+            opts=child,
+        )
+        k8s.rbac.v1.RoleBinding(
+            f"{name}-inventory",
+            metadata=meta("inventory-baselines", ns),
+            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name},
+            subjects=[{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": ns}],
+            opts=child,
+        )
+        k8s.networking.v1.NetworkPolicy(
+            f"{name}-ops-policy",
+            metadata=meta("inventory", ns),
+            spec={
+                "podSelector": {},
+                "policyTypes": ["Ingress", "Egress"],
+                "egress": [
+                    {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+                    # the Kubernetes API (the cluster's private endpoint)
+                    {
+                        "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}}],
+                        "ports": [{"protocol": "TCP", "port": 443}],
+                    },
+                ],
+            },
+            opts=child,
+        )
+        labels = {"app.kubernetes.io/name": "inventory"}
+        container = {
+            "name": "inventory",
+            "image": image,
+            "command": ["python", "-m", "supernode.trainer.node.inventory", "watch"],
+            "args": [
+                "--namespace",
+                OPS_NAMESPACE,
+                "--interval-s",
+                str(wl.inventory_interval_minutes * 60),
+                "--max-clock-offset-ms",
+                f"{wl.max_clock_offset_ms:g}",
+            ],
+            "env": [
+                {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                # nvidia-smi sees the node's GPUs without claiming any (the jobs own them all).
+                {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+                {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
+            ],
+            "resources": small("50m", "256Mi", "500m", "1Gi"),
+            "securityContext": RESTRICTED,
+        }
+        return k8s.apps.v1.DaemonSet(
+            f"{name}-inventory",
+            metadata=meta("inventory", ns, labels),
+            spec={
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "serviceAccountName": sa.metadata.name,
+                        "tolerations": gpu.tolerations(),
+                        "affinity": gpu.affinity(),
+                        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                        "containers": [container],
+                    },
+                },
+            },
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[role]),
+        )
+
+    def _prometheus_agent(
+        self, name: str, args: OperationsArgs, namespaces: list[str], config: tuple[str, str]
+    ) -> pulumi.CustomResource:
+        """AWS's cwagent-prometheus on the two ConfigMaps above: its pod-reading ClusterRole bound only
+        in the namespaces the scrape discovers pods in; IRSA lets it write the Prometheus log group."""
+        objs = load_addon(PROMETHEUS_AGENT_FILE)
+        ns, child = PROMETHEUS_AGENT.namespace, self._child
+
+        def create(obj: dict[str, Any], suffix: str = "", namespace: str | None = ns) -> pulumi.CustomResource:
+            return addon_resource(
+                f"{name}-{obj['kind'].lower()}-{obj['metadata']['name']}{suffix}", obj, child, namespace
+            )
+
+        sa_obj = objs["ServiceAccount"]
+        sa_obj["metadata"]["name"] = PROMETHEUS_AGENT.name  # the account its IAM role trusts
+        sa_obj["metadata"]["annotations"] = {
+            "eks.amazonaws.com/role-arn": args.metrics_agent_role_arn,
+            "eks.amazonaws.com/sts-regional-endpoints": "true",
+        }
+        sa = create(sa_obj)
+        role = create(objs["ClusterRole"], namespace=None)
+        for scraped in namespaces:
+            binding = copy.deepcopy(objs["RoleBinding"])  # one per namespace
+            binding["roleRef"]["name"] = role.metadata.name
+            binding["subjects"][0].update(name=sa.metadata.name, namespace=ns)
+            create(binding, f"-{scraped}", namespace=scraped)
+        deployment = with_config_hash(with_images(objs["Deployment"], args.addon_images), *config)
+        pod = deployment["spec"]["template"]["spec"]
+        pod["serviceAccountName"] = sa.metadata.name
+        created = dict(zip((SCRAPE_CONFIGMAP, AGENT_CONFIGMAP), self.scrape_config))
+        for volume in pod["volumes"]:  # the agent starts after its configuration exists
+            volume["configMap"]["name"] = created[volume["configMap"]["name"]].metadata.name
+        return create(deployment)
+
+    def _restore_drill(
+        self, name: str, job: JobArgs, wl: WorkloadConfig, args: OperationsArgs, stack: str
+    ) -> k8s.batch.v1.CronJob:
+        filename = f"Pulumi.{stack}.yaml"
+        cm = k8s.core.v1.ConfigMap(
+            f"{name}-stack",
+            metadata=meta(STACK_CONFIGMAP, job.namespace),
+            data={filename: args.stack_file},
+            opts=self._child,
+        )
+        container = {
+            "name": "restore-drill",
+            "image": job.image,
+            "command": ["supernode", "drill", "restore"],
+            "args": [
+                "--config",
+                f"{STACK_MOUNT}/{filename}",
+                "--bucket",
+                "$(BUCKET)",
+                "--dest",
+                f"{DRILL_MOUNT}/{stack}",
+                "--json",
+            ],
+            "env": [{"name": "BUCKET", "value": args.bucket_name}],
+            "resources": small("1", "4Gi", "2", "12Gi"),
+            "securityContext": RESTRICTED,
+            "volumeMounts": [
+                {"name": "stack", "mountPath": STACK_MOUNT, "readOnly": True},
+                {"name": "fsx", "mountPath": DRILL_MOUNT, "subPath": "drills"},
+            ],
+        }
+        pod = {
+            "restartPolicy": "Never",
+            "serviceAccountName": args.service_account,
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [container],
+            "volumes": [
+                {"name": "stack", "configMap": {"name": cm.metadata.name}},
+                {"name": "fsx", "persistentVolumeClaim": {"claimName": args.pvc}},
+            ],
+        }
+        # The fabric-mesh label gives the pod the namespace's HTTPS egress (S3, STS); no GPU, no taint toleration.
+        return k8s.batch.v1.CronJob(
+            f"{name}-restore-drill",
+            metadata=meta(dns_name(stack, "restore-drill"), job.namespace),
+            spec={
+                "schedule": wl.restore_drill_schedule,
+                "concurrencyPolicy": "Forbid",
+                "successfulJobsHistoryLimit": 3,
+                "failedJobsHistoryLimit": 3,
+                "jobTemplate": {
+                    "spec": {
+                        "backoffLimit": 0,
+                        "template": {"metadata": {"labels": {MESH_LABEL: "restore-drill"}}, "spec": pod},
+                    }
+                },
+            },
+            opts=self._child,
+        )

@@ -1,0 +1,394 @@
+"""The supernode Pulumi program: `program(stack, cfg, plan)` declares every resource of the stack from
+the validated config and its plan, and exports the stack outputs. Thin wiring: the AWS components in
+the order each needs the one before, the stack outputs, then the Kubernetes side (`kubernetes`).
+
+Importing it declares nothing. The Pulumi CLI runs `main()` through the root `__main__.py`, with the
+config the engine holds; `supernode preview` calls `program` under the mock engine. Living in the
+package, it ships in the wheel (`pip install .`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import pulumi
+import pulumi_aws as aws
+
+from supernode.components.aws.accelerators import Accelerators, AcceleratorsArgs
+from supernode.components.aws.cluster import NODE_ADDONS, SERVICE_CIDR, WORKLOAD_ADDONS, Cluster, ClusterArgs
+from supernode.components.aws.identity import (
+    Keys,
+    KeysArgs,
+    NodeRole,
+    ServiceAccountRole,
+    ServiceAccountRoleArgs,
+    TrainerRole,
+    TrainerRoleArgs,
+    metrics_agent_policy,
+)
+from supernode.components.aws.monitoring import Monitoring, MonitoringArgs
+from supernode.components.aws.network import Network, NetworkArgs
+from supernode.components.aws.outputs import export_stack_outputs
+from supernode.components.aws.registry import Registry, RegistryArgs
+from supernode.components.aws.storage import Storage, StorageArgs
+from supernode.components.context import StackContext
+from supernode.components.k8s.addons import AddonArgs, ClusterAddons
+from supernode.components.k8s.common import GpuNodes, dns_name
+from supernode.components.k8s.jobs import (
+    BaselineStore,
+    InterconnectGate,
+    JobArgs,
+    TrainerArgs,
+    TrainerJob,
+    spans_nodes_over_nvlink,
+)
+from supernode.components.k8s.namespace import PRIORITY_CLASS, FsxVolume, NamespaceArgs, TrainingNamespace
+from supernode.components.k8s.operations import Operations, OperationsArgs, stack_file
+from supernode.components.k8s.queues import (
+    SERVING,
+    TRAINING,
+    KueueArgs,
+    KueueController,
+    Queues,
+    QueuesArgs,
+    gpu_pools,
+    job_labels,
+)
+from supernode.components.k8s.serving import ServingArgs, ServingWorkload
+from supernode.components.k8s.workload import TrainingWorkload
+from supernode.components.stack_config import stack_config
+from supernode.core.config import StackConfig
+from supernode.core.contract import CONTRACT_VERSION
+from supernode.core.observability import PROMETHEUS_AGENT
+from supernode.core.plan import Plan, build_plan
+
+
+def main() -> None:
+    """The Pulumi CLI's program: the stack's config as the engine holds it, validated, and its plan."""
+    stack = pulumi.get_stack()
+    cfg = stack_config()
+    program(stack, cfg, build_plan(stack, cfg))
+
+
+def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
+    """Every resource of the stack and its outputs: AWS, then Kubernetes on the cluster."""
+    pulumi.export("plan", plan.summary())
+
+    # Stack name, region, account and tags: passed once, as the first field of every component's Args.
+    ctx = StackContext.create(stack, cfg.region, aws.get_caller_identity_output().account_id)
+    cluster_name = f"supernode-{stack}"
+    retention = cfg.monitoring.log_retention_days
+
+    # AWS: keys, network, the cluster and its nodes, storage, identities, registry, monitoring.
+    keys = Keys("keys", KeysArgs(ctx=ctx, identity=cfg.identity))
+    network = Network(
+        "network",
+        NetworkArgs(
+            ctx=ctx,
+            network=cfg.network,
+            gpu_availability_zone=cfg.availability_zone,
+            cluster_name=cluster_name,
+            log_retention_days=retention,
+            logs_kms_key_arn=keys.ops.arn,
+        ),
+    )
+    cluster = Cluster(
+        "cluster",
+        ClusterArgs(
+            ctx=ctx,
+            cluster_name=cluster_name,
+            cluster=cfg.cluster,
+            subnet_ids=network.private_subnet_ids,
+            secrets_kms_key_arn=keys.eks.arn,
+            logs_kms_key_arn=keys.ops.arn,
+            log_retention_days=retention,
+        ),
+    )
+    node_role = NodeRole("node-role", ctx)
+    node_addons = cluster.install_addons(NODE_ADDONS)
+    accelerators = Accelerators(
+        "accelerators",
+        AcceleratorsArgs(
+            ctx=ctx,
+            kubernetes_version=cfg.cluster.kubernetes_version,
+            groups=cfg.accelerator_node_groups,
+            system=cfg.system_node_group,
+            cluster_name=cluster.cluster.name,
+            cluster_endpoint=cluster.endpoint,
+            cluster_certificate_authority=cluster.certificate_authority,
+            cluster_security_group_id=cluster.security_group_id,
+            service_cidr=SERVICE_CIDR,
+            vpc_id=network.vpc_id,
+            gpu_subnet_id=network.gpu_subnet_id,
+            system_subnet_ids=network.private_subnet_ids,
+            node_role_arn=node_role.arn,
+            hugepages_2mi_gib=cfg.workload.hugepages_2mi_gib,
+            node_dependencies=node_addons,
+        ),
+    )
+    workload_addons = cluster.install_addons(WORKLOAD_ADDONS, depends_on=accelerators.node_groups)
+    storage = Storage(
+        "storage",
+        StorageArgs(
+            ctx=ctx,
+            storage=cfg.storage,
+            plan=plan,
+            vpc_id=network.vpc_id,
+            fsx_subnet_id=network.gpu_subnet_id,
+            node_security_group_id=accelerators.efa_security_group_id,
+            data_kms_key_arn=keys.data_key_arn,
+            logs_kms_key_arn=keys.ops.arn,
+            log_retention_days=retention,
+            weights_prefix=cfg.inference.weights_prefix if cfg.inference else None,
+        ),
+    )
+    trainer_role = TrainerRole(
+        "trainer-role",
+        TrainerRoleArgs(
+            ctx=ctx,
+            identity=cfg.identity,
+            storage=cfg.storage,
+            namespace=cfg.workload.namespace,
+            service_account=cfg.workload.service_account,
+            cluster_name=cluster.cluster.name,
+            oidc_provider_arn=cluster.oidc_provider_arn,
+            oidc_issuer_url=cluster.oidc_issuer_url,
+            bucket_arn=storage.bucket_arn,
+            data_key_arn=keys.data_key_arn,
+        ),
+    )
+    registry = Registry("registry", RegistryArgs(ctx=ctx, kms_key_arn=keys.data_key_arn))  # `make image` pushes here
+    monitoring = Monitoring(
+        "monitoring",
+        MonitoringArgs(
+            ctx=ctx,
+            monitoring=cfg.monitoring,
+            cluster=cluster,
+            fsx_id=storage.fsx_id,
+            fsx_capacity_gib=storage.fsx_capacity_gib,
+            ops_kms_key_arn=keys.ops.arn,
+            node_groups=accelerators.node_groups,
+            plan=plan,
+            training_namespace=cfg.workload.namespace,
+        ),
+    )
+    metrics_agent_role = ServiceAccountRole(
+        "metrics-agent-role",
+        ServiceAccountRoleArgs(
+            ctx=ctx,
+            namespace=PROMETHEUS_AGENT.namespace,
+            service_account=PROMETHEUS_AGENT.name,
+            oidc_provider_arn=cluster.oidc_provider_arn,
+            oidc_issuer_url=cluster.oidc_issuer_url,
+            policy=monitoring.prometheus_log_group_arn.apply(lambda arn: json.dumps(metrics_agent_policy(arn))),
+            description=f"supernode {stack}: the CloudWatch agent's Prometheus scrape (training health, DCGM)",
+        ),
+    )
+
+    log_groups = [cluster.log_group_name, storage.fsx_log_group_name, *monitoring.log_group_names]
+    if network.flow_log_group_name is not None:
+        log_groups.append(network.flow_log_group_name)
+    export_stack_outputs(
+        {
+            "contract_version": CONTRACT_VERSION,
+            "cluster_name": cluster.cluster.name,
+            "cluster_endpoint": cluster.endpoint,
+            "cluster_version": cluster.cluster.version,
+            "oidc_issuer_url": cluster.oidc_issuer_url,
+            "oidc_provider_arn": cluster.oidc_provider_arn,
+            "node_group_names": accelerators.node_group_names,
+            "system_node_group_name": accelerators.system_node_group.node_group_name,
+            "vpc_id": network.vpc_id,
+            "private_subnet_ids": network.private_subnet_ids,
+            "gpu_subnet_id": network.gpu_subnet_id,
+            "efa_security_group_id": accelerators.efa_security_group_id,
+            "bucket_name": storage.bucket_name,
+            "dataset_prefix": storage.dataset_prefix,
+            "checkpoint_prefix": storage.checkpoint_prefix,
+            "fsx_id": storage.fsx_id,
+            "fsx_dns_name": storage.fsx_dns_name,
+            "fsx_mount_name": storage.fsx_mount_name,
+            "kms_key_arns": keys.arns,
+            "sns_topic_arn": monitoring.topic_arn,
+            "trainer_role_arn": trainer_role.arn,
+            "log_group_names": log_groups,
+            "alarm_names": monitoring.alarm_names,
+            "kubeconfig": cluster.kubeconfig,
+            "trainer_repository_url": registry.url,
+        }
+    )
+
+    # The Kubernetes side, on the cluster once its GPU nodes, its workload add-ons and the CloudWatch add-on
+    # (which creates amazon-cloudwatch, where the scrape configuration goes) are up.
+    kubernetes(
+        ctx,
+        cfg,
+        plan,
+        AwsOutputs(
+            kubeconfig=cluster.kubeconfig,
+            fsx=FsxVolume(
+                id=storage.fsx_id,
+                dns_name=storage.fsx_dns_name,
+                mount_name=storage.fsx_mount_name,
+                size_gib=storage.fsx_capacity_gib,
+                data_dir=storage.dataset_dir,
+                checkpoint_dir=storage.checkpoint_dir,
+            ),
+            baseline_dir=storage.baseline_dir,
+            bucket_name=storage.bucket_name,
+            trainer_role_arn=trainer_role.arn,
+            metrics_agent_role_arn=metrics_agent_role.arn,
+            gpu_nodes=GpuNodes.for_groups(accelerators.labels, accelerators.taints),
+            cluster_name=cluster_name,
+            after=[*accelerators.node_groups, *workload_addons, monitoring.agent_addon],
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class AwsOutputs:
+    """What the Kubernetes side reads from the AWS side."""
+
+    kubeconfig: pulumi.Input[str]
+    fsx: FsxVolume
+    baseline_dir: str  # the FSx directory of the fabric baselines, exported to the bucket
+    bucket_name: pulumi.Input[str]  # where the restore drill restores from
+    trainer_role_arn: pulumi.Input[str]
+    metrics_agent_role_arn: pulumi.Input[str]  # the CloudWatch agent's Prometheus scrape
+    gpu_nodes: GpuNodes
+    cluster_name: str
+    # What the cluster needs before any workload object: the Kubernetes provider waits for it.
+    after: Sequence[pulumi.Resource] = ()
+
+
+def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOutputs) -> TrainingWorkload:
+    """The Kubernetes side, as children of one TrainingWorkload (its provider reaches the cluster), each
+    after what it needs: add-ons and Kueue's controller, whose webhooks admit every job and serving pod
+    of the queued namespaces; the training namespace; the interconnect gate; serving; the queues, a
+    LocalQueue in each namespace; the trainer job, admitted once the gate passed; operations."""
+    wl = cfg.workload
+    workload = TrainingWorkload("workload", from_aws.kubeconfig, from_aws.after)
+    addons = ClusterAddons(
+        "workload-addons",
+        AddonArgs(
+            region=ctx.region,
+            gpu_nodes=from_aws.gpu_nodes,
+            images=cfg.images.addons,
+            compute_domains=spans_nodes_over_nvlink(plan),
+        ),
+        workload.child(),
+    )
+    serving_namespace = [] if cfg.inference is None else [cfg.inference.namespace]
+    kueue = KueueController(
+        "workload-kueue",
+        KueueArgs(namespaces=[wl.namespace, *serving_namespace], images=cfg.images.addons),
+        workload.child(),
+    )
+    training = TrainingNamespace(
+        "workload-ns",
+        NamespaceArgs(
+            namespace=wl.namespace,
+            service_account=wl.service_account,
+            trainer_role_arn=from_aws.trainer_role_arn,
+            pod_identity=cfg.identity.pod_identity == "pod-identity",
+            cluster_version=cfg.cluster.kubernetes_version,
+            fsx=from_aws.fsx,
+            plan=plan,
+        ),
+        workload.child(),
+    )
+    job = JobArgs(
+        namespace=training.name,
+        image=cfg.images.trainer,
+        gpu_nodes=from_aws.gpu_nodes,
+        plan=plan,
+        plan_config_map=training.plan_config_map.metadata.name,
+        priority_class=training.priority_class.metadata.name,
+        wait_for=addons.compute_domain_ready,
+    )
+    fabric = replace(job, image=cfg.images.fabric_check or cfg.images.trainer)
+    store = BaselineStore(
+        pvc=training.claim.metadata.name, subpath=from_aws.baseline_dir.strip("/"), regression=wl.fabric_regression
+    )
+    gate = InterconnectGate(
+        "workload-gate",
+        fabric,
+        job_name=dns_name(plan.stack, "fabric-gate"),
+        opts=workload.child(after=kueue.ready),
+        baseline=store,
+    )
+    # vLLM on the verified export, at serving priority in the same pools.
+    serving = (
+        None
+        if cfg.inference is None
+        else ServingWorkload(
+            "workload-serving",
+            ServingArgs(
+                plan=plan,
+                inference=cfg.inference,
+                gpu_nodes=from_aws.gpu_nodes,
+                fsx_id=from_aws.fsx.id,
+                fsx_dns_name=from_aws.fsx.dns_name,
+                fsx_mount_name=from_aws.fsx.mount_name,
+                queue_labels=job_labels(plan, SERVING),
+                addon_images=cfg.images.addons,
+            ),
+            workload.child(after=[*addons.ready, *kueue.ready]),
+        )
+    )
+    # A ClusterQueue per GPU pool; the trainer is admitted through its LocalQueue, all workers or none.
+    queues = Queues(
+        "workload-queues",
+        QueuesArgs(
+            pools=gpu_pools(cfg.accelerator_node_groups, plan),
+            kueue=kueue,
+            after=[training.namespace, *([serving.namespace] if serving else [])],
+        ),
+        workload.child(),
+    )
+    trainer = TrainerJob(
+        "workload-trainer",
+        TrainerArgs(
+            job=job,
+            service_account=training.service_account.metadata.name,
+            pvc=training.claim.metadata.name,
+            data_subpath=from_aws.fsx.data_dir.strip("/"),
+            checkpoint_subpath=from_aws.fsx.checkpoint_dir.strip("/"),
+            termination_grace_s=wl.termination_grace_s,
+            wait_for=[gate.job, *addons.ready, *queues.ready],
+            queue_labels=job_labels(plan, TRAINING),
+        ),
+        job_name=dns_name(plan.stack, "train"),
+        opts=workload.child(),
+    )
+    Operations(
+        "workload-ops",
+        OperationsArgs(
+            job=fabric,
+            workload=wl,
+            pvc=training.claim.metadata.name,
+            baseline_subpath=store.subpath,
+            service_account=training.service_account.metadata.name,
+            cluster_name=from_aws.cluster_name,
+            region=ctx.region,
+            stack_file=stack_file(cfg),
+            bucket_name=from_aws.bucket_name,
+            metrics_agent_role_arn=from_aws.metrics_agent_role_arn,
+            addon_images=cfg.images.addons,
+        ),
+        workload.child(after=[*queues.ready, addons.namespace]),  # the agent reads pods there (DCGM)
+    )
+    workload.register_outputs(
+        {
+            "namespace": training.name,
+            "trainer_job": trainer.name,
+            "gate_job": gate.job.metadata.name,
+            "gate_min_busbw_gbytes_s": plan.gate_floor_gbytes_s,  # what the gate reads from the plan
+            "dcgm_metrics_endpoint": addons.dcgm_endpoint,
+            "priority_class": PRIORITY_CLASS,
+            **(serving.outputs if serving else {}),
+        }
+    )
+    return workload

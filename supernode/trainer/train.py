@@ -1,0 +1,473 @@
+"""The training loop, run under torchrun: the Plan decides the model, the layout and the schedule.
+
+    torchrun --nproc-per-node N --max-restarts R -m supernode.trainer.train --plan plan.json --data DIR --out DIR
+
+Every start resumes from the latest complete checkpoint in OUT/checkpoints, so when a rank dies and
+torchrun restarts the workers (up to --max-restarts, from `training.max_restarts`), the job
+continues by itself. `--steps N` stops after step N; the LR schedule always spans the plan's
+`training.steps`, so a run stopped and resumed follows the same curve as one that never stopped.
+SIGTERM (torchrun forwards it; Kubernetes sends it before eviction) and SIGINT finish the step,
+save a checkpoint and exit. Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the
+shared rendezvous store a restarted attempt reads the failed attempt's addresses and cannot connect
+(pytorch/pytorch#135712).
+
+Failures are classified. Bad input (plan, data, --steps, a checkpoint of another model or none that
+verifies, an out directory another run holds), a full disk and a diverged run (non-finite loss for
+`training.maxNonFiniteSteps` steps, or a run that ends on skipped steps) cannot be cured by a
+restart: rank 0 prints one message and records it for the launcher (OUT/.exit-<run key>.json,
+supernode.trainer.launch), and a worker torchrun restarts into the same run exits at once with the recorded
+code. Anything else (a lost peer, a timeout) raises, and torchrun restarts the workers. Under a
+launcher (SUPERNODE_LAUNCHER_PID set) workers exit 0 after recording, so torchrun neither restarts
+nor prints a traceback, and the launcher exits with the recorded code.
+
+No checkpoint is ever written of a step whose update was skipped (non-finite): its weights are an
+earlier step's, so the run's latest checkpoint stays the last one trained through.
+
+Exit codes: 0 done (or stopped by SIGTERM); 1 failure (full disk, divergence, a non-finite last
+step); 2 bad input; 130 SIGINT.
+"""
+
+# ruff: noqa: E402 (the imports follow a worker's signal set-up)
+from __future__ import annotations
+
+import signal
+
+if __name__ == "__main__":
+    # A worker. torchrun forwards SIGINT/SIGTERM when it stops the run, and torch's import takes
+    # seconds: until StopRequest takes over, either signal ends this worker quietly by its default
+    # action (nothing to save yet), not in a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import argparse
+import contextlib
+import ctypes
+import json
+import math
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput, bad_input_lines
+from supernode.core.plan import Plan
+
+from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, inject
+from .engine import Trainer
+from .launch import LAUNCHER_ENV, RUN_KEY_ENV, exit_file  # where a failure a restart cannot fix is recorded
+from .metrics import Metrics
+from .parallel import checked_layout, renumber_by_domain
+
+
+class NonFinite(Exception):
+    """Training diverged: the loss or gradient norm stayed non-finite (not retryable: it would again)."""
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Kineto prints two 'USDT ... profiler_start/stop' lines to fd 2 per session, which would
+    flood the log with one profiled step per metrics line; mute fd 2 for just those calls."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class CommClock:
+    """Seconds with a collective in flight during a profiled region: the union of the backend's
+    collective intervals (gloo worker threads, NCCL kernels) as torch.profiler records them."""
+
+    def __init__(self, enabled: bool, cuda: bool):
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.prof = profile(activities=acts) if enabled else None
+
+    def __enter__(self) -> CommClock:
+        if self.prof is not None:
+            with _quiet_stderr():
+                self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.prof is not None:
+            with _quiet_stderr():
+                self.prof.__exit__(*exc)
+
+    def seconds(self) -> float:
+        if self.prof is None:
+            return 0.0
+        spans = sorted(
+            (e.time_range.start, e.time_range.end) for e in self.prof.events() if e.name.startswith(("gloo:", "nccl"))
+        )
+        total, end = 0, -math.inf
+        for s, e in spans:
+            if e > end:
+                total += e - max(s, end)
+                end = e
+        return total / 1e6
+
+
+class StopRequest:
+    """SIGTERM and SIGINT set a flag; the loop acts on it at a step boundary, agreed by all ranks
+    (no KeyboardInterrupt: Ctrl-C must not tear a step or a save apart)."""
+
+    def __init__(self) -> None:
+        self.term = self.interrupt = False
+        signal.signal(signal.SIGTERM, self._handler)
+        signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT:
+            self.interrupt = True
+        else:
+            self.term = True
+
+
+def _die_with_parent() -> None:
+    """torchrun starts workers in a session of their own, so a SIGKILL to the launcher's process
+    group would orphan them: ask the kernel to kill this worker when its parent (the agent) dies."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the agent died before the prctl took effect
+        os._exit(EXIT_FAILED)
+
+
+# -- outcomes that a restart cannot change ----------------------------------------------------
+
+
+def _classify(exc: BaseException) -> tuple[int, list[str]] | None:
+    """(exit code, lines) for a failure a restart would only repeat; None for a transient one."""
+    lines = bad_input_lines(exc)
+    if lines is not None:
+        return EXIT_BAD_INPUT, lines
+    if isinstance(exc, CheckpointCorrupt):
+        return EXIT_BAD_INPUT, [f"error: {exc}"]
+    if isinstance(exc, (NoSpace, NonFinite)):
+        return EXIT_FAILED, [f"error: {exc}"]
+    return None
+
+
+def _run_key() -> str | None:
+    """The key this worker's outcome is recorded under: its launcher's, else torchrun's run id
+    (plain torchrun: its restarts still stop at a recorded failure); None alone, where nothing restarts."""
+    return os.environ.get(RUN_KEY_ENV) or os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+# The run keys of every node's launcher, once the process group has formed (`_learn_run_keys`):
+# rank 0 records an outcome under each, so a peer that saw only the broken connection finds it,
+# and so does every node's launcher.
+_run_keys: list[str] = []
+
+
+def _learn_run_keys() -> None:
+    keys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, _run_key())
+    _run_keys[:] = sorted({k for k in keys if k})
+
+
+def _recorded(out: Path) -> dict | None:
+    """The outcome recorded for this worker's launcher (or torchrun run), if any."""
+    key = _run_key()
+    try:
+        rec = json.loads(exit_file(out, key).read_text(encoding="utf-8")) if key else None
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+_reported = False
+
+
+def _report(out: Path, code: int, lines: list[str], to_stderr: bool = True) -> None:
+    """Rank 0 prints the lines once. One rank per node records the outcome, for restarts and the
+    launchers: rank 0 under every node's launcher key, each other node's first rank under its own
+    (a failure before the process group formed, which every rank meets alike). Not every rank: a
+    sibling's record would stop rank 0 at its start (main's check for a finished run) unprinted."""
+    global _reported
+    if _reported:
+        return
+    _reported = True
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        print("\n".join(lines), file=sys.stderr if to_stderr else sys.stdout, flush=True)
+    own = _run_key()
+    keys = set(_run_keys) if rank0 else set()
+    if own and os.environ.get("LOCAL_RANK", "0") == "0":
+        keys.add(own)
+    record = json.dumps({"code": code, "lines": lines, "pid": os.getpid(), "host": socket.gethostname()})
+    for key in sorted(keys):
+        path = exit_file(out, key)
+        tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # one per writer
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(record, encoding="utf-8")
+            tmp.replace(path)
+        except OSError:
+            pass  # the message is printed; only a restart's shortcut is lost
+
+
+def _exit_code(code: int) -> int:
+    """Under the launcher every recorded outcome exits 0: torchrun then neither restarts nor
+    prints a traceback, and the launcher exits with the recorded code."""
+    return EXIT_OK if os.environ.get(LAUNCHER_ENV) else code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m supernode.trainer.train", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--plan", type=Path, required=True, help="plan JSON (supernode plan --json --full, or the ConfigMap)"
+    )
+    p.add_argument("--data", type=Path, required=True, help="directory with manifest.json and token shards")
+    p.add_argument("--out", type=Path, required=True, help="checkpoints/ and metrics go here")
+    p.add_argument("--steps", type=int, default=None, help="stop after this step (default: the plan's steps)")
+    p.add_argument("--log-every", type=int, default=1, help="metrics every N steps (those steps are profiled)")
+    p.add_argument("--sync-checkpoint", action="store_true", help="blocking saves instead of async")
+    p.add_argument("--prometheus-port", type=int, default=None, help="serve /metrics on this port (rank 0)")
+    p.add_argument(
+        "--prometheus-addr",
+        default="127.0.0.1",
+        help="address /metrics listens on (default loopback; in a pod, its IP)",
+    )
+    p.add_argument("--progress", action="store_true", help="rich progress bar (rank 0)")
+    p.add_argument("--plots", action="store_true", help="PNG plots of loss and expert load at the end")
+    return p
+
+
+def train(args: argparse.Namespace, stop: StopRequest) -> int:
+    plan = Plan.read(args.plan)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    gpu = torch.cuda.is_available()
+    # The core's layout validator, before any collective: a mismatch must not hang. tp stays in a node.
+    checked_layout(plan, world, plan.accelerators_per_node if gpu else None)
+    t, steps = plan.training, args.steps or plan.training.steps
+    if steps < 1:
+        raise BadInput(f"--steps must be at least 1 (got {steps})")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    backend, timeout = "cuda:nccl,cpu:gloo" if gpu else "gloo", timedelta(seconds=t.collective_timeout_s)
+    dist.init_process_group(backend, timeout=timeout)
+    lock = OutDirLock(args.out)
+    try:
+        _learn_run_keys()
+        renumber_by_domain(
+            world,
+            plan.topology.placement,
+            backend,
+            timeout,
+            say=lambda line: print(line, flush=True) if dist.get_rank() == 0 else None,
+        )
+        _own_out_dir(args.out, lock)
+        return _run(args, plan, steps, device, stop)
+    except Exception as e:
+        outcome = _classify(e)
+        if outcome is not None:  # recorded before the process group goes, so peers that fail on
+            _report(args.out, *outcome)  # the broken connection find it and stay quiet
+        raise
+    finally:
+        dist.destroy_process_group()
+        lock.release()
+
+
+def _own_out_dir(out: Path, lock: OutDirLock) -> None:
+    """One run per out directory (else two runs interleave checkpoints and metrics). Rank 0 takes
+    the lock; the launcher (`supernode train`) may hold it on this run's behalf."""
+    holder = None
+    if dist.get_rank() == 0:
+        holder = lock.acquire()
+        if holder is not None:
+            pid, host = OutDirLock.holder_pid(out)
+            if pid is not None and str(pid) == os.environ.get(LAUNCHER_ENV) and host == socket.gethostname():
+                holder = None
+    found = [holder]
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        raise BadInput(
+            f"--out {out} is in use by another run ({found[0]}); wait for it to end, or train into another --out"
+        )
+
+
+def _run(args: argparse.Namespace, plan: Plan, steps: int, device: torch.device, stop: StopRequest) -> int:
+    t = plan.training
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+    trainer = Trainer(plan, device, args.data, args.out, t.async_checkpoint and not args.sync_checkpoint, say)
+    ckpt = trainer.checkpointer
+    start, changed = trainer.restore()
+    if start > steps:
+        raise BadInput(
+            f"--steps {steps}: the run in {args.out} is already at step {start}; give --steps above "
+            f"{start} to train on, or another --out to start over"
+        )
+    if changed:
+        say(changed)
+    if start == steps:
+        say(f"the run in {args.out} is already at step {start}: nothing to train (give a larger --steps)")
+        ckpt.close()
+        return EXIT_OK
+    metrics = Metrics(
+        args.out,
+        plan,
+        world,
+        device.type,
+        rank,
+        args.prometheus_port,
+        progress=args.progress,
+        total_steps=steps,
+        start_step=start,
+        prometheus_addr=args.prometheus_addr,
+        checkpoints=ckpt.root,
+    )  # the checkpoint-age gauges follow its commits
+    if (
+        int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
+    ):
+        metrics.message(
+            "warning: torchrun restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, "
+            "else a restarted attempt reads stale addresses (pytorch/pytorch#135712) and cannot connect"
+        )
+    metrics.message(
+        f"{'resumed from checkpoint at step ' + str(start) if start else 'starting at step 0'}; "
+        f"training to step {steps} on {world} {device.type} rank(s), layout {plan.degrees.model_dump()}"
+    )
+    gpu = device.type == "cuda"
+    tokens_per_step = t.global_batch * plan.model.seq_len
+    nan_from = int(inject("nan") or 0)  # test hook: the loss (and so every gradient) is NaN from this step on
+    bad_streak, last_saved = 0, start
+    step, code = start, EXIT_OK
+    try:
+        for step in range(start + 1, steps + 1):
+            # Also the first and last steps, so a run always shows where its loss started and ended.
+            profiled = step % args.log_every == 0 or step in (start + 1, steps)
+            t0 = time.perf_counter()
+            micro = trainer.loader.next_step()
+            data_s = time.perf_counter() - t0
+            with CommClock(profiled, gpu) as clock:
+                r = trainer.train_step(micro, stop.term, stop.interrupt, poison=bool(nan_from) and step >= nan_from)
+                if gpu:
+                    torch.cuda.synchronize(device)
+            step_s = time.perf_counter() - t0
+            ckpt.poll()
+            if profiled or r.skipped:
+                comm_s = clock.seconds()
+                metrics.log(
+                    step,
+                    loss=r.loss,
+                    lr=trainer.scheduler.get_last_lr()[0],
+                    grad_norm=r.grad_norm,
+                    tokens=tokens_per_step,
+                    step_s=step_s,
+                    compute_s=max(0.0, step_s - data_s - comm_s),
+                    comm_s=comm_s,
+                    data_s=data_s,
+                    expert_load=None if r.skipped else trainer.expert_load(),
+                    skipped=r.skipped,
+                )
+            if r.skipped:
+                bad_streak += 1
+                metrics.message(
+                    f"step {step}: loss {r.loss}, grad norm {r.grad_norm}: not finite, update skipped "
+                    f"({bad_streak} in a row of at most {t.max_non_finite_steps})"
+                )
+                if bad_streak >= t.max_non_finite_steps:
+                    ckpt.close()  # a save in flight is of an earlier, finite step: keep it
+                    raise NonFinite(
+                        f"training diverged: loss or gradient norm not finite for {bad_streak} consecutive steps "
+                        f"(steps {step - bad_streak + 1}-{step}, updates skipped); stopped without a checkpoint. "
+                        f"{'The checkpoint of step ' + str(last_saved) + ' holds the last finite state' if last_saved else 'No checkpoint was written'}; "  # noqa: E501
+                        "lower training.lr or raise training.warmupSteps, then run again"
+                    )
+            else:
+                bad_streak = 0
+            stopping, last = r.stop_term or r.stop_interrupt, step == steps
+            # Never a checkpoint of a skipped step: its weights are an earlier step's. A periodic save
+            # waits for the streak to end (it would only rotate good checkpoints out), and a run
+            # that stops or ends in one keeps the last checkpoint it trained through.
+            saved = (step % t.checkpoint_interval == 0 or last or stopping) and not bad_streak
+            if saved:
+                if not trainer.finite_params():  # never checkpoint a non-finite state
+                    ckpt.close()
+                    raise NonFinite(
+                        f"step {step}: the weights are not finite; no checkpoint written (the last is "
+                        f"step {last_saved}); lower training.lr, then run again"
+                    )
+                ckpt.save(step, sync=stopping or last)
+                last_saved = step
+                metrics.message(
+                    f"step {step}: loss {r.loss:.4f}; checkpoint "
+                    f"{'written' if stopping or last else 'started (async)'}, "
+                    f"training blocked {ckpt.last_stall_s * 1e3:.0f} ms"
+                )
+            if bad_streak:
+                skipped = f"step {step}" if bad_streak == 1 else f"steps {step - bad_streak + 1}-{step}"
+                kept = (
+                    f"the checkpoint of step {last_saved} holds the last trained state"
+                    if last_saved
+                    else "no checkpoint was written"
+                )
+                if last:  # the run did not train through its last steps: not a success
+                    ckpt.close()  # a save in flight is of an earlier, finite step: keep it
+                    raise NonFinite(
+                        f"training ended on non-finite steps: loss or gradient norm not finite at {skipped} "
+                        f"(updates skipped), so the weights are still those of step {step - bad_streak}; no "
+                        f"checkpoint of step {step} written ({kept}). Lower training.lr or raise "
+                        "training.warmupSteps, then run again"
+                    )
+            if stopping:
+                why = "" if saved else f" ({skipped} not finite; {kept})"
+                if r.stop_interrupt:
+                    code = EXIT_INTERRUPTED
+                    done = "checkpoint written" if saved else "no checkpoint written"
+                    _report(
+                        args.out,
+                        code,
+                        [f"interrupted at step {step}; {done}{why}; run again to resume"],
+                        to_stderr=False,
+                    )
+                else:
+                    done = "with a checkpoint" if saved else "without a checkpoint"
+                    metrics.message(f"SIGTERM: stopped after step {step} {done}{why}; run again to resume")
+                break
+        ckpt.close()
+    finally:
+        metrics.close(plots=args.plots and step == steps)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
+    stop = StopRequest()  # first: a Ctrl-C during start-up must not become a KeyboardInterrupt traceback
+    args = build_parser().parse_args(argv)
+    earlier = _recorded(args.out)
+    if earlier is not None and earlier.get("code"):  # torchrun restarted us into a run that already ended
+        return _exit_code(int(earlier["code"]))
+    try:
+        code = train(args, stop)
+    except Exception as e:
+        outcome = _classify(e)
+        if outcome is None:
+            earlier = _recorded(args.out)
+            if earlier is not None and earlier.get("code"):  # a peer stopped the run; this rank saw only
+                return _exit_code(int(earlier["code"]))  # the broken connection
+            raise  # transient (a lost peer, a timeout): torchrun restarts the workers
+        _report(args.out, *outcome)
+        return _exit_code(outcome[0])
+    return _exit_code(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
