@@ -33,6 +33,10 @@ EXAMPLES = {
         "supernode bench moe --help",
         "supernode bench serve --model out/demo/model --concurrency 1,4,16",
     ],
+    "checkpoints": [
+        "supernode checkpoints --stack prod --outputs out.json --fsx /fsx/checkpoints",
+        "supernode checkpoints --stack prod --bucket my-bucket --retain --dry-run",
+    ],
     "config reference": ["supernode config reference > docs/configuration.md"],
     "drill restore": [
         "supernode drill restore --stack prod --outputs out.json",

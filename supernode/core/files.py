@@ -6,6 +6,12 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+# The S3 object tag that says what S3 keeps a checkpoint as ("milestone" | "window"): set by
+# `supernode checkpoints --retain` (supernode/tools/checkpoints.py), filtered on by the bucket's
+# lifecycle rules (supernode/components/aws/storage.py).
+CHECKPOINT_RETENTION_TAG = "supernode-retention"
+MILESTONE, WINDOW = "milestone", "window"
+
 
 def sha256_file(path: str | Path) -> str:
     """The file's sha256, read in 4 MiB blocks (checkpoint shards and weights are large)."""

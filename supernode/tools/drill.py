@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.errors import BadInput
 from ..core.plan import PLAN_MOUNT_PATH, Plan
 from .awscheck import Aws, describe_error
 
@@ -58,15 +59,25 @@ class DrillResult:
         return {"restore_drill": self.result, **{k: v for k, v in asdict(self).items() if k != "result"}}
 
 
-def latest_checkpoint(s3: Any, bucket: str, prefix: str) -> tuple[int, str] | None:
-    """(step, key prefix of its directory) of the newest checkpoint with a COMPLETE marker, or None."""
-    best: tuple[int, str] | None = None
+def latest_checkpoint(
+    s3: Any, bucket: str, prefix: str, step: int | None = None, run: str | None = None
+) -> tuple[int, str] | None:
+    """(step, key prefix of its directory) of the newest checkpoint with a COMPLETE marker, or None;
+    with `step` (and `run`, the directory holding its step_N/, relative to `prefix`: see
+    `supernode checkpoints`) that checkpoint. A step that several runs have needs `run`."""
+    found: list[tuple[int, str]] = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
             m = STEP_MARKER.match(obj["Key"])
-            if m and (best is None or int(m["step"]) > best[0]):
-                best = (int(m["step"]), m["dir"])
-    return best
+            if not m or (step is not None and int(m["step"]) != step):
+                continue
+            if run is not None and m["dir"][len(prefix) :].rstrip("/").rpartition("/")[0] != run.strip("/"):
+                continue
+            found.append((int(m["step"]), m["dir"]))
+    if step is not None and len(found) > 1:
+        runs = ", ".join(sorted(d[len(prefix) :].rstrip("/").rpartition("/")[0] for _, d in found))
+        raise BadInput(f"--step {step}: several runs have it ({runs}); choose one with --run")
+    return max(found, default=None)
 
 
 def download(s3: Any, bucket: str, key_prefix: str, dest: Path) -> tuple[int, int]:
@@ -122,19 +133,29 @@ def cluster_command(plan: Plan, path: str) -> list[str]:
 
 
 def restore_drill(
-    aws: Aws, bucket: str, prefix: str, plan: Plan, dest: Path | None = None, load: bool = True
+    aws: Aws,
+    bucket: str,
+    prefix: str,
+    plan: Plan,
+    dest: Path | None = None,
+    load: bool = True,
+    step: int | None = None,
+    run: str | None = None,
 ) -> DrillResult:
     from supernode.trainer.checkpoint import Checkpointer  # torch is imported only by the command that needs it
 
     base = DrillResult(result="failed", detail="", bucket=bucket, prefix=prefix)
     s3 = aws.client("s3")
     try:
-        found = latest_checkpoint(s3, bucket, prefix)
+        found = latest_checkpoint(s3, bucket, prefix, step, run)
+    except BadInput:
+        raise
     except Exception as e:  # noqa: BLE001 - any AWS failure is the drill's finding, said in one line
         base.detail = f"cannot list s3://{bucket}/{prefix}: {describe_error(e)[0]}"
         return base
     if found is None:
-        base.detail = f"no complete checkpoint (step_N/COMPLETE) under s3://{bucket}/{prefix}"
+        wanted = "" if step is None else f" of step {step}" + ("" if run is None else f" in run {run}")
+        base.detail = f"no complete checkpoint{wanted} (step_N/COMPLETE) under s3://{bucket}/{prefix}"
         return base
     step, key_prefix = found
     target = Path(tempfile.mkdtemp(prefix="restore-drill-", dir=dest)) / f"step_{step:08d}"

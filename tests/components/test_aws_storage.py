@@ -64,10 +64,15 @@ def test_data_bucket_uses_the_data_key_logs_and_configured_lifecycle(stack: Stac
     (lifecycle,) = for_bucket(stack, T.BUCKET_LIFECYCLE, data.id)
     rules = {r["id"]: r for r in lifecycle["rules"]}
     s, lc = stack.cfg.storage, stack.cfg.storage.lifecycle
-    ckpt = rules["checkpoints-tier-and-expire"]
-    assert ckpt["filter"] == {"prefix": s.checkpoint_prefix}
-    assert ckpt["transitions"] == [{"days": lc.checkpoint_transition_days, "storageClass": "GLACIER_IR"}]
-    assert ckpt["expiration"] == {"days": lc.checkpoint_expire_days}
+    # checkpoints: a rule acts only on what `supernode checkpoints --retain` tagged (an untagged
+    # checkpoint is kept); window ones are tiered and expire, milestones are tiered and kept
+    window, milestone = rules["checkpoints-window-tier-and-expire"], rules["checkpoints-milestone-tier"]
+    assert window["filter"] == {"and": {"prefix": s.checkpoint_prefix, "tags": {"supernode-retention": "window"}}}
+    assert milestone["filter"] == {"and": {"prefix": s.checkpoint_prefix, "tags": {"supernode-retention": "milestone"}}}
+    for ckpt in (window, milestone):
+        assert ckpt["transitions"] == [{"days": lc.checkpoint_transition_days, "storageClass": "GLACIER_IR"}]
+    assert window["expiration"] == {"days": lc.checkpoint_expire_days} and "expiration" not in milestone
+    assert not [r for r in rules.values() if s.checkpoint_prefix in str(r.get("filter")) and "tags" not in str(r)]
     assert rules["logs-expire"]["filter"] == {"prefix": s.log_prefix}
     assert rules["logs-expire"]["expiration"] == {"days": lc.log_expire_days}
     # datasets are never expired or tiered by a rule
@@ -77,7 +82,7 @@ def test_data_bucket_uses_the_data_key_logs_and_configured_lifecycle(stack: Stac
 def test_prod_lifecycle_figures_come_from_the_stack_file():
     s = preview("prod")
     (lifecycle,) = for_bucket(s, T.BUCKET_LIFECYCLE, s.cfg.storage.bucket_name)
-    ckpt = {r["id"]: r for r in lifecycle["rules"]}["checkpoints-tier-and-expire"]
+    ckpt = {r["id"]: r for r in lifecycle["rules"]}["checkpoints-window-tier-and-expire"]
     assert (ckpt["transitions"][0]["days"], ckpt["expiration"]["days"]) == (30, 180)
 
 
@@ -124,10 +129,14 @@ def test_data_repository_associations(stack: Stack):
     # the fabric baseline outlives the checkpoints: its own prefix, exported, expired by no lifecycle rule
     assert dras["/baselines"]["dataRepositoryPath"] == f"s3://{bucket}/baselines/"
     assert dras["/baselines"]["s3"]["autoExportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
-    for d in dras.values():
+    for path, d in dras.items():
         assert d["fileSystemId"] == stack.outputs["fsx_id"]
-        assert d["s3"]["autoImportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
-    assert dras["/checkpoints"]["s3"]["autoExportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
+        if path != "/checkpoints":
+            assert d["s3"]["autoImportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
+    # checkpoints never propagate a deletion: the trainer's prune on FSx leaves S3's history alone, and a
+    # lifecycle expiry in S3 leaves a run's FSx copy alone
+    assert dras["/checkpoints"]["s3"]["autoExportPolicy"]["events"] == ["NEW", "CHANGED"]
+    assert dras["/checkpoints"]["s3"]["autoImportPolicy"]["events"] == ["NEW", "CHANGED"]
     assert "autoExportPolicy" not in dras["/datasets"]["s3"]  # training never writes datasets back
 
 

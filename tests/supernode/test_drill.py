@@ -152,3 +152,37 @@ def test_a_bad_outputs_file_exits_2(tmp_path, capsys):
     bad.write_text("{", encoding="utf-8")
     assert main(["drill", "restore", "--stack", "dev", "--root", str(ROOT), "--outputs", str(bad)]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_listed_older_step_is_restored_by_step_and_run(moto_aws, checkpoint, tmp_path, capsys):
+    """The history's point: a milestone that is not the newest (here step 2, with step 4 newer in
+    the same run and step 2 also in another run) is restored by --step and --run, and verifies."""
+    outputs, bucket = upload(moto_aws, checkpoint, tmp_path)
+    s3 = boto3.client("s3", region_name="us-east-1")
+    for f in sorted(checkpoint.iterdir()):
+        for key in ("checkpoints/step_00000004", "branch/checkpoints/step_00000002"):
+            s3.put_object(Bucket=bucket, Key=f"checkpoints/dev/{key}/{f.name}", Body=f.read_bytes())
+    code, r = drill(outputs, tmp_path, capsys, "--no-load")
+    assert code == 0 and r["step"] == 4  # without --step: the newest
+
+    code = main(["drill", "restore", "--stack", "dev", "--root", str(ROOT), "--outputs", str(outputs), "--step", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--step 2: several runs have it (branch/checkpoints, checkpoints)" in err
+
+    code, r = drill(outputs, tmp_path, capsys, "--step", "2", "--run", "checkpoints")
+    assert code == 0 and r["restore_drill"] == "passed" and r["loaded_tensors"] > 0
+    assert r["step"] == 2 and r["source"] == f"s3://{bucket}/checkpoints/dev/checkpoints/step_00000002/"
+
+    code, r = drill(outputs, tmp_path, capsys, "--step", "3", "--no-load")
+    assert code == 1 and "no complete checkpoint of step 3" in r["detail"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--run", "checkpoints"], "--run names the run of --step"), (["--step", "-1"], "--step -1: a step is a number")],
+)
+def test_bad_step_flags_exit_2(tmp_path, capsys, flags, message):
+    outputs = tmp_path / "outputs.json"
+    outputs.write_text(json.dumps(OUTPUTS), encoding="utf-8")
+    code = main(["drill", "restore", "--stack", "dev", "--root", str(ROOT), "--outputs", str(outputs), *flags])
+    assert code == 2 and message in capsys.readouterr().err

@@ -21,7 +21,26 @@ def register(sub) -> None:
         "verify its checksums, load it with the plan's model; time it",
     )
     add_stack_args(r)
-    src = r.add_mutually_exclusive_group()
+    add_bucket_args(r)
+    r.add_argument(
+        "--local",
+        action="store_true",
+        help="load with the stack's local (CPU-scale) plan: what `supernode train --local` writes",
+    )
+    r.add_argument("--dest", type=Path, default=None, help="where to restore (default: a temporary directory)")
+    r.add_argument("--keep", action="store_true", help="keep the restored copy (default: removed after the drill)")
+    r.add_argument("--no-load", action="store_true", help="restore and verify only")
+    r.add_argument(
+        "--step", type=int, default=None, help="restore this step (one `supernode checkpoints` lists), not the newest"
+    )
+    r.add_argument("--run", default=None, help="the run of --step, when several runs have that step")
+    r.add_argument("--json", action="store_true", help="one JSON line (the cluster CronJob's output)")
+    r.set_defaults(func=run)
+
+
+def add_bucket_args(p) -> None:
+    """Where the stack's checkpoints are in S3: its outputs, or its bucket with the config's prefix."""
+    src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--outputs",
         type=Path,
@@ -33,16 +52,17 @@ def register(sub) -> None:
         help="the stack's bucket, with the config's checkpoint prefix, instead of the "
         "outputs (the cluster CronJob, which has no pulumi CLI)",
     )
-    r.add_argument(
-        "--local",
-        action="store_true",
-        help="load with the stack's local (CPU-scale) plan: what `supernode train --local` writes",
-    )
-    r.add_argument("--dest", type=Path, default=None, help="where to restore (default: a temporary directory)")
-    r.add_argument("--keep", action="store_true", help="keep the restored copy (default: removed after the drill)")
-    r.add_argument("--no-load", action="store_true", help="restore and verify only")
-    r.add_argument("--json", action="store_true", help="one JSON line (the cluster CronJob's output)")
-    r.set_defaults(func=run)
+
+
+def checkpoint_location(args, stack: str, cfg) -> tuple[str, str]:
+    """(bucket, checkpoint prefix) from --bucket or the stack's outputs."""
+    if args.bucket is not None:
+        return args.bucket, cfg.storage.checkpoint_prefix
+    try:
+        outs = load_outputs(args.outputs) if args.outputs else outputs_from_pulumi(stack, args.root)
+    except OutputsError as e:
+        raise BadInput(str(e)) from None
+    return outs.bucket_name, outs.checkpoint_prefix
 
 
 def run(args) -> int:
@@ -50,20 +70,26 @@ def run(args) -> int:
     from ...tools.drill import cleanup, restore_drill
 
     stack, cfg = stack_from_args(args)
-    if args.bucket is not None:
-        bucket, prefix = args.bucket, cfg.storage.checkpoint_prefix
-    else:
-        try:
-            outs = load_outputs(args.outputs) if args.outputs else outputs_from_pulumi(stack, args.root)
-        except OutputsError as e:
-            raise BadInput(str(e)) from None
-        bucket, prefix = outs.bucket_name, outs.checkpoint_prefix
+    bucket, prefix = checkpoint_location(args, stack, cfg)
     if args.dest is not None and args.dest.exists() and not args.dest.is_dir():
         raise BadInput(f"--dest {args.dest} is an existing file, not a directory")
     if args.dest is not None:
         args.dest.mkdir(parents=True, exist_ok=True)
     plan = build_local_plan(stack, cfg) if args.local else build_plan(stack, cfg)
-    result = restore_drill(Aws(cfg.region, read_timeout=60), bucket, prefix, plan, args.dest, load=not args.no_load)
+    if args.step is not None and args.step < 0:
+        raise BadInput(f"--step {args.step}: a step is a number >= 0")
+    if args.run is not None and args.step is None:
+        raise BadInput("--run names the run of --step: give --step too")
+    result = restore_drill(
+        Aws(cfg.region, read_timeout=60),
+        bucket,
+        prefix,
+        plan,
+        args.dest,
+        load=not args.no_load,
+        step=args.step,
+        run=args.run,
+    )
     if not args.keep:
         cleanup(result)
     if args.json:

@@ -10,6 +10,7 @@ import pulumi
 import pulumi_aws as aws
 
 from supernode.core.config import StorageConfig
+from supernode.core.files import CHECKPOINT_RETENTION_TAG, MILESTONE, WINDOW
 from supernode.core.plan import Plan
 
 from ..context import StackContext
@@ -18,6 +19,10 @@ from .identity import policy_document
 LUSTRE_PORTS = ((988, 988), (1018, 1023))  # LNet, and the Lustre service ports
 CHECKPOINT_STORAGE_CLASS = "GLACIER_IR"  # cheaper, still millisecond reads for a restart; no 30-day minimum
 AUTO_EVENTS = ["NEW", "CHANGED", "DELETED"]
+# Checkpoints flow both ways without deletions: the trainer's prune on FSx (keepCheckpoints) must not
+# delete S3's copy, which is the history (supernode/tools/checkpoints.py), and a lifecycle expiry in S3
+# must not delete a checkpoint a run still has on FSx.
+CHECKPOINT_EVENTS = ["NEW", "CHANGED"]
 BASELINE_PREFIX = "baselines/"  # fabric baseline (operations): kept, unlike checkpoints/ which expire
 
 
@@ -36,18 +41,30 @@ def deny_insecure_transport(bucket_arn: str) -> dict:
 def lifecycle_rules(storage: StorageConfig) -> list[aws.s3.BucketLifecycleConfigurationRuleArgs]:
     lc = storage.lifecycle
     rule = aws.s3.BucketLifecycleConfigurationRuleArgs
+
+    def checkpoints(retention: str) -> aws.s3.BucketLifecycleConfigurationRuleFilterArgs:
+        return aws.s3.BucketLifecycleConfigurationRuleFilterArgs(
+            and_=aws.s3.BucketLifecycleConfigurationRuleFilterAndArgs(
+                prefix=storage.checkpoint_prefix, tags={CHECKPOINT_RETENTION_TAG: retention}
+            )
+        )
+
+    tier = [
+        aws.s3.BucketLifecycleConfigurationRuleTransitionArgs(
+            days=lc.checkpoint_transition_days, storage_class=CHECKPOINT_STORAGE_CLASS
+        )
+    ]
+    # Only what `supernode checkpoints --retain` judged is acted on: a window checkpoint is tiered and
+    # expired, a milestone (every k-th and each run's newest) tiered and kept; an untagged one is kept.
     return [
         rule(
-            id="checkpoints-tier-and-expire",
+            id="checkpoints-window-tier-and-expire",
             status="Enabled",
-            filter=aws.s3.BucketLifecycleConfigurationRuleFilterArgs(prefix=storage.checkpoint_prefix),
-            transitions=[
-                aws.s3.BucketLifecycleConfigurationRuleTransitionArgs(
-                    days=lc.checkpoint_transition_days, storage_class=CHECKPOINT_STORAGE_CLASS
-                )
-            ],
+            filter=checkpoints(WINDOW),
+            transitions=tier,
             expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(days=lc.checkpoint_expire_days),
         ),
+        rule(id="checkpoints-milestone-tier", status="Enabled", filter=checkpoints(MILESTONE), transitions=tier),
         rule(
             id="logs-expire",
             status="Enabled",
@@ -164,13 +181,13 @@ class Storage(pulumi.ComponentResource):
         self.dataset_dir, self.checkpoint_dir = "/datasets", "/checkpoints"  # paths inside the file system
         self.baseline_dir = "/baselines"
         links = [
-            (self.dataset_dir, s.dataset_prefix, False),
-            (self.checkpoint_dir, s.checkpoint_prefix, True),
-            (self.baseline_dir, BASELINE_PREFIX, True),
+            (self.dataset_dir, s.dataset_prefix, AUTO_EVENTS, None),
+            (self.checkpoint_dir, s.checkpoint_prefix, CHECKPOINT_EVENTS, CHECKPOINT_EVENTS),
+            (self.baseline_dir, BASELINE_PREFIX, AUTO_EVENTS, AUTO_EVENTS),
         ]
         if args.weights_prefix:  # served weights flow in only: the serving init container reads /fsx/<prefix>
-            links.append(("/" + args.weights_prefix.strip("/"), args.weights_prefix, False))
-        for path, prefix, export in links:
+            links.append(("/" + args.weights_prefix.strip("/"), args.weights_prefix, AUTO_EVENTS, None))
+        for path, prefix, imported, exported in links:
             aws.fsx.DataRepositoryAssociation(
                 f"{name}{path.replace('/', '-')}",
                 file_system_id=self.fsx.id,
@@ -179,9 +196,9 @@ class Storage(pulumi.ComponentResource):
                 batch_import_meta_data_on_create=True,
                 delete_data_in_filesystem=False,
                 s3=aws.fsx.DataRepositoryAssociationS3Args(
-                    auto_import_policy=aws.fsx.DataRepositoryAssociationS3AutoImportPolicyArgs(events=AUTO_EVENTS),
-                    auto_export_policy=aws.fsx.DataRepositoryAssociationS3AutoExportPolicyArgs(events=AUTO_EVENTS)
-                    if export
+                    auto_import_policy=aws.fsx.DataRepositoryAssociationS3AutoImportPolicyArgs(events=imported),
+                    auto_export_policy=aws.fsx.DataRepositoryAssociationS3AutoExportPolicyArgs(events=exported)
+                    if exported
                     else None,
                 ),
                 tags=tags,

@@ -176,6 +176,14 @@ class SystemNodeGroup(_Base):
 class Lifecycle(_Base):
     checkpoint_transition_days: int = Field(default=14, ge=1)
     checkpoint_expire_days: int = Field(default=90, ge=1)
+    checkpoint_milestone_every: int = Field(
+        default=10,
+        ge=1,
+        le=10**6,
+        description="every k-th checkpoint of a run (by step: step / training.checkpointInterval a multiple "
+        "of k), and each run's newest, is a milestone that S3 keeps after checkpointExpireDays "
+        "(`supernode checkpoints --retain` tags them; the lifecycle rules expire only the rest)",
+    )
     noncurrent_expire_days: int = Field(default=7, ge=1)
     log_expire_days: int = Field(default=30, ge=1)
     abort_multipart_days: int = Field(default=3, ge=1, le=30)
