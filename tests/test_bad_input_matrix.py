@@ -36,6 +36,14 @@ STACK_FILES = {
         lambda path: path.write_text(DEV.replace("      nodes: 2\n", "      nodes: true\n", 1)),
         "Input should be a valid integer",
     ),
+    "empty-value": (  # issue 31: YAML's null for `key:` with nothing after it, said as such
+        lambda path: path.write_text(DEV.replace("  supernode:region: us-east-1\n", "  supernode:region:\n", 1)),
+        "supernode:region: has no value",
+    ),
+    "instance-type-typo": (  # issue 31: the closest catalog names, not the whole catalog
+        lambda path: path.write_text(DEV.replace("instanceType: p5.48xlarge", "instanceType: p5.48xlrge", 1)),
+        "did you mean 'p5.48xlarge'",
+    ),
     "beyond-bound": (
         lambda path: path.write_text(DEV.replace("    layers: 12\n", "    layers: 1000000000000000\n", 1)),
         "less than or equal to 1024",

@@ -28,10 +28,12 @@ from pydantic.alias_generators import to_camel
 class Mesh(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    dp_replicate: int = Field(default=1, ge=1)
-    dp_shard: int = Field(default=1, ge=1)
-    tp: int = Field(default=1, ge=1)
-    ep: int = Field(default=1, ge=1)
+    dp_replicate: int = Field(
+        default=1, ge=1, description="data-parallel replicas (HSDP): each holds a full copy of the sharded state"
+    )
+    dp_shard: int = Field(default=1, ge=1, description="data-parallel ranks that shard the parameters (FSDP)")
+    tp: int = Field(default=1, ge=1, description="tensor-parallel degree, within one NVLink domain")
+    ep: int = Field(default=1, ge=1, description="expert-parallel degree: ranks the routed experts are divided over")
     pp: int = Field(default=1, ge=1, description="pipeline stages (layers split by stage; the outermost mesh dim)")
 
     # The dims whose product is the world, in rank order: each one's stride is the product of those before it.

@@ -359,15 +359,24 @@ def _repository(image: str) -> str:
     return path.rsplit(":", 1)[0] if ":" in path.rsplit("/", 1)[-1] else path
 
 
+# The fix for a placeholder: the trainer image is built here (`make image`); the serving pods run the
+# vLLM release image named in inference.image, which nothing here builds.
+_TRAINER_IMAGE_FIX = "`make image STACK=<stack>` and put the digest it prints in supernode:images.trainer."
+_SERVING_IMAGE_FIX = (
+    "pin the vLLM server image you run by digest in supernode:inference.image (`make image` builds only the "
+    "trainer image; `docker buildx imagetools inspect vllm/vllm-openai:<version>` prints a release's digest)."
+)
+
+
 def _image_placeholder(stack: Stack, _conf: None, report: Report) -> None:
     for w, c in _all_containers(stack):
         image = str(get(c, "image", default=""))
         if image.endswith("@" + PLACEHOLDER_DIGEST):
+            serving = w.get("metadata", "labels", "app.kubernetes.io/component") == "serving"
             report(
                 w,
                 f"{w.label} container '{get(c, 'name')}' runs the placeholder digest {image!r}: no such image "
-                f"exists, so its pods never start. Fix: `make image STACK=<stack>` and put the digest it prints "
-                f"in supernode:images.trainer.",
+                f"exists, so its pods never start. Fix: {_SERVING_IMAGE_FIX if serving else _TRAINER_IMAGE_FIX}",
             )
     # The trainer image is built into the stack's own ECR repository (`make image`): a digest in any
     # other repository is one this stack never pushed, however real it looks.

@@ -235,13 +235,18 @@ def failures(checks: list[Check]) -> int:
     return sum(c.result == "fail" for c in checks)
 
 
-def to_json(command: str, stack: str, checks: list[Check]) -> str:
-    """Stable output: checks sorted by name, keys sorted, so the same state gives the same bytes."""
+def warnings(checks: list[Check]) -> int:
+    return sum(c.result == "warn" for c in checks)
+
+
+def to_json(command: str, stack: str, checks: list[Check], strict: bool = False) -> str:
+    """Stable output: checks sorted by name, keys sorted, so the same state gives the same bytes.
+    `strict`: a warning (a check that could not be made) is not ok either."""
     counts = {r: sum(c.result == r for c in checks) for r in ("pass", "fail", "warn")}
     doc = {
         "command": command,
         "stack": stack,
-        "ok": counts["fail"] == 0,
+        "ok": counts["fail"] == 0 and not (strict and counts["warn"]),
         "counts": counts,
         "checks": [c.model_dump() for c in sorted(checks, key=lambda c: (c.name, c.result, c.detail))],
     }
@@ -264,5 +269,5 @@ def render(title: str, checks: list[Check], console: Console) -> None:
         if c.fix and c.result != "pass":
             console.print(Text.assemble((f"fix {c.name}: ", STYLE[c.result]), c.fix), soft_wrap=True)
     n = failures(checks)
-    warns = sum(c.result == "warn" for c in checks)
+    warns = warnings(checks)
     console.print(f"{len(checks)} checks: {len(checks) - n - warns} pass, {n} fail, {warns} warn")

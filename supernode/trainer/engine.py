@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from supernode.core.config import Training
+from supernode.core.config import Training, stack_key
 from supernode.core.errors import BadInput
 from supernode.core.plan import Plan
 
@@ -189,6 +189,7 @@ class Trainer:
                 vocab=plan.model.vocab,
                 blend=t.data,
                 documents=t.document_masking,
+                vocab_key=stack_key("model.vocab", plan.local),
             )
         except DataError as e:
             raise BadInput(str(e)) from None

@@ -4,7 +4,8 @@ Only rank 0 writes. Per logged step: loss, lr, grad norm, tokens/s, achieved FLO
 (`plan.flops_per_token` x tokens/s) and MFU against the catalog's dense bf16 peak (GPU only: a
 CPU has no catalog peak, so MFU is null there), the step time split into compute /
 communication / data wait, and the expert load per MoE layer as max/mean token share (1.0 is a
-perfect balance; E means every token went to one expert).
+perfect balance; experts / topK, the ceiling the plot marks, means every token went to the same topK
+experts).
 
 Checkpoint age: `supernode_train_last_checkpoint_timestamp_seconds` is when the newest complete
 checkpoint was committed (its COMPLETE marker's mtime; `..._step` its step), so age = now - it. It is
@@ -258,18 +259,57 @@ class Metrics:
             return
         if self._progress is not None:
             self._progress.stop()
+        # The run's last save commits after its step was logged (a sync save, or an async one that
+        # ckpt.close() waited for): the file must end on that checkpoint, not the one before it.
+        self._checkpoint_gauges()
+        try:
+            write_to_textfile(str(self.out / PROM), self.registry)
+        except OSError as e:
+            self._write_error(e)
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
         if plots:
             try:
-                plot(self.out / JSONL, self.out)
+                plot(self.out / JSONL, self.out, load_ceiling(self.plan.model.experts, self.plan.model.top_k))
             except OSError as e:
                 self._write_error(e)
 
 
-def plot(jsonl: Path, out_dir: Path) -> list[Path]:
-    """PNG plots of the loss and of the expert load (all records of the file, resumed runs included)."""
+def load_ceiling(experts: int, top_k: int) -> float:
+    """The highest max/mean expert load top-k routing allows: an expert gets a token at most once, so
+    at most 1/top_k of the routed slots, against a mean of 1/experts."""
+    return experts / top_k
+
+
+def expert_load_figure(recs: list[dict], ceiling: float | None = None):
+    """The expert-load plot: max/mean per MoE layer by step, the balance (1) and, given, the top-k
+    ceiling (`load_ceiling`), so a curve's distance from collapse can be read off."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for layer in range(len(recs[-1]["expert_load_max_over_mean"])):
+        pts = [
+            (r["step"], r["expert_load_max_over_mean"][layer])
+            for r in recs
+            if len(r["expert_load_max_over_mean"]) > layer
+        ]
+        ax.plot(*zip(*pts), label=f"MoE layer {layer}")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+    if ceiling is not None:
+        ax.axhline(
+            ceiling, color="red", linestyle=":", linewidth=1.0, label=f"top-k ceiling {ceiling:g} (experts / topK)"
+        )
+    ax.set(xlabel="step", ylabel="max / mean expert tokens", title="expert load (1 = balanced)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot(jsonl: Path, out_dir: Path, ceiling: float | None = None) -> list[Path]:
+    """PNG plots of the loss and of the expert load (all records of the file, resumed runs included);
+    `ceiling`: the expert load's top-k ceiling, marked on its plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -286,19 +326,7 @@ def plot(jsonl: Path, out_dir: Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(out_dir / LOSS_PNG, dpi=100)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for layer in range(len(recs[-1]["expert_load_max_over_mean"])):
-        pts = [
-            (r["step"], r["expert_load_max_over_mean"][layer])
-            for r in recs
-            if len(r["expert_load_max_over_mean"]) > layer
-        ]
-        ax.plot(*zip(*pts), label=f"MoE layer {layer}")
-    ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
-    ax.set(xlabel="step", ylabel="max / mean expert tokens", title="expert load (1 = balanced)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig = expert_load_figure(recs, ceiling)
     fig.savefig(out_dir / LOAD_PNG, dpi=100)
     plt.close(fig)
     return [out_dir / LOSS_PNG, out_dir / LOAD_PNG]

@@ -160,6 +160,7 @@ def test_vocab_mismatch_is_exit_2_from_plan_and_preview(bpe, tmp_path, capsys):
     assert cli(["plan", "--config", str(small), "--data", str(bpe)]) == 2
     err = capsys.readouterr().err
     assert "holds token id 1023, outside the model's vocab of 1000: its bpe tokenizer has 1024 tokens" in err
+    assert "; set model.vocab to at least 1024" in err  # the cluster plan's key, not local.model.vocab
     assert cli(["plan", "--stack", "dev", "--root", str(ROOT), "--data", str(bpe), "--json"]) == 0
     capsys.readouterr()
     assert cli(["preview", "--config", str(small), "--data", str(bpe), "--json"]) == 2
@@ -201,7 +202,8 @@ def test_vocab_mismatch_is_exit_2_from_the_trainer(bpe, tmp_path):
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert (
-        "outside the model's vocab of 256: its bpe tokenizer has 1024 tokens; set model.vocab to at least 1024"
+        # a local run's vocab is local.model.vocab: model.vocab is the cluster's and changes nothing here
+        "outside the model's vocab of 256: its bpe tokenizer has 1024 tokens; set local.model.vocab to at least 1024"
         in r.stderr
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ...core.config import stack_key
 from ...core.errors import EXIT_FAILED, BadInput
 from ..args import add_stack_args, err, stack_from_args
 
@@ -216,6 +217,12 @@ def check_plan_data(plan, data_dir) -> None:
 
     if data_dir is not None:
         try:
-            check_data(data_dir, plan.model.vocab, plan.training.data, plan.training.document_masking)
+            check_data(
+                data_dir,
+                plan.model.vocab,
+                plan.training.data,
+                plan.training.document_masking,
+                vocab_key=stack_key("model.vocab", plan.local),
+            )
         except DataError as e:
             raise BadInput(str(e)) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from .data import add_data_arg, check_plan_data
 from .plan import render as render_plan
 from .policy import add_policy_args, policy_config, run_pack
 from .policy import render as render_policy
+
+LOG_WIDTH = 240  # columns for output that is not a terminal: the longest type and resource names fit
 
 
 def register(sub) -> None:
@@ -88,6 +91,10 @@ def run(args) -> int:
             err.print(line, markup=False)
     else:
         console = plain_console()
+        if not console.is_terminal and "COLUMNS" not in os.environ:
+            # A CI log, not a terminal: rich would assume 80 columns and cut resource types and names
+            # short ("BucketServerSideEncr…"); a log has no width to fit, so give the tables room.
+            console = plain_console(width=LOG_WIDTH)
         if args.tree:
             render_tree(result, console)
         render_counts(result, console)

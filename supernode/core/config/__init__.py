@@ -32,6 +32,7 @@ from .schema import (
     SystemNodeGroup,
     Training,
     Workload,
+    stack_key,
 )
 
 __all__ = [
@@ -62,5 +63,6 @@ __all__ = [
     "load_file",
     "load_stack",
     "read_stack_file",
+    "stack_key",
     "with_local_nproc",
 ]

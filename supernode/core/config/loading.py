@@ -55,13 +55,22 @@ def _valid_sections(data: dict, err: ValidationError) -> tuple[StackConfig, set[
     return StackConfig.model_construct(**values), set(values)
 
 
-def read_stack_file(path: Path) -> dict[str, Any]:
-    """The `supernode:` keys of a Pulumi.<stack>.yaml, namespace stripped; other namespaces checked lightly."""
+def read_stack_file(path: Path, by_name: bool = False) -> dict[str, Any]:
+    """The `supernode:` keys of a Pulumi.<stack>.yaml, namespace stripped; other namespaces checked lightly.
+    `by_name`: the path was made from a stack name and a project directory (`--stack`, `--root`)."""
     src = str(path)
     if not path.exists():
+        where = path.parent.resolve()
         stacks = sorted(f.name for f in path.parent.glob("Pulumi.*.yaml")) if path.parent.is_dir() else []
-        hint = f"; found: {', '.join(stacks)}" if stacks else ""
-        raise ConfigError([Issue(path=src, message=f"stack file not found{hint}", missing=True)], src)
+        found = f"it holds {', '.join(stacks)}" if stacks else "it holds no Pulumi.*.yaml"
+        fix = (
+            "; pass --root DIR, the directory that holds the stack files (default: the current directory), "
+            "or --config FILE"
+            if by_name
+            else ""
+        )
+        message = f"stack file not found in {where} ({found}){fix}"
+        raise ConfigError([Issue(path=src, message=message, missing=True)], src)
     try:  # a stack file is a few KB; bounded, without aliases or duplicate keys (supernode.core.inputs)
         doc = load_yaml(read_bounded(path, MAX_STACK_FILE_BYTES, src), src)
     except InputError as e:
@@ -116,7 +125,7 @@ def read_stack_file(path: Path) -> dict[str, Any]:
 
 def load_stack(stack: str, root: Path = Path(".")) -> StackConfig:
     path = Path(root) / f"Pulumi.{stack}.yaml"
-    return from_mapping(read_stack_file(path), str(path))
+    return from_mapping(read_stack_file(path, by_name=True), str(path))
 
 
 def load_file(path: Path) -> StackConfig:

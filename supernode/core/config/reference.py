@@ -80,7 +80,7 @@ def _allowed(model: type[BaseModel], name: str, field: FieldInfo) -> str:
                 parts.append(
                     f"{op} `{value}`"
                     if attr == "pattern"
-                    else f"{op} {value} item(s)"
+                    else f"{op} {value} {'character(s)' if _type(field.annotation).startswith('string') else 'item(s)'}"
                     if attr == "min_length"
                     else f"{op} {value}"
                 )
@@ -89,12 +89,20 @@ def _allowed(model: type[BaseModel], name: str, field: FieldInfo) -> str:
     return "; ".join(dict.fromkeys(parts))
 
 
+def unset_meaning(field: FieldInfo) -> str:
+    """What the stack does when an optional key is left out (schema.when_unset), or ''."""
+    extra = field.json_schema_extra
+    return str(extra.get("unset", "")) if isinstance(extra, dict) else ""
+
+
 def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "**required**"
     value = field.get_default(call_default_factory=True)
-    if isinstance(value, BaseModel) or value is None:
-        return "" if value is None else "(defaults below)"
+    if value is None:  # the default depends on other keys: say what it is and when
+        return f"unset: {unset_meaning(field)}" if unset_meaning(field) else ""
+    if isinstance(value, BaseModel):
+        return "(defaults below)"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     return f"`{value}`"

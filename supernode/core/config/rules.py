@@ -76,11 +76,14 @@ def _created_vpc_rules(c: StackConfig, vpc: ipaddress.IPv4Network | None) -> lis
             )
         )
     if net.use_nat_gateway and not net.public_subnet_cidrs:
+        given = "true" if net.nat_gateway else "true by default (a VPC the stack creates)"
         issues.append(
             Issue(
                 path=P + "network.natGateway",
-                value=True,
-                message="a NAT gateway needs public subnets; set publicSubnetCidrs or natGateway: false",
+                missing=True,  # the message says both values: the default is not a value the user wrote
+                message=f"is {given} but network.publicSubnetCidrs is empty: a NAT gateway needs public "
+                f"subnets; set network.publicSubnetCidrs (one CIDR per availability zone, {azs}) or "
+                "network.natGateway: false",
             )
         )
 
@@ -163,7 +166,9 @@ def _zones_and_network(c: StackConfig) -> list[Issue]:
     """availabilityZone and every network.availabilityZones entry lie in region (and are distinct).
     vpcCidr is a valid IPv4 CIDR. A created VPC (no existingVpcId) needs one privateSubnetCidrs entry
     per availability zone and a gpuSubnetCidr, all valid, inside vpcCidr and not overlapping, and
-    no existing*SubnetId keys. An existing VPC (existingVpcId) needs one existingPrivateSubnetIds
+    no existing*SubnetId keys; publicSubnetCidrs is empty or one per availability zone, and a NAT
+    gateway (natGateway, on by default in a created VPC) needs public subnets (publicSubnetCidrs).
+    An existing VPC (existingVpcId) needs one existingPrivateSubnetIds
     entry per availability zone (distinct), an existingGpuSubnetId, no *SubnetCidrs keys, and
     natGateway not true (the VPC owner provides egress)."""
     issues: list[Issue] = []

@@ -87,10 +87,10 @@ def _key(*parts: int) -> int:
 class Dataset:
     """A prepared dataset's windows through memory maps, and its (epoch, position) in its order."""
 
-    def __init__(self, data_dir: Path, seq_len: int, seed: int, vocab: int | None):
+    def __init__(self, data_dir: Path, seq_len: int, seed: int, vocab: int | None, vocab_key: str = "model.vocab"):
         manifest = ensure_verified(data_dir)
         if vocab is not None:  # else an index error in the embedding, on every rank
-            check_vocab(manifest, vocab, data_dir)
+            check_vocab(manifest, vocab, data_dir, vocab_key)
         self.dir, self.seq_len, self.seed = data_dir, seq_len, seed
         self.manifest = manifest
         self.dtype = np.dtype(manifest.get("dtype", "uint8"))
@@ -165,9 +165,12 @@ class TokenLoader:
         vocab: int | None = None,
         blend: Sequence = (),
         documents: bool = False,
+        vocab_key: str = "model.vocab",
     ):
         sources = dataset_dirs(data_dir, list(blend or ()))
-        self.datasets = [Dataset(path, seq_len, seed * 1_000_003 + n, vocab) for n, (path, _) in enumerate(sources)]
+        self.datasets = [
+            Dataset(path, seq_len, seed * 1_000_003 + n, vocab, vocab_key) for n, (path, _) in enumerate(sources)
+        ]
         weights = np.array([w for _, w in sources], dtype=np.float64)
         self.cumulative = np.cumsum(weights / weights.sum())
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch

@@ -189,8 +189,9 @@ def ensure_verified(data_dir: str | Path) -> dict:
     return manifest
 
 
-def check_vocab(manifest: dict, model_vocab: int, where: str | Path) -> None:
-    """The one comparison of the data's vocabulary with the model's (plan, preview and trainer)."""
+def check_vocab(manifest: dict, model_vocab: int, where: str | Path, vocab_key: str = "model.vocab") -> None:
+    """The one comparison of the data's vocabulary with the model's (plan, preview and trainer);
+    `vocab_key` is the stack-file key that sets model_vocab (`local.model.vocab` for a local run)."""
     vocab, top = manifest["vocab"], manifest.get("max_id")
     if vocab <= model_vocab:
         return
@@ -203,7 +204,7 @@ def check_vocab(manifest: dict, model_vocab: int, where: str | Path) -> None:
     )
     raise DataError(
         f"{where} {held} the model's vocab of {model_vocab}: its {name} tokenizer has {vocab} tokens; "
-        f"set model.vocab to at least {vocab}, or prepare the data with a tokenizer of at most "
+        f"set {vocab_key} to at least {vocab}, or prepare the data with a tokenizer of at most "
         f"{model_vocab} tokens"
     )
 
@@ -238,13 +239,19 @@ def _get(item, name: str):
     return item[name] if isinstance(item, dict) else getattr(item, name)
 
 
-def check_data(data_dir: str | Path, model_vocab: int, blend: Iterable = (), documents: bool = False) -> list[dict]:
+def check_data(
+    data_dir: str | Path,
+    model_vocab: int,
+    blend: Iterable = (),
+    documents: bool = False,
+    vocab_key: str = "model.vocab",
+) -> list[dict]:
     """For `supernode plan/preview --data DIR`: every dataset's manifest, its vocabulary checked, and
     with `documents` (training.documentMasking) the EOS that separates its documents."""
     manifests = []
     for path, _ in dataset_dirs(data_dir, list(blend)):
         manifests.append((path, read_manifest(path)))
-        check_vocab(manifests[-1][1], model_vocab, path)
+        check_vocab(manifests[-1][1], model_vocab, path, vocab_key)
     if documents:
         document_eos(manifests)
     return [m for _, m in manifests]

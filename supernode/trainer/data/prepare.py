@@ -318,12 +318,20 @@ def prepare(
         "max_id": max(s["max_id"] for s in shards),
         "shard_tokens": shard_tokens,
         "shards": shards,
-        "inputs": [{"file": p.name, "bytes": p.stat().st_size} for p in paths],
+        "inputs": input_records(paths),
         "prepare_key": key,
     }
     write_manifest(out, manifest)
     (out / JOURNAL).unlink(missing_ok=True)
     return manifest
+
+
+def input_records(paths: Sequence[Path]) -> list[dict]:
+    """The corpus files as the manifest lists them: each by its path relative to the files' common
+    directory (a tree of sources holds many `__init__.py`: a basename would not tell them apart)."""
+    resolved = [p.resolve() for p in paths]
+    root = Path(os.path.commonpath([r.parent for r in resolved]))
+    return [{"file": r.relative_to(root).as_posix(), "bytes": r.stat().st_size} for r in resolved]
 
 
 def _tokenizer(

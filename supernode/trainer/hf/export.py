@@ -342,6 +342,13 @@ def export(
     return manifest
 
 
+def _umask() -> int:
+    """The process umask (read by setting it and putting it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write(
     tmp: Path, path: Path, m: Model, arch: str, dtype: str, data: Path | None, shard_bytes: int
 ) -> tuple[dict, int]:
@@ -359,6 +366,10 @@ def _write(
             shards += 1
             name = f"model-{shards:05d}.safetensors"
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            # safetensors renames a private temporary file (mode 0600) into place: give the shard the
+            # mode the export's other files get (0644 under the usual umask), or a server running as
+            # another user cannot read the weights beside their readable config
+            os.chmod(tmp / name, 0o666 & ~_umask())
             weight_map.update({k: name for k in shard})
             shard, size = {}, 0
 
