@@ -277,6 +277,7 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
             gpu_nodes=from_aws.gpu_nodes,
             images=cfg.images.addons,
             compute_domains=spans_nodes_over_nvlink(plan),
+            vendor=plan.hardware.vendor,
         ),
         workload.child(),
     )

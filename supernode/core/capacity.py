@@ -37,7 +37,17 @@ from .config import FsxConfig, Model, Parallel, Training
 from .errors import BadInput
 from .layout import layout_rules, stage_layers
 from .mesh import Mesh
-from .topology import GroupPlacement, Link, all_to_all_seconds, group_span, place, ring_seconds
+from .topology import (
+    GroupPlacement,
+    Link,
+    all_to_all_seconds,
+    group_span,
+    inside_chip,
+    nodes_spanned,
+    place,
+    ring_seconds,
+    scale_up_link,
+)
 
 ADAM_STATE_BYTES = 16  # fp32 master + fp32 grad + 2 fp32 moments, per sharded parameter
 CHECKPOINT_BYTES = 12  # fp32 master + 2 moments (gradients are not saved)
@@ -326,6 +336,18 @@ class Calibration(BaseModel):
             ) from None
 
 
+class ChipTensorParallel(BaseModel):
+    """On an accelerator with several ranks per chip (Trainium2: 4 logical NeuronCores), what the
+    layout's TP collectives cost with each TP group on one chip (through the chip's HBM) against the
+    same group spread over as many chips (over NeuronLink): the price of letting TP leave a chip."""
+
+    tp: int
+    ranks_per_chip: int
+    inside_chip: bool  # the layout's TP groups each lie on one chip (tp divides ranks_per_chip)
+    inside_chip_s: float | None  # None: tp is wider than a chip, so it cannot stay on one
+    across_chips_s: float
+
+
 class StepTime(BaseModel):
     """One optimizer step as the trainer runs it. step_s = compute_s + recompute_s +
     exposed_all_to_all_s + exposed_fsdp_s + tensor_parallel_s + p2p_s + pipeline_bubble_s; the other
@@ -350,6 +372,8 @@ class StepTime(BaseModel):
     # The link each communication term crosses (NVLink, EFA, or NVLink+EFA for a group spanning
     # domains); terms that do not occur (degree 1) are absent.
     links: dict[str, Link] = {}
+    # Accelerators with several ranks per chip only (Trainium2): TP on one chip against across chips.
+    chip_tensor_parallel: ChipTensorParallel | None = None
 
 
 def step_time(
@@ -378,11 +402,21 @@ def step_time(
     groups = {g.dim: g for g in place(p, domain or hw.accelerators)}
     links: dict[str, Link] = {}
     ac = p.activation_checkpointing
+    # A domain of several instances whose link between them is slower (Trn2 UltraServer: NeuronLink
+    # 256 GB/s per chip between instances, 1,024 inside one): a group that leaves its instance runs at that pace.
+    between_nodes = (
+        hw.domain_inter_node_gbytes_s * 1e9 / 2 * (cal.nvlink if cal else NVLINK_EFFICIENCY)
+        if hw.domain_inter_node_gbytes_s
+        else nvlink
+    )
+
+    def scale_up(g: GroupPlacement) -> float:
+        return nvlink if nodes_spanned(g, world, hw.accelerators) == 1 else between_nodes
 
     def ring(term: str, buffer_bytes: float, g: GroupPlacement) -> float:
         if g.size > 1:
-            links[term] = g.link
-        return ring_seconds(buffer_bytes, g, nvlink, efa)
+            links[term] = scale_up_link(g.link, hw.link_name)
+        return ring_seconds(buffer_bytes, g, scale_up(g), efa)
 
     # Recomputation (supernode/trainer/model.py Block): "full" wraps Block._forward in torch.utils.checkpoint, so
     # backward re-runs every block's forward, 1/3 of its 6-per-parameter FLOPs (the head and loss are
@@ -399,9 +433,9 @@ def step_time(
 
     tokens_rank = tokens_step / p.dp  # tp ranks process the same tokens
     a2a_bytes = int(4 * tokens_rank * m.top_k * m.dim * a * (p.ep - 1) / p.ep * m.moe_layers / p.pp)
-    a2a = all_to_all_seconds(a2a_bytes, groups["ep"], nvlink, efa)
+    a2a = all_to_all_seconds(a2a_bytes, groups["ep"], scale_up(groups["ep"]), efa)
     if p.ep > 1:
-        links["all_to_all"] = groups["ep"].link
+        links["all_to_all"] = scale_up_link(groups["ep"].link, hw.link_name)
     # Both checkpointing modes re-run MoE.forward, so its dispatch and combine (the forward half of
     # the four all-to-alls) travel again (supernode/trainer/dispatcher.py AllToAllDispatcher.compute).
     forwards = 1 if ac == "none" or not m.moe_layers else 2
@@ -460,12 +494,35 @@ def step_time(
     # TP: 2 all-reduces (RS + AG) per layer forward and backward of the activations, synchronous in
     # the compute stream (DTensor's ColwiseParallel/RowwiseParallel; the MoE layer's token gather);
     # checkpointing re-runs the forward ones: all of them (full), the FFN's (selective).
-    tpc = ring("tensor_parallel", 4 * (m.layers / p.pp) * 2 * tokens_rank * m.dim * a, groups["tp"])
-    tpc *= {"none": 1, "selective": 1.25, "full": 1.5}[ac]
+    tp_bytes = 4 * (m.layers / p.pp) * 2 * tokens_rank * m.dim * a
+    recomputed_tp = {"none": 1, "selective": 1.25, "full": 1.5}[ac]
+    tpc = ring("tensor_parallel", tp_bytes, groups["tp"]) * recomputed_tp
+    chip_tp = None
+    if hw.ranks_per_chip > 1:
+        # The logical cores of one chip exchange through its HBM (each core's share of the chip's
+        # bandwidth); a TP group wider than the chip, or spread over chips, pays NeuronLink.
+        g_tp = groups["tp"]
+        on_chip = ring_seconds(tp_bytes, g_tp, hw.hbm_gbytes_s * 1e9, efa) * recomputed_tp
+        across = (
+            tpc
+            if not inside_chip(g_tp, hw.ranks_per_chip)
+            else ring_seconds(tp_bytes, g_tp, scale_up(g_tp), efa) * recomputed_tp
+        )
+        chip_tp = ChipTensorParallel(
+            tp=p.tp,
+            ranks_per_chip=hw.ranks_per_chip,
+            inside_chip=inside_chip(g_tp, hw.ranks_per_chip),
+            inside_chip_s=on_chip if hw.ranks_per_chip % p.tp == 0 else None,
+            across_chips_s=across,
+        )
+        if chip_tp.inside_chip:
+            tpc = on_chip
+            if p.tp > 1:
+                links["tensor_parallel"] = "on-chip"
     p2p = 0.0
     if p.pp > 1:  # stage neighbours are a stage's ranks apart: EFA once a pipeline leaves the domain
         spans, _ = group_span(p.pp, p.stride("pp"), world, domain or hw.accelerators)
-        links["p2p"] = "NVLink" if spans == 1 else "EFA"
+        links["p2p"] = hw.link_name if spans == 1 else "EFA"
         # Exposed: Schedule1F1B/GPipe fuse each send with the next receive and wait on both
         # (torch.distributed.pipelining _wait_batch_p2p) before computing.
         p2p = pipe.p2p_bytes_per_rank / (nvlink if spans == 1 else efa)
@@ -490,6 +547,7 @@ def step_time(
         links=links,
         pipeline_bubble_s=bubble,
         p2p_s=p2p,
+        chip_tensor_parallel=chip_tp,
     )
 
 
@@ -595,6 +653,8 @@ def fitting_layouts(
             if mem.total <= usable_hbm_bytes(cand, hw):
                 st = step_time(m, cand, train, hw, pc, pipe, domain, calibration)
                 inside = next(g for g in place(cand, domain) if g.dim == "ep").inside_domain
+                if not inside and hw.vendor == "neuron":  # the plan refuses EP leaving a NeuronLink domain
+                    continue
                 out.append(
                     Suggestion(
                         **mesh.model_dump(),
@@ -655,17 +715,19 @@ NODE_RESERVE_FRACTION = 0.10
 class PodShape(BaseModel):
     """One distributed-job pod per GPU node, owning the whole node: requests = limits (Guaranteed)."""
 
-    gpus: int
+    gpus: int  # accelerator devices of `device_resource`: GPUs, or Neuron devices (chips)
     efa: int
     cpu: int
     memory_gib: int
     hugepages_gib: int
+    device_resource: str = "nvidia.com/gpu"  # the extended resource `gpus` counts (InstanceType.device_resource)
 
     @classmethod
     def for_node(cls, hw: InstanceType, hugepages_gib: int) -> PodShape:
         keep = 1 - NODE_RESERVE_FRACTION
         return cls(
-            gpus=hw.accelerators,
+            gpus=hw.chips,
+            device_resource=hw.device_resource,
             efa=hw.efa_interfaces,
             cpu=int(hw.vcpus * keep),
             memory_gib=int(hw.memory_gib * keep) - hugepages_gib,
@@ -674,4 +736,6 @@ class PodShape(BaseModel):
 
     def times(self, n: int) -> PodShape:
         """What n such pods take together (a pool's quota)."""
-        return PodShape(**{field: n * value for field, value in self.model_dump().items()})
+        return self.model_copy(
+            update={field: n * value for field, value in self.model_dump().items() if isinstance(value, int)}
+        )

@@ -8,6 +8,12 @@ only for the planner's cost estimate.
 An NVLink domain is the set of GPUs that reach each other's memory over NVLink (the supernode's
 "global address space"): one instance for every type here except p6e-gb200, whose domain is the
 whole UltraServer (9 or 18 instances, 36 or 72 GPUs, joined by NVLink switches and IMEX channels).
+
+Trainium2 (vendor "neuron") counts ranks, not chips: a rank is a logical NeuronCore. Under the default
+Logical NeuronCore configuration (LNC=2) two physical NeuronCore-v3 form one logical core, 4 per chip,
+so a trn2.48xlarge runs 64 ranks and every per-accelerator figure of its row (HBM, bf16 peak, HBM and
+NeuronLink bandwidth) is the chip's divided by 4. Its scale-up domain is the NeuronLink domain: one
+instance (16 chips in a 4 x 4 torus), or a Trn2 UltraServer (4 x trn2u.48xlarge, 64 chips).
 """
 
 from __future__ import annotations
@@ -29,18 +35,32 @@ class NetworkInterface(NamedTuple):
 EFA_INTERFACE_TYPES = ("efa", "efa-only")
 
 
+Vendor = Literal["nvidia", "neuron"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class InstanceType:
     name: str
     accelerator: str
-    accelerators: int  # GPUs per node
+    accelerators: int  # ranks per node: GPUs, or Trainium2's logical NeuronCores
+    # Whose accelerator: drives the Kubernetes device resource, the device plugin, the exporter, the
+    # AMI and the trainer's device and process-group backend.
+    vendor: Vendor = "nvidia"
+    # Ranks on one accelerator chip: 1 for a GPU; 4 logical NeuronCores per Trainium2 under LNC=2.
+    ranks_per_chip: int = 1
+    # Physical NeuronCores per chip as EC2 reports them (NeuronInfo CoreInfo.Count): 8 NeuronCore-v3 on a
+    # Trainium2, two per logical core under LNC=2. 0: not a Neuron device.
+    neuron_cores_per_chip: int = 0
     hbm_mib: int  # per GPU, as EC2 reports it
     # HBM bandwidth per GPU, GB/s (vendor datasheets: A100 40/80 GB SXM 1555/2039, H100 SXM 3350,
     # H200 4800, B200/B300/GB200 8000). Decoding reads every weight once per step, so this bounds
     # the inference planner's decode tokens/s. 0: unknown.
     hbm_gbytes_s: float = 0.0
     bf16_tflops: float  # dense peak per GPU
-    nvlink_gbytes_s: int  # per GPU, GB/s (bidirectional aggregate)
+    nvlink_gbytes_s: int  # per GPU (rank), GB/s (bidirectional aggregate) of the scale-up link: NVLink or NeuronLink
+    # Per rank, GB/s, between the instances of one UltraServer domain where that link is slower than
+    # inside an instance (Trn2 UltraServer: 256 GB/s per chip against 1,024); None: one uniform domain.
+    domain_inter_node_gbytes_s: int | None = None
     efa_interfaces: int  # EFA devices per node, one per EFA-capable network card (MaximumEfaInterfaces)
     efa_gbps: int  # per EFA device, Gb/s
     # AWS's newer layout puts an ENA primary at card 0 / device 0 and EFA-only at card 0 / device 1.
@@ -64,6 +84,31 @@ class InstanceType:
     @property
     def family(self) -> str:
         return self.name.split(".")[0]
+
+    @property
+    def chips(self) -> int:
+        """Accelerator chips per node (GPUs, or Trainium2 chips)."""
+        return self.accelerators // self.ranks_per_chip
+
+    @property
+    def device_resource(self) -> str:
+        """The extended resource a pod requests for the node's accelerators: whole GPUs, or whole
+        Neuron devices (chips), which holds whatever the node's LNC setting makes of their cores."""
+        return {"nvidia": "nvidia.com/gpu", "neuron": "aws.amazon.com/neurondevice"}[self.vendor]
+
+    @property
+    def link_name(self) -> str:
+        """The scale-up link inside a domain, as plans and findings name it."""
+        return {"nvidia": "NVLink", "neuron": "NeuronLink"}[self.vendor]
+
+    @property
+    def rank_noun(self) -> str:
+        return {"nvidia": "GPU", "neuron": "logical NeuronCore"}[self.vendor]
+
+    @property
+    def torch_device(self) -> str:
+        """The torch device type the trainer runs on (supernode.trainer.device)."""
+        return {"nvidia": "cuda", "neuron": "neuron"}[self.vendor]
 
     @property
     def network_cards(self) -> int:
@@ -267,6 +312,64 @@ CATALOG: dict[str, InstanceType] = {
             price_per_hour=round(761.90 / 18, 2),
             all_reduce_baseline_gbytes_s=500.0,
         ),
+        # Trainium2, per rank = per logical NeuronCore (LNC=2, 4 per chip: Neuron docs, "Logical NeuronCore
+        # configuration"). Chip figures, divided by 4 here: 96 GiB HBM at 2.9 TB/s, 667 TFLOP/s bf16 dense
+        # (awsdocs-neuron about-neuron/arch/neuron-hardware/trainium2 and nki/arch/trainium2_arch);
+        # NeuronLink-v3 1,024 GB/s per chip inside an instance and 256 GB/s per chip between the
+        # instances of a Trn2 UltraServer, EFAv3 3,200 Gb/s per instance (trn2-arch, "Trn2 instance
+        # specifications"). EC2 (moto 5.2.5 describe_instance_types): 16 Trainium2 with 8 cores each,
+        # 192 vCPUs, 2,048 GiB, 4 x 1,900 GB NVMe, 16 network cards of 200 Gb/s, MaximumEfaInterfaces 16,
+        # card 0 offers efa/efa-only (so the ENA primary with efa-only beside it at card 0, efa-only at
+        # device 0 on cards 1-15, EC2's current layout). Price: $35.76/h on demand in us-east-2, the
+        # region Trn2 is sold in (instances.vantage.sh, 2025-11-30); trn2u is sold only as UltraServer
+        # Capacity Blocks, for which no list price is published: the same per-instance figure, an
+        # estimate. All-reduce baseline: none is published for Trainium (nccom-test's guide shows only a
+        # 2-rank example). Two nodes' all_reduce is bounded by each node's EFA, which here is p6-b200's
+        # 3,200 Gb/s, so p6-b200's aws-parallelcluster minimum (300 GB/s at 1 GiB) stands in: UNVERIFIED
+        # on Trainium; replace it with a measured nccom-test figure (workload.gateMinFraction scales it).
+        InstanceType(
+            name="trn2.48xlarge",
+            accelerator="Trainium2",
+            accelerators=64,
+            vendor="neuron",
+            ranks_per_chip=4,
+            neuron_cores_per_chip=8,
+            hbm_mib=96 * 1024 // 4,
+            hbm_gbytes_s=2900.0 / 4,
+            bf16_tflops=667.0 / 4,
+            nvlink_gbytes_s=1024 // 4,
+            efa_interfaces=16,
+            efa_gbps=200,
+            ena_primary=True,
+            efa_only_device_index=0,
+            vcpus=192,
+            memory_gib=2048,
+            local_nvme=True,
+            price_per_hour=35.76,
+            all_reduce_baseline_gbytes_s=300.0,
+        ),
+        InstanceType(
+            name="trn2u.48xlarge",
+            accelerator="Trainium2",
+            accelerators=64,
+            vendor="neuron",
+            ranks_per_chip=4,
+            neuron_cores_per_chip=8,
+            hbm_mib=96 * 1024 // 4,
+            hbm_gbytes_s=2900.0 / 4,
+            bf16_tflops=667.0 / 4,
+            nvlink_gbytes_s=1024 // 4,
+            domain_inter_node_gbytes_s=256 // 4,
+            efa_interfaces=16,
+            efa_gbps=200,
+            ena_primary=True,
+            efa_only_device_index=0,
+            vcpus=192,
+            memory_gib=2048,
+            local_nvme=True,
+            price_per_hour=35.76,
+            all_reduce_baseline_gbytes_s=300.0,
+        ),
     ]
 }
 
@@ -281,15 +384,18 @@ class UltraServer:
 
     @property
     def gpus(self) -> int:
+        """Ranks in the domain (GPUs, or logical NeuronCores)."""
         return self.instances * CATALOG[self.instance_type].accelerators
 
 
 # docs/hardware.md "Buying and placing": u-p6e-gb200x36 = 9 instances, x72 = 18, sold only as Capacity Blocks.
+# A Trn2 UltraServer (u-trn2x64) is four trn2u.48xlarge joined by NeuronLink-v3, 64 chips (trn2-arch).
 ULTRASERVERS: dict[str, UltraServer] = {
     u.name: u
     for u in [
         UltraServer("u-p6e-gb200x36", "p6e-gb200.36xlarge", 9),
         UltraServer("u-p6e-gb200x72", "p6e-gb200.36xlarge", 18),
+        UltraServer("u-trn2x64", "trn2u.48xlarge", 4),
     ]
 }
 

@@ -181,6 +181,8 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
         replica_fits=replica_state <= shard_group * usable,
         placement=place(p, domain),
     )
+    if not local:
+        _refuse_leaving_neuronlink(hw, topology)
     return Plan(
         stack=stack,
         local=local,
@@ -214,6 +216,23 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
         run_cost_usd=total,
         inference=None if local else build_inference_plan(cfg, params, hw),
     )
+
+
+def _refuse_leaving_neuronlink(hw: InstanceType, topology: Topology) -> None:
+    """On Trainium the EP all-to-all and the TP collectives stay inside one NeuronLink domain (an
+    instance, or a Trn2 UltraServer): over EFA a logical core gets 6.25 GB/s against NeuronLink's 256,
+    so a layout that sends them across domains is refused, not costed."""
+    if hw.vendor != "neuron":
+        return
+    for dim in ("ep", "tp"):
+        g = topology.group(dim)
+        if not g.inside_domain:
+            raise BadInput(
+                f"supernode:parallel.{dim}: {g.size} puts each {dim} group across {g.domains} NeuronLink domains of "
+                f"{topology.domain_gpus} {hw.rank_noun}s ({topology.ultra_server or 'one ' + hw.name}); on "
+                f"Trainium the {dim} group must stay inside one domain: choose supernode:parallel.{dim} dividing "
+                f"{topology.domain_gpus} (EP/TP inside the domain, FSDP/DP across domains over EFA)"
+            )
 
 
 def _nodes(cfg: StackConfig) -> Counter:

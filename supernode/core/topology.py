@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict
 
 from .mesh import Mesh
 
-Link = Literal["NVLink", "EFA", "NVLink+EFA"]
+# NVLink inside a GPU domain, NeuronLink inside a Trainium one (the vendor's name, `scale_up_link`);
+# "on-chip": a Trainium2 TP group among the logical NeuronCores of one chip (through its HBM).
+Link = Literal["NVLink", "EFA", "NVLink+EFA", "NeuronLink", "NeuronLink+EFA", "on-chip"]
 
 
 class GroupPlacement(BaseModel):
@@ -76,6 +78,24 @@ def place(mesh: Mesh, domain: int) -> list[GroupPlacement]:
         for dim, (n, s) in mesh.groups().items()
         for k, m in [group_span(n, s, world, domain)]
     ]
+
+
+def scale_up_link(link: Link, name: str) -> Link:
+    """A placement's link named for the domain's interconnect (`InstanceType.link_name`): the
+    placement speaks of NVLink, a Trainium domain's link is NeuronLink."""
+    return link.replace("NVLink", name)  # type: ignore[return-value]
+
+
+def nodes_spanned(g: GroupPlacement, world: int, node_ranks: int) -> int:
+    """Instances the worst group of a dimension spans (`node_ranks` ranks per instance): inside a
+    multi-instance domain, the link between instances can be slower than inside one (Trn2 UltraServer)."""
+    return group_span(g.size, g.stride, world, node_ranks)[0]
+
+
+def inside_chip(g: GroupPlacement, ranks_per_chip: int) -> bool:
+    """Every group of the dimension lies on one accelerator chip: consecutive ranks (stride 1, as tp
+    is laid out) in aligned blocks of a size dividing the chip's rank count (Trainium2: 4 logical cores)."""
+    return ranks_per_chip > 1 and g.stride == 1 and ranks_per_chip % g.size == 0
 
 
 def all_to_all_seconds(peer_bytes: float, g: GroupPlacement, nvlink: float, efa: float) -> float:

@@ -13,7 +13,7 @@ from pulumi_policy import EnforcementLevel
 from pydantic import ValidationError
 
 from supernode.core import capacity as cap
-from supernode.core.catalog import CATALOG, EFA_INTERFACE_TYPES, gate_floor_gbytes_s
+from supernode.core.catalog import CATALOG, EFA_INTERFACE_TYPES, InstanceType, gate_floor_gbytes_s
 from supernode.core.config import DIGEST_RE, FsxConfig
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH
 from supernode.core.resource_types import (
@@ -110,10 +110,10 @@ def _memory_fit(stack: Stack, _conf: None, report: Report) -> None:
     # Item 2's global address space: one replica's state against its shard group's aggregate HBM.
     domain = ""
     if not topo.replica_fits:
-        shard = plan.degrees.shard_group
+        shard, rank, link = plan.degrees.shard_group, plan.hardware.rank_noun, plan.hardware.link_name
         domain = (
             f"One replica's training state is {topo.replica_state_gib:,.0f} GiB but its {shard} shard-group "
-            f"GPUs ({topo.replica_domains} NVLink domain(s) of {topo.domain_gpus} GPUs, "
+            f"{rank}s ({topo.replica_domains} {link} domain(s) of {topo.domain_gpus} {rank}s, "
             f"{topo.domain_hbm_gib:,.0f} GiB each) hold {shard * plan.usable_hbm_gib:,.0f} GiB usable. "
         )
     if not plan.fits:
@@ -188,19 +188,24 @@ def _nvlink_domain(stack: Stack, _conf: None, report: Report) -> None:
     and each job claims the IMEX channel of its own ComputeDomain (without it NCCL cannot use NVLink
     between the domain's nodes)."""
     plan = stack.plan()
-    if plan is None or plan.topology.nodes_per_domain <= 1:
+    # Trainium keeps EP and TP inside its NeuronLink domain on every instance type (the planner refuses
+    # otherwise); GPUs are checked where the domain spans nodes.
+    neuron = plan is not None and plan.hardware.vendor == "neuron"
+    if plan is None or (plan.topology.nodes_per_domain <= 1 and not neuron):
         return
-    cm, topo = stack.plan_config_map(), plan.topology
+    cm, topo, hw = stack.plan_config_map(), plan.topology, plan.hardware
     for dim, key in (("ep", "ep"), ("tp", "tp")):
         g = topo.group(dim)
         if not g.inside_domain:
             report(
                 cm,
-                f"the plan in {cm.label} puts each {dim} group of {g.size} GPUs across {g.domains} NVLink "
-                f"domains of {topo.domain_gpus} ({topo.ultra_server}), so its traffic crosses EFA. Fix: choose "
-                f"supernode:parallel.{key} dividing {topo.domain_gpus} (EP inside the domain, FSDP/DP "
-                f"across domains; `supernode plan` suggests such layouts).",
+                f"the plan in {cm.label} puts each {dim} group of {g.size} {hw.rank_noun}s across {g.domains} "
+                f"{hw.link_name} domains of {topo.domain_gpus} ({topo.ultra_server or 'one ' + hw.name}), so its "
+                f"traffic crosses EFA. Fix: choose supernode:parallel.{key} dividing {topo.domain_gpus} (EP inside "
+                f"the domain, FSDP/DP across domains; `supernode plan` suggests such layouts).",
             )
+    if neuron:  # NeuronLink between a Trn2 UltraServer's instances needs no IMEX channel
+        return
     domains = {get(cd.props, "metadata", "name"): cd for cd in stack.of(COMPUTE_DOMAIN)}
     templates = {get(cd.props, "spec", "channel", "resourceClaimTemplate", "name") for cd in domains.values()}
     for job in [*stack.trainer_jobs(), *stack.gates()]:
@@ -293,7 +298,8 @@ def _trainer_efa(stack: Stack, _conf: None, report: Report) -> None:
     plan = stack.plan()
     want = CATALOG[plan.instance_type].efa_interfaces if plan and plan.instance_type in CATALOG else None
     for job in stack.trainer_jobs():
-        gpu = [c for c in containers(job) if resource_quantity(c, "nvidia.com/gpu")] or containers(job)
+        device = CATALOG[plan.instance_type].device_resource if plan and plan.instance_type in CATALOG else None
+        gpu = [c for c in containers(job) if resource_quantity(c, device or "nvidia.com/gpu")] or containers(job)
         for c in gpu:
             got = resource_quantity(c, EFA_RESOURCE)
             if not got or (want is not None and got != want):
@@ -691,19 +697,52 @@ def _log_retention(log_group: Res, conf: LogRetention, report: Report) -> None:
         )
 
 
-def _dcgm(stack: Stack, _conf: None, report: Report) -> None:
-    jobs = stack.trainer_jobs()
-    exporters = [
+# Per accelerator vendor (the plan's InstanceType.vendor): the image of its device plugin and of its
+# metrics exporter, as the add-on files in supernode/components/addons/ pin them.
+DEVICE_PLUGINS = {"nvidia": "nvidia-device-plugin", "neuron": "neuron-device-plugin"}
+EXPORTERS = {"nvidia": ("dcgm-exporter", "DCGM exporter"), "neuron": ("neuron-monitor", "neuron-monitor exporter")}
+
+
+def _hardware(stack: Stack) -> InstanceType:
+    """The plan's accelerator, or an NVIDIA GPU where no plan names one (the pack's original reading)."""
+    plan = stack.plan()
+    return CATALOG[plan.instance_type if plan is not None and plan.instance_type in CATALOG else "p5.48xlarge"]
+
+
+def _daemon_sets_running(stack: Stack, image: str) -> list[Res]:
+    return [
         d
         for d in stack.of(DAEMON_SET)
-        if "dcgm" in d.name.lower() or any("dcgm-exporter" in str(get(c, "image")) for c in containers(d))
+        if image in d.name.lower() or any(image in str(get(c, "image")) for c in containers(d))
     ]
-    if jobs and not exporters:
+
+
+def _dcgm(stack: Stack, _conf: None, report: Report) -> None:
+    """The trainer's accelerators have their metrics exporter: DCGM on GPUs, neuron-monitor on Trainium."""
+    jobs = stack.trainer_jobs()
+    image, what = EXPORTERS[_hardware(stack).vendor]
+    if jobs and not _daemon_sets_running(stack, image):
         for job in jobs:
             report(
                 job,
-                f"{job.label} runs without GPU metrics: no DCGM exporter DaemonSet is deployed, so the GPU "
-                f"utilisation alarm has no data. Fix: deploy nvidia dcgm-exporter on the GPU nodes.",
+                f"{job.label} runs without accelerator metrics: no {what} DaemonSet ({image}) is deployed, so "
+                f"the utilisation alarm has no data. Fix: deploy {image} on the accelerator nodes "
+                f"(supernode/components/addons/).",
+            )
+
+
+def _device_plugin(stack: Stack, _conf: None, report: Report) -> None:
+    """The trainer's accelerators are advertised: without the vendor's device plugin no node offers
+    the devices the job's pods request, and the pods never schedule."""
+    jobs, hw = stack.trainer_jobs(), _hardware(stack)
+    image = DEVICE_PLUGINS[hw.vendor]
+    if jobs and not _daemon_sets_running(stack, image):
+        for job in jobs:
+            report(
+                job,
+                f"{job.label} requests {hw.device_resource} but no {image} DaemonSet is deployed, so no node "
+                f"advertises it and the pods never schedule. Fix: deploy {image} on the accelerator nodes "
+                f"(supernode/components/addons/{image}.yaml).",
             )
 
 
@@ -720,6 +759,12 @@ POLICIES = [
         1,
         "Accelerators across GPU node groups equal the plan's world size.",
         _world_size,
+    ),
+    StackPolicy(
+        "accelerators-device-plugin",
+        1,
+        "The accelerator vendor's device plugin (NVIDIA or AWS Neuron) is deployed for the trainer.",
+        _device_plugin,
     ),
     StackPolicy("memory-fit", 2, "The plan's per-rank memory fits HBM with headroom.", _memory_fit),
     StackPolicy(
@@ -783,5 +828,7 @@ POLICIES = [
         _log_retention,
         settings=LogRetention,
     ),
-    StackPolicy("monitoring-dcgm", 9, "The DCGM exporter is deployed for the trainer's GPUs.", _dcgm),
+    StackPolicy(
+        "monitoring-dcgm", 9, "The accelerators' exporter (DCGM, or neuron-monitor) is deployed for the trainer.", _dcgm
+    ),
 ]

@@ -22,9 +22,15 @@ from .awscheck import Aws, Check, Step, error_code, failed, passed, run_checks, 
 CATALOG_FIX = (
     "correct supernode/catalog.py (the plan was sized with the catalog's figures), then re-run `supernode plan`"
 )
-# EC2 On-Demand vCPU quotas are per instance-family group; every catalog type is a P instance
-# (tests/supernode/test_preflight.py holds the catalog to that).
+# EC2 On-Demand vCPU quotas are per instance-family group; every catalog type is a P instance or a
+# Trainium one (tests/supernode/test_preflight.py holds the catalog to that).
 P_QUOTA_CODE, P_QUOTA_NAME = "L-417A185B", "Running On-Demand P instances"
+TRN_QUOTA_CODE, TRN_QUOTA_NAME = "L-2C3B7624", "Running On-Demand Trn instances"
+
+
+def quota_of(instance_type: str) -> tuple[str, str]:
+    """The On-Demand vCPU quota (code, name) an instance type counts against."""
+    return (TRN_QUOTA_CODE, TRN_QUOTA_NAME) if instance_type.startswith("trn") else (P_QUOTA_CODE, P_QUOTA_NAME)
 
 
 def check_offering(aws: Aws, instance_type: str, az: str) -> Check:
@@ -42,18 +48,37 @@ def check_offering(aws: Aws, instance_type: str, az: str) -> Check:
         if azs
         else f"no AZ of {aws.region} offers it: choose another region"
     )
+    if az in LOCAL_ZONES.get(aws.region, ()):  # a Local Zone's offerings are listed once it is opted in
+        where = f"{az} is a Local Zone: if its group is not opted in, `{_opt_in(az)}`; else {where}"
     return failed(name, f"EC2 does not offer {instance_type} in {az}", where + " (availabilityZone and the GPU subnet)")
 
 
+# A Neuron type's device figures, as EC2's NeuronInfo states them (catalog_figures gives the same keys).
+NEURON_DEVICE_FIGURES = ("Neuron devices", "accelerator", "device memory MiB", "cores per device")
+
+
 def ec2_figures(it: dict) -> dict[str, object]:
-    """The figures of one DescribeInstanceTypes entry that the catalog also holds."""
-    gpus = it.get("GpuInfo", {}).get("Gpus", [])
+    """The figures of one DescribeInstanceTypes entry that the catalog also holds (a Neuron type's
+    devices from NeuronInfo, a GPU type's from GpuInfo)."""
     net = it.get("NetworkInfo", {})
     card0 = next((c for c in net.get("NetworkCards", []) if c.get("NetworkCardIndex") == 0), {})
+    if "NeuronInfo" in it or it.get("InstanceType", "").startswith("trn"):
+        devices = it.get("NeuronInfo", {}).get("NeuronDevices", [])
+        accelerators: dict[str, object] = {
+            "Neuron devices": sum(d.get("Count", 0) for d in devices),
+            "accelerator": ",".join(sorted({d.get("Name", "") for d in devices})),
+            "device memory MiB": min((d.get("MemoryInfo", {}).get("SizeInMiB", 0) for d in devices), default=0),
+            "cores per device": min((d.get("CoreInfo", {}).get("Count", 0) for d in devices), default=0),
+        }
+    else:
+        gpus = it.get("GpuInfo", {}).get("Gpus", [])
+        accelerators = {
+            "GPUs": sum(g.get("Count", 0) for g in gpus),
+            "accelerator": ",".join(sorted({g.get("Name", "") for g in gpus})),
+            "GPU memory MiB": min((g.get("MemoryInfo", {}).get("SizeInMiB", 0) for g in gpus), default=0),
+        }
     return {
-        "GPUs": sum(g.get("Count", 0) for g in gpus),
-        "accelerator": ",".join(sorted({g.get("Name", "") for g in gpus})),
-        "GPU memory MiB": min((g.get("MemoryInfo", {}).get("SizeInMiB", 0) for g in gpus), default=0),
+        **accelerators,
         "max EFA interfaces": net.get("EfaInfo", {}).get("MaximumEfaInterfaces", 0),
         "network cards": net.get("MaximumNetworkCards", 0),
         "card 0 EFA": bool({"efa", "efa-only"} & set(card0.get("InterfaceTypes", []))),
@@ -65,10 +90,17 @@ def ec2_figures(it: dict) -> dict[str, object]:
 def catalog_figures(instance_type: str) -> dict[str, object]:
     """The same figures as the catalog states them (what the plan and the launch templates use)."""
     hw = CATALOG[instance_type]
+    if hw.vendor == "neuron":  # the catalog counts logical cores (ranks); EC2 counts chips and physical cores
+        accelerators: dict[str, object] = {
+            "Neuron devices": hw.chips,
+            "accelerator": hw.accelerator,
+            "device memory MiB": hw.hbm_mib * hw.ranks_per_chip,
+            "cores per device": hw.neuron_cores_per_chip,
+        }
+    else:
+        accelerators = {"GPUs": hw.accelerators, "accelerator": hw.accelerator, "GPU memory MiB": hw.hbm_mib}
     return {
-        "GPUs": hw.accelerators,
-        "accelerator": hw.accelerator,
-        "GPU memory MiB": hw.hbm_mib,
+        **accelerators,
         "max EFA interfaces": hw.efa_interfaces,
         "network cards": hw.network_cards,
         "card 0 EFA": hw.card0_efa,
@@ -92,9 +124,31 @@ def check_instance_type(aws: Aws, instance_type: str) -> Check:
             f"--instance-types {instance_type}` where it is sold",
         )
     reported, expected = ec2_figures(it), catalog_figures(instance_type)
+    neuron = CATALOG[instance_type].vendor == "neuron"
+    if neuron and not it.get("NeuronInfo"):
+        # EC2 (and moto's snapshot of it) does not describe every Trainium type's devices (trn2u).
+        for figures in (reported, expected):
+            for key in NEURON_DEVICE_FIGURES:
+                figures.pop(key, None)
     wrong = [f"{k}: catalog {expected[k]}, EC2 {reported[k]}" for k in expected if expected[k] != reported[k]]
+    if wrong and neuron and wrong[0].startswith("device memory MiB") and len(wrong) == 1:
+        # EC2's NeuronInfo has reported 524288 MiB per Trainium2 device, against the 96 GiB of AWS's
+        # Neuron documentation (trainium2 architecture) the plan is sized on: say so, do not fail.
+        return warned(
+            name,
+            f"EC2 reports {reported['device memory MiB']} MiB per {expected['accelerator']} device, the catalog "
+            f"{expected['device memory MiB']} (AWS Neuron documentation); every other figure matches",
+            "check `aws ec2 describe-instance-types` against the Neuron architecture page; the plan uses the catalog",
+        )
     if wrong:
         return failed(name, "catalog differs from EC2: " + "; ".join(wrong), CATALOG_FIX)
+    if neuron and not it.get("NeuronInfo"):
+        return warned(
+            name,
+            f"EC2 does not describe {instance_type}'s Neuron devices; the rest matches: "
+            + ", ".join(f"{k} {v}" for k, v in reported.items()),
+            "compare the catalog's Trainium2 figures with the Neuron documentation (docs/hardware.md)",
+        )
     return passed(name, ", ".join(f"{k} {v}" for k, v in reported.items()) + " (as in the catalog)")
 
 
@@ -171,6 +225,10 @@ def block_end_problems(groups: list[AcceleratorNodeGroup], ends: datetime | None
     return problems
 
 
+def _opt_in(zone: str, group: str | None = None) -> str:
+    return f"aws ec2 modify-availability-zone-group --group-name {group or zone_group(zone)} --opt-in-status opted-in"
+
+
 def check_zone_opt_in(aws: Aws, zone: str) -> Check:
     """A Local Zone (where UltraServers are sold) is usable only once its zone group is opted in."""
     name = f"zone {zone}"
@@ -178,15 +236,16 @@ def check_zone_opt_in(aws: Aws, zone: str) -> Check:
         "AvailabilityZones"
     ]
     if not zones:
-        return failed(name, f"{zone} is not a zone of {aws.region}", "check availabilityZone")
+        return failed(
+            name,
+            f"EC2 does not list {zone}, a Local Zone of {aws.region}: an account sees a Local Zone only once "
+            "its zone group is opted in",
+            f"{_opt_in(zone)}, or set availabilityZone to a zone of {aws.region} that your account lists",
+        )
     z = zones[0]
     group = z.get("GroupName") or zone_group(zone)
     if z.get("OptInStatus") == "not-opted-in":
-        return failed(
-            name,
-            f"{zone} ({z.get('ZoneType', 'zone')}) is not opted in",
-            f"aws ec2 modify-availability-zone-group --group-name {group} --opt-in-status opted-in",
-        )
+        return failed(name, f"{zone} ({z.get('ZoneType', 'zone')}) is not opted in", _opt_in(zone, group))
     return passed(name, f"{zone} ({z.get('ZoneType', 'zone')}, group {group}): {z.get('OptInStatus', 'opted-in')}")
 
 
@@ -353,16 +412,17 @@ def preflight_steps(cfg: StackConfig, aws: Aws) -> list[Step]:
 
     # Capacity Blocks do not count against the On-Demand quota; on-demand and ODCR instances do.
     counted = [g for g in cfg.accelerator_node_groups if g.capacity.type != "capacity-block"]
-    if counted:
-        vcpus = sum(g.nodes * CATALOG[g.instance_type].vcpus for g in counted)
-        users = ", ".join(g.name for g in counted)
+    for code, quota_name in sorted({quota_of(g.instance_type) for g in counted}):
+        mine = [g for g in counted if quota_of(g.instance_type)[0] == code]
+        vcpus = sum(g.nodes * CATALOG[g.instance_type].vcpus for g in mine)
+        users = ", ".join(g.name for g in mine)
         steps.append(
             Step(
-                f"quota {P_QUOTA_CODE}",
-                partial(check_quota, aws, P_QUOTA_CODE, P_QUOTA_NAME, vcpus, users),
+                f"quota {code}",
+                partial(check_quota, aws, code, quota_name, vcpus, users),
                 on_error="warn",
-                hint=f"{P_QUOTA_NAME} must cover {vcpus} vCPUs: aws service-quotas "
-                f"get-service-quota --service-code ec2 --quota-code {P_QUOTA_CODE}",
+                hint=f"{quota_name} must cover {vcpus} vCPUs: aws service-quotas "
+                f"get-service-quota --service-code ec2 --quota-code {code}",
             )
         )
 

@@ -58,6 +58,7 @@ from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED,
 from supernode.core.plan import Plan
 
 from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, inject
+from .device import choose
 from .engine import Trainer
 from .launch import LAUNCHER_ENV, RUN_KEY_ENV, exit_file  # where a failure a restart cannot fix is recorded
 from .metrics import Metrics
@@ -250,16 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
 def train(args: argparse.Namespace, stop: StopRequest) -> int:
     plan = Plan.read(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    gpu = torch.cuda.is_available()
+    # The plan's accelerator picks device and backend (supernode.trainer.device); a local plan runs on
+    # what the host has.
+    choice = choose(None if plan.local else plan.hardware.torch_device)
     # The core's layout validator, before any collective: a mismatch must not hang. tp stays in a node.
-    checked_layout(plan, world, plan.accelerators_per_node if gpu else None)
+    checked_layout(plan, world, plan.accelerators_per_node if choice.accelerated else None)
     t, steps = plan.training, args.steps or plan.training.steps
     if steps < 1:
         raise BadInput(f"--steps must be at least 1 (got {steps})")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpu else torch.device("cpu")
-    if gpu:
-        torch.cuda.set_device(device)
-    backend, timeout = "cuda:nccl,cpu:gloo" if gpu else "gloo", timedelta(seconds=t.collective_timeout_s)
+    device, backend, timeout = choice.device, choice.backend, timedelta(seconds=t.collective_timeout_s)
     dist.init_process_group(backend, timeout=timeout)
     lock = OutDirLock(args.out)
     try:

@@ -24,6 +24,12 @@ P6_LAYOUTS = {
     # card 0 must be `interface`; 4 EFA devices per node (EKS UltraServer guide)
     "p6e-gb200.36xlarge": {(0, 0): "interface", **{(c, 0): "efa-only" for c in range(1, 5)}},
 }
+# Trainium2 (EC2 via moto: 16 network cards of 200 Gb/s, every card EFA-capable, MaximumEfaInterfaces 16):
+# ENA primary with efa-only beside it on card 0, efa-only at device 0 on cards 1..15.
+TRN2_LAYOUTS = {
+    t: {(0, 0): "interface", (0, 1): "efa-only", **{(c, 0): "efa-only" for c in range(1, 16)}}
+    for t in ("trn2.48xlarge", "trn2u.48xlarge")
+}
 SG_IN = T.SG_INGRESS
 SG_OUT = T.SG_EGRESS
 PG = T.PLACEMENT_GROUP
@@ -39,7 +45,7 @@ def with_instance_type(instance_type: str):
 
 
 def test_catalog_covers_the_expected_types():
-    assert set(EXPECTED_EFA) | set(P6_LAYOUTS) == set(CATALOG)
+    assert set(EXPECTED_EFA) | set(P6_LAYOUTS) | set(TRN2_LAYOUTS) == set(CATALOG)
 
 
 def p6_template(instance_type: str):

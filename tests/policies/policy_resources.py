@@ -328,6 +328,25 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
             }
         },
     )
+    device_plugin = res(
+        T.DAEMON_SET,
+        "nvidia-device-plugin",
+        {
+            "spec": {
+                "template": {
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "nvidia-device-plugin",
+                                "image": "nvcr.io/nvidia/k8s-device-plugin:v0.17.0@sha256:" + "d" * 64,
+                                "resources": bounded(),
+                            }
+                        ]
+                    }
+                }
+            }
+        },
+    )
     return [
         pg,
         sg,
@@ -358,6 +377,7 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
         gate,
         job,
         dcgm,
+        device_plugin,
     ]
 
 

@@ -326,6 +326,8 @@ ALSO = {
     "no-open-ingress": {"interconnect-efa-security-group"},  # the case rewrites the EFA self rule
     # an unknown instance type has no catalog accelerators or EFA count
     "accelerators-approved-instance-types": {"interconnect-efa-interfaces", "accelerators-match-world-size"},
+    # the case removes every DaemonSet, the device plugin's too
+    "monitoring-dcgm": {"accelerators-device-plugin"},
 }
 
 

@@ -12,6 +12,7 @@ from ...core.capacity import UNCALIBRATED, Calibration
 from ...core.catalog import GIB
 from ...core.errors import EXIT_FAILED
 from ...core.plan import Plan, build_plan
+from ...core.topology import scale_up_link
 from ..args import add_stack_args, plain_console, stack_from_args
 from .data import add_data_arg, check_plan_data
 
@@ -137,8 +138,9 @@ def placement_detail(plan: Plan) -> str:
     inside, across = [], []
     for g in plan.topology.placement:
         if g.size > 1:
+            link = scale_up_link(g.link, plan.hardware.link_name)
             (inside if g.inside_domain else across).append(
-                f"{g.dim} {g.size}" + ("" if g.inside_domain else f" over {g.domains} domains ({g.link})")
+                f"{g.dim} {g.size}" + ("" if g.inside_domain else f" over {g.domains} domains ({link})")
             )
     return f"inside a domain: {', '.join(inside) or 'none'}; across EFA: {', '.join(across) or 'none'}"
 
@@ -170,8 +172,8 @@ def render(plan: Plan, console: Console) -> None:
     topo = plan.topology
     kind = topo.ultra_server or "one instance"
     t.add_row(
-        "NVLink domain",
-        f"{topo.domain_gpus} GPUs",
+        f"{hw.link_name} domain",
+        f"{topo.domain_gpus} {hw.rank_noun}s",
         f"{kind}: {topo.nodes_per_domain} node(s), "
         f"{topo.domain_hbm_gib:,.0f} GiB HBM in one address space; the job spans {topo.domains} domain(s)",
     )
@@ -182,7 +184,8 @@ def render(plan: Plan, console: Console) -> None:
     t.add_row(
         "replica state",
         f"{topo.replica_state_gib:,.0f} GiB",
-        f"{fits_domain} the aggregate HBM of its {d.shard_group} shard-group GPUs ({topo.replica_domains} domain(s))",
+        f"{fits_domain} the aggregate HBM of its {d.shard_group} shard-group {hw.rank_noun}s "
+        f"({topo.replica_domains} domain(s))",
     )
     m = plan.memory
     t.add_row(
@@ -202,6 +205,17 @@ def render(plan: Plan, console: Console) -> None:
     t.add_row("step time (est.)", f"{s.step_s:.3f} s", step_detail(plan))
     exposed = s.exposed_all_to_all_s + s.exposed_fsdp_s + s.tensor_parallel_s + s.p2p_s
     t.add_row("communication", f"{exposed:.3f} s exposed", comm_detail(plan))
+    if (chip := s.chip_tensor_parallel) is not None and chip.tp > 1:
+        on_chip = (
+            f"{chip.inside_chip_s:.3f} s inside one chip" if chip.inside_chip_s is not None else "no chip holds it"
+        )
+        t.add_row(
+            "TP on chip",
+            f"tp {chip.tp}",
+            f"{on_chip} against {chip.across_chips_s:.3f} s across chips over {hw.link_name} "
+            f"({chip.ranks_per_chip} logical cores per chip; the plan costs "
+            f"{'the first' if chip.inside_chip else 'the second'})",
+        )
     t.add_row("MFU (est.)", f"{s.mfu:.1%}", f"{plan.flops_per_token / 1e9:.2f} GFLOP/token")
     t.add_row("calibration", plan.calibration.accelerator if plan.calibration else "none", calibration_detail(plan))
     c = plan.checkpoint

@@ -23,6 +23,14 @@ from ..context import StackContext
 from ..taints import Taint
 
 GPU_TAINT = Taint("nvidia.com/gpu", "true", "NoSchedule")
+# Trainium nodes: the taint the Neuron device plugin's own manifest tolerates (aws-neuron-sdk src/k8).
+NEURON_TAINT = Taint("aws.amazon.com/neuron", "true", "NoSchedule")
+ACCELERATOR_TAINTS = {"nvidia": GPU_TAINT, "neuron": NEURON_TAINT}
+# The label that says a node carries the vendor's accelerators (the add-ons' node affinity reads it).
+PRESENT_LABELS = {"nvidia": "nvidia.com/gpu.present", "neuron": "aws.amazon.com/neuron.present"}
+# The EKS-optimised AL2023 AMI variant per vendor: NVIDIA (driver, fabric manager, IMEX, EFA) or Neuron
+# (the Neuron driver and runtime, EFA); neither carries the device plugin, which the add-ons install.
+AMI_VARIANTS = {"nvidia": "nvidia", "neuron": "neuron"}
 ROOT_VOLUME_GIB = 200  # the NVIDIA AMI and container images; training data lives on NVMe and FSx
 SYSTEM_ROOT_VOLUME_GIB = 50
 # IMDSv2 only, hop limit 1: a pod in its own network namespace cannot reach the node's credentials.
@@ -47,7 +55,7 @@ def node_labels(group: AcceleratorNodeGroup) -> dict[str, str]:
         "supernode.io/node-group": group.name,
         "supernode.io/accelerator": hw.accelerator,
         "supernode.io/capacity": group.capacity.type,
-        "nvidia.com/gpu.present": "true",
+        PRESENT_LABELS[hw.vendor]: "true",
         "vpc.amazonaws.com/efa.present": "true",
     }
     if group.ultra_server:
@@ -55,13 +63,14 @@ def node_labels(group: AcceleratorNodeGroup) -> dict[str, str]:
     return labels
 
 
-def ami_parameter(kubernetes_version: str, release: str, arch: str = "x86_64") -> str:
-    """SSM parameter of the EKS-optimised AL2023 NVIDIA AMI for one release (1.33.5-20251120) and CPU
-    architecture: x86_64, or arm64 for the Grace CPUs of p6e-gb200 (docs/hardware.md "EKS")."""
-    date = release.rsplit("-", 1)[1]
+def ami_parameter(kubernetes_version: str, release: str, arch: str = "x86_64", vendor: str = "nvidia") -> str:
+    """SSM parameter of the EKS-optimised AL2023 accelerated AMI for one release (1.33.5-20251120), CPU
+    architecture (x86_64, or arm64 for the Grace CPUs of p6e-gb200; docs/hardware.md "EKS") and
+    vendor: the NVIDIA AMI, or the Neuron AMI for Trainium (amazon-eks-node-al2023-x86_64-neuron-...)."""
+    date, variant = release.rsplit("-", 1)[1], AMI_VARIANTS[vendor]
     return (
-        f"/aws/service/eks/optimized-ami/{kubernetes_version}/amazon-linux-2023/{arch}/nvidia/"
-        f"amazon-eks-node-al2023-{arch}-nvidia-{kubernetes_version}-v{date}/image_id"
+        f"/aws/service/eks/optimized-ami/{kubernetes_version}/amazon-linux-2023/{arch}/{variant}/"
+        f"amazon-eks-node-al2023-{arch}-{variant}-{kubernetes_version}-v{date}/image_id"
     )
 
 
@@ -168,7 +177,7 @@ class GpuNodeGroup(pulumi.ComponentResource):
         super().__init__("supernode:accelerators:GpuNodeGroup", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         hw, tags, cap = CATALOG[group.instance_type], args.ctx.tagged(), group.capacity
-        self.labels, self.taints = node_labels(group), [GPU_TAINT]
+        self.labels, self.taints = node_labels(group), [ACCELERATOR_TAINTS[hw.vendor]]
 
         placement = None
         if group.use_placement_group:
@@ -197,7 +206,7 @@ class GpuNodeGroup(pulumi.ComponentResource):
             for s in hw.network_interfaces
         ]
         ami = aws.ssm.get_parameter_output(
-            name=ami_parameter(args.kubernetes_version, group.ami_release_version, hw.arch),
+            name=ami_parameter(args.kubernetes_version, group.ami_release_version, hw.arch, hw.vendor),
             opts=pulumi.InvokeOutputOptions(parent=self),
         )
         user_data = pulumi.Output.all(

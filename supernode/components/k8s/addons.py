@@ -34,9 +34,14 @@ ADDON_FILES = (
     "nvidia-device-plugin.yaml",
     "aws-efa-k8s-device-plugin.yaml",
     "dcgm-exporter.yaml",
+    "neuron-device-plugin.yaml",
+    "neuron-monitor.yaml",
     "training-operator.yaml",
     "kueue.yaml",
 )  # kueue.yaml: installed by supernode/components/k8s/queues.py
+# Per accelerator vendor (InstanceType.vendor): the device plugin and the metrics exporter the stack installs.
+DEVICE_PLUGIN_FILES = {"nvidia": "nvidia-device-plugin.yaml", "neuron": "neuron-device-plugin.yaml"}
+EXPORTER_FILES = {"nvidia": "dcgm-exporter.yaml", "neuron": "neuron-monitor.yaml"}
 # The metrics pipelines: the CloudWatch agent's Prometheus scrape (supernode/components/k8s/operations.py) and, with
 # serving, the Prometheus and adapter behind the serving HPA (supernode/components/k8s/serving.py).
 METRICS_ADDON_FILES = ("cwagent-prometheus.yaml", "prometheus.yaml", "prometheus-adapter.yaml")
@@ -78,6 +83,9 @@ class AddonArgs:
     # The plan spans nodes over NVLink (GB200 UltraServers): install the ComputeDomain CRD the jobs'
     # ComputeDomains need (supernode/components/crds/computedomain.yaml) and the NVIDIA DRA driver that serves them.
     compute_domains: bool = False
+    # Whose accelerators the node groups carry (the plan's InstanceType.vendor): picks the device
+    # plugin and the exporter (NVIDIA's and DCGM, or AWS Neuron's and neuron-monitor).
+    vendor: str = "nvidia"
 
 
 def _efa_instance_types() -> list[str]:
@@ -180,8 +188,7 @@ class ClusterAddons(pulumi.ComponentResource):
         self.namespace = k8s.core.v1.Namespace(f"{name}-ns", metadata=meta(SYSTEM_NAMESPACE), opts=self._child)
         self._ns = self.namespace.metadata.name
 
-        nvidia = with_images(load_addon("nvidia-device-plugin.yaml")["DaemonSet"], args.images)
-        self.nvidia_device_plugin = self._create(f"{name}-nvidia-device-plugin", on_gpu_nodes(nvidia, gpu))
+        plugin = self._device_plugin(name, args)
 
         efa = with_images(load_addon("aws-efa-k8s-device-plugin.yaml")["DaemonSet"], args.images)
         for c in _pod_spec(efa)["containers"]:
@@ -189,17 +196,21 @@ class ClusterAddons(pulumi.ComponentResource):
         efa_nodes = {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": _efa_instance_types()}
         self.efa_device_plugin = self._create(f"{name}-efa-device-plugin", on_gpu_nodes(efa, gpu, [efa_nodes]))
 
-        dcgm = load_addon("dcgm-exporter.yaml")
-        with_images(dcgm["DaemonSet"], args.images)
-        counters = self._create(f"{name}-dcgm-exporter-counters", dcgm["ConfigMap"])
-        for volume in _pod_spec(dcgm["DaemonSet"])["volumes"]:
-            if "configMap" in volume:  # the exporter starts after (and restarts with) its counters
-                volume["configMap"]["name"] = counters.metadata.name
-        self.dcgm_exporter = self._create(f"{name}-dcgm-exporter", on_gpu_nodes(dcgm["DaemonSet"], gpu))
-        self.dcgm_service = self._create(f"{name}-dcgm-exporter", dcgm["Service"])
-        svc = dcgm["Service"]
+        exporter = load_addon(EXPORTER_FILES[args.vendor])
+        exporter_name = exporter["DaemonSet"]["metadata"]["name"]
+        with_images(exporter["DaemonSet"], args.images)
+        if "ConfigMap" in exporter:  # DCGM's counters: the exporter starts after (and restarts with) them
+            counters = self._create(f"{name}-{exporter_name}-counters", exporter["ConfigMap"])
+            for volume in _pod_spec(exporter["DaemonSet"])["volumes"]:
+                if "configMap" in volume:
+                    volume["configMap"]["name"] = counters.metadata.name
+        self.exporter = self._create(f"{name}-{exporter_name}", on_gpu_nodes(exporter["DaemonSet"], gpu))
+        self.exporter_service = self._create(f"{name}-{exporter_name}", exporter["Service"])
+        svc = exporter["Service"]
         self.scrape_annotations = dict(svc["metadata"]["annotations"])
         port = svc["spec"]["ports"][0]["port"]
+        # The accelerator exporter's endpoint (DCGM's, or neuron-monitor's): the stack output keeps its
+        # contract name dcgm_metrics_endpoint.
         self.dcgm_endpoint = pulumi.Output.concat(
             f"http://{svc['metadata']['name']}.", self._ns, f".svc:{port}/metrics"
         )
@@ -211,7 +222,7 @@ class ClusterAddons(pulumi.ComponentResource):
         if args.compute_domains:
             cd_crd = shipped_crd(f"{name}-computedomain-crd", "computedomain.yaml", self._child)
             self.compute_domain_ready += [cd_crd, *self._dra_driver(name, args, cd_crd)]
-        self.versions = dict(_image_tag(obj) for obj in (nvidia, efa, dcgm["DaemonSet"], operator))
+        self.versions = dict(_image_tag(obj) for obj in (plugin, efa, exporter["DaemonSet"], operator))
         if args.compute_domains:
             self.versions[DRA_DRIVER] = self.dra_driver_version
         self.register_outputs(
@@ -221,6 +232,24 @@ class ClusterAddons(pulumi.ComponentResource):
                 "scrape_annotations": self.scrape_annotations,
             }
         )
+
+    def _device_plugin(self, name: str, args: AddonArgs) -> dict[str, Any]:
+        """The vendor's device plugin DaemonSet on the accelerator nodes. NVIDIA's needs no API access;
+        AWS Neuron's runs as its own ServiceAccount, bound to the file's ClusterRole (its least rules)."""
+        objs = load_addon(DEVICE_PLUGIN_FILES[args.vendor])
+        plugin = with_images(objs["DaemonSet"], args.images)
+        plugin_name = plugin["metadata"]["name"]
+        if "ServiceAccount" in objs:
+            sa = self._create(f"{name}-{plugin_name}", objs["ServiceAccount"])
+            role = self._create(f"{name}-{plugin_name}", objs["ClusterRole"])
+            binding = objs["ClusterRoleBinding"]
+            binding["roleRef"]["name"] = role.metadata.name
+            for subject in binding["subjects"]:
+                subject.update(name=sa.metadata.name, namespace=self._ns)
+            self._create(f"{name}-{plugin_name}", binding)
+            _pod_spec(plugin)["serviceAccountName"] = sa.metadata.name
+        self.device_plugin = self._create(f"{name}-{plugin_name}", on_gpu_nodes(plugin, args.gpu_nodes))
+        return plugin
 
     def _create(self, resource_name: str, obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
         """The typed resource for one object of an add-on file, with the ownership labels; an object

@@ -117,7 +117,7 @@ def gib(n: float) -> str:
 def pod_resources(shape: PodShape) -> dict[str, Any]:
     """The container resources of the plan's pod shape: requests = limits (Guaranteed QoS, whole node)."""
     amounts: dict[str, Any] = {
-        "nvidia.com/gpu": str(shape.gpus),
+        shape.device_resource: str(shape.gpus),
         "vpc.amazonaws.com/efa": str(shape.efa),
         "cpu": str(shape.cpu),
         "memory": gib(shape.memory_gib),

@@ -96,7 +96,7 @@ class TrainingNamespace(pulumi.ComponentResource):
             spec={
                 "hard": {
                     # The scarce resources are capped at exactly one job's worth: the GPU fleet.
-                    "requests.nvidia.com/gpu": str(nodes * pod.gpus),
+                    f"requests.{pod.device_resource}": str(nodes * pod.gpus),
                     "requests.vpc.amazonaws.com/efa": str(nodes * pod.efa),
                     "requests.hugepages-2Mi": gib(nodes * pod.hugepages_gib),
                     "requests.cpu": str(nodes * pod.cpu + HEADROOM["cpu"]),

@@ -63,6 +63,9 @@ INVENTORY_SA = "inventory"
 STACK_CONFIGMAP, STACK_MOUNT = "supernode-stack", "/etc/supernode-stack"
 DRILL_MOUNT = "/restore"  # the drill restores into FSx (drills/): a checkpoint may not fit a node's disk
 DCGM_NAMESPACE = SYSTEM_NAMESPACE  # where the add-ons (our DCGM exporter among them) run
+# The accelerator exporter's scrape job, named as its pods' app.kubernetes.io/name (supernode/components/addons/):
+# DCGM on GPU nodes, neuron-monitor on Trainium ones.
+EXPORTER_SCRAPE_JOBS = {"nvidia": DCGM_SCRAPE_JOB, "neuron": "neuron-monitor"}
 PROMETHEUS_AGENT_FILE = "cwagent-prometheus.yaml"
 # The agent's two ConfigMaps, by the names AWS's manifest mounts: what to scrape, what becomes a metric.
 SCRAPE_CONFIGMAP, AGENT_CONFIGMAP = "prometheus-config", "prometheus-cwagentconfig"
@@ -101,9 +104,10 @@ def scraped_namespaces(scrape: dict[str, Any]) -> list[str]:
     )
 
 
-def prometheus_scrape_config(training_namespace: str) -> dict[str, Any]:
+def prometheus_scrape_config(training_namespace: str, exporter_job: str = DCGM_SCRAPE_JOB) -> dict[str, Any]:
     """Prometheus scrape jobs: pods that ask for it by annotation in the training namespace, and the
-    DCGM exporter's pods. Namespace and Hostname become labels (the metrics' dimensions)."""
+    accelerator exporter's pods (`exporter_job`: DCGM's, or neuron-monitor's). Namespace and Hostname
+    become labels (the metrics' dimensions)."""
 
     def pods(job: str, namespace: str, keep: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -132,13 +136,13 @@ def prometheus_scrape_config(training_namespace: str) -> dict[str, Any]:
     dcgm = {
         "source_labels": ["__meta_kubernetes_pod_label_app_kubernetes_io_name"],
         "action": "keep",
-        "regex": DCGM_SCRAPE_JOB,
+        "regex": exporter_job,
     }
     return {
         "global": {"scrape_interval": "1m", "scrape_timeout": "10s"},
         "scrape_configs": [
             pods(TRAINER_SCRAPE_JOB, training_namespace, [annotated]),
-            pods(DCGM_SCRAPE_JOB, DCGM_NAMESPACE, [dcgm, annotated]),
+            pods(exporter_job, DCGM_NAMESPACE, [dcgm, annotated]),
         ],
     }
 
@@ -188,7 +192,7 @@ class Operations(pulumi.ComponentResource):
         )
         self.inventory = self._inventory(name, job.image, job.gpu_nodes, wl)
         self.restore_drill = self._restore_drill(name, job, wl, args, stack)
-        scrape = prometheus_scrape_config(wl.namespace)
+        scrape = prometheus_scrape_config(wl.namespace, EXPORTER_SCRAPE_JOBS[job.plan.hardware.vendor])
         scrape_yaml = yaml.safe_dump(scrape, sort_keys=False)
         agent_json = json.dumps(cloudwatch_agent_config(args.cluster_name, args.region), indent=1)
         self.scrape_config = [

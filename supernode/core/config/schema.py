@@ -56,6 +56,12 @@ CW_RETENTION_DAYS = (
 FSX_PER_UNIT_THROUGHPUT = (125, 250, 500, 1000)  # MB/s per TiB, PERSISTENT_2
 
 
+def when_unset(meaning: str) -> dict[str, str]:
+    """An optional key's json_schema_extra: what the stack does when the key is left out (its default
+    depends on other keys), which docs/configuration.md prints as the key's default."""
+    return {"unset": meaning}
+
+
 class _Base(BaseModel):
     # Strict: `nodes: true` or `nodes: "2"` is an error naming the key, not a silent 1 or 2 (YAML and
     # JSON give every value its type already; a float field still takes an integer).
@@ -63,10 +69,19 @@ class _Base(BaseModel):
 
 
 class ClusterConfig(_Base):
-    kubernetes_version: str = Field(pattern=r"^1\.(2[89]|3[0-9])$")
-    endpoint_private_access: bool = True
-    endpoint_public_access: bool = False
-    public_access_cidrs: list[str] = []
+    kubernetes_version: str = Field(
+        pattern=r"^1\.(2[89]|3[0-9])$",
+        description="EKS Kubernetes version (1.MINOR); the catalog pins each version's add-ons",
+    )
+    endpoint_private_access: bool = Field(
+        default=True, description="the API server is reachable from inside the VPC (the nodes use it)"
+    )
+    endpoint_public_access: bool = Field(
+        default=False, description="the API server is reachable from the internet, from publicAccessCidrs only"
+    )
+    public_access_cidrs: list[str] = Field(
+        default=[], description="CIDRs allowed to the public endpoint; at least one when endpointPublicAccess is true"
+    )
 
 
 SubnetId = Annotated[str, Field(pattern=r"^subnet-[0-9a-f]{8,17}$")]
@@ -77,16 +92,49 @@ class NetworkConfig(_Base):
     existing*SubnetId(s) keys). vpcCidr is required either way: security-group rules use it, and
     preflight compares it with the existing VPC's."""
 
-    vpc_cidr: str
+    vpc_cidr: str = Field(
+        description="the VPC's IPv4 CIDR (of the VPC created, or of existingVpcId's, which preflight compares)"
+    )
     availability_zones: list[str] = Field(min_length=2, description="AZs of the private subnets")
-    private_subnet_cidrs: list[str] = []  # required unless existingVpcId (infra_rules)
-    public_subnet_cidrs: list[str] = []
-    gpu_subnet_cidr: str | None = None  # required unless existingVpcId (infra_rules)
-    nat_gateway: bool | None = None  # default: on for a VPC the stack creates, off in an existing one
-    flow_logs: bool = True
-    existing_vpc_id: str | None = Field(default=None, pattern=r"^vpc-[0-9a-f]{8,17}$")
+    private_subnet_cidrs: list[str] = Field(
+        default=[],
+        description="created VPC: one private subnet CIDR per availabilityZones entry, same order, inside vpcCidr",
+    )
+    public_subnet_cidrs: list[str] = Field(
+        default=[],
+        description="created VPC: none, or one public subnet CIDR per availabilityZones entry (where the NAT "
+        "gateway lives)",
+    )
+    gpu_subnet_cidr: str | None = Field(
+        default=None,
+        description="created VPC: the GPU nodes' subnet, in availabilityZone, inside vpcCidr",
+        json_schema_extra=when_unset(
+            "required for a VPC the stack creates; none with existingVpcId (existingGpuSubnetId instead)"
+        ),
+    )
+    nat_gateway: bool | None = Field(
+        default=None,
+        description="a NAT gateway (in the public subnets) for the private subnets' egress",
+        json_schema_extra=when_unset(
+            "on for a VPC the stack creates (needs publicSubnetCidrs); off with existingVpcId"
+        ),
+    )
+    flow_logs: bool = Field(default=True, description="VPC flow logs to CloudWatch Logs")
+    existing_vpc_id: str | None = Field(
+        default=None,
+        pattern=r"^vpc-[0-9a-f]{8,17}$",
+        description="an existing VPC to deploy into, instead of creating one: name its subnets in "
+        "existingPrivateSubnetIds / existingGpuSubnetId",
+        json_schema_extra=when_unset("the stack creates the VPC from the *Cidrs keys"),
+    )
     existing_private_subnet_ids: list[SubnetId] = Field(default=[], description="one per availabilityZones entry")
-    existing_gpu_subnet_id: SubnetId | None = Field(default=None, description="in the GPU availabilityZone")
+    existing_gpu_subnet_id: SubnetId | None = Field(
+        default=None,
+        description="in the GPU availabilityZone",
+        json_schema_extra=when_unset(
+            "required with existingVpcId; none when the stack creates the VPC (gpuSubnetCidr)"
+        ),
+    )
 
     @property
     def use_nat_gateway(self) -> bool:
@@ -99,15 +147,30 @@ CAPACITY_BLOCK_DRAIN = timedelta(minutes=40)
 
 
 class Capacity(_Base):
-    type: Literal["on-demand", "capacity-reservation", "capacity-block"] = "on-demand"
-    reservation_id: str | None = Field(default=None, pattern=r"^cr-[0-9a-f]{8,17}$")
-    availability_zone: str | None = None
+    type: Literal["on-demand", "capacity-reservation", "capacity-block"] = Field(
+        default="on-demand",
+        description="how the GPU instances are bought: on-demand, a targeted On-Demand Capacity Reservation, or a "
+        "Capacity Block",
+    )
+    reservation_id: str | None = Field(
+        default=None,
+        pattern=r"^cr-[0-9a-f]{8,17}$",
+        description="the capacity reservation or Capacity Block the group targets (capacity-reservation and "
+        "capacity-block only)",
+        json_schema_extra=when_unset("none: on-demand capacity"),
+    )
+    availability_zone: str | None = Field(
+        default=None,
+        description="the reservation's AZ, if given: must equal availabilityZone (a reservation serves one AZ)",
+        json_schema_extra=when_unset("availabilityZone"),
+    )
     ends_at: AwareDatetime | None = Field(
         default=None,
         strict=False,  # an ISO string in the stack file (and in Pulumi's runtime config) is the way to write it
         description="capacity-block only, required there: the block's end (EC2's EndDate) as an ISO "
         "date-time with its offset, e.g. 2026-03-14T11:30:00Z. The node group is scaled to 0 forty minutes before "
         "(EC2 terminates the instances from 30 minutes before); preflight compares it with EC2",
+        json_schema_extra=when_unset("none: capacity types other than capacity-block have no end"),
     )
 
     @property
@@ -119,25 +182,56 @@ class Capacity(_Base):
 
 
 class AcceleratorNodeGroup(_Base):
-    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$")
-    instance_type: str
-    nodes: int = Field(ge=1, le=512)
-    capacity: Capacity = Capacity()
-    ami_release_version: str = Field(pattern=r"^1\.\d+\.\d+-\d{8}$")
-    placement_group: bool | None = None  # default: on, unless a reservation is targeted
-    require_efa: bool = True
+    name: str = Field(
+        pattern=r"^[a-z][a-z0-9-]{0,30}$",
+        description="node group name (unique): its nodes' label and its resources' names",
+    )
+    instance_type: str = Field(
+        description="GPU instance type, from the accelerator catalog (supernode/core/catalog.py), whose figures "
+        "size the plan"
+    )
+    nodes: int = Field(
+        ge=1,
+        le=512,
+        description="instances in the group (fixed size: the trainer's world is nodes x accelerators per node)",
+    )
+    capacity: Capacity = Field(
+        default=Capacity(), description="how the instances are bought (on-demand, reservation, Capacity Block)"
+    )
+    ami_release_version: str = Field(
+        pattern=r"^1\.\d+\.\d+-\d{8}$",
+        description="the EKS-optimised accelerated AMI release (VERSION-YYYYMMDD), the same in every group, of "
+        "cluster.kubernetesVersion",
+    )
+    placement_group: bool | None = Field(
+        default=None,
+        description="a cluster placement group for the nodes (lowest EFA latency)",
+        json_schema_extra=when_unset(
+            "on for on-demand capacity; off for a capacity reservation or Capacity Block (their placement is EC2's)"
+        ),
+    )
+    require_efa: bool = Field(default=True, description="the nodes get EFA interfaces; the instance type must have EFA")
     ultra_server: str | None = Field(
         default=None,
         description="the UltraServer this group is (e.g. "
         "u-p6e-gb200x72): its instances form one NVLink domain, bought as one "
         "Capacity Block (capacity.reservationId)",
+        json_schema_extra=when_unset(
+            "none: the group is separate instances (required for a type sold only in UltraServers)"
+        ),
     )
 
     @field_validator("instance_type")
     @classmethod
     def _known(cls, v: str) -> str:
         if v not in CATALOG:
-            raise ValueError(f"instance type is not in the accelerator catalog; valid: {', '.join(CATALOG)}")
+            close = difflib.get_close_matches(v, list(CATALOG), n=3, cutoff=0.6)
+            listed = (
+                f"did you mean {' or '.join(repr(c) for c in close)}?"
+                if close
+                else f"the catalog (supernode/core/catalog.py) holds {', '.join(CATALOG)}"
+            )
+            raise ValueError(f"instance type is not in the accelerator catalog; {listed}")
         return v
 
     @field_validator("ultra_server")
@@ -160,10 +254,13 @@ class AcceleratorNodeGroup(_Base):
 
 
 class SystemNodeGroup(_Base):
-    instance_type: str = "m6i.xlarge"
-    min_size: int = Field(default=2, ge=1)
-    desired_size: int = Field(default=2, ge=1)
-    max_size: int = Field(default=4, ge=1)
+    instance_type: str = Field(
+        default="m6i.xlarge",
+        description="instance type of the system nodes (add-ons, controllers), from an approved list",
+    )
+    min_size: int = Field(default=2, ge=1, description="the node group's minimum size")
+    desired_size: int = Field(default=2, ge=1, description="the node group's size at creation")
+    max_size: int = Field(default=4, ge=1, description="the node group's maximum size")
 
     @field_validator("instance_type")
     @classmethod
@@ -174,8 +271,15 @@ class SystemNodeGroup(_Base):
 
 
 class Lifecycle(_Base):
-    checkpoint_transition_days: int = Field(default=14, ge=1)
-    checkpoint_expire_days: int = Field(default=90, ge=1)
+    checkpoint_transition_days: int = Field(
+        default=14, ge=1, description="checkpoint objects in S3 move to Glacier Instant Retrieval after this many days"
+    )
+    checkpoint_expire_days: int = Field(
+        default=90,
+        ge=1,
+        description="checkpoint objects tagged `window` (not milestones) expire after this many days; greater than "
+        "checkpointTransitionDays",
+    )
     checkpoint_milestone_every: int = Field(
         default=10,
         ge=1,
@@ -184,16 +288,34 @@ class Lifecycle(_Base):
         "of k), and each run's newest, is a milestone that S3 keeps after checkpointExpireDays "
         "(`supernode checkpoints --retain` tags them; the lifecycle rules expire only the rest)",
     )
-    noncurrent_expire_days: int = Field(default=7, ge=1)
-    log_expire_days: int = Field(default=30, ge=1)
-    abort_multipart_days: int = Field(default=3, ge=1, le=30)
+    noncurrent_expire_days: int = Field(
+        default=7, ge=1, description="overwritten or deleted object versions are kept this many days"
+    )
+    log_expire_days: int = Field(default=30, ge=1, description="objects under logPrefix expire after this many days")
+    abort_multipart_days: int = Field(
+        default=3, ge=1, le=30, description="incomplete multipart uploads are aborted after this many days"
+    )
 
 
 class FsxConfig(_Base):
-    deployment_type: Literal["PERSISTENT_2"] = "PERSISTENT_2"
-    capacity_gib: int | None = Field(default=None, description="None: sized by the planner")
-    per_unit_throughput: int = 250
-    checkpoint_write_budget_s: int = Field(default=300, ge=10)
+    deployment_type: Literal["PERSISTENT_2"] = Field(
+        default="PERSISTENT_2", description="FSx for Lustre deployment type (only PERSISTENT_2)"
+    )
+    capacity_gib: int | None = Field(
+        default=None,
+        description="FSx for Lustre capacity in GiB",
+        json_schema_extra=when_unset(
+            "sized by the planner: the smallest that writes a checkpoint within checkpointWriteBudgetS and holds "
+            "training.keepCheckpoints + 1 checkpoints"
+        ),
+    )
+    per_unit_throughput: int = Field(default=250, description="FSx throughput in MB/s per TiB of capacity")
+    checkpoint_write_budget_s: int = Field(
+        default=300,
+        ge=10,
+        description="seconds a checkpoint write may take at FSx's throughput: the planner sizes capacity and the "
+        "checkpoint policy checks against it",
+    )
 
     @field_validator("capacity_gib")
     @classmethod
@@ -211,27 +333,71 @@ class FsxConfig(_Base):
 
 
 class StorageConfig(_Base):
-    bucket_name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-    existing_bucket: bool = False
-    dataset_prefix: str = Field(default="datasets/", pattern=r"^[A-Za-z0-9._/-]+/$")
-    checkpoint_prefix: str = Field(default="checkpoints/", pattern=r"^[A-Za-z0-9._/-]+/$")
-    log_prefix: str = Field(default="logs/", pattern=r"^[A-Za-z0-9._/-]+/$")
-    lifecycle: Lifecycle = Lifecycle()
-    fsx: FsxConfig = FsxConfig()
+    bucket_name: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$",
+        description="the S3 bucket for datasets, checkpoints and logs",
+        json_schema_extra=when_unset("a name Pulumi generates for the stack's bucket"),
+    )
+    existing_bucket: bool = Field(
+        default=False,
+        description="true: bucketName is the organisation's existing bucket, referenced and not managed here",
+    )
+    dataset_prefix: str = Field(
+        default="datasets/",
+        pattern=r"^[A-Za-z0-9._/-]+/$",
+        description="key prefix of the prepared datasets in the bucket",
+    )
+    checkpoint_prefix: str = Field(
+        default="checkpoints/",
+        pattern=r"^[A-Za-z0-9._/-]+/$",
+        description="key prefix of the checkpoints in the bucket (FSx exports them there)",
+    )
+    log_prefix: str = Field(
+        default="logs/",
+        pattern=r"^[A-Za-z0-9._/-]+/$",
+        description="key prefix of the logs in the bucket (expired after lifecycle.logExpireDays)",
+    )
+    lifecycle: Lifecycle = Field(default=Lifecycle(), description="S3 lifecycle of checkpoints, logs and old versions")
+    fsx: FsxConfig = Field(
+        default=FsxConfig(),
+        description="the FSx for Lustre file system the trainer reads data from and writes checkpoints to",
+    )
 
 
 class Identity(_Base):
-    kms_key_arn: str | None = Field(default=None, pattern=r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[0-9a-f-]{36}$")
-    kms_key_rotation: bool = True
-    pod_identity: Literal["irsa", "pod-identity"] = "irsa"
+    kms_key_arn: str | None = Field(
+        default=None,
+        pattern=r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[0-9a-f-]{36}$",
+        description="an existing KMS key for the data (bucket, FSx, logs)",
+        json_schema_extra=when_unset("the stack creates a KMS key"),
+    )
+    kms_key_rotation: bool = Field(default=True, description="yearly rotation of the KMS key the stack creates")
+    pod_identity: Literal["irsa", "pod-identity"] = Field(
+        default="irsa",
+        description="how pods get AWS credentials: IRSA (service account annotation) or EKS Pod Identity",
+    )
 
 
 class MonitoringConfig(_Base):
-    log_retention_days: int = 30
-    gpu_util_floor_percent: float = Field(default=40.0, gt=0, le=100)
-    gpu_util_window_minutes: int = Field(default=30, ge=5, le=1440)
-    notification_email: str = Field(pattern=r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$")
-    fsx_free_capacity_floor_percent: float = Field(default=10.0, gt=0, lt=100)
+    log_retention_days: int = Field(
+        default=30, description="CloudWatch Logs retention of the stack's log groups, in days"
+    )
+    gpu_util_floor_percent: float = Field(
+        default=40.0,
+        gt=0,
+        le=100,
+        description="alarm when mean GPU utilisation stays below this for gpuUtilWindowMinutes",
+    )
+    gpu_util_window_minutes: int = Field(
+        default=30, ge=5, le=1440, description="the window of the GPU utilisation alarm"
+    )
+    notification_email: str = Field(
+        pattern=r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$", description="where the alarms are sent (SNS email subscription)"
+    )
+    fsx_free_capacity_floor_percent: float = Field(
+        default=10.0, gt=0, lt=100, description="alarm when FSx free capacity falls below this percentage"
+    )
     step_stall_minutes: int = Field(
         default=15, ge=5, le=1440, description="alarm when the trainer's step has not advanced for this long"
     )
@@ -270,6 +436,8 @@ AddonImage = Literal[
     "cloudwatch-agent",
     "dcgm-exporter",
     "kueue",
+    "neuron-device-plugin",
+    "neuron-monitor",
     "nvidia-device-plugin",
     "nvidia-dra-driver-gpu",
     "prometheus",
@@ -291,8 +459,14 @@ ImageReference = Annotated[str, AfterValidator(_image_reference)]
 
 
 class Images(_Base):
-    trainer: str
-    fabric_check: str | None = None  # default: the trainer image (it carries supernode.trainer.node.fabric)
+    trainer: str = Field(
+        description="the trainer image, pinned by digest: `make image STACK=<stack>` builds it and prints this line"
+    )
+    fabric_check: str | None = Field(
+        default=None,
+        description="the image of the interconnect gate and the fabric re-run, pinned by digest",
+        json_schema_extra=when_unset("the trainer image (it carries supernode.trainer.node.fabric)"),
+    )
     addons: dict[AddonImage, ImageReference] = Field(
         default={},
         description="add-on container -> image, pinned as REPOSITORY:TAG@sha256:<digest>; an add-on "
@@ -316,25 +490,39 @@ class Model(_Base):
     # Upper bounds well beyond any published MoE (DeepSeek-V3: 61 layers, dim 7168, 256 experts, a 129k
     # vocabulary; Kimi K2: 384 experts): a typo of a few digits is an error here, not an estimate that
     # loops over 10**15 layers.
-    layers: int = Field(ge=1, le=1024)
-    dim: int = Field(ge=8, le=65536)
-    heads: int = Field(ge=1, le=1024)
-    kv_heads: int = Field(ge=1, le=1024)
-    experts: int = Field(ge=1, le=4096)
-    top_k: int = Field(ge=1, le=64)
-    shared_experts: int = Field(default=0, ge=0, le=64)
-    expert_hidden: int = Field(ge=1, le=262144)
-    dense_hidden: int = Field(ge=1, le=262144)
+    layers: int = Field(ge=1, le=1024, description="transformer layers")
+    dim: int = Field(ge=8, le=65536, description="model (hidden) dimension")
+    heads: int = Field(ge=1, le=1024, description="attention heads")
+    kv_heads: int = Field(ge=1, le=1024, description="key/value heads (grouped-query attention); divides heads")
+    experts: int = Field(ge=1, le=4096, description="routed experts per MoE layer")
+    top_k: int = Field(ge=1, le=64, description="experts each token is routed to")
+    shared_experts: int = Field(
+        default=0, ge=0, le=64, description="experts every token passes through, besides the routed ones"
+    )
+    expert_hidden: int = Field(ge=1, le=262144, description="hidden size of one expert's MLP")
+    dense_hidden: int = Field(
+        ge=1,
+        le=262144,
+        description="hidden size of a dense layer's MLP (firstDenseLayers, and the layers between MoE ones)",
+    )
     moe_every: int = Field(default=1, ge=1, le=1024, description="every n-th layer is MoE; 1: all")
-    first_dense_layers: int = Field(default=0, ge=0, le=1024)
-    vocab: int = Field(ge=2, le=1 << 22)
-    seq_len: int = Field(ge=2, le=1 << 20)
-    router: Literal["softmax", "sigmoid"] = "softmax"
-    load_balance_coef: float = Field(default=0.0, ge=0)
-    z_loss_coef: float = Field(default=0.0, ge=0)
+    first_dense_layers: int = Field(default=0, ge=0, le=1024, description="leading layers that are dense, not MoE")
+    vocab: int = Field(ge=2, le=1 << 22, description="vocabulary size: at least the data's tokenizer vocabulary")
+    seq_len: int = Field(ge=2, le=1 << 20, description="tokens per training sequence")
+    router: Literal["softmax", "sigmoid"] = Field(
+        default="softmax", description="router scores: softmax, or sigmoid (normalised over the chosen experts)"
+    )
+    load_balance_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="weight of the auxiliary load-balancing loss (0: off; the bias update balances instead)",
+    )
+    z_loss_coef: float = Field(default=0.0, ge=0, description="weight of the router z-loss (0: off)")
     bias_update_rate: float = Field(default=1e-3, ge=0, description="aux-loss-free expert bias step")
-    rope_theta: float = Field(default=10000.0, gt=0)
-    tie_embeddings: bool = False
+    rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base frequency")
+    tie_embeddings: bool = Field(
+        default=False, description="the output head shares the input embedding's weights (pp 1 only)"
+    )
     qk_norm: bool = Field(
         default=False,
         description="RMS-normalise q and k per head before RoPE (Qwen3's "
@@ -376,9 +564,20 @@ class Parallel(_Base, Mesh):
         description="the last stage holds this many layers "
         "fewer than an even split (it also runs the norm, head and loss)",
     )
-    activation_checkpointing: Literal["none", "selective", "full"] = "none"
-    overlap: bool = True
-    mixed_precision: Literal["bf16", "fp32"] = "bf16"
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        default="none",
+        description="recompute activations in the backward pass: none, selective (the FFN/MoE internals) or "
+        "full (every block)",
+    )
+    overlap: bool = Field(
+        default=True,
+        description="overlap communication with compute: prefetch the next block's FSDP weights, dispatch tokens "
+        "asynchronously",
+    )
+    mixed_precision: Literal["bf16", "fp32"] = Field(
+        default="bf16",
+        description="bf16: compute in bf16 from fp32 master weights, gradients reduced in fp32; fp32: all in fp32",
+    )
     hbm_headroom: float = Field(
         default=0.1,
         ge=0,
@@ -403,6 +602,12 @@ LOCAL_LAYOUT_KEYS = (
 )
 
 
+def stack_key(key: str, local: bool) -> str:
+    """The stack-file key a user changes to set `key` ("model.vocab") of a plan: a local run's model
+    and training keys come from the `local` section, which overrides the stack's."""
+    return f"local.{key}" if local and key.split(".", 1)[0] in ("model", "training") else key
+
+
 class DataSource(_Base):
     path: str = Field(
         min_length=1,
@@ -414,28 +619,60 @@ class DataSource(_Base):
 
 class Training(_Base):
     global_batch: int = Field(ge=1, le=1 << 24, description="sequences per optimizer step")
-    micro_batch: int = Field(ge=1, le=1 << 16)
-    steps: int = Field(ge=1, le=10**9)
-    lr: float = Field(gt=0, le=1)
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-    warmup_steps: int = Field(default=0, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = Field(default=0.1, ge=0)
-    grad_clip: float = Field(default=1.0, gt=0)
-    checkpoint_interval: int = Field(ge=1, le=10**9)
-    keep_checkpoints: int = Field(default=3, ge=1, le=1000)
-    async_checkpoint: bool = True
-    collective_timeout_s: int = Field(default=600, ge=10, le=86400)
-    max_restarts: int = Field(default=3, ge=0, le=1000)
+    micro_batch: int = Field(
+        ge=1,
+        le=1 << 16,
+        description="sequences per forward/backward on one rank; gradients accumulate up to globalBatch",
+    )
+    steps: int = Field(ge=1, le=10**9, description="optimizer steps of the run")
+    lr: float = Field(gt=0, le=1, description="peak learning rate")
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0, le=1, description="the schedule's final learning rate as a fraction of lr"
+    )
+    warmup_steps: int = Field(default=0, ge=0, description="steps of linear warm-up to lr")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="learning-rate decay after warm-up"
+    )
+    weight_decay: float = Field(default=0.1, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(default=1.0, gt=0, description="clip the global gradient norm to this")
+    checkpoint_interval: int = Field(
+        ge=1, le=10**9, description="steps between checkpoints (the last step, SIGTERM and SIGINT also save)"
+    )
+    keep_checkpoints: int = Field(
+        default=3, ge=1, le=1000, description="checkpoints kept on FSx (older ones pruned; S3 keeps the history)"
+    )
+    async_checkpoint: bool = Field(
+        default=True, description="save in the background: training blocks only while the state is staged"
+    )
+    collective_timeout_s: int = Field(
+        default=600, ge=10, le=86400, description="seconds a collective may wait before the run fails (a hung rank)"
+    )
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description="worker restarts (torchrun --max-restarts, the job's backoffLimit), each resuming from the "
+        "newest checkpoint, before the run fails",
+    )
     max_non_finite_steps: int = Field(
         default=5,
         ge=1,
         description="consecutive steps with a non-finite loss or "
         "gradient norm (their updates skipped) before the run stops, exit 1",
     )
-    seed: int = 0
-    weights_uri: str | None = None
-    weights_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    seed: int = Field(default=0, description="random seed of the initialisation and the data order")
+    weights_uri: str | None = Field(
+        default=None,
+        description="URI of weights to start from, recorded in the plan (the weights-verified policy asks for "
+        "weightsSha256 with it); the trainer does not load it yet",
+        json_schema_extra=when_unset("random initialisation (seed)"),
+    )
+    weights_sha256: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the weights at weightsUri, checked before loading",
+        json_schema_extra=when_unset("not checked (with weightsUri set, the weights-verified policy warns)"),
+    )
     data: list[DataSource] = Field(
         default_factory=list,
         description="a blend of prepared datasets, sampled by "
@@ -454,13 +691,23 @@ class Training(_Base):
 
 
 class Workload(_Base):
-    namespace: str = Field(default="training", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    service_account: str = Field(default="trainer", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str = Field(
+        default="training", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="the trainer's Kubernetes namespace"
+    )
+    service_account: str = Field(
+        default="trainer",
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="the trainer's Kubernetes service account (bound to its IAM role)",
+    )
     gate_min_fraction: float = Field(
         default=0.8, gt=0, le=1.5, description="interconnect gate: fraction of the catalog baseline"
     )
-    termination_grace_s: int = Field(default=900, ge=30)
-    hugepages_2mi_gib: int = Field(default=5, ge=0)
+    termination_grace_s: int = Field(
+        default=900, ge=30, description="seconds a trainer pod has after SIGTERM (it checkpoints) before it is killed"
+    )
+    hugepages_2mi_gib: int = Field(
+        default=5, ge=0, description="GiB of 2 MiB huge pages reserved on each GPU node (EFA's libfabric uses them)"
+    )
     fabric_check_schedule: str = Field(
         default="0 3 * * 0",
         pattern=r"^\S+( \S+){4}$",
@@ -506,22 +753,39 @@ class Inference(_Base):
         default=None,
         pattern=r"^[0-9a-f]{64}$",
         description="sha256 of the export's manifest.json: pins the weights the init container verifies file by file",
+        json_schema_extra=when_unset(
+            "the weights are not pinned: the init container verifies the files against the manifest it finds"
+        ),
     )
     tp: int = Field(default=1, ge=1, description="tensor-parallel degree of one replica")
     pp: int = Field(default=1, ge=1, description="pipeline stages of one replica (> 1 node: a LeaderWorkerSet)")
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp32"] = Field(
+        default="bf16", description="the served weights' dtype (vLLM --dtype)"
+    )
     max_seq_len: int = Field(default=4096, ge=16, description="vLLM --max-model-len")
     max_concurrency: int = Field(default=64, ge=1, description="sequences batched at once (vLLM --max-num-seqs)")
-    replicas_min: int = Field(default=1, ge=1)
-    replicas_max: int = Field(default=1, ge=1)
+    replicas_min: int = Field(default=1, ge=1, description="fewest serving replicas (the HPA's minReplicas)")
+    replicas_max: int = Field(default=1, ge=1, description="most serving replicas (the HPA's maxReplicas)")
     target_running_per_replica: int = Field(
         default=32,
         ge=1,
         description="autoscaling: add a replica when requests running + waiting per replica exceed this",
     )
-    ttft_target_ms: float | None = Field(default=None, gt=0, description="time to first token, p99")
-    itl_target_ms: float | None = Field(default=None, gt=0, description="inter-token latency, p99")
-    namespace: str = Field(default="serving", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    ttft_target_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description="time to first token, p99",
+        json_schema_extra=when_unset("no target: the inference plan reports the estimate without judging it"),
+    )
+    itl_target_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description="inter-token latency, p99",
+        json_schema_extra=when_unset("no target: the inference plan reports the estimate without judging it"),
+    )
+    namespace: str = Field(
+        default="serving", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="the serving Kubernetes namespace"
+    )
     allowed_client_namespaces: list[str] = Field(
         default=["gateway"], description="namespaces whose pods may reach the server (NetworkPolicy); nothing else may"
     )
@@ -529,6 +793,7 @@ class Inference(_Base):
         default=None,
         ge=1,
         description="GPUs the serving namespace may request (ResourceQuota); default replicasMax x GPUs per replica",
+        json_schema_extra=when_unset("replicasMax x GPUs per replica"),
     )
 
     @field_validator("image")
@@ -563,35 +828,58 @@ class Local(_Base):
     override the stack's; the mesh degrees (dpReplicate, dpShard, tp, ep, pp and the pipeline keys)
     come from local.parallel only (default 1, dpShard filling nproc), the rest of parallel is inherited."""
 
-    nproc: int = Field(default=2, ge=1, le=16)
-    model: ModelOverride = ModelOverride()  # type: ignore[valid-type]
-    parallel: ParallelOverride = ParallelOverride()  # type: ignore[valid-type]
-    training: TrainingOverride = TrainingOverride()  # type: ignore[valid-type]
+    nproc: int = Field(
+        default=2, ge=1, le=16, description="CPU processes of `supernode train --local` (its world size)"
+    )
+    model: ModelOverride = Field(  # type: ignore[valid-type]
+        default=ModelOverride(), description="model keys overriding the stack's for the local run"
+    )
+    parallel: ParallelOverride = Field(  # type: ignore[valid-type]
+        default=ParallelOverride(),
+        description="the local run's mesh degrees and pipeline keys (not inherited); other parallel keys override "
+        "the stack's",
+    )
+    training: TrainingOverride = Field(  # type: ignore[valid-type]
+        default=TrainingOverride(), description="training keys overriding the stack's for the local run"
+    )
 
 
 class StackConfig(_Base):
-    region: str = Field(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
-    availability_zone: str
-    cluster: ClusterConfig
-    network: NetworkConfig
-    accelerator_node_groups: list[AcceleratorNodeGroup] = Field(min_length=1)
-    system_node_group: SystemNodeGroup = SystemNodeGroup()
-    storage: StorageConfig = StorageConfig()
-    identity: Identity = Identity()
-    monitoring: MonitoringConfig
-    images: Images
-    model: Model
-    parallel: Parallel = Parallel()
-    training: Training
-    workload: Workload = Workload()
-    inference: Inference | None = None
-    local: Local = Local()
+    region: str = Field(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$", description="the AWS region (equals aws:region)")
+    availability_zone: str = Field(description="the AZ (or a Local Zone) of the GPU nodes and their subnet")
+    cluster: ClusterConfig = Field(description="the EKS cluster")
+    network: NetworkConfig = Field(description="the VPC: created by the stack, or an existing one")
+    accelerator_node_groups: list[AcceleratorNodeGroup] = Field(
+        min_length=1, description="the GPU node groups; together they are the training job's world"
+    )
+    system_node_group: SystemNodeGroup = Field(
+        default=SystemNodeGroup(), description="the node group for add-ons and controllers"
+    )
+    storage: StorageConfig = Field(
+        default=StorageConfig(), description="the S3 bucket and the FSx for Lustre file system"
+    )
+    identity: Identity = Field(default=Identity(), description="KMS key and how pods get AWS credentials")
+    monitoring: MonitoringConfig = Field(description="alarms, their thresholds and log retention")
+    images: Images = Field(description="container images: the trainer, the fabric check, the add-ons")
+    model: Model = Field(description="the MoE transformer to train")
+    parallel: Parallel = Field(default=Parallel(), description="the parallel layout (mesh degrees) and its options")
+    training: Training = Field(description="optimiser, schedule, checkpoints and data")
+    workload: Workload = Field(
+        default=Workload(), description="the training job's Kubernetes settings and the fabric and restore checks"
+    )
+    inference: Inference | None = Field(
+        default=None,
+        description="serving the exported model with vLLM",
+        json_schema_extra=when_unset("nothing is served"),
+    )
+    local: Local = Field(default=Local(), description="the scaled-down CPU run (`supernode train --local`)")
     calibration: str | None = Field(
         default=None,
         min_length=1,
         description="a calibration file (`supernode bench gpu --calibration-out FILE` on this stack's GPU "
         "type), relative to the project directory: the plan's step time uses its measured efficiencies; "
         "without one the plan says its figures are uncalibrated estimates",
+        json_schema_extra=when_unset("the plan's figures are uncalibrated estimates (the catalog's peaks)"),
     )
 
     # -- derived ---------------------------------------------------------------------------
@@ -634,6 +922,14 @@ def _value_at(data: Any, loc: tuple) -> Any:
         except (KeyError, IndexError, TypeError):
             return None
     return data
+
+
+def _present(data: Any, loc: tuple) -> bool:
+    """Whether the document holds the key at `loc` (its value may be null)."""
+    if not loc:
+        return False
+    parent = _value_at(data, loc[:-1])
+    return isinstance(parent, dict) and loc[-1] in parent
 
 
 def _path(prefix: str, loc: tuple) -> str:
@@ -691,6 +987,10 @@ def issues_from_validation(err: ValidationError, prefix: str, data: Any) -> list
         elif e["type"] == "string_type" and isinstance(e.get("input"), (int, float)):
             msg += f'; quote it in YAML: "{e["input"]}"'
         missing = e["type"] == "missing"
+        if not missing and e.get("input") is None and _present(data, loc):
+            # YAML reads `key:` with nothing after it, or with its lines indented as its siblings, as null
+            msg = "has no value: its YAML line ends at the colon, or the lines meant for it are not indented under it"
+            missing = True
         value = None if missing else e.get("input")
         out.append(
             Issue(

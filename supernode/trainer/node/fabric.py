@@ -53,6 +53,7 @@ from supernode.core.errors import EXIT_BAD_INPUT, BadInput
 from supernode.core.plan import Plan
 
 from ..checkpoint import inject
+from ..device import choose, synchronize
 from .inventory import instance_id
 
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -91,14 +92,12 @@ def measure(op: str, nbytes: int, device: torch.device, warmup: int, iters: int)
     out = torch.empty_like(buf)
     for _ in range(warmup):
         _op(op, buf, out)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
         _op(op, buf, out)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace, as in nccl-tests
     size = elems * 4
@@ -173,8 +172,7 @@ def _pair_times(
     out, tiny = torch.empty_like(buf), torch.ones(1, dtype=torch.float32, device=device)
 
     def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
 
     def exchange() -> None:
         if delay_s:
@@ -453,13 +451,16 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    gpu = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
-    if gpu:
-        torch.cuda.set_device(device)
+    try:  # the plan's accelerator (a manual run without --plan: a GPU if there is one)
+        choice = choose(Plan.read(args.plan).hardware.torch_device if args.plan is not None else None)
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    device, gpu = choice.device, choice.accelerated
     sizes = args.sizes or ([2**k for k in range(20, 31, 2)] if gpu else [2**k for k in range(16, 25, 4)])
     pair_bytes = args.pair_bytes or (64 << 20 if gpu else 1 << 20)
-    dist.init_process_group("nccl" if gpu else "gloo", timeout=timedelta(seconds=args.timeout_s))
+    # The device's own collectives (NCCL, or Neuron's over NeuronLink and EFA): what the gate measures.
+    dist.init_process_group(choice.device_backend, timeout=timedelta(seconds=args.timeout_s))
     try:
         rank, best, points = dist.get_rank(), 0.0, []
         say = (lambda doc: print(json.dumps(doc), flush=True)) if rank == 0 else (lambda doc: None)
