@@ -173,8 +173,15 @@ def _a2a_worker(rank: int, ep: int, workdir: str, args: argparse.Namespace) -> N
             elapsed = time.perf_counter() - start
     finally:
         dist.all_to_all_single = real
-    # Forward calls: token counts, dispatch, combine. Routing-exact minimum: the copies whose expert lives elsewhere.
-    counts_bytes, dispatch_bytes, combine_bytes = calls
+    # Forward calls: token counts, then the pieces' dispatches and combines in the order
+    # AllToAllDispatcher.compute issues them: dispatch 0, then per piece i the next dispatch and its
+    # combine. Routing-exact minimum: the copies whose expert lives elsewhere.
+    k = layer.dispatcher.chunks
+    roles = ["dispatch"] + [role for i in range(k) for role in ["dispatch"] * (i + 1 < k) + ["combine"]]
+    assert len(calls) == 1 + len(roles), f"{len(calls)} all-to-alls for {k} pieces"
+    counts_bytes = calls[0]
+    dispatch_bytes = sum(n for n, role in zip(calls[1:], roles) if role == "dispatch")
+    combine_bytes = sum(n for n, role in zip(calls[1:], roles) if role == "combine")
     load = layer.tokens_per_expert  # this rank's routed copies (nothing reduced them)
     row_bytes = args.dim * torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
     remote_rows = int(load.sum() - load[rank * per : (rank + 1) * per].sum())

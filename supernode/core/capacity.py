@@ -440,12 +440,7 @@ def step_time(
     # the four all-to-alls) travel again (supernode/trainer/dispatcher.py AllToAllDispatcher.compute).
     forwards = 1 if ac == "none" or not m.moe_layers else 2
     a2a_again = a2a / 2 * (forwards - 1)
-    # The one overlap the dispatcher has: with parallel.overlap the forward dispatch is asynchronous
-    # while the shared expert computes (AllToAllDispatcher.compute `pending`); the combine and both
-    # backward all-to-alls (_AllToAll.backward) are synchronous.
-    shared_fwd = tokens_step * 2 * pc.shared_experts / world / flop_s
-    hidden_a2a = min(a2a / 4, shared_fwd) if p.overlap and p.ep > 1 else 0.0
-    exposed_a2a = a2a + a2a_again - forwards * hidden_a2a
+    exposed_a2a = a2a + a2a_again - forwards * _hidden_forward_all_to_all(m, p, pc, a2a, tokens_step / world / flop_s)
 
     # FSDP2 units (supernode/trainer/parallel.py _fully_shard): each block (non-expert weights over dp_shard,
     # experts over edp) and the root (embedding, final norm, head). Per byte of buffer, a ring over each group:
@@ -549,6 +544,27 @@ def step_time(
         p2p_s=p2p,
         chip_tensor_parallel=chip_tp,
     )
+
+
+def _hidden_forward_all_to_all(m: Model, p: Parallel, pc: ParamCounts, a2a: float, per_flop: float) -> float:
+    """What one forward's dispatch + combine hide behind computation, as AllToAllDispatcher.compute
+    (supernode/trainer/dispatcher.py) schedules them; backward's (_AllToAll.backward) are synchronous.
+
+    Without parallel.overlap (or at ep 1) nothing. With it, K = parallel.allToAllChunks pieces, each 1/K
+    of the dispatch d and of the combine c, issued asynchronously on the group's one queue:
+    dispatch 0 runs beside the shared expert; while the experts compute piece i (x, 1/K of the
+    routed experts' forward) the queue carries combine i-1 and dispatch i+1, and what exceeds x
+    waits; combine K-1 has nothing beside it. Exposed = max(0, d - shared) + sum over the pieces of
+    max(0, queued_i - x) + c, hidden = d + c (per piece, times K) less that."""
+    if not p.overlap or p.ep == 1:
+        return 0.0
+    k = p.all_to_all_chunks
+    piece = a2a / 4 / k  # each of dispatch and combine is a quarter of the four all-to-alls
+    shared = 2 * pc.shared_experts * per_flop
+    experts = 2 * (pc.experts * m.top_k // m.experts if m.experts else 0) * per_flop / k
+    queued = [piece * ((i + 1 < k) + (i > 0)) for i in range(k)]
+    exposed = max(0.0, piece - shared) + sum(max(0.0, q - experts) for q in queued) + piece
+    return a2a / 2 - exposed
 
 
 class CheckpointIO(BaseModel):

@@ -275,7 +275,9 @@ def parallelize(model: Transformer, parallel: Parallel, mesh: Meshes, device_typ
             for name in ("w1", "w2", "w3"):
                 full = getattr(moe.experts, name)
                 setattr(moe.experts, name, nn.Parameter(distribute_tensor(full.detach(), mesh.ep, [Shard(0)])))
-            moe.dispatcher = AllToAllDispatcher(mesh.ep.get_group(), tp_group, parallel.overlap)
+            moe.dispatcher = AllToAllDispatcher(
+                mesh.ep.get_group(), tp_group, parallel.overlap, parallel.all_to_all_chunks
+            )
         else:
             moe.dispatcher = TokenDispatcher(tp_group)
         # FSDP averages over its mesh; rescale to the mean over the dp data-parallel streams.

@@ -358,13 +358,36 @@ def test_prod_step_time_differs_by_the_recomputation_it_costs():
 
 
 def test_only_the_overlap_the_trainer_does_is_credited():
-    """AllToAllDispatcher.compute overlaps the forward dispatch with the shared expert, nothing else;
-    without parallel.overlap nothing at all. FSDP's forward gathers are prefetched only with overlap."""
+    """AllToAllDispatcher.compute: without parallel.overlap every all-to-all waits. With it, in
+    forward only, dispatch 0 runs beside the shared expert and, in K = allToAllChunks pieces, piece i's
+    experts run beside combine i-1 and dispatch i+1; the last combine and backward's all-to-alls
+    wait. FSDP's forward gathers are prefetched only with overlap."""
     p = _with(FP32_EP2, dp_shard=8, ep=8)
-    on, off = step_time(TINY, p, TRAIN, H100), step_time(TINY, _with(p, overlap=False), TRAIN, H100)
-    shared_fwd = 4 * 16 * 2 * 6144 / 8 / FLOP_S  # the shared expert's forward, per rank
-    assert on.exposed_all_to_all_s == pytest.approx(on.all_to_all_s - min(on.all_to_all_s / 4, shared_fwd))
+    off = step_time(TINY, _with(p, overlap=False), TRAIN, H100)
     assert off.exposed_all_to_all_s == pytest.approx(off.all_to_all_s)
+    shared_fwd = 4 * 16 * 2 * 6144 / 8 / FLOP_S  # the shared expert's forward, per rank
+    experts_fwd = 4 * 16 * 2 * (4 * 3 * 64 * 32 * 2 // 4) / 8 / FLOP_S  # 2 of 4 routed experts' forward
+    a2a = off.all_to_all_s
+    for k, schedule in {
+        1: [0],  # what waits beside each piece's experts: nothing but the shared expert hides anything
+        2: [1, 1],  # piece 0 beside dispatch 1, piece 1 beside combine 0
+        3: [1, 2, 1],  # piece 1 beside combine 0 and dispatch 2
+        5: [1, 2, 2, 2, 1],
+    }.items():
+        on = step_time(TINY, _with(p, all_to_all_chunks=k), TRAIN, H100)
+        piece, experts = a2a / 4 / k, experts_fwd / k
+        exposed_forward = max(0.0, piece - shared_fwd) + sum(max(0.0, n * piece - experts) for n in schedule) + piece
+        assert on.all_to_all_s == pytest.approx(a2a)
+        assert on.exposed_all_to_all_s == pytest.approx(a2a / 2 + exposed_forward), f"{k} chunks"
+    # More pieces hide more while the experts outlast what queues beside them (wide experts);
+    # once communication outlasts every piece's experts, the pieces hide the experts' time and no more.
+    wide = TINY.model_copy(update={"expert_hidden": 4096})
+    chunked = [step_time(wide, _with(p, all_to_all_chunks=k), TRAIN, H100).exposed_all_to_all_s for k in (1, 2, 4)]
+    assert chunked[0] > chunked[1] > chunked[2] > a2a / 2
+    bound = [step_time(TINY, _with(p, all_to_all_chunks=k), TRAIN, H100).exposed_all_to_all_s for k in (2, 4)]
+    assert bound[0] == pytest.approx(bound[1]) == pytest.approx(a2a - experts_fwd - shared_fwd)
+    # No expert parallel: nothing to hide, whatever the chunks.
+    assert step_time(TINY, _with(FP32_EP2, ep=1, all_to_all_chunks=4), TRAIN, H100).exposed_all_to_all_s == 0.0
     cfg = load_stack("prod", ROOT)
     # One micro-batch per step (8 sequences per rank): compute-bound enough for FSDP's prefetch to matter.
     cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"micro_batch": 8})})
