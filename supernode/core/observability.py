@@ -64,7 +64,11 @@ CHECKPOINT_STEP = TrainerMetric("supernode_train_last_checkpoint_step", "step of
 STEP_OVER_PLAN = TrainerMetric(
     "supernode_train_step_time_over_plan", "measured step time / the plan's estimate (1: as planned; the drift alarm)"
 )
-PHASE_SECONDS = TrainerMetric("supernode_train_phase_seconds", "step time by phase", "phase")
+PHASE_SECONDS = TrainerMetric(
+    "supernode_train_phase_seconds",
+    "step time by phase: compute, exposed communication (comm: in flight with no compute beside it), data wait",
+    "phase",
+)
 EXPERT_LOAD = TrainerMetric("supernode_train_expert_load_max_over_mean", "max/mean expert token share", "layer")
 # Every gauge the trainer exports, and so every one the scrape turns into a CloudWatch metric.
 TRAINER_METRICS = (

@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import ctypes
 import json
-import math
 import os
 import socket
 import sys
@@ -56,6 +55,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput, bad_input_lines
 from supernode.core.plan import Plan
+from supernode.core.pretrained import is_remote
 
 from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, inject
 from .device import choose
@@ -84,12 +84,47 @@ def _quiet_stderr():
         os.close(saved)
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def exposed_seconds(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
+    """How long a collective was in flight with no compute beside it (the units of the spans)."""
+    covered, hidden = _union(comm), 0.0
+    busy = _union(compute)
+    i = 0
+    for start, end in covered:
+        while i < len(busy) and busy[i][1] <= start:
+            i += 1
+        j = i
+        while j < len(busy) and busy[j][0] < end:
+            hidden += min(end, busy[j][1]) - max(start, busy[j][0])
+            j += 1
+    return sum(e - s for s, e in covered) - hidden
+
+
+COLLECTIVE_EVENTS = ("gloo:", "nccl")
+# Host-side calls into a collective (launch and wait): not compute, whatever they nest.
+COLLECTIVE_CALLS = ("c10d::", "record_param_comms")
+
+
 class CommClock:
-    """Seconds with a collective in flight during a profiled region: the union of the backend's
-    collective intervals (gloo worker threads, NCCL kernels) as torch.profiler records them."""
+    """Exposed communication in a profiled region: the seconds a collective is in flight (the
+    backend's collective intervals: gloo worker threads, NCCL kernels, as torch.profiler records
+    them) with no compute running beside it. Compute is the device's other kernels on a GPU; on CPU,
+    the aten ops of the thread that runs the step. So the chunked all-to-all that runs while experts
+    compute (supernode/trainer/dispatcher.py) counts as compute, not communication, and compute +
+    exposed communication + data wait is the step."""
 
     def __init__(self, enabled: bool, cuda: bool):
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.cuda = cuda
         self.prof = profile(activities=acts) if enabled else None
 
     def __enter__(self) -> CommClock:
@@ -106,15 +141,31 @@ class CommClock:
     def seconds(self) -> float:
         if self.prof is None:
             return 0.0
-        spans = sorted(
-            (e.time_range.start, e.time_range.end) for e in self.prof.events() if e.name.startswith(("gloo:", "nccl"))
-        )
-        total, end = 0, -math.inf
-        for s, e in spans:
-            if e > end:
-                total += e - max(s, end)
-                end = e
-        return total / 1e6
+        events = list(self.prof.events())
+        comm = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith(COLLECTIVE_EVENTS)]
+        if self.cuda:
+            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            compute = [(e.time_range.start, e.time_range.end) for e in kernels if not e.name.startswith("nccl")]
+        else:
+            aten = [e for e in events if e.name.startswith("aten::")]
+            counts: dict[int, int] = {}
+            for e in aten:
+                counts[e.thread] = counts.get(e.thread, 0) + 1
+            step_thread = max(counts, key=counts.get, default=None)
+            calls = _union(
+                [
+                    (e.time_range.start, e.time_range.end)
+                    for e in events
+                    if e.thread == step_thread and e.name.startswith(COLLECTIVE_CALLS)
+                ]
+            )
+            compute = [
+                (e.time_range.start, e.time_range.end)
+                for e in aten
+                if e.thread == step_thread
+                and not any(s <= e.time_range.start and e.time_range.end <= t for s, t in calls)
+            ]
+        return exposed_seconds(comm, compute) / 1e6
 
 
 class StopRequest:
@@ -245,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--progress", action="store_true", help="rich progress bar (rank 0)")
     p.add_argument("--plots", action="store_true", help="PNG plots of loss and expert load at the end")
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="the local copy of training.initFrom (default: its path; an s3:// one is downloaded and verified "
+        "by the cluster job's init container, which passes this)",
+    )
     return p
 
 
@@ -315,6 +373,8 @@ def _run(args: argparse.Namespace, plan: Plan, steps: int, device: torch.device,
         )
     if changed:
         say(changed)
+    if start == 0 and t.init_from:  # a checkpoint of the run wins: its weights are further along
+        _init_from(trainer, plan, args.init_from, say)
     if start == steps:
         say(f"the run in {args.out} is already at step {start}: nothing to train (give a larger --steps)")
         ckpt.close()
@@ -446,6 +506,27 @@ def _run(args: argparse.Namespace, plan: Plan, steps: int, device: torch.device,
     finally:
         metrics.close(plots=args.plots and step == steps)
     return code
+
+
+def _init_from(trainer: Trainer, plan: Plan, local_copy: Path | None, say) -> None:
+    """Step 0's weights from the pretrained directory (verified first); the optimizer and the data
+    position start fresh, as they would from a random initialisation."""
+    from .hf.load import load_pretrained
+
+    source = plan.training.init_from
+    if local_copy is None and is_remote(source):
+        raise BadInput(
+            f"training.initFrom {source}: an s3:// prefix is read from a local copy; download it "
+            f"(aws s3 sync {source} DIR) and pass --init-from DIR"
+        )
+    directory = local_copy or Path(source)
+    if not directory.is_dir():
+        raise BadInput(f"training.initFrom {directory}: not a directory")
+    t0 = time.perf_counter()
+    load_pretrained(
+        trainer.model, plan.model, directory, plan.training.init_from_sha256, "local.model" if plan.local else "model"
+    )
+    say(f"step 0 starts from the weights in {directory} (verified, loaded in {time.perf_counter() - t0:.1f} s)")
 
 
 def main(argv: list[str] | None = None) -> int:
