@@ -66,7 +66,8 @@ STEP_OVER_PLAN = TrainerMetric(
 )
 PHASE_SECONDS = TrainerMetric(
     "supernode_train_phase_seconds",
-    "step time by phase: compute, exposed communication (comm: in flight with no compute beside it), data wait",
+    "step time by phase: compute, exposed communication (comm: in flight with no compute beside it), data "
+    "wait; checkpoint: how long the last save blocked training",
     "phase",
 )
 EXPERT_LOAD = TrainerMetric("supernode_train_expert_load_max_over_mean", "max/mean expert token share", "layer")

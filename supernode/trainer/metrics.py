@@ -237,6 +237,12 @@ class Metrics:
         self._checkpoint_gauges()
         write_to_textfile(str(self.out / PROM), self.registry)
 
+    def checkpoint_stall(self, seconds: float) -> None:
+        """How long the step's checkpoint save blocked training (an async save: the staging copy; a
+        sync one: the whole write), the "checkpoint" phase; exported with the next step's figures."""
+        if self.rank == 0:
+            self.gauges[obs.PHASE_SECONDS].labels("checkpoint").set(seconds)
+
     def _checkpoint_gauges(self) -> None:
         """The newest complete checkpoint's commit time and step (unchanged when there is none)."""
         found = complete_checkpoints(self.checkpoints) if self.checkpoints is not None else []

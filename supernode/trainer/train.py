@@ -466,6 +466,7 @@ def _run(args: argparse.Namespace, plan: Plan, steps: int, device: torch.device,
                         f"step {last_saved}); lower training.lr, then run again"
                     )
                 ckpt.save(step, sync=stopping or last)
+                metrics.checkpoint_stall(ckpt.last_stall_s)
                 last_saved = step
                 metrics.message(
                     f"step {step}: loss {r.loss:.4f}; checkpoint "

@@ -63,6 +63,13 @@ def test_jsonl_and_prometheus_contents(tmp_path, plan):
     assert value["supernode_train_expert_load_max_over_mean{'layer': '0'}"] == 2.5
     # the plan-drift ratio the alarm reads: measured step time over the plan's estimate
     assert value["supernode_train_step_time_over_plan{}"] == pytest.approx(0.5 / plan.step.step_s)
+    assert "supernode_train_phase_seconds{'phase': 'checkpoint'}" not in value  # no save yet
+
+    m.checkpoint_stall(0.25)  # the step's save blocked training this long: exported with the next step
+    log(m, 3, 3.9, torch.tensor([[8, 8, 8, 8]]))
+    families = {f.name: f for f in text_string_to_metric_families((tmp_path / PROM).read_text())}
+    value = {f"{f.name}{dict(s.labels)}": s.value for f in families.values() for s in f.samples}
+    assert value["supernode_train_phase_seconds{'phase': 'checkpoint'}"] == 0.25
 
 
 def test_mfu_on_gpu_uses_the_catalog_peak(tmp_path, plan):
