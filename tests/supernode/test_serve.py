@@ -110,7 +110,26 @@ def test_serve_needs_local_and_a_serving_env(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "nope" / "python"))
     model = _export(tmp_path / "m")
     assert main(["serve", "--stack", "dev", "--root", str(ROOT), "--local", "--model", str(model)]) == 2
-    assert "make serve-env" in capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{PYTHON_ENV}={tmp_path / 'nope' / 'python'}: no such interpreter" in err  # the lookup: test_serve_env.py
+
+
+def test_serve_model_is_required_as_export_out_is(capsys):
+    """No default export location exists (`supernode export --out` is required): serve has no default to
+    point at a path nothing writes."""
+    from supernode.cli import build_parser
+
+    flags = {
+        name: {a.dest: a for a in leaf._actions}
+        for name, leaf in (
+            (n, p) for n, p in build_parser()._subparsers._group_actions[0].choices.items() if n in ("export", "serve")
+        )
+    }
+    export_out, serve_model = flags["export"]["out"], flags["serve"]["model"]
+    assert export_out.required == serve_model.required and export_out.default == serve_model.default
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--stack", "dev", "--root", str(ROOT), "--local"])
+    assert exit.value.code == 2 and "the following arguments are required: --model" in capsys.readouterr().err
 
 
 def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path, fake_vllm):
@@ -216,6 +235,16 @@ class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200)
         self.end_headers()
+
+    def do_POST(self):  # a streamed completion of FAKE_COMPLETION, as the OpenAI API sends one
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = {"choices": [{"text": os.environ.get("FAKE_COMPLETION", "ok")}]}
+        usage = {"choices": [], "usage": {"completion_tokens": 2}}
+        for data in (json.dumps(chunk), json.dumps(usage), "[DONE]"):
+            self.wfile.write(f"data: {data}\\n\\n".encode())
 
     def log_message(self, *args):
         pass
@@ -338,6 +367,20 @@ def test_serve_refuses_a_port_another_server_holds(tmp_path, fake_server, capsys
     out, err = capsys.readouterr()
     assert f"port {port} on 127.0.0.1 is in use by another process" in err and "serving" not in out
     assert not fake_server.exists()  # never started
+
+
+@pytest.mark.parametrize(
+    "text,shown",
+    [("\n\n", r">>> x(whitespace: '\n\n')"), ("", ">>> x(empty)"), (" y\n", ">>> x y")],
+)
+def test_a_completion_that_is_only_whitespace_is_shown_as_such(tmp_path, fake_server, monkeypatch, capsys, text, shown):
+    monkeypatch.setenv("FAKE_COMPLETION", text)
+    args = ["serve", "--stack", "dev", "--root", str(ROOT), "--local", "--model", str(_export(tmp_path / "m"))]
+    assert main([*args, "--port", "0", "--prompt", "x"]) == 0
+    out = capsys.readouterr().out
+    assert shown in out.splitlines()
+    assert "\n\n\n" not in out  # no run of blank lines where the completion was
+    assert _gone(fake_server)
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="socket ownership is read from /proc/net/tcp")

@@ -2,8 +2,9 @@
 supernode.core.serving) on this machine, for the exported model, after verifying every file's sha256
 against the export's manifest (a mismatch: exit 2 naming the file; the server never starts). With
 --prompt it answers those prompts, prints each completion with its latency and stops; without, it
-serves until Ctrl-C. In the cluster the stack's serving workload does the same
-(supernode/components/k8s/serving.py)."""
+serves until Ctrl-C; a completion that is only whitespace is printed as such. vLLM runs from the
+serving environment (`supernode serve-env`; where it is looked for: supernode.tools.serve.serve_python).
+In the cluster the stack's serving workload does the same (supernode/components/k8s/serving.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="serve the exported model locally (weights verified first)")
     add_stack_args(p)
     p.add_argument("--local", action="store_true", help="run on this machine (the cluster serves through the stack)")
-    p.add_argument("--model", type=Path, default=None, help="the exported model directory (default: out/export-STACK)")
+    # required, as `supernode export --out` is: there is no default place an export lands
+    p.add_argument("--model", type=Path, required=True, help="the exported model directory (supernode export --out)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free port)")
     p.add_argument(
         "--prompt",
@@ -41,10 +43,10 @@ def run(args) -> int:
         raise BadInput(f"--port must be between 0 and 65535 (got {args.port})")
     if args.max_tokens < 1:
         raise BadInput(f"--max-tokens must be at least 1 (got {args.max_tokens})")
-    stack, cfg = stack_from_args(args)
-    from ...tools.serve import LocalServer, ServerFailed, complete, serve_python, verify_export
+    _, cfg = stack_from_args(args)
+    from ...tools.serve import LocalServer, ServerFailed, complete, serve_python, shown_text, verify_export
 
-    model = args.model or Path("out") / f"export-{stack}"
+    model = args.model
     manifest = verify_export(model)  # before anything starts: a changed file is bad input
     print(
         f"verified {len(manifest['files'])} files of {model} against manifest.json (sha256); "
@@ -70,7 +72,7 @@ def run(args) -> int:
             return EXIT_FAILED
         for prompt in args.prompt:
             c = complete(server.url, prompt, args.max_tokens, model=server.name)
-            print(f"\n>>> {prompt}{c.text}")
+            print(f"\n>>> {prompt}{shown_text(c.text)}")
             print(
                 f"    {c.tokens} tokens: first token {c.ttft_s * 1e3:.0f} ms, total {c.total_s * 1e3:.0f} ms, "
                 f"inter-token {c.itl_s * 1e3:.1f} ms, "
