@@ -97,7 +97,13 @@ DCGM_METRICS = (
     "DCGM_FI_DEV_GPU_TEMP",
     "DCGM_FI_DEV_POWER_USAGE",
     "DCGM_FI_DEV_XID_ERRORS",
+    # Node health (issue 26 item 4): memory and bus faults that precede a failed GPU; alarmed on
+    # with the node agent's quarantine count (supernode/components/aws/monitoring.py).
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
 )
+ECC_DBE, ROW_REMAP_FAILURE, PCIE_REPLAYS = DCGM_METRICS[-3:]
 
 # The dimensions of a series (the scrape relabels each pod's namespace and node to Namespace and
 # Hostname); CloudWatch finds a metric only by exactly one of its dimension sets.

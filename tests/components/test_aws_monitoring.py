@@ -39,6 +39,12 @@ def test_every_alarm_notifies_the_topic(stack: Stack):
         "fabric-regressed",
         "inventory-drift",
         "restore-drill-failed",
+        # node health (issue 26 item 4; tests/components/test_node_agent.py)
+        "node-quarantined",
+        "node-replaced",
+        "gpu-ecc-uncorrectable",
+        "gpu-row-remap-failure",
+        "gpu-pcie-replays",
     }
     for a in found.values():
         assert a["alarmActions"] == [topic] and a["okActions"] == [topic]

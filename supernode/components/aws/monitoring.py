@@ -51,6 +51,9 @@ AGENT_CONFIGURATION = {
 }
 
 
+PCIE_REPLAYS_PER_MIN = 8  # `dcgmi health -c` warns above 8 PCIe replays a minute
+
+
 class LogPattern:
     """CloudWatch Logs filter patterns (any of the quoted terms) for failures worth a page."""
 
@@ -65,6 +68,9 @@ class LogPattern:
     FABRIC_REGRESSED = "{ $.fabric_regressed_node_count = * }"
     INVENTORY_DRIFT = "{ $.inventory_drift_count = * }"
     RESTORE_DRILL_FAILED = '{ $.restore_drill = "failed" }'
+    # The node health agent's round lines (supernode/trainer/node/agent.py).
+    NODE_QUARANTINED = "{ $.node_quarantined = * }"
+    NODE_REPLACED = "{ $.node_replaced = 1 }"
 
 
 @dataclass
@@ -151,6 +157,9 @@ class Monitoring(pulumi.ComponentResource):
             ),
             "InventoryDrift": (groups["application"], LogPattern.INVENTORY_DRIFT, "$.inventory_drift_count"),
             "RestoreDrillFailures": (groups["application"], LogPattern.RESTORE_DRILL_FAILED, "1"),
+            # Summed over the agents' lines of a period: quarantined node-rounds (0 when all pass).
+            "NodesQuarantined": (groups["application"], LogPattern.NODE_QUARANTINED, "$.node_quarantined"),
+            "NodesReplaced": (groups["application"], LogPattern.NODE_REPLACED, "1"),
         }
         for metric, (group, pattern, value) in filters.items():
             aws.cloudwatch.LogMetricFilter(
@@ -373,6 +382,72 @@ class Monitoring(pulumi.ComponentResource):
                 threshold=0,
                 comparison="GreaterThanThreshold",
                 periods=1,
+            ),
+            # -- node health (supernode/trainer/node/agent.py; issue 26 item 4) --------------------------
+            self._alarm(
+                name,
+                "node-quarantined",
+                "the node health agent quarantined a GPU node (tainted supernode.io/unhealthy)",
+                namespace=self.namespace,
+                metric_name="NodesQuarantined",
+                statistic="Maximum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+            ),
+            self._alarm(
+                name,
+                "node-replaced",
+                "the node health agent terminated a faulty GPU instance for its Auto Scaling group to replace",
+                namespace=self.namespace,
+                metric_name="NodesReplaced",
+                statistic="Sum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+            ),
+            *(
+                self._alarm(
+                    name,
+                    short,
+                    description,
+                    namespace=obs.PROMETHEUS_NAMESPACE,
+                    metric_name=metric,
+                    dimensions=obs.dcgm_dimensions(cluster_name),
+                    statistic="Maximum",
+                    threshold=0,
+                    comparison="GreaterThanThreshold",
+                    periods=1,
+                )
+                for short, metric, description in (
+                    ("gpu-ecc-uncorrectable", obs.ECC_DBE, "a GPU counted uncorrectable (double-bit) ECC errors"),
+                    ("gpu-row-remap-failure", obs.ROW_REMAP_FAILURE, "a GPU failed to remap a memory row"),
+                )
+            ),
+            # A cumulative counter: alarm on its growth, at dcgmi health's PCIe warning level.
+            self._alarm(
+                name,
+                "gpu-pcie-replays",
+                f"a GPU's PCIe link replayed more than {PCIE_REPLAYS_PER_MIN} transfers a minute",
+                threshold=PCIE_REPLAYS_PER_MIN,
+                comparison="GreaterThanThreshold",
+                periods=1,
+                metric_queries=[
+                    _query(
+                        "replays",
+                        period=PERIOD_S,
+                        namespace=obs.PROMETHEUS_NAMESPACE,
+                        metric_name=obs.PCIE_REPLAYS,
+                        dimensions=obs.dcgm_dimensions(cluster_name),
+                        stat="Maximum",
+                    ),
+                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
+                        id="per_minute",
+                        return_data=True,
+                        label="PCIe replays a minute",
+                        expression="RATE(replays) * 60",
+                    ),
+                ],
             ),
         ]
         self.alarm_names = [a.name for a in self.alarms]

@@ -1,0 +1,258 @@
+"""The node health agent's API requests: Kubernetes bodies validated against the API schemas, and
+the replacement call against a real moto server."""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import boto3
+import pytest
+from aws_preview import Stack
+from moto.server import ThreadedMotoServer
+
+from supernode.core import observability as obs
+from supernode.core import resource_types as T
+from supernode.core.catalog import EKS_ADDON_VERSIONS
+from supernode.core.errors import EXIT_BAD_INPUT
+from supernode.tools import manifests as mf
+from supernode.trainer.node import agent, health
+
+VERSION = max(EKS_ADDON_VERSIONS, key=lambda v: tuple(map(int, v.split("."))))
+NODE = {
+    "apiVersion": "v1",
+    "kind": "Node",
+    "metadata": {"name": "ip-10-0-1-5.ec2.internal", "resourceVersion": "4711", "uid": "6f1c0c2e-1"},
+    "spec": {
+        "providerID": "aws:///us-east-1a/i-0123456789abcdef0",
+        "taints": [
+            {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"},
+            {"key": agent.UNCHECKED_TAINT, "effect": "NoSchedule"},
+        ],
+    },
+}
+
+
+def taints(body: dict) -> list[tuple]:
+    return [(t["key"], t.get("value"), t["effect"]) for t in body["spec"]["taints"]]
+
+
+def test_quarantine_patch_keeps_other_taints_and_validates() -> None:
+    body = agent.node_patch(NODE, "quarantined", "xid", "xid: Xid 74 on PCI:0000:53:00", checked=True)
+    assert mf.validate([body], VERSION) == []
+    assert taints(body) == [("nvidia.com/gpu", "true", "NoSchedule"), (agent.UNHEALTHY_TAINT, "xid", "NoSchedule")]
+    assert body["metadata"]["labels"] == {agent.HEALTH_LABEL: "quarantined"}
+    assert body["metadata"]["resourceVersion"] == "4711"
+
+
+def test_release_removes_our_taints_only_after_the_deep_check() -> None:
+    sick = {
+        **NODE,
+        "spec": {
+            **NODE["spec"],
+            "taints": agent.node_patch(NODE, "quarantined", "ecc", "", checked=False)["spec"]["taints"],
+        },
+    }
+    unchecked = agent.node_patch(sick, "ok", "", "", checked=False)
+    assert taints(unchecked) == [("nvidia.com/gpu", "true", "NoSchedule"), (agent.UNCHECKED_TAINT, None, "NoSchedule")]
+    released = agent.node_patch(sick, "ok", "", "", checked=True)
+    assert mf.validate([released], VERSION) == []
+    assert taints(released) == [("nvidia.com/gpu", "true", "NoSchedule")]
+
+
+def test_eviction_and_event_bodies_validate() -> None:
+    pod = {"metadata": {"name": "train-worker-3", "namespace": "supernode-train"}}
+    ev = agent.event(NODE, "NodeQuarantined", "x" * 2000, datetime(2026, 12, 4, 13, 0, tzinfo=UTC))
+    assert mf.validate([agent.eviction(pod), ev], VERSION) == []
+    assert ev["involvedObject"]["name"] == NODE["metadata"]["name"] and len(ev["message"]) == 1000
+    assert ev["lastTimestamp"] == "2026-12-04T13:00:00Z"
+
+
+def test_instance_id_comes_from_the_provider_id() -> None:
+    assert agent.instance_id(NODE) == "i-0123456789abcdef0"
+    with pytest.raises(agent.BadInput, match="spec.providerID 'kind://x' names no EC2 instance"):
+        agent.instance_id({"metadata": {"name": "n"}, "spec": {"providerID": "kind://x"}})
+
+
+def test_dcgmi_diag_failures() -> None:
+    text = """+---------------------------+------------------------------------------------+
+| Diagnostic                | Result                                         |
++===========================+================================================+
+|-----  Deployment  --------+------------------------------------------------|
+| Denylist                  | Pass                                           |
+| NVML Library              | Pass                                           |
++-----  Hardware  ----------+------------------------------------------------+
+| GPU Memory                | Fail - GPU: 2                                  |
+| Diagnostic                | Pass - All                                     |
++-----  Integration  -------+------------------------------------------------+
+| PCIe                      | Pass - All                                     |
++---------------------------+------------------------------------------------+
+"""
+    assert agent.parse_dcgmi_diag(text) == ["GPU Memory"]
+
+
+def test_efa_counters_read_from_sysfs(tmp_path) -> None:
+    counters = tmp_path / "rdmap16s27" / "ports" / "1" / "hw_counters"
+    counters.mkdir(parents=True)
+    (counters / "cmds_err").write_text("2\n")
+    (counters / "tx_bytes").write_text("1024\n")
+    assert agent.read_efa_counters(tmp_path) == {"rdmap16s27": {"cmds_err": 2, "tx_bytes": 1024}}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["watch", "--instance-type", "p9.huge"], "--instance-type: instance type 'p9.huge' is not in the catalog"),
+        (["watch", "--instance-type", "trn2.48xlarge"], "--instance-type: trn2.48xlarge is not an NVIDIA GPU instance"),
+        (
+            ["watch", "--instance-type", "p5.48xlarge", "--release-after", "0"],
+            "--release-after must be at least 1, got 0",
+        ),
+        (["watch", "--instance-type", "p5.48xlarge", "--interval-s", "5"], "--interval-s must be at least 30, got 5"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str, capsys) -> None:
+    assert agent.main(argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def moto_url() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+class RecordingKube(agent.Kube):
+    """The agent's API paths and bodies, answered from memory instead of a cluster."""
+
+    def __init__(self, node: dict, pods: list[dict]) -> None:
+        self.node_obj, self.pods, self.sent = node, pods, []
+
+    def call(self, method: str, path: str, body: dict | None = None, content_type: str = "application/json") -> dict:
+        self.sent.append((method, path.split("?")[0], content_type, body))
+        if method == "GET" and path.startswith("/api/v1/nodes/"):
+            return self.node_obj
+        if method == "GET":
+            return {"items": self.pods}
+        return {}
+
+
+def test_replacement_terminates_without_shrinking_the_group(moto_url: str) -> None:
+    kwargs = {
+        "endpoint_url": moto_url,
+        "region_name": "us-east-1",
+        "aws_access_key_id": "testing",
+        "aws_secret_access_key": "testing",
+    }
+    ec2, autoscaling = boto3.client("ec2", **kwargs), boto3.client("autoscaling", **kwargs)
+    template = ec2.create_launch_template(
+        LaunchTemplateName="gpu-nodes", LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "t3.micro"}
+    )["LaunchTemplate"]["LaunchTemplateId"]
+    autoscaling.create_auto_scaling_group(
+        AutoScalingGroupName="gpu-nodes",
+        LaunchTemplate={"LaunchTemplateId": template},
+        MinSize=0,
+        MaxSize=4,
+        DesiredCapacity=2,
+        AvailabilityZones=["us-east-1a"],
+    )
+    before = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=["gpu-nodes"])["AutoScalingGroups"][0]
+    victim = before["Instances"][0]["InstanceId"]
+
+    activity = agent.replace_instance(autoscaling, victim)
+
+    assert activity["AutoScalingGroupName"] == "gpu-nodes"
+    after = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=["gpu-nodes"])["AutoScalingGroups"][0]
+    assert after["DesiredCapacity"] == 2
+    assert victim not in {i["InstanceId"] for i in after["Instances"]}
+    assert len(after["Instances"]) == 2  # the group launched the replacement
+    state = ec2.describe_instances(InstanceIds=[victim])["Reservations"][0]["Instances"][0]["State"]["Name"]
+    assert state in ("shutting-down", "terminated")
+
+
+def test_the_scrape_keeps_the_fault_counters() -> None:
+    dcgm = next(d for d in obs.METRIC_DECLARATIONS if d["label_matcher"] == f"^{obs.DCGM_SCRAPE_JOB}$")
+    for metric in (obs.ECC_DBE, obs.ROW_REMAP_FAILURE, obs.PCIE_REPLAYS):
+        assert re.fullmatch(dcgm["metric_selectors"][0], metric), metric
+
+
+def test_alarms_on_quarantine_replacement_and_gpu_faults(stack: Stack) -> None:
+    found = {
+        r.inputs["name"].removeprefix(f"supernode-{stack.result.stack}-"): r.inputs for r in stack.all(T.METRIC_ALARM)
+    }
+    filters = {r.inputs["metricTransformation"]["name"]: r.inputs for r in stack.all(T.LOG_METRIC_FILTER)}
+    # The agent's JSON line carries the fields the filters read.
+    assert filters["NodesQuarantined"]["pattern"] == "{ $.node_quarantined = * }"
+    assert filters["NodesQuarantined"]["metricTransformation"]["value"] == "$.node_quarantined"
+    assert filters["NodesReplaced"]["pattern"] == "{ $.node_replaced = 1 }"
+    assert found["node-quarantined"]["metricName"] == "NodesQuarantined"
+    assert found["node-replaced"]["metricName"] == "NodesReplaced"
+    for alarm, metric in (("gpu-ecc-uncorrectable", obs.ECC_DBE), ("gpu-row-remap-failure", obs.ROW_REMAP_FAILURE)):
+        assert (found[alarm]["namespace"], found[alarm]["metricName"]) == (obs.PROMETHEUS_NAMESPACE, metric)
+        assert found[alarm]["threshold"] == 0
+    replays = found["gpu-pcie-replays"]
+    assert replays["threshold"] == 8
+    assert [q.get("expression") for q in replays["metricQueries"]] == [None, "RATE(replays) * 60"]
+    assert replays["metricQueries"][0]["metric"]["metricName"] == obs.PCIE_REPLAYS
+
+
+def test_a_hardware_fault_taints_records_evicts_and_replaces(moto_url: str) -> None:
+    kwargs = {
+        "endpoint_url": moto_url,
+        "region_name": "us-east-1",
+        "aws_access_key_id": "testing",
+        "aws_secret_access_key": "testing",
+    }
+    ec2, autoscaling = boto3.client("ec2", **kwargs), boto3.client("autoscaling", **kwargs)
+    template = ec2.create_launch_template(
+        LaunchTemplateName="gpu-nodes-act", LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "t3.micro"}
+    )["LaunchTemplate"]["LaunchTemplateId"]
+    autoscaling.create_auto_scaling_group(
+        AutoScalingGroupName="gpu-nodes-act",
+        LaunchTemplate={"LaunchTemplateId": template},
+        MinSize=1,
+        MaxSize=1,
+        DesiredCapacity=1,
+        AvailabilityZones=["us-east-1a"],
+    )
+    victim = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=["gpu-nodes-act"])["AutoScalingGroups"][0][
+        "Instances"
+    ][0]["InstanceId"]
+    node = {**NODE, "spec": {**NODE["spec"], "providerID": f"aws:///us-east-1a/{victim}"}}
+    pod = {"metadata": {"name": "train-worker-0", "namespace": "supernode-train"}}
+    kube = RecordingKube(node, [pod])
+    verdict = health.Verdict((health.Finding("xid", health.HARDWARE, "Xid 79 on PCI:0000:64:00"),))
+
+    line = agent.act(
+        kube, autoscaling, NODE["metadata"]["name"], health.EVICT_AND_REPLACE, verdict, ["supernode-train"], True, True
+    )
+
+    sent = [(m, p, c) for m, p, c, _ in kube.sent if m != "GET"]
+    assert sent == [
+        ("PATCH", f"/api/v1/nodes/{NODE['metadata']['name']}", "application/merge-patch+json"),
+        ("POST", "/api/v1/namespaces/default/events", "application/json"),
+        ("POST", "/api/v1/namespaces/supernode-train/pods/train-worker-0/eviction", "application/json"),
+    ]
+    bodies = [b for m, _, _, b in kube.sent if m != "GET"]
+    assert mf.validate(bodies, VERSION) == []
+    assert bodies[0]["metadata"]["labels"] == {agent.HEALTH_LABEL: "replacing"}
+    assert line["node_replaced"] == 1 and line["replacement_activity"]
+    group = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=["gpu-nodes-act"])["AutoScalingGroups"][0]
+    assert group["DesiredCapacity"] == 1 and victim not in {i["InstanceId"] for i in group["Instances"]}
+
+
+def test_a_passed_deep_check_does_not_admit_a_quarantined_node() -> None:
+    kube = RecordingKube(NODE, [])
+    agent.act(kube, None, NODE["metadata"]["name"], health.STAY, health.Verdict(()), [], True, True)
+    assert [m for m, *_ in kube.sent] == ["GET"]  # still held back: no patch
+    agent.act(kube, None, NODE["metadata"]["name"], health.STAY, health.Verdict(()), [], True, False)
+    patch = kube.sent[-1][3]
+    assert [t["key"] for t in patch["spec"]["taints"]] == ["nvidia.com/gpu"]
