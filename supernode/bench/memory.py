@@ -31,23 +31,7 @@ import torch.multiprocessing as mp
 from supernode.core.config import load_stack
 from supernode.core.errors import ConfigError
 from supernode.core.plan import Plan, build_local_plan, build_plan
-
-
-def resident_bytes(field: str = "VmRSS") -> int:
-    """This process's resident memory (VmRSS) or its peak (VmHWM), from /proc."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def local_bytes(tensors) -> int:
-    """Bytes of this rank's shards of the given (distinct) tensors."""
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
+from supernode.trainer.memory import local_bytes, resident_bytes
 
 
 def measure(rank: int, world: int, plan: Plan, device: torch.device) -> dict:

@@ -71,6 +71,10 @@ PHASE_SECONDS = TrainerMetric(
     "phase",
 )
 EXPERT_LOAD = TrainerMetric("supernode_train_expert_load_max_over_mean", "max/mean expert token share", "layer")
+MEMORY_BYTES = TrainerMetric(
+    "supernode_train_memory_bytes", "rank 0's memory by term, measured (supernode/trainer/memory.py)", "term"
+)
+PLAN_MEMORY_BYTES = TrainerMetric("supernode_train_plan_memory_bytes", "the plan's memory per rank by term", "term")
 # Every gauge the trainer exports, and so every one the scrape turns into a CloudWatch metric.
 TRAINER_METRICS = (
     LOSS,
@@ -86,6 +90,8 @@ TRAINER_METRICS = (
     CHECKPOINT_TIME,
     CHECKPOINT_STEP,
     STEP_OVER_PLAN,
+    MEMORY_BYTES,
+    PLAN_MEMORY_BYTES,
 )
 # The DCGM exporter's fields that become metrics (its counters CSV, supernode/components/addons/dcgm-exporter.yaml,
 # emits each under this name).

@@ -237,6 +237,19 @@ class Metrics:
         self._checkpoint_gauges()
         write_to_textfile(str(self.out / PROM), self.registry)
 
+    def memory(self, measured: dict[str, int], planned: dict[str, int]) -> None:
+        """Rank 0's memory by term beside the plan's (supernode/trainer/memory.py), as gauges and one
+        message line, so a run shows where the plan's memory estimate is off."""
+        if self.rank != 0:
+            return
+        for term, value in measured.items():
+            self.gauges[obs.MEMORY_BYTES].labels(term).set(value)
+            self.gauges[obs.PLAN_MEMORY_BYTES].labels(term).set(planned[term])
+        self.message(
+            "memory per rank, measured / plan: "
+            + ", ".join(f"{t} {measured[t] / 2**20:,.1f} / {planned[t] / 2**20:,.1f} MiB" for t in measured)
+        )
+
     def checkpoint_stall(self, seconds: float) -> None:
         """How long the step's checkpoint save blocked training (an async save: the staging copy; a
         sync one: the whole write), the "checkpoint" phase; exported with the next step's figures."""

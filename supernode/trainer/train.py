@@ -61,6 +61,7 @@ from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, inject
 from .device import choose
 from .engine import Trainer
 from .launch import LAUNCHER_ENV, RUN_KEY_ENV, exit_file  # where a failure a restart cannot fix is recorded
+from .memory import measured_terms, planned_terms
 from .metrics import Metrics
 from .parallel import checked_layout, renumber_by_domain
 
@@ -421,6 +422,8 @@ def _run(args: argparse.Namespace, plan: Plan, steps: int, device: torch.device,
                 if gpu:
                     torch.cuda.synchronize(device)
             step_s = time.perf_counter() - t0
+            if step == start + 1:  # the first update allocated the optimizer state: the terms are all there
+                metrics.memory(measured_terms(trainer.model, trainer.optimizer, device), planned_terms(plan))
             ckpt.poll()
             if profiled or r.skipped:
                 comm_s = clock.seconds()

@@ -1,5 +1,5 @@
-"""Issue 31: metrics.prom ends on the run's last checkpoint, and the expert-load plot marks the
-top-k ceiling."""
+"""metrics.prom ends on the run's last checkpoint, the expert-load plot marks the top-k ceiling, and
+memory by term is measured beside the plan's figures."""
 
 from __future__ import annotations
 
@@ -72,3 +72,30 @@ def test_the_expert_load_plot_marks_the_top_k_ceiling(tmp_path, plan):
     log(m, 1, torch.tensor([[10, 2, 2, 2]]))
     m.close(plots=True)
     assert (tmp_path / LOAD_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_by_term_is_measured_beside_the_plan(tmp_path, plan):
+    from supernode.trainer.memory import measured_terms, planned_terms
+
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    optimizer.step()
+    measured = measured_terms(model, optimizer, torch.device("cpu"))
+    numel = 64 * 32 + 32
+    assert measured["parameters"] == 4 * numel and measured["optimizer_state"] == 8 * numel  # fp32, two moments
+    assert measured["peak"] > measured["parameters"]  # the process's peak resident memory holds them all
+    planned = planned_terms(plan)
+    assert planned["parameters"] == plan.memory.parameters
+    assert planned["peak"] == plan.memory.total - plan.memory.runtime_reserve
+
+    said = []
+    m = Metrics(tmp_path, plan, world_size=1, device_type="cpu")
+    m.message = said.append
+    m.memory(measured, planned)
+    log(m, 1)
+    families = {f.name: f for f in text_string_to_metric_families((tmp_path / PROM).read_text())}
+    got = {s.labels["term"]: s.value for s in families["supernode_train_memory_bytes"].samples}
+    want = {s.labels["term"]: s.value for s in families["supernode_train_plan_memory_bytes"].samples}
+    assert got == measured and want == planned
+    assert said and said[0].startswith("memory per rank, measured / plan: parameters 0.0 / ")
