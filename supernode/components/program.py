@@ -346,6 +346,7 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
             pools=gpu_pools(cfg.accelerator_node_groups, plan),
             kueue=kueue,
             after=[training.namespace, *([serving.namespace] if serving else [])],
+            serving_namespace=cfg.inference.namespace if cfg.inference else None,
         ),
         workload.child(),
     )

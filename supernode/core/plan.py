@@ -17,6 +17,7 @@ from .config import NAMESPACE, Model, Parallel, StackConfig, Training, with_loca
 from .errors import BadInput
 from .inference import InferencePlan, build_inference_plan
 from .mesh import Mesh
+from .pools import Pool, build_pools, termination_grace_needed_s
 from .topology import GroupPlacement, place
 
 # In the cluster the Plan travels as this ConfigMap key, mounted read-only in this directory: the
@@ -91,6 +92,14 @@ class Plan(BaseModel):
     # The serving plan of the `inference` section (None without one): supernode/components/k8s/serving.py and the
     # serving policies read it from here.
     inference: InferencePlan | None = None
+    # How training and serving share the accelerators, per pool (supernode.core.pools): the Kueue
+    # quotas and the pools-add-up policy read these figures. Empty for a local (CPU) plan.
+    pools: list[Pool] = []
+    # The trainer pod's grace period (workload.terminationGraceS) and the least it may be: one step,
+    # one checkpoint write and a margin (supernode.core.pools), so a preempted, drained or terminated
+    # pod checkpoints before it is killed (the checkpoint-termination-grace policy).
+    termination_grace_s: int = 0
+    termination_grace_needed_s: int = 0
 
     @property
     def hardware(self) -> InstanceType:
@@ -139,7 +148,7 @@ class Plan(BaseModel):
 def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibration | None = None) -> Plan:
     # Mixed instance types are allowed; the plan is sized for the smallest GPU memory among them,
     # and for the smallest NVLink domain among the groups of that type.
-    hw = min((CATALOG[g.instance_type] for g in cfg.accelerator_node_groups), key=lambda t: t.hbm_mib)
+    hw = min((CATALOG[g.instance_type] for g in cfg.training_node_groups), key=lambda t: t.hbm_mib)
     if calibration is not None and calibration.accelerator != hw.accelerator:
         raise BadInput(
             f"calibration {calibration.path or ''}: measured on {calibration.accelerator} ({calibration.device}), "
@@ -152,7 +161,7 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
         None
         if local
         else min(
-            (g.ultra_server for g in cfg.accelerator_node_groups if g.instance_type == hw.name),
+            (g.ultra_server for g in cfg.training_node_groups if g.instance_type == hw.name),
             key=lambda u: nvlink_domain_gpus(hw.name, u),
         )
     )
@@ -183,6 +192,7 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
     )
     if not local:
         _refuse_leaving_neuronlink(hw, topology)
+    serving = None if local else build_inference_plan(cfg, params, hw)
     return Plan(
         stack=stack,
         local=local,
@@ -214,7 +224,10 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
         cost_per_hour_usd=per_hour,
         run_hours=hours,
         run_cost_usd=total,
-        inference=None if local else build_inference_plan(cfg, params, hw),
+        inference=serving,
+        pools=[] if local else build_pools(cfg, world // hw.ranks_per_chip, hw.accelerator, serving),
+        termination_grace_s=cfg.workload.termination_grace_s,
+        termination_grace_needed_s=termination_grace_needed_s(st.step_s, ckpt.write_seconds),
     )
 
 

@@ -16,6 +16,7 @@ from supernode.core import capacity as cap
 from supernode.core.catalog import CATALOG, EFA_INTERFACE_TYPES, InstanceType, gate_floor_gbytes_s
 from supernode.core.config import DIGEST_RE, FsxConfig
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH
+from supernode.core.pools import GRACE_MARGIN_S, ROLE_LABEL
 from supernode.core.resource_types import (
     BUCKET,
     BUCKET_LIFECYCLE,
@@ -78,8 +79,14 @@ def _approved(stack: Stack, conf: ApprovedInstances, report: Report) -> None:
             )
 
 
+def _role(ng: Res) -> str:
+    """The node group's role (its supernode.io/gpu-role label): training unless it says serving."""
+    return str(ng.get("labels", ROLE_LABEL, default="training"))
+
+
 def _world_size(stack: Stack, _conf: None, report: Report) -> None:
-    plan, groups = stack.plan(), stack.gpu_node_groups()
+    # Serving's reserved groups are outside the world (pools-add-up checks them).
+    plan, groups = stack.plan(), [ng for ng in stack.gpu_node_groups() if _role(ng) == "training"]
     if plan is None or not groups:
         return
     parts, total = [], 0
@@ -95,6 +102,37 @@ def _world_size(stack: Stack, _conf: None, report: Report) -> None:
             f"{stack.plan_config_map().label} runs world size {plan.world_size}. Fix: size the node groups "
             f"from the plan (supernode:acceleratorNodeGroups[].nodes) or change the parallel degrees.",
         )
+
+
+def _pools(stack: Stack, _conf: None, report: Report) -> None:
+    """Training and serving share the accelerators without stranding either (supernode.core.pools):
+    the node groups give each pool the devices the plan counted, and the plan's arithmetic adds up."""
+    plan = stack.plan()
+    if plan is None:
+        return
+    cm = stack.plan_config_map()
+    for pool in plan.pools:
+        # Training's groups against the world are accelerators-match-world-size's; serving's share here.
+        serving = 0
+        for ng in stack.gpu_node_groups():
+            itype = stack.instance_type_of(ng)
+            if _role(ng) == "serving" and itype in CATALOG and CATALOG[itype].accelerator == pool.accelerator:
+                serving += _node_count(ng) * CATALOG[itype].chips
+        if stack.gpu_node_groups() and serving != pool.serving_devices:
+            report(
+                cm,
+                f"pool {pool.accelerator}: the serving node groups give {serving} {pool.noun}, but the plan in "
+                f"{cm.label} counted {pool.serving_devices} for serving's share. Fix: deploy the plan's node "
+                f"groups (supernode:acceleratorNodeGroups[].nodes with role: serving).",
+            )
+        if not pool.adds_up:
+            report(
+                cm,
+                f"{pool.reason}. Training's minimum and serving's minimum must fit the pool together, or "
+                f"serving's first replica evicts the training job for good. Fix: give serving its own share, "
+                f"a node group with role: serving of at least {pool.serving_min} {pool.noun} "
+                f"(supernode:acceleratorNodeGroups[].role), or lower supernode:inference.replicasMin.",
+            )
 
 
 # -- 2. memory fit --------------------------------------------------------------------------------
@@ -556,15 +594,40 @@ def _data(stack: Stack, conf: Data, report: Report) -> None:
 
 def _weights(stack: Stack, _conf: None, report: Report) -> None:
     plan = stack.plan()
-    if plan and plan.training.weights_uri and not plan.training.weights_sha256:
+    # The manifest pins every file; its own sha256 pins the manifest (a swapped directory brings its own).
+    if plan and plan.training.init_from and not plan.training.init_from_sha256:
         report(
             stack.plan_config_map(),
-            f"the plan loads weights from {plan.training.weights_uri} without a sha256, so corrupt or swapped "
-            f"weights go unnoticed. Fix: set supernode:training.weightsSha256.",
+            f"the plan starts from the weights at {plan.training.init_from} without pinning their manifest, so "
+            f"swapped weights (with a manifest of their own) go unnoticed. Fix: set supernode:training.initFromSha256 "
+            f"to the sha256 of its manifest.json.",
         )
 
 
 # -- 8. checkpoint storage ------------------------------------------------------------------------
+
+
+def _termination_grace(stack: Stack, _conf: None, report: Report) -> None:
+    """A preempted, drained or terminated trainer pod checkpoints before it is killed: its grace period
+    covers the plan's step, checkpoint write and margin (Plan.termination_grace_needed_s)."""
+    plan = stack.plan()
+    if plan is None:
+        return
+    need = plan.termination_grace_needed_s
+    for job in stack.trainer_jobs():
+        for spec in pod_specs(job):
+            grace = int(get(spec, "terminationGracePeriodSeconds", default=30))  # Kubernetes' default
+            if grace < need:
+                report(
+                    job,
+                    f"{job.label} gives its pods terminationGracePeriodSeconds {grace} s, but finishing a step "
+                    f"({plan.step.step_s:.1f} s) and writing a checkpoint ({plan.checkpoint.write_seconds:.0f} s) "
+                    f"takes {need} s with the {GRACE_MARGIN_S} s margin: a preempted or drained pod is killed "
+                    f"before its checkpoint "
+                    f"is written and loses up to a checkpoint interval. Fix: supernode:workload.terminationGraceS "
+                    f">= {need}.",
+                )
+                break
 
 
 def _checkpoint_throughput(stack: Stack, conf: CheckpointThroughput, report: Report) -> None:
@@ -761,6 +824,13 @@ POLICIES = [
         _world_size,
     ),
     StackPolicy(
+        "accelerators-pools-add-up",
+        1,
+        "Training's and serving's minimum accelerators fit their pool together; serving scales out only on "
+        "its share and what training lends.",
+        _pools,
+    ),
+    StackPolicy(
         "accelerators-device-plugin",
         1,
         "The accelerator vendor's device plugin (NVIDIA or AWS Neuron) is deployed for the trainer.",
@@ -811,6 +881,12 @@ POLICIES = [
         "FSx writes one checkpoint within the budget.",
         _checkpoint_throughput,
         settings=CheckpointThroughput,
+    ),
+    StackPolicy(
+        "checkpoint-termination-grace",
+        8,
+        "The trainer pod's grace period covers a step and a checkpoint write (the plan's estimates).",
+        _termination_grace,
     ),
     StackPolicy(
         "checkpoint-lifecycle",

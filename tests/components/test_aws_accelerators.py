@@ -123,7 +123,7 @@ def test_placement_group_is_cluster_for_on_demand():
     s = preview("dev")
     groups = s.all(GPU_GROUP)
     pgs = s.all(PG)
-    assert len(pgs) == len(groups) == 1
+    assert len(pgs) == len(groups) == 2  # training's group and serving's (role: serving), each on-demand
     assert pgs[0].inputs["strategy"] == "cluster"
     lt = s.gpu_launch_templates()["gpu-p5"]
     assert lt.inputs["placement"]["groupName"] == pgs[0].outputs["name"]

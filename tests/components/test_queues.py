@@ -18,30 +18,77 @@ from supernode.core.plan import build_plan
 from supernode.tools import manifests as mf
 
 
+def _quantity(amount: str) -> int:
+    return int(amount.removesuffix("Gi"))
+
+
 @pytest.mark.parametrize("stack", ["dev", "prod"])
-def test_one_pool_per_accelerator_with_the_node_groups_quota(stack):
+def test_each_roles_quota_is_the_plans_pool_and_its_node_groups_hardware(stack):
     cfg = load_stack(stack, ROOT)
     plan = build_plan(stack, cfg)
-    [pool] = q.gpu_pools(cfg.accelerator_node_groups, plan)  # prod's two p5 groups are one H100 pool
-    assert pool.nodes == sum(g.nodes for g in cfg.accelerator_node_groups) == plan.nodes
+    [pool] = q.gpu_pools(cfg.accelerator_node_groups, plan)  # prod's three p5 groups are one H100 pool
+    [figures] = plan.pools
+    assert pool.figures == figures  # the queues read the plan's arithmetic, never their own
     hw = CATALOG[plan.instance_type]
-    quota = pool.quota()
-    assert quota["nvidia.com/gpu"] == str(plan.nodes * hw.accelerators)
-    assert quota["vpc.amazonaws.com/efa"] == str(plan.nodes * hw.efa_interfaces)
-    # The trainer's pods ask for nothing the queue does not cover, and the quota is exactly all of them:
-    # the job is admitted whole or not at all.
+    training_nodes = sum(g.nodes for g in cfg.accelerator_node_groups if g.role == "training")
+    serving_nodes = sum(g.nodes for g in cfg.accelerator_node_groups if g.role == "serving")
+    assert training_nodes == plan.nodes and serving_nodes >= 1
+    training, serving = pool.quota("training"), pool.quota("serving")
+    assert training["nvidia.com/gpu"] == str(figures.training_devices) == str(plan.world_size)
+    assert serving["nvidia.com/gpu"] == str(figures.serving_devices) == str(serving_nodes * hw.accelerators)
+    assert training["vpc.amazonaws.com/efa"] == str(training_nodes * hw.efa_interfaces)
+    # The trainer's pods ask for nothing the queue does not cover, and training's quota is exactly all
+    # of them: the job is admitted whole or not at all.
     requests = pod_resources(plan.pod)["requests"]
     spec = q.cluster_queue_spec(pool, [cfg.workload.namespace])
     assert set(requests) == set(spec["resourceGroups"][0]["coveredResources"])
     for resource, amount in requests.items():
-        per_pod = int(amount.removesuffix("Gi"))
-        assert quota[resource] == (f"{plan.nodes * per_pod}Gi" if amount.endswith("Gi") else str(plan.nodes * per_pod))
+        assert _quantity(training[resource]) == training_nodes * _quantity(amount)
+        assert _quantity(serving[resource]) == serving_nodes * _quantity(amount)
+    # Training lends what the plan says it can give up (its share less its minimum), no more.
+    [flavor] = spec["resourceGroups"][0]["flavors"]
+    lending = {r["name"]: r.get("lendingLimit") for r in flavor["resources"]}
+    assert lending["nvidia.com/gpu"] == figures.training_lending_limit == 0
+    assert spec["preemption"]["reclaimWithinCohort"] == "Any"  # lent quota comes back without a person
+    # Serving: its own flavor only, and it never evicts training to borrow.
+    sspec = q.serving_cluster_queue_spec(pool, [cfg.inference.namespace])
+    [sflavor] = sspec["resourceGroups"][0]["flavors"]
+    assert sflavor["name"] == pool.serving_name != pool.name
+    assert {r["name"]: r["nominalQuota"] for r in sflavor["resources"]} == serving
+    assert sspec["preemption"]["borrowWithinCohort"] == {"policy": "Never"}
+    # Serving's minimum fits its share, and so does its maximum here: it scales out without borrowing.
+    assert figures.serving_min <= figures.serving_max <= figures.serving_devices
+
+
+def test_flavors_keep_training_and_serving_on_their_own_nodes():
+    plan = build_plan("dev", load_stack("dev", ROOT))
+    [pool] = q.gpu_pools(load_stack("dev", ROOT).accelerator_node_groups, plan)
+    training, serving = q.flavor_spec(pool, "training"), q.flavor_spec(pool, "serving")
+    assert training["nodeLabels"][q.ROLE_LABEL] == "training" and serving["nodeLabels"][q.ROLE_LABEL] == "serving"
+    assert training["nodeLabels"][q.ACCELERATOR_LABEL] == serving["nodeLabels"][q.ACCELERATOR_LABEL] == "H100"
+
+
+def test_a_role_may_have_its_own_node_shape_but_not_two(monkeypatch):
+    """Serving's nodes may be another H100 instance type than training's (their flavors and quotas are
+    apart); two shapes in one role's flavor would make its quota lie."""
+    from dataclasses import replace
+
+    small = replace(CATALOG["p5.48xlarge"], name="p5.half", accelerators=4, efa_interfaces=2, vcpus=96, memory_gib=1024)
+    monkeypatch.setitem(CATALOG, small.name, small)
+    cfg = load_stack("dev", ROOT)
+    plan = build_plan("dev", cfg)
+    [training, serving] = cfg.accelerator_node_groups
+    [pool] = q.gpu_pools([training, serving.model_copy(update={"instance_type": small.name})], plan)
+    assert pool.shapes["serving"].gpus == 4 and pool.shapes["training"].gpus == 8
+    with pytest.raises(Exception, match="one Kueue flavor needs one node shape"):
+        q.gpu_pools([training, training.model_copy(update={"name": "b", "instance_type": small.name})], plan)
 
 
 def test_priorities_order_serving_training_experiments():
     v = {name: value for name, (value, _) in q.PRIORITIES.items()}
     assert v[q.SERVING] > v[q.TRAINING] > v[q.EXPERIMENTS]
-    pool = q.Pool("h100", 2, build_plan("dev", load_stack("dev", ROOT)).pod)
+    cfg = load_stack("dev", ROOT)
+    [pool] = q.gpu_pools(cfg.accelerator_node_groups, build_plan("dev", cfg))
     pre = q.cluster_queue_spec(pool, ["training"])["preemption"]
     # borrowed quota is reclaimed only from experiments, never from training or serving
     assert pre["borrowWithinCohort"]["maxPriorityThreshold"] == v[q.EXPERIMENTS]
@@ -54,19 +101,46 @@ def test_kueue_objects_in_the_preview_are_wired_and_valid():
     kinds = {}
     for m in manifests:
         kinds.setdefault(m["kind"], []).append(m)
-    assert len(kinds["WorkloadPriorityClass"]) == 3 and len(kinds["ResourceFlavor"]) == 1
-    [cq] = kinds["ClusterQueue"]
+    assert len(kinds["WorkloadPriorityClass"]) == 3 and len(kinds["ResourceFlavor"]) == 2
+    cqs = {m["metadata"]["name"]: m for m in kinds["ClusterQueue"]}
+    [plan_pool] = build_plan("dev", stack.cfg).pools
+    cq, serving_cq = cqs.pop("gpu-h100"), cqs.pop("gpu-h100-serving")
+    assert not cqs
     [job] = [r.inputs for r in stack.all(T.PYTORCH_JOB)]
     labels = job["metadata"]["labels"]
-    ns = stack.cfg.workload.namespace
-    # one LocalQueue per served namespace (training; serving where the stack serves), all on the pool
-    served = {m["metadata"]["namespace"] for m in kinds["LocalQueue"]}
-    assert ns in served and served == set(cq["spec"]["namespaceSelector"]["matchExpressions"][0]["values"])
-    [lq] = [m for m in kinds["LocalQueue"] if m["metadata"]["namespace"] == ns]
+    ns, serving_ns = stack.cfg.workload.namespace, stack.cfg.inference.namespace
+    # one LocalQueue per queued namespace: training's feeds training's ClusterQueue, serving's serving's
+    lqs = {m["metadata"]["namespace"]: m for m in kinds["LocalQueue"]}
+    served = set(lqs)
+    assert served == {ns, serving_ns}
+    assert cq["spec"]["namespaceSelector"]["matchExpressions"][0]["values"] == [ns]
+    assert serving_cq["spec"]["namespaceSelector"]["matchExpressions"][0]["values"] == [serving_ns]
+    lq = lqs[ns]
     # the trainer names a LocalQueue of its namespace, which feeds a ClusterQueue serving that namespace
     assert (lq["metadata"]["namespace"], lq["metadata"]["name"]) == (ns, labels[q.QUEUE_LABEL])
     assert lq["spec"]["clusterQueue"] == cq["metadata"]["name"]
-    assert ns in cq["spec"]["namespaceSelector"]["matchExpressions"][0]["values"]
+    assert lqs[serving_ns]["spec"]["clusterQueue"] == serving_cq["metadata"]["name"]
+    # the quotas in the manifests are the plan's figures
+    gpus = {
+        name: {r["name"]: r for f in c["spec"]["resourceGroups"][0]["flavors"] for r in f["resources"]}[
+            "nvidia.com/gpu"
+        ]
+        for name, c in (("training", cq), ("serving", serving_cq))
+    }
+    assert int(gpus["training"]["nominalQuota"]) == plan_pool.training_devices
+    assert gpus["training"]["lendingLimit"] == plan_pool.training_lending_limit
+    assert int(gpus["serving"]["nominalQuota"]) == plan_pool.serving_devices
+    # serving's pods queue in serving's LocalQueue, and their PriorityClass never evicts a training pod
+    [deployment] = [
+        m
+        for m in manifests
+        if m["kind"] == "Deployment"
+        and m["metadata"]["namespace"] == serving_ns
+        and m["spec"]["template"]["metadata"]["labels"].get(q.QUEUE_LABEL)
+    ]
+    assert deployment["spec"]["template"]["metadata"]["labels"][q.QUEUE_LABEL] == lqs[serving_ns]["metadata"]["name"]
+    [serving_pc] = [m for m in kinds["PriorityClass"] if m["metadata"]["name"] == "supernode-serving"]
+    assert serving_pc["preemptionPolicy"] == "Never"
     assert labels[q.PRIORITY_LABEL] == q.TRAINING in {p["metadata"]["name"] for p in kinds["WorkloadPriorityClass"]}
     # the scheduled fabric check queues at the lowest priority: it waits for free nodes, never preempts training
     [cron] = [m for m in kinds["CronJob"] if "fabric" in m["metadata"]["name"]]
@@ -79,7 +153,7 @@ def test_kueue_objects_in_the_preview_are_wired_and_valid():
         for m in manifests
         if m["apiVersion"].startswith("kueue.x-k8s.io/") or m["metadata"]["name"].endswith(".kueue.x-k8s.io")
     ]
-    assert len(ours) == 7 + 3 + 1 + 1 + len(served)  # CRDs (the controller's included), priorities, flavor, queues
+    assert len(ours) == 7 + 3 + 2 + 2 + len(served)  # CRDs (the controller's included), priorities, flavors, queues
     assert mf.validate(manifests, stack.cfg.cluster.kubernetes_version) == []
     # The schemas are closed and keep Kueue's constraints: a misspelt field or a bad policy is caught.
     broken = copy.deepcopy(cq)

@@ -17,6 +17,7 @@ from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
 from supernode.core.config import StackConfig, from_mapping
 from supernode.core.plan import PLAN_MOUNT_DIR, PLAN_MOUNT_PATH, Plan
+from supernode.core.pools import ROLE_LABEL
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCOUNT = "123456789012"
@@ -93,6 +94,21 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
         },
         deps=(lt["urn"],),
     )
+    # Serving's reserved share of the pool (role: serving groups): outside the world, as the stack deploys it.
+    serving_groups = [
+        res(
+            T.NODE_GROUP,
+            f"gpu-{s.name}",
+            {
+                **ng["inputs"],
+                "scalingConfig": {"desiredSize": s.nodes, "minSize": s.nodes, "maxSize": s.nodes},
+                "labels": {ROLE_LABEL: "serving"},
+            },
+            deps=(lt["urn"],),
+        )
+        for s in cfg.accelerator_node_groups
+        if s.role == "serving"
+    ]
     key = res(
         T.KMS_KEY,
         "data",
@@ -300,6 +316,7 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
                         "template": {
                             "spec": {
                                 "containers": [worker],
+                                "terminationGracePeriodSeconds": cfg.workload.termination_grace_s,
                                 "volumes": [{"name": "plan", "configMap": {"name": "supernode-plan"}}],
                             }
                         },
@@ -364,6 +381,7 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
         ),
         lt,
         ng,
+        *serving_groups,
         key,
         cluster,
         *s3,

@@ -73,7 +73,7 @@ def _no_fit(cfg: StackConfig) -> StackConfig:
 
 
 def _weights_unverified(cfg: StackConfig) -> StackConfig:
-    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"weights_uri": "s3://b/w.safetensors"})})
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"init_from": "s3://b/models/base/"})})
 
 
 def _fast_checkpoints(cfg: StackConfig) -> StackConfig:
@@ -325,7 +325,11 @@ ALSO = {
     "code-config-ready": {"images-pinned"},  # a tag image is unpinned for both items 4 and 5
     "no-open-ingress": {"interconnect-efa-security-group"},  # the case rewrites the EFA self rule
     # an unknown instance type has no catalog accelerators or EFA count
-    "accelerators-approved-instance-types": {"interconnect-efa-interfaces", "accelerators-match-world-size"},
+    "accelerators-approved-instance-types": {
+        "interconnect-efa-interfaces",
+        "accelerators-match-world-size",
+        "accelerators-pools-add-up",  # serving's group shares the launch template: its share changes too
+    },
     # the case removes every DaemonSet, the device plugin's too
     "monitoring-dcgm": {"accelerators-device-plugin"},
 }
@@ -438,3 +442,12 @@ def test_policy_config_changes_the_verdict(stack):
     assert "checkpoint-lifecycle" in by_policy(stack, {"checkpoint-lifecycle": {"checkpointPrefix": "elsewhere/"}})
     found = by_policy(stack, {"all": "advisory", "monitoring-log-retention": {"minRetentionDays": 400}})
     assert found["monitoring-log-retention"][0].enforcement == "advisory"
+
+
+def test_pinned_init_from_passes_the_weights_policy(stack, dev_cfg):
+    """The fix the finding names clears it: initFrom with its manifest's sha256."""
+    pinned = _weights_unverified(dev_cfg)
+    pinned = pinned.model_copy(update={"training": pinned.training.model_copy(update={"init_from_sha256": "ab" * 32})})
+    assert "weights-verified" not in by_policy(with_plan(stack, pinned))
+    message = by_policy(with_plan(stack, _weights_unverified(dev_cfg)))["weights-verified"][0].message
+    assert "s3://b/models/base/" in message and "supernode:training.initFromSha256" in message

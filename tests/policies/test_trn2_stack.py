@@ -180,6 +180,11 @@ def unreserved(lt: dict) -> None:
 # Each checklist policy that reads the accelerators, with a mistake on the trn2 preview it must catch.
 MISTAKES = [
     ("accelerators-match-world-size", plan_edit(lambda d: d.update(world_size=128)), "256 accelerators"),
+    (
+        "accelerators-pools-add-up",
+        plan_edit(lambda d: d["pools"][0].update(serving_devices=16)),
+        "pool Trainium2: the serving node groups give 0 devices",
+    ),
     ("accelerators-device-plugin", drop(T.DAEMON_SET, "neuron-device-plugin"), "requests aws.amazon.com/neurondevice"),
     ("memory-fit", plan_edit(lambda d: d.update(fits=False, over_by_gib=3.0)), "has 24.0 GiB"),
     (
@@ -218,6 +223,7 @@ VENDOR_AGNOSTIC = {
     "weights-verified": "weights URIs and their sha256",
     "checkpoint-throughput": "FSx throughput against the plan's checkpoint size",
     "checkpoint-lifecycle": "S3 lifecycle rules",
+    "checkpoint-termination-grace": "the trainer pod's grace period against the plan's step and checkpoint write",
     "monitoring-log-retention": "log groups",
 }
 

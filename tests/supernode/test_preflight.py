@@ -40,9 +40,10 @@ def dev_data() -> dict:
 
 
 def reserved(kind: str = "capacity-reservation", ends_at: str | None = None):
-    """dev (2 x p5.48xlarge) targeting reservation cr-0a1b2c3d4e5f60718."""
+    """dev's training group (2 x p5.48xlarge) alone, targeting reservation cr-0a1b2c3d4e5f60718."""
     data = dev_data()
     group = data["acceleratorNodeGroups"][0]
+    data["acceleratorNodeGroups"] = [group]  # serving's on-demand group would bring the On-Demand quota back
     group["capacity"] = {"type": kind, "reservationId": "cr-0a1b2c3d4e5f60718", "availabilityZone": "us-east-1a"}
     if kind == "capacity-block":
         group["placementGroup"] = False
@@ -111,7 +112,7 @@ def test_dev_passes_offering_and_catalog_and_warns_on_quota(moto_aws):
     assert "GPU memory MiB 81920" in checks["instance type p5.48xlarge"].detail
     q = checks[f"quota {P_QUOTA_CODE}"]
     assert q.result == "warn" and "cannot be checked" in q.detail and "GetServiceQuota" in q.detail
-    assert "must cover 384 vCPUs" in q.fix  # 2 nodes x 192 vCPUs
+    assert "must cover 576 vCPUs" in q.fix  # (2 training + 1 serving nodes) x 192 vCPUs
 
 
 def offering_for(instance_type: str) -> Check:
@@ -267,14 +268,14 @@ def test_scheduled_capacity_block_warns_and_a_plain_reservation_is_not_a_block(m
 
 def test_quota_covering_the_vcpus_passes_and_a_short_one_fails(moto_aws):
     cfg = from_mapping(dev_data())
-    moto_aws.answer("GetServiceQuota", quota(moto_aws, 384))
+    moto_aws.answer("GetServiceQuota", quota(moto_aws, 576))
     ok = by_name(run_preflight(cfg))[f"quota {P_QUOTA_CODE}"]
-    assert ok.result == "pass" and "quota 384 vCPUs, gpu-p5 need 384" in ok.detail
+    assert ok.result == "pass" and "quota 576 vCPUs, gpu-p5, gpu-p5-serve need 576" in ok.detail
 
     moto_aws.answer("GetServiceQuota", quota(moto_aws, 192))
     short = by_name(run_preflight(cfg))[f"quota {P_QUOTA_CODE}"]
     assert short.result == "fail"
-    assert f"--quota-code {P_QUOTA_CODE} --desired-value 384" in short.fix
+    assert f"--quota-code {P_QUOTA_CODE} --desired-value 576" in short.fix
 
 
 def test_quota_access_denied_is_a_warning_with_a_clear_message(moto_aws):
@@ -521,7 +522,7 @@ def test_cli_json_is_stable(moto_aws, capsys, tmp_path):
     moto_aws.answer("GetServiceQuota", quota(moto_aws, 1000))
     runs = []
     for _ in range(2):
-        assert main(["preflight", "--config", str(stack), "--json"]) == 1  # quota 1000 < 16 x 192
+        assert main(["preflight", "--config", str(stack), "--json"]) == 1  # quota 1000 < 18 x 192
         runs.append(capsys.readouterr().out)
     assert runs[0] == runs[1]
     out = json.loads(runs[0])
@@ -534,13 +535,14 @@ def test_cli_json_is_stable(moto_aws, capsys, tmp_path):
         == sorted(names)
         == [
             "capacity cr-0a1b2c3d4e5f60718",
+            "capacity cr-0c4d5e6f708192a3b",
             "capacity cr-0f1e2d3c4b5a69788",
             "instance type p5.48xlarge",
             "offering p5.48xlarge",
             f"quota {P_QUOTA_CODE}",
         ]
     )
-    assert out["counts"] == {"fail": 1, "pass": 2, "warn": 2}
+    assert out["counts"] == {"fail": 1, "pass": 2, "warn": 3}
 
 
 def test_cli_bad_config_exits_2(tmp_path, capsys):

@@ -259,7 +259,7 @@ def test_stack_as_configured_passes_every_check(moto_aws, dev, deployed, tmp_pat
     with_lifecycle(moto_aws, "AVAILABLE")
     assert main(["verify", "--stack", "dev", "--root", str(ROOT), "--outputs", str(write(tmp_path, outputs))]) == 0
     out = capsys.readouterr().out
-    assert "13 checks: 13 pass, 0 fail, 0 warn" in out
+    assert "14 checks: 14 pass, 0 fail, 0 warn" in out  # dev's node groups: training's and serving's
     for name in (
         "eks cluster",
         "eks nodegroups",
@@ -338,6 +338,8 @@ def test_drifted_stack_fails_each_check_with_its_reason(moto_aws, dev, tmp_path,
     expected = {
         "eks cluster": f"{outputs['cluster_name']}: Kubernetes 1.32, config says 1.33",
         f"eks nodegroup {gpu}": "instance types ['p4d.24xlarge'], expected [p5.48xlarge]; desiredSize 1, expected 2",
+        # serving's group (role: serving, 1 node) drifted to the same instance type
+        f"eks nodegroup {outputs['node_group_names'][1]}": "instance types ['p4d.24xlarge'], expected [p5.48xlarge]",
         f"eks nodegroup {system}": "maxSize 5, expected 3",
         "fsx throughput": f"below plan: {plan.checkpoint.fsx_capacity_gib} GiB x 125 MB/s/TiB",
         "s3 lifecycle": f"{outputs['bucket_name']} (checkpoints/dev/, logs/): checkpoint expiry days: expected 90, "
@@ -404,7 +406,7 @@ def test_node_group_count_and_foreign_kms_key_fail(moto_aws, dev, deployed):
     outputs = deployed
     other = boto3.client("kms", region_name=REGION).create_key()["KeyMetadata"]["Arn"]
     checks = verify(dev, outputs | {"node_group_names": [], "kms_key_arns": {"data": other}})
-    assert checks["eks nodegroups"].detail == "outputs list 0 accelerator node groups (none), config has 1"
+    assert checks["eks nodegroups"].detail == "outputs list 0 accelerator node groups (none), config has 2"
     assert (
         checks["s3 encryption"].result == "fail"
         and f"not one of the stack's keys ({other})" in checks["s3 encryption"].detail
@@ -481,7 +483,7 @@ def test_json_is_stable(moto_aws, dev, deployed, tmp_path, capsys):
     doc = json.loads(runs[0])
     assert sorted(doc) == ["checks", "command", "counts", "ok", "stack"]
     assert doc["command"] == "verify" and doc["ok"] is True
-    assert doc["counts"] == {"fail": 0, "pass": 12, "warn": 1}  # FSx state: moto has no lifecycle
+    assert doc["counts"] == {"fail": 0, "pass": 13, "warn": 1}  # FSx state: moto has no lifecycle
     names = [c["name"] for c in doc["checks"]]
     assert names == sorted(names)
     assert all(sorted(c) == ["detail", "fix", "name", "result"] for c in doc["checks"])

@@ -56,6 +56,9 @@ def plan_json(plan: Plan) -> dict:
                     "cost_per_hour_usd",
                     "run_hours",
                     "run_cost_usd",
+                    "pools",
+                    "termination_grace_s",
+                    "termination_grace_needed_s",
                 }
             )
         )
@@ -226,6 +229,21 @@ def render(plan: Plan, console: Console) -> None:
         f"{c.fsx_capacity_gib} GiB -> {c.fsx_throughput_mb_s:.0f} MB/s, writes in {c.write_seconds:.0f} s"
         f"{' (sized by planner)' if c.sized_by_planner else ''}",
     )
+    enough = plan.termination_grace_s >= plan.termination_grace_needed_s
+    t.add_row(
+        "grace period",
+        f"{plan.termination_grace_s} s",
+        f"{'[green]covers[/]' if enough else '[red]below[/]'} the {plan.termination_grace_needed_s} s a preempted "
+        f"pod needs: a step {s.step_s:.1f} s + a checkpoint write {c.write_seconds:.0f} s + margin "
+        "(workload.terminationGraceS)",
+    )
+    for pool in plan.pools:
+        t.add_row(
+            f"pool {pool.accelerator}",
+            f"{pool.devices} {pool.noun}",
+            f"{'[green]adds up[/]' if pool.adds_up else '[red]does not add up[/]'}: {pool.reason}; training min = "
+            f"max until elastic training lands, lends {pool.training_lending_limit}",
+        )
     t.add_row(
         "cost",
         f"${plan.cost_per_hour_usd:,.2f}/h",

@@ -18,6 +18,7 @@ import yaml
 from supernode.core.catalog import CATALOG
 from supernode.core.config import AcceleratorNodeGroup, SystemNodeGroup
 from supernode.core.host import AMAZON_TIME_SYNC, HOST_SYSCTLS, NOFILE
+from supernode.core.pools import ROLE_LABEL
 
 from ..context import StackContext
 from ..taints import Taint
@@ -54,6 +55,7 @@ def node_labels(group: AcceleratorNodeGroup) -> dict[str, str]:
     labels = {
         "supernode.io/node-group": group.name,
         "supernode.io/accelerator": hw.accelerator,
+        ROLE_LABEL: group.role,  # training | serving: Kueue's flavors (k8s/queues.py) select on it
         "supernode.io/capacity": group.capacity.type,
         PRESENT_LABELS[hw.vendor]: "true",
         "vpc.amazonaws.com/efa.present": "true",

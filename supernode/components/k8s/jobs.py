@@ -16,10 +16,16 @@ import pulumi_kubernetes as k8s
 
 from supernode.core.observability import METRICS_SCRAPER_NAMESPACE
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH, Plan
+from supernode.core.pools import ROLE_LABEL
+from supernode.core.pretrained import is_remote
 
 from .common import MESH_LABEL, GpuNodes, meta, pod_resources
 
 DATA_PATH, CHECKPOINT_PATH = "/data", "/checkpoints"
+# training.initFrom in the pod: the FSx directory mounted read-only, or the s3:// prefix downloaded
+# into an emptyDir, either way verified by an init container before the trainer (rank 0 included) starts.
+PRETRAINED_PATH = "/pretrained"
+FSX_ROOT = "/fsx"  # an initFrom path in the cluster names a directory of the FSx file system: /fsx/<path>
 MASTER_PORT = 29500  # torchrun static rendezvous of the gate
 GATE_DEADLINE_S = 1800  # a hung fabric check fails the gate instead of blocking the rollout
 FABRIC_ENV = {
@@ -234,7 +240,8 @@ def gpu_pod_spec(
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}},
         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}] + container.get("volumeMounts", []),
     }
-    affinity = args.gpu_nodes.affinity()
+    # Training's nodes only (the gate too, which no queue places): serving's reserved share is not the world.
+    affinity = args.gpu_nodes.affinity([{"key": ROLE_LABEL, "operator": "In", "values": ["training"]}])
     affinity["podAntiAffinity"] = {
         "requiredDuringSchedulingIgnoredDuringExecution": [
             {"labelSelector": {"matchLabels": {MESH_LABEL: mesh}}, "topologyKey": "kubernetes.io/hostname"}
@@ -353,6 +360,34 @@ class InterconnectGate(pulumi.ComponentResource):
         self.register_outputs({"job": self.job.metadata.name, "min_busbw_gbytes_s": self.min_busbw_gbytes_s})
 
 
+def pretrained_init(plan: Plan, image: str, trainer: dict[str, Any], volumes: list[dict[str, Any]]) -> dict | None:
+    """The init container that makes `training.initFrom` local and verified (supernode.trainer.hf.fetch,
+    exit non-zero on a mismatch, so the pod never starts training); adds the trainer's --init-from, its
+    read-only mount and the volume. None without initFrom."""
+    t = plan.training
+    if not t.init_from:
+        return None
+    remote = is_remote(t.init_from)
+    if remote:  # downloaded by the init container into the pod's own volume
+        volumes.append({"name": "pretrained", "emptyDir": {}})
+        source, mount = t.init_from, {"name": "pretrained", "mountPath": PRETRAINED_PATH}
+    else:  # verified in place on FSx, never written to
+        sub = t.init_from.removeprefix(FSX_ROOT).strip("/")
+        source, mount = PRETRAINED_PATH, {"name": "fsx", "mountPath": PRETRAINED_PATH, "subPath": sub}
+    trainer["args"] = [*trainer["args"], "--init-from", PRETRAINED_PATH]
+    trainer["volumeMounts"] = [*trainer["volumeMounts"], {**mount, "readOnly": True}]
+    small = {"cpu": "2", "memory": "4Gi"}
+    return {
+        "name": "verify-weights",
+        "image": image,
+        "command": ["python", "-m", "supernode.trainer.hf.fetch", "--from", source, "--to", PRETRAINED_PATH]
+        + (["--sha256", t.init_from_sha256] if t.init_from_sha256 else []),
+        "volumeMounts": [{**mount, "readOnly": not remote}],
+        "resources": {"requests": small, "limits": small},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
 @dataclass(frozen=True)
 class TrainerArgs:
     job: JobArgs
@@ -437,6 +472,7 @@ class TrainerJob(pulumi.ComponentResource):
             ],
         }
         volumes = [plan_volume(args.job), {"name": "fsx", "persistentVolumeClaim": {"claimName": args.pvc}}]
+        init = pretrained_init(plan, args.job.image, container, volumes)
         # A changed plan replaces the job (the spec changes with its hash); checkpoints carry the run over.
         template = {
             "metadata": pod_metadata(args.job, mesh, SCRAPE_ANNOTATIONS),
@@ -448,6 +484,7 @@ class TrainerJob(pulumi.ComponentResource):
                 serviceAccountName=args.service_account,
                 # the trainer writes a checkpoint on SIGTERM before exiting
                 terminationGracePeriodSeconds=args.termination_grace_s,
+                **({"initContainers": [init]} if init else {}),
             ),
         }
         nodes = plan.nodes

@@ -1,10 +1,20 @@
 """Kueue: queues, quotas, gang admission and priorities for the GPU pools (issue 18, item 3).
 
-- One ResourceFlavor and one ClusterQueue per GPU pool: the accelerator node groups of one
-  accelerator (their `supernode.io/accelerator` label), with nominal quota = the pool's nodes x the
-  whole-node pod shape (GPUs, EFA devices, CPU, memory, huge pages), so the quota is exactly the
-  hardware the node groups buy. The ClusterQueues share one cohort.
-- A LocalQueue per served namespace (training; serving when it exists) pointing at each pool.
+- Per GPU pool (the accelerator node groups of one accelerator, their `supernode.io/accelerator`
+  label), the Plan's pool arithmetic (supernode.core.pools, `Plan.pools`) written as quotas, never
+  recomputed (docs/architecture.md, "How training and serving share the accelerators"):
+  - training's ResourceFlavor and ClusterQueue `gpu-<acc>`: the training groups' nodes
+    (`supernode.io/gpu-role: training`), nominal quota = those nodes x the whole-node pod shape
+    (GPUs, EFA devices, CPU, memory, huge pages), so the quota is exactly the hardware they buy; it
+    lends at most its share less its minimum (`lendingLimit`) and takes lent quota back
+    (`reclaimWithinCohort`), so a training job waiting behind borrowed quota is re-admitted unaided;
+  - serving's ResourceFlavor and ClusterQueue `gpu-<acc>-serving` (where the stack serves): the
+    serving groups' nodes, its nominal quota; it never preempts across the cohort
+    (`borrowWithinCohort: Never`), and training lends it nothing until elastic training lands.
+  Kueue puts the admitted flavor's node labels into the pods' node selector, so neither lands on the
+  other's nodes (no fragmentation of the whole nodes the training job needs). One cohort.
+- A LocalQueue `gpu-<acc>` in each queued namespace: training's points at training's ClusterQueue,
+  serving's at serving's.
 - WorkloadPriorityClasses: serving > training > experiments (docs/architecture.md, "Operations").
 - A job names its LocalQueue and priority with labels (`job_labels`). Kueue admits a job as one
   Workload: quota for all of its pods or none (no half-scheduled job holding GPUs); the controller's
@@ -33,6 +43,8 @@ from supernode.core.capacity import PodShape
 from supernode.core.catalog import CATALOG
 from supernode.core.config import AcceleratorNodeGroup
 from supernode.core.plan import Plan
+from supernode.core.pools import ROLE_LABEL
+from supernode.core.pools import Pool as PoolFigures
 
 from .addons import addon_resource, with_config_hash, with_images
 from .common import crd_kind, dns_name, load_addon, meta, pod_resources, shipped_crd
@@ -55,11 +67,12 @@ CRD_FILES = (
 CONTROLLER_FILE = "kueue.yaml"  # its container `kueue` is its images.addons entry
 CONTROLLER_NAMESPACE = "kueue-system"  # where the file places its namespaced objects (and its configuration says)
 CONFIG_KEY = "controller_manager_config.yaml"  # the Configuration in the ConfigMap
-# Kueue priorities (higher first). Serving is user-facing; a training job checkpoints on SIGTERM and
-# resumes, so it yields to serving; experiments (ad-hoc runs, the scheduled fabric check) yield to both.
+# Kueue priorities (higher first), which order work within a ClusterQueue: training and serving have
+# queues and quotas of their own (the Plan's pools), so neither preempts the other; experiments (ad-hoc
+# runs, the scheduled fabric check) yield to training on its nodes.
 PRIORITIES = {
-    "supernode-serving": (1000, "inference serving: preempts training and experiments"),
-    "supernode-training": (500, "training jobs: preempt experiments, yield to serving"),
+    "supernode-serving": (1000, "inference serving: its own quota (the serving node groups); preempts no training"),
+    "supernode-training": (500, "training jobs: preempt experiments; their quota is never serving's"),
     "supernode-experiments": (100, "experiments and scheduled checks: run on free GPU nodes only"),
 }
 TRAINING, SERVING, EXPERIMENTS = "supernode-training", "supernode-serving", "supernode-experiments"
@@ -67,37 +80,50 @@ TRAINING, SERVING, EXPERIMENTS = "supernode-training", "supernode-serving", "sup
 
 @dataclass(frozen=True)
 class Pool:
-    """GPU nodes of one accelerator and the quota they give."""
+    """GPU nodes of one accelerator, the quotas they give, and the Plan's arithmetic behind them."""
 
-    accelerator: str
-    nodes: int
-    shape: PodShape  # one whole-node pod
+    figures: PoolFigures  # Plan.pools: the devices, each side's min and max, the lending and borrowing limits
+    shapes: Mapping[str, PodShape]  # one whole-node pod of each role's nodes (a role has one node shape)
+
+    @property
+    def accelerator(self) -> str:
+        return self.figures.accelerator
 
     @property
     def name(self) -> str:
+        """Training's flavor and ClusterQueue, and the LocalQueue in every queued namespace."""
         return queue_name(self.accelerator)
 
-    def quota(self) -> dict[str, str]:
-        """Nominal quota: the pool's nodes x the node's pod shape (Kubernetes quantities)."""
-        return pod_resources(self.shape.times(self.nodes))["requests"]
+    @property
+    def serving_name(self) -> str:
+        return f"{self.name}-serving"
+
+    @property
+    def serves(self) -> bool:
+        """Serving has a queue in this pool: its reserved nodes, or replicas to run."""
+        return bool(self.figures.serving_nodes or self.figures.serving_max)
+
+    def quota(self, role: str = "training") -> dict[str, str]:
+        """Nominal quota of a role's flavor: its nodes x its node's pod shape (Kubernetes quantities)."""
+        nodes = self.figures.training_nodes if role == "training" else self.figures.serving_nodes
+        shape = self.shapes.get(role, self.shapes["training"])  # no serving nodes: a quota of 0 of its kind
+        return pod_resources(shape.times(nodes))["requests"]
 
 
 def gpu_pools(groups: Sequence[AcceleratorNodeGroup], plan: Plan) -> list[Pool]:
-    """The pools of the node groups (by accelerator), or the plan's one pool without groups."""
-    if not groups:
-        return [Pool(plan.hardware.accelerator, plan.nodes, plan.pod)]
-    pools: dict[str, Pool] = {}
+    """The plan's pools (by accelerator) with each role's node shape."""
+    shapes: dict[str, dict[str, tuple[str, PodShape]]] = {}
     for g in groups:
         hw = CATALOG[g.instance_type]
         shape = PodShape.for_node(hw, plan.pod.hugepages_gib)
-        seen = pools.get(hw.accelerator)
-        if seen is not None and seen.shape != shape:
+        seen = shapes.setdefault(hw.accelerator, {}).get(g.role)
+        if seen is not None and seen[1] != shape:
             raise pulumi.RunError(
                 f"node group {g.name}: {g.instance_type} gives a different node shape than the other "
-                f"{hw.accelerator} groups; one Kueue pool needs one node shape"
+                f"{hw.accelerator} {g.role} group {seen[0]}; one Kueue flavor needs one node shape"
             )
-        pools[hw.accelerator] = Pool(hw.accelerator, (seen.nodes if seen else 0) + g.nodes, shape)
-    return list(pools.values())
+        shapes[hw.accelerator].setdefault(g.role, (g.name, shape))
+    return [Pool(f, {role: shape for role, (_, shape) in shapes[f.accelerator].items()}) for f in plan.pools]
 
 
 def queue_name(accelerator: str) -> str:
@@ -117,8 +143,21 @@ def namespace_selector(namespaces: Sequence[str]) -> dict[str, Any]:
     }
 
 
+def flavor_spec(pool: Pool, role: str) -> dict[str, Any]:
+    """A role's nodes of the pool: Kueue adds these labels to an admitted pod's node selector."""
+    return {"nodeLabels": {ACCELERATOR_LABEL: pool.accelerator, ROLE_LABEL: role}}
+
+
+def _resources(quota: Mapping[str, str], limits: Mapping[str, Mapping[str, int]]) -> list[dict[str, Any]]:
+    """A flavor's resources: nominal quotas, and the limits (lendingLimit, borrowingLimit) on some."""
+    return [{"name": r, "nominalQuota": q, **{k: v[r] for k, v in limits.items() if r in v}} for r, q in quota.items()]
+
+
 def cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
-    quota = pool.quota()
+    """Training's ClusterQueue: the training nodes' quota, lending what training can give up."""
+    quota = pool.quota("training")
+    device = pool.figures.device_resource
+    limits = {"lendingLimit": {device: pool.figures.training_lending_limit}} if pool.serves else {}
     return {
         "cohort": COHORT,
         "namespaceSelector": namespace_selector(namespaces),
@@ -126,18 +165,38 @@ def cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
         # its place, and preemption below frees nodes for higher priorities).
         "queueingStrategy": "BestEffortFIFO",
         "resourceGroups": [
+            {"coveredResources": list(quota), "flavors": [{"name": pool.name, "resources": _resources(quota, limits)}]}
+        ],
+        "preemption": {
+            "withinClusterQueue": "LowerPriority",
+            # Quota lent to serving comes back when training needs it: a training job waiting behind
+            # borrowed quota is re-admitted without a person.
+            "reclaimWithinCohort": "Any",
+            # Borrowed quota may be taken back only from experiments, never from training or serving.
+            "borrowWithinCohort": {"policy": "LowerPriority", "maxPriorityThreshold": PRIORITIES[EXPERIMENTS][0]},
+        },
+    }
+
+
+def serving_cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
+    """Serving's ClusterQueue: its reserved nodes' quota. Beyond it serving may only borrow what
+    training lends (training's lendingLimit: its share less its minimum, 0 until elastic training
+    lands, so the plan's serving_borrowing_limit is 0 and serving scales out within its share)."""
+    quota = pool.quota("serving")
+    return {
+        "cohort": COHORT,
+        "namespaceSelector": namespace_selector(namespaces),
+        "queueingStrategy": "BestEffortFIFO",
+        "resourceGroups": [
             {
                 "coveredResources": list(quota),
-                "flavors": [
-                    {"name": pool.name, "resources": [{"name": r, "nominalQuota": q} for r, q in quota.items()]}
-                ],
+                "flavors": [{"name": pool.serving_name, "resources": _resources(quota, {})}],
             }
         ],
         "preemption": {
             "withinClusterQueue": "LowerPriority",
-            "reclaimWithinCohort": "Any",  # quota lent to another pool's queue comes back when needed
-            # Borrowed quota may be taken back only from experiments, never from training or serving.
-            "borrowWithinCohort": {"policy": "LowerPriority", "maxPriorityThreshold": PRIORITIES[EXPERIMENTS][0]},
+            "reclaimWithinCohort": "Any",  # its reserved share, should another queue ever borrow it
+            "borrowWithinCohort": {"policy": "Never"},  # scale-out never evicts training to borrow
         },
     }
 
@@ -267,6 +326,7 @@ class QueuesArgs:
     pools: Sequence[Pool]
     kueue: KueueController  # its CRDs, the namespaces it queues (a LocalQueue per pool in each), its readiness
     after: Sequence[pulumi.Resource] = ()  # the queued namespaces themselves
+    serving_namespace: str | None = None  # its LocalQueues feed serving's ClusterQueues; the others training's
 
 
 class Queues(pulumi.ComponentResource):
@@ -289,33 +349,37 @@ class Queues(pulumi.ComponentResource):
             custom(f"{name}-{p}", "WorkloadPriorityClass", meta(p), value=value, description=text)
             for p, (value, text) in PRIORITIES.items()
         ]
+        serving_ns = [ns for ns in kueue.namespaces if ns == args.serving_namespace]
+        training_ns = [ns for ns in kueue.namespaces if ns != args.serving_namespace]
         self.local_queues = []
         self.cluster_queues = []
         for pool in args.pools:
             flavor = custom(
-                f"{name}-{pool.name}-flavor",
-                "ResourceFlavor",
-                meta(pool.name),
-                spec={"nodeLabels": {ACCELERATOR_LABEL: pool.accelerator}},
+                f"{name}-{pool.name}-flavor", "ResourceFlavor", meta(pool.name), spec=flavor_spec(pool, "training")
             )
-            cq = custom(
-                f"{name}-{pool.name}",
-                "ClusterQueue",
-                meta(pool.name),
-                after=[flavor],
-                spec=cluster_queue_spec(pool, kueue.namespaces),
-            )
-            self.cluster_queues.append(cq)
-            for ns in kueue.namespaces:
-                self.local_queues.append(
-                    custom(
-                        f"{name}-{ns}-{pool.name}",
-                        "LocalQueue",
-                        meta(queue_name(pool.accelerator), ns),
-                        after=[cq, *args.after],
-                        spec={"clusterQueue": pool.name},
-                    )
+            queues = [(pool.name, cluster_queue_spec(pool, training_ns), training_ns, [flavor])]
+            if serving_ns and pool.serves:
+                serving_flavor = custom(
+                    f"{name}-{pool.serving_name}-flavor",
+                    "ResourceFlavor",
+                    meta(pool.serving_name),
+                    spec=flavor_spec(pool, "serving"),
                 )
+                spec = serving_cluster_queue_spec(pool, serving_ns)
+                queues.append((pool.serving_name, spec, serving_ns, [serving_flavor, flavor]))
+            for cq_name, spec, namespaces, flavors in queues:
+                cq = custom(f"{name}-{cq_name}", "ClusterQueue", meta(cq_name), after=flavors, spec=spec)
+                self.cluster_queues.append(cq)
+                for ns in namespaces:
+                    self.local_queues.append(
+                        custom(
+                            f"{name}-{ns}-{pool.name}",
+                            "LocalQueue",
+                            meta(queue_name(pool.accelerator), ns),
+                            after=[cq, *args.after],
+                            spec={"clusterQueue": cq_name},
+                        )
+                    )
         # What a queued job waits for: its LocalQueue and the priority classes it names.
         self.ready: list[pulumi.Resource] = [*self.local_queues, *self.priority_classes]
         self.register_outputs({"cluster_queues": [p.name for p in args.pools]})

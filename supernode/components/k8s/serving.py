@@ -23,11 +23,13 @@ export, sized by the Plan's inference plan.
   its only rule. Why not the CloudWatch agent's scrape, which already runs: the HPA reads the
   custom metrics API, which only an adapter in the cluster serves, and CloudWatch's minute-scale
   delivery would slow scaling; training health needs CloudWatch (one alerting path), the HPA does not.
-- **Sharing the GPU pool with training** (the rule): serving pods run at PriorityClass
-  `supernode-serving` (above `supernode-training`) and in Kueue's serving priority, so when the pool
-  is full serving preempts training, which checkpoints on SIGTERM and resumes when GPUs free up;
-  a ResourceQuota caps serving at `gpuQuota` GPUs (default replicasMax x GPUs per replica), so
-  serving can never take more of the pool than that.
+- **Sharing the GPU pool with training** (the rule, docs/architecture.md "How training and serving
+  share the accelerators"): serving runs on its reserved share of the pool (the `role: serving` node
+  groups), admitted by its own Kueue ClusterQueue (supernode/components/k8s/queues.py, from the Plan's
+  pool arithmetic); beyond that share it borrows only what training lends, which training reclaims.
+  Its PriorityClass never preempts (`preemptionPolicy: Never`): the kube-scheduler must not evict a
+  training pod to place a serving pod, only Kueue's quota decides. A ResourceQuota caps serving at
+  `gpuQuota` GPUs (default replicasMax x GPUs per replica).
 - **Access.** A NetworkPolicy admits only pods of `allowedClientNamespaces` (and the metrics
   scraper) to the server port; egress is DNS and the replica's own pods only. A PodDisruptionBudget
   keeps all but one replica up through node drains.
@@ -48,6 +50,7 @@ from supernode.core.config.schema import Inference
 from supernode.core.inference import InferencePlan
 from supernode.core.observability import METRICS_SCRAPER_NAMESPACE
 from supernode.core.plan import Plan
+from supernode.core.pools import ROLE_LABEL
 from supernode.core.serving import BACKEND, MODELS_DIR, VERIFY_CONTAINER, ServerSpec
 
 from .addons import addon_resource, load_addon_objects, with_config_hash, with_images
@@ -222,8 +225,10 @@ class ServingWorkload(pulumi.ComponentResource):
             metadata=meta(PRIORITY_CLASS),
             value=PRIORITY_VALUE,
             global_default=False,
-            preemption_policy="PreemptLowerPriority",
-            description="inference serving: preempts training (which checkpoints on SIGTERM and resumes)",
+            # Kueue's quotas decide who runs (serving's reserved share, what training lends); the scheduler
+            # evicting a training pod for a serving pod would strand the training job.
+            preemption_policy="Never",
+            description="inference serving: scheduled before training and experiments, preempting neither",
             opts=child,
         )
         quota = inf.gpu_quota or ip.replicas_max * ip.gpus_per_replica
@@ -316,7 +321,8 @@ class ServingWorkload(pulumi.ComponentResource):
                     "seccompProfile": {"type": "RuntimeDefault"},
                 },
                 "tolerations": args.gpu_nodes.tolerations(),
-                "affinity": args.gpu_nodes.affinity(),
+                # Serving's reserved share only (Kueue's flavor says the same once admitted).
+                "affinity": args.gpu_nodes.affinity([{"key": ROLE_LABEL, "operator": "In", "values": ["serving"]}]),
                 "volumes": [
                     {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-models", "readOnly": True}},
                     {"name": "models", "emptyDir": {"sizeLimit": gib(size)}},

@@ -412,11 +412,26 @@ def _cluster_version(c: StackConfig) -> list[Issue]:
 
 def _layout(c: StackConfig) -> list[Issue]:
     """The parallel layout passes the layout validator (below) with world size = the sum of nodes x
-    accelerators per node over the accelerator node groups, and tp at most the GPUs of one NVLink
-    domain (a node, or the group's UltraServer)."""
-    max_tp = min(g.nvlink_domain for g in c.accelerator_node_groups)
+    accelerators per node over the training node groups (role: training; serving's are outside the
+    world), and tp at most the GPUs of one NVLink domain (a node, or the group's UltraServer)."""
+    if not c.training_node_groups:
+        roles = [g.role for g in c.accelerator_node_groups]
+        return [
+            Issue(
+                path="supernode:acceleratorNodeGroups[].role",
+                value=roles,
+                message="no group has role: training, so the training job has no world; give at least one group "
+                "role: training (serving's groups are outside the world)",
+            )
+        ]
+    max_tp = min(g.nvlink_domain for g in c.training_node_groups)
     return layout_rules(
-        c.model, c.parallel, c.training, c.accelerators, max_tp, world_source=" (sum of nodes x accelerators per node)"
+        c.model,
+        c.parallel,
+        c.training,
+        c.accelerators,
+        max_tp,
+        world_source=" (sum of nodes x accelerators per node of the role: training groups)",
     )
 
 

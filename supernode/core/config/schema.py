@@ -211,6 +211,12 @@ class AcceleratorNodeGroup(_Base):
         ),
     )
     require_efa: bool = Field(default=True, description="the nodes get EFA interfaces; the instance type must have EFA")
+    role: Literal["training", "serving"] = Field(
+        default="training",
+        description="training: the group's accelerators are the training job's world; serving: they are "
+        "serving's reserved share of the pool (Kueue quota of its own, outside the world), so serving's "
+        "replicasMin never evicts training (docs/architecture.md, how training and serving share the accelerators)",
+    )
     ultra_server: str | None = Field(
         default=None,
         description="the UltraServer this group is (e.g. "
@@ -574,6 +580,13 @@ class Parallel(_Base, Mesh):
         description="overlap communication with compute: prefetch the next block's FSDP weights, dispatch tokens "
         "asynchronously",
     )
+    all_to_all_chunks: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="with overlap and ep > 1: pieces each MoE layer's token copies travel in, so one piece's "
+        "all-to-all runs while another's experts compute (1: only the shared expert hides the dispatch)",
+    )
     mixed_precision: Literal["bf16", "fp32"] = Field(
         default="bf16",
         description="bf16: compute in bf16 from fp32 master weights, gradients reduced in fp32; fp32: all in fp32",
@@ -661,17 +674,20 @@ class Training(_Base):
         "gradient norm (their updates skipped) before the run stops, exit 1",
     )
     seed: int = Field(default=0, description="random seed of the initialisation and the data order")
-    weights_uri: str | None = Field(
+    init_from: str | None = Field(
         default=None,
-        description="URI of weights to start from, recorded in the plan (the weights-verified policy asks for "
-        "weightsSha256 with it); the trainer does not load it yet",
+        min_length=1,
+        description="a Hugging Face model directory (Glm4MoeForCausalLM or Qwen3MoeForCausalLM) the run starts "
+        "from: a local or FSx path, or an s3:// prefix the cluster job downloads. Its manifest.json (written by "
+        "`supernode export`, or `supernode import --write-manifest`) is verified file by file before step 0 "
+        "loads it; optimizer and data position start fresh, and once the run has a checkpoint, resuming wins",
         json_schema_extra=when_unset("random initialisation (seed)"),
     )
-    weights_sha256: str | None = Field(
+    init_from_sha256: str | None = Field(
         default=None,
         pattern=r"^[0-9a-f]{64}$",
-        description="sha256 of the weights at weightsUri, checked before loading",
-        json_schema_extra=when_unset("not checked (with weightsUri set, the weights-verified policy warns)"),
+        description="sha256 of initFrom's manifest.json: pins the weights (the manifest pins every file)",
+        json_schema_extra=when_unset("not pinned (with initFrom set, the weights-verified policy warns)"),
     )
     data: list[DataSource] = Field(
         default_factory=list,
@@ -884,12 +900,19 @@ class StackConfig(_Base):
 
     # -- derived ---------------------------------------------------------------------------
     @property
+    def training_node_groups(self) -> list[AcceleratorNodeGroup]:
+        """The groups whose accelerators are the training job's world (not serving's reserved share)."""
+        return [g for g in self.accelerator_node_groups if g.role == "training"]
+
+    @property
     def accelerators(self) -> int:
-        return sum(g.nodes * CATALOG[g.instance_type].accelerators for g in self.accelerator_node_groups)
+        """The training job's world: the training groups' accelerators."""
+        return sum(g.nodes * CATALOG[g.instance_type].accelerators for g in self.training_node_groups)
 
     @property
     def nodes(self) -> int:
-        return sum(g.nodes for g in self.accelerator_node_groups)
+        """The training job's nodes (one trainer pod each)."""
+        return sum(g.nodes for g in self.training_node_groups)
 
     def to_mapping(self) -> dict[str, Any]:
         """The `supernode:` keys as Pulumi config holds them (camelCase, defaults included; an absent

@@ -1,0 +1,114 @@
+"""The pool arithmetic in the core (issue 26, item 1) and the trainer's grace period from the plan
+(item 5): the figures the Kueue quotas and the policies read, and `supernode plan` printing them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from supernode.cli import main
+from supernode.core.catalog import CATALOG
+from supernode.core.config import from_mapping, load_stack
+from supernode.core.plan import build_local_plan, build_plan
+from supernode.core.pools import GRACE_MARGIN_S, termination_grace_needed_s
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def variant(name: str, change):
+    data = copy.deepcopy(load_stack(name, ROOT).to_mapping())
+    change(data)
+    return from_mapping(data, f"{name} variant")
+
+
+def without_serving_groups(data: dict) -> None:
+    data["acceleratorNodeGroups"] = [g for g in data["acceleratorNodeGroups"] if g["role"] != "serving"]
+
+
+@pytest.mark.parametrize("name", ["dev", "prod", "gb200", "b300", "trn2"])
+def test_the_shipped_stacks_pools_add_up(name):
+    cfg = load_stack(name, ROOT)
+    plan = build_plan(name, cfg)
+    [pool] = plan.pools
+    hw = plan.hardware
+    assert pool.devices == sum(g.nodes for g in cfg.accelerator_node_groups) * hw.chips
+    # training: the plan's world in devices (a Trainium device is several ranks), min = max (not elastic yet)
+    assert pool.training_min == pool.training_max == plan.world_size // hw.ranks_per_chip == pool.training_devices
+    assert pool.training_min + pool.serving_min <= pool.devices and pool.adds_up, pool.reason
+    assert f"<= {pool.devices}" in pool.reason
+
+
+@pytest.mark.parametrize("name", ["dev", "prod"])
+def test_serving_is_replicas_x_tp_x_pp_on_its_own_share(name):
+    cfg = load_stack(name, ROOT)
+    plan = build_plan(name, cfg)
+    [pool] = plan.pools
+    inf = cfg.inference
+    per_replica = inf.tp * inf.pp
+    assert (pool.serving_min, pool.serving_max) == (inf.replicas_min * per_replica, inf.replicas_max * per_replica)
+    serving_nodes = sum(g.nodes for g in cfg.accelerator_node_groups if g.role == "serving")
+    assert pool.serving_devices == serving_nodes * CATALOG[plan.instance_type].accelerators
+    assert pool.serving_min <= pool.serving_max <= pool.serving_devices
+    # serving's groups are outside the training world: the layout and the trainer pods count training's only
+    assert plan.nodes == sum(g.nodes for g in cfg.accelerator_node_groups if g.role == "training")
+    assert plan.world_size == pool.training_devices
+    # training lends nothing it runs on; serving reaches its maximum on its own share
+    assert pool.training_lending_limit == pool.serving_borrowing_limit == 0
+    assert pool.serving_reachable_max == pool.serving_max
+
+
+def test_serving_on_the_training_nodes_does_not_add_up():
+    cfg = variant("dev", without_serving_groups)
+    [pool] = build_plan("dev", cfg).pools
+    assert not pool.adds_up
+    assert pool.reason == (
+        "pool H100: 16 GPUs (2 training + 0 serving nodes); training min 16 + serving min 1 = 17 > 16; serving min 1 x 1 = 1 > "
+        "serving's reserved share 0 (0 serving nodes): serving's minimum would need training's devices"
+    )
+
+
+def test_a_serving_share_below_replicas_max_says_which_replicas_wait():
+    cfg = variant("prod", lambda d: d["inference"].update(replicasMax=6))
+    [pool] = build_plan("prod", cfg).pools
+    assert pool.adds_up and pool.serving_max == 24 and pool.serving_reachable_max == 16
+    assert "serving max 6 x 4 = 24, reachable 16 (its share 16 + lent 0: replicas above 4 wait)" in pool.reason
+
+
+def test_a_stack_without_inference_has_no_serving_share():
+    [pool] = build_plan("b300", load_stack("b300", ROOT)).pools
+    assert (pool.serving_min, pool.serving_max, pool.serving_devices) == (0, 0, 0)
+    assert build_local_plan("dev", load_stack("dev", ROOT)).pools == []  # a CPU run has no pool
+
+
+def test_the_grace_period_needed_is_a_step_a_checkpoint_write_and_the_margin():
+    assert termination_grace_needed_s(0.1, 37.7) == 38 + GRACE_MARGIN_S
+    assert termination_grace_needed_s(9.7, 252.4) == 263 + GRACE_MARGIN_S
+    plan = build_plan("prod", load_stack("prod", ROOT))
+    assert plan.termination_grace_needed_s == math.ceil(plan.step.step_s + plan.checkpoint.write_seconds) + 30
+    assert plan.termination_grace_s == load_stack("prod", ROOT).workload.termination_grace_s
+
+
+def test_plan_prints_the_pool_arithmetic_and_the_grace_period(capsys):
+    assert main(["plan", "--stack", "dev", "--root", str(ROOT)]) == 0
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the table's borders and wrapping
+    assert "pool H100 24 GPUs" in text
+    assert "training min 16 + serving min 1 = 17 <= 24" in text
+    assert "grace period 900 s" in text
+    assert main(["plan", "--stack", "prod", "--root", str(ROOT), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    [pool] = out["pools"]
+    assert (pool["devices"], pool["training_min"], pool["serving_min"], pool["adds_up"]) == (144, 128, 8, True)
+    assert out["termination_grace_needed_s"] <= out["termination_grace_s"]
+
+
+def test_a_stack_whose_groups_all_serve_is_refused_naming_the_key(tmp_path, capsys):
+    text = (ROOT / "Pulumi.dev.yaml").read_text().replace("      nodes: 2\n", "      nodes: 2\n      role: serving\n")
+    (tmp_path / "Pulumi.allserve.yaml").write_text(text)
+    assert main(["plan", "--config", str(tmp_path / "Pulumi.allserve.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "supernode:acceleratorNodeGroups[].role: no group has role: training" in err
+    assert "Traceback" not in err
