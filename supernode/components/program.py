@@ -27,6 +27,7 @@ from supernode.components.aws.identity import (
     TrainerRole,
     TrainerRoleArgs,
     metrics_agent_policy,
+    node_health_agent_policy,
 )
 from supernode.components.aws.monitoring import Monitoring, MonitoringArgs
 from supernode.components.aws.network import Network, NetworkArgs
@@ -45,7 +46,13 @@ from supernode.components.k8s.jobs import (
     spans_nodes_over_nvlink,
 )
 from supernode.components.k8s.namespace import PRIORITY_CLASS, FsxVolume, NamespaceArgs, TrainingNamespace
-from supernode.components.k8s.operations import Operations, OperationsArgs, stack_file
+from supernode.components.k8s.operations import (
+    NODE_HEALTH_NAMESPACE,
+    NODE_HEALTH_SA,
+    Operations,
+    OperationsArgs,
+    stack_file,
+)
 from supernode.components.k8s.queues import (
     SERVING,
     TRAINING,
@@ -186,6 +193,24 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             description=f"supernode {stack}: the CloudWatch agent's Prometheus scrape (training health, DCGM)",
         ),
     )
+    gpu_groups = list(accelerators.labels)
+    # The node health agent reads NVIDIA's tools; Neuron nodes get neither it nor its role yet.
+    node_health_role = None
+    if plan.hardware.vendor == "nvidia":
+        node_health_role = ServiceAccountRole(
+            "node-health-role",
+            ServiceAccountRoleArgs(
+                ctx=ctx,
+                namespace=NODE_HEALTH_NAMESPACE,
+                service_account=NODE_HEALTH_SA,
+                oidc_provider_arn=cluster.oidc_provider_arn,
+                oidc_issuer_url=cluster.oidc_issuer_url,
+                policy=pulumi.Output.from_input(ctx.account_id).apply(
+                    lambda account: json.dumps(node_health_agent_policy(ctx.region, account, cluster_name, gpu_groups))
+                ),
+                description=f"supernode {stack}: the node health agent replaces broken GPU nodes",
+            ),
+        )
 
     log_groups = [cluster.log_group_name, storage.fsx_log_group_name, *monitoring.log_group_names]
     if network.flow_log_group_name is not None:
@@ -240,6 +265,7 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             bucket_name=storage.bucket_name,
             trainer_role_arn=trainer_role.arn,
             metrics_agent_role_arn=metrics_agent_role.arn,
+            node_health_role_arn=node_health_role.arn if node_health_role else None,
             gpu_nodes=GpuNodes.for_groups(accelerators.labels, accelerators.taints),
             cluster_name=cluster_name,
             after=[*accelerators.node_groups, *workload_addons, monitoring.agent_addon],
@@ -257,6 +283,7 @@ class AwsOutputs:
     bucket_name: pulumi.Input[str]  # where the restore drill restores from
     trainer_role_arn: pulumi.Input[str]
     metrics_agent_role_arn: pulumi.Input[str]  # the CloudWatch agent's Prometheus scrape
+    node_health_role_arn: pulumi.Input[str] | None  # the node health agent's (NVIDIA nodes only)
     gpu_nodes: GpuNodes
     cluster_name: str
     # What the cluster needs before any workload object: the Kubernetes provider waits for it.
@@ -378,6 +405,7 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
             stack_file=stack_file(cfg),
             bucket_name=from_aws.bucket_name,
             metrics_agent_role_arn=from_aws.metrics_agent_role_arn,
+            node_health_role_arn=from_aws.node_health_role_arn,
             addon_images=cfg.images.addons,
         ),
         workload.child(after=[*queues.ready, addons.namespace]),  # the agent reads pods there (DCGM)

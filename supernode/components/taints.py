@@ -17,3 +17,10 @@ class Taint:
 
     def toleration(self) -> dict[str, str]:
         return {"key": self.key, "operator": "Equal", "value": self.value, "effect": self.effect}
+
+
+# Node health (supernode.trainer.node.agent, which names the same keys): a GPU node joins UNCHECKED and
+# the agent removes it once its deep check passes; it taints a failing node unhealthy. Training and
+# serving pods tolerate neither; the DaemonSets on the GPU nodes tolerate both (the agent must run there).
+UNCHECKED = Taint("supernode.io/unchecked", "true", "NoSchedule")
+NODE_HEALTH_KEYS = ("supernode.io/unhealthy", UNCHECKED.key)

@@ -209,7 +209,11 @@ def test_gpu_node_groups_labels_taints_subnet_and_repair(stack: Stack):
     for g in stack.cfg.accelerator_node_groups:
         ng = stack.one(NODE_GROUP, g.name).inputs
         assert ng["nodeGroupName"] == g.name and ng["subnetIds"] == [gpu_subnet]
-        assert ng["taints"] == [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}]
+        # the GPU taint, and unchecked until the node health agent's deep check passes
+        assert ng["taints"] == [
+            {"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"},
+            {"key": "supernode.io/unchecked", "value": "true", "effect": "NO_SCHEDULE"},
+        ]
         assert ng["labels"]["vpc.amazonaws.com/efa.present"] == "true"
         assert ng["labels"]["supernode.io/node-group"] == g.name
         assert ng["scalingConfig"] == {"minSize": g.nodes, "desiredSize": g.nodes, "maxSize": g.nodes}
@@ -231,7 +235,7 @@ def test_user_data_joins_with_nodeadm_raid0_and_the_same_labels(stack: Stack):
         assert spec["cluster"]["apiServerEndpoint"] == stack.outputs["cluster_endpoint"]
         assert spec["instance"]["localStorage"]["strategy"] == "RAID0"
         flags = spec["kubelet"]["flags"]
-        assert "--register-with-taints=nvidia.com/gpu=true:NoSchedule" in flags
+        assert "--register-with-taints=nvidia.com/gpu=true:NoSchedule,supernode.io/unchecked=true:NoSchedule" in flags
         labels = stack.one(NODE_GROUP, g.name).inputs["labels"]
         assert f"--node-labels={','.join(f'{k}={v}' for k, v in sorted(labels.items()))}" in flags
         assert f"vm.nr_hugepages = {stack.cfg.workload.hugepages_2mi_gib * 512}" in text

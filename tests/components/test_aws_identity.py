@@ -159,3 +159,26 @@ def test_an_existing_data_key_is_used_not_created():
     assert s.outputs["kms_key_arns"]["data"] == arn
     assert s.one(T.FSX_LUSTRE).inputs["kmsKeyId"] == arn
     assert [st["Resource"] for st in statements(policy(s.one(ROLE_POLICY, "trainer-role-data")))][-1] == arn
+
+
+def test_node_health_agent_may_only_replace_this_clusters_gpu_nodes(stack: Stack):
+    """TerminateInstanceInAutoScalingGroup and nothing else, on the GPU node groups' Auto Scaling groups
+    (EKS names them eks-<node group>-<uuid> and tags them eks:cluster-name and eks:nodegroup-name)."""
+    groups = sorted(g.name for g in stack.cfg.accelerator_node_groups)
+    (st,) = statements(policy(stack.one(ROLE_POLICY, "node-health-role"), "policy"))
+    assert st["Effect"] == "Allow" and as_list(st["Action"]) == ["autoscaling:TerminateInstanceInAutoScalingGroup"]
+    resources = as_list(st["Resource"])
+    assert len(resources) == len(groups) and "*" not in resources
+    account = resources[0].split(":")[4]
+    arn = f"arn:aws:autoscaling:{stack.cfg.region}:{account}:autoScalingGroup:0a1b:autoScalingGroupName/eks-"
+    for group in groups:
+        assert any(fnmatchcase(f"{arn}{group}-9c", r) for r in resources), group
+    assert not any(fnmatchcase(f"{arn}system-9c", r) for r in resources)  # the system node group's
+    tags = st["Condition"]["StringEquals"]
+    assert tags["aws:ResourceTag/eks:cluster-name"] == stack.outputs["cluster_name"]
+    assert sorted(as_list(tags["aws:ResourceTag/eks:nodegroup-name"])) == groups
+    (trust,) = statements(policy(stack.one(ROLE, "node-health-role"), "assumeRolePolicy"))
+    assert (
+        list(trust["Condition"]["StringEquals"].values())[0]
+        == "system:serviceaccount:supernode-node-health:node-health"
+    )

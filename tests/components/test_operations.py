@@ -15,7 +15,7 @@ from aws_preview import Stack, preview
 from supernode.components.aws.monitoring import LogPattern
 from supernode.components.k8s.common import load_addon
 from supernode.components.k8s.jobs import BASELINE_MOUNT, FABRIC_BASELINE, METRICS_PORT
-from supernode.components.k8s.operations import OPS_NAMESPACE
+from supernode.components.k8s.operations import NODE_HEALTH_NAMESPACE, NODE_HEALTH_SA, OPS_NAMESPACE
 from supernode.core import observability as obs
 from supernode.core import resource_types as T
 from supernode.core.config import load_file
@@ -160,6 +160,87 @@ def test_inventory_daemonset_on_gpu_nodes_keeps_baselines_it_cannot_rewrite(stac
     assert pod["tolerations"] and pod["affinity"]["nodeAffinity"]
     [rule] = objects[("Role", "inventory-baselines")]["rules"]
     assert sorted(rule["verbs"]) == ["create", "get"] and rule["resources"] == ["configmaps"]
+
+
+def test_node_health_agent_runs_on_every_gpu_node_with_only_the_rights_it_uses(stack, objects):
+    wl, plan = stack.cfg.workload, build_plan("dev", stack.cfg)
+    ds = objects[("DaemonSet", "node-health")]
+    assert ds["metadata"]["namespace"] == NODE_HEALTH_NAMESPACE
+    # hostPath and CAP_SYSLOG: only privileged admits them, so the agent is alone in its namespace
+    ns = objects[("Namespace", NODE_HEALTH_NAMESPACE)]["metadata"]["labels"]
+    assert ns["pod-security.kubernetes.io/enforce"] == "privileged"
+    pod = ds["spec"]["template"]["spec"]
+    c = container(pod)
+    assert argv(c)[:4] == ["python", "-m", "supernode.trainer.node.agent", "watch"]
+    assert flag(c, "--instance-type") == plan.instance_type and flag(c, "--evict-namespace") == wl.namespace
+    assert env(c)["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    sc = c["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]} and sc["allowPrivilegeEscalation"] is False
+    assert "privileged" not in sc
+    [mount] = c["volumeMounts"]
+    assert mount["readOnly"] is True and mount["mountPath"] == "/sys/class/infiniband"
+    [volume] = pod["volumes"]
+    assert volume["hostPath"]["path"] == "/sys/class/infiniband"
+    # it keeps running on the node it quarantined, and on a node that has not passed its deep check
+    tolerated = {t["key"] for t in pod["tolerations"]}
+    assert {"supernode.io/unhealthy", "supernode.io/unchecked"} <= tolerated
+    assert pod["affinity"]["nodeAffinity"]
+    assert pod["serviceAccountName"] == NODE_HEALTH_SA
+    # IRSA: the role of identity.node_health_agent_policy (tests/components/test_aws_identity.py)
+    sa = objects[("ServiceAccount", NODE_HEALTH_SA)]["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+    assert sa == stack.one(T.IAM_ROLE, "node-health-role").outputs["arn"]
+
+    mine = [m for m in mf.from_resources(stack.result.resources) if m["metadata"]["name"] == "supernode-node-health"]
+
+    def rules(kind: str) -> dict[str | None, list[tuple[str, str, list[str]]]]:
+        """Each role of this kind, by namespace, as (group, resource, verbs): the RBAC must be exactly these."""
+        return {
+            m["metadata"].get("namespace"): sorted(
+                (g, res, sorted(r["verbs"])) for r in m["rules"] for g in r["apiGroups"] for res in r["resources"]
+            )
+            for m in mine
+            if m["kind"] == kind
+        }
+
+    assert rules("ClusterRole") == {None: [("", "nodes", ["get", "patch"])]}  # nodes are cluster-scoped
+    assert rules("Role") == {
+        wl.namespace: [("", "pods", ["get", "list"]), ("", "pods/eviction", ["create"])],
+        "default": [("", "events", ["create"])],  # where a Node's events go
+    }
+    bindings = [m for m in mine if m["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert len(bindings) == 3
+    for b in bindings:
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": NODE_HEALTH_SA, "namespace": NODE_HEALTH_NAMESPACE}]
+
+
+def test_gpu_nodes_join_unchecked_and_only_their_daemonsets_tolerate_it(stack, objects):
+    """A new GPU node takes no training or serving pod until the node health agent's deep check passes."""
+    unchecked = "supernode.io/unchecked"
+    for group in stack.all(T.NODE_GROUP):
+        if group.inputs["nodeGroupName"] != "system":
+            keys = [t["key"] for t in group.inputs["taints"]]
+            assert "nvidia.com/gpu" in keys and unchecked in keys, group.name
+
+    def tolerates(pod: dict, key: str) -> bool:
+        return any(t.get("key") == key for t in pod.get("tolerations", []))
+
+    def on_gpu_nodes(pod: dict) -> bool:
+        return tolerates(pod, "nvidia.com/gpu")
+
+    daemons = [m for (k, _), m in objects.items() if k == "DaemonSet"]
+    gpu_daemons = {m["metadata"]["name"] for m in daemons if on_gpu_nodes(m["spec"]["template"]["spec"])}
+    assert gpu_daemons >= {"nvidia-device-plugin", "dcgm-exporter", "inventory", "node-health"}
+    for m in daemons:
+        pod = m["spec"]["template"]["spec"]
+        if on_gpu_nodes(pod):
+            assert tolerates(pod, unchecked) and tolerates(pod, "supernode.io/unhealthy"), m["metadata"]["name"]
+    job = objects[("PyTorchJob", "dev-train")]
+    workloads = [r["template"]["spec"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+    workloads.append(objects[("Deployment", "dev-vllm")]["spec"]["template"]["spec"])
+    workloads.append(objects[("Job", "dev-fabric-gate")]["spec"]["template"]["spec"])
+    for pod in workloads:
+        assert on_gpu_nodes(pod) and not tolerates(pod, unchecked) and not tolerates(pod, "supernode.io/unhealthy")
 
 
 def test_restore_drill_cronjob_runs_the_cli_on_the_stack_file(stack, objects, tmp_path):

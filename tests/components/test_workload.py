@@ -18,7 +18,7 @@ from supernode.components.context import StackContext
 from supernode.components.k8s.common import GpuNodes
 from supernode.components.k8s.jobs import SHUTDOWN_MARGIN_S
 from supernode.components.k8s.namespace import FsxVolume
-from supernode.components.k8s.operations import OPS_NAMESPACE
+from supernode.components.k8s.operations import NODE_HEALTH_NAMESPACE, OPS_NAMESPACE
 from supernode.components.program import AwsOutputs, kubernetes
 from supernode.components.taints import Taint
 from supernode.core import resource_types as T
@@ -58,6 +58,7 @@ def kubernetes_alone(stack: str, cfg: StackConfig, plan: Plan) -> None:
             bucket_name=f"supernode-{stack}-data",
             trainer_role_arn=ROLE_ARN,
             metrics_agent_role_arn="arn:aws:iam::123456789012:role/supernode-metrics-agent",
+            node_health_role_arn="arn:aws:iam::123456789012:role/supernode-node-health",
             gpu_nodes=GpuNodes.for_groups(GPU_LABELS, {group: [GPU_TAINT] for group in GPU_LABELS}),
             cluster_name=f"supernode-{stack}",
         ),
@@ -281,11 +282,12 @@ def test_trainer_waits_for_the_interconnect_gate(stack: str) -> None:
 
 def test_network_policies_deny_by_default_and_allow_narrowly() -> None:
     cfg, result = stack_preview("prod")
-    # the training and operations namespaces' (serving's own: tests/policies/test_serving.py)
+    # the training, operations and node-health namespaces' (serving's own: tests/policies/test_serving.py)
     policies = {
         m["metadata"]["name"]: m["spec"]
         for (k, _), m in objects(result).items()
-        if k == "NetworkPolicy" and m["metadata"]["namespace"] in (cfg.workload.namespace, OPS_NAMESPACE)
+        if k == "NetworkPolicy"
+        and m["metadata"]["namespace"] in (cfg.workload.namespace, OPS_NAMESPACE, NODE_HEALTH_NAMESPACE)
     }
     assert policies.pop("default-deny") == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
     dns = policies.pop("allow-dns")
@@ -307,6 +309,9 @@ def test_network_policies_deny_by_default_and_allow_narrowly() -> None:
         [{"port": 9090, "protocol": "TCP"}]
     ]
     assert policies.pop("inventory")["podSelector"] == {}  # the supernode-ops namespace's own policy
+    health = policies.pop("node-health")  # the agent's namespace: DNS, and HTTPS but not the metadata service
+    assert health["podSelector"] == {} and "ingress" not in health
+    assert health["egress"][1]["to"] == [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}}]
 
     assert set(policies) == {"allow-mesh-prod-train", "allow-mesh-prod-fabric-gate", "allow-mesh-prod-fabric-check"}
     for name, spec in policies.items():

@@ -66,7 +66,8 @@ def test_neuron_add_ons_replace_nvidias(trn2):
     cfg, resources = trn2
     daemon_sets = {m["metadata"]["name"] for m in of_kind("DaemonSet")}
     assert {"neuron-device-plugin", "neuron-monitor"} <= daemon_sets
-    assert not {"nvidia-device-plugin", "dcgm-exporter"} & daemon_sets
+    # the node health agent reads NVIDIA's tools: not on Neuron nodes, which join without the unchecked taint
+    assert not {"nvidia-device-plugin", "dcgm-exporter", "node-health"} & daemon_sets
     assert not [r for r in resources if r["type"] == T.COMPUTE_DOMAIN]
     plugin = named("DaemonSet", "neuron-device-plugin")["spec"]["template"]["spec"]
     (c,) = plugin["containers"]

@@ -21,7 +21,7 @@ from supernode.core.host import AMAZON_TIME_SYNC, HOST_SYSCTLS, NOFILE
 from supernode.core.pools import ROLE_LABEL
 
 from ..context import StackContext
-from ..taints import Taint
+from ..taints import UNCHECKED, Taint
 
 GPU_TAINT = Taint("nvidia.com/gpu", "true", "NoSchedule")
 # Trainium nodes: the taint the Neuron device plugin's own manifest tolerates (aws-neuron-sdk src/k8).
@@ -180,6 +180,8 @@ class GpuNodeGroup(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         hw, tags, cap = CATALOG[group.instance_type], args.ctx.tagged(), group.capacity
         self.labels, self.taints = node_labels(group), [ACCELERATOR_TAINTS[hw.vendor]]
+        if hw.vendor == "nvidia":  # joins unchecked until the node health agent's deep check passes (NVIDIA only)
+            self.taints.append(UNCHECKED)
 
         placement = None
         if group.use_placement_group:

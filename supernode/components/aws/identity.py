@@ -346,6 +346,32 @@ def metrics_agent_policy(log_group_arn: str) -> dict[str, Any]:
     )
 
 
+def node_health_agent_policy(region: str, account_id: str, cluster_name: str, node_groups: list[str]) -> dict[str, Any]:
+    """The node health agent (supernode.trainer.node.agent) replaces a broken GPU node: it terminates the
+    instance in its Auto Scaling group without decrementing the desired capacity, so the group launches a
+    new one. Only that action, only on the stack's GPU node groups' groups: EKS names a managed node
+    group's Auto Scaling group eks-<node group>-<uuid> and tags it eks:cluster-name and
+    eks:nodegroup-name, and the conditions hold even if a group of another cluster shares the name.
+    No Describe call: the agent reads the instance id from the Node's spec.providerID."""
+    return policy_document(
+        {
+            "Sid": "ReplaceGpuNodes",
+            "Effect": "Allow",
+            "Action": ["autoscaling:TerminateInstanceInAutoScalingGroup"],
+            "Resource": [
+                f"arn:aws:autoscaling:{region}:{account_id}:autoScalingGroup:*:autoScalingGroupName/eks-{group}-*"
+                for group in node_groups
+            ],
+            "Condition": {
+                "StringEquals": {
+                    "aws:ResourceTag/eks:cluster-name": cluster_name,
+                    "aws:ResourceTag/eks:nodegroup-name": node_groups,
+                }
+            },
+        }
+    )
+
+
 @dataclass
 class ServiceAccountRoleArgs:
     ctx: StackContext

@@ -101,7 +101,7 @@ def on_gpu_nodes(obj: dict[str, Any], gpu: GpuNodes, extra: Sequence[dict[str, A
     """A DaemonSet of an add-on file placed on the GPU nodes: their taints tolerated ahead of the
     file's own tolerations, required affinity to their labels plus `extra` match expressions."""
     spec = _pod_spec(obj)
-    spec["tolerations"] = gpu.tolerations() + spec.get("tolerations", [])
+    spec["tolerations"] = gpu.daemon_tolerations() + spec.get("tolerations", [])
     spec["affinity"] = gpu.affinity(extra=extra)
     return obj
 

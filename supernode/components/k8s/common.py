@@ -15,7 +15,7 @@ import yaml
 
 from supernode.core.capacity import PodShape
 
-from ..taints import Taint
+from ..taints import NODE_HEALTH_KEYS, Taint
 
 CRD_DIR = Path(__file__).resolve().parents[1] / "crds"
 ADDON_DIR = Path(__file__).resolve().parents[1] / "addons"
@@ -43,7 +43,14 @@ class GpuNodes:
         return cls(selector=selector, taints=sorted(unique))
 
     def tolerations(self) -> list[dict[str, str]]:
-        return [t.toleration() for t in self.taints]
+        """A workload pod's: the node groups' taints, except the node-health ones (no unchecked or
+        quarantined node takes training or serving)."""
+        return [t.toleration() for t in self.taints if t.key not in NODE_HEALTH_KEYS]
+
+    def daemon_tolerations(self) -> list[dict[str, str]]:
+        """A DaemonSet's on the GPU nodes: it runs on unchecked and quarantined nodes too (the deep check
+        needs the device plugin and DCGM; the agent releases the node)."""
+        return self.tolerations() + [{"key": k, "operator": "Exists", "effect": "NoSchedule"} for k in NODE_HEALTH_KEYS]
 
     def affinity(self, extra: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
         """Required node affinity to the GPU node labels, plus `extra` match expressions."""

@@ -11,6 +11,9 @@ and validates it.
 - **Inventory** (DaemonSet on the GPU nodes, namespace supernode-ops): `supernode.trainer.node.inventory watch`
   keeps each node's first record and the fleet's as ConfigMaps and prints `inventory_drift_count`
   (the inventory-drift alarm) every `workload.inventoryIntervalMinutes`.
+- **Node health** (DaemonSet on the NVIDIA nodes, namespace supernode-node-health, Pod Security privileged
+  for its read-only hostPath and CAP_SYSLOG): `supernode.trainer.node.agent watch` admits a node that
+  joined unchecked, quarantines and replaces broken ones (docs/architecture.md, "Node life cycle").
 - **Restore drill** (CronJob, `workload.restoreDrillSchedule`): `supernode drill restore --json`
   from the trainer image, as the trainer's service account (read access to the checkpoints).
 - **Training-health scrape**: AWS's "CloudWatch agent with Prometheus monitoring" for EKS
@@ -60,6 +63,10 @@ from .queues import EXPERIMENTS, job_labels
 
 OPS_NAMESPACE = "supernode-ops"
 INVENTORY_SA = "inventory"
+# The node health agent's own namespace: it needs a hostPath and CAP_SYSLOG, which Pod Security
+# baseline forbids and only privileged admits, so no other pod gets that level with it.
+NODE_HEALTH_NAMESPACE, NODE_HEALTH_SA = "supernode-node-health", "node-health"
+EFA_COUNTERS = "/sys/class/infiniband"
 STACK_CONFIGMAP, STACK_MOUNT = "supernode-stack", "/etc/supernode-stack"
 DRILL_MOUNT = "/restore"  # the drill restores into FSx (drills/): a checkpoint may not fit a node's disk
 DCGM_NAMESPACE = SYSTEM_NAMESPACE  # where the add-ons (our DCGM exporter among them) run
@@ -84,6 +91,8 @@ class OperationsArgs:
     bucket_name: pulumi.Input[str]  # the drill restores from it
     # The IAM role of the CloudWatch agent's Prometheus scrape (identity.ServiceAccountRole).
     metrics_agent_role_arn: pulumi.Input[str]
+    # IRSA of the node health agent (identity.node_health_agent_policy); None: no agent (Neuron nodes)
+    node_health_role_arn: pulumi.Input[str] | None
     addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
 
 
@@ -191,6 +200,9 @@ class Operations(pulumi.ComponentResource):
             opts=self._child,
         )
         self.inventory = self._inventory(name, job.image, job.gpu_nodes, wl)
+        self.node_health = (
+            None if args.node_health_role_arn is None else self._node_health(name, job, wl, args.node_health_role_arn)
+        )
         self.restore_drill = self._restore_drill(name, job, wl, args, stack)
         scrape = prometheus_scrape_config(wl.namespace, EXPORTER_SCRAPE_JOBS[job.plan.hardware.vendor])
         scrape_yaml = yaml.safe_dump(scrape, sort_keys=False)
@@ -336,7 +348,7 @@ class Operations(pulumi.ComponentResource):
                     "metadata": {"labels": labels},
                     "spec": {
                         "serviceAccountName": sa.metadata.name,
-                        "tolerations": gpu.tolerations(),
+                        "tolerations": gpu.daemon_tolerations(),
                         "affinity": gpu.affinity(),
                         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                         "containers": [container],
@@ -344,6 +356,131 @@ class Operations(pulumi.ComponentResource):
                 },
             },
             opts=pulumi.ResourceOptions(parent=self, depends_on=[role]),
+        )
+
+    def _node_health(
+        self, name: str, job: JobArgs, wl: WorkloadConfig, role_arn: pulumi.Input[str]
+    ) -> k8s.apps.v1.DaemonSet:
+        """supernode.trainer.node.agent on every GPU node: taints, evicts and replaces a broken node."""
+        child = self._child
+        ns = k8s.core.v1.Namespace(
+            f"{name}-node-health-ns",
+            metadata=meta(
+                NODE_HEALTH_NAMESPACE,
+                labels={
+                    "pod-security.kubernetes.io/enforce": "privileged",
+                    "pod-security.kubernetes.io/warn": "baseline",
+                },
+            ),
+            opts=child,
+        ).metadata.name
+        sa = k8s.core.v1.ServiceAccount(
+            f"{name}-node-health",
+            metadata=meta(NODE_HEALTH_SA, ns, annotations={"eks.amazonaws.com/role-arn": role_arn}),
+            opts=child,
+        )
+        subjects = [{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": ns}]
+        # Nodes are cluster-scoped: the one ClusterRole. Pods, evictions and events are namespaced Roles.
+        node_role = k8s.rbac.v1.ClusterRole(
+            f"{name}-node-health",
+            metadata=meta("supernode-node-health"),
+            rules=[{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}],
+            opts=child,
+        )
+        k8s.rbac.v1.ClusterRoleBinding(
+            f"{name}-node-health",
+            metadata=meta("supernode-node-health"),
+            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": node_role.metadata.name},
+            subjects=subjects,
+            opts=child,
+        )
+        namespaced = {
+            # the training pods leave a broken node through the eviction API (their disruption budget holds)
+            wl.namespace: [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
+            ],
+            "default": [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}],  # a Node's events
+        }
+        roles = []
+        for where, rules in namespaced.items():
+            role = k8s.rbac.v1.Role(
+                f"{name}-node-health-{where}",
+                metadata=meta("supernode-node-health", where),
+                rules=rules,
+                opts=child,
+            )
+            k8s.rbac.v1.RoleBinding(
+                f"{name}-node-health-{where}",
+                metadata=meta("supernode-node-health", where),
+                role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name},
+                subjects=subjects,
+                opts=child,
+            )
+            roles.append(role)
+        k8s.networking.v1.NetworkPolicy(
+            f"{name}-node-health-policy",
+            metadata=meta("node-health", ns),
+            spec={
+                "podSelector": {},
+                "policyTypes": ["Ingress", "Egress"],
+                "egress": [
+                    {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+                    # the Kubernetes API, STS and Auto Scaling (IRSA); not the instance metadata service
+                    {
+                        "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}}],
+                        "ports": [{"protocol": "TCP", "port": 443}],
+                    },
+                ],
+            },
+            opts=child,
+        )
+        labels = {"app.kubernetes.io/name": "node-health"}
+        gpu = job.gpu_nodes
+        container = {
+            "name": "node-health",
+            "image": job.image,
+            "command": ["python", "-m", "supernode.trainer.node.agent", "watch"],
+            "args": [
+                "--instance-type",
+                job.plan.instance_type,
+                "--evict-namespace",
+                wl.namespace,
+            ],
+            "env": [
+                {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                # nvidia-smi and dcgmi see the node's GPUs without claiming any (the jobs own them all).
+                {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+                {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
+            ],
+            # dcgmi diag -r 2 runs once per node join: the limit leaves it room
+            "resources": small("100m", "256Mi", "1", "1Gi"),
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                # dmesg reads the kernel ring buffer through syslog(2): CAP_SYSLOG, nothing else
+                "capabilities": {"drop": ["ALL"], "add": ["SYSLOG"]},
+            },
+            "volumeMounts": [{"name": "infiniband", "mountPath": EFA_COUNTERS, "readOnly": True}],
+        }
+        return k8s.apps.v1.DaemonSet(
+            f"{name}-node-health",
+            metadata=meta("node-health", ns, labels),
+            spec={
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "serviceAccountName": sa.metadata.name,
+                        "tolerations": gpu.daemon_tolerations(),  # it releases the node it quarantined
+                        "affinity": gpu.affinity(),
+                        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                        "containers": [container],
+                        "volumes": [{"name": "infiniband", "hostPath": {"path": EFA_COUNTERS, "type": "Directory"}}],
+                    },
+                },
+            },
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[node_role, *roles]),
         )
 
     def _prometheus_agent(
