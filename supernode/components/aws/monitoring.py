@@ -205,39 +205,9 @@ class Monitoring(pulumi.ComponentResource):
                 comparison="GreaterThanThreshold",
                 periods=5,
             ),
-            self._alarm(
-                name,
-                "gpu-xid-errors",
-                "NVIDIA XID errors in node kernel logs",
-                namespace=self.namespace,
-                metric_name="GpuXidErrors",
-                statistic="Sum",
-                threshold=0,
-                comparison="GreaterThanThreshold",
-                periods=1,
-            ),
-            self._alarm(
-                name,
-                "nccl-timeouts",
-                "NCCL collective timeouts in training logs",
-                namespace=self.namespace,
-                metric_name="NcclTimeouts",
-                statistic="Sum",
-                threshold=0,
-                comparison="GreaterThanThreshold",
-                periods=1,
-            ),
-            self._alarm(
-                name,
-                "out-of-memory",
-                "out-of-memory errors in training logs",
-                namespace=self.namespace,
-                metric_name="OutOfMemory",
-                statistic="Sum",
-                threshold=0,
-                comparison="GreaterThanThreshold",
-                periods=1,
-            ),
+            self._any(name, "gpu-xid-errors", "NVIDIA XID errors in node kernel logs", "GpuXidErrors"),
+            self._any(name, "nccl-timeouts", "NCCL collective timeouts in training logs", "NcclTimeouts"),
+            self._any(name, "out-of-memory", "out-of-memory errors in training logs", "OutOfMemory"),
             self._alarm(
                 name,
                 "fsx-free-capacity-low",
@@ -299,16 +269,11 @@ class Monitoring(pulumi.ComponentResource):
                     ),
                 ],
             ),
-            self._alarm(
+            self._any(
                 name,
                 "training-loss-not-finite",
                 "a training step had a non-finite loss or gradient norm (its update skipped)",
-                namespace=self.namespace,
-                metric_name="NonFiniteSteps",
-                statistic="Sum",
-                threshold=0,
-                comparison="GreaterThanThreshold",
-                periods=1,
+                "NonFiniteSteps",
             ),
             # Steps advanced but no checkpoint line for 2 x the checkpoint interval (at the planned step time).
             self._alarm(
@@ -372,17 +337,7 @@ class Monitoring(pulumi.ComponentResource):
                 comparison="GreaterThanThreshold",
                 periods=1,
             ),
-            self._alarm(
-                name,
-                "restore-drill-failed",
-                "the checkpoint restore drill failed",
-                namespace=self.namespace,
-                metric_name="RestoreDrillFailures",
-                statistic="Sum",
-                threshold=0,
-                comparison="GreaterThanThreshold",
-                periods=1,
-            ),
+            self._any(name, "restore-drill-failed", "the checkpoint restore drill failed", "RestoreDrillFailures"),
             # -- node health (supernode/trainer/node/agent.py; issue 26 item 4) --------------------------
             self._alarm(
                 name,
@@ -395,16 +350,11 @@ class Monitoring(pulumi.ComponentResource):
                 comparison="GreaterThanThreshold",
                 periods=1,
             ),
-            self._alarm(
+            self._any(
                 name,
                 "node-replaced",
                 "the node health agent terminated a faulty GPU instance for its Auto Scaling group to replace",
-                namespace=self.namespace,
-                metric_name="NodesReplaced",
-                statistic="Sum",
-                threshold=0,
-                comparison="GreaterThanThreshold",
-                periods=1,
+                "NodesReplaced",
             ),
             *(
                 self._alarm(
@@ -471,6 +421,20 @@ class Monitoring(pulumi.ComponentResource):
             ),
         )
         self.register_outputs({"topic_arn": self.topic_arn, "alarm_names": self.alarm_names})
+
+    def _any(self, name: str, short: str, description: str, metric_name: str) -> aws.cloudwatch.MetricAlarm:
+        """An alarm on any occurrence: one of this stack's log-metric-filter counts above 0 in a period."""
+        return self._alarm(
+            name,
+            short,
+            description,
+            namespace=self.namespace,
+            metric_name=metric_name,
+            statistic="Sum",
+            threshold=0,
+            comparison="GreaterThanThreshold",
+            periods=1,
+        )
 
     def _alarm(
         self,

@@ -67,6 +67,19 @@ INVENTORY_SA = "inventory"
 # baseline forbids and only privileged admits, so no other pod gets that level with it.
 NODE_HEALTH_NAMESPACE, NODE_HEALTH_SA = "supernode-node-health", "node-health"
 EFA_COUNTERS = "/sys/class/infiniband"
+# The ops pods' egress: DNS, and HTTPS to the Kubernetes API (the cluster's private endpoint), STS and
+# the AWS APIs their IRSA roles call; never the instance metadata service.
+HTTPS_AND_DNS_ONLY = {
+    "podSelector": {},
+    "policyTypes": ["Ingress", "Egress"],
+    "egress": [
+        {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+        {
+            "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}}],
+            "ports": [{"protocol": "TCP", "port": 443}],
+        },
+    ],
+}
 STACK_CONFIGMAP, STACK_MOUNT = "supernode-stack", "/etc/supernode-stack"
 DRILL_MOUNT = "/restore"  # the drill restores into FSx (drills/): a checkpoint may not fit a node's disk
 DCGM_NAMESPACE = SYSTEM_NAMESPACE  # where the add-ons (our DCGM exporter among them) run
@@ -303,18 +316,7 @@ class Operations(pulumi.ComponentResource):
         k8s.networking.v1.NetworkPolicy(
             f"{name}-ops-policy",
             metadata=meta("inventory", ns),
-            spec={
-                "podSelector": {},
-                "policyTypes": ["Ingress", "Egress"],
-                "egress": [
-                    {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
-                    # the Kubernetes API (the cluster's private endpoint)
-                    {
-                        "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}}],
-                        "ports": [{"protocol": "TCP", "port": 443}],
-                    },
-                ],
-            },
+            spec=HTTPS_AND_DNS_ONLY,
             opts=child,
         )
         labels = {"app.kubernetes.io/name": "inventory"}
@@ -421,18 +423,7 @@ class Operations(pulumi.ComponentResource):
         k8s.networking.v1.NetworkPolicy(
             f"{name}-node-health-policy",
             metadata=meta("node-health", ns),
-            spec={
-                "podSelector": {},
-                "policyTypes": ["Ingress", "Egress"],
-                "egress": [
-                    {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
-                    # the Kubernetes API, STS and Auto Scaling (IRSA); not the instance metadata service
-                    {
-                        "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}}],
-                        "ports": [{"protocol": "TCP", "port": 443}],
-                    },
-                ],
-            },
+            spec=HTTPS_AND_DNS_ONLY,
             opts=child,
         )
         labels = {"app.kubernetes.io/name": "node-health"}
