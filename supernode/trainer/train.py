@@ -39,6 +39,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import argparse
+import bisect
 import contextlib
 import ctypes
 import json
@@ -160,11 +161,17 @@ class CommClock:
                     if e.thread == step_thread and e.name.startswith(COLLECTIVE_CALLS)
                 ]
             )
+            starts = [start for start, _ in calls]
+
+            def inside_a_call(start: float, end: float) -> bool:
+                # calls are merged and sorted: only the last one starting at or before `start` can hold it
+                i = bisect.bisect_right(starts, start) - 1
+                return i >= 0 and end <= calls[i][1]
+
             compute = [
                 (e.time_range.start, e.time_range.end)
                 for e in aten
-                if e.thread == step_thread
-                and not any(s <= e.time_range.start and e.time_range.end <= t for s, t in calls)
+                if e.thread == step_thread and not inside_a_call(e.time_range.start, e.time_range.end)
             ]
         return exposed_seconds(comm, compute) / 1e6
 
