@@ -133,3 +133,24 @@ def test_a_hardware_fault_replaces_at_once() -> None:
 def test_tracker_rejects_a_zero_threshold() -> None:
     with pytest.raises(ValueError, match="release_after must be at least 1, got 0"):
         Tracker(release_after=0, replace_after=1, window_s=1)
+
+
+def test_readers_parse_a_real_h200_recording() -> None:
+    """`nvidia-smi -q` and `-q -d ECC,ROW_REMAPPER` as driver 580.159.04 printed them on one H200
+    (recorded on a lent GPU machine, serial and UUID redacted): one GPU, no ECC, no pending remap; the
+    same text with one volatile DRAM uncorrectable error is an ECC finding (recoverable: the row
+    remapper handles it after a GPU reset)."""
+    smi, ecc = text("recorded-h200-nvidia-smi-q.txt"), text("recorded-h200-ecc-remap.txt")
+    assert health.parse_attached_gpus(smi) == 1
+    assert health.parse_ecc_remap(ecc) == {
+        "00000000:00:06.0": {"volatile_uncorrectable": 0, "pending": False, "remap_failure": False}
+    }
+    # Against an 8-GPU p5e.48xlarge the missing GPUs are the one finding besides EFA (none in that VM).
+    verdict = decide(Readings(nvidia_smi_q=smi, ecc_remap=ecc), lookup("p5e.48xlarge"))
+    assert [(f.check, f.severity) for f in verdict.findings if f.check != "efa"] == [("gpu_count", HARDWARE)]
+    volatile, aggregate = ecc.split("        Aggregate\n", 1)
+    faulty = volatile.replace("DRAM Uncorrectable                         : 0", "DRAM Uncorrectable : 1") + (
+        "        Aggregate\n" + aggregate
+    )
+    assert health.parse_ecc_remap(faulty)["00000000:00:06.0"]["volatile_uncorrectable"] == 1
+    assert [(f.check, f.severity) for f in decide(Readings(ecc_remap=faulty), P5).findings] == [("ecc", RECOVERABLE)]
