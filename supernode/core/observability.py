@@ -4,9 +4,10 @@ and dashboard that watch it must agree on, declared once.
 A training-health series travels: the trainer's gauge (supernode/trainer/metrics.py registers TRAINER_METRICS)
 -> the CloudWatch agent's Prometheus scrape (supernode/components/k8s/operations.py), which runs in
 METRICS_SCRAPER_NAMESPACE as PROMETHEUS_AGENT and finds the trainer pods as TRAINER_SCRAPE_JOB and our
-DCGM exporter as DCGM_SCRAPE_JOB -> a CloudWatch metric in PROMETHEUS_NAMESPACE, for the series
-METRIC_DECLARATIONS selects, with its dimensions -> the alarms and dashboard (supernode/components/aws/monitoring.py),
-which name it by exactly those. A name typed at one end only is a metric no alarm ever sees; so every
+DCGM exporter as DCGM_SCRAPE_JOB (neuron-monitor as NEURON_SCRAPE_JOB on Trainium) -> a CloudWatch
+metric in PROMETHEUS_NAMESPACE, for the series METRIC_DECLARATIONS selects, with its dimensions -> the
+alarms and dashboard (supernode/components/aws/monitoring.py), which name it by exactly those. A name
+typed at one end only is a metric no alarm ever sees; so every
 end imports it from here. Plain strings, so the core stays free of pulumi.
 """
 
@@ -111,6 +112,27 @@ DCGM_METRICS = (
 )
 ECC_DBE, ROW_REMAP_FAILURE, PCIE_REPLAYS = DCGM_METRICS[-3:]
 
+# neuron-monitor's series on Trainium nodes (supernode/components/addons/neuron-monitor.yaml), named as
+# /opt/aws/neuron/bin/neuron-monitor-prometheus.py (aws-neuronx-tools) registers them: process_neuroncore_counters,
+# process_memory_used, process_execution_stats, process_neuron_hw_counters, process_memory_info; the same
+# names AWS's Container Insights receiver reads (opentelemetry-collector-contrib,
+# receiver/awscontainerinsightreceiver/internal/neuron/metric_name.go). The JSON fields behind them are in
+# AWS's neuron-monitor user guide (tools/neuron-sys-tools/neuron-monitor-user-guide.rst).
+NEURON_SCRAPE_JOB = "neuron-monitor"
+NEURONCORE_UTIL = "neuroncore_utilization_ratio"  # gauge, 0-1, per NeuronCore in use (the percentage / 100)
+# A gauge of the system metric groups, reported whether or not a Neuron application runs: the exporter's
+# heartbeat (the per-application groups exist only while one runs).
+NEURON_HOST_MEMORY_USED = "system_memory_used_bytes"
+# Labelled series: the label becomes a dimension so an alarm can pick one value of it.
+NEURON_MEMORY_USED = "neuron_runtime_memory_used_bytes"  # gauge per Neuron application (rank)
+NEURON_ECC_EVENTS = "hardware_ecc_events_total"  # counter per device
+NEURON_EXECUTION_ERRORS = "execution_errors_total"  # counter per Neuron application
+NEURON_LABELS = {
+    NEURON_MEMORY_USED: "memory_location",  # host | neuron_device
+    NEURON_ECC_EVENTS: "event_type",  # mem_ecc_corrected | mem_ecc_uncorrected | sram_ecc_(un)corrected
+    NEURON_EXECUTION_ERRORS: "error_type",  # generic | numerical | transient | model | runtime | hardware
+}
+
 # The dimensions of a series (the scrape relabels each pod's namespace and node to Namespace and
 # Hostname); CloudWatch finds a metric only by exactly one of its dimension sets.
 TRAINER_DIMENSIONS = ("ClusterName", "Namespace", "job")  # and a labelled gauge's label
@@ -125,6 +147,12 @@ def trainer_dimensions(cluster_name: Any, namespace: str) -> dict[str, Any]:
 def dcgm_dimensions(cluster_name: Any) -> dict[str, Any]:
     """The cluster-wide dimensions of a DCGM field (the mean over the cluster's GPUs)."""
     return dict(zip(DCGM_DIMENSIONS[0], (cluster_name, DCGM_SCRAPE_JOB)))
+
+
+def neuron_dimensions(cluster_name: Any, **label: str) -> dict[str, Any]:
+    """The cluster-wide dimensions of a neuron-monitor series, and for a labelled one its label's value
+    (`neuron_dimensions(c, error_type="hardware")`)."""
+    return {"ClusterName": cluster_name, "job": NEURON_SCRAPE_JOB, **label}
 
 
 def _matching(names: Sequence[str], prefix: str) -> str:
@@ -144,7 +172,8 @@ def _declaration(job: str, dimensions: Sequence[Sequence[str]], selector: str) -
 
 
 def _metric_declarations() -> list[dict[str, Any]]:
-    """One declaration per trainer label set (none, phase, layer), one for the DCGM fields."""
+    """One declaration per trainer label set (none, phase, layer), one for the DCGM fields, one per
+    neuron-monitor label set."""
     by_label: dict[str | None, list[str]] = {}
     for metric in TRAINER_METRICS:
         by_label.setdefault(metric.label, []).append(metric.name)
@@ -154,7 +183,19 @@ def _metric_declarations() -> list[dict[str, Any]]:
         )
         for label, names in by_label.items()
     ]
-    return [*trainer, _declaration(DCGM_SCRAPE_JOB, DCGM_DIMENSIONS, _matching(DCGM_METRICS, "DCGM_FI_DEV_"))]
+    # neuron-monitor's series, cluster-wide and per node like DCGM's; a labelled one with its label too.
+    neuron = [
+        _declaration(NEURON_SCRAPE_JOB, DCGM_DIMENSIONS, _matching((NEURONCORE_UTIL, NEURON_HOST_MEMORY_USED), "")),
+        *(
+            _declaration(NEURON_SCRAPE_JOB, [(*d, label) for d in DCGM_DIMENSIONS], _matching((metric,), ""))
+            for metric, label in NEURON_LABELS.items()
+        ),
+    ]
+    return [
+        *trainer,
+        _declaration(DCGM_SCRAPE_JOB, DCGM_DIMENSIONS, _matching(DCGM_METRICS, "DCGM_FI_DEV_")),
+        *neuron,
+    ]
 
 
 # The agent's embedded-metric declarations: which scraped series become CloudWatch metrics, with which

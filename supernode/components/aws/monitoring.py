@@ -2,6 +2,10 @@
 utilisation, node health, GPU XID errors, FSx free capacity, NCCL timeouts and OOM, an encrypted
 SNS topic every alarm notifies, and a dashboard (issue 3, part 6).
 
+The accelerator alarms follow the plan's vendor: DCGM's fields on NVIDIA stacks, neuron-monitor's series
+on Trainium ones (issue 27), one alarm per purpose (ACCELERATOR_ALARMS); a purpose a vendor cannot alarm
+on says why (NO_EQUIVALENT), so a Trainium stack never silently lacks an alarm a GPU stack has.
+
 Training health (issue 18): the trainer's Prometheus gauges (supernode/trainer/metrics.py) reach CloudWatch
 through the CloudWatch agent's Prometheus scrape of the trainer pods (by annotation, see
 supernode/components/k8s/operations.py), as embedded-metric-format metrics in PROMETHEUS_NAMESPACE; the names both
@@ -52,6 +56,32 @@ AGENT_CONFIGURATION = {
 
 
 PCIE_REPLAYS_PER_MIN = 8  # `dcgmi health -c` warns above 8 PCIe replays a minute
+EXPORTER_ABSENT_MINUTES = 5  # no series from the accelerator exporter for this long: the alarms above are blind
+
+# Each accelerator alarm's purpose -> its short name on each vendor's stacks (InstanceType.vendor).
+ACCELERATOR_ALARMS: dict[str, dict[str, str]] = {
+    "utilisation-low": {"nvidia": "gpu-util-low", "neuron": "neuroncore-util-low"},
+    "hardware-errors": {"nvidia": "gpu-xid-errors", "neuron": "neuron-hardware-errors"},
+    "uncorrectable-ecc": {"nvidia": "gpu-ecc-uncorrectable", "neuron": "neuron-ecc-uncorrectable"},
+    "exporter-absent": {"nvidia": "gpu-exporter-absent", "neuron": "neuron-exporter-absent"},
+    "row-remap-failure": {"nvidia": "gpu-row-remap-failure"},
+    "pcie-replays": {"nvidia": "gpu-pcie-replays"},
+    "node-quarantined": {"nvidia": "node-quarantined"},
+    "node-replaced": {"nvidia": "node-replaced"},
+}
+_NO_NODE_AGENT = (
+    "no node health agent runs on Neuron node groups (it reads nvidia-smi, DCGM and XID lines; "
+    "supernode/components/k8s/operations.py deploys it on NVIDIA nodes only)"
+)
+# Why a vendor has no alarm for a purpose (tests/components/test_trn2_monitoring.py holds every purpose of
+# a GPU stack to a Trainium alarm or a reason here).
+NO_EQUIVALENT: dict[tuple[str, str], str] = {
+    ("row-remap-failure", "neuron"): "neuron-monitor reports no row remapping: its hardware counters are ECC "
+    "events only (neuron_hw_counters), whose uncorrected ones neuron-ecc-uncorrectable alarms on",
+    ("pcie-replays", "neuron"): "neuron-monitor reports no PCIe replay counter (neuron_hw_counters: ECC events only)",
+    ("node-quarantined", "neuron"): _NO_NODE_AGENT,
+    ("node-replaced", "neuron"): _NO_NODE_AGENT,
+}
 
 
 class LogPattern:
@@ -146,7 +176,6 @@ class Monitoring(pulumi.ComponentResource):
         filters = {
             "NcclTimeouts": (groups["application"], LogPattern.NCCL_TIMEOUT, "1"),
             "OutOfMemory": (groups["application"], LogPattern.OOM, "1"),
-            "GpuXidErrors": (groups["host"], LogPattern.GPU_XID, "1"),
             "NonFiniteSteps": (groups["application"], LogPattern.NON_FINITE, "1"),
             "CheckpointsSaved": (groups["application"], LogPattern.CHECKPOINT, "1"),
             "TrainerStarts": (groups["application"], LogPattern.TRAINER_START, "1"),
@@ -157,10 +186,15 @@ class Monitoring(pulumi.ComponentResource):
             ),
             "InventoryDrift": (groups["application"], LogPattern.INVENTORY_DRIFT, "$.inventory_drift_count"),
             "RestoreDrillFailures": (groups["application"], LogPattern.RESTORE_DRILL_FAILED, "1"),
-            # Summed over the agents' lines of a period: quarantined node-rounds (0 when all pass).
-            "NodesQuarantined": (groups["application"], LogPattern.NODE_QUARANTINED, "$.node_quarantined"),
-            "NodesReplaced": (groups["application"], LogPattern.NODE_REPLACED, "1"),
         }
+        vendor = args.plan.hardware.vendor
+        if vendor == "nvidia":
+            # The NVIDIA driver's kernel lines (Neuron's hardware errors are a neuron-monitor metric) and
+            # the node health agent's, which runs on NVIDIA nodes only (NO_EQUIVALENT).
+            filters["GpuXidErrors"] = (groups["host"], LogPattern.GPU_XID, "1")
+            # Summed over the agents' lines of a period: quarantined node-rounds (0 when all pass).
+            filters["NodesQuarantined"] = (groups["application"], LogPattern.NODE_QUARANTINED, "$.node_quarantined")
+            filters["NodesReplaced"] = (groups["application"], LogPattern.NODE_REPLACED, "1")
         for metric, (group, pattern, value) in filters.items():
             aws.cloudwatch.LogMetricFilter(
                 f"{name}-{metric}",
@@ -181,20 +215,6 @@ class Monitoring(pulumi.ComponentResource):
         self.alarms = [
             self._alarm(
                 name,
-                "gpu-util-low",
-                f"GPU utilisation below {m.gpu_util_floor_percent}% for "
-                f"{m.gpu_util_window_minutes} min (DCGM exporter, mean over the GPUs)",
-                namespace=obs.PROMETHEUS_NAMESPACE,
-                metric_name=obs.GPU_UTIL,
-                dimensions=obs.dcgm_dimensions(cluster_name),
-                statistic="Average",
-                threshold=m.gpu_util_floor_percent,
-                comparison="LessThanThreshold",
-                periods=window,
-                missing="notBreaching",
-            ),
-            self._alarm(
-                name,
                 "node-not-ready",
                 "a node is not ready",
                 namespace=CONTAINER_INSIGHTS,
@@ -205,7 +225,6 @@ class Monitoring(pulumi.ComponentResource):
                 comparison="GreaterThanThreshold",
                 periods=5,
             ),
-            self._any(name, "gpu-xid-errors", "NVIDIA XID errors in node kernel logs", "GpuXidErrors"),
             self._any(name, "nccl-timeouts", "NCCL collective timeouts in training logs", "NcclTimeouts"),
             self._any(name, "out-of-memory", "out-of-memory errors in training logs", "OutOfMemory"),
             self._alarm(
@@ -338,6 +357,55 @@ class Monitoring(pulumi.ComponentResource):
                 periods=1,
             ),
             self._any(name, "restore-drill-failed", "the checkpoint restore drill failed", "RestoreDrillFailures"),
+            *self._accelerator_alarms(name, vendor, cluster_name, m, window),
+        ]
+        self.alarm_names = [a.name for a in self.alarms]
+        self.dashboard = aws.cloudwatch.Dashboard(
+            name,
+            dashboard_name=f"supernode-{ctx.stack}",
+            opts=child,
+            dashboard_body=pulumi.Output.all(args.fsx_id).apply(
+                lambda a: json.dumps(
+                    dashboard(
+                        ctx.region,
+                        cluster_name,
+                        self.namespace,
+                        a[0],
+                        m,
+                        args.training_namespace,
+                        floor,
+                        checkpoint_window_s,
+                        vendor,
+                    )
+                )
+            ),
+        )
+        self.register_outputs({"topic_arn": self.topic_arn, "alarm_names": self.alarm_names})
+
+    def _accelerator_alarms(
+        self, name: str, vendor: str, cluster_name: pulumi.Input[str], m: MonitoringConfig, window: int
+    ) -> list[aws.cloudwatch.MetricAlarm]:
+        """The alarms on the accelerators and their exporter, by the vendor's metric names (ACCELERATOR_ALARMS)."""
+        if vendor == "neuron":
+            return self._neuron_alarms(name, cluster_name, m, window)
+        gpus = obs.dcgm_dimensions(cluster_name)
+        return [
+            self._alarm(
+                name,
+                "gpu-util-low",
+                f"GPU utilisation below {m.gpu_util_floor_percent}% for "
+                f"{m.gpu_util_window_minutes} min (DCGM exporter, mean over the GPUs)",
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.GPU_UTIL,
+                dimensions=gpus,
+                statistic="Average",
+                threshold=m.gpu_util_floor_percent,
+                comparison="LessThanThreshold",
+                periods=window,
+                missing="notBreaching",
+            ),
+            self._any(name, "gpu-xid-errors", "NVIDIA XID errors in node kernel logs", "GpuXidErrors"),
+            self._exporter_absent(name, "gpu-exporter-absent", "DCGM exporter", obs.GPU_UTIL, gpus),
             # -- node health (supernode/trainer/node/agent.py; issue 26 item 4) --------------------------
             self._alarm(
                 name,
@@ -363,7 +431,7 @@ class Monitoring(pulumi.ComponentResource):
                     description,
                     namespace=obs.PROMETHEUS_NAMESPACE,
                     metric_name=metric,
-                    dimensions=obs.dcgm_dimensions(cluster_name),
+                    dimensions=gpus,
                     statistic="Maximum",
                     threshold=0,
                     comparison="GreaterThanThreshold",
@@ -388,7 +456,7 @@ class Monitoring(pulumi.ComponentResource):
                         period=PERIOD_S,
                         namespace=obs.PROMETHEUS_NAMESPACE,
                         metric_name=obs.PCIE_REPLAYS,
-                        dimensions=obs.dcgm_dimensions(cluster_name),
+                        dimensions=gpus,
                         stat="Maximum",
                     ),
                     aws.cloudwatch.MetricAlarmMetricQueryArgs(
@@ -400,27 +468,101 @@ class Monitoring(pulumi.ComponentResource):
                 ],
             ),
         ]
-        self.alarm_names = [a.name for a in self.alarms]
-        self.dashboard = aws.cloudwatch.Dashboard(
-            name,
-            dashboard_name=f"supernode-{ctx.stack}",
-            opts=child,
-            dashboard_body=pulumi.Output.all(args.fsx_id).apply(
-                lambda a: json.dumps(
-                    dashboard(
-                        ctx.region,
-                        cluster_name,
-                        self.namespace,
-                        a[0],
-                        m,
-                        args.training_namespace,
-                        floor,
-                        checkpoint_window_s,
-                    )
-                )
+
+    def _neuron_alarms(
+        self, name: str, cluster_name: pulumi.Input[str], m: MonitoringConfig, window: int
+    ) -> list[aws.cloudwatch.MetricAlarm]:
+        """Trainium's alarms on neuron-monitor's series. Its counters reach CloudWatch as the increase
+        since the previous scrape (the CloudWatch agent's Prometheus counter conversion), so a Sum above 0
+        is a new event."""
+
+        def ecc(qid: str, event_type: str) -> aws.cloudwatch.MetricAlarmMetricQueryArgs:
+            return _query(
+                qid,
+                period=PERIOD_S,
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.NEURON_ECC_EVENTS,
+                dimensions=obs.neuron_dimensions(cluster_name, event_type=event_type),
+                stat="Sum",
+            )
+
+        return [
+            # neuroncore_utilization_ratio is a 0-1 ratio: the floor in percent / 100. It exists only for
+            # NeuronCores a Neuron application runs on, so no training means no data, not an alarm.
+            self._alarm(
+                name,
+                "neuroncore-util-low",
+                f"NeuronCore utilisation below {m.gpu_util_floor_percent}% for {m.gpu_util_window_minutes} min "
+                "(neuron-monitor, mean over the NeuronCores in use; Trainium's gpu-util-low)",
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.NEURONCORE_UTIL,
+                dimensions=obs.neuron_dimensions(cluster_name),
+                statistic="Average",
+                threshold=m.gpu_util_floor_percent / 100,
+                comparison="LessThanThreshold",
+                periods=window,
+                missing="notBreaching",
             ),
+            # error_type "hardware": "hardware errors such as uncorrectable ECC issues" (neuron-monitor
+            # user guide, execution_stats), what XID lines are to the NVIDIA driver.
+            self._alarm(
+                name,
+                "neuron-hardware-errors",
+                "a Neuron application's executions failed with hardware errors (neuron-monitor execution_stats)",
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.NEURON_EXECUTION_ERRORS,
+                dimensions=obs.neuron_dimensions(cluster_name, error_type="hardware"),
+                statistic="Sum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+            ),
+            self._alarm(
+                name,
+                "neuron-ecc-uncorrectable",
+                "a Neuron device counted uncorrected ECC events in its HBM or SRAM",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+                metric_queries=[
+                    ecc("hbm", "mem_ecc_uncorrected"),
+                    ecc("sram", "sram_ecc_uncorrected"),
+                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
+                        id="uncorrected",
+                        return_data=True,
+                        label="uncorrected ECC events",
+                        expression="FILL(hbm, 0) + FILL(sram, 0)",
+                    ),
+                ],
+            ),
+            self._exporter_absent(
+                name,
+                "neuron-exporter-absent",
+                "neuron-monitor",
+                obs.NEURON_HOST_MEMORY_USED,
+                obs.neuron_dimensions(cluster_name),
+            ),
+        ]
+
+    def _exporter_absent(
+        self, name: str, short: str, exporter: str, heartbeat: str, dimensions: Mapping
+    ) -> aws.cloudwatch.MetricAlarm:
+        """No datapoint of a series the exporter always reports for EXPORTER_ABSENT_MINUTES: the
+        exporter (or its scrape) is down and every alarm on its series is blind."""
+        return self._alarm(
+            name,
+            short,
+            f"no {exporter} series for {EXPORTER_ABSENT_MINUTES} min: the accelerator alarms see nothing "
+            "(also while the accelerator node groups are at 0, e.g. after a Capacity Block ends)",
+            namespace=obs.PROMETHEUS_NAMESPACE,
+            metric_name=heartbeat,
+            dimensions=dimensions,
+            statistic="SampleCount",
+            threshold=1,
+            comparison="LessThanThreshold",
+            periods=EXPORTER_ABSENT_MINUTES,
+            missing="breaching",
         )
-        self.register_outputs({"topic_arn": self.topic_arn, "alarm_names": self.alarm_names})
 
     def _any(self, name: str, short: str, description: str, metric_name: str) -> aws.cloudwatch.MetricAlarm:
         """An alarm on any occurrence: one of this stack's log-metric-filter counts above 0 in a period."""
@@ -536,6 +678,7 @@ def dashboard(
     training_namespace: str,
     throughput_floor: float,
     checkpoint_window_s: int,
+    vendor: str,
 ) -> dict:
     def metric(title: str, metrics: list, annotation: float | None = None, label: str = "floor") -> dict:
         props = {"title": title, "region": region, "metrics": metrics, "period": PERIOD_S, "view": "timeSeries"}
@@ -547,7 +690,7 @@ def dashboard(
         """A series of the Prometheus namespace: its name, then each dimension's name and value."""
         return [obs.PROMETHEUS_NAMESPACE, metric_name, *(x for kv in dimensions.items() for x in kv)]
 
-    dims, gpus = obs.trainer_dimensions(cluster_name, training_namespace), obs.dcgm_dimensions(cluster_name)
+    dims = obs.trainer_dimensions(cluster_name, training_namespace)
 
     def trainer(metric: obs.TrainerMetric) -> list:
         return series(metric.name, dims)
@@ -565,17 +708,45 @@ def dashboard(
             }
         ]
 
-    return {
-        "widgets": [
+    if vendor == "neuron":
+        neuron = obs.neuron_dimensions(cluster_name)
+        accelerators = [
+            metric(
+                "NeuronCore utilisation (0-1)", [series(obs.NEURONCORE_UTIL, neuron)], m.gpu_util_floor_percent / 100
+            ),
+            metric(
+                "Neuron device memory used (bytes)",
+                [series(obs.NEURON_MEMORY_USED, obs.neuron_dimensions(cluster_name, memory_location="neuron_device"))],
+            ),
+            metric(
+                "Neuron hardware errors and uncorrected ECC events",
+                [
+                    series(obs.NEURON_EXECUTION_ERRORS, obs.neuron_dimensions(cluster_name, error_type="hardware")),
+                    *(
+                        series(obs.NEURON_ECC_EVENTS, obs.neuron_dimensions(cluster_name, event_type=event))
+                        for event in ("mem_ecc_uncorrected", "sram_ecc_uncorrected")
+                    ),
+                ],
+            ),
+        ]
+        hardware_errors = []
+    else:
+        gpus = obs.dcgm_dimensions(cluster_name)
+        accelerators = [
             metric("GPU utilisation (%)", [series(obs.GPU_UTIL, gpus)], m.gpu_util_floor_percent),
             metric("GPU memory used (MiB)", [series(obs.GPU_MEMORY_USED, gpus)]),
+        ]
+        hardware_errors = [[namespace, "GpuXidErrors"]]
+    return {
+        "widgets": [
+            *accelerators,
             metric("Failed nodes", [[CONTAINER_INSIGHTS, "cluster_failed_node_count", "ClusterName", cluster_name]]),
             metric(
                 "Training failures",
                 [
                     [namespace, "NcclTimeouts"],
                     [namespace, "OutOfMemory"],
-                    [namespace, "GpuXidErrors"],
+                    *hardware_errors,
                     [namespace, "NonFiniteSteps"],
                     [namespace, "TrainerStarts"],
                 ],
