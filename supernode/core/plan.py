@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from . import capacity as cap
 from .catalog import CATALOG, GIB, InstanceType, gate_floor_gbytes_s, nvlink_domain_gpus
 from .config import NAMESPACE, Model, Parallel, StackConfig, Training, with_local_nproc
+from .elastic import ElasticLayout, costed, elastic_layouts, local_worlds, planned_worlds
 from .errors import BadInput
 from .inference import InferencePlan, build_inference_plan
 from .mesh import Mesh
@@ -72,7 +73,10 @@ class Plan(BaseModel):
     fits: bool  # memory_per_rank_gib <= usable_hbm_gib; the memory-fit policy reads this, never recomputes it
     over_by_gib: float  # how far over the usable HBM the estimate is (0 when it fits)
     suggestions: list[cap.Suggestion]
-    micro_batches_per_step: int  # gradient accumulation: global_batch / (micro_batch x dp)
+    micro_batches_per_step: int  # gradient accumulation: global_batch / (micro_batch x dp), rounded up
+    # Micro-batch slots (over all dp ranks) of the last accumulation round beyond the global batch,
+    # run with zero weight: 0 at the planned world, where dp divides the batch (supernode.core.elastic).
+    padded_micro_batches: int = 0
     # pp, the schedule, virtual stages, the layers of each stage (the trainer builds its stages from
     # these), the bubble, the in-flight micro-batches and the stage-to-stage volume.
     pipeline: cap.PipelineShape
@@ -86,9 +90,14 @@ class Plan(BaseModel):
     # workload.gateMinFraction); None where no baseline is published for the instance type.
     gate_floor_gbytes_s: float | None
     pod: cap.PodShape  # the distributed job's pod on one GPU node
-    cost_per_hour_usd: float
+    cost_per_hour_usd: float  # every accelerator node the stack runs, spares included
     run_hours: float
     run_cost_usd: float
+    # Spare training nodes (acceleratorNodeGroups[].spares): booted beside the world to replace a
+    # failed node at once; their accelerators and their share of the cost per hour above.
+    spare_nodes: int = 0
+    spare_accelerators: int = 0
+    spare_cost_per_hour_usd: float = 0.0
     # The serving plan of the `inference` section (None without one): supernode/components/k8s/serving.py and the
     # serving policies read it from here.
     inference: InferencePlan | None = None
@@ -100,6 +109,16 @@ class Plan(BaseModel):
     # pod checkpoints before it is killed (the checkpoint-termination-grace policy).
     termination_grace_s: int = 0
     termination_grace_needed_s: int = 0
+    # The layout of every world the elastic job may run at (training.minNodes to the planned nodes;
+    # a local plan: every world 1..local.nproc), the planned world included with the plan's own
+    # figures (supernode.core.elastic); `for_world` picks one.
+    elastic: list[ElasticLayout] = []
+
+    @property
+    def min_nodes(self) -> int:
+        """The fewest nodes the elastic job runs on (training.minNodes; the planned nodes when the
+        job is not elastic): the PyTorchJob's minReplicas."""
+        return self.nodes if self.local or not self.elastic else self.elastic[0].nodes
 
     @property
     def hardware(self) -> InstanceType:
@@ -132,6 +151,52 @@ class Plan(BaseModel):
         except ValidationError as e:
             first = e.errors(include_url=False)[0]
             raise BadInput(f"{where}: not a valid plan: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+    def for_world(self, world_size: int) -> Plan:
+        """This plan at the world the job actually got: itself at the planned world, else a copy with
+        that world's elastic layout (degrees, parallel, accumulation and padding, pipeline, memory,
+        fit, step time, placement). A world the plan has no layout for is BadInput naming it."""
+        if world_size == self.world_size:
+            return self
+        worlds = [e.world_size for e in self.elastic]
+        span = f"{min(worlds)}..{max(worlds)} ranks" if worlds else "none"
+        e = next((e for e in self.elastic if e.world_size == world_size), None)
+        if e is None:
+            raise BadInput(
+                f"world size {world_size}: the plan has no elastic layout for it (its worlds: "
+                f"{', '.join(map(str, worlds)) or 'none'}, {span}); "
+                + ("run with at most local.nproc ranks" if self.local else "set training.minNodes to allow it")
+            )
+        if not e.fits or e.parallel is None or e.pipeline is None or e.memory is None or e.step is None:
+            raise BadInput(f"world size {world_size}: no layout runs there (the plan's worlds {span}): {e.reason}")
+        usable = self.usable_hbm_gib * GIB
+        t = self.topology
+        shard_group = e.parallel.shard_group
+        topology = t.model_copy(
+            update=dict(
+                domains=-(-world_size // t.domain_gpus),
+                replica_domains=-(-shard_group // t.domain_gpus),
+                replica_fits=cap.ADAM_STATE_BYTES * self.params.total <= shard_group * usable,
+                placement=place(e.parallel, t.domain_gpus),
+            )
+        )
+        return self.model_copy(
+            update=dict(
+                nodes=self.nodes if self.local else e.nodes,
+                world_size=world_size,
+                degrees=e.degrees,
+                parallel=e.parallel,
+                micro_batches_per_step=e.micro_batches_per_step,
+                padded_micro_batches=e.padded_micro_batches,
+                pipeline=e.pipeline,
+                memory=e.memory,
+                memory_per_rank_gib=e.memory_per_rank_gib,
+                fits=e.fits,
+                over_by_gib=max(0.0, e.memory_per_rank_gib - self.usable_hbm_gib),
+                step=e.step,
+                topology=topology,
+            )
+        )
 
     def summary(self) -> dict:
         """The contract keys (docs/architecture.md §7) plus the headline figures."""
@@ -176,6 +241,7 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
     ckpt = cap.checkpoint_io(params, t, cfg.storage.fsx)
     hours = t.steps * st.step_s / 3600
     per_hour, total = cap.hours_cost(_nodes(cfg), CATALOG, hours)
+    spare_per_hour, _ = cap.hours_cost(_nodes(cfg, spares_only=True), CATALOG, hours)
     shard_group = p.shard_group
     replica_domains = -(-shard_group // domain)
     replica_state = cap.ADAM_STATE_BYTES * params.total
@@ -193,6 +259,12 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
     if not local:
         _refuse_leaving_neuronlink(hw, topology)
     serving = None if local else build_inference_plan(cfg, params, hw)
+    worlds = (
+        local_worlds(world) if local else planned_worlds(t.min_nodes or cfg.nodes, cfg.nodes, hw.accelerators, world)
+    )
+    # The planned world's layout is the plan's own estimate; the other worlds are estimated like it.
+    elastic = elastic_layouts(m, p, t, hw, params, worlds[:-1], None if local else domain, calibration)
+    elastic.append(costed(m, p, t, hw, *worlds[-1], pipe, mem, st))
     return Plan(
         stack=stack,
         local=local,
@@ -224,10 +296,18 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
         cost_per_hour_usd=per_hour,
         run_hours=hours,
         run_cost_usd=total,
+        spare_nodes=sum(g.spares for g in cfg.training_node_groups),
+        spare_accelerators=sum(g.spares * CATALOG[g.instance_type].accelerators for g in cfg.training_node_groups),
+        spare_cost_per_hour_usd=spare_per_hour,
         inference=serving,
-        pools=[] if local else build_pools(cfg, world // hw.ranks_per_chip, hw.accelerator, serving),
+        pools=[]
+        if local
+        else build_pools(
+            cfg, world // hw.ranks_per_chip, elastic[0].world_size // hw.ranks_per_chip, hw.accelerator, serving
+        ),
         termination_grace_s=cfg.workload.termination_grace_s,
         termination_grace_needed_s=termination_grace_needed_s(st.step_s, ckpt.write_seconds),
+        elastic=elastic,
     )
 
 
@@ -248,10 +328,11 @@ def _refuse_leaving_neuronlink(hw: InstanceType, topology: Topology) -> None:
             )
 
 
-def _nodes(cfg: StackConfig) -> Counter:
+def _nodes(cfg: StackConfig, spares_only: bool = False) -> Counter:
+    """Instances by type the stack pays for: every accelerator group's nodes and spares (or the spares alone)."""
     c: Counter = Counter()
     for g in cfg.accelerator_node_groups:
-        c[g.instance_type] += g.nodes
+        c[g.instance_type] += g.spares if spares_only else g.instances
     return c
 
 

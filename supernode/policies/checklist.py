@@ -95,12 +95,16 @@ def _world_size(stack: Stack, _conf: None, report: Report) -> None:
         per_node = CATALOG[itype].accelerators if itype in CATALOG else 0
         total += _node_count(ng) * per_node
         parts.append(f"{ng.name}: {_node_count(ng)} x {per_node}")
-    if total != plan.world_size:
+    # The groups also run the plan's spare nodes (outside the world, standing by for a failed one).
+    expected = plan.world_size + plan.spare_accelerators
+    if total != expected:
+        spares = f" and {plan.spare_accelerators} spare accelerators" if plan.spare_accelerators else ""
         report(
             stack.plan_config_map(),
             f"GPU node groups provide {total} accelerators ({', '.join(parts)}) but the plan in "
-            f"{stack.plan_config_map().label} runs world size {plan.world_size}. Fix: size the node groups "
-            f"from the plan (supernode:acceleratorNodeGroups[].nodes) or change the parallel degrees.",
+            f"{stack.plan_config_map().label} runs world size {plan.world_size}{spares}. Fix: size the node "
+            f"groups from the plan (supernode:acceleratorNodeGroups[].nodes and .spares) or change the "
+            "parallel degrees.",
         )
 
 
@@ -136,6 +140,25 @@ def _pools(stack: Stack, _conf: None, report: Report) -> None:
 
 
 # -- 2. memory fit --------------------------------------------------------------------------------
+
+
+def _elastic_fit(stack: Stack, _conf: None, report: Report) -> None:
+    """Every node count the elastic job may run on (training.minNodes to the planned nodes) has a
+    layout that fits memory: the plan's verdict per world (Plan.elastic), never recomputed here. The
+    planned world is memory-fit's."""
+    plan = stack.plan()
+    if plan is None:
+        return
+    cm = stack.plan_config_map()
+    for e in plan.elastic:
+        if not e.fits and e.world_size != plan.world_size:
+            report(
+                cm,
+                f"the elastic job may run on {e.nodes} nodes (world {e.world_size}; training.minNodes "
+                f"{plan.min_nodes} to {plan.nodes} nodes) but the plan in {cm.label} has no layout there that "
+                f"fits: {e.reason}. Fix: raise supernode:training.minNodes above {e.nodes}, or change the "
+                "parallel degrees so that world runs (`supernode plan` lists every node count).",
+            )
 
 
 def _memory_fit(stack: Stack, _conf: None, report: Report) -> None:
@@ -837,6 +860,13 @@ POLICIES = [
         _device_plugin,
     ),
     StackPolicy("memory-fit", 2, "The plan's per-rank memory fits HBM with headroom.", _memory_fit),
+    StackPolicy(
+        "memory-fit-elastic",
+        2,
+        "Every node count the elastic job may run on (training.minNodes to the planned nodes) has a layout "
+        "that fits HBM with headroom.",
+        _elastic_fit,
+    ),
     StackPolicy(
         "interconnect-efa-interfaces",
         3,

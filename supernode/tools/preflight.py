@@ -154,7 +154,7 @@ def check_instance_type(aws: Aws, instance_type: str) -> Check:
 
 def check_reservation(aws: Aws, reservation_id: str, groups: list[AcceleratorNodeGroup], az: str) -> Check:
     name = f"capacity {reservation_id}"
-    need = sum(g.nodes for g in groups)
+    need = sum(g.instances for g in groups)  # spares run in the reservation too
     users = ", ".join(g.name for g in groups)
     kind = groups[0].capacity.type
     try:
@@ -204,6 +204,45 @@ def check_reservation(aws: Aws, reservation_id: str, groups: list[AcceleratorNod
             "deploy the node groups once the block is active (pulumi up before then leaves nodes pending)",
         )
     return passed(name, f"{detail}; {state}")
+
+
+def check_ultraserver_block(aws: Aws, reservation_id: str, group: AcceleratorNodeGroup) -> Check:
+    """An UltraServer group's reservation is a Capacity Block of that UltraServer: EC2 gives the
+    reservation's topology a CapacityBlockId only for UltraServer capacity ("identifies instances within
+    the UltraServer domain", EC2 API reference, CapacityReservationTopology), DescribeCapacityBlocks
+    names the block's UltraserverType, and DescribeCapacityBlockStatus its accelerator interconnect
+    (ok | impaired | insufficient-data). Any other reservation would place the group's instances apart,
+    outside one scale-up domain, and the plan's domain figures would not hold."""
+    name = f"ultraserver capacity {group.name}"
+    link, users = CATALOG[group.instance_type].link_name, f"capacity.reservationId of {group.name}"
+    ec2 = aws.client("ec2")
+    topology = ec2.describe_capacity_reservation_topology(CapacityReservationIds=[reservation_id])
+    block = next((t.get("CapacityBlockId") for t in topology["CapacityReservations"]), None)
+    if not block:
+        return failed(
+            name,
+            f"{reservation_id} is in no UltraServer Capacity Block (EC2's topology gives it no capacityBlockId): "
+            f"the {group.instance_type} instances of {group.name} would not share one {link} domain",
+            f"buy a {group.ultra_server} UltraServer Capacity Block and set {users} to its reservation",
+        )
+    [cb] = ec2.describe_capacity_blocks(CapacityBlockIds=[block])["CapacityBlocks"]
+    statuses = ec2.describe_capacity_block_status(CapacityBlockIds=[block])["CapacityBlockStatuses"]
+    interconnect = statuses[0].get("InterconnectStatus") if statuses else "insufficient-data"
+    problems = []
+    if cb.get("UltraserverType") != group.ultra_server:
+        problems.append(
+            f"Capacity Block {block} holds UltraServer type {cb.get('UltraserverType')}, not {group.ultra_server}"
+        )
+    if reservation_id not in cb.get("CapacityReservationIds", []):
+        problems.append(f"Capacity Block {block} does not list {reservation_id} among its reservations")
+    if interconnect == "impaired":
+        problems.append(f"EC2 reports the {link} interconnect of Capacity Block {block} impaired")
+    if problems:
+        return failed(name, "; ".join(problems), f"check {users}, or ask AWS support about the block")
+    detail = f"{reservation_id} is in {group.ultra_server} Capacity Block {block}, {link} interconnect {interconnect}"
+    if interconnect != "ok":
+        return warned(name, detail, f"aws ec2 describe-capacity-block-status --capacity-block-ids {block} once it runs")
+    return passed(name, detail)
 
 
 def block_end_problems(groups: list[AcceleratorNodeGroup], ends: datetime | None) -> list[str]:
@@ -409,12 +448,24 @@ def preflight_steps(cfg: StackConfig, aws: Aws) -> list[Step]:
         )
         for rid, groups in sorted(reserved.items())
     ]
+    # An UltraServer group's reservation must be that UltraServer's Capacity Block (one scale-up domain).
+    steps += [
+        Step(
+            f"ultraserver capacity {g.name}",
+            partial(check_ultraserver_block, aws, g.capacity.reservation_id, g),
+            on_unsupported="warn",
+            hint="aws ec2 describe-capacity-reservation-topology --capacity-reservation-ids "
+            f"{g.capacity.reservation_id}",
+        )
+        for g in cfg.accelerator_node_groups
+        if g.ultra_server and g.capacity.reservation_id
+    ]
 
     # Capacity Blocks do not count against the On-Demand quota; on-demand and ODCR instances do.
     counted = [g for g in cfg.accelerator_node_groups if g.capacity.type != "capacity-block"]
     for code, quota_name in sorted({quota_of(g.instance_type) for g in counted}):
         mine = [g for g in counted if quota_of(g.instance_type)[0] == code]
-        vcpus = sum(g.nodes * CATALOG[g.instance_type].vcpus for g in mine)
+        vcpus = sum(g.instances * CATALOG[g.instance_type].vcpus for g in mine)
         users = ", ".join(g.name for g in mine)
         steps.append(
             Step(

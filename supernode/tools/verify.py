@@ -8,7 +8,8 @@ Reads the stack outputs (the contract in `supernode.core.contract.StackOutputs`,
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
+from ..core.catalog import CATALOG, ULTRASERVERS
 from ..core.config import Lifecycle, StackConfig
 from ..core.contract import CONTRACT_VERSION, StackOutputs
 from ..core.plan import Plan
@@ -106,11 +108,40 @@ def check_nodegroup(aws: Aws, cluster: str, name: str, instance_type: str, sizes
     return passed(check, f"ACTIVE, {instance_type}, " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
 
 
+def ultraserver_problems(
+    topology: list[dict[str, Any]], node_names: Mapping[str, str], nodes: int, ultra_server: str
+) -> list[str]:
+    """What keeps a node group's instances (`node_names`' keys) from being one UltraServer, from EC2's
+    DescribeInstanceTopology answer: its CapacityBlockId "identifies instances within the UltraServer
+    domain" (EC2 API reference, InstanceTopology), so one id for all, and as many instances as the
+    UltraServer has. Each UltraServer found names its nodes (`node_names`: instance id -> EC2 private DNS
+    name, which EKS makes the Kubernetes node name), so a split group says which nodes sit where."""
+    domain_of = {t["InstanceId"]: t.get("CapacityBlockId") for t in topology}
+    by_domain: dict[str | None, list[str]] = defaultdict(list)
+    for i in node_names:  # an instance the topology leaves out is in no UltraServer it can vouch for
+        by_domain[domain_of.get(i)].append(i)
+
+    def named(ids: list[str]) -> str:
+        return ", ".join(f"{node_names.get(i) or '?'} ({i})" for i in sorted(ids))
+
+    problems = []
+    if len(node_names) != nodes:
+        problems.append(f"{len(node_names)} instances running, the {ultra_server} has {nodes}")
+    domains = sorted(d for d in by_domain if d is not None)
+    if None in by_domain or len(domains) != 1:
+        problems.append(
+            f"instances span {len(domains)} UltraServer(s): "
+            + "; ".join(f"{d}: {named(by_domain[d])}" for d in domains)
+            + (f"; {len(by_domain[None])} outside any: {named(by_domain[None])}" if None in by_domain else "")
+        )
+    return problems
+
+
 def check_ultraserver(aws: Aws, name: str, nodes: int, ultra_server: str) -> Check:
-    """The node group's running instances share one NVLink domain: EC2's instance topology gives
-    every UltraServer instance the capacity block that is its domain (docs/hardware.md), so
-    one `CapacityBlockId` for all of them, and as many instances as the UltraServer has."""
+    """The node group's running instances are the instances of one UltraServer, one scale-up domain
+    (NVLink on GB200, NeuronLink on Trn2): ultraserver_problems on EC2's instance topology."""
     check = f"ultraserver {name}"
+    link = CATALOG[ULTRASERVERS[ultra_server].instance_type].link_name
     ec2 = aws.client("ec2")
     reservations = ec2.describe_instances(
         Filters=[
@@ -118,27 +149,19 @@ def check_ultraserver(aws: Aws, name: str, nodes: int, ultra_server: str) -> Che
             {"Name": "instance-state-name", "Values": ["pending", "running"]},
         ]
     )["Reservations"]
-    ids = sorted(i["InstanceId"] for r in reservations for i in r["Instances"])
-    if not ids:
+    node_names = {i["InstanceId"]: i.get("PrivateDnsName", "") for r in reservations for i in r["Instances"]}
+    if not node_names:
         return failed(check, f"no running instances in node group {name}", PULUMI_UP + " and wait for the nodes")
-    topology = ec2.describe_instance_topology(InstanceIds=ids)["Instances"]
-    domains = {t.get("CapacityBlockId") for t in topology}
-    problems = []
-    if len(ids) != nodes:
-        problems.append(f"{len(ids)} instances running, the {ultra_server} has {nodes}")
-    if None in domains or len(domains) != 1:
-        problems.append(
-            f"instances span {len(domains - {None})} UltraServer(s) {sorted(domains - {None})}"
-            + (f" and {sum(t.get('CapacityBlockId') is None for t in topology)} outside any" if None in domains else "")
-        )
+    topology = ec2.describe_instance_topology(InstanceIds=sorted(node_names))["Instances"]
+    problems = ultraserver_problems(topology, node_names, nodes, ultra_server)
     if problems:
         return failed(
             check,
-            "; ".join(problems) + f" ({', '.join(ids)})",
+            "; ".join(problems),
             "the group must be one UltraServer Capacity Block: check its reservation id and that no "
             "other capacity backs it",
         )
-    return passed(check, f"{len(ids)} instances in one NVLink domain ({domains.pop()})")
+    return passed(check, f"{len(node_names)} instances in one {link} domain ({topology[0]['CapacityBlockId']})")
 
 
 def check_nodegroup_count(names: list[str], expected: int) -> Check:
@@ -369,7 +392,7 @@ def verify_steps(cfg: StackConfig, plan: Plan, outs: StackOutputs, aws: Aws) -> 
         steps.append(
             Step(
                 f"eks nodegroup {name}",
-                partial(check_nodegroup, aws, cluster, name, g.instance_type, {"desiredSize": g.nodes}),
+                partial(check_nodegroup, aws, cluster, name, g.instance_type, {"desiredSize": g.instances}),
             )
         )
         if g.ultra_server:

@@ -93,20 +93,29 @@ def clip_grad_norm(
     return total
 
 
-def counted_per_micro_batch(micro: list[torch.Tensor], eos: int | None, device: torch.device) -> torch.Tensor | float:
+def counted_per_micro_batch(
+    micro: list[torch.Tensor], eos: int | None, device: torch.device, real: int | None = None, real_share: float = 1.0
+) -> torch.Tensor | float:
     """The divisor of each micro-batch's summed cross-entropy (`loss_fn`'s `counted`): the step's counted
-    targets over every rank and micro-batch, per micro-batch of one rank. A micro-batch's loss is then
-    its share of the step's mean, and the data-parallel mean of the micro-batches' gradients is the
-    gradient of the global sum over the global count: every counted token weighs the same, not a
-    mean of means that would weigh a token of a micro-batch or rank with more document ends more.
+    targets over every rank and real micro-batch, per micro-batch slot of one rank. A micro-batch's
+    loss is then its share of the step's mean, and the data-parallel mean of the micro-batches'
+    gradients is the gradient of the global sum over the global count: every counted token weighs
+    the same, not a mean of means that would weigh a token of a micro-batch or rank with more
+    document ends more.
 
-    Without `eos` every target counts: micro_batch x seq_len on every rank, a plain mean, no
+    At an elastic layout with padding (`Plan.padded_micro_batches`) only the first `real` of this
+    rank's micro-batches are data and `real_share` is the real slots' share of all of them
+    (global micro-batches / (dp x rounds)): the count is of the real ones, still spread over every
+    slot, so the gradient is the global batch's mean exactly as at the planned layout.
+
+    Without `eos` every target counts: micro_batch x seq_len per real micro-batch, a plain mean, no
     collective. With it, one all-reduce of a scalar over all ranks, left on the device (no host
     sync): tensor- and pipeline-parallel ranks hold copies of their data-parallel rank's windows,
     so the mean over all ranks is the mean over the data-parallel ranks."""
     if eos is None:
-        return float(micro[0].shape[0] * (micro[0].shape[1] - 1))
-    counted = torch.stack([(mb[:, :-1] != eos).sum() for mb in micro]).sum().to(device)
+        return float(micro[0].shape[0] * (micro[0].shape[1] - 1)) * real_share
+    # A rank may hold no real micro-batch (dp above the global batch's micro-batches): it counts 0.
+    counted = sum(((mb[:, :-1] != eos).sum() for mb in micro[:real]), torch.zeros((), dtype=torch.long)).to(device)
     dist.all_reduce(counted)
     return counted.clamp(min=1).float() / (dist.get_world_size() * len(micro))
 
@@ -151,6 +160,11 @@ class Trainer:
         say: Callable[[str], None],
     ):
         t, layout = plan.training, plan.parallel
+        # An elastic layout whose dp does not divide the global batch runs zero-weight micro-batches
+        # (`Plan.padded_micro_batches`; never with pp > 1, which the plan refuses): their share of the
+        # step's slots is what the real ones make up for.
+        slots = plan.micro_batches_per_step * layout.dp
+        self.real_share = (slots - plan.padded_micro_batches) / slots
         self.plan, self.device = plan, device
         rank = dist.get_rank()
         torch.manual_seed(t.seed + rank)
@@ -190,6 +204,7 @@ class Trainer:
                 blend=t.data,
                 documents=t.document_masking,
                 vocab_key=stack_key("model.vocab", plan.local),
+                padded_micro_batches=plan.padded_micro_batches,
             )
         except DataError as e:
             raise BadInput(str(e)) from None
@@ -221,9 +236,10 @@ class Trainer:
         update (the balancer's pre-hook reduces the expert counts once) or, if any rank saw a
         non-finite figure, no update. `poison`: a test hook, the loss becomes NaN."""
         model, accum, device, eos = self.model, len(micro), self.device, self.loader.eos
+        real = self.loader.real_micro_batches  # the rest are padding: run, weighed zero
         loss_sum = torch.zeros((), device=device)
         self._poison = poison
-        counted = counted_per_micro_batch(micro, eos, device)
+        counted = counted_per_micro_batch(micro, eos, device, real, self.real_share)
         if self.pipeline is not None:  # the schedule runs the micro-batches; the losses are the last stage's
             for loss in self.pipeline.step(torch.cat(micro).to(device, non_blocking=True), eos, counted):
                 loss_sum += loss.detach()
@@ -233,11 +249,21 @@ class Trainer:
             # micro-batch would save that traffic but keep every parameter's unsharded fp32 gradient
             # across the accumulation: +40 GiB per rank at prod (10.8 B unsharded parameters x 4 B),
             # which the plan's memory (sharded gradients) does not have room for.
-            for mb in micro:
+            routed = None  # the routed-token counts before the padding, which must not move the router biases
+            for i, mb in enumerate(micro):
+                if i == real:
+                    routed = [m.tokens_per_expert.clone() for m in model.moe_layers()]
                 inputs, targets, documents = inputs_and_targets(mb.to(device, non_blocking=True), eos)
                 loss = self._stage_loss(model(inputs, documents), targets, counted)
-                ((loss + model.aux_loss()) / accum).backward()
-                loss_sum += loss.detach()
+                # The auxiliary losses are a mean over the real micro-batches (1/accum each without
+                # padding). Padding still runs its backward, zero-weighted rather than skipped, so
+                # every rank joins the same reduce-scatters.
+                weight = 1.0 if i < real else 0.0
+                ((loss + model.aux_loss() / self.real_share) / accum * weight).backward()
+                if weight:
+                    loss_sum += loss.detach()
+            for m, kept in zip(model.moe_layers(), routed or ()):
+                m.tokens_per_expert.copy_(kept)
         grad_norm = clip_grad_norm(model.parameters(), self.plan.training.grad_clip, self.pp_group).to(device)
         # One collective for the global loss, the stop votes and the non-finite vote, before the
         # update: every rank skips or applies it, and stops at the same step. Its .tolist() is the

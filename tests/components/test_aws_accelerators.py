@@ -216,7 +216,8 @@ def test_gpu_node_groups_labels_taints_subnet_and_repair(stack: Stack):
         ]
         assert ng["labels"]["vpc.amazonaws.com/efa.present"] == "true"
         assert ng["labels"]["supernode.io/node-group"] == g.name
-        assert ng["scalingConfig"] == {"minSize": g.nodes, "desiredSize": g.nodes, "maxSize": g.nodes}
+        size = g.nodes + g.spares  # the spares boot beside the world's nodes
+        assert ng["scalingConfig"] == {"minSize": size, "desiredSize": size, "maxSize": size}
         assert ng["nodeRepairConfig"]["enabled"] is True
         assert ng["launchTemplate"]["id"] == stack.gpu_launch_templates()[g.name].id
         assert ng["nodeRoleArn"].endswith(":role/" + stack.one(T.IAM_ROLE, "node-role").outputs["name"])

@@ -30,11 +30,14 @@ def test_each_roles_quota_is_the_plans_pool_and_its_node_groups_hardware(stack):
     [figures] = plan.pools
     assert pool.figures == figures  # the queues read the plan's arithmetic, never their own
     hw = CATALOG[plan.instance_type]
-    training_nodes = sum(g.nodes for g in cfg.accelerator_node_groups if g.role == "training")
+    # training's quota is its instances: the world's nodes and the spares (prod: one)
+    training_nodes = sum(g.nodes + g.spares for g in cfg.accelerator_node_groups if g.role == "training")
     serving_nodes = sum(g.nodes for g in cfg.accelerator_node_groups if g.role == "serving")
-    assert training_nodes == plan.nodes and serving_nodes >= 1
+    assert training_nodes == plan.nodes + plan.spare_nodes and serving_nodes >= 1
+    assert plan.spare_nodes == {"dev": 0, "prod": 1}[stack]
     training, serving = pool.quota("training"), pool.quota("serving")
-    assert training["nvidia.com/gpu"] == str(figures.training_devices) == str(plan.world_size)
+    assert training["nvidia.com/gpu"] == str(figures.training_devices) == str(training_nodes * hw.accelerators)
+    assert figures.training_devices - figures.spare_devices == plan.world_size
     assert serving["nvidia.com/gpu"] == str(figures.serving_devices) == str(serving_nodes * hw.accelerators)
     assert training["vpc.amazonaws.com/efa"] == str(training_nodes * hw.efa_interfaces)
     # The trainer's pods ask for nothing the queue does not cover, and training's quota is exactly all
@@ -45,10 +48,11 @@ def test_each_roles_quota_is_the_plans_pool_and_its_node_groups_hardware(stack):
     for resource, amount in requests.items():
         assert _quantity(training[resource]) == training_nodes * _quantity(amount)
         assert _quantity(serving[resource]) == serving_nodes * _quantity(amount)
-    # Training lends what the plan says it can give up (its share less its minimum), no more.
+    # Training lends what the plan says it can give up (its share less its spares and its minimum), no
+    # more: dev is not elastic, prod runs down to training.minNodes 8 of 16 nodes.
     [flavor] = spec["resourceGroups"][0]["flavors"]
     lending = {r["name"]: r.get("lendingLimit") for r in flavor["resources"]}
-    assert lending["nvidia.com/gpu"] == figures.training_lending_limit == 0
+    assert lending["nvidia.com/gpu"] == figures.training_lending_limit == {"dev": 0, "prod": 64}[stack]
     assert spec["preemption"]["reclaimWithinCohort"] == "Any"  # lent quota comes back without a person
     # Serving: its own flavor only, and it never evicts training to borrow.
     sspec = q.serving_cluster_queue_spec(pool, [cfg.inference.namespace])

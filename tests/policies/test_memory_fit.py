@@ -135,6 +135,9 @@ def _prod_file(tmp_path, name: str, instance_type: str, parallel: dict | None = 
     conf["supernode:images"]["requireDigests"] = False
     # prod's vLLM plan (tp 4) does not fit 40 GB GPUs: serve at tp 8 there, as serving-plan-fits says
     conf["supernode:inference"]["tp"] = 8
+    # prod's elastic minimum (8 nodes) is sized for H100; fewer A100s hold more each, which
+    # memory-fit-elastic checks (tests/policies/test_elastic_policy.py): here the job is not elastic.
+    conf["supernode:training"].pop("minNodes")
     if parallel:  # the local CPU run keeps its own mesh (it does not inherit the cluster's degrees)
         conf["supernode:parallel"].update(parallel)
     path = tmp_path / f"Pulumi.{name}.yaml"

@@ -135,6 +135,13 @@ def plan_edit(edit):
     return apply
 
 
+def elastic_from_two_nodes(doc: dict) -> None:
+    """training.minNodes 2 of the 4 trn2u nodes, whose layout does not fit the Trainium2 HBM."""
+    planned = doc["elastic"][-1]
+    reason = "30.0 GiB per rank > the usable 21.6 GiB of 24 GiB HBM"
+    doc["elastic"][:0] = [planned | {"nodes": n, "world_size": 64 * n, "fits": False, "reason": reason} for n in (2, 3)]
+
+
 def drop(kind: str, name: str):
     def apply(resources: list[dict]) -> list[dict]:
         return [r for r in resources if not (r["type"] == kind and r["inputs"]["metadata"]["name"] == name)]
@@ -188,6 +195,7 @@ MISTAKES = [
     ),
     ("accelerators-device-plugin", drop(T.DAEMON_SET, "neuron-device-plugin"), "requests aws.amazon.com/neurondevice"),
     ("memory-fit", plan_edit(lambda d: d.update(fits=False, over_by_gib=3.0)), "has 24.0 GiB"),
+    ("memory-fit-elastic", plan_edit(elastic_from_two_nodes), "may run on 2 nodes (world 128"),
     (
         "memory-fit",
         plan_edit(lambda d: d["topology"].update(replica_fits=False)),

@@ -35,9 +35,13 @@ def test_the_shipped_stacks_pools_add_up(name):
     plan = build_plan(name, cfg)
     [pool] = plan.pools
     hw = plan.hardware
-    assert pool.devices == sum(g.nodes for g in cfg.accelerator_node_groups) * hw.chips
-    # training: the plan's world in devices (a Trainium device is several ranks), min = max (not elastic yet)
-    assert pool.training_min == pool.training_max == plan.world_size // hw.ranks_per_chip == pool.training_devices
+    assert pool.devices == sum(g.nodes + g.spares for g in cfg.accelerator_node_groups) * hw.chips
+    # training: max = the plan's world in devices (a Trainium device is several ranks), min = its world at
+    # training.minNodes; the spares are in training's share, outside the world
+    spares = sum(g.spares for g in cfg.training_node_groups) * hw.chips
+    assert pool.training_max == plan.world_size // hw.ranks_per_chip == pool.training_devices - spares
+    assert pool.spare_devices == spares
+    assert pool.training_min == (cfg.training.min_nodes or cfg.nodes) * hw.chips
     assert pool.training_min + pool.serving_min <= pool.devices and pool.adds_up, pool.reason
     assert f"<= {pool.devices}" in pool.reason
 
@@ -55,9 +59,11 @@ def test_serving_is_replicas_x_tp_x_pp_on_its_own_share(name):
     assert pool.serving_min <= pool.serving_max <= pool.serving_devices
     # serving's groups are outside the training world: the layout and the trainer pods count training's only
     assert plan.nodes == sum(g.nodes for g in cfg.accelerator_node_groups if g.role == "training")
-    assert plan.world_size == pool.training_devices
-    # training lends nothing it runs on; serving reaches its maximum on its own share
-    assert pool.training_lending_limit == pool.serving_borrowing_limit == 0
+    assert plan.world_size == pool.training_devices - pool.spare_devices
+    # training lends what the elastic job can give up (dev is not elastic: nothing; prod: 16 - 8 nodes),
+    # never a spare; serving reaches its maximum on its own share, so it borrows none of it
+    assert pool.training_lending_limit == {"dev": 0, "prod": 64}[name]
+    assert pool.serving_borrowing_limit == 0
     assert pool.serving_reachable_max == pool.serving_max
 
 
@@ -72,7 +78,11 @@ def test_serving_on_the_training_nodes_does_not_add_up():
 
 
 def test_a_serving_share_below_replicas_max_says_which_replicas_wait():
-    cfg = variant("prod", lambda d: d["inference"].update(replicasMax=6))
+    def not_elastic_serving_6(d: dict) -> None:  # a job that is not elastic lends nothing
+        d["inference"].update(replicasMax=6)
+        d["training"].pop("minNodes")
+
+    cfg = variant("prod", not_elastic_serving_6)
     [pool] = build_plan("prod", cfg).pools
     assert pool.adds_up and pool.serving_max == 24 and pool.serving_reachable_max == 16
     assert "serving max 6 x 4 = 24, reachable 16 (its share 16 + lent 0: replicas above 4 wait)" in pool.reason
@@ -101,7 +111,8 @@ def test_plan_prints_the_pool_arithmetic_and_the_grace_period(capsys):
     assert main(["plan", "--stack", "prod", "--root", str(ROOT), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     [pool] = out["pools"]
-    assert (pool["devices"], pool["training_min"], pool["serving_min"], pool["adds_up"]) == (144, 128, 8, True)
+    # 16 training + 1 spare + 2 serving p5; training elastic down to minNodes 8
+    assert (pool["devices"], pool["training_min"], pool["serving_min"], pool["adds_up"]) == (152, 64, 8, True)
     assert out["termination_grace_needed_s"] <= out["termination_grace_s"]
 
 

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ...core.capacity import UNCALIBRATED, Calibration
 from ...core.catalog import GIB
+from ...core.elastic import ElasticLayout
 from ...core.errors import EXIT_FAILED
 from ...core.plan import Plan, build_plan
 from ...core.topology import scale_up_link
@@ -56,9 +57,13 @@ def plan_json(plan: Plan) -> dict:
                     "cost_per_hour_usd",
                     "run_hours",
                     "run_cost_usd",
+                    "spare_nodes",
+                    "spare_accelerators",
+                    "spare_cost_per_hour_usd",
                     "pools",
                     "termination_grace_s",
                     "termination_grace_needed_s",
+                    "elastic",
                 }
             )
         )
@@ -148,6 +153,22 @@ def placement_detail(plan: Plan) -> str:
     return f"inside a domain: {', '.join(inside) or 'none'}; across EFA: {', '.join(across) or 'none'}"
 
 
+def elastic_detail(plan: Plan, e: ElasticLayout) -> str:
+    """One elastic world as the plan laid it out: what changed from the planned layout and its cost."""
+    if e.degrees is None or not e.fits:
+        return f"[red]no layout: {e.reason}[/]"
+    d = e.degrees
+    padded = f" (+{e.padded_micro_batches} padded)" if e.padded_micro_batches else ""
+    # A smaller world may train faster (its ep divides into the planned group, this one's does not).
+    faster = [f.nodes for f in plan.elastic if f.fits and f.nodes < e.nodes and f.tokens_per_s > e.tokens_per_s]
+    return (
+        f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} x pp {d.pp}; ep {d.ep}; "
+        f"{e.micro_batches_per_step} micro-batches per step{padded}; {e.memory_per_rank_gib:.1f} GiB/rank; "
+        f"{e.step_s:.2f} s/step, {e.tokens_per_s / 1e3:,.0f}k tokens/s ({e.step_s / plan.step.step_s:.2f}x the step)"
+        + (f"; slower than on {faster[-1]} nodes" if faster else "")
+    )
+
+
 def render(plan: Plan, console: Console) -> None:
     d = plan.degrees
     t = Table(title=f"supernode plan: {plan.stack}", show_header=True, header_style="bold")
@@ -219,6 +240,9 @@ def render(plan: Plan, console: Console) -> None:
             f"({chip.ranks_per_chip} logical cores per chip; the plan costs "
             f"{'the first' if chip.inside_chip else 'the second'})",
         )
+    if len(plan.elastic) > 1:
+        for e in plan.elastic:
+            t.add_row(f"elastic {e.nodes} nodes", f"world {e.world_size}", elastic_detail(plan, e))
     t.add_row("MFU (est.)", f"{s.mfu:.1%}", f"{plan.flops_per_token / 1e9:.2f} GFLOP/token")
     t.add_row("calibration", plan.calibration.accelerator if plan.calibration else "none", calibration_detail(plan))
     c = plan.checkpoint
@@ -241,15 +265,28 @@ def render(plan: Plan, console: Console) -> None:
         t.add_row(
             f"pool {pool.accelerator}",
             f"{pool.devices} {pool.noun}",
-            f"{'[green]adds up[/]' if pool.adds_up else '[red]does not add up[/]'}: {pool.reason}; training min = "
-            f"max until elastic training lands, lends {pool.training_lending_limit}",
+            f"{'[green]adds up[/]' if pool.adds_up else '[red]does not add up[/]'}: {pool.reason}; training "
+            f"runs on {pool.training_min} to {pool.training_max} {pool.noun} (training.minNodes {plan.min_nodes} to "
+            f"{plan.nodes} nodes), lends {pool.training_lending_limit}"
+            + (f", never its {pool.spare_devices} spare {pool.noun}" if pool.spare_devices else ""),
         )
     t.add_row(
         "cost",
         f"${plan.cost_per_hour_usd:,.2f}/h",
-        f"{plan.training.steps} steps ~ {duration(plan.run_hours)} ~ {money(plan.run_cost_usd)} on demand",
+        f"{plan.training.steps} steps ~ {duration(plan.run_hours)} ~ {money(plan.run_cost_usd)} on demand"
+        + (
+            f"; of it {plan.spare_nodes} spare node(s) ${plan.spare_cost_per_hour_usd:,.2f}/h"
+            if plan.spare_nodes
+            else ""
+        ),
     )
     console.print(t)
+    for e in plan.elastic:
+        if not e.fits and e.world_size != plan.world_size:
+            console.print(
+                f"[red]The elastic job may run on {e.nodes} nodes (training.minNodes {plan.min_nodes}) but has no "
+                f"layout there: {e.reason}.[/]"
+            )
     if not plan.fits:
         console.print(
             f"[red]The plan needs {plan.memory_per_rank_gib:.1f} GiB per rank but the GPU has "
@@ -295,4 +332,5 @@ def run(args) -> int:
         print(plan.to_json() if args.full else json.dumps(plan_json(plan), indent=2))
     else:
         render(plan, plain_console())
-    return 0 if plan.fits else EXIT_FAILED
+    # As the preview's memory-fit and memory-fit-elastic policies: every world the job may run at fits.
+    return 0 if plan.fits and all(e.fits for e in plan.elastic) else EXIT_FAILED

@@ -247,8 +247,10 @@ class GpuNodeGroup(pulumi.ComponentResource):
             node_role_arn=args.node_role_arn,
             subnet_ids=[args.gpu_subnet_id],
             capacity_type=CAPACITY_TYPES[cap.type],
+            # The group's nodes and its spares: a spare boots and passes the join checks like any node
+            # (outside the job's world), so a failed node's pod lands on it at once.
             scaling_config=aws.eks.NodeGroupScalingConfigArgs(
-                min_size=group.nodes, desired_size=group.nodes, max_size=group.nodes
+                min_size=group.instances, desired_size=group.instances, max_size=group.instances
             ),
             launch_template=aws.eks.NodeGroupLaunchTemplateArgs(
                 id=self.launch_template.id, version=self.launch_template.latest_version.apply(str)

@@ -458,6 +458,7 @@ class TrainerJob(pulumi.ComponentResource):
                 DATA_PATH,
                 "--out",
                 CHECKPOINT_PATH,
+                *("--run-id", plan.training.run or plan.stack),  # training.run, else one run per stack
                 "--prometheus-port",
                 str(METRICS_PORT),
                 "--prometheus-addr",
@@ -501,9 +502,12 @@ class TrainerJob(pulumi.ComponentResource):
             ),
             spec={
                 "nprocPerNode": str(plan.accelerators_per_node),
+                # Elastic between training.minNodes and the planned nodes: a lost node shrinks the job
+                # (the trainer picks the plan's layout for the world it gets, Plan.for_world) instead
+                # of stopping it, and a replacement (a spare node) grows it back.
                 "elasticPolicy": {
                     "rdzvBackend": "c10d",
-                    "minReplicas": nodes,
+                    "minReplicas": plan.min_nodes,
                     "maxReplicas": nodes,
                     "maxRestarts": plan.training.max_restarts,
                 },

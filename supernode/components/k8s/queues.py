@@ -3,14 +3,15 @@
 - Per GPU pool (the accelerator node groups of one accelerator, their `supernode.io/accelerator`
   label), the Plan's pool arithmetic (supernode.core.pools, `Plan.pools`) written as quotas, never
   recomputed (docs/architecture.md, "How training and serving share the accelerators"):
-  - training's ResourceFlavor and ClusterQueue `gpu-<acc>`: the training groups' nodes
-    (`supernode.io/gpu-role: training`), nominal quota = those nodes x the whole-node pod shape
-    (GPUs, EFA devices, CPU, memory, huge pages), so the quota is exactly the hardware they buy; it
-    lends at most its share less its minimum (`lendingLimit`) and takes lent quota back
-    (`reclaimWithinCohort`), so a training job waiting behind borrowed quota is re-admitted unaided;
+  - training's ResourceFlavor and ClusterQueue `gpu-<acc>`: the training groups' nodes, spares
+    included (`supernode.io/gpu-role: training`), nominal quota = those nodes x the whole-node pod
+    shape (GPUs, EFA devices, CPU, memory, huge pages), so the quota is exactly the hardware they
+    buy; it lends at most what the elastic job can give up, its share less its spares and its
+    minimum (`lendingLimit`; training.minNodes), and takes lent quota back (`reclaimWithinCohort`),
+    so a training job waiting behind borrowed quota is re-admitted unaided;
   - serving's ResourceFlavor and ClusterQueue `gpu-<acc>-serving` (where the stack serves): the
     serving groups' nodes, its nominal quota; it never preempts across the cohort
-    (`borrowWithinCohort: Never`), and training lends it nothing until elastic training lands.
+    (`borrowWithinCohort: Never`), and borrows only what training lends.
   Kueue puts the admitted flavor's node labels into the pods' node selector, so neither lands on the
   other's nodes (no fragmentation of the whole nodes the training job needs). One cohort.
 - A LocalQueue `gpu-<acc>` in each queued namespace: training's points at training's ClusterQueue,
@@ -180,8 +181,8 @@ def cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
 
 def serving_cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
     """Serving's ClusterQueue: its reserved nodes' quota. Beyond it serving may only borrow what
-    training lends (training's lendingLimit: its share less its minimum, 0 until elastic training
-    lands, so the plan's serving_borrowing_limit is 0 and serving scales out within its share)."""
+    training lends (training's lendingLimit: its share less its spares and its minimum, 0 when the
+    job is not elastic, so serving then scales out within its share)."""
     quota = pool.quota("serving")
     return {
         "cohort": COHORT,

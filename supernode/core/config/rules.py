@@ -435,6 +435,50 @@ def _layout(c: StackConfig) -> list[Issue]:
     )
 
 
+def _elastic(c: StackConfig) -> list[Issue]:
+    """training.minNodes is at most the training nodes: an elastic job shrinks, never grows past its plan."""
+    m = c.training.min_nodes
+    if m is None or m <= c.nodes:
+        return []
+    return [
+        Issue(
+            path=P + "training.minNodes",
+            value=m,
+            message=f"must be at most the training nodes ({c.nodes}, the role: training groups' nodes): the "
+            "elastic job runs on minNodes to that many nodes",
+        )
+    ]
+
+
+def _spares(c: StackConfig) -> list[Issue]:
+    """Spare nodes stand by for the training job only: a serving group scales by replicas, and an
+    UltraServer group is exactly its UltraServer's instances (a spare would be outside its NVLink domain)."""
+    issues = []
+    for i, g in enumerate(c.accelerator_node_groups):
+        if not g.spares:
+            continue
+        path = f"{P}acceleratorNodeGroups[{i}].spares"
+        if g.role == "serving":
+            issues.append(
+                Issue(
+                    path=path,
+                    value=g.spares,
+                    message="spare nodes stand by for the training job: only a role: training group has them; "
+                    "serving scales by inference.replicasMin/replicasMax; remove it",
+                )
+            )
+        elif g.ultra_server:
+            issues.append(
+                Issue(
+                    path=path,
+                    value=g.spares,
+                    message=f"a group with ultraServer is exactly one {g.ultra_server}: a spare instance would be "
+                    "outside its NVLink domain; remove it (spare capacity there is a whole UltraServer)",
+                )
+            )
+    return issues
+
+
 def _local(c: StackConfig) -> list[Issue]:
     """The stack with the local overrides applied is valid, and its layout passes the layout
     validator with world size = local.nproc (the CPU processes of `supernode train --local`)."""
@@ -463,6 +507,8 @@ RULES = (
     (("storage",), _storage),
     (("cluster",), _cluster_version),
     (("model", "parallel", "training", "accelerator_node_groups"), _layout),
+    (("training", "accelerator_node_groups"), _elastic),
+    (("accelerator_node_groups",), _spares),
     (tuple(StackConfig.model_fields), _local),
 )
 

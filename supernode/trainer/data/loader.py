@@ -11,13 +11,19 @@ EOS id (`eos`) and the trainer keeps attention, positions and the loss within ea
 the windows being read are mapped in (and unmapped after), and the per-epoch order is a keyed
 permutation computed per window (no array of all windows).
 
-An optimizer step takes the next `global_batch` windows and each data-parallel rank takes its own
-contiguous slice. With one dataset the windows are those of a seeded permutation of its windows,
-epoch after epoch (the ragged tail of an epoch is dropped). A blend (`training.data`) picks the
-dataset of each global sample from a seeded hash of the sample's index, in proportion to the
-weights; each dataset then hands out its own permuted windows. The state (epoch and position per
-dataset, and the blend's sample count) is the same on every rank and means the same thing at any
-data-parallel size: a run saved on 4 ranks resumes on 2 with the same batches.
+An optimizer step takes the next `global_batch` windows, cut into micro-batches of `micro_batch`
+consecutive windows, and each data-parallel rank takes its own contiguous run of micro-batches. At an
+elastic layout whose dp does not divide the global batch's micro-batches (`Plan.padded_micro_batches`),
+every rank still runs the same number of micro-batches (FSDP's collectives stay matched): the highest
+`padded` ranks run one slot less of real data and, in the last round, a copy of the batch's first
+micro-batches that the trainer weighs zero (`real_micro_batches` says how many of a rank's are real).
+
+With one dataset the windows are those of a seeded permutation of its windows, epoch after epoch
+(the ragged tail of an epoch is dropped). A blend (`training.data`) picks the dataset of each global
+sample from a seeded hash of the sample's index, in proportion to the weights; each dataset then
+hands out its own permuted windows. The state (epoch and position per dataset, and the blend's sample
+count) is the same on every rank and means the same thing at any data-parallel size: a run saved on
+4 ranks resumes on 2, or on 3 with padding, with the same batches.
 """
 
 from __future__ import annotations
@@ -166,7 +172,22 @@ class TokenLoader:
         blend: Sequence = (),
         documents: bool = False,
         vocab_key: str = "model.vocab",
+        padded_micro_batches: int = 0,
     ):
+        micro_batches = global_batch // micro_batch
+        slots = micro_batches + padded_micro_batches
+        if global_batch % micro_batch or not 0 <= padded_micro_batches < dp_size or slots % dp_size:
+            raise ValueError(
+                f"global batch {global_batch} in micro-batches of {micro_batch} padded by {padded_micro_batches} "
+                f"does not split evenly over {dp_size} data-parallel ranks"
+            )
+        self.rounds = slots // dp_size  # micro-batches per step on every rank, padded ones included
+        first_padded = dp_size - padded_micro_batches  # the highest ranks pad, one slot each
+        self.real_micro_batches = self.rounds - (dp_rank >= first_padded)
+        self.first_micro_batch = dp_rank * self.rounds - max(0, dp_rank - first_padded)
+        # A padded slot repeats one of the batch's micro-batches: real tokens, so its (discarded)
+        # forward and backward cost and route like any other.
+        self.padding_copy = (dp_rank - first_padded) % micro_batches if dp_rank >= first_padded else None
         sources = dataset_dirs(data_dir, list(blend or ()))
         self.datasets = [
             Dataset(path, seq_len, seed * 1_000_003 + n, vocab, vocab_key) for n, (path, _) in enumerate(sources)
@@ -214,7 +235,8 @@ class TokenLoader:
         )
 
     def next_step(self) -> list[torch.Tensor]:
-        """This rank's micro-batches for the next optimizer step, each [micro_batch, seq_len + 1] int64."""
+        """This rank's micro-batches for the next optimizer step, each [micro_batch, seq_len + 1] int64:
+        `rounds` of them, the first `real_micro_batches` its share of the global batch, the rest padding."""
         pick = self.choices(self.samples, self.global_batch)
         rows: list = [None] * self.global_batch
         for n, d in enumerate(self.datasets):  # every rank draws the whole batch: the state stays global
@@ -222,7 +244,9 @@ class TokenLoader:
             for slot, w in zip(where, d.take(where.size) if where.size else ()):
                 rows[slot] = w
         self.samples += self.global_batch
-        per_rank = self.global_batch // self.dp_size
-        mine = range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        mb = self.micro_batch
+        mine = list(range(self.first_micro_batch * mb, (self.first_micro_batch + self.real_micro_batches) * mb))
+        if self.padding_copy is not None:
+            mine += range(self.padding_copy * mb, (self.padding_copy + 1) * mb)
         batch = np.stack([self.datasets[pick[i]].window(int(rows[i])) for i in mine]).astype(np.int64)
-        return list(torch.from_numpy(batch).split(self.micro_batch))
+        return list(torch.from_numpy(batch).split(mb))
