@@ -26,7 +26,7 @@ demo: $(STAMP) $(SERVE_STAMP)
 	@echo; echo "== resume: a new torchrun picks up the step-120 checkpoint and trains on to step 200 =="
 	$(BIN)/supernode train --stack dev --local --out out/demo
 	@echo; echo "== export: the step-200 checkpoint as a Hugging Face model (Glm4MoeForCausalLM) with a sha256 manifest =="
-	$(BIN)/supernode export --stack dev --local --checkpoint out/demo/checkpoints --data out/demo/data --out out/demo/model
+	$(BIN)/supernode export --stack dev --local --checkpoint out/demo --data out/demo/data --out out/demo/model
 	@echo; echo "== serve: vLLM (CPU) on the export, after verifying every file's sha256; a few completions and their latency =="
 	$(BIN)/supernode serve --stack dev --local --model out/demo/model --port 0 --max-tokens 40 \
 	  --prompt "def " --prompt "The module " --prompt "import "

@@ -134,7 +134,7 @@ def test_a_new_user_plans_previews_trains_and_exports_from_anywhere(installed, t
     out = elsewhere / "run"
     r = run(cli, "train", *stack, "--local", "--steps", "2", "--out", out, "--data", data, cwd=elsewhere)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert (out / "checkpoints" / "step_00000002").is_dir()
+    assert [p.name for p in out.glob("runs/*/checkpoints/step_*")] == ["step_00000002"]  # one run
 
     model = elsewhere / "model"
     r = run(
@@ -143,7 +143,7 @@ def test_a_new_user_plans_previews_trains_and_exports_from_anywhere(installed, t
         *stack,
         "--local",
         "--checkpoint",
-        out / "checkpoints",
+        out,
         "--data",
         data,
         "--out",

@@ -68,16 +68,16 @@ EXAMPLES = {
     ],
     "preflight": ["supernode preflight --stack prod", "AWS_PROFILE=ml supernode preflight --stack prod --json"],
     "preview": ["supernode preview --stack dev", "supernode preview --stack prod --tree --manifests out/manifests"],
-    "export": [
-        "supernode export --stack dev --local --checkpoint out/demo/checkpoints --data out/demo/data "
-        "--out out/demo/model"
-    ],
+    "export": ["supernode export --stack dev --local --checkpoint out/demo --data out/demo/data --out out/demo/model"],
     "serve": [
         "supernode serve --stack dev --local --model out/demo/model --prompt 'def '",
         "supernode serve --stack dev --local --model out/demo/model --port 8000",
     ],
     "serve-env": ["supernode serve-env", "supernode serve-env --path ~/venvs/vllm --dry-run"],
-    "train": ["supernode train --stack dev --local --steps 40", "supernode train --stack dev --local --nproc 4"],
+    "train": [
+        "supernode train --stack dev --local --steps 40",
+        "supernode train --stack dev --local --steps 80 --run new --from-run RUN --step 40",
+    ],
     "verify": [
         "pulumi stack output --json --show-secrets > out.json",
         "supernode verify --stack prod --outputs out.json",

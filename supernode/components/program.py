@@ -26,6 +26,7 @@ from supernode.components.aws.identity import (
     ServiceAccountRoleArgs,
     TrainerRole,
     TrainerRoleArgs,
+    checkpoint_retention_policy,
     metrics_agent_policy,
     node_health_agent_policy,
 )
@@ -49,6 +50,7 @@ from supernode.components.k8s.namespace import PRIORITY_CLASS, FsxVolume, Namesp
 from supernode.components.k8s.operations import (
     NODE_HEALTH_NAMESPACE,
     NODE_HEALTH_SA,
+    RETENTION_SA,
     Operations,
     OperationsArgs,
     stack_file,
@@ -164,6 +166,7 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             oidc_issuer_url=cluster.oidc_issuer_url,
             bucket_arn=storage.bucket_arn,
             data_key_arn=keys.data_key_arn,
+            init_from=cfg.training.init_from,
         ),
     )
     registry = Registry("registry", RegistryArgs(ctx=ctx, kms_key_arn=keys.data_key_arn))  # `make image` pushes here
@@ -211,6 +214,21 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
                 description=f"supernode {stack}: the node health agent replaces broken GPU nodes",
             ),
         )
+    # `supernode checkpoints --retain` in the cluster (operations.py): list, read markers, tag; nothing else.
+    retention_role = ServiceAccountRole(
+        "checkpoint-retention-role",
+        ServiceAccountRoleArgs(
+            ctx=ctx,
+            namespace=cfg.workload.namespace,
+            service_account=RETENTION_SA,
+            oidc_provider_arn=cluster.oidc_provider_arn,
+            oidc_issuer_url=cluster.oidc_issuer_url,
+            policy=pulumi.Output.all(storage.bucket_arn, keys.data_key_arn).apply(
+                lambda a: json.dumps(checkpoint_retention_policy(a[0], cfg.storage.checkpoint_prefix, a[1], ctx.region))
+            ),
+            description=f"supernode {stack}: checkpoint retention tags the checkpoints for the lifecycle rules",
+        ),
+    )
 
     log_groups = [cluster.log_group_name, storage.fsx_log_group_name, *monitoring.log_group_names]
     if network.flow_log_group_name is not None:
@@ -266,6 +284,7 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             trainer_role_arn=trainer_role.arn,
             metrics_agent_role_arn=metrics_agent_role.arn,
             node_health_role_arn=node_health_role.arn if node_health_role else None,
+            retention_role_arn=retention_role.arn,
             gpu_nodes=GpuNodes.for_groups(accelerators.labels, accelerators.taints),
             cluster_name=cluster_name,
             after=[*accelerators.node_groups, *workload_addons, monitoring.agent_addon],
@@ -284,6 +303,7 @@ class AwsOutputs:
     trainer_role_arn: pulumi.Input[str]
     metrics_agent_role_arn: pulumi.Input[str]  # the CloudWatch agent's Prometheus scrape
     node_health_role_arn: pulumi.Input[str] | None  # the node health agent's (NVIDIA nodes only)
+    retention_role_arn: pulumi.Input[str]  # the checkpoint retention CronJob's
     gpu_nodes: GpuNodes
     cluster_name: str
     # What the cluster needs before any workload object: the Kubernetes provider waits for it.
@@ -406,6 +426,7 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
             bucket_name=from_aws.bucket_name,
             metrics_agent_role_arn=from_aws.metrics_agent_role_arn,
             node_health_role_arn=from_aws.node_health_role_arn,
+            retention_role_arn=from_aws.retention_role_arn,
             addon_images=cfg.images.addons,
         ),
         workload.child(after=[*queues.ready, addons.namespace]),  # the agent reads pods there (DCGM)

@@ -10,6 +10,7 @@ mandatory (`REMEDIATING_POLICIES`), so a weakened setting fails a PR instead of 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pulumi_policy import EnforcementLevel
@@ -77,6 +78,13 @@ PUBLIC_GRANTEES = (
 REVIEWED_AWS_TYPES = frozenset(v for v in vars(resource_types).values() if isinstance(v, str) and v.startswith("aws:"))
 READ_ONLY_VERBS = ("Describe", "List")
 NO_RESOURCE_LEVEL = {"sts:GetCallerIdentity", "ecr:GetAuthorizationToken"}
+# s3:ListBucket names its bucket (listing every bucket's keys is not a read-only Describe call), and an
+# identity policy's S3 object writes and tag changes name a prefix, never a whole bucket (`arn:aws:s3:::B/*`):
+# each workload writes under its own prefix (checkpoints, baselines, weights). Bucket policies are exempt:
+# a service principal's grant (S3 server access logs) is the bucket's whole.
+IDENTITY_POLICY_TYPES = (IAM_ROLE, IAM_ROLE_POLICY, IAM_POLICY, IAM_USER_POLICY, IAM_GROUP_POLICY)
+S3_WRITE_VERBS = ("put", "delete", "abort", "restore", "replicate")
+WHOLE_BUCKET = re.compile(r"^arn:aws:s3:::[^/*]+/\*$")
 
 
 # -- IAM ------------------------------------------------------------------------------------------
@@ -112,12 +120,20 @@ def _iam(res: Res, _conf: None, report: Report) -> None:
                 continue  # in a key policy, Resource '*' means the key itself
             resources = [str(r) for r in as_list(st.get("Resource"))] + (["NotResource"] if "NotResource" in st else [])
             if any(r in ("*", "NotResource") for r in resources) and not all(
-                _read_only(a) for a in actions if "*" not in a
+                _read_only(a) and a.lower() != "s3:listbucket" for a in actions if "*" not in a
             ):
                 report(
                     res,
                     f"{res.label} {where} statement {i} grants {actions} on Resource '*'; only read-only "
                     f"Describe/List calls without resource-level permissions may. Fix: name the ARNs.",
+                )
+            writes = [a for a in actions if a.lower().startswith(tuple(f"s3:{v}" for v in S3_WRITE_VERBS))]
+            whole = [r for r in resources if WHOLE_BUCKET.match(r)]
+            if res.type in IDENTITY_POLICY_TYPES and writes and whole:
+                report(
+                    res,
+                    f"{res.label} {where} statement {i} grants {writes} on the whole bucket {whole}. Fix: name "
+                    f"the prefix the workload writes (arn:aws:s3:::BUCKET/PREFIX*).",
                 )
 
 
@@ -421,7 +437,8 @@ POLICIES = [
     ResourcePolicy(
         "iam-no-wildcards",
         10,
-        "IAM documents allow no wildcard actions and no '*' resource beyond read-only calls.",
+        "IAM documents allow no wildcard actions and no '*' resource beyond read-only calls; identity "
+        "policies write S3 under a prefix, never a whole bucket.",
         (
             IAM_ROLE,
             IAM_ROLE_POLICY,

@@ -12,8 +12,12 @@ step, which the bucket's lifecycle rules act on (nothing here deletes):
 - `window`: the others: tiered, then expired after `checkpointExpireDays`;
 - untagged: not judged yet (exported since the last `--retain`): kept, whatever its age.
 
-A run is the directory that holds its `step_N/` directories, relative to the checkpoint prefix
-(`checkpoints` for a run that writes to OUT/checkpoints). A step's objects are tagged before its
+A run is named by its identity (supernode.core.runs): the trainer writes OUT/runs/<run id>/ with
+its run.json (stack, run id, model fingerprint, parent) and checkpoints/step_N/, which the
+association exports to `<prefix>runs/<run id>/`; such a run is listed by its id, with the stack,
+fingerprint and parent its run.json says. Any other directory holding `step_N/` directories (OUT/
+checkpoints of a run from before run identities exports as `checkpoints`) is a run named by that
+directory, relative to the prefix, with no identity. A step's objects are tagged before its
 COMPLETE marker, so the marker's tag says the whole step carries it.
 """
 
@@ -25,17 +29,26 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core import runs
 from ..core.files import CHECKPOINT_RETENTION_TAG, MILESTONE, WINDOW
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^(?P<run>(?:.*/)?)step_(?P<step>\d{8})/(?P<name>[^/]+)$")
+RUN_DIR = re.compile(rf"^{runs.RUNS}/(?P<run>[^/]+)/{runs.CHECKPOINTS}$")
+
+
+def run_name(directory: str) -> str:
+    """A run's name from the directory holding its step_N/ (relative to the checkpoint prefix): the
+    run id of `runs/<id>/checkpoints`, else the directory itself (a layout from before run ids)."""
+    m = RUN_DIR.match(directory)
+    return m["run"] if m else directory
 
 
 @dataclass
 class StepCopy:
     """One step of one run in S3 (and, when asked, on FSx)."""
 
-    run: str
+    run: str  # the run id, or the directory for a run without one
     step: int
     key_prefix: str
     objects: int
@@ -43,6 +56,10 @@ class StepCopy:
     check: str  # "complete": marker and every file it lists present; else what is wrong
     retention: str  # the marker's tag: milestone | window | "" (not judged yet)
     fsx: str = ""  # "complete" | "absent" | what is wrong, when an FSx root was given
+    directory: str = ""  # the directory holding step_N/, relative to the prefix
+    stack: str = ""  # the run's identity (run.json); "" for a run without one
+    model_fingerprint: str = ""
+    parent: str = ""  # "RUN@STEP" of a branched run
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,8 +83,8 @@ def _check(listed: Any, present: set[str]) -> str:
     return "complete" if not missing else f"{len(missing)} of {len(listed)} files missing (e.g. {missing[0]})"
 
 
-def _fsx_check(root: Path, run: str, step: int) -> str:
-    d = root / run / f"step_{step:08d}"
+def _fsx_check(root: Path, directory: str, step: int) -> str:
+    d = root / directory / f"step_{step:08d}"
     if not d.is_dir():
         return "absent"
     try:
@@ -81,8 +98,14 @@ def inventory(s3: Any, bucket: str, prefix: str, fsx_root: Path | None = None) -
     """Every run and step under s3://bucket/prefix, oldest first, with its completeness, its
     retention tag and (with `fsx_root`, where FSx is mounted) the state of the FSx copy."""
     steps = []
-    for (run, step), files in sorted(_objects(s3, bucket, prefix).items()):
-        key_prefix = f"{prefix}{run + '/' if run else ''}step_{step:08d}/"
+    identities: dict[str, dict] = {}
+    for (directory, step), files in sorted(_objects(s3, bucket, prefix).items()):
+        key_prefix = f"{prefix}{directory + '/' if directory else ''}step_{step:08d}/"
+        run = run_name(directory)
+        if run != directory and directory not in identities:
+            identities[directory] = _identity(s3, bucket, f"{prefix}{runs.RUNS}/{run}/{runs.RUN_FILE}")
+        who = identities.get(directory, {})
+        parent = who.get("parent")
         check, retention = "no COMPLETE marker (uncommitted or partly exported)", ""
         if COMPLETE in files:
             marker = json.loads(s3.get_object(Bucket=bucket, Key=key_prefix + COMPLETE)["Body"].read())
@@ -98,10 +121,23 @@ def inventory(s3: Any, bucket: str, prefix: str, fsx_root: Path | None = None) -
                 bytes=sum(files.values()),
                 check=check,
                 retention=retention,
-                fsx=_fsx_check(fsx_root, run, step) if fsx_root is not None else "",
+                fsx=_fsx_check(fsx_root, directory, step) if fsx_root is not None else "",
+                directory=directory,
+                stack=str(who.get("stack", "")),
+                model_fingerprint=str(who.get("model_fingerprint", "")),
+                parent=f"{parent['run']}@{parent['step']}" if isinstance(parent, dict) else "",
             )
         )
     return steps
+
+
+def _identity(s3: Any, bucket: str, key: str) -> dict:
+    """A run's run.json in S3, or {} where it is missing or unreadable (the steps are listed all the same)."""
+    try:
+        rec = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    except (s3.exceptions.NoSuchKey, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
 
 
 def retention_class(copy: StepCopy, newest: int, interval: int, every: int) -> str | None:

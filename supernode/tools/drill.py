@@ -28,6 +28,7 @@ from typing import Any
 from ..core.errors import BadInput
 from ..core.plan import PLAN_MOUNT_PATH, Plan
 from .awscheck import Aws, describe_error
+from .checkpoints import run_name
 
 STEP_MARKER = re.compile(r"^(?P<dir>(?:.*/)?step_(?P<step>\d{8})/)COMPLETE$")
 LOCAL_LOAD_LIMIT_BYTES = 8 << 30  # a model state above this is loaded by the cluster Job, not on this machine
@@ -63,20 +64,24 @@ def latest_checkpoint(
     s3: Any, bucket: str, prefix: str, step: int | None = None, run: str | None = None
 ) -> tuple[int, str] | None:
     """(step, key prefix of its directory) of the newest checkpoint with a COMPLETE marker, or None;
-    with `step` (and `run`, the directory holding its step_N/, relative to `prefix`: see
-    `supernode checkpoints`) that checkpoint. A step that several runs have needs `run`."""
+    with `step` (and `run`, as `supernode checkpoints` names it: a run id, or the directory holding
+    its step_N/ relative to `prefix`) that checkpoint. A step that several runs have needs `run`."""
+
+    def directory(key_dir: str) -> str:
+        return key_dir[len(prefix) :].rstrip("/").rpartition("/")[0]
+
     found: list[tuple[int, str]] = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
             m = STEP_MARKER.match(obj["Key"])
             if not m or (step is not None and int(m["step"]) != step):
                 continue
-            if run is not None and m["dir"][len(prefix) :].rstrip("/").rpartition("/")[0] != run.strip("/"):
+            if run is not None and run.strip("/") not in (directory(m["dir"]), run_name(directory(m["dir"]))):
                 continue
             found.append((int(m["step"]), m["dir"]))
     if step is not None and len(found) > 1:
-        runs = ", ".join(sorted(d[len(prefix) :].rstrip("/").rpartition("/")[0] for _, d in found))
-        raise BadInput(f"--step {step}: several runs have it ({runs}); choose one with --run")
+        names = ", ".join(sorted(run_name(directory(d)) for _, d in found))
+        raise BadInput(f"--step {step}: several runs have it ({names}); choose one with --run")
     return max(found, default=None)
 
 

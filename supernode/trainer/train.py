@@ -2,14 +2,15 @@
 
     torchrun --nproc-per-node N --max-restarts R -m supernode.trainer.train --plan plan.json --data DIR --out DIR
 
-Every start resumes from the latest complete checkpoint in OUT/checkpoints, so when a rank dies and
-torchrun restarts the workers (up to --max-restarts, from `training.max_restarts`), the job
-continues by itself. `--steps N` stops after step N; the LR schedule always spans the plan's
-`training.steps`, so a run stopped and resumed follows the same curve as one that never stopped.
-SIGTERM (torchrun forwards it; Kubernetes sends it before eviction) and SIGINT finish the step,
-save a checkpoint and exit. Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the
-shared rendezvous store a restarted attempt reads the failed attempt's addresses and cannot connect
-(pytorch/pytorch#135712).
+Every start resumes its run (supernode.core.runs: OUT/runs/<run id>/, `--run-id`, default the latest)
+from its latest complete checkpoint, so when a rank dies and torchrun restarts the workers (up to
+--max-restarts, from `training.max_restarts`), the job continues by itself. `--run-id NAME --from-run R
+--step N` starts run NAME from run R's step N (weights, optimizer, data position). `--steps N`
+stops after step N; the LR schedule always spans the plan's `training.steps`, so a run stopped and
+resumed follows the same curve as one that never stopped. SIGTERM (torchrun forwards it; Kubernetes
+sends it before eviction) and SIGINT finish the step, save a checkpoint and exit. Launch torchrun
+with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the shared rendezvous store a restarted attempt
+reads the failed attempt's addresses and cannot connect (pytorch/pytorch#135712).
 
 Failures are classified. Bad input (plan, data, --steps, a checkpoint of another model or none that
 verifies, an out directory another run holds), a full disk and a diverged run (non-finite loss for
@@ -58,7 +59,7 @@ from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED,
 from supernode.core.plan import Plan
 from supernode.core.pretrained import is_remote
 
-from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, inject
+from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, RunChoice, inject, prepare_run
 from .device import choose
 from .engine import Trainer
 from .launch import LAUNCHER_ENV, RUN_KEY_ENV, exit_file  # where a failure a restart cannot fix is recorded
@@ -292,8 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--plan", type=Path, required=True, help="plan JSON (supernode plan --json --full, or the ConfigMap)"
     )
     p.add_argument("--data", type=Path, required=True, help="directory with manifest.json and token shards")
-    p.add_argument("--out", type=Path, required=True, help="checkpoints/ and metrics go here")
+    p.add_argument(
+        "--out", type=Path, required=True, help="its runs go here: runs/<run id>/ (run.json, checkpoints/, metrics)"
+    )
     p.add_argument("--steps", type=int, default=None, help="stop after this step (default: the plan's steps)")
+    # Not --run: torchrun's parser would take it for an abbreviation of its own --run-path, even after -m.
+    p.add_argument("--run-id", default=None, help="the run to resume, or a new run's name (default: the latest run)")
+    p.add_argument(
+        "--from-run", default=None, help="with --step and --run-id NAME: run NAME starts from this run's step"
+    )
+    p.add_argument("--step", type=int, default=None, help="the step of --from-run to start from")
     p.add_argument("--log-every", type=int, default=1, help="metrics every N steps (those steps are profiled)")
     p.add_argument("--sync-checkpoint", action="store_true", help="blocking saves instead of async")
     p.add_argument("--prometheus-port", type=int, default=None, help="serve /metrics on this port (rank 0)")
@@ -315,13 +324,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def train(args: argparse.Namespace, stop: StopRequest) -> int:
-    plan = Plan.read(args.plan)
+    planned = Plan.read(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # The plan's accelerator picks device and backend (supernode.trainer.device); a local plan runs on
     # what the host has.
-    choice = choose(None if plan.local else plan.hardware.torch_device)
-    # The core's layout validator, before any collective: a mismatch must not hang. tp stays in a node.
-    checked_layout(plan, world, plan.accelerators_per_node if choice.accelerated else None)
+    choice = choose(None if planned.local else planned.hardware.torch_device)
+    # The core's layout validator on the planned layout, before any collective: a mismatch must not
+    # hang. tp stays in a node. Then the layout for the world this job got (an elastic job restarted
+    # on fewer or more nodes): the plan's, never one computed here; BadInput if it has none.
+    checked_layout(planned, planned.world_size, planned.accelerators_per_node if choice.accelerated else None)
+    plan = planned.for_world(world)
     t, steps = plan.training, args.steps or plan.training.steps
     if steps < 1:
         raise BadInput(f"--steps must be at least 1 (got {steps})")
@@ -329,6 +341,8 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
     dist.init_process_group(backend, timeout=timeout)
     lock = OutDirLock(args.out)
     try:
+        if dist.get_rank() == 0:
+            print(layout_line(planned, plan), flush=True)
         _learn_run_keys()
         renumber_by_domain(
             world,
@@ -338,7 +352,7 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
             say=lambda line: print(line, flush=True) if dist.get_rank() == 0 else None,
         )
         _own_out_dir(args.out, lock)
-        return _run(args, plan, steps, device, stop)
+        return _run(args, plan, steps, device, stop, _select_run(args, plan))
     except Exception as e:
         outcome = _classify(e)
         if outcome is not None:  # recorded before the process group goes, so peers that fail on
@@ -347,6 +361,22 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
     finally:
         dist.destroy_process_group()
         lock.release()
+
+
+def layout_line(planned: Plan, plan: Plan) -> str:
+    """What rank 0 says at the start: the layout for the world this job got, and whether that is
+    an elastic one (another world than planned: the same global batch, by more or fewer rounds)."""
+    d = plan.degrees
+    degrees = f"dp_replicate {d.dp_replicate}, dp_shard {d.dp_shard}, tp {d.tp}, ep {d.ep}, pp {d.pp}"
+    nodes = "" if plan.local else f"{plan.nodes} node(s), "
+    line = (
+        f"layout for world {plan.world_size} ({nodes}{plan.world_size} rank(s)): {degrees}; "
+        f"{plan.micro_batches_per_step} micro-batch(es) per step per rank, {plan.padded_micro_batches} padded; "
+        f"global batch {plan.training.global_batch} kept"
+    )
+    if plan is planned:
+        return line
+    return f"{line}; elastic: the plan's world is {planned.world_size} ({planned.micro_batches_per_step} per rank)"
 
 
 def _own_out_dir(out: Path, lock: OutDirLock) -> None:
@@ -367,28 +397,56 @@ def _own_out_dir(out: Path, lock: OutDirLock) -> None:
         )
 
 
-def _run(args: argparse.Namespace, plan: Plan, steps: int, device: torch.device, stop: StopRequest) -> int:
+def _select_run(args: argparse.Namespace, plan: Plan) -> RunChoice:
+    """Rank 0 picks (and creates) the run under OUT's lock; every rank trains into the same one."""
+    picked: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            picked[0] = prepare_run(
+                args.out,
+                plan.stack,
+                plan.model.model_dump(mode="json"),
+                args.run_id,
+                args.from_run,
+                args.step,
+                say=lambda line: print(line, flush=True),
+                run_flag="--run-id",
+            )
+        except BadInput as e:
+            picked[0] = str(e)
+    dist.broadcast_object_list(picked, src=0)
+    if isinstance(picked[0], str):
+        raise BadInput(picked[0])
+    return picked[0]
+
+
+def _run(
+    args: argparse.Namespace, plan: Plan, steps: int, device: torch.device, stop: StopRequest, run: RunChoice
+) -> int:
     t = plan.training
     rank, world = dist.get_rank(), dist.get_world_size()
     say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
-    trainer = Trainer(plan, device, args.data, args.out, t.async_checkpoint and not args.sync_checkpoint, say)
+    say(run.line())
+    trainer = Trainer(plan, device, args.data, run.dir, t.async_checkpoint and not args.sync_checkpoint, say)
     ckpt = trainer.checkpointer
+    if run.parent_step is not None:
+        ckpt.branch(run.parent_step)
     start, changed = trainer.restore()
     if start > steps:
         raise BadInput(
-            f"--steps {steps}: the run in {args.out} is already at step {start}; give --steps above "
-            f"{start} to train on, or another --out to start over"
+            f"--steps {steps}: run {run.run} in {args.out} is already at step {start}; give --steps above "
+            f"{start} to train on, or start a fresh run (--run new)"
         )
     if changed:
         say(changed)
     if start == 0 and t.init_from:  # a checkpoint of the run wins: its weights are further along
         _init_from(trainer, plan, args.init_from, say)
     if start == steps:
-        say(f"the run in {args.out} is already at step {start}: nothing to train (give a larger --steps)")
+        say(f"run {run.run} in {args.out} is already at step {start}: nothing to train (give a larger --steps)")
         ckpt.close()
         return EXIT_OK
     metrics = Metrics(
-        args.out,
+        run.dir,  # each run its own metrics: a fresh run or a branch must not rewrite another's
         plan,
         world,
         device.type,

@@ -31,6 +31,7 @@ from supernode.tools.preview import PreviewResult, Resource, run_program
 ROOT = Path(__file__).resolve().parents[2]
 FSX_ID = "fs-0123456789abcdef0"
 ROLE_ARN = "arn:aws:iam::123456789012:role/supernode-trainer"
+RETENTION_ROLE_ARN = "arn:aws:iam::123456789012:role/supernode-checkpoint-retention"
 GPU_LABELS = {
     "gpu-a": {"supernode.io/node-group": "gpu-a", "nvidia.com/gpu.present": "true"},
     "gpu-b": {"supernode.io/node-group": "gpu-b", "nvidia.com/gpu.present": "true"},
@@ -59,6 +60,7 @@ def kubernetes_alone(stack: str, cfg: StackConfig, plan: Plan) -> None:
             trainer_role_arn=ROLE_ARN,
             metrics_agent_role_arn="arn:aws:iam::123456789012:role/supernode-metrics-agent",
             node_health_role_arn="arn:aws:iam::123456789012:role/supernode-node-health",
+            retention_role_arn=RETENTION_ROLE_ARN,
             gpu_nodes=GpuNodes.for_groups(GPU_LABELS, {group: [GPU_TAINT] for group in GPU_LABELS}),
             cluster_name=f"supernode-{stack}",
         ),
@@ -118,7 +120,7 @@ def check_trainer(cfg: StackConfig, plan: Plan, result: PreviewResult) -> None:
     elastic = job["spec"]["elasticPolicy"]
     assert elastic == {
         "rdzvBackend": "c10d",
-        "minReplicas": plan.nodes,
+        "minReplicas": cfg.training.min_nodes or cfg.nodes,  # elastic down to training.minNodes
         "maxReplicas": plan.nodes,
         "maxRestarts": cfg.training.max_restarts,
     }

@@ -81,14 +81,15 @@ def test_the_repositorys_stacks_warn_in_dev_and_fail_in_prod(stack_name, level):
     # the add-on workloads, by tag: both device plugins, DCGM, the training operator, the Kueue controller,
     # the CloudWatch agent's Prometheus scrape, and serving's Prometheus and adapter
     assert len(by_policy["image-digests"]) == 8
-    # every workload of the trainer image (job, gate, scheduled fabric check, restore drill, inventory,
-    # node health agent) and
+    # every workload of the trainer image (job, gate, scheduled fabric check, restore drill, checkpoint
+    # retention, inventory, node health agent) and
     # vLLM's server and weight check: CronJobs and init containers included
     assert {v.urn.rsplit("::", 1)[-1] for v in by_policy["image-placeholder"]} == {
         "workload-trainer-job",
         "workload-gate-job",
         "workload-ops-fabric-check",
         "workload-ops-restore-drill",
+        "workload-ops-checkpoint-retention",
         "workload-ops-inventory",
         "workload-ops-node-health",
         "workload-serving-server",

@@ -14,6 +14,7 @@ import pytest
 
 from supernode.cli import main
 from supernode.core.config import load_stack
+from supernode.core.errors import BadInput
 from supernode.core.files import CHECKPOINT_RETENTION_TAG
 from supernode.core.plan import build_local_plan
 
@@ -146,3 +147,47 @@ def test_a_missing_bucket_is_one_line_and_exit_1(moto_aws, capsys):
     code = main(["checkpoints", "--stack", "dev", "--root", str(ROOT), "--bucket", "sn-no-such-bucket"])
     err = capsys.readouterr().err
     assert code == 1 and "sn-no-such-bucket" in err and "Traceback" not in err
+
+
+def test_runs_are_listed_by_their_identity_and_the_drill_finds_a_step_by_run_id(moto_aws, capsys):
+    """OUT/runs/<id>/ exports as `<prefix>runs/<id>/` with its run.json: a run is listed by its id,
+    stack, model fingerprint and parent; a legacy `checkpoints` directory alongside has no identity."""
+    from supernode.core import runs
+    from supernode.tools.drill import latest_checkpoint
+
+    bucket = moto_aws.unique("sn-runs")
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket)
+    model = {"dim": 64, "top_k": 2}
+    base = runs.record("dev", "base", model)
+    branch = runs.record("dev", "lr-low", model, parent=("base", 2))
+    for rec in (base, branch):
+        s3.put_object(Bucket=bucket, Key=f"{PREFIX}runs/{rec['run']}/run.json", Body=json.dumps(rec).encode())
+    for run, step in (("runs/base/checkpoints", 2), ("runs/base/checkpoints", 4), ("runs/lr-low/checkpoints", 4)):
+        write_step(s3, bucket, run, step)
+    write_step(s3, bucket, "checkpoints", 4)
+
+    code, lines = checkpoints(capsys, bucket)
+    assert code == 0
+    got = {(s["run"], s["step"]): (s["directory"], s["stack"], s["model_fingerprint"], s["parent"]) for s in lines}
+    fingerprint = runs.model_fingerprint(model)
+    assert got == {
+        ("base", 2): ("runs/base/checkpoints", "dev", fingerprint, ""),
+        ("base", 4): ("runs/base/checkpoints", "dev", fingerprint, ""),
+        ("lr-low", 4): ("runs/lr-low/checkpoints", "dev", fingerprint, "base@2"),
+        ("checkpoints", 4): ("checkpoints", "", "", ""),
+    }
+    main(["checkpoints", "--stack", "dev", "--root", str(ROOT), "--local", "--bucket", bucket])
+    text = capsys.readouterr().out
+    assert f"  run lr-low: stack dev, model {fingerprint}, branched from base step 2\n    step 4: 4 objects" in text
+    assert "  run checkpoints: checkpoints/ (no run.json: a run from before run identities)" in text
+
+    # --retain judges each run by its id: each run's newest is its milestone
+    code, lines = checkpoints(capsys, bucket, "--retain", "--dry-run")
+    changes = {(c["run"], c["step"]): c["to"] for c in lines[-1]["retention_changes"]}
+    assert changes[("base", 4)] == changes[("lr-low", 4)] == changes[("checkpoints", 4)] == "milestone"
+
+    assert latest_checkpoint(s3, bucket, PREFIX, 4, "lr-low") == (4, f"{PREFIX}runs/lr-low/checkpoints/step_00000004/")
+    assert latest_checkpoint(s3, bucket, PREFIX, 2, "runs/base/checkpoints")[0] == 2  # the directory still works
+    with pytest.raises(BadInput, match=r"--step 4: several runs have it \(base, checkpoints, lr-low\)"):
+        latest_checkpoint(s3, bucket, PREFIX, 4)

@@ -18,6 +18,7 @@ from test_verify import OUTPUTS
 from supernode.cli import main
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.plan import build_local_plan
+from supernode.core.runs import checkpoints_of
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # the fixture trains for real (two gloo ranks)
@@ -61,7 +62,7 @@ def checkpoint(tmp_path_factory) -> Path:
         env=dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    ((step, path),) = complete_checkpoints(tmp / "out" / "checkpoints")[-1:]
+    ((step, path),) = complete_checkpoints(checkpoints_of(tmp / "out"))[-1:]
     assert step == 2
     return path
 

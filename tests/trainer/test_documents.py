@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import yaml
 
 from supernode.core.config import Model, from_mapping, load_stack
+from supernode.core.runs import run_of
 from supernode.trainer.engine import counted_per_micro_batch
 from supernode.trainer.model import IGNORE, Transformer, document_attention, inputs_and_targets, loss_fn
 
@@ -192,7 +193,7 @@ def supernode_train(stack: Path, data: Path, out: Path, steps: int) -> subproces
 
 
 def losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line)["loss"] for line in (run_of(out) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow

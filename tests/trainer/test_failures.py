@@ -23,6 +23,7 @@ from supernode.cli import main as cli
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.errors import BadInput
 from supernode.core.plan import build_local_plan
+from supernode.core.runs import checkpoints_of, run_of
 from supernode.trainer.checkpoint import (
     COMPLETE,
     CheckpointCorrupt,
@@ -218,8 +219,8 @@ def test_nan_loss_skips_updates_then_stops_nonzero_without_a_nan_checkpoint(tmp_
     assert "training diverged: loss or gradient norm not finite for 3 consecutive steps (steps 5-7" in r.stderr
     assert "The checkpoint of step 4 holds the last finite state" in r.stderr and "Traceback" not in r.stderr
     assert "step 5: loss nan, grad norm nan: not finite, update skipped (1 in a row of at most 3)" in r.stdout
-    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2, 4]  # 6 would be a skipped step's
-    recs = strict_records(out / JSONL)  # valid JSON throughout
+    assert [s for s, _ in complete_checkpoints(checkpoints_of(out))] == [2, 4]  # 6 would be a skipped step's
+    recs = strict_records(run_of(out) / JSONL)  # valid JSON throughout
     assert [(r["step"], r["loss"], r["skipped"]) for r in recs if r["step"] >= 5] == [
         (5, None, True),
         (6, None, True),
@@ -322,7 +323,7 @@ def test_a_second_run_on_the_same_out_directory_exits_2(tmp_path, data_dir, caps
         assert cli(["train", "--stack", "dev", "--root", str(ROOT), "--local", "--out", str(out), "--steps", "2"]) == 2
         assert f"is in use by another run (pid {os.getpid()} on host" in capsys.readouterr().err
         assert not (out / "plan.json").exists()  # the holder's plan is not overwritten
-        assert not (out / "checkpoints").exists()
+        assert not (out / "checkpoints").exists() and not (out / "runs").exists()
     finally:
         first.release()
     assert OutDirLock(out).acquire() is None  # released with its holder
@@ -384,7 +385,7 @@ def test_ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits_130(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
     log, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, log[-3000:]
-    ((stopped, _),) = complete_checkpoints(out / "checkpoints")
+    ((stopped, _),) = complete_checkpoints(checkpoints_of(out))
     assert stopped >= 3 and f"interrupted at step {stopped}; checkpoint written; run again to resume" in log
     assert "Traceback" not in log and "KeyboardInterrupt" not in log and "SignalException" not in log
     assert max(losses(out)) == stopped
@@ -400,9 +401,9 @@ def test_a_full_disk_is_reported_once_without_restarts(tmp_path):
     log, _ = proc.communicate(timeout=180)
     assert proc.returncode == 1, log[-3000:]
     assert log.count("no space left on") == 1 and log.count("starting at step 0") == 1  # no restart ran
-    assert f"error: no space left on {out / 'checkpoints'}: the checkpoint of step 3 needs ~" in log
+    assert f"error: no space left on {checkpoints_of(out)}: the checkpoint of step 3 needs ~" in log
     assert "Traceback" not in log and "ChildFailedError" not in log
-    assert complete_checkpoints(out / "checkpoints") == [] and not list((out / "checkpoints").glob(".tmp-*"))
+    assert complete_checkpoints(checkpoints_of(out)) == [] and not list(checkpoints_of(out).glob(".tmp-*"))
 
 
 # 8 -----------------------------------------------------------------------------------------------
@@ -511,7 +512,7 @@ def test_fewer_steps_than_the_run_already_has_exits_2(tmp_path, capsys):
     (out / "checkpoints" / "step_00000030").mkdir(parents=True)
     (out / "checkpoints" / "step_00000030" / COMPLETE).write_text("{}")
     assert cli(["train", "--stack", "dev", "--root", str(ROOT), "--local", "--out", str(out), "--steps", "10"]) == 2
-    assert f"--steps 10: the run in {out} is already at step 30; give --steps above 30" in capsys.readouterr().err
+    assert f"in {out} is already at step 30; give --steps above 30" in capsys.readouterr().err
 
 
 # 10 ----------------------------------------------------------------------------------------------
@@ -606,7 +607,7 @@ def test_sigterm_to_the_cluster_launcher_checkpoints_and_exits_143_without_a_tra
     proc.send_signal(signal.SIGTERM)
     log, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, log[-3000:]
-    ((stopped, _),) = complete_checkpoints(out / "checkpoints")
+    ((stopped, _),) = complete_checkpoints(checkpoints_of(out))
     assert f"SIGTERM: stopped after step {stopped} with a checkpoint; run again to resume" in log
     assert "Traceback" not in log and "SignalException" not in log
 
@@ -629,7 +630,7 @@ def test_ctrl_c_in_the_cluster_launchers_start_up_exits_130_at_once(tmp_path, da
     assert proc.returncode == 130, log[-3000:]
     assert time.monotonic() - t0 < 10, "not at once"
     assert "Traceback" not in log and "KeyboardInterrupt" not in log
-    assert not (out / JSONL).exists() and not list(out.glob(".exit*"))
+    assert not list(out.rglob(JSONL)) and not list(out.glob(".exit*"))
 
 
 @pytest.mark.slow
@@ -651,7 +652,7 @@ def test_ctrl_c_while_supernode_train_starts_torchrun_exits_130_at_once(tmp_path
     assert proc.returncode == 130, log[-3000:]
     assert time.monotonic() - t0 < 10, "not at once"
     assert "Traceback" not in log and "KeyboardInterrupt" not in log
-    assert not (out / JSONL).exists()
+    assert not list(out.rglob(JSONL))
 
 
 @pytest.mark.slow
@@ -677,7 +678,7 @@ def test_a_refused_second_job_leaves_the_first_run_its_own_outcome(tmp_path, dat
     assert "ChildFailedError" not in logs[0] + logs[1]  # (torch may log its exit barrier's teardown)
     log, _ = first.communicate(timeout=120)
     assert first.returncode == 0, log[-3000:]
-    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [6]
+    assert [s for s, _ in complete_checkpoints(checkpoints_of(out))] == [6]
     assert not list(out.glob(".exit*"))  # each launcher took its own record, and only that
 
 
@@ -696,7 +697,7 @@ def test_a_run_that_ends_on_non_finite_steps_fails_and_checkpoints_none_of_them(
         "of step 2 holds the last trained state)" in r.stderr
     )
     assert "Traceback" not in r.stderr and "step 5: loss nan; checkpoint" not in r.stdout
-    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2]
+    assert [s for s, _ in complete_checkpoints(checkpoints_of(out))] == [2]
 
 
 @pytest.mark.slow
@@ -709,7 +710,7 @@ def test_supernode_train_ending_on_a_non_finite_step_exits_1(tmp_path, reap):
     assert proc.returncode == 1, log[-3000:]
     assert log.count("error: training ended on non-finite steps: loss or gradient norm not finite at step 6") == 1
     assert "Traceback" not in log and "tokens/s" not in log
-    assert complete_checkpoints(out / "checkpoints") == []
+    assert complete_checkpoints(checkpoints_of(out)) == []
 
 
 @pytest.mark.slow
@@ -728,7 +729,7 @@ def test_sigterm_while_steps_are_skipped_stops_without_checkpointing_them(tmp_pa
         f"SIGTERM: stopped after step {stopped} without a checkpoint (steps 3-{stopped} not finite; the "
         "checkpoint of step 2 holds the last trained state); run again to resume" in log
     )
-    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [2]
+    assert [s for s, _ in complete_checkpoints(checkpoints_of(out))] == [2]
 
 
 def test_the_summary_counts_skipped_steps(tmp_path, capsys):

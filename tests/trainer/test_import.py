@@ -29,6 +29,7 @@ from supernode.core.config import Model, Parallel
 from supernode.core.errors import BadInput
 from supernode.core.files import sha256_file
 from supernode.core.pretrained import MANIFEST, compare, write_manifest
+from supernode.core.runs import checkpoints_of, run_of
 from supernode.trainer.checkpoint import COMPLETE, complete_checkpoints
 from supernode.trainer.hf.export import export
 from supernode.trainer.hf.load import load_pretrained
@@ -314,7 +315,9 @@ def test_trainer_starts_from_a_transformers_checkpoint_and_refuses_a_corrupt_one
     r = _train(tmp_path, plan_file, data, tmp_path / "out", steps=1)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"step 0 starts from the weights in {hf}" in r.stdout
-    first = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    first = [
+        json.loads(x) for x in (run_of(tmp_path / "out") / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
+    ]
     assert first and all(torch.isfinite(torch.tensor(rec["loss"])) for rec in first)
     # A random model's loss is ln(vocab) = 5.5 at step 1; transformers' random init (std 0.02) starts there too,
     # so the load is proven by test_transformers_checkpoint_loads_with_its_logits; here: it trains.
@@ -332,4 +335,4 @@ def test_trainer_starts_from_a_transformers_checkpoint_and_refuses_a_corrupt_one
     r = _train(tmp_path, plan_file, data, tmp_path / "fresh", steps=1)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stderr.count(f"error: training.initFrom: {weights}: sha256") == 1  # once: rank 0
-    assert "Traceback" not in r.stderr and complete_checkpoints(tmp_path / "fresh" / "checkpoints") == []
+    assert "Traceback" not in r.stderr and complete_checkpoints(checkpoints_of(tmp_path / "fresh")) == []

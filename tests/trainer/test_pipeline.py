@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from supernode.core.config import Model, Parallel, from_mapping, load_stack
 from supernode.core.layout import stage_layers
 from supernode.core.mesh import Mesh
+from supernode.core.runs import checkpoints_of, run_of
 from supernode.trainer.engine import counted_per_micro_batch
 from supernode.trainer.model import Transformer, inputs_and_targets, loss_fn
 from supernode.trainer.moe import ExpertBalancer
@@ -272,7 +273,7 @@ def pp_stack(path: Path, **local_parallel) -> Path:
 
 
 def losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_of(out) / "metrics.jsonl").read_text().splitlines())}
 
 
 def cli_train(stack: Path, out: Path, data: Path, steps: int) -> str:
@@ -321,7 +322,7 @@ def test_pp2_trains_checkpoints_and_resumes_also_at_pp1(tmp_path) -> None:
     # (dpShard 2, ep 2): other keys per rank, the same model, optimizer and data position.
     flat = tmp_path / "pp1"
     (flat / "checkpoints").mkdir(parents=True)
-    shutil.copytree(out / "checkpoints" / "step_00000004", flat / "checkpoints" / "step_00000004")
+    shutil.copytree(checkpoints_of(out) / "step_00000004", flat / "checkpoints" / "step_00000004")
     log = cli_train(pp_stack(tmp_path / "pp1.yaml", pp=1, dpShard=2, ep=2), flat, data, 6)
     assert "resumed from checkpoint at step 4" in log and "'pp': 1" in log
     pp1 = losses(flat)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from supernode.core.runs import run_of
 from supernode.trainer.data.manifest import DataError, read_manifest, verify
 from supernode.trainer.data.prepare import DEFAULT_CORPUS, ShardWriter, prepare
 from supernode.trainer.data.tokenizer import EOS_TOKEN, byte_tokenizer, dtype_for, from_file
@@ -234,7 +235,7 @@ def test_a_demo_sized_run_trains_on_a_trained_bpe(tmp_path, capsys):
         )
         == 0
     )
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_of(out) / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if isinstance(r.get("loss"), float)]
     assert losses[0] > 7.5 and losses[-1] < losses[0] - 0.5  # ln 4096 = 8.3 at the start, then it learns
 

@@ -16,6 +16,7 @@ import pytest
 from supernode.cli import main as cli
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.plan import Plan, build_local_plan
+from supernode.core.runs import checkpoints_of, run_of
 from supernode.trainer.checkpoint import complete_checkpoints
 from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 from supernode.trainer.engine import lr_factor
@@ -80,14 +81,14 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
 
 
 def losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_of(out) / "metrics.jsonl").read_text().splitlines())}
 
 
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
-        if (out / "metrics.jsonl").exists() and max(losses(out), default=0) >= step:
+        if (run_of(out) / "metrics.jsonl").exists() and max(losses(out), default=0) >= step:
             return
         time.sleep(0.05)
     raise AssertionError(f"step {step} not reached in {timeout} s")
@@ -134,8 +135,9 @@ def test_plan_that_does_not_match_the_world_size_exits_2(tmp_path, data_dir):
         timeout=60,
     )
     assert r.returncode == 2
-    assert "plan:parallel.dpShard" in r.stderr and "the world size is 3 (WORLD_SIZE of this job)" in r.stderr
-    assert "dpShard = 3 would match" in r.stderr and "Traceback" not in r.stderr
+    # a local plan of 2 ranks has elastic layouts for worlds 1 and 2 only
+    assert "world size 3: the plan has no elastic layout for it (its worlds: 1, 2" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_bad_plan_and_corrupt_data_exit_2(tmp_path, data_dir):
@@ -206,7 +208,7 @@ def test_sigkill_mid_training_resumes_to_the_same_final_loss(tmp_path, data_dir)
     assert 4 <= resumed_at < steps
     assert losses(out)[steps] == pytest.approx(losses(reference)[steps], rel=1e-5)
     assert losses(out)[steps] < losses(out)[1] - 1.0  # it learned
-    assert [s for s, _ in complete_checkpoints(out / "checkpoints")][-1] == steps
+    assert [s for s, _ in complete_checkpoints(checkpoints_of(out))][-1] == steps
 
 
 @pytest.mark.slow
@@ -217,7 +219,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, data_dir):
     wait_for_step(out, 3, proc)
     os.kill(worker_pid(proc.pid, 1), signal.SIGTERM)  # as Kubernetes does before evicting a pod
     log = finish(proc, timeout=120)
-    ((stopped, _),) = complete_checkpoints(out / "checkpoints")
+    ((stopped, _),) = complete_checkpoints(checkpoints_of(out))
     assert 3 <= stopped < 100 and f"SIGTERM: stopped after step {stopped}" in log
 
 
@@ -231,7 +233,7 @@ def test_saved_at_world_size_4_resumed_at_2_gives_the_same_loss(tmp_path, data_d
 
     narrow = tmp_path / "narrow"
     (narrow / "checkpoints").mkdir(parents=True)
-    (wide / "checkpoints" / "step_00000004").rename(narrow / "checkpoints" / "step_00000004")
+    (checkpoints_of(wide) / "step_00000004").rename(narrow / "checkpoints" / "step_00000004")
     log = finish(torchrun(write_plan(plan2, tmp_path / "plan2.json"), data_dir, narrow, 2, "--steps", "6"))
     assert "resumed from checkpoint at step 4" in log
     assert losses(narrow)[5] == pytest.approx(losses(wide)[5], rel=1e-4)
@@ -271,6 +273,6 @@ def test_cluster_launcher_exits_with_the_recorded_code_without_restarts_or_trace
         timeout=240,
     )
     assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.count("the world size is 3 (WORLD_SIZE of this job)") == 1  # once: rank 0, no restart
+    assert r.stderr.count("world size 3: the plan has no elastic layout") == 1  # once: rank 0, no restart
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
     assert not list((tmp_path / "out").glob(".exit*"))  # the record was this launcher's alone: it took it

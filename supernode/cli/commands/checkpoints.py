@@ -69,13 +69,24 @@ def run(args) -> int:
             print(json.dumps({"retention_changes": changes, "dry_run": args.dry_run}, sort_keys=True))
         return EXIT_OK
     print(f"s3://{bucket}/{prefix}: {len(steps)} steps in {len({s.run for s in steps})} runs")
+    shown = None
     for s in steps:
+        if s.run != shown:
+            shown = s.run
+            print(f"  run {s.run or '.'}: {_identity(s)}")
         where = f"; FSx {s.fsx}" if s.fsx else ""
         print(
-            f"  {s.run or '.'} step {s.step}: {s.objects} objects, {s.bytes / 1e6:,.1f} MB, {s.check}, "
+            f"    step {s.step}: {s.objects} objects, {s.bytes / 1e6:,.1f} MB, {s.check}, "
             f"retention {s.retention or 'untagged (kept)'}{where}"
         )
     for c in changes:
         verb = "would tag" if args.dry_run else "tagged"
         print(f"  {verb} {c['run'] or '.'} step {c['step']}: {c['from']} -> {c['to']}")
     return EXIT_OK
+
+
+def _identity(s) -> str:
+    if not s.model_fingerprint:
+        return f"{s.directory or '.'}/ (no run.json: a run from before run identities)"
+    parent = f", branched from {s.parent.replace('@', ' step ')}" if s.parent else ""
+    return f"stack {s.stack}, model {s.model_fingerprint}{parent}"

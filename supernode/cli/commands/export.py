@@ -19,7 +19,8 @@ def register(sub) -> None:
         "--checkpoint",
         type=Path,
         required=True,
-        help="a step_N checkpoint directory, or a checkpoints directory (its newest complete one)",
+        help="a step_N checkpoint directory, a checkpoints directory (its newest complete one), or a `supernode train` "
+        "--out directory (its latest run's newest)",
     )
     p.add_argument(
         "--out",

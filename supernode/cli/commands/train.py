@@ -4,8 +4,11 @@ for real on CPU with gloo under torchrun (the same trainer the cluster's PyTorch
 Writes OUT/plan.json, prepares OUT/data from the shipped corpus when it holds no manifest, and
 runs `python -m supernode.trainer.launch --standalone --nproc-per-node N --max-restarts R -m supernode.trainer.train`:
 torchrun under the cluster's own launcher, whose exit code is the run's outcome (a failure the
-workers recorded: 2 bad input, 1 failed). Running it again with a larger --steps resumes from the
-checkpoint in OUT/checkpoints.
+workers recorded: 2 bad input, 1 failed). Running it again with a larger --steps resumes the latest
+run (OUT/runs/<run id>/, supernode.core.runs) from its newest checkpoint; `--run new` (or a new NAME)
+starts a fresh run, `--run NAME --from-run R --step N` one that starts from run R's step N. This
+command picks the run (a fresh id resolved here, once) and passes it to the workers as `--run-id ID`,
+so a restarted worker resumes that run instead of starting another.
 
 It holds OUT/.lock for the run (a second run on OUT: exit 2 naming the holder), runs the launcher
 in a session of its own that dies with this process (PR_SET_PDEATHSIG; the workers die with it),
@@ -36,10 +39,22 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, default=None, help="output directory (default: out/train-STACK)")
     p.add_argument("--data", type=Path, default=None, help="prepared data (default: OUT/data from the shipped corpus)")
     p.add_argument("--log-every", type=int, default=5, help="metrics every N steps")
+    p.add_argument(
+        "--run",
+        default=None,
+        help="the run to resume, 'new' for a fresh run with a generated id, or a fresh run's name (default: the "
+        "latest run in OUT/runs)",
+    )
+    p.add_argument(
+        "--from-run", default=None, help="start the new run from this run's --step (weights, optimizer, data)"
+    )
+    p.add_argument("--step", type=int, default=None, help="with --from-run: the step to start from")
     p.set_defaults(func=run)
 
 
-def launch_command(plan: Plan, plan_path: Path, data: Path, out: Path, steps: int, log_every: int) -> list[str]:
+def launch_command(
+    plan: Plan, plan_path: Path, data: Path, out: Path, steps: int, log_every: int, run: str
+) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -59,6 +74,8 @@ def launch_command(plan: Plan, plan_path: Path, data: Path, out: Path, steps: in
         str(out),
         "--steps",
         str(steps),
+        "--run-id",
+        run,
         "--log-every",
         str(log_every),
         "--progress",
@@ -93,7 +110,8 @@ def run(args) -> int:
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out} is an existing file, not a directory")
 
-    from supernode.trainer.checkpoint import OutDirLock, complete_checkpoints  # torch only for this command
+    from supernode.core.runs import NEW, new_run_id
+    from supernode.trainer.checkpoint import OutDirLock, complete_checkpoints, prepare_run  # torch only here
     from supernode.trainer.data.manifest import DataError, verify
     from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
     from supernode.trainer.launch import LAUNCHER_ENV
@@ -103,11 +121,17 @@ def run(args) -> int:
     if holder is not None:
         raise BadInput(f"--out {out} is in use by another run ({holder}); wait for it to end, or use another --out")
     try:
-        done = complete_checkpoints(out / "checkpoints")
-        if done and done[-1][0] > steps:
+        # A fresh id is chosen here, once: the workers (and any restart of them) get it as --run-id ID.
+        run = new_run_id() if args.run == NEW or (args.from_run is not None and args.run is None) else args.run
+        if args.step is not None and args.from_run is not None and args.step > steps:  # before a run is made
+            raise BadInput(f"--steps {steps}: below --step {args.step}, where the new run starts; give more --steps")
+        choice = prepare_run(out, stack, plan.model.model_dump(mode="json"), run, args.from_run, args.step)
+        done = complete_checkpoints(choice.checkpoints)
+        at = done[-1][0] if done else choice.record["parent"]["step"] if choice.parent_step is not None else 0
+        if at > steps:
             raise BadInput(
-                f"--steps {steps}: the run in {out} is already at step {done[-1][0]}; give --steps above "
-                f"{done[-1][0]} to train on, or another --out to start over"
+                f"--steps {steps}: run {choice.run} in {out} is already at step {at}; give --steps above "
+                f"{at} to train on, or start a fresh run (--run new)"
             )
         plan_path = out / "plan.json"
         plan_path.write_text(plan.to_json(), encoding="utf-8")
@@ -122,12 +146,14 @@ def run(args) -> int:
             verify(data)
         except DataError as e:
             raise BadInput(str(e)) from None
-        return _launch(args, stack, plan, plan_path, data, out, steps, LAUNCHER_ENV)
+        return _launch(args, stack, plan, plan_path, data, out, steps, LAUNCHER_ENV, choice)
     finally:
         lock.release()
 
 
-def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path, steps: int, launcher_env: str) -> int:
+def _launch(
+    args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path, steps: int, launcher_env: str, choice
+) -> int:
     m, d = plan.model, plan.degrees
     print(
         f"training {stack} (local): {plan.params.total / 1e6:.2f} M parameters ({m.layers} layers, dim {m.dim}, "
@@ -162,7 +188,7 @@ def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path
         # Its own session: a Ctrl-C reaches only this process, which hands it to supernode.trainer.launch
         # (torchrun's agent), which hands it to the workers once they run.
         proc = subprocess.Popen(
-            launch_command(plan, plan_path, data, out, steps, args.log_every),
+            launch_command(plan, plan_path, data, out, steps, args.log_every, choice.run),
             env=env,
             start_new_session=True,
             preexec_fn=_child_setup,
@@ -180,11 +206,12 @@ def _launch(args, stack: str, plan: Plan, plan_path: Path, data: Path, out: Path
     if rc >= 128:  # supernode.trainer.launch stopped on a signal (exit 128 + it): interrupted, whichever
         return EXIT_INTERRUPTED
     if rc == 0:
-        _summary(out, plan)
+        _summary(choice.dir, plan, choice.checkpoints)
     return rc  # else a worker or torchrun printed why (2 bad input; 1 a failure)
 
 
-def _summary(out: Path, plan: Plan) -> None:
+def _summary(out: Path, plan: Plan, checkpoints: Path | None = None) -> None:
+    """`out`: the run's directory (its metrics and plots); `checkpoints`: its checkpoints."""
     from supernode.trainer.metrics import read_records  # a torn last line must not break the summary
 
     records = read_records(out / "metrics.jsonl")
@@ -197,7 +224,7 @@ def _summary(out: Path, plan: Plan) -> None:
         print(
             f"loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}); {note}"
             f"{last['tokens_per_s']:,.0f} tokens/s; metrics {out / 'metrics.jsonl'}, plots {out}/loss.png, "
-            f"{out}/expert_load.png; checkpoints {out / 'checkpoints'}"
+            f"{out}/expert_load.png; checkpoints {checkpoints or out / 'checkpoints'}"
         )
         # The median step (the first one compiles and warms up) next to the plan's estimate: the same
         # ratio the trainer exports as supernode_train_step_time_over_plan for the drift alarm.

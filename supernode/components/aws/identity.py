@@ -243,8 +243,38 @@ class NodeRole(pulumi.ComponentResource):
 # -- trainer role -----------------------------------------------------------------------------
 
 
-def trainer_policy(bucket_arn: str, storage: StorageConfig, data_key_arn: str) -> dict[str, Any]:
-    """Read the dataset prefix, read/write the checkpoint prefix, use the data key: nothing else."""
+def pretrained_statements(init_from: str | None) -> list[dict[str, Any]]:
+    """What the trainer pod's init container needs to fetch an s3:// `training.initFrom`
+    (supernode.trainer.hf.fetch: one listing of the prefix, then its objects), in whichever bucket
+    it is: list that bucket only under that prefix, read only that prefix's objects. None for a
+    local or FSx path. A bucket encrypted with another account's key must also grant this role
+    kms:Decrypt on that key: its owner's to give, not this stack's."""
+    if not init_from or not init_from.startswith("s3://"):
+        return []
+    bucket, _, prefix = init_from.removeprefix("s3://").partition("/")
+    prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""  # as fetch lists it
+    return [
+        {
+            "Sid": "ListPretrained",
+            "Effect": "Allow",
+            "Action": "s3:ListBucket",
+            "Resource": f"arn:aws:s3:::{bucket}",
+            "Condition": {"StringLike": {"s3:prefix": [prefix, f"{prefix}*"]}},
+        },
+        {
+            "Sid": "ReadPretrained",
+            "Effect": "Allow",
+            "Action": "s3:GetObject",
+            "Resource": f"arn:aws:s3:::{bucket}/{prefix}*",
+        },
+    ]
+
+
+def trainer_policy(
+    bucket_arn: str, storage: StorageConfig, data_key_arn: str, init_from: str | None = None
+) -> dict[str, Any]:
+    """Read the dataset prefix, read/write the checkpoint prefix, use the data key, read an s3://
+    training.initFrom (`pretrained_statements`): nothing else."""
     ds, ck = storage.dataset_prefix, storage.checkpoint_prefix
     return policy_document(
         {
@@ -273,6 +303,46 @@ def trainer_policy(bucket_arn: str, storage: StorageConfig, data_key_arn: str) -
             "Action": ["kms:Decrypt", "kms:GenerateDataKey", "kms:DescribeKey"],
             "Resource": data_key_arn,
         },
+        *pretrained_statements(init_from),
+    )
+
+
+def checkpoint_retention_policy(
+    bucket_arn: str, checkpoint_prefix: str, data_key_arn: str, region: str
+) -> dict[str, Any]:
+    """`supernode checkpoints --retain` in the cluster (operations.py's CronJob): it lists the checkpoint
+    prefix, reads each step's COMPLETE marker (is the step whole?) and each run's run.json (its
+    identity), reads and writes the retention tag of the checkpoint objects, and nothing else: no
+    GetObject on the checkpoints' data, no PutObject or DeleteObject (the lifecycle rules expire), and
+    the data key only to decrypt those small files, only through S3."""
+    ck = checkpoint_prefix
+    return policy_document(
+        {
+            "Sid": "ListCheckpoints",
+            "Effect": "Allow",
+            "Action": "s3:ListBucket",
+            "Resource": bucket_arn,
+            "Condition": {"StringLike": {"s3:prefix": [ck, f"{ck}*"]}},
+        },
+        {
+            "Sid": "ReadMarkersAndRunIdentities",
+            "Effect": "Allow",
+            "Action": "s3:GetObject",
+            "Resource": [f"{bucket_arn}/{ck}*/COMPLETE", f"{bucket_arn}/{ck}*/run.json"],
+        },
+        {
+            "Sid": "TagCheckpoints",
+            "Effect": "Allow",
+            "Action": ["s3:GetObjectTagging", "s3:PutObjectTagging"],
+            "Resource": f"{bucket_arn}/{ck}*",
+        },
+        {
+            "Sid": "DecryptMarkersThroughS3",
+            "Effect": "Allow",
+            "Action": "kms:Decrypt",
+            "Resource": data_key_arn,
+            "Condition": {"StringEquals": {"kms:ViaService": f"s3.{region}.amazonaws.com"}},
+        },
     )
 
 
@@ -288,6 +358,7 @@ class TrainerRoleArgs:
     oidc_issuer_url: pulumi.Input[str]
     bucket_arn: pulumi.Input[str]
     data_key_arn: pulumi.Input[str]
+    init_from: str | None = None  # training.initFrom: an s3:// one is read by the pods' init container
 
 
 class TrainerRole(pulumi.ComponentResource):
@@ -310,7 +381,7 @@ class TrainerRole(pulumi.ComponentResource):
             opts=child,
         )
         self.policy = pulumi.Output.all(args.bucket_arn, args.data_key_arn).apply(
-            lambda a: json.dumps(trainer_policy(a[0], args.storage, a[1]))
+            lambda a: json.dumps(trainer_policy(a[0], args.storage, a[1], args.init_from))
         )
         aws.iam.RolePolicy(f"{name}-data", role=self.role.id, policy=self.policy, opts=child)
         if pod_identity:

@@ -16,6 +16,11 @@ and validates it.
   joined unchecked, quarantines and replaces broken ones (docs/architecture.md, "Node life cycle").
 - **Restore drill** (CronJob, `workload.restoreDrillSchedule`): `supernode drill restore --json`
   from the trainer image, as the trainer's service account (read access to the checkpoints).
+- **Checkpoint retention** (CronJob, `workload.checkpointRetentionSchedule`): `supernode checkpoints
+  --retain --json` from the trainer image tags each run's checkpoints in S3 milestone or window, which
+  the bucket's lifecycle rules act on. Its own service account, whose IRSA role may list the
+  checkpoint prefix, read the markers and run.json files and read and write object tags there:
+  nothing else (identity.checkpoint_retention_policy).
 - **Training-health scrape**: AWS's "CloudWatch agent with Prometheus monitoring" for EKS
   (supernode/components/addons/cwagent-prometheus.yaml) and its two ConfigMaps: the trainer pods (by their
   prometheus.io annotations) and our DCGM exporter, as embedded-metric-format metrics in
@@ -81,6 +86,7 @@ HTTPS_AND_DNS_ONLY = {
     ],
 }
 STACK_CONFIGMAP, STACK_MOUNT = "supernode-stack", "/etc/supernode-stack"
+RETENTION_SA = "checkpoint-retention"  # in the training namespace; its IAM role trusts this name
 DRILL_MOUNT = "/restore"  # the drill restores into FSx (drills/): a checkpoint may not fit a node's disk
 DCGM_NAMESPACE = SYSTEM_NAMESPACE  # where the add-ons (our DCGM exporter among them) run
 # The accelerator exporter's scrape job, named as its pods' app.kubernetes.io/name (supernode/components/addons/):
@@ -106,6 +112,8 @@ class OperationsArgs:
     metrics_agent_role_arn: pulumi.Input[str]
     # IRSA of the node health agent (identity.node_health_agent_policy); None: no agent (Neuron nodes)
     node_health_role_arn: pulumi.Input[str] | None
+    # IRSA of the checkpoint retention CronJob (identity.checkpoint_retention_policy)
+    retention_role_arn: pulumi.Input[str]
     addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
 
 
@@ -216,7 +224,15 @@ class Operations(pulumi.ComponentResource):
         self.node_health = (
             None if args.node_health_role_arn is None else self._node_health(name, job, wl, args.node_health_role_arn)
         )
-        self.restore_drill = self._restore_drill(name, job, wl, args, stack)
+        filename = f"Pulumi.{stack}.yaml"  # the stack's config, as the drill and the retention read it
+        stack_cm = k8s.core.v1.ConfigMap(
+            f"{name}-stack",
+            metadata=meta(STACK_CONFIGMAP, job.namespace),
+            data={filename: args.stack_file},
+            opts=self._child,
+        )
+        self.restore_drill = self._restore_drill(name, job, wl, args, stack, stack_cm, filename)
+        self.checkpoint_retention = self._checkpoint_retention(name, job, wl, args, stack, stack_cm, filename)
         scrape = prometheus_scrape_config(wl.namespace, EXPORTER_SCRAPE_JOBS[job.plan.hardware.vendor])
         scrape_yaml = yaml.safe_dump(scrape, sort_keys=False)
         agent_json = json.dumps(cloudwatch_agent_config(args.cluster_name, args.region), indent=1)
@@ -509,15 +525,15 @@ class Operations(pulumi.ComponentResource):
         return create(deployment)
 
     def _restore_drill(
-        self, name: str, job: JobArgs, wl: WorkloadConfig, args: OperationsArgs, stack: str
+        self,
+        name: str,
+        job: JobArgs,
+        wl: WorkloadConfig,
+        args: OperationsArgs,
+        stack: str,
+        cm: k8s.core.v1.ConfigMap,
+        filename: str,
     ) -> k8s.batch.v1.CronJob:
-        filename = f"Pulumi.{stack}.yaml"
-        cm = k8s.core.v1.ConfigMap(
-            f"{name}-stack",
-            metadata=meta(STACK_CONFIGMAP, job.namespace),
-            data={filename: args.stack_file},
-            opts=self._child,
-        )
         container = {
             "name": "restore-drill",
             "image": job.image,
@@ -562,6 +578,68 @@ class Operations(pulumi.ComponentResource):
                     "spec": {
                         "backoffLimit": 0,
                         "template": {"metadata": {"labels": {MESH_LABEL: "restore-drill"}}, "spec": pod},
+                    }
+                },
+            },
+            opts=self._child,
+        )
+
+    def _checkpoint_retention(
+        self,
+        name: str,
+        job: JobArgs,
+        wl: WorkloadConfig,
+        args: OperationsArgs,
+        stack: str,
+        cm: k8s.core.v1.ConfigMap,
+        filename: str,
+    ) -> k8s.batch.v1.CronJob:
+        """`supernode checkpoints --retain` on a schedule: no GPU, no FSx, only S3 through its own role."""
+        sa = k8s.core.v1.ServiceAccount(
+            f"{name}-checkpoint-retention",
+            metadata=meta(
+                RETENTION_SA,
+                job.namespace,
+                annotations={
+                    "eks.amazonaws.com/role-arn": args.retention_role_arn,
+                    "eks.amazonaws.com/sts-regional-endpoints": "true",
+                },
+            ),
+            opts=self._child,
+        )
+        container = {
+            "name": "checkpoint-retention",
+            "image": job.image,
+            "command": ["supernode", "checkpoints"],
+            "args": ["--config", f"{STACK_MOUNT}/{filename}", "--bucket", "$(BUCKET)", "--retain", "--json"],
+            "env": [{"name": "BUCKET", "value": args.bucket_name}],
+            "resources": small("100m", "256Mi", "1", "1Gi"),
+            "securityContext": {**RESTRICTED, "readOnlyRootFilesystem": True},
+            "volumeMounts": [{"name": "stack", "mountPath": STACK_MOUNT, "readOnly": True}],
+        }
+        pod = {
+            "restartPolicy": "Never",
+            "serviceAccountName": sa.metadata.name,
+            "securityContext": {
+                "seccompProfile": {"type": "RuntimeDefault"},
+                "runAsNonRoot": True,
+            },  # image: USER 10001
+            "containers": [container],
+            "volumes": [{"name": "stack", "configMap": {"name": cm.metadata.name}}],
+        }
+        # The fabric-mesh label gives the pod the namespace's HTTPS egress (S3, STS), as the drill's.
+        return k8s.batch.v1.CronJob(
+            f"{name}-checkpoint-retention",
+            metadata=meta(dns_name(stack, "checkpoint-retention"), job.namespace),
+            spec={
+                "schedule": wl.checkpoint_retention_schedule,
+                "concurrencyPolicy": "Forbid",  # two taggers would only repeat each other's work
+                "successfulJobsHistoryLimit": 3,
+                "failedJobsHistoryLimit": 3,
+                "jobTemplate": {
+                    "spec": {
+                        "backoffLimit": 2,  # a throttled S3 call is worth a retry; the tags are idempotent
+                        "template": {"metadata": {"labels": {MESH_LABEL: "checkpoint-retention"}}, "spec": pod},
                     }
                 },
             },

@@ -26,6 +26,7 @@ from pydantic.alias_generators import to_camel
 from ..catalog import CATALOG, SYSTEM_INSTANCE_TYPES, ULTRASERVERS, nvlink_domain_gpus
 from ..errors import Issue
 from ..mesh import Mesh
+from ..runs import NEW, RUN_ID
 
 NAMESPACE = "supernode"
 DIGEST_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}$")
@@ -195,6 +196,14 @@ class AcceleratorNodeGroup(_Base):
         le=512,
         description="instances in the group (fixed size: the trainer's world is nodes x accelerators per node)",
     )
+    spares: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="training groups only: instances kept beyond `nodes`, booted and health-checked like the "
+        "others but outside the world, so a failed node is replaced at once (the Auto Scaling group holds "
+        "nodes + spares; the plan's cost counts them; a reservation must hold them too)",
+    )
     capacity: Capacity = Field(
         default=Capacity(), description="how the instances are bought (on-demand, reservation, Capacity Block)"
     )
@@ -246,6 +255,11 @@ class AcceleratorNodeGroup(_Base):
         if v is not None and v not in ULTRASERVERS:
             raise ValueError(f"not a known UltraServer type; valid: {', '.join(ULTRASERVERS)}")
         return v
+
+    @property
+    def instances(self) -> int:
+        """Instances the group runs: its nodes and its spares."""
+        return self.nodes + self.spares
 
     @property
     def nvlink_domain(self) -> int:
@@ -638,6 +652,14 @@ class Training(_Base):
         description="sequences per forward/backward on one rank; gradients accumulate up to globalBatch",
     )
     steps: int = Field(ge=1, le=10**9, description="optimizer steps of the run")
+    min_nodes: int | None = Field(
+        default=None,
+        ge=1,
+        description="elastic training: the fewest training nodes the job runs on (the PyTorchJob's "
+        "minReplicas); the plan gives a layout for every node count from this to the training nodes, "
+        "each keeping globalBatch by accumulation (docs/architecture.md, elastic training and spare nodes)",
+        json_schema_extra=when_unset("the training nodes: the job is not elastic"),
+    )
     lr: float = Field(gt=0, le=1, description="peak learning rate")
     min_lr_ratio: float = Field(
         default=0.1, ge=0, le=1, description="the schedule's final learning rate as a fraction of lr"
@@ -674,6 +696,22 @@ class Training(_Base):
         "gradient norm (their updates skipped) before the run stops, exit 1",
     )
     seed: int = Field(default=0, description="random seed of the initialisation and the data order")
+    run: str | None = Field(
+        default=None,
+        pattern=RUN_ID.pattern,
+        description="the run the cluster job trains into (runs/<run>/ on FSx and under checkpointPrefix in S3, "
+        "with its run.json): the same name resumes it, a new name starts a fresh run (from initFrom or the seed). "
+        "`supernode train --local` takes --run instead",
+        json_schema_extra=when_unset("the stack's name: every job of the stack continues one run"),
+    )
+
+    @field_validator("run")
+    @classmethod
+    def _not_new(cls, v: str | None) -> str | None:
+        if v == NEW:
+            raise ValueError(f"'{NEW}' is the word `supernode train --run` takes for a fresh id; name the run")
+        return v
+
     init_from: str | None = Field(
         default=None,
         min_length=1,
@@ -738,6 +776,12 @@ class Workload(_Base):
     )
     restore_drill_schedule: str = Field(
         default="0 5 1 * *", pattern=r"^\S+( \S+){4}$", description="cron schedule of the checkpoint restore drill"
+    )
+    checkpoint_retention_schedule: str = Field(
+        default="30 4 * * *",
+        pattern=r"^\S+( \S+){4}$",
+        description="cron schedule of `supernode checkpoints --retain` in the cluster: tags each run's checkpoints "
+        "in S3 milestone or window for the bucket's lifecycle rules (a step not tagged yet is kept)",
     )
     inventory_interval_minutes: int = Field(
         default=60,
@@ -828,15 +872,16 @@ class Inference(_Base):
         return v
 
 
-def _partial(model: type[_Base]) -> type[_Base]:
-    """The same fields, all optional: used by `local` to override parts of the plan."""
-    fields = {name: (f.annotation | None, None) for name, f in model.model_fields.items()}
+def _partial(model: type[_Base], without: tuple[str, ...] = ()) -> type[_Base]:
+    """The same fields less `without`, all optional: used by `local` to override parts of the plan."""
+    fields = {name: (f.annotation | None, None) for name, f in model.model_fields.items() if name not in without}
     return create_model(f"{model.__name__}Override", __base__=_Base, **fields)
 
 
 ModelOverride = _partial(Model)
 ParallelOverride = _partial(Parallel)
-TrainingOverride = _partial(Training)
+# A local plan is elastic over every world 1..nproc, so it has no minimum of its own.
+TrainingOverride = _partial(Training, without=("min_nodes",))
 
 
 class Local(_Base):

@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 
+from supernode.core import runs
 from supernode.core.config.schema import Model
 from supernode.core.errors import BadInput
 from supernode.core.files import sha256_file
@@ -58,9 +59,12 @@ class NoSpace(Exception):
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A step directory, or a checkpoints root (its newest complete checkpoint)."""
+    """A step directory, a checkpoints root (its newest complete checkpoint), or a training output
+    directory (its latest run's newest: supernode.core.runs)."""
     if (path / COMPLETE).is_file():
         return path
+    if (path / runs.RUNS).is_dir():
+        path = runs.checkpoints_of(path)
     found = complete_checkpoints(path)
     if not found:
         raise BadInput(f"--checkpoint {path}: no complete checkpoint (a step_N directory with a {COMPLETE} marker)")
