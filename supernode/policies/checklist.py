@@ -738,8 +738,9 @@ def _alarm_text(alarm: Res) -> str:
 
 
 def is_gpu_util_alarm(alarm: Res) -> bool:
+    """An accelerator-utilisation alarm: DCGM's GPU utilisation or neuron-monitor's NeuronCore one."""
     text = _alarm_text(alarm)
-    return "gpu" in text and "util" in text
+    return ("gpu" in text or "neuroncore" in text) and "util" in text
 
 
 def is_node_health_alarm(alarm: Res) -> bool:
@@ -753,7 +754,7 @@ def _alarms(stack: Stack, _conf: None, report: Report) -> None:
         return
     alarms = stack.of(METRIC_ALARM)
     for what, test in (
-        ("GPU utilisation (DCGM) below the floor", is_gpu_util_alarm),
+        ("accelerator utilisation (DCGM / neuron-monitor) below the floor", is_gpu_util_alarm),
         ("node health (node not ready / GPU XID errors)", is_node_health_alarm),
     ):
         if not any(test(a) for a in alarms):

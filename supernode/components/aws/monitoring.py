@@ -493,7 +493,7 @@ class Monitoring(pulumi.ComponentResource):
                 name,
                 "neuroncore-util-low",
                 f"NeuronCore utilisation below {m.gpu_util_floor_percent}% for {m.gpu_util_window_minutes} min "
-                "(neuron-monitor, mean over the NeuronCores in use; Trainium's gpu-util-low)",
+                "(neuron-monitor, mean over the NeuronCores in use)",
                 namespace=obs.PROMETHEUS_NAMESPACE,
                 metric_name=obs.NEURONCORE_UTIL,
                 dimensions=obs.neuron_dimensions(cluster_name),

@@ -407,7 +407,8 @@ class MonitoringConfig(_Base):
         default=40.0,
         gt=0,
         le=100,
-        description="alarm when mean GPU utilisation stays below this for gpuUtilWindowMinutes",
+        description="alarm when mean GPU (NeuronCore on Trainium) utilisation stays below this for "
+        "gpuUtilWindowMinutes",
     )
     gpu_util_window_minutes: int = Field(
         default=30, ge=5, le=1440, description="the window of the GPU utilisation alarm"
