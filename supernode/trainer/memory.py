@@ -3,7 +3,7 @@
 - `parameters`, `optimizer_state` (the two Adam moments): bytes of this rank's shards, exact on any
   device. Gradients are not measured between steps: they are freed after each update
   (`zero_grad(set_to_none=True)`), so only their peak, inside `peak`, holds them.
-- `peak`: on a GPU the allocator's peak (`torch.cuda.max_memory_allocated`), against the plan's total
+- `peak`: on an accelerator the allocator's peak (`torch.accelerator.max_memory_allocated`), against the plan's total
   less its runtime reserve (the CUDA context and communicator buffers are outside the allocator); on
   CPU the process's peak resident memory (VmHWM), Python and torch included: context, not a target.
 """
@@ -39,7 +39,7 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def measured_terms(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, int]:
     moments = (v for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resident_bytes("VmHWM")
+    peak = torch.accelerator.max_memory_allocated(device) if device.type != "cpu" else resident_bytes("VmHWM")
     return {"parameters": local_bytes(model.parameters()), "optimizer_state": local_bytes(moments), "peak": peak}
 
 

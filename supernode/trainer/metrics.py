@@ -107,7 +107,7 @@ class Metrics:
         self.out = Path(out_dir)
         self.checkpoints = checkpoints
         self.plan, self.world, self.rank = plan, world_size, rank
-        self.peak = plan.hardware.peak_flops if device_type == "cuda" else None
+        self.peak = plan.hardware.peak_flops if device_type != "cpu" else None  # MFU on any accelerator
         self.records: list[StepRecord] = []
         self._progress = self._task = None
         self.http = None

@@ -181,9 +181,7 @@ class Meshes:
         # Mixed precision is FSDP's (`_fully_shard`), so a one-GPU job keeps its FSDP dims at size 1:
         # every parameter is then a DTensor that computes in bf16 (measured on one H200 without
         # this: the dev model trained in fp32 at 3% MFU).
-        one_gpu = (
-            getattr(layout, "mixed_precision", None) == "bf16" and device_type == "cuda" and layout.world_size == 1
-        )
+        one_gpu = isinstance(layout, Parallel) and bf16_compute(layout, device_type) and layout.world_size == 1
         return cls(
             dense=_mesh(device_type, shapes["dense"], keep=("dp_shard",) if one_gpu else ()),
             experts=_mesh(device_type, shapes["experts"], keep=("edp",) if one_gpu else ()),
@@ -254,9 +252,15 @@ def build_model(
     return model
 
 
+def bf16_compute(parallel: Parallel, device_type: str) -> bool:
+    """Whether FSDP's mixed precision computes in bf16: `mixedPrecision: bf16` on an accelerator (cuda,
+    neuron). On CPU the plan's bf16 is not applied: CPU matmuls in bf16 are slow and imprecise."""
+    return parallel.mixed_precision == "bf16" and device_type != "cpu"
+
+
 def compute_dtype(mesh: Meshes, parallel: Parallel, device_type: str) -> torch.dtype:
     """The dtype activations flow in: bf16 where FSDP's mixed precision applies (see `_fully_shard`)."""
-    bf16 = parallel.mixed_precision == "bf16" and device_type == "cuda" and mesh.dp is not None
+    bf16 = bf16_compute(parallel, device_type) and mesh.dp is not None
     return torch.bfloat16 if bf16 else torch.float32
 
 
@@ -313,12 +317,12 @@ def _activation_checkpointing(model: Transformer, mode: str) -> None:
 
 
 def _fully_shard(model: Transformer, mesh: Meshes, parallel: Parallel, device_type: str, pipelined: bool) -> None:
-    # bf16 compute with fp32 reduction on GPUs only: CPU matmuls in bf16 are slow and imprecise.
+    # bf16 compute with fp32 reduction on accelerators (`bf16_compute`).
     # Inputs are not cast: activations are bf16 anyway (bf16 weights), and the RoPE tables passed
     # to every block stay fp32.
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        if parallel.mixed_precision == "bf16" and device_type == "cuda"
+        if bf16_compute(parallel, device_type)
         else MixedPrecisionPolicy()
     )
     dp = mesh.dp

@@ -60,7 +60,7 @@ from supernode.core.plan import Plan
 from supernode.core.pretrained import is_remote
 
 from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, RunChoice, inject, prepare_run
-from .device import choose
+from .device import choose, synchronize
 from .engine import Trainer
 from .launch import LAUNCHER_ENV, RUN_KEY_ENV, exit_file  # where a failure a restart cannot fix is recorded
 from .memory import measured_terms, planned_terms
@@ -470,7 +470,6 @@ def _run(
         f"{'resumed from checkpoint at step ' + str(start) if start else 'starting at step 0'}; "
         f"training to step {steps} on {world} {device.type} rank(s), layout {plan.degrees.model_dump()}"
     )
-    gpu = device.type == "cuda"
     tokens_per_step = t.global_batch * plan.model.seq_len
     nan_from = int(inject("nan") or 0)  # test hook: the loss (and so every gradient) is NaN from this step on
     bad_streak, last_saved = 0, start
@@ -482,10 +481,9 @@ def _run(
             t0 = time.perf_counter()
             micro = trainer.loader.next_step()
             data_s = time.perf_counter() - t0
-            with CommClock(profiled, gpu) as clock:
+            with CommClock(profiled, cuda=device.type == "cuda") as clock:
                 r = trainer.train_step(micro, stop.term, stop.interrupt, poison=bool(nan_from) and step >= nan_from)
-                if gpu:
-                    torch.cuda.synchronize(device)
+                synchronize(device)  # the step's time includes its queued device work
             step_s = time.perf_counter() - t0
             if step == start + 1:  # the first update allocated the optimizer state: the terms are all there
                 metrics.memory(measured_terms(trainer.model, trainer.optimizer, device), planned_terms(plan))

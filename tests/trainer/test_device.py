@@ -143,3 +143,18 @@ def test_the_fabric_gate_on_a_trainium_plan_without_torch_neuronx_exits_2(tmp_pa
     assert fabric.main(["--plan", str(plan)]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: the plan's accelerator is Trainium (torch device neuron)")
+
+
+@pytest.mark.parametrize(("device_type", "bf16"), [("cuda", True), ("neuron", True), ("cpu", False)])
+def test_mixed_precision_follows_the_device(device_type, bf16, tmp_path):
+    """The plan's bf16 is computed on any accelerator (it was CUDA-only: a Trainium run trained in fp32
+    and reported no MFU), never on CPU; an fp32 plan stays fp32 everywhere."""
+    from supernode.core.config import Parallel
+    from supernode.trainer.metrics import Metrics
+    from supernode.trainer.parallel import bf16_compute
+
+    assert bf16_compute(Parallel(mixed_precision="bf16"), device_type) is bf16
+    assert bf16_compute(Parallel(mixed_precision="fp32"), device_type) is False
+    plan = build_plan("trn2", load_stack("trn2", ROOT))
+    metrics = Metrics(tmp_path, plan, world_size=1, device_type=device_type, rank=1)
+    assert metrics.peak == (plan.hardware.peak_flops if bf16 else None)  # MFU wherever there is a peak
