@@ -50,6 +50,10 @@ class AwsStub:
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
+            # HTTP/1.1 so that the server answers botocore's `Expect: 100-continue` at once: under
+            # HTTP/1.0 every PutObject waited botocore's 1 s for a "100 Continue" that never came.
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, *args) -> None:  # keep test output quiet
                 pass
 
