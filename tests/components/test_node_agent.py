@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import re
 import socket
+import urllib.error
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 
 import boto3
 import pytest
@@ -131,15 +133,20 @@ def moto_url() -> Iterator[str]:
 
 
 class RecordingKube(agent.Kube):
-    """The agent's API paths and bodies, answered from memory instead of a cluster."""
+    """The agent's API paths and bodies, answered from memory instead of a cluster (`configmaps`: by
+    API path; a path not there answers 404, as the API server would)."""
 
-    def __init__(self, node: dict, pods: list[dict]) -> None:
-        self.node_obj, self.pods, self.sent = node, pods, []
+    def __init__(self, node: dict, pods: list[dict], configmaps: dict[str, dict] | None = None) -> None:
+        self.node_obj, self.pods, self.configmaps, self.sent = node, pods, configmaps or {}, []
 
     def call(self, method: str, path: str, body: dict | None = None, content_type: str = "application/json") -> dict:
         self.sent.append((method, path.split("?")[0], content_type, body))
         if method == "GET" and path.startswith("/api/v1/nodes/"):
             return self.node_obj
+        if method == "GET" and "/configmaps/" in path:
+            if path not in self.configmaps:
+                raise urllib.error.HTTPError(path, 404, "Not Found", None, None)  # type: ignore[arg-type]
+            return self.configmaps[path]
         if method == "GET":
             return {"items": self.pods}
         return {}
@@ -256,3 +263,102 @@ def test_a_passed_deep_check_does_not_admit_a_quarantined_node() -> None:
     agent.act(kube, None, NODE["metadata"]["name"], health.STAY, health.Verdict(()), [], True, False)
     patch = kube.sent[-1][3]
     assert [t["key"] for t in patch["spec"]["taints"]] == ["nvidia.com/gpu"]
+
+
+# -- each node judged as its own instance type -------------------------------------------------------
+
+FIXTURES = Path(__file__).parents[1] / "trainer" / "fixtures" / "health"
+
+
+def labelled(node: dict, instance_type: str) -> dict:
+    return {**node, "metadata": {**node["metadata"], "labels": {agent.INSTANCE_TYPE_LABEL: instance_type}}}
+
+
+def p5en_readings(efa_before: dict | None) -> health.Readings:
+    """A healthy p5en.48xlarge as its tools print it: 8 H200 on NVLink, 16 EFA devices."""
+    return health.Readings(
+        nvidia_smi_q=(FIXTURES / "nvidia-smi-q.txt").read_text(),
+        nvlink_status=(FIXTURES / "nvlink-s.txt").read_text(),
+        dmesg=(FIXTURES / "dmesg-app-only.txt").read_text(),
+        ecc_remap=(FIXTURES / "ecc-remap-ok.txt").read_text(),
+        dcgmi_health=(FIXTURES / "dcgmi-health-healthy.txt").read_text(),
+        efa_before=efa_before,
+        efa_now={f"rdmap{i}s0": {"cmds_err": 0} for i in range(16)},
+    )
+
+
+def watch(fallback: str | None = "p5.48xlarge", **kw) -> agent.Watch:
+    return agent.Watch(NODE["metadata"]["name"], fallback, [], health.Tracker(3, 3, 86400), **kw)
+
+
+def test_a_serving_node_of_another_type_is_judged_as_itself() -> None:
+    """The DaemonSet's --instance-type is training's p5.48xlarge; a p5en.48xlarge serving node beside it
+    is judged by its own label, passes, and is admitted."""
+    kube = RecordingKube(labelled(NODE, "p5en.48xlarge"), [])
+    line = watch().round(kube, None, p5en_readings, list, now=1000.0)
+    assert (line["instance_type"], line["severity"], line["findings"], line["node_quarantined"]) == (
+        "p5en.48xlarge",
+        health.OK,
+        "",
+        0,
+    )
+    [(method, _, _, patch)] = [s for s in kube.sent if s[0] != "GET"]
+    assert method == "PATCH" and patch["metadata"]["labels"] == {agent.HEALTH_LABEL: "ok"}
+    assert taints(patch) == [("nvidia.com/gpu", "true", "NoSchedule")]  # the deep check passed: admitted
+    # Judged as the training type (the old behaviour) the same node misses half of its EFA devices: a
+    # hardware finding, and the node would be replaced for being itself.
+    own = {
+        (f.check, f.severity)
+        for f in health.decide(
+            p5en_readings(None), agent.judged_as(labelled(NODE, "p5en.48xlarge"), "p5.48xlarge")
+        ).findings
+    }
+    as_training = {
+        (f.check, f.severity) for f in health.decide(p5en_readings(None), agent.lookup("p5.48xlarge")).findings
+    }
+    assert own == set() and as_training == {("efa", health.HARDWARE)}
+
+
+@pytest.mark.parametrize(
+    ("labels", "fallback", "judged"),
+    [
+        ({agent.INSTANCE_TYPE_LABEL: "p5en.48xlarge"}, "p5.48xlarge", "p5en.48xlarge"),  # the label wins
+        ({}, "p5.48xlarge", "p5.48xlarge"),  # no label: the flag stands in
+    ],
+)
+def test_the_label_decides_the_flag_only_stands_in(labels: dict, fallback: str, judged: str) -> None:
+    node = {**NODE, "metadata": {**NODE["metadata"], "labels": labels}}
+    assert agent.judged_as(node, fallback).name == judged
+
+
+@pytest.mark.parametrize(
+    ("labels", "fallback", "message"),
+    [
+        (
+            {agent.INSTANCE_TYPE_LABEL: "g6e.48xlarge"},
+            "p5.48xlarge",
+            "instance type 'g6e.48xlarge' (label node.kubernetes.io/instance-type) is not in the catalog",
+        ),
+        ({}, None, "has no node.kubernetes.io/instance-type label and no --instance-type was given"),
+        (
+            {agent.INSTANCE_TYPE_LABEL: "trn2.48xlarge"},
+            None,
+            "trn2.48xlarge (label node.kubernetes.io/instance-type) is not an NVIDIA GPU instance",
+        ),
+    ],
+)
+def test_a_node_of_an_unknown_type_is_not_judged(labels: dict, fallback: str | None, message: str) -> None:
+    """No taint, no eviction, no replacement: one Event and a line each round."""
+    node = {**NODE, "metadata": {**NODE["metadata"], "labels": labels}}
+    kube = RecordingKube(node, [{"metadata": {"name": "serve-0", "namespace": "supernode-train"}}])
+
+    def never(_before: dict | None) -> health.Readings:
+        raise AssertionError("an unjudged node's tools are not read")
+
+    w = watch(fallback)
+    lines = [w.round(kube, None, never, list, now=1000.0 + i) for i in range(2)]
+    assert all(line["action"] == "not_judged" and message in line["reason"] for line in lines)
+    writes = [(m, p, b) for m, p, _, b in kube.sent if m != "GET"]
+    assert [(m, p) for m, p, _ in writes] == [("POST", "/api/v1/namespaces/default/events")]  # once, not per round
+    assert writes[0][2]["reason"] == "NodeNotJudged" and message in writes[0][2]["message"]
+    assert mf.validate([writes[0][2]], VERSION) == []

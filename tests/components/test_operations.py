@@ -207,9 +207,11 @@ def test_node_health_agent_runs_on_every_gpu_node_with_only_the_rights_it_uses(s
     assert rules("Role") == {
         wl.namespace: [("", "pods", ["get", "list"]), ("", "pods/eviction", ["create"])],
         "default": [("", "events", ["create"])],  # where a Node's events go
+        # the fabric verdict ConfigMap, by name (tests/components/test_fabric_verdict_rbac.py)
+        NODE_HEALTH_NAMESPACE: [("", "configmaps", ["get"])],
     }
     bindings = [m for m in mine if m["kind"] in ("RoleBinding", "ClusterRoleBinding")]
-    assert len(bindings) == 3
+    assert len(bindings) == 4
     for b in bindings:
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": NODE_HEALTH_SA, "namespace": NODE_HEALTH_NAMESPACE}]
 

@@ -238,7 +238,9 @@ def test_unreadable_baseline_exits_2_before_any_collective(tmp_path: Path, capsy
     assert f"--baseline {path}" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("flags", [["--regression", "1.5"], ["--ranks-per-node", "3"]])
+@pytest.mark.parametrize(
+    "flags", [["--regression", "1.5"], ["--ranks-per-node", "3"], ["--verdict-configmap", "fabric-verdict"]]
+)
 def test_bad_matrix_flags_exit_2(flags, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert fabric.main(["--min-busbw-gbytes-s", "1", *flags]) == 2
@@ -386,3 +388,18 @@ def test_a_replaced_node_is_judged_against_the_fleet_then_added_to_the_baseline(
     assert [n["node"] for n in grown["nodes"]][-1] == new and len(grown["nodes"]) == 5
     assert grown["rebaselined"][0]["nodes"] == [new] and grown["rebaselined"][0]["time"] > doc["time"]
     assert not (tmp_path / "baseline.json.tmp").exists()  # written through a temporary file, renamed
+
+
+@pytest.mark.slow
+def test_a_verdict_that_cannot_be_recorded_fails_the_check(tmp_path: Path):
+    """Outside a pod there is no API to record the verdict in: the check says so once and fails (the
+    nodes' agents would otherwise act on an old verdict); the report is still written."""
+    report = tmp_path / "last.json"
+    run = four_rank_pairs("--report", str(report), "--verdict-configmap", "supernode-node-health/fabric-verdict")
+    assert run.returncode == 1, failure(run)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: verdict not recorded in supernode-node-health/fabric-verdict: "
+        "the Kubernetes API is reached from a pod: KUBERNETES_SERVICE_HOST is not set"
+    ]
+    assert json_lines(run)[-1]["passed"] is False and report.exists()

@@ -13,7 +13,10 @@ and validates it.
   (the inventory-drift alarm) every `workload.inventoryIntervalMinutes`.
 - **Node health** (DaemonSet on the NVIDIA nodes, namespace supernode-node-health, Pod Security privileged
   for its read-only hostPath and CAP_SYSLOG): `supernode.trainer.node.agent watch` admits a node that
-  joined unchecked, quarantines and replaces broken ones (docs/architecture.md, "Node life cycle").
+  joined unchecked, quarantines and replaces broken ones (docs/architecture.md, "Node life cycle"),
+  each node judged as its own instance type. The fabric re-check records its verdict on each node it
+  measured in the `fabric-verdict` ConfigMap there (its own service account may patch that one object,
+  the agents may get it), and the agent quarantines a node named slow.
 - **Restore drill** (CronJob, `workload.restoreDrillSchedule`): `supernode drill restore --json`
   from the trainer image, as the trainer's service account (read access to the checkpoints).
 - **Checkpoint retention** (CronJob, `workload.checkpointRetentionSchedule`): `supernode checkpoints
@@ -71,6 +74,17 @@ INVENTORY_SA = "inventory"
 # The node health agent's own namespace: it needs a hostPath and CAP_SYSLOG, which Pod Security
 # baseline forbids and only privileged admits, so no other pod gets that level with it.
 NODE_HEALTH_NAMESPACE, NODE_HEALTH_SA = "supernode-node-health", "node-health"
+# The fabric re-check's verdict on each node (supernode.trainer.node.fabric --verdict-configmap), in
+# the agents' namespace; the re-check's pods run as FABRIC_SA, which may patch this one ConfigMap.
+FABRIC_VERDICT, FABRIC_SA = "fabric-verdict", "fabric-check"
+# A node the agent quarantined for the fabric verdict alone (taint supernode.io/unhealthy=fabric, the
+# agent's UNHEALTHY_TAINT and finding) still takes the re-check's pod: only a new measurement clears it.
+FABRIC_QUARANTINE_TOLERATION = {
+    "key": "supernode.io/unhealthy",
+    "operator": "Equal",
+    "value": "fabric",
+    "effect": "NoSchedule",
+}
 EFA_COUNTERS = "/sys/class/infiniband"
 # The ops pods' egress: DNS, and HTTPS to the Kubernetes API (the cluster's private endpoint), STS and
 # the AWS APIs their IRSA roles call; never the instance metadata service.
@@ -198,6 +212,67 @@ def cloudwatch_agent_config(cluster_name: str, region: str) -> dict[str, Any]:
     }
 
 
+_CRON_FIELDS = (  # (low, high, names) of minute, hour, day of month, month, day of week
+    (0, 59, ()),
+    (0, 23, ()),
+    (1, 31, ()),
+    (1, 12, ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC")),
+    (0, 7, ("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT")),
+)
+
+
+def _cron_field(text: str, low: int, high: int, names: tuple[str, ...]) -> set[int]:
+    def value(v: str) -> int:
+        v = v.upper()
+        return names.index(v) + low if v in names else int(v)
+
+    out: set[int] = set()
+    for part in text.split(","):
+        span, _, step = part.partition("/")
+        if span in ("*", "?"):
+            first, last = low, high
+        elif "-" in span:
+            first, last = (value(v) for v in span.split("-", 1))
+        else:
+            first = value(span)
+            last = high if step else first
+        if not (low <= first <= last <= high) or (step and int(step) < 1):
+            raise ValueError(f"{part!r} is outside {low}-{high}")
+        out.update(range(first, last + 1, int(step) if step else 1))
+    return out
+
+
+def longest_gap_s(schedule: str) -> int:
+    """The longest time between two runs of a CronJob schedule (minute hour day-of-month month
+    day-of-week, with names, ranges, lists and steps; a day matches either day field when both are
+    restricted, as cron's), over eight years from 2024, which a leap-day schedule needs."""
+    import datetime as dt
+
+    fields = schedule.split()
+    try:
+        if len(fields) != 5:
+            raise ValueError("five fields are needed")
+        minutes, hours, days, months, weekdays = (_cron_field(f, *spec) for f, spec in zip(fields, _CRON_FIELDS))
+    except ValueError as e:
+        raise ValueError(f"{schedule!r} is not a cron schedule: {e}") from None
+    weekdays = {d % 7 for d in weekdays}  # 7 is Sunday too
+    either = not fields[2].startswith(("*", "?")) and not fields[4].startswith(("*", "?"))
+    daily = sorted(h * 60 + m for h in hours for m in minutes)
+    gaps = [b - a for a, b in zip(daily, daily[1:])]
+    previous = None
+    start = dt.date(2024, 1, 1)
+    for offset in range(8 * 366):
+        day = start + dt.timedelta(days=offset)
+        dom, dow = day.day in days, (day.weekday() + 1) % 7 in weekdays
+        if day.month in months and ((dom or dow) if either else (dom and dow)):
+            if previous is not None:
+                gaps.append((offset - previous) * 1440 + daily[0] - daily[-1])
+            previous = offset
+    if previous is None or not gaps:
+        raise ValueError(f"{schedule!r} runs at most once in eight years")
+    return max(gaps) * 60
+
+
 def small(cpu: str, memory: str, cpu_limit: str, memory_limit: str) -> dict[str, Any]:
     return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"cpu": cpu_limit, "memory": memory_limit}}
 
@@ -213,7 +288,15 @@ class Operations(pulumi.ComponentResource):
         stack = job.plan.stack
         store = BaselineStore(pvc=args.pvc, subpath=args.baseline_subpath, regression=wl.fabric_regression)
 
-        self.fabric_check = self._fabric_check(name, job, wl, store, dns_name(stack, "fabric-check"))
+        # Node health first: the fabric re-check records its verdict in the agents' namespace.
+        self.node_health, self.fabric_verdict = (
+            (None, None)
+            if args.node_health_role_arn is None
+            else self._node_health(name, job, wl, args.node_health_role_arn)
+        )
+        self.fabric_check = self._fabric_check(
+            name, job, wl, store, dns_name(stack, "fabric-check"), self.fabric_verdict
+        )
         self.fabric_summary = k8s.core.v1.ConfigMap(
             f"{name}-fabric-baseline",
             metadata=meta("fabric-baseline", job.namespace),
@@ -221,9 +304,6 @@ class Operations(pulumi.ComponentResource):
             opts=self._child,
         )
         self.inventory = self._inventory(name, job.image, job.gpu_nodes, wl)
-        self.node_health = (
-            None if args.node_health_role_arn is None else self._node_health(name, job, wl, args.node_health_role_arn)
-        )
         filename = f"Pulumi.{stack}.yaml"  # the stack's config, as the drill and the retention read it
         stack_cm = k8s.core.v1.ConfigMap(
             f"{name}-stack",
@@ -278,11 +358,20 @@ class Operations(pulumi.ComponentResource):
         }
 
     def _fabric_check(
-        self, name: str, job: JobArgs, wl: WorkloadConfig, store: BaselineStore, service: str
+        self,
+        name: str,
+        job: JobArgs,
+        wl: WorkloadConfig,
+        store: BaselineStore,
+        service: str,
+        verdict: k8s.core.v1.ConfigMap | None,
     ) -> k8s.batch.v1.CronJob:
+        """`verdict`: the ConfigMap the check records its verdict on each node in (None: no node agent reads it)."""
         mesh = service
         after = fabric_mesh(f"{name}-fabric", job, mesh, self)
         template = fabric_pod_template(job, mesh, service, store, "latest.json")
+        if verdict is not None:
+            after += self._fabric_verdict_writer(name, job, verdict, template)
         return k8s.batch.v1.CronJob(
             f"{name}-fabric-check",
             metadata=meta(service, job.namespace),
@@ -299,6 +388,37 @@ class Operations(pulumi.ComponentResource):
             },
             opts=pulumi.ResourceOptions(parent=self, depends_on=after),
         )
+
+    def _fabric_verdict_writer(
+        self, name: str, job: JobArgs, verdict: k8s.core.v1.ConfigMap, template: dict[str, Any]
+    ) -> list[pulumi.Resource]:
+        """The re-check's pods get a service account that may patch the verdict ConfigMap and nothing
+        else (no create, no list: Pulumi made it; resourceNames pins the one object), tolerate a node
+        quarantined for the fabric alone (so a check can clear it), and rank 0 records the verdict."""
+        child = self._child
+        sa = k8s.core.v1.ServiceAccount(f"{name}-fabric-check", metadata=meta(FABRIC_SA, job.namespace), opts=child)
+        role = k8s.rbac.v1.Role(
+            f"{name}-fabric-verdict",
+            metadata=meta("fabric-verdict-writer", verdict.metadata.namespace),
+            rules=[
+                {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [FABRIC_VERDICT], "verbs": ["patch"]}
+            ],
+            opts=child,
+        )
+        binding = k8s.rbac.v1.RoleBinding(
+            f"{name}-fabric-verdict",
+            metadata=meta("fabric-verdict-writer", verdict.metadata.namespace),
+            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name},
+            subjects=[{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": job.namespace}],
+            opts=child,
+        )
+        pod = template["spec"]
+        pod["serviceAccountName"] = sa.metadata.name
+        pod["automountServiceAccountToken"] = True  # rank 0 patches the verdict through the API
+        pod["tolerations"] = [*pod["tolerations"], FABRIC_QUARANTINE_TOLERATION]
+        [container] = pod["containers"]
+        container["args"] = [*container["args"], "--verdict-configmap", f"{NODE_HEALTH_NAMESPACE}/{FABRIC_VERDICT}"]
+        return [verdict, role, binding]
 
     def _inventory(self, name: str, image: str, gpu: GpuNodes, wl: WorkloadConfig) -> k8s.apps.v1.DaemonSet:
         """Own namespace: the training namespace's quota counts one job's pods, and PSA baseline suffices."""
@@ -378,8 +498,13 @@ class Operations(pulumi.ComponentResource):
 
     def _node_health(
         self, name: str, job: JobArgs, wl: WorkloadConfig, role_arn: pulumi.Input[str]
-    ) -> k8s.apps.v1.DaemonSet:
-        """supernode.trainer.node.agent on every GPU node: taints, evicts and replaces a broken node."""
+    ) -> tuple[k8s.apps.v1.DaemonSet, k8s.core.v1.ConfigMap]:
+        """supernode.trainer.node.agent on every GPU node: taints, evicts and replaces a broken node.
+        With it, the (empty) fabric verdict ConfigMap the fabric re-check fills and the agents read."""
+        try:  # a verdict older than two fabric-check intervals is ignored
+            fabric_max_age_s = 2 * longest_gap_s(wl.fabric_check_schedule)
+        except ValueError as e:
+            raise pulumi.RunError(f"workload.fabricCheckSchedule: {e}") from None
         child = self._child
         ns = k8s.core.v1.Namespace(
             f"{name}-node-health-ns",
@@ -412,25 +537,40 @@ class Operations(pulumi.ComponentResource):
             subjects=subjects,
             opts=child,
         )
+        # The fabric re-check patches it (only the data: Pulumi must not reset verdicts on `up`).
+        verdict = k8s.core.v1.ConfigMap(
+            f"{name}-fabric-verdict",
+            metadata=meta(FABRIC_VERDICT, ns),
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["data"]),
+        )
         namespaced = {
             # the training pods leave a broken node through the eviction API (their disruption budget holds)
-            wl.namespace: [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-                {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
-            ],
-            "default": [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}],  # a Node's events
+            wl.namespace: (
+                wl.namespace,
+                [
+                    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                    {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
+                ],
+            ),
+            # a Node's events
+            "default": ("default", [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]),
+            # the fabric verdict, that one object (its namespace: the Role waits for the ConfigMap)
+            NODE_HEALTH_NAMESPACE: (
+                verdict.metadata.namespace,
+                [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [FABRIC_VERDICT], "verbs": ["get"]}],
+            ),
         }
         roles = []
-        for where, rules in namespaced.items():
+        for where, (namespace, rules) in namespaced.items():
             role = k8s.rbac.v1.Role(
                 f"{name}-node-health-{where}",
-                metadata=meta("supernode-node-health", where),
+                metadata=meta("supernode-node-health", namespace),
                 rules=rules,
                 opts=child,
             )
             k8s.rbac.v1.RoleBinding(
                 f"{name}-node-health-{where}",
-                metadata=meta("supernode-node-health", where),
+                metadata=meta("supernode-node-health", namespace),
                 role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name},
                 subjects=subjects,
                 opts=child,
@@ -449,10 +589,15 @@ class Operations(pulumi.ComponentResource):
             "image": job.image,
             "command": ["python", "-m", "supernode.trainer.node.agent", "watch"],
             "args": [
+                # only where a node has no node.kubernetes.io/instance-type label: each is judged as its own type
                 "--instance-type",
                 job.plan.instance_type,
                 "--evict-namespace",
                 wl.namespace,
+                "--fabric-verdict",
+                f"{NODE_HEALTH_NAMESPACE}/{FABRIC_VERDICT}",
+                "--fabric-max-age-s",
+                str(fabric_max_age_s),
             ],
             "env": [
                 {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
@@ -470,7 +615,7 @@ class Operations(pulumi.ComponentResource):
             },
             "volumeMounts": [{"name": "infiniband", "mountPath": EFA_COUNTERS, "readOnly": True}],
         }
-        return k8s.apps.v1.DaemonSet(
+        agents = k8s.apps.v1.DaemonSet(
             f"{name}-node-health",
             metadata=meta("node-health", ns, labels),
             spec={
@@ -489,6 +634,7 @@ class Operations(pulumi.ComponentResource):
             },
             opts=pulumi.ResourceOptions(parent=self, depends_on=[node_role, *roles]),
         )
+        return agents, verdict
 
     def _prometheus_agent(
         self, name: str, args: OperationsArgs, namespaces: list[str], config: tuple[str, str]

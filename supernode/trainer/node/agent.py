@@ -1,9 +1,17 @@
 """The node health agent: check this GPU node, quarantine it, record why, hand broken ones to replacement.
 
-    python -m supernode.trainer.node.agent watch --instance-type p5.48xlarge --evict-namespace supernode-train
+    python -m supernode.trainer.node.agent watch --evict-namespace supernode-train \
+        [--instance-type p5.48xlarge] [--fabric-verdict NAMESPACE/NAME --fabric-max-age-s S]
 
 Every `--interval-s` the agent runs the tools supernode.trainer.node.health reads, decides, and acts
-on this node (NODE_NAME, from the pod's downward API):
+on this node (NODE_NAME, from the pod's downward API). The node is judged against the catalog's
+figures for its own instance type, its Node's `node.kubernetes.io/instance-type` label (a serving node
+group of another type beside training's is judged as itself); `--instance-type` only stands in where
+the label is missing. A type the catalog does not know is not judged (a line and one Event, no taint,
+no replacement): its GPU count, NVLink and EFA figures are unknown. With `--fabric-verdict` the
+fabric re-check's latest verdict on this node (a ConfigMap, health.fabric_verdict) is one of the
+readings: a node it named slow is quarantined until a later check measures it and passes; a verdict
+older than `--fabric-max-age-s` is ignored.
 
 - a failure taints the node `supernode.io/unhealthy=<check>:NoSchedule`, labels it
   `supernode.io/health=quarantined` with the finding in an annotation, and posts a Kubernetes Event;
@@ -34,11 +42,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from supernode.core.catalog import lookup
+from supernode.core.catalog import InstanceType, lookup
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
 from supernode.trainer.node import health
 
@@ -46,6 +56,7 @@ UNHEALTHY_TAINT = "supernode.io/unhealthy"
 UNCHECKED_TAINT = "supernode.io/unchecked"
 HEALTH_LABEL = "supernode.io/health"
 REASON_ANNOTATION = "supernode.io/health-reason"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"  # the kubelet's, from the cloud provider
 COMPONENT = "supernode-node-agent"
 EFA_COUNTERS = Path("/sys/class/infiniband")
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -119,6 +130,32 @@ def instance_id(node: dict[str, Any]) -> str:
     return m.group(1)
 
 
+class NotJudged(Exception):
+    """The node's instance type is not one the checks have figures for."""
+
+
+def judged_as(node: dict[str, Any], fallback: str | None) -> InstanceType:
+    """The catalog row the node is judged against: its own instance-type label, else `fallback`
+    (--instance-type). NotJudged names the type and where it came from when there is none."""
+    name = node["metadata"]["name"]
+    kind = node["metadata"].get("labels", {}).get(INSTANCE_TYPE_LABEL)
+    source = f"label {INSTANCE_TYPE_LABEL}"
+    if not kind:
+        if fallback is None:
+            raise NotJudged(f"node {name} has no {INSTANCE_TYPE_LABEL} label and no --instance-type was given")
+        kind, source = fallback, "--instance-type"
+    try:
+        instance = lookup(kind)
+    except KeyError:
+        raise NotJudged(
+            f"node {name}: instance type {kind!r} ({source}) is not in the catalog: no GPU count, NVLink or "
+            "EFA figures to judge it against, so it is neither quarantined nor replaced"
+        ) from None
+    if instance.vendor != "nvidia":  # the checks read NVIDIA's tools (Neuron nodes: not yet)
+        raise NotJudged(f"node {name}: {kind} ({source}) is not an NVIDIA GPU instance: the checks read NVIDIA tools")
+    return instance
+
+
 def replace_instance(autoscaling: Any, instance: str) -> dict[str, Any]:
     """Terminate the instance in its Auto Scaling group without lowering the desired capacity, so
     the group launches a replacement. `autoscaling` is a boto3 client; IAM allows this call only on
@@ -179,12 +216,13 @@ def gather(efa_before: dict[str, dict[str, int]] | None) -> health.Readings:
 
 
 class Kube:
-    """The few API calls the agent's RBAC allows: get/patch nodes, list pods, create evictions and events."""
+    """The few API calls the agents' RBAC allows: get/patch nodes, list pods, create evictions and
+    events, get (the node agent) or patch (the fabric re-check) the fabric verdict ConfigMap."""
 
     def __init__(self) -> None:
         host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
         if not host:
-            raise BadInput("watch runs in a pod: KUBERNETES_SERVICE_HOST is not set")
+            raise BadInput("the Kubernetes API is reached from a pod: KUBERNETES_SERVICE_HOST is not set")
         self.base = f"https://{host}:{port}"
         self.token = (SA_DIR / "token").read_text(encoding="utf-8").strip()
         self.tls = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
@@ -215,6 +253,14 @@ class Kube:
 
     def post_event(self, body: dict) -> None:
         self.call("POST", "/api/v1/namespaces/default/events", body)
+
+    def configmap(self, namespace: str, name: str) -> dict:
+        return self.call("GET", f"/api/v1/namespaces/{namespace}/configmaps/{name}")
+
+    def patch_configmap(self, body: dict) -> dict:
+        meta = body["metadata"]
+        path = f"/api/v1/namespaces/{meta['namespace']}/configmaps/{meta['name']}"
+        return self.call("PATCH", path, body, "application/merge-patch+json")
 
 
 def act(
@@ -251,30 +297,133 @@ def act(
     return line
 
 
+def deep_check() -> list[str]:
+    """`dcgmi diag -r 2`'s failed tests (minutes: run once, when the node joins)."""
+    return parse_dcgmi_diag(_run(["dcgmi", "diag", "-r", "2"], timeout_s=1800) or "")
+
+
+@dataclass
+class Watch:
+    """One node's agent between rounds: what it carries from one round to the next."""
+
+    node_name: str
+    fallback: str | None  # --instance-type: only where the node has no instance-type label
+    namespaces: list[str]
+    tracker: health.Tracker
+    fabric_configmap: tuple[str, str] | None = None  # (namespace, name) of the fabric verdict
+    fabric_max_age_s: float = 0.0
+    efa_before: dict[str, dict[str, int]] | None = None
+    checked: bool = False
+    fabric_entries: dict[str, str] | None = None  # the last verdict read: a failed read keeps it (it ages)
+    not_judged: str = ""  # the reason last posted as an Event: one Event per reason, not one per round
+
+    def read_fabric(self, kube: Kube, now: float) -> tuple[bool | None, str]:
+        if self.fabric_configmap is None:
+            return None, "not read"
+        unread = ""
+        try:
+            self.fabric_entries = kube.configmap(*self.fabric_configmap).get("data") or {}
+        except (OSError, ValueError) as e:
+            unread = f" (last read; this one failed: {e})"
+        suspect, state = health.fabric_verdict(self.fabric_entries, self.node_name, now, self.fabric_max_age_s)
+        return suspect, state + unread
+
+    def round(
+        self,
+        kube: Kube,
+        autoscaling: Any,
+        gather_readings: Callable[[dict[str, dict[str, int]] | None], health.Readings],
+        diag: Callable[[], list[str]],
+        now: float,
+    ) -> dict[str, Any]:
+        """Read, decide and act once; the round's JSON line."""
+        node = kube.node(self.node_name)
+        try:
+            instance = judged_as(node, self.fallback)
+        except NotJudged as e:
+            if str(e) != self.not_judged:
+                kube.post_event(event(node, "NodeNotJudged", str(e), datetime.fromtimestamp(now, UTC)))
+                self.not_judged = str(e)
+            return {
+                "node": self.node_name,
+                "action": "not_judged",
+                "reason": str(e),
+                "node_quarantined": int(self.tracker.quarantined),
+            }
+        self.not_judged = ""
+        suspect, fabric_state = self.read_fabric(kube, now)
+        readings = replace(gather_readings(self.efa_before), fabric_suspect=suspect)
+        self.efa_before = dict(readings.efa_now or {})
+        verdict = health.decide(readings, instance)
+        if not self.checked:  # the deep check, once, before training pods may land here
+            failed = diag()
+            if failed:
+                finding = health.Finding("dcgm_diag", health.HARDWARE, "failed: " + ", ".join(failed))
+                verdict = health.Verdict((*verdict.findings, finding))
+            self.checked = verdict.severity == health.OK
+        action = self.tracker.observe(verdict, now)
+        line = act(
+            kube, autoscaling, self.node_name, action, verdict, self.namespaces, self.checked, self.tracker.quarantined
+        )
+        line.update(instance_type=instance.name, fabric=fabric_state, node_quarantined=int(self.tracker.quarantined))
+        return line
+
+
+def configmap_ref(flag: str) -> Callable[[str], tuple[str, str]]:
+    """An argparse type for `flag`: NAMESPACE/NAME of a ConfigMap."""
+
+    def parse(text: str) -> tuple[str, str]:
+        namespace, _, name = text.partition("/")
+        if not namespace or not name or "/" in name:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: give NAMESPACE/NAME of a ConfigMap")
+        return namespace, name
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m supernode.trainer.node.agent", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("watch", help="check this node every --interval-s and act (the DaemonSet)")
-    w.add_argument("--instance-type", required=True, help="the node group's instance type (catalog figures)")
+    w.add_argument(
+        "--instance-type",
+        help="judge the node as this type only where its Node has no node.kubernetes.io/instance-type label",
+    )
     w.add_argument("--evict-namespace", action="append", default=[], help="namespace whose pods leave a broken node")
     w.add_argument("--interval-s", type=int, default=300)
     w.add_argument("--release-after", type=int, default=3, help="consecutive passes before a quarantine ends")
     w.add_argument("--replace-after", type=int, default=3, help="failures within --window-s that mean replacement")
     w.add_argument("--window-s", type=int, default=86400)
+    w.add_argument(
+        "--fabric-verdict",
+        type=configmap_ref("--fabric-verdict"),
+        metavar="NAMESPACE/NAME",
+        help="the ConfigMap the fabric re-check writes its verdict on each node to",
+    )
+    w.add_argument(
+        "--fabric-max-age-s",
+        type=float,
+        help="ignore a fabric verdict older than this (the stack: two fabric-check intervals)",
+    )
     w.add_argument("--once", action="store_true", help="one round, then exit")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
         return EXIT_BAD_INPUT if e.code else EXIT_OK
     try:
-        try:
-            instance = lookup(args.instance_type)
-        except KeyError as e:
-            raise BadInput(f"--instance-type: {e.args[0]}") from None
-        if instance.vendor != "nvidia":  # the checks read NVIDIA's tools (Neuron nodes: not yet)
-            raise BadInput(f"--instance-type: {instance.name} is not an NVIDIA GPU instance")
+        if args.instance_type is not None:  # a fallback that could never judge a node is a typo: say so now
+            try:
+                instance = lookup(args.instance_type)
+            except KeyError as e:
+                raise BadInput(f"--instance-type: {e.args[0]}") from None
+            if instance.vendor != "nvidia":
+                raise BadInput(f"--instance-type: {instance.name} is not an NVIDIA GPU instance")
         if args.interval_s < 30:
             raise BadInput(f"--interval-s must be at least 30, got {args.interval_s}")
+        if (args.fabric_verdict is None) != (args.fabric_max_age_s is None):
+            raise BadInput("--fabric-verdict and --fabric-max-age-s go together: give both or neither")
+        if args.fabric_max_age_s is not None and args.fabric_max_age_s <= 0:
+            raise BadInput(f"--fabric-max-age-s must be positive, got {args.fabric_max_age_s:g}")
         try:
             tracker = health.Tracker(args.release_after, args.replace_after, args.window_s)
         except ValueError as e:
@@ -287,24 +436,17 @@ def main(argv: list[str] | None = None) -> int:
         from botocore.exceptions import BotoCoreError, ClientError
 
         autoscaling = boto3.client("autoscaling")
-        efa_before: dict[str, dict[str, int]] | None = None
-        checked = False
+        watch = Watch(
+            node_name,
+            args.instance_type,
+            args.evict_namespace,
+            tracker,
+            args.fabric_verdict,
+            args.fabric_max_age_s or 0.0,
+        )
         while True:
             try:
-                readings = gather(efa_before)
-                efa_before = dict(readings.efa_now or {})
-                verdict = health.decide(readings, instance)
-                if not checked:  # the deep check, once, before training pods may land here
-                    failed = parse_dcgmi_diag(_run(["dcgmi", "diag", "-r", "2"], timeout_s=1800) or "")
-                    if failed:
-                        finding = health.Finding("dcgm_diag", health.HARDWARE, "failed: " + ", ".join(failed))
-                        verdict = health.Verdict((*verdict.findings, finding))
-                    checked = verdict.severity == health.OK
-                action = tracker.observe(verdict, time.time())
-                line = act(
-                    kube, autoscaling, node_name, action, verdict, args.evict_namespace, checked, tracker.quarantined
-                )
-                line["node_quarantined"] = int(tracker.quarantined)
+                line = watch.round(kube, autoscaling, gather, deep_check, time.time())
                 print(json.dumps(line, sort_keys=True), flush=True)
             except (OSError, ValueError, KeyError, BotoCoreError, ClientError) as e:  # next round retries
                 print(json.dumps({"node": node_name, "agent": "error", "error": str(e)}), flush=True)

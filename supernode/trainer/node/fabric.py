@@ -25,6 +25,12 @@ What it measures, rank 0 printing one JSON line each:
   pair; a bad node regresses all of its pairs), and the line `fabric_regressed_node_count` is what
   the monitoring's log metric filter turns into an alarm.
 
+With `--verdict-configmap NAMESPACE/NAME` (the scheduled re-check) rank 0 also records its verdict on
+every node it measured in that ConfigMap, one key per node (health.fabric_entry: the time, named slow
+or not), with a JSON merge patch: a node it did not measure keeps its last entry, which ages out. Each
+node's health agent reads its own key and quarantines a node named slow until a later check passes
+(docs/architecture.md, "Node life cycle"). A verdict that cannot be written fails the check.
+
 The gate compares the best all_reduce busbw with the floor (the plan's `gate_floor_gbytes_s` under
 --plan, as the gate Job runs it, or --min-busbw-gbytes-s) and fails when a node is named.
 `--baseline PATH` compares with the report at PATH, or records this run there when none exists yet
@@ -54,6 +60,8 @@ from supernode.core.plan import Plan
 
 from ..checkpoint import inject
 from ..device import choose, synchronize
+from . import health
+from .agent import Kube, configmap_ref
 from .inventory import instance_id
 
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -332,6 +340,30 @@ def extend_baseline(baseline: dict, matrix: dict, found: dict, when: float) -> d
     }
 
 
+def verdict_patch(namespace: str, name: str, matrix: dict, found: dict, when: float) -> dict:
+    """The JSON merge patch (application/merge-patch+json) of the verdict ConfigMap: an entry for
+    every node of the pair matrix, named slow or not (a merge patch leaves the other keys, the nodes
+    this run did not measure, as they were)."""
+    regressed: dict[str, int] = {}
+    for p in found["regressed_pairs"]:
+        for n in p["pair"]:
+            regressed[n] = regressed.get(n, 0) + 1
+    measured: dict[str, int] = {}
+    for p in matrix["pairs"]:
+        for n in p["pair"]:
+            measured[n] = measured.get(n, 0) + 1
+    suspects = set(found["suspect_nodes"])
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace},
+        "data": {
+            n: health.fabric_entry(when, n in suspects, f"{regressed.get(n, 0)} of {count} pairs regressed")
+            for n, count in sorted(measured.items())
+        },
+    }
+
+
 def read_report(path: Path, flag: str) -> dict:
     """A report this module wrote (the baseline), or BadInput naming the flag and what is wrong."""
     try:
@@ -413,6 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare the pair matrix with this report; record this run there if it does not exist",
     )
     p.add_argument("--report", type=Path, metavar="PATH", help="write this run's report (JSON) here")
+    p.add_argument(
+        "--verdict-configmap",
+        type=configmap_ref("--verdict-configmap"),
+        metavar="NAMESPACE/NAME",
+        help="record the verdict on each measured node in this ConfigMap (in a pod: its service account patches it)",
+    )
     p.add_argument(
         "--regression",
         type=float,
@@ -502,6 +540,24 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as e:  # a lost report is a failed check, said once; the peers still exit
                 print(f"error: report not written: {e.filename}: {e.strerror}", file=sys.stderr, flush=True)
                 passed = False
+            if args.verdict_configmap is not None:
+                try:
+                    body = verdict_patch(*args.verdict_configmap, matrix, found, report["time"])
+                    Kube().patch_configmap(body)
+                    say(
+                        {
+                            "fabric_verdict": "recorded",
+                            "configmap": "/".join(args.verdict_configmap),
+                            "nodes": len(body["data"]),
+                        }
+                    )
+                except (BadInput, OSError, ValueError) as e:  # the nodes' agents would act on an old verdict
+                    print(
+                        f"error: verdict not recorded in {'/'.join(args.verdict_configmap)}: {e}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    passed = False
             say(
                 {
                     "gate": "all_reduce_busbw",

@@ -21,6 +21,7 @@ An XID not in these lists is recoverable: a human looks before anything is repla
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -163,7 +164,36 @@ class Readings:
     dcgmi_health: str | None = None
     efa_before: Mapping[str, Mapping[str, int]] | None = None
     efa_now: Mapping[str, Mapping[str, int]] | None = None
-    fabric_suspect: bool | None = None  # the fabric check named this node (fabric.suspect_nodes)
+    fabric_suspect: bool | None = None  # the fabric check's fresh verdict named this node (fabric_verdict)
+
+
+def fabric_entry(when: float, suspect: bool, detail: str) -> str:
+    """One node's entry in the fabric verdict ConfigMap (its key: the node's name): written by the
+    fabric re-check (supernode.trainer.node.fabric) for every node it measured, read by that node's agent."""
+    return json.dumps({"time": when, "suspect": suspect, "detail": detail}, sort_keys=True)
+
+
+def fabric_verdict(
+    entries: Mapping[str, str] | None, node: str, now: float, max_age_s: float
+) -> tuple[bool | None, str]:
+    """This node's fabric verdict (`Readings.fabric_suspect`) and a word for the agent's line. True: the
+    last check named it slow; False: the last check measured it and did not. None, no finding either
+    way: no entry (never measured, e.g. a serving node), an entry this module cannot read, or one older
+    than `max_age_s` (the fabric check has not run for that long: its word on the node is too old to
+    keep the node out, and too old to count as a pass)."""
+    raw = (entries or {}).get(node)
+    if raw is None:
+        return None, "no verdict"
+    try:
+        entry = json.loads(raw)
+        when, suspect = float(entry["time"]), entry["suspect"]
+    except (ValueError, KeyError, TypeError):
+        return None, "unreadable verdict"
+    if not isinstance(suspect, bool):
+        return None, "unreadable verdict"
+    if now - when > max_age_s:
+        return None, f"stale verdict ({now - when:.0f} s old, limit {max_age_s:.0f} s)"
+    return suspect, "named slow" if suspect else "passed"
 
 
 def _xid_severity(xid: int) -> str:
