@@ -319,6 +319,7 @@ def _model_worker(
 ) -> list[dict]:
     from supernode.bench.memory import measure
     from supernode.core.plan import Plan
+    from supernode.trainer.engine import adamw
     from supernode.trainer.model import loss_fn
     from supernode.trainer.parallel import build_model, checked_layout
 
@@ -329,7 +330,7 @@ def _model_worker(
         torch.cuda.empty_cache()
     t = plan.training
     model = build_model(plan.model, checked_layout(plan, world), device, t.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr)
+    optimizer = adamw(model, t, device)  # the trainer's own
     tokens = torch.randint(
         0, plan.model.vocab, (t.micro_batch, plan.model.seq_len + 1), generator=torch.Generator().manual_seed(rank)
     ).to(device)

@@ -36,6 +36,7 @@ from supernode.trainer.memory import local_bytes, resident_bytes
 
 def measure(rank: int, world: int, plan: Plan, device: torch.device) -> dict:
     """Build, one step, the terms (call with the process group initialised)."""
+    from supernode.trainer.engine import adamw
     from supernode.trainer.model import loss_fn
     from supernode.trainer.parallel import build_model, checked_layout
 
@@ -45,7 +46,7 @@ def measure(rank: int, world: int, plan: Plan, device: torch.device) -> dict:
     model = build_model(plan.model, layout, device, t.seed)
     build_peak = resident_bytes("VmHWM") - baseline
     params = local_bytes(model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr)
+    optimizer = adamw(model, t, device)  # the trainer's own
     tokens = torch.randint(
         0, plan.model.vocab, (t.micro_batch, plan.model.seq_len + 1), generator=torch.Generator().manual_seed(rank)
     ).to(device)
