@@ -104,9 +104,10 @@ class Plan(BaseModel):
     # How training and serving share the accelerators, per pool (supernode.core.pools): the Kueue
     # quotas and the pools-add-up policy read these figures. Empty for a local (CPU) plan.
     pools: list[Pool] = []
-    # The trainer pod's grace period (workload.terminationGraceS) and the least it may be: one step,
-    # one checkpoint write and a margin (supernode.core.pools), so a preempted, drained or terminated
-    # pod checkpoints before it is killed (the checkpoint-termination-grace policy).
+    # The trainer pod's grace period (workload.terminationGraceS) and the least it may be: one step
+    # (the slowest of the elastic layouts that fit), one checkpoint write and a margin
+    # (supernode.core.pools), so a preempted, drained or terminated pod checkpoints before it is killed
+    # (the checkpoint-termination-grace policy).
     termination_grace_s: int = 0
     termination_grace_needed_s: int = 0
     # The layout of every world the elastic job may run at (training.minNodes to the planned nodes;
@@ -306,7 +307,10 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
             cfg, world // hw.ranks_per_chip, elastic[0].world_size // hw.ranks_per_chip, hw.accelerator, serving
         ),
         termination_grace_s=cfg.workload.termination_grace_s,
-        termination_grace_needed_s=termination_grace_needed_s(st.step_s, ckpt.write_seconds),
+        # the slowest step the job may run: an elastic job preempted at a smaller world finishes that step
+        termination_grace_needed_s=termination_grace_needed_s(
+            max(e.step_s for e in elastic if e.fits or e is elastic[-1]), ckpt.write_seconds
+        ),
         elastic=elastic,
     )
 

@@ -98,8 +98,13 @@ def test_the_grace_period_needed_is_a_step_a_checkpoint_write_and_the_margin():
     assert termination_grace_needed_s(0.1, 37.7) == 38 + GRACE_MARGIN_S
     assert termination_grace_needed_s(9.7, 252.4) == 263 + GRACE_MARGIN_S
     plan = build_plan("prod", load_stack("prod", ROOT))
-    assert plan.termination_grace_needed_s == math.ceil(plan.step.step_s + plan.checkpoint.write_seconds) + 30
+    # prod is elastic from 8 nodes: its slowest step (9 nodes, 28 s) is the one a preempted pod may be in
+    slowest = max(e.step_s for e in plan.elastic)
+    assert slowest > 2 * plan.step.step_s
+    assert plan.termination_grace_needed_s == math.ceil(slowest + plan.checkpoint.write_seconds) + 30
     assert plan.termination_grace_s == load_stack("prod", ROOT).workload.termination_grace_s
+    gb200 = build_plan("gb200", load_stack("gb200", ROOT))  # not elastic: its one step
+    assert gb200.termination_grace_needed_s == math.ceil(gb200.step.step_s + gb200.checkpoint.write_seconds) + 30
 
 
 def test_plan_prints_the_pool_arithmetic_and_the_grace_period(capsys):
