@@ -334,27 +334,19 @@ class Monitoring(pulumi.ComponentResource):
                 period=3600,
             ),
             # -- operations (supernode/components/k8s/operations.py) ---------------------------------------------
-            self._alarm(
+            self._any(
                 name,
                 "fabric-regressed",
                 "the scheduled fabric check names node(s) whose pairs regressed from the baseline",
-                namespace=self.namespace,
-                metric_name="FabricRegressedNodes",
-                statistic="Maximum",
-                threshold=0,
-                comparison="GreaterThanThreshold",
-                periods=1,
+                "FabricRegressedNodes",
+                "Maximum",
             ),
-            self._alarm(
+            self._any(
                 name,
                 "inventory-drift",
                 "a GPU node's driver, firmware, library or host settings differ from the inventory baseline",
-                namespace=self.namespace,
-                metric_name="InventoryDrift",
-                statistic="Maximum",
-                threshold=0,
-                comparison="GreaterThanThreshold",
-                periods=1,
+                "InventoryDrift",
+                "Maximum",
             ),
             self._any(name, "restore-drill-failed", "the checkpoint restore drill failed", "RestoreDrillFailures"),
             *self._accelerator_alarms(name, vendor, cluster_name, m, window),
@@ -407,16 +399,12 @@ class Monitoring(pulumi.ComponentResource):
             self._any(name, "gpu-xid-errors", "NVIDIA XID errors in node kernel logs", "GpuXidErrors"),
             self._exporter_absent(name, "gpu-exporter-absent", "DCGM exporter", obs.GPU_UTIL, gpus),
             # -- node health (supernode/trainer/node/agent.py; issue 26 item 4) --------------------------
-            self._alarm(
+            self._any(
                 name,
                 "node-quarantined",
                 "the node health agent quarantined a GPU node (tainted supernode.io/unhealthy)",
-                namespace=self.namespace,
-                metric_name="NodesQuarantined",
-                statistic="Maximum",
-                threshold=0,
-                comparison="GreaterThanThreshold",
-                periods=1,
+                "NodesQuarantined",
+                "Maximum",
             ),
             self._any(
                 name,
@@ -564,15 +552,18 @@ class Monitoring(pulumi.ComponentResource):
             missing="breaching",
         )
 
-    def _any(self, name: str, short: str, description: str, metric_name: str) -> aws.cloudwatch.MetricAlarm:
-        """An alarm on any occurrence: one of this stack's log-metric-filter counts above 0 in a period."""
+    def _any(
+        self, name: str, short: str, description: str, metric_name: str, statistic: str = "Sum"
+    ) -> aws.cloudwatch.MetricAlarm:
+        """An alarm on any occurrence: one of this stack's metrics above 0 in a period (the Sum of a
+        log-metric-filter count, or the Maximum of a gauge the operations jobs publish)."""
         return self._alarm(
             name,
             short,
             description,
             namespace=self.namespace,
             metric_name=metric_name,
-            statistic="Sum",
+            statistic=statistic,
             threshold=0,
             comparison="GreaterThanThreshold",
             periods=1,
