@@ -279,6 +279,48 @@ def small(cpu: str, memory: str, cpu_limit: str, memory_limit: str) -> dict[str,
 
 RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
+# A per-node agent's pod: its node's name, and nvidia-smi (and dcgmi) seeing the node's GPUs without
+# claiming any (the jobs own them all).
+GPU_OBSERVER_ENV = [
+    {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+    {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+    {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
+]
+
+
+def gpu_daemonset(
+    resource_name: str,
+    app: str,
+    namespace: pulumi.Input[str],
+    service_account: pulumi.Input[str],
+    gpu: GpuNodes,
+    container: dict[str, Any],
+    opts: pulumi.ResourceOptions,
+    volumes: list[dict[str, Any]] | None = None,
+) -> k8s.apps.v1.DaemonSet:
+    """One agent pod (`container`) on every GPU node, tolerating the node groups' taints and the node
+    health ones (the agents run on, and release, the nodes they quarantine)."""
+    labels = {"app.kubernetes.io/name": app}
+    return k8s.apps.v1.DaemonSet(
+        resource_name,
+        metadata=meta(app, namespace, labels),
+        spec={
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "serviceAccountName": service_account,
+                    "tolerations": gpu.daemon_tolerations(),
+                    "affinity": gpu.affinity(),
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [container],
+                    **({"volumes": volumes} if volumes else {}),
+                },
+            },
+        },
+        opts=opts,
+    )
+
 
 class Operations(pulumi.ComponentResource):
     def __init__(self, name: str, args: OperationsArgs, opts: pulumi.ResourceOptions | None = None):
@@ -455,7 +497,6 @@ class Operations(pulumi.ComponentResource):
             spec=HTTPS_AND_DNS_ONLY,
             opts=child,
         )
-        labels = {"app.kubernetes.io/name": "inventory"}
         container = {
             "name": "inventory",
             "image": image,
@@ -468,32 +509,18 @@ class Operations(pulumi.ComponentResource):
                 "--max-clock-offset-ms",
                 f"{wl.max_clock_offset_ms:g}",
             ],
-            "env": [
-                {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-                # nvidia-smi sees the node's GPUs without claiming any (the jobs own them all).
-                {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
-                {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
-            ],
+            "env": GPU_OBSERVER_ENV,
             "resources": small("50m", "256Mi", "500m", "1Gi"),
             "securityContext": RESTRICTED,
         }
-        return k8s.apps.v1.DaemonSet(
+        return gpu_daemonset(
             f"{name}-inventory",
-            metadata=meta("inventory", ns, labels),
-            spec={
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "serviceAccountName": sa.metadata.name,
-                        "tolerations": gpu.daemon_tolerations(),
-                        "affinity": gpu.affinity(),
-                        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                        "containers": [container],
-                    },
-                },
-            },
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[role]),
+            "inventory",
+            ns,
+            sa.metadata.name,
+            gpu,
+            container,
+            pulumi.ResourceOptions(parent=self, depends_on=[role]),
         )
 
     def _node_health(
@@ -582,7 +609,6 @@ class Operations(pulumi.ComponentResource):
             spec=HTTPS_AND_DNS_ONLY,
             opts=child,
         )
-        labels = {"app.kubernetes.io/name": "node-health"}
         gpu = job.gpu_nodes
         container = {
             "name": "node-health",
@@ -599,12 +625,7 @@ class Operations(pulumi.ComponentResource):
                 "--fabric-max-age-s",
                 str(fabric_max_age_s),
             ],
-            "env": [
-                {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-                # nvidia-smi and dcgmi see the node's GPUs without claiming any (the jobs own them all).
-                {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
-                {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
-            ],
+            "env": GPU_OBSERVER_ENV,
             # dcgmi diag -r 2 runs once per node join: the limit leaves it room
             "resources": small("100m", "256Mi", "1", "1Gi"),
             "securityContext": {
@@ -615,24 +636,15 @@ class Operations(pulumi.ComponentResource):
             },
             "volumeMounts": [{"name": "infiniband", "mountPath": EFA_COUNTERS, "readOnly": True}],
         }
-        agents = k8s.apps.v1.DaemonSet(
+        agents = gpu_daemonset(
             f"{name}-node-health",
-            metadata=meta("node-health", ns, labels),
-            spec={
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "serviceAccountName": sa.metadata.name,
-                        "tolerations": gpu.daemon_tolerations(),  # it releases the node it quarantined
-                        "affinity": gpu.affinity(),
-                        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                        "containers": [container],
-                        "volumes": [{"name": "infiniband", "hostPath": {"path": EFA_COUNTERS, "type": "Directory"}}],
-                    },
-                },
-            },
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[node_role, *roles]),
+            "node-health",
+            ns,
+            sa.metadata.name,
+            gpu,  # tolerating its own quarantine taints: it releases the node it quarantined
+            container,
+            pulumi.ResourceOptions(parent=self, depends_on=[node_role, *roles]),
+            volumes=[{"name": "infiniband", "hostPath": {"path": EFA_COUNTERS, "type": "Directory"}}],
         )
         return agents, verdict
 
