@@ -27,7 +27,7 @@ not fit, is listed with `fits=False` and the reason.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -96,30 +96,11 @@ def layout_for(
     world: int,
     domain: int,
     calibration: cap.Calibration | None = None,
+    replicas: Sequence[int] | None = None,
 ) -> ElasticLayout:
     """The layout of `world` ranks on `nodes` nodes derived from the planned `p`, costed like the
-    plan: of the candidates (every dp_replicate dividing the planned one and the world) the one that
-    fits with the shortest step, else the first candidate's reason."""
-    fixed = p.tp * p.pp
-    reps = [r for r in range(p.dp_replicate, 0, -1) if p.dp_replicate % r == 0 and world % (fixed * r) == 0]
-    options = [layout_with_replicas(m, p, t, hw, pc, nodes, world, domain, calibration, rep) for rep in reps or [None]]
-    fitting = [o for o in options if o.fits]
-    return min(fitting, key=lambda o: o.step_s) if fitting else options[0]
-
-
-def layout_with_replicas(
-    m: Model,
-    p: Parallel,
-    t: Training,
-    hw: InstanceType,
-    pc: cap.ParamCounts,
-    nodes: int,
-    world: int,
-    domain: int,
-    calibration: cap.Calibration | None,
-    rep: int | None,
-) -> ElasticLayout:
-    """One candidate of `layout_for`: `rep` data-parallel replicas (None: derive's default)."""
+    plan: of the candidates (`replicas`, default every dp_replicate dividing the planned one and the
+    world) the one that fits with the shortest step, else the first candidate's reason."""
     none = dict(
         nodes=nodes,
         world_size=world,
@@ -135,32 +116,40 @@ def layout_with_replicas(
         step_s=0.0,
         tokens_per_s=0.0,
     )
-    q = derive(p, world, m.experts, rep)
-    if isinstance(q, str):
-        return ElasticLayout(**none, reason=q)
-    padded = padded_training(t, q.dp)
-    if q.pp > 1 and padded.global_batch != t.global_batch:
-        return ElasticLayout(
-            **none | dict(parallel=q, degrees=q.degrees()),
-            reason=f"pipeline parallel (pp {q.pp}) runs no zero-weight micro-batches: dp {q.dp} does not divide "
-            f"the global batch's {t.global_batch // t.micro_batch} micro-batches",
-        )
-    issues = layout_rules(m, q, padded, world, domain)
-    if issues:
-        return ElasticLayout(**none | dict(parallel=q, degrees=q.degrees()), reason=str(issues[0]))
-    if hw.vendor == "neuron":  # as the plan: EP and TP never leave a NeuronLink domain on Trainium
-        outside = [g.dim for g in place(q, domain) if g.dim in ("ep", "tp") and not g.inside_domain]
-        if outside:
+
+    def candidate(rep: int | None) -> ElasticLayout:
+        q = derive(p, world, m.experts, rep)
+        if isinstance(q, str):
+            return ElasticLayout(**none, reason=q)
+        padded = padded_training(t, q.dp)
+        if q.pp > 1 and padded.global_batch != t.global_batch:
             return ElasticLayout(
                 **none | dict(parallel=q, degrees=q.degrees()),
-                reason=f"the {' and '.join(outside)} groups leave the NeuronLink domain of {domain}",
+                reason=f"pipeline parallel (pp {q.pp}) runs no zero-weight micro-batches: dp {q.dp} does not divide "
+                f"the global batch's {t.global_batch // t.micro_batch} micro-batches",
             )
-    pipe = cap.pipeline(m, q, padded)
-    mem = cap.memory(m, q, padded, pc, pipe)
-    st = cap.step_time(m, q, padded, hw, pc, pipe, domain, calibration)
-    # The padded micro-batches are computed but teach nothing: MFU counts the global batch's work only.
-    st = st.model_copy(update={"mfu": st.mfu * t.global_batch / padded.global_batch})
-    return costed(m, q, t, hw, nodes, world, pipe, mem, st)
+        issues = layout_rules(m, q, padded, world, domain)
+        if issues:
+            return ElasticLayout(**none | dict(parallel=q, degrees=q.degrees()), reason=str(issues[0]))
+        if hw.vendor == "neuron":  # as the plan: EP and TP never leave a NeuronLink domain on Trainium
+            outside = [g.dim for g in place(q, domain) if g.dim in ("ep", "tp") and not g.inside_domain]
+            if outside:
+                return ElasticLayout(
+                    **none | dict(parallel=q, degrees=q.degrees()),
+                    reason=f"the {' and '.join(outside)} groups leave the NeuronLink domain of {domain}",
+                )
+        pipe = cap.pipeline(m, q, padded)
+        mem = cap.memory(m, q, padded, pc, pipe)
+        st = cap.step_time(m, q, padded, hw, pc, pipe, domain, calibration)
+        # The padded micro-batches are computed but teach nothing: MFU counts the global batch's work only.
+        st = st.model_copy(update={"mfu": st.mfu * t.global_batch / padded.global_batch})
+        return costed(m, q, t, hw, nodes, world, pipe, mem, st)
+
+    fixed = p.tp * p.pp
+    reps = replicas or [r for r in range(p.dp_replicate, 0, -1) if p.dp_replicate % r == 0 and world % (fixed * r) == 0]
+    options = [candidate(rep) for rep in reps or [None]]
+    fitting = [o for o in options if o.fits]
+    return min(fitting, key=lambda o: o.step_s) if fitting else options[0]
 
 
 def costed(

@@ -14,7 +14,7 @@ import pytest
 from supernode.cli import main
 from supernode.core import capacity as cap
 from supernode.core.config import ConfigError, from_mapping, load_stack
-from supernode.core.elastic import derive, layout_with_replicas, padded_training, rounds
+from supernode.core.elastic import derive, layout_for, padded_training, rounds
 from supernode.core.errors import BadInput
 from supernode.core.plan import Plan, build_local_plan, build_plan
 
@@ -84,7 +84,7 @@ def test_fifteen_nodes_pad_56_micro_batches_and_shrink_ep(prod):
     assert (e.degrees.dp_replicate, e.degrees.dp_shard, e.degrees.ep) == (1, 120, 8)
     hw, pc = prod.hardware, prod.params
     domain = prod.topology.domain_gpus
-    alt = layout_with_replicas(prod.model, prod.parallel, prod.training, hw, pc, 15, 120, domain, None, 2)
+    alt = layout_for(prod.model, prod.parallel, prod.training, hw, pc, 15, 120, domain, replicas=[2])
     assert (alt.degrees.dp_replicate, alt.degrees.ep) == (2, 4) and alt.fits and alt.step_s > e.step_s
     assert (e.micro_batches_per_step, e.padded_micro_batches) == (9, 56)
     assert rounds(prod.training, 120) == 9 and padded_training(prod.training, 120).global_batch == 1080
