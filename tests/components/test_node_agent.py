@@ -152,7 +152,8 @@ class RecordingKube(agent.Kube):
         return {}
 
 
-def test_replacement_terminates_without_shrinking_the_group(moto_url: str) -> None:
+def auto_scaling_group(moto_url: str, name: str, min_size: int, max_size: int, desired: int):
+    """(ec2, autoscaling clients, the id of the group's first instance): a GPU node group as moto runs it."""
     kwargs = {
         "endpoint_url": moto_url,
         "region_name": "us-east-1",
@@ -161,18 +162,22 @@ def test_replacement_terminates_without_shrinking_the_group(moto_url: str) -> No
     }
     ec2, autoscaling = boto3.client("ec2", **kwargs), boto3.client("autoscaling", **kwargs)
     template = ec2.create_launch_template(
-        LaunchTemplateName="gpu-nodes", LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "t3.micro"}
+        LaunchTemplateName=name, LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "t3.micro"}
     )["LaunchTemplate"]["LaunchTemplateId"]
     autoscaling.create_auto_scaling_group(
-        AutoScalingGroupName="gpu-nodes",
+        AutoScalingGroupName=name,
         LaunchTemplate={"LaunchTemplateId": template},
-        MinSize=0,
-        MaxSize=4,
-        DesiredCapacity=2,
+        MinSize=min_size,
+        MaxSize=max_size,
+        DesiredCapacity=desired,
         AvailabilityZones=["us-east-1a"],
     )
-    before = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=["gpu-nodes"])["AutoScalingGroups"][0]
-    victim = before["Instances"][0]["InstanceId"]
+    group = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"][0]
+    return ec2, autoscaling, group["Instances"][0]["InstanceId"]
+
+
+def test_replacement_terminates_without_shrinking_the_group(moto_url: str) -> None:
+    ec2, autoscaling, victim = auto_scaling_group(moto_url, "gpu-nodes", 0, 4, 2)
 
     activity = agent.replace_instance(autoscaling, victim)
 
@@ -212,27 +217,7 @@ def test_alarms_on_quarantine_replacement_and_gpu_faults(stack: Stack) -> None:
 
 
 def test_a_hardware_fault_taints_records_evicts_and_replaces(moto_url: str) -> None:
-    kwargs = {
-        "endpoint_url": moto_url,
-        "region_name": "us-east-1",
-        "aws_access_key_id": "testing",
-        "aws_secret_access_key": "testing",
-    }
-    ec2, autoscaling = boto3.client("ec2", **kwargs), boto3.client("autoscaling", **kwargs)
-    template = ec2.create_launch_template(
-        LaunchTemplateName="gpu-nodes-act", LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "t3.micro"}
-    )["LaunchTemplate"]["LaunchTemplateId"]
-    autoscaling.create_auto_scaling_group(
-        AutoScalingGroupName="gpu-nodes-act",
-        LaunchTemplate={"LaunchTemplateId": template},
-        MinSize=1,
-        MaxSize=1,
-        DesiredCapacity=1,
-        AvailabilityZones=["us-east-1a"],
-    )
-    victim = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=["gpu-nodes-act"])["AutoScalingGroups"][0][
-        "Instances"
-    ][0]["InstanceId"]
+    _, autoscaling, victim = auto_scaling_group(moto_url, "gpu-nodes-act", 1, 1, 1)
     node = {**NODE, "spec": {**NODE["spec"], "providerID": f"aws:///us-east-1a/{victim}"}}
     pod = {"metadata": {"name": "train-worker-0", "namespace": "supernode-train"}}
     kube = RecordingKube(node, [pod])
