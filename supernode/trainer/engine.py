@@ -32,7 +32,7 @@ from .data.loader import TokenLoader
 from .data.manifest import DataError
 from .model import inputs_and_targets, loss_fn
 from .moe import ExpertBalancer
-from .parallel import Meshes, build_model
+from .parallel import Meshes, build_model, fp32_fallback
 from .pipeline import build_pipeline
 
 BETAS = (0.9, 0.95)
@@ -178,6 +178,9 @@ class Trainer:
         rank = dist.get_rank()
         torch.manual_seed(t.seed + rank)
         mesh = Meshes.build(layout, device.type)
+        fallback = fp32_fallback(layout, mesh, device.type)
+        if fallback:
+            say(fallback)
         self.pipeline, self.pp_group, self._poison = None, None, False
         if layout.pp > 1:
             self.pipeline = build_pipeline(

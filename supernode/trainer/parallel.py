@@ -258,6 +258,19 @@ def bf16_compute(parallel: Parallel, device_type: str) -> bool:
     return parallel.mixed_precision == "bf16" and device_type != "cpu"
 
 
+def fp32_fallback(parallel: Parallel, mesh: Meshes, device_type: str) -> str | None:
+    """The warning for a layout whose plan says bf16 on an accelerator but that has no data-parallel
+    mesh (several ranks, dp 1: tp, ep or pp alone): FSDP's mixed precision has nothing to apply to,
+    so it computes in fp32 (one GPU keeps its FSDP dims instead: `Meshes.build`)."""
+    if not bf16_compute(parallel, device_type) or mesh.dp is not None:
+        return None
+    return (
+        f"warning: parallel.mixedPrecision bf16 comes from FSDP and this layout has no data parallelism "
+        f"(dpReplicate x dpShard = 1 over {parallel.world_size} ranks): it computes in fp32, at about half "
+        "the speed and twice the activation memory the plan assumes"
+    )
+
+
 def compute_dtype(mesh: Meshes, parallel: Parallel, device_type: str) -> torch.dtype:
     """The dtype activations flow in: bf16 where FSDP's mixed precision applies (see `_fully_shard`)."""
     bf16 = bf16_compute(parallel, device_type) and mesh.dp is not None
