@@ -1,9 +1,12 @@
 # Two commands on a fresh clone: `make demo` and `make test`. Both create .venv and install when
-# needed; the stamp file makes a second run skip the install.
+# needed; the stamp file makes a second run skip the install. Installs use uv (pinned; pip installs it
+# into .venv first), given the machine's pip configuration (supernode/tools/uv_install.py says why).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+UV_VERSION := 0.13.8
+UV_INSTALL = $(BIN)/python supernode/tools/uv_install.py
 # vLLM's own environment (make serve-env, below); `make demo` serves the demo model with it.
 SERVE_VENV := .venv-serve
 SERVE_STAMP := $(SERVE_VENV)/.installed
@@ -14,8 +17,9 @@ WORKERS ?= 2
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -r requirements.txt
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install --quiet uv==$(UV_VERSION)
+	$(UV_INSTALL) --python $(BIN)/python --quiet -r requirements.txt
+	$(UV_INSTALL) --python $(BIN)/python --quiet --no-deps -e .
 	@touch $(STAMP)
 
 demo: $(STAMP) $(SERVE_STAMP)

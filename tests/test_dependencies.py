@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -197,3 +198,31 @@ def test_requirement_lines_are_exact_pins(tmp_path):
     else:
         raise AssertionError("a range in the lock was accepted")
     assert re.search(r"^torch==2\.13\.0$", (ROOT / "requirements.txt").read_text(), re.M)
+
+
+def _has_nvidia_gpu() -> bool:
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def test_a_machine_without_a_gpu_got_the_cpu_build_of_torch():
+    """The installer (uv, issue 40) must honour the machine's find-links and indexes: a bare resolve of
+    torch==2.13.0 takes PyPI's CUDA build, several GB that a CPU-only machine cannot use."""
+    import torch
+
+    if _has_nvidia_gpu():
+        return  # a GPU machine may rightly hold a CUDA build
+    assert torch.version.cuda is None, f"torch {torch.__version__} is a CUDA build on a machine without a GPU"
+    for python in (ROOT / ".venv-serve" / "bin" / "python",):  # the serving venv, where make built it
+        if python.is_file():
+            cuda = subprocess.run(
+                [python, "-c", "import torch; print(torch.version.cuda)"], capture_output=True, text=True
+            ).stdout.strip()
+            assert cuda == "None", f"{python}: torch built for CUDA {cuda} on a machine without a GPU"
+
+
+def test_pip_config_listing_becomes_uv_flags():
+    from supernode.tools.uv_install import parse_pip_config, uv_flags
+
+    options = parse_pip_config("global.index-url='https://mirror/simple'\nglobal.timeout='60'\n")
+    assert uv_flags(options) == ["--index-url=https://mirror/simple"]  # one index: uv's default strategy
+    assert uv_flags(parse_pip_config("")) == []

