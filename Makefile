@@ -22,18 +22,27 @@ $(STAMP): requirements.txt pyproject.toml
 	$(UV_INSTALL) --python $(BIN)/python --quiet --no-deps -e .
 	@touch $(STAMP)
 
+# The wall time of each phase, printed at the end: where a newcomer's minutes went. DEMO_T0 is read when
+# make starts, so "install" is whatever the stamps above had to build.
+DEMO_T0 := $(shell date +%s)
+PHASE = now=$$(date +%s); phases="$$phases$$(printf '%-8s %4d s' $(1) $$((now - t)))\n"; t=$$now
+
 demo: $(STAMP) $(SERVE_STAMP)
-	$(BIN)/supernode preview --stack dev
-	@echo; echo "== local training run of the dev plan (CPU, gloo, torchrun): steps 1-120, checkpoints every 40 =="
-	rm -rf out/demo
-	$(BIN)/supernode train --stack dev --local --out out/demo --steps 120
-	@echo; echo "== resume: a new torchrun picks up the step-120 checkpoint and trains on to step 200 =="
-	$(BIN)/supernode train --stack dev --local --out out/demo
-	@echo; echo "== export: the step-200 checkpoint as a Hugging Face model (Glm4MoeForCausalLM) with a sha256 manifest =="
-	$(BIN)/supernode export --stack dev --local --checkpoint out/demo --data out/demo/data --out out/demo/model
-	@echo; echo "== serve: vLLM (CPU) on the export, after verifying every file's sha256; a few completions and their latency =="
+	@set -e; t=$(DEMO_T0); phases=""; $(call PHASE,install); \
+	$(BIN)/supernode preview --stack dev; $(call PHASE,preview); \
+	echo; echo "== local training run of the dev plan (CPU, gloo, torchrun): steps 1-120, checkpoints every 40 =="; \
+	rm -rf out/demo; \
+	$(BIN)/supernode train --stack dev --local --out out/demo --steps 120; $(call PHASE,train); \
+	echo; echo "== resume: a new torchrun picks up the step-120 checkpoint and trains on to step 200 =="; \
+	$(BIN)/supernode train --stack dev --local --out out/demo; $(call PHASE,resume); \
+	echo; echo "== export: the step-200 checkpoint as a Hugging Face model (Glm4MoeForCausalLM) with a sha256 manifest =="; \
+	$(BIN)/supernode export --stack dev --local --checkpoint out/demo --data out/demo/data --out out/demo/model; \
+	$(call PHASE,export); \
+	echo; echo "== serve: vLLM (CPU) on the export, after verifying every file's sha256; sampled completions (temperature 0.8, top-p 0.95) and their latency =="; \
 	$(BIN)/supernode serve --stack dev --local --model out/demo/model --port 0 --max-tokens 40 \
-	  --prompt "def " --prompt "The module " --prompt "import "
+	  --temperature 0.8 --top-p 0.95 --seed 0 --prompt "def " --prompt "The module " --prompt "import "; \
+	$(call PHASE,serve); \
+	echo; echo "== where the time went =="; printf "$$phases"; echo "total    $$(( $$(date +%s) - $(DEMO_T0) )) s"
 
 # The serving environment: vLLM (CPU build) in its own venv, used by `supernode serve` as a subprocess.
 # `supernode serve-env` is the one recipe (a pip install runs it too): the pins shipped in the package,

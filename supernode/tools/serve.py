@@ -381,15 +381,42 @@ class Completion:
         return (self.total_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else 0.0
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a completion picks its tokens: greedy by default (what the equality tests compare); a small
+    model trained for minutes repeats its most likely token greedily, and reads as text only sampled."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise BadInput(f"--temperature must be 0 (greedy) or more (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise BadInput(f"--top-p must be in (0, 1] (got {self.top_p})")
+
+
+GREEDY = Sampling()
+
+
 def complete(
-    url: str, prompt, max_tokens: int = 32, model: str = "supernode", ignore_eos: bool = False, timeout: float = 120
+    url: str,
+    prompt,
+    max_tokens: int = 32,
+    model: str = "supernode",
+    ignore_eos: bool = False,
+    timeout: float = 120,
+    sampling: Sampling = GREEDY,
 ) -> Completion:
-    """One streamed greedy completion (prompt: text, or token ids); timings from the stream."""
+    """One streamed completion (prompt: text, or token ids); timings from the stream."""
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        **({} if sampling.seed is None else {"seed": sampling.seed}),
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": ignore_eos,

@@ -114,6 +114,22 @@ def test_serve_needs_local_and_a_serving_env(tmp_path, capsys, monkeypatch):
     assert f"{PYTHON_ENV}={tmp_path / 'nope' / 'python'}: no such interpreter" in err  # the lookup: test_serve_env.py
 
 
+@pytest.mark.parametrize(
+    "flag,value,needle",
+    [("--temperature", "-0.5", "--temperature must be 0 (greedy) or more (got -0.5)"),
+     ("--temperature", "nan", "--temperature must be 0 (greedy) or more (got nan)"),
+     ("--top-p", "0", "--top-p must be in (0, 1] (got 0.0)"),
+     ("--top-p", "1.5", "--top-p must be in (0, 1] (got 1.5)")],
+)  # fmt: skip
+def test_bad_sampling_is_refused_naming_the_flag_before_a_server_starts(
+    tmp_path, fake_vllm, capsys, flag, value, needle
+):
+    model = _export(tmp_path / "m")
+    args = ["serve", "--stack", "dev", "--root", str(ROOT), "--local", "--model", str(model), flag, value]
+    assert main([*args, "--port", "0", "--prompt", "x"]) == 2
+    assert needle in " ".join(capsys.readouterr().err.split())
+
+
 def test_serve_model_is_required_as_export_out_is(capsys):
     """No default export location exists (`supernode export --out` is required): serve has no default to
     point at a path nothing writes."""

@@ -29,6 +29,9 @@ def register(sub) -> None:
         help="complete this prompt, print it with its latency, stop (repeatable)",
     )
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per completion (default 48)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, for repeatable sampled completions")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
     p.set_defaults(func=run)
 
@@ -44,7 +47,9 @@ def run(args) -> int:
     if args.max_tokens < 1:
         raise BadInput(f"--max-tokens must be at least 1 (got {args.max_tokens})")
     _, cfg = stack_from_args(args)
-    from ...tools.serve import LocalServer, ServerFailed, complete, serve_python, shown_text, verify_export
+    from ...tools.serve import LocalServer, Sampling, ServerFailed, complete, serve_python, shown_text, verify_export
+
+    sampling = Sampling(args.temperature, args.top_p, args.seed)  # bad values: exit 2 before anything starts
 
     model = args.model
     manifest = verify_export(model)  # before anything starts: a changed file is bad input
@@ -71,7 +76,7 @@ def run(args) -> int:
             print(f"the server exited ({rc}):\n{server.tail()}")
             return EXIT_FAILED
         for prompt in args.prompt:
-            c = complete(server.url, prompt, args.max_tokens, model=server.name)
+            c = complete(server.url, prompt, args.max_tokens, model=server.name, sampling=sampling)
             print(f"\n>>> {prompt}{shown_text(c.text)}")
             print(
                 f"    {c.tokens} tokens: first token {c.ttft_s * 1e3:.0f} ms, total {c.total_s * 1e3:.0f} ms, "
