@@ -201,3 +201,7 @@ def _metric_declarations() -> list[dict[str, Any]]:
 # The agent's embedded-metric declarations: which scraped series become CloudWatch metrics, with which
 # dimensions.
 METRIC_DECLARATIONS = _metric_declarations()
+
+# The trainer profiles (torch.profiler/Kineto) one logged step in this many, plus a run's first and last:
+# on every step it would cost the step (issue 39); a sample is enough for the exposed-communication share.
+PROFILE_EVERY = 50

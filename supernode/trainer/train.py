@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput, bad_input_lines
+from supernode.core.observability import PROFILE_EVERY
 from supernode.core.plan import Plan
 from supernode.core.pretrained import is_remote
 
@@ -115,6 +116,15 @@ def exposed_seconds(comm: list[tuple[float, float]], compute: list[tuple[float, 
 COLLECTIVE_EVENTS = ("gloo:", "nccl")
 # Host-side calls into a collective (launch and wait): not compute, whatever they nest.
 COLLECTIVE_CALLS = ("c10d::", "record_param_comms")
+
+
+def sampled(step: int, start: int, steps: int, log_every: int, profile_every: int) -> tuple[bool, bool]:
+    """(logged, profiled) for a step: metrics every log_every steps, the profiler on the logged steps that
+    are also one in profile_every; both on a run's first and last step, so every run shows where its
+    loss and its communication share started and ended."""
+    ends = step in (start + 1, steps)
+    logged = step % log_every == 0 or ends
+    return logged, logged and (step % profile_every == 0 or ends)
 
 
 class CommClock:
@@ -303,7 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-run", default=None, help="with --step and --run-id NAME: run NAME starts from this run's step"
     )
     p.add_argument("--step", type=int, default=None, help="the step of --from-run to start from")
-    p.add_argument("--log-every", type=int, default=1, help="metrics every N steps (those steps are profiled)")
+    p.add_argument("--log-every", type=int, default=1, help="metrics every N steps (cheap counters)")
+    p.add_argument(
+        "--profile-every",
+        type=int,
+        default=PROFILE_EVERY,
+        help=f"torch.profiler on one logged step in N (default {PROFILE_EVERY}; also the first and last): the "
+        "exposed-communication share it measures stands for the logged steps until the next sample",
+    )
     p.add_argument("--sync-checkpoint", action="store_true", help="blocking saves instead of async")
     p.add_argument("--prometheus-port", type=int, default=None, help="serve /metrics on this port (rank 0)")
     p.add_argument(
@@ -337,6 +354,9 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
     t, steps = plan.training, args.steps or plan.training.steps
     if steps < 1:
         raise BadInput(f"--steps must be at least 1 (got {steps})")
+    for flag in ("log_every", "profile_every"):
+        if getattr(args, flag) < 1:
+            raise BadInput(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
     device, backend, timeout = choice.device, choice.backend, timedelta(seconds=t.collective_timeout_s)
     dist.init_process_group(backend, timeout=timeout)
     lock = OutDirLock(args.out)
@@ -472,12 +492,12 @@ def _run(
     )
     tokens_per_step = t.global_batch * plan.model.seq_len
     nan_from = int(inject("nan") or 0)  # test hook: the loss (and so every gradient) is NaN from this step on
-    bad_streak, last_saved = 0, start
+    bad_streak, last_saved, comm_share = 0, start, 0.0
     step, code = start, EXIT_OK
     try:
         for step in range(start + 1, steps + 1):
             # Also the first and last steps, so a run always shows where its loss started and ended.
-            profiled = step % args.log_every == 0 or step in (start + 1, steps)
+            logged, profiled = sampled(step, start, steps, args.log_every, args.profile_every)
             t0 = time.perf_counter()
             micro = trainer.loader.next_step()
             data_s = time.perf_counter() - t0
@@ -488,8 +508,10 @@ def _run(
             if step == start + 1:  # the first update allocated the optimizer state: the terms are all there
                 metrics.memory(measured_terms(trainer.model, trainer.optimizer, device), planned_terms(plan))
             ckpt.poll()
-            if profiled or r.skipped:
-                comm_s = clock.seconds()
+            if profiled:
+                comm_share = clock.seconds() / step_s
+            if logged or r.skipped:
+                comm_s = comm_share * step_s  # measured on this step, or the latest sampled share
                 metrics.log(
                     step,
                     loss=r.loss,

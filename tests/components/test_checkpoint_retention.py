@@ -18,8 +18,10 @@ from supernode.components.k8s.operations import RETENTION_SA
 from supernode.core import resource_types as T
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.errors import ConfigError
+from supernode.core.observability import PROFILE_EVERY
 from supernode.tools import manifests as mf
 from supernode.tools.policycheck import check
+from supernode.trainer.train import build_parser as train_parser
 
 ROOT_STACK = "dev"
 RETENTION = "checkpoint-retention-role"
@@ -134,6 +136,9 @@ def test_the_trainer_job_trains_into_the_stacks_run(run):
     job = objects(s)[("PyTorchJob", f"{ROOT_STACK}-train")]
     (c,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
     assert c["args"][c["args"].index("--run-id") + 1] == (run or ROOT_STACK)
+    # metrics every step, Kineto on a sample only (issue 39: it profiled every step)
+    args = train_parser().parse_args(c["args"])
+    assert (args.log_every, args.profile_every) == (1, PROFILE_EVERY) and PROFILE_EVERY > 1
 
 
 @pytest.mark.parametrize("value, message", [("new", "'new' is the word"), ("a/b", "should match pattern")])

@@ -89,3 +89,15 @@ def test_on_gpu_other_kernels_hide_nccl_kernels():
         _Event("aten::mm", 1, 0, 100),  # a host-side launch is not device compute
     ]
     assert _clock(events, cuda=True).seconds() == pytest.approx(70 / 1e6)
+
+
+def test_the_profiler_runs_on_sampled_logged_steps_only():
+    """Kineto on every logged step was the cluster default (issue 39): now one in profile_every."""
+    from supernode.trainer.train import sampled
+
+    runs = {step: sampled(step, start=10, steps=200, log_every=5, profile_every=50) for step in range(11, 201)}
+    assert [s for s, (logged, _) in runs.items() if logged] == [11, *range(15, 201, 5)]
+    assert [s for s, (_, profiled) in runs.items() if profiled] == [11, 50, 100, 150, 200]
+    # a profiled step is always a logged one: its share is what the next logged steps report
+    assert all(logged for logged, profiled in runs.values() if profiled)
+    assert sampled(7, start=6, steps=7, log_every=100, profile_every=100) == (True, True)  # first and last

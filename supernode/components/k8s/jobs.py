@@ -14,7 +14,7 @@ from typing import Any
 import pulumi
 import pulumi_kubernetes as k8s
 
-from supernode.core.observability import METRICS_SCRAPER_NAMESPACE
+from supernode.core.observability import METRICS_SCRAPER_NAMESPACE, PROFILE_EVERY
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH, Plan
 from supernode.core.pools import ROLE_LABEL
 from supernode.core.pretrained import is_remote
@@ -459,6 +459,8 @@ class TrainerJob(pulumi.ComponentResource):
                 "--out",
                 CHECKPOINT_PATH,
                 *("--run-id", plan.training.run or plan.stack),  # training.run, else one run per stack
+                # metrics every step are counters; Kineto on one step in PROFILE_EVERY (issue 39)
+                *("--log-every", "1", "--profile-every", str(PROFILE_EVERY)),
                 "--prometheus-port",
                 str(METRICS_PORT),
                 "--prometheus-addr",
