@@ -40,7 +40,7 @@ demo: $(STAMP) $(SERVE_STAMP)
 	$(call PHASE,export); \
 	echo; echo "== serve: vLLM (CPU) on the export, after verifying every file's sha256; sampled completions (temperature 0.8, top-p 0.95) and their latency =="; \
 	$(BIN)/supernode serve --stack dev --local --model out/demo/model --port 0 --max-tokens 40 \
-	  --temperature 0.8 --top-p 0.95 --seed 0 --prompt "def " --prompt "The module " --prompt "import "; \
+	  --temperature 0.8 --top-p 0.95 --prompt "Return the" --prompt "The module " --prompt "If the"; \
 	$(call PHASE,serve); \
 	echo; echo "== where the time went =="; printf "$$phases"; echo "total    $$(( $$(date +%s) - $(DEMO_T0) )) s"
 
