@@ -124,3 +124,27 @@ def test_different_weights_void_the_comparison(capsys) -> None:
     with mock.patch.object(bench_moe, "build_torchtitan", one_expert_differs):
         assert bench_moe.main(["--compare", "torchtitan", *TINY]) == 1
     assert json.loads(capsys.readouterr().out)["same_function"] is False
+
+
+AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+NATIVE = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16\n"
+
+
+def test_native_bf16_is_read_from_the_cpu_flags() -> None:
+    from supernode.trainer.device import cpu_has_native_bf16
+
+    assert not cpu_has_native_bf16(AVX2_ONLY)
+    assert cpu_has_native_bf16(NATIVE)
+    assert cpu_has_native_bf16("processor : 0\nfeatures : fp asimd bf16\n")  # no x86 flags line: not judged
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_refused_in_one_line_before_it_runs(capsys, monkeypatch) -> None:
+    """It used to print nothing for over ten minutes (issue 41 item 7)."""
+    monkeypatch.setattr(bench_moe, "cpu_has_native_bf16", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        bench_moe.main([*TINY, "--dtype", "bfloat16", "--ep"])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "no native bf16" in err and "use --dtype float32" in err
+    assert bench_moe.main([*TINY, "--dtype", "float32", "--ep"]) == 0  # fp32 is not refused
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["dtype"] == "float32"

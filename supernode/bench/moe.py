@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from supernode.trainer.device import cpu_has_native_bf16
 from supernode.trainer.dispatcher import AllToAllDispatcher
 from supernode.trainer.moe import MoE, expert_strategy
 
@@ -430,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="default float32; bfloat16 with --compare (torchtitan's experts compute in bf16 only)",
     )
+    ap.add_argument(
+        "--allow-emulated-bf16", action="store_true", help="run bf16 on a CPU without native bf16 (very slow)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=None, help="default 5; 15 with --compare")
     ap.add_argument(
@@ -468,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(
             f"--compare torchtitan needs --dtype bfloat16 (got {args.dtype}): torchtitan's experts "
             "always compute in bf16, so another dtype would not be the same function"
+        )
+    if args.dtype == "bfloat16" and not args.allow_emulated_bf16 and not cpu_has_native_bf16():
+        problems.append(
+            "--dtype bfloat16: this CPU has no native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo), so "
+            "torch emulates it and the run takes many minutes; use --dtype float32 (or --allow-emulated-bf16)"
         )
     if args.compare:  # torchtitan's experts always take torch._grouped_mm: rows of a multiple of 16 bytes
         problems += [
