@@ -571,7 +571,8 @@ class Operations(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, ignore_changes=["data"]),
         )
         namespaced = {
-            # the training pods leave a broken node through the eviction API (their disruption budget holds)
+            # the training pods leave a broken node through the eviction API (it honours any PodDisruptionBudget
+            # a user adds; the stack ships none: an elastic job restarts smaller instead)
             wl.namespace: (
                 wl.namespace,
                 [

@@ -58,7 +58,7 @@ from .common import GpuNodes, dns_name, fsx_claim, gib, meta, shipped_crd
 
 PORT = 8000
 PRIORITY_CLASS = "supernode-serving"
-PRIORITY_VALUE = 200000  # above supernode-training (100000, workload_namespace.py)
+PRIORITY_VALUE = 200000  # above supernode-training (100000, namespace.py)
 FSX_MOUNT = "/fsx"
 VERIFY_CONFIGMAP = "weights-verify"
 MONITORING_NAMESPACE = "monitoring"  # the serving Prometheus and the adapter behind the HPA
