@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,3 +75,30 @@ def preview(stack: str, name: str = "", change: Callable[[dict], None] | None = 
             cfg = from_mapping(data, f"{stack} variant {name}")
         _cache[key] = Stack(cfg, run_program(stack, cfg))
     return _cache[key]
+
+
+_INSIGHTS = re.compile(
+    r'SELECT (?P<stat>\w+)\((?P<metric>\w+)\) FROM SCHEMA\("(?P<namespace>[^"]+)", (?P<keys>[\w, ]+)\)'
+    r"(?: WHERE (?P<where>.*?))?(?: GROUP BY (?P<group>[\w, ]+))?(?: ORDER BY .*)?"
+)
+
+
+def insights_query(expression: str) -> dict[str, Any] | None:
+    """A Metrics Insights query's parts (None for another expression): the namespace, the metric, the
+    SCHEMA's dimension names, the WHERE clause's dimension values and the GROUP BY dimensions."""
+    m = _INSIGHTS.fullmatch(expression or "")
+    if not m:
+        return None
+    return {
+        "stat": m["stat"],
+        "namespace": m["namespace"],
+        "metric": m["metric"],
+        "schema": frozenset(k.strip() for k in m["keys"].split(",")),
+        "where": dict(re.findall(r"(\w+) = '([^']*)'", m["where"] or "")),
+        "group_by": [k.strip() for k in (m["group"] or "").split(",") if k.strip()],
+    }
+
+
+def insights_queries(alarm: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Metrics Insights queries of an alarm's metric queries."""
+    return [q for q in (insights_query(x.get("expression")) for x in alarm.get("metricQueries") or []) if q]

@@ -4,9 +4,11 @@ retained and encrypted; metric filters catch NCCL timeouts, OOM and XID errors; 
 from __future__ import annotations
 
 import json
+import re
 
-from aws_preview import Stack
+from aws_preview import Stack, insights_query
 
+from supernode.core import observability as obs
 from supernode.core import resource_types as T
 from supernode.core.catalog import GIB
 from supernode.core.plan import build_plan
@@ -56,12 +58,32 @@ def test_every_alarm_notifies_the_topic(stack: Stack):
 def test_gpu_utilisation_alarm_uses_floor_and_window(stack: Stack):
     m = stack.cfg.monitoring
     a = alarms(stack)["gpu-util-low"]
+    [query] = a["metricQueries"]
     # our DCGM exporter's field, scraped by the CloudWatch agent (the one GPU exporter, issue 18 item 7)
-    assert (a["namespace"], a["metricName"]) == ("ContainerInsights/Prometheus", "DCGM_FI_DEV_GPU_UTIL")
-    assert a["dimensions"] == {"ClusterName": stack.outputs["cluster_name"], "job": "dcgm-exporter"}
+    q = insights_query(query["expression"])
+    assert (q["namespace"], q["metric"]) == ("ContainerInsights/Prometheus", "DCGM_FI_DEV_GPU_UTIL")
+    assert q["where"] == {"ClusterName": stack.outputs["cluster_name"], "job": "dcgm-exporter"}
     assert a["threshold"] == m.gpu_util_floor_percent and a["comparisonOperator"] == "LessThanThreshold"
-    assert a["period"] * a["evaluationPeriods"] == m.gpu_util_window_minutes * 60
+    assert query["period"] * a["evaluationPeriods"] == m.gpu_util_window_minutes * 60
     assert a["datapointsToAlarm"] == a["evaluationPeriods"]  # below the floor for the whole window
+
+
+def test_gpu_utilisation_alarm_watches_each_node(stack: Stack):
+    """One idle node of 16 moves a cluster mean by 6%: the alarm evaluates each node's series on its
+    own (a multi-time-series Metrics Insights alarm, a contributor per node), the lowest first, and the
+    series it reads are per node in the scrape's metric declaration (issue 41 item 4)."""
+    a = alarms(stack)["gpu-util-low"]
+    [query] = a["metricQueries"]
+    q = insights_query(query["expression"])
+    assert query["returnData"] is True and "namespace" not in a and "metricName" not in a
+    assert q["stat"] == "AVG" and q["group_by"] == ["Hostname"]  # per node, not the cluster's mean
+    assert query["expression"].endswith("ORDER BY AVG() ASC")  # a multi-time-series alarm: the idlest first
+    assert q["schema"] == {"ClusterName", "job", "Hostname"}
+    [dcgm] = [d for d in obs.METRIC_DECLARATIONS if d["label_matcher"] == "^dcgm-exporter$"]
+    assert any(re.search(s, q["metric"]) for s in dcgm["metric_selectors"])
+    assert q["schema"] in map(frozenset, dcgm["dimensions"])  # the agent emits the per-node series
+    assert "Hostname" in a["alarmDescription"] and "node" in a["alarmDescription"]
+    assert query["period"] * a["evaluationPeriods"] <= 3 * 3600  # what a Metrics Insights alarm can evaluate
 
 
 def test_fsx_free_capacity_alarm_threshold(stack: Stack):

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import yaml
-from aws_preview import Stack, preview
+from aws_preview import Stack, insights_queries, preview
 
 from supernode.components.aws.monitoring import LogPattern
 from supernode.components.k8s.common import load_addon
@@ -107,6 +107,10 @@ def _read_metrics(stack) -> list[tuple[str, frozenset]]:
         for m in [a.inputs, *queries]:
             if m.get("namespace") == obs.PROMETHEUS_NAMESPACE:
                 out.append((m["metricName"], frozenset(m["dimensions"])))
+        # a Metrics Insights query reads the metrics with exactly its SCHEMA's dimensions
+        for q in insights_queries(a.inputs):
+            if q["namespace"] == obs.PROMETHEUS_NAMESPACE:
+                out.append((q["metric"], q["schema"]))
     body = json.loads(stack.one(T.DASHBOARD).inputs["dashboardBody"])
     for w in body["widgets"]:
         for series in w["properties"]["metrics"]:
@@ -135,7 +139,8 @@ def test_one_gpu_exporter_whose_counters_are_the_metrics_read(stack, objects):
     read = {m for m, _ in _read_metrics(stack) if m.startswith("DCGM_")}
     assert read and read <= fields  # the exporter emits each counter under its DCGM field name
     alarm = [a.inputs for a in stack.all(T.METRIC_ALARM) if a.inputs["name"].endswith("gpu-util-low")][0]
-    assert (alarm["namespace"], alarm["metricName"]) == (obs.PROMETHEUS_NAMESPACE, "DCGM_FI_DEV_GPU_UTIL")
+    [q] = insights_queries(alarm)
+    assert (q["namespace"], q["metric"]) == (obs.PROMETHEUS_NAMESPACE, "DCGM_FI_DEV_GPU_UTIL")
     ds = objects[("DaemonSet", "dcgm-exporter")]["spec"]["template"]["spec"]
     c = container(ds)
     [mount] = [m for m in c["volumeMounts"] if env(c)["DCGM_EXPORTER_COLLECTORS"].startswith(m["mountPath"])]

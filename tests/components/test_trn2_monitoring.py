@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from aws_preview import Stack, preview
+from aws_preview import Stack, insights_queries, insights_query, preview
 
 from supernode.components.aws.monitoring import ACCELERATOR_ALARMS, NO_EQUIVALENT
 from supernode.components.k8s.operations import EXPORTER_SCRAPE_JOBS
@@ -32,6 +32,9 @@ hardware_ecc_events_total{job="neuron-monitor",Hostname="ip-10-0-1-5",event_type
 hardware_ecc_events_total{job="neuron-monitor",Hostname="ip-10-0-1-5",event_type="sram_ecc_uncorrected",neuron_device_index="7"} 2.0
 system_memory_used_bytes{job="neuron-monitor",Hostname="ip-10-0-1-5",instance_type="trn2u.48xlarge"} 1.6e+10
 """
+
+
+RECORDED_LABELS = {"Hostname": "ip-10-0-1-5"}  # the recorded scrape's node
 
 
 def parse(exposition: str) -> list[tuple[str, dict[str, str]]]:
@@ -76,6 +79,12 @@ def read_series(stack: Stack) -> list[tuple[str, dict]]:
             (m["metricName"], m["dimensions"])
             for m in [a.inputs, *queries]
             if m.get("namespace") == obs.PROMETHEUS_NAMESPACE
+        ]
+        # a Metrics Insights query: its WHERE values, and each GROUP BY dimension of the recorded scrape
+        out += [
+            (q["metric"], {**q["where"], **{k: RECORDED_LABELS[k] for k in q["group_by"]}})
+            for q in insights_queries(a.inputs)
+            if q["namespace"] == obs.PROMETHEUS_NAMESPACE
         ]
     body = json.loads(stack.one(T.DASHBOARD).inputs["dashboardBody"])
     for w in body["widgets"]:
@@ -139,9 +148,14 @@ def test_every_series_read_reaches_cloudwatch_from_a_recorded_scrape(trn2: Stack
 def test_neuron_alarm_thresholds(trn2: Stack):
     m, found, cluster = trn2.cfg.monitoring, alarms(trn2), trn2.outputs["cluster_name"]
     util = found["neuroncore-util-low"]
-    assert util["metricName"] == obs.NEURONCORE_UTIL and util["statistic"] == "Average"
+    [query] = util["metricQueries"]
+    q = insights_query(query["expression"])
+    assert q["metric"] == obs.NEURONCORE_UTIL and q["stat"] == "AVG"
+    # per node (a contributor per Hostname), not the mean over the cluster's NeuronCores (issue 41 item 4)
+    assert q["group_by"] == ["Hostname"] and q["schema"] == {"ClusterName", "job", "Hostname"}
+    assert q["where"] == {"ClusterName": cluster, "job": "neuron-monitor"}
     assert util["threshold"] == m.gpu_util_floor_percent / 100  # a 0-1 ratio, the floor is a percentage
-    assert util["period"] * util["evaluationPeriods"] == m.gpu_util_window_minutes * 60
+    assert query["period"] * util["evaluationPeriods"] == m.gpu_util_window_minutes * 60
     hw = found["neuron-hardware-errors"]
     assert hw["dimensions"] == {"ClusterName": cluster, "job": "neuron-monitor", "error_type": "hardware"}
     assert (hw["statistic"], hw["threshold"], hw["comparisonOperator"]) == ("Sum", 0, "GreaterThanThreshold")

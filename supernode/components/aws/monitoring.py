@@ -55,6 +55,14 @@ AGENT_CONFIGURATION = {
 }
 
 
+# The utilisation alarms watch each node, not the cluster's mean (one idle node of 16 moves a mean by
+# 6%, issue 41 item 4): a Metrics Insights query over the per-node series (the DCGM / neuron-monitor
+# declarations' Hostname dimension set, obs.DCGM_DIMENSIONS), one time series per node. CloudWatch
+# evaluates each series of such a multi-time-series alarm as its own contributor and names it (its
+# Hostname) in the alarm's state and notification. Those alarms see at most the latest 3 hours (the
+# config schema caps gpuUtilWindowMinutes at 180).
+NODE_DIMENSION = "Hostname"
+PER_NODE_NOTE = f"each node alarms on its own and is named by its {NODE_DIMENSION} contributor"
 PCIE_REPLAYS_PER_MIN = 8  # `dcgmi health -c` warns above 8 PCIe replays a minute
 EXPORTER_ABSENT_MINUTES = 5  # no series from the accelerator exporter for this long: the alarms above are blind
 
@@ -385,16 +393,13 @@ class Monitoring(pulumi.ComponentResource):
             self._alarm(
                 name,
                 "gpu-util-low",
-                f"GPU utilisation below {m.gpu_util_floor_percent}% for "
-                f"{m.gpu_util_window_minutes} min (DCGM exporter, mean over the GPUs)",
-                namespace=obs.PROMETHEUS_NAMESPACE,
-                metric_name=obs.GPU_UTIL,
-                dimensions=gpus,
-                statistic="Average",
+                f"a node's GPU utilisation below {m.gpu_util_floor_percent}% for "
+                f"{m.gpu_util_window_minutes} min (DCGM exporter, mean over the node's GPUs; {PER_NODE_NOTE})",
                 threshold=m.gpu_util_floor_percent,
                 comparison="LessThanThreshold",
                 periods=window,
                 missing="notBreaching",
+                metric_queries=[per_node_query("utilisation", obs.GPU_UTIL, gpus, "GPU utilisation")],
             ),
             self._any(name, "gpu-xid-errors", "NVIDIA XID errors in node kernel logs", "GpuXidErrors"),
             self._exporter_absent(name, "gpu-exporter-absent", "DCGM exporter", obs.GPU_UTIL, gpus),
@@ -480,16 +485,21 @@ class Monitoring(pulumi.ComponentResource):
             self._alarm(
                 name,
                 "neuroncore-util-low",
-                f"NeuronCore utilisation below {m.gpu_util_floor_percent}% for {m.gpu_util_window_minutes} min "
-                "(neuron-monitor, mean over the NeuronCores in use)",
-                namespace=obs.PROMETHEUS_NAMESPACE,
-                metric_name=obs.NEURONCORE_UTIL,
-                dimensions=obs.neuron_dimensions(cluster_name),
-                statistic="Average",
+                f"a node's NeuronCore utilisation below {m.gpu_util_floor_percent}% for "
+                f"{m.gpu_util_window_minutes} min (neuron-monitor, mean over the node's NeuronCores in use; "
+                f"{PER_NODE_NOTE})",
                 threshold=m.gpu_util_floor_percent / 100,
                 comparison="LessThanThreshold",
                 periods=window,
                 missing="notBreaching",
+                metric_queries=[
+                    per_node_query(
+                        "utilisation",
+                        obs.NEURONCORE_UTIL,
+                        obs.neuron_dimensions(cluster_name),
+                        "NeuronCore utilisation",
+                    )
+                ],
             ),
             # error_type "hardware": "hardware errors such as uncorrectable ECC issues" (neuron-monitor
             # user guide, execution_stats), what XID lines are to the NVIDIA driver.
@@ -613,6 +623,32 @@ class Monitoring(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self),
             **single,
         )
+
+
+def per_node_select(metric_name: str, dimensions: Mapping[str, str], statistic: str = "AVG") -> str:
+    """A Metrics Insights query: `metric_name`'s series with `dimensions` and the node dimension, one
+    time series per node (GROUP BY), the lowest first, so that a multi-time-series alarm evaluates
+    every node on its own."""
+    keys = ", ".join(sorted([*dimensions, NODE_DIMENSION]))
+    where = " AND ".join(f"{k} = '{v}'" for k, v in sorted(dimensions.items()))
+    return (
+        f'SELECT {statistic}({metric_name}) FROM SCHEMA("{obs.PROMETHEUS_NAMESPACE}", {keys}) WHERE {where} '
+        f"GROUP BY {NODE_DIMENSION} ORDER BY {statistic}() ASC"
+    )
+
+
+def per_node_query(
+    qid: str, metric_name: str, dimensions: Mapping, label: str
+) -> aws.cloudwatch.MetricAlarmMetricQueryArgs:
+    """The alarm's one query: `per_node_select` over the cluster-wide `dimensions` (their values may be
+    Outputs, the cluster's name), at PERIOD_S."""
+    return aws.cloudwatch.MetricAlarmMetricQueryArgs(
+        id=qid,
+        expression=pulumi.Output.from_input(dict(dimensions)).apply(lambda d: per_node_select(metric_name, d)),
+        label=f"{label} per node",
+        period=PERIOD_S,
+        return_data=True,
+    )
 
 
 def planned_tokens_per_s(plan: Plan) -> float:

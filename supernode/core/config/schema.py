@@ -407,11 +407,17 @@ class MonitoringConfig(_Base):
         default=40.0,
         gt=0,
         le=100,
-        description="alarm when mean GPU (NeuronCore on Trainium) utilisation stays below this for "
-        "gpuUtilWindowMinutes",
+        description="alarm when a node's mean GPU (NeuronCore on Trainium) utilisation stays below this "
+        "for gpuUtilWindowMinutes",
     )
     gpu_util_window_minutes: int = Field(
-        default=30, ge=5, le=1440, description="the window of the GPU utilisation alarm"
+        default=30,
+        ge=5,
+        # The per-node utilisation alarms are Metrics Insights queries, which evaluate at most the latest
+        # 3 hours (CloudWatch's limit for such alarms).
+        le=180,
+        description="the window of the per-node GPU utilisation alarm (at most 180: a Metrics Insights alarm "
+        "evaluates the latest 3 hours)",
     )
     notification_email: str = Field(
         pattern=r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$", description="where the alarms are sent (SNS email subscription)"
