@@ -473,11 +473,6 @@ def main(argv: list[str] | None = None) -> int:
             f"--compare torchtitan needs --dtype bfloat16 (got {args.dtype}): torchtitan's experts "
             "always compute in bf16, so another dtype would not be the same function"
         )
-    if args.dtype == "bfloat16" and not args.allow_emulated_bf16 and not cpu_has_native_bf16():
-        problems.append(
-            "--dtype bfloat16: this CPU has no native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo), so "
-            "torch emulates it and the run takes many minutes; use --dtype float32 (or --allow-emulated-bf16)"
-        )
     if args.compare:  # torchtitan's experts always take torch._grouped_mm: rows of a multiple of 16 bytes
         problems += [
             f"--compare torchtitan needs --{k} to be a multiple of 8 (got {getattr(args, k)}): torchtitan's "
@@ -487,6 +482,15 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if problems:
         ap.error("; ".join(problems))  # exit 2
+    if args.dtype == "bfloat16" and not args.allow_emulated_bf16 and not cpu_has_native_bf16():
+        # A fact of this machine, not a bad flag: one line, before minutes of emulated bf16 (issue 41 item 7).
+        instead = "--allow-emulated-bf16" if args.compare else "--dtype float32 (or --allow-emulated-bf16)"
+        print(
+            "error: --dtype bfloat16: this CPU has no native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo), "
+            f"so torch emulates it and the run takes many minutes; use {instead}",
+            file=sys.stderr,
+        )
+        return 2
     if args.compare:
         try:
             tt = import_torchtitan(args.torchtitan_path)
