@@ -76,6 +76,10 @@ MEMORY_BYTES = TrainerMetric(
     "supernode_train_memory_bytes", "rank 0's memory by term, measured (supernode/trainer/memory.py)", "term"
 )
 PLAN_MEMORY_BYTES = TrainerMetric("supernode_train_plan_memory_bytes", "the plan's memory per rank by term", "term")
+STALL_RESTARTS = TrainerMetric(
+    "supernode_train_stall_restarts",
+    "workers the launchers killed for making no progress within training.stallRestartS (OUT/stalls.jsonl)",
+)
 # Every gauge the trainer exports, and so every one the scrape turns into a CloudWatch metric.
 TRAINER_METRICS = (
     LOSS,
@@ -93,6 +97,7 @@ TRAINER_METRICS = (
     STEP_OVER_PLAN,
     MEMORY_BYTES,
     PLAN_MEMORY_BYTES,
+    STALL_RESTARTS,
 )
 # The DCGM exporter's fields that become metrics (its counters CSV, supernode/components/addons/dcgm-exporter.yaml,
 # emits each under this name).

@@ -250,6 +250,10 @@ class Metrics:
             + ", ".join(f"{t} {measured[t] / 2**20:,.1f} / {planned[t] / 2**20:,.1f} MiB" for t in measured)
         )
 
+    def stall_restarts(self, count: int) -> None:
+        if self.rank == 0:
+            self.gauges[obs.STALL_RESTARTS].set(count)
+
     def checkpoint_stall(self, seconds: float) -> None:
         """How long the step's checkpoint save blocked training (an async save: the staging copy; a
         sync one: the whole write), the "checkpoint" phase; exported with the next step's figures."""

@@ -63,7 +63,7 @@ from supernode.core.pretrained import is_remote
 from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, RunChoice, inject, prepare_run
 from .device import choose, synchronize
 from .engine import Trainer
-from .launch import LAUNCHER_ENV, RUN_KEY_ENV, exit_file  # where a failure a restart cannot fix is recorded
+from .launch import LAUNCHER_ENV, RUN_KEY_ENV, Heartbeat, exit_file, stall_count
 from .memory import measured_terms, planned_terms
 from .metrics import Metrics
 from .parallel import checked_layout, renumber_by_domain
@@ -358,7 +358,10 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
         if getattr(args, flag) < 1:
             raise BadInput(f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})")
     device, backend, timeout = choice.device, choice.backend, timedelta(seconds=t.collective_timeout_s)
+    heartbeat = Heartbeat(t.stall_restart_s)  # from here on a worker that stops progressing is restarted
+    heartbeat.beat("start")
     dist.init_process_group(backend, timeout=timeout)
+    heartbeat.beat("the process group")
     lock = OutDirLock(args.out)
     try:
         if dist.get_rank() == 0:
@@ -372,13 +375,14 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
             say=lambda line: print(line, flush=True) if dist.get_rank() == 0 else None,
         )
         _own_out_dir(args.out, lock)
-        return _run(args, plan, steps, device, stop, _select_run(args, plan))
+        return _run(args, plan, steps, device, stop, _select_run(args, plan), heartbeat)
     except Exception as e:
         outcome = _classify(e)
         if outcome is not None:  # recorded before the process group goes, so peers that fail on
             _report(args.out, *outcome)  # the broken connection find it and stay quiet
         raise
     finally:
+        heartbeat.stop()
         dist.destroy_process_group()
         lock.release()
 
@@ -441,7 +445,13 @@ def _select_run(args: argparse.Namespace, plan: Plan) -> RunChoice:
 
 
 def _run(
-    args: argparse.Namespace, plan: Plan, steps: int, device: torch.device, stop: StopRequest, run: RunChoice
+    args: argparse.Namespace,
+    plan: Plan,
+    steps: int,
+    device: torch.device,
+    stop: StopRequest,
+    run: RunChoice,
+    heartbeat: Heartbeat,
 ) -> int:
     t = plan.training
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -451,7 +461,9 @@ def _run(
     ckpt = trainer.checkpointer
     if run.parent_step is not None:
         ckpt.branch(run.parent_step)
+    heartbeat.beat("the model build")
     start, changed = trainer.restore()
+    heartbeat.beat(f"the restore (step {start})")
     if start > steps:
         raise BadInput(
             f"--steps {steps}: run {run.run} in {args.out} is already at step {start}; give --steps above "
@@ -478,6 +490,10 @@ def _run(
         prometheus_addr=args.prometheus_addr,
         checkpoints=ckpt.root,
     )  # the checkpoint-age gauges follow its commits
+    stalls = stall_count(args.out)
+    metrics.stall_restarts(stalls)
+    if stalls:
+        metrics.message(f"{stalls} stalled worker(s) restarted in {args.out} so far ({args.out}/stalls.jsonl)")
     if (
         int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
         and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
@@ -492,6 +508,8 @@ def _run(
     )
     tokens_per_step = t.global_batch * plan.model.seq_len
     nan_from = int(inject("nan") or 0)  # test hook: the loss (and so every gradient) is NaN from this step on
+    # Test hook: the first attempt hangs at this step outside any collective (the restarted one does not).
+    stall_at = int(inject("stall") or 0) if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else 0
     bad_streak, last_saved, comm_share = 0, start, 0.0
     step, code = start, EXIT_OK
     try:
@@ -499,6 +517,8 @@ def _run(
             # Also the first and last steps, so a run always shows where its loss started and ended.
             logged, profiled = sampled(step, start, steps, args.log_every, args.profile_every)
             t0 = time.perf_counter()
+            while step == stall_at:
+                time.sleep(3600)
             micro = trainer.loader.next_step()
             data_s = time.perf_counter() - t0
             with CommClock(profiled, cuda=device.type == "cuda") as clock:
@@ -508,6 +528,7 @@ def _run(
             if step == start + 1:  # the first update allocated the optimizer state: the terms are all there
                 metrics.memory(measured_terms(trainer.model, trainer.optimizer, device), planned_terms(plan))
             ckpt.poll()
+            heartbeat.beat(f"step {step}")
             if profiled:
                 comm_share = clock.seconds() / step_s
             if logged or r.skipped:

@@ -82,6 +82,7 @@ RULES = [
     ("network.gpuSubnetCidr", "10.20.0.0/20", "supernode:network.gpuSubnetCidr"),  # overlaps private[0]
     ("network.privateSubnetCidrs.0", "192.168.0.0/19", "supernode:network.privateSubnetCidrs[0]"),  # outside VPC
     # the per-node utilisation alarm is a Metrics Insights query: it evaluates at most 3 hours
+    ("training.stallRestartS", 600, "supernode:training.stallRestartS"),  # not above collectiveTimeoutS (600)
     ("monitoring.gpuUtilWindowMinutes", 181, "supernode:monitoring.gpuUtilWindowMinutes"),
 ]
 

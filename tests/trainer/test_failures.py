@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from supernode.trainer.checkpoint import (
 from supernode.trainer.data.manifest import DataError, verify
 from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 from supernode.trainer.engine import apply_hyper_parameters, lr_factor
+from supernode.trainer.launch import STALLS
 from supernode.trainer.metrics import JSONL, Metrics
 
 
@@ -750,3 +752,30 @@ def test_the_summary_counts_skipped_steps(tmp_path, capsys):
     assert "loss 3.000 (step 1) -> 2.500 (step 3); 1 non-finite step(s) skipped;" in out
     # issue 29 item 4: the measured step (median, past the first) next to the plan's estimate
     assert f"vs {plan.step.step_s:.3g} s planned: x3.00 of the plan" in out
+
+
+@pytest.mark.slow
+def test_a_step_that_hangs_outside_any_collective_is_restarted_and_counted(tmp_path, data_dir, reap):
+    """Issue 41 item 3: a hang no collective times out only raised the step-stalled alarm. Now the
+    worker's heartbeat goes silent, the launcher kills it after training.stallRestartS, torchrun
+    restarts it (one of --max-restarts) from the newest checkpoint, the run ends, exit 0, and the
+    stall is counted (OUT/stalls.jsonl, read by the restarted trainer's gauge)."""
+    plan = write_plan(
+        one_rank_plan(steps=8, checkpointInterval=2, collectiveTimeoutS=10, stallRestartS=11), tmp_path / "plan.json"
+    )
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    proc = reap(cluster_launcher(plan, data_dir, out, env={"SUPERNODE_INJECT_FAULT": "stall@5"}))
+    log, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, log[-3000:]
+    assert time.monotonic() - t0 > 11  # it waited for the stall timeout, no sooner
+    (stall,) = [json.loads(line) for line in (out / STALLS).read_text().splitlines()]
+    assert stall["after"] == "step 4" and stall["timeout_s"] == 11 and stall["silent_s"] > 11
+    assert "made no progress for" in log and "after step 4 (training.stallRestartS = 11)" in log
+    # From the newest committed checkpoint: step 4's async save commits at step 5's poll, which the
+    # hang never reached, so step 2's (a hung step cannot checkpoint; the periodic saves bound the loss).
+    assert "resumed from checkpoint at step 2" in log
+    assert "1 stalled worker(s) restarted" in log
+    step_4 = re.findall(r"step 4: loss (\S+);", log)
+    assert len(step_4) == 2 and step_4[0] == step_4[1]  # the restart retrained step 4 to the same loss
+    assert max(losses(out)) == 8

@@ -479,6 +479,22 @@ def _spares(c: StackConfig) -> list[Issue]:
     return issues
 
 
+def _stall(c: StackConfig) -> list[Issue]:
+    """training.stallRestartS is above collectiveTimeoutS: a hang inside a collective fails with the
+    collective's own error first; the heartbeat catches the hangs no collective times out."""
+    t = c.training
+    if t.stall_restart_s > t.collective_timeout_s:
+        return []
+    return [
+        Issue(
+            path=P + "training.stallRestartS",
+            value=t.stall_restart_s,
+            message=f"must be above training.collectiveTimeoutS ({t.collective_timeout_s}): a hung collective "
+            "fails with its own error first, the stall restart catches what no collective times out",
+        )
+    ]
+
+
 def _local(c: StackConfig) -> list[Issue]:
     """The stack with the local overrides applied is valid, and its layout passes the layout
     validator with world size = local.nproc (the CPU processes of `supernode train --local`)."""
@@ -508,6 +524,7 @@ RULES = (
     (("cluster",), _cluster_version),
     (("model", "parallel", "training", "accelerator_node_groups"), _layout),
     (("training", "accelerator_node_groups"), _elastic),
+    (("training",), _stall),
     (("accelerator_node_groups",), _spares),
     (tuple(StackConfig.model_fields), _local),
 )

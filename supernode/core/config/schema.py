@@ -689,6 +689,14 @@ class Training(_Base):
     collective_timeout_s: int = Field(
         default=600, ge=10, le=86400, description="seconds a collective may wait before the run fails (a hung rank)"
     )
+    stall_restart_s: int = Field(
+        default=900,
+        ge=11,
+        le=86400,
+        description="seconds a worker may go without progress (a phase reached, a step done) before its launcher "
+        "kills it and torchrun restarts the workers from the newest checkpoint; above collectiveTimeoutS, so a "
+        "hung collective fails first with its own error",
+    )
     max_restarts: int = Field(
         default=3,
         ge=0,
