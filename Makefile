@@ -27,8 +27,12 @@ $(STAMP): requirements.txt pyproject.toml
 DEMO_T0 := $(shell date +%s)
 PHASE = now=$$(date +%s); phases="$$phases$$(printf '%-8s %4d s' $(1) $$((now - t)))\n"; t=$$now
 
-demo: $(STAMP) $(SERVE_STAMP)
-	@set -e; t=$(DEMO_T0); phases=""; $(call PHASE,install); \
+# vLLM's environment installs in the background while the demo previews, trains and exports (it is
+# needed only to serve); its output goes to out/serve-env.log, shown if it fails. "serve-env" is the
+# time the demo then still waited for it.
+demo: $(STAMP)
+	@set -e; t=$(DEMO_T0); phases=""; $(call PHASE,install); mkdir -p out; \
+	( $(MAKE) --no-print-directory serve-env > out/serve-env.log 2>&1; echo $$? > out/serve-env.rc ) & serve_env=$$!; \
 	$(BIN)/supernode preview --stack dev; $(call PHASE,preview); \
 	echo; echo "== local training run of the dev plan (CPU, gloo, torchrun): steps 1-120, checkpoints every 40 =="; \
 	rm -rf out/demo; \
@@ -38,6 +42,8 @@ demo: $(STAMP) $(SERVE_STAMP)
 	echo; echo "== export: the step-200 checkpoint as a Hugging Face model (Glm4MoeForCausalLM) with a sha256 manifest =="; \
 	$(BIN)/supernode export --stack dev --local --checkpoint out/demo --data out/demo/data --out out/demo/model; \
 	$(call PHASE,export); \
+	wait $$serve_env; if [ "$$(cat out/serve-env.rc)" != 0 ]; then cat out/serve-env.log; exit 1; fi; \
+	$(call PHASE,serve-env); \
 	echo; echo "== serve: vLLM (CPU) on the export, after verifying every file's sha256; sampled completions (temperature 0.8, top-p 0.95) and their latency =="; \
 	$(BIN)/supernode serve --stack dev --local --model out/demo/model --port 0 --max-tokens 40 \
 	  --temperature 0.8 --top-p 0.95 --prompt "Return the" --prompt "The module " --prompt "If the"; \
