@@ -13,6 +13,7 @@ The run's policy (logging, the non-finite streak, when to save, signals) is `sup
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -32,7 +33,7 @@ from .data.loader import TokenLoader
 from .data.manifest import DataError
 from .model import inputs_and_targets, loss_fn
 from .moe import ExpertBalancer
-from .parallel import Meshes, build_model, fp32_fallback
+from .parallel import Meshes, autocast_dtype, build_model
 from .pipeline import build_pipeline
 
 BETAS = (0.9, 0.95)
@@ -178,9 +179,12 @@ class Trainer:
         rank = dist.get_rank()
         torch.manual_seed(t.seed + rank)
         mesh = Meshes.build(layout, device.type)
-        fallback = fp32_fallback(layout, mesh, device.type)
-        if fallback:
-            say(fallback)
+        self.autocast = autocast_dtype(layout, mesh, device.type)
+        if self.autocast is not None:
+            say(
+                f"parallel.mixedPrecision bf16 by torch.autocast: this layout has no data parallelism "
+                f"(dpReplicate x dpShard = 1 over {layout.world_size} ranks) for FSDP's mixed precision"
+            )
         self.pipeline, self.pp_group, self._poison = None, None, False
         if layout.pp > 1:
             self.pipeline = build_pipeline(
@@ -241,6 +245,12 @@ class Trainer:
             apply_hyper_parameters(self.plan.training, saved, start, self.optimizer, self.scheduler) if start else None
         )
 
+    def _autocast(self):
+        """bf16 autocast where FSDP's mixed precision does not apply (`autocast_dtype`), else nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
     def train_step(
         self, micro: list[torch.Tensor], stop_term: bool, stop_interrupt: bool, poison: bool = False
     ) -> StepResult:
@@ -253,7 +263,9 @@ class Trainer:
         self._poison = poison
         counted = counted_per_micro_batch(micro, eos, device, real, self.real_share)
         if self.pipeline is not None:  # the schedule runs the micro-batches; the losses are the last stage's
-            for loss in self.pipeline.step(torch.cat(micro).to(device, non_blocking=True), eos, counted):
+            with self._autocast():  # the schedule interleaves forwards and backwards: both under it
+                losses = self.pipeline.step(torch.cat(micro).to(device, non_blocking=True), eos, counted)
+            for loss in losses:
                 loss_sum += loss.detach()
         else:
             # Each micro-batch's gradients are reduce-scattered as its backward ends (FSDP2's default),
@@ -266,7 +278,8 @@ class Trainer:
                 if i == real:
                     routed = [m.tokens_per_expert.clone() for m in model.moe_layers()]
                 inputs, targets, documents = inputs_and_targets(mb.to(device, non_blocking=True), eos)
-                loss = self._stage_loss(model(inputs, documents), targets, counted)
+                with self._autocast():  # the forward only: backward ops take the dtypes their forward had
+                    loss = self._stage_loss(model(inputs, documents), targets, counted)
                 # The auxiliary losses are a mean over the real micro-batches (1/accum each without
                 # padding). Padding still runs its backward, zero-weighted rather than skipped, so
                 # every rank joins the same reduce-scatters.

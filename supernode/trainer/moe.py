@@ -302,12 +302,16 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x: rows sorted by (local) expert; counts: rows per local expert."""
         # Under expert parallel the weights are DTensors sharded along E: compute on the local slice.
-        # Experts outside FSDP (no replicas to shard over) miss its bf16 cast: match the input.
+        # Experts outside FSDP (no replicas to shard over) miss its bf16 cast: match the input. Under
+        # torch.autocast (`parallel.autocast_dtype`) cast both to its dtype, as torchtitan does:
+        # autocast reaches neither `torch._grouped_mm` nor this module's own Function.
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         w1, w2, w3 = (
-            _scale_grad(w.to_local() if isinstance(w, DTensor) else w, self.grad_scale).to(x.dtype)
+            _scale_grad(w.to_local() if isinstance(w, DTensor) else w, self.grad_scale).to(dtype)
             for w in (self.w1, self.w2, self.w3)
         )
-        return expert_ffn(x, counts, w1, w2, w3, self.strategy)
+        return expert_ffn(x.to(dtype), counts, w1, w2, w3, self.strategy)
 
 
 class SwiGLU(nn.Module):

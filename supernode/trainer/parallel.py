@@ -258,17 +258,12 @@ def bf16_compute(parallel: Parallel, device_type: str) -> bool:
     return parallel.mixed_precision == "bf16" and device_type != "cpu"
 
 
-def fp32_fallback(parallel: Parallel, mesh: Meshes, device_type: str) -> str | None:
-    """The warning for a layout whose plan says bf16 on an accelerator but that has no data-parallel
-    mesh (several ranks, dp 1: tp, ep or pp alone): FSDP's mixed precision has nothing to apply to,
-    so it computes in fp32 (one GPU keeps its FSDP dims instead: `Meshes.build`)."""
-    if not bf16_compute(parallel, device_type) or mesh.dp is not None:
-        return None
-    return (
-        f"warning: parallel.mixedPrecision bf16 comes from FSDP and this layout has no data parallelism "
-        f"(dpReplicate x dpShard = 1 over {parallel.world_size} ranks): it computes in fp32, at about half "
-        "the speed and twice the activation memory the plan assumes"
-    )
+def autocast_dtype(parallel: Parallel, mesh: Meshes, device_type: str) -> torch.dtype | None:
+    """bf16 where the plan says bf16 on an accelerator but FSDP's mixed precision has no mesh to apply
+    to (several ranks, dp 1: tp, ep or pp alone; one GPU keeps its FSDP dims instead: `Meshes.build`):
+    the forward runs under torch.autocast, torchtitan's choice there, rather than in fp32 at about half
+    the speed and twice the activation memory the plan assumes. None elsewhere."""
+    return torch.bfloat16 if bf16_compute(parallel, device_type) and mesh.dp is None else None
 
 
 def compute_dtype(mesh: Meshes, parallel: Parallel, device_type: str) -> torch.dtype:

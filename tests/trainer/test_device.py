@@ -158,18 +158,3 @@ def test_mixed_precision_follows_the_device(device_type, bf16, tmp_path):
     plan = build_plan("trn2", load_stack("trn2", ROOT))
     metrics = Metrics(tmp_path, plan, world_size=1, device_type=device_type, rank=1)
     assert metrics.peak == (plan.hardware.peak_flops if bf16 else None)  # MFU wherever there is a peak
-
-
-def test_a_multi_rank_layout_without_data_parallelism_says_it_computes_in_fp32():
-    """bf16 is FSDP's: a layout of several ranks with dp 1 (tp alone here) has no FSDP mesh, so the
-    trainer says it trains fp32 rather than letting the plan's bf16 figures stand unnoticed."""
-    from supernode.core.config import Parallel
-    from supernode.trainer.parallel import Meshes, fp32_fallback
-
-    no_dp = Meshes(dense=None, experts=None, moe=None)  # what Meshes.build gives a layout without dp dims
-    tp_only = Parallel(tp=8, mixed_precision="bf16")
-    line = fp32_fallback(tp_only, no_dp, "cuda")
-    assert line is not None and "computes in fp32" in line and "over 8 ranks" in line
-    assert fp32_fallback(tp_only, no_dp, "neuron") == line
-    assert fp32_fallback(tp_only, no_dp, "cpu") is None  # bf16 never applies on CPU: nothing to warn of
-    assert fp32_fallback(tp_only.model_copy(update={"mixed_precision": "fp32"}), no_dp, "cuda") is None
