@@ -220,6 +220,17 @@ def test_a_machine_without_a_gpu_got_the_cpu_build_of_torch():
             assert cuda == "None", f"{python}: torch built for CUDA {cuda} on a machine without a GPU"
 
 
+def test_the_environments_hold_compiled_bytecode():
+    """uv compiles nothing unless told (`uv_install.install_command`): without the .pyc files every
+    process this suite starts spends ~6 s compiling torch again, which doubled `make test`."""
+    for python in (sys.executable, ROOT / ".venv-serve" / "bin" / "python"):
+        if not Path(python).is_file():
+            continue
+        code = "import importlib.util as u, os, torch; print(os.path.isfile(u.cache_from_source(torch.__file__)))"
+        compiled = subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.strip()
+        assert compiled == "True", f"{python}: torch has no compiled bytecode (install with --compile-bytecode)"
+
+
 def test_pip_config_listing_becomes_uv_flags():
     from supernode.tools.uv_install import parse_pip_config, uv_flags
 

@@ -7,6 +7,11 @@ So the indexes, find-links and constraints pip would use (`pip config list`: fil
 are passed to uv as flags, and `--index-strategy unsafe-best-match` gives uv pip's semantics over several
 indexes (the best version from any of them: the local `2.13.0+cpu` beats PyPI's `2.13.0`).
 
+`--compile-bytecode`, pip's default that uv leaves out: without it every process compiles torch's
+sources again (and nothing caches them where PYTHONDONTWRITEBYTECODE is set, as on our machines):
+`import supernode.trainer.train` took 9.3 s instead of 3.5, and `make test`, which starts hundreds of
+Python processes, 28 minutes instead of under 15. It costs ~37 s of install for the main venv.
+
 Standard library only: the Makefile runs it as a script before the package is installed
 (`python3 supernode/tools/uv_install.py --python .venv/bin/python -r requirements.txt`), and
 `supernode serve-env` builds its commands from it.
@@ -68,7 +73,7 @@ def find_uv() -> str | None:
 
 
 def install_command(uv: str, python: str, args: list[str], options: dict[str, list[str]]) -> list[str]:
-    return [uv, "pip", "install", "--python", python, *uv_flags(options), *args]
+    return [uv, "pip", "install", "--python", python, "--compile-bytecode", *uv_flags(options), *args]
 
 
 def main(argv: list[str]) -> int:

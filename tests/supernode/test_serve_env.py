@@ -113,7 +113,7 @@ def test_with_uv_the_install_carries_pips_indexes_find_links_and_constraints(pla
     assert main(["serve-env", "--dry-run"]) == 0
     install, uninstall = capsys.readouterr().out.splitlines()[1:]
     assert shlex.split(install) == [
-        "/opt/uv", "pip", "install", "--python", python,
+        "/opt/uv", "pip", "install", "--python", python, "--compile-bytecode",
         "--extra-index-url=file:///a/simple", "--extra-index-url=file:///b/simple",
         "--find-links=/opt/wheels", "--constraint=/tmp/later.txt",  # the PIP_ variable wins, as in pip
         "--index-strategy=unsafe-best-match",
