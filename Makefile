@@ -62,7 +62,7 @@ serve-env: $(SERVE_STAMP)
 
 # The serving environment too: the vLLM equality and serving tests run in CI, not skipped.
 test: $(STAMP) $(SERVE_STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) -q
+	$(BIN)/python -m pytest -n $(WORKERS) -q --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(WORKERS) -q -m "not slow"

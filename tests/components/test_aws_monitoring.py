@@ -44,6 +44,7 @@ def test_every_alarm_notifies_the_topic(stack: Stack):
         # node health (issue 26 item 4; tests/components/test_node_agent.py)
         "node-quarantined",
         "node-replaced",
+        "node-checks-not-run",
         "gpu-ecc-uncorrectable",
         "gpu-row-remap-failure",
         "gpu-pcie-replays",

@@ -7,6 +7,7 @@ import re
 import socket
 import urllib.error
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -207,6 +208,12 @@ def test_alarms_on_quarantine_replacement_and_gpu_faults(stack: Stack) -> None:
     assert filters["NodesReplaced"]["pattern"] == "{ $.node_replaced = 1 }"
     assert found["node-quarantined"]["metricName"] == "NodesQuarantined"
     assert found["node-replaced"]["metricName"] == "NodesReplaced"
+    assert filters["NodeChecksNotRun"]["pattern"] == "{ $.checks_not_run = * }"
+    assert filters["NodeChecksNotRun"]["metricTransformation"]["value"] == "$.checks_not_run"
+    assert (found["node-checks-not-run"]["metricName"], found["node-checks-not-run"]["threshold"]) == (
+        "NodeChecksNotRun",
+        0,
+    )
     for alarm, metric in (("gpu-ecc-uncorrectable", obs.ECC_DBE), ("gpu-row-remap-failure", obs.ROW_REMAP_FAILURE)):
         assert (found[alarm]["namespace"], found[alarm]["metricName"]) == (obs.PROMETHEUS_NAMESPACE, metric)
         assert found[alarm]["threshold"] == 0
@@ -347,3 +354,107 @@ def test_a_node_of_an_unknown_type_is_not_judged(labels: dict, fallback: str | N
     assert [(m, p) for m, p, _ in writes] == [("POST", "/api/v1/namespaces/default/events")]  # once, not per round
     assert writes[0][2]["reason"] == "NodeNotJudged" and message in writes[0][2]["message"]
     assert mf.validate([writes[0][2]], VERSION) == []
+
+
+# -- a check that did not run is not a pass (issue 41 items 1 and 2) ---------------------------------
+
+
+def fake_tools(bin_dir: Path, **scripts: str) -> None:
+    """Shell scripts standing in for the node's tools (name -> body), alone on PATH with sh and cat."""
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+
+
+def test_a_refused_dmesg_and_a_missing_dcgmi_are_checks_not_run(tmp_path, monkeypatch) -> None:
+    """The trainer image has no dcgmi, and a non-root dmesg under kernel.dmesg_restrict=1 prints its
+    error on stderr and exits 1: both once read as "no finding"."""
+    tools = tmp_path / "bin"
+    fake_tools(
+        tools,
+        **{
+            "nvidia-smi": f'case "$*" in "-q") cat {FIXTURES}/nvidia-smi-q.txt;; "nvlink -s") cat {FIXTURES}/nvlink-s.txt;; '
+            f"*) cat {FIXTURES}/ecc-remap-ok.txt;; esac",
+            "dmesg": 'echo "dmesg: read kernel buffer failed: Operation not permitted" >&2; exit 1',
+        },
+    )
+    for tool in ("sh", "cat"):
+        (tools / tool).symlink_to(Path("/bin") / tool)
+    monkeypatch.setenv("PATH", str(tools))
+    readings = agent.gather(None)
+    assert readings.dmesg is None and readings.dcgmi_health is None and readings.nvidia_smi_q
+    assert readings.not_run == {
+        "xid": "dmesg exited 1: dmesg: read kernel buffer failed: Operation not permitted",
+        "dcgm": "dcgmi is not installed in this image",
+    }
+    verdict = health.decide(readings, agent.lookup("p5en.48xlarge"))
+    # nothing found but this machine's missing EFA devices, and not known healthy
+    assert {f.check for f in verdict.findings} == {"efa"} and not verdict.checked
+    assert isinstance(agent.deep_check(), agent.NotRun)
+
+
+def test_a_tool_that_fails_with_output_is_a_reading_and_one_that_hangs_is_not_run(tmp_path) -> None:
+    fake_tools(tmp_path, failing="echo '| Overall Health | Failure |'; exit 226", hanging="sleep 5")
+    assert agent.run_tool([str(tmp_path / "failing")]) == "| Overall Health | Failure |\n"
+    assert agent.run_tool([str(tmp_path / "hanging")], timeout_s=1) == agent.NotRun(
+        f"{tmp_path / 'hanging'} timed out after 1 s"
+    )
+
+
+def unchecked_readings(_before: dict | None) -> health.Readings:
+    """A healthy p5en whose dmesg was refused and which has no dcgmi."""
+    return replace(
+        p5en_readings(None),
+        dmesg=None,
+        dcgmi_health=None,
+        not_run={"xid": "dmesg exited 1: Operation not permitted", "dcgm": "dcgmi is not installed in this image"},
+    )
+
+
+def no_dcgmi() -> agent.NotRun:
+    return agent.NotRun("dcgmi is not installed in this image")
+
+
+def test_hold_keeps_a_node_whose_checks_did_not_run_out_and_says_so_once() -> None:
+    kube = RecordingKube(labelled(NODE, "p5en.48xlarge"), [])
+    w = watch()
+    lines = [w.round(kube, None, unchecked_readings, no_dcgmi, now=1000.0 + i) for i in range(3)]
+    assert [line["checks_not_run"] for line in lines] == [3, 3, 3]  # xid, dcgm, dcgm_diag
+    assert "dcgm_diag: dcgmi is not installed" in lines[0]["not_run"]
+    writes = [(m, p, b) for m, p, _, b in kube.sent if m != "GET"]
+    # no patch: the node keeps supernode.io/unchecked; one Event, not one per round
+    assert [(m, p) for m, p, _ in writes] == [("POST", "/api/v1/namespaces/default/events")]
+    event = writes[0][2]
+    assert event["reason"] == "NodeChecksNotRun" and "xid: dmesg exited 1" in event["message"]
+    assert "--unchecked-nodes hold" in event["message"] and mf.validate([event], VERSION) == []
+    # once every tool runs and passes, the node is admitted
+    line = w.round(kube, None, p5en_readings, list, now=2000.0)
+    assert line["checks_not_run"] == 0 and "not_run" not in line
+    patch = kube.sent[-1][3]
+    assert taints(patch) == [("nvidia.com/gpu", "true", "NoSchedule")]
+
+
+def test_admit_lets_the_checks_that_ran_decide_and_still_reports_the_rest() -> None:
+    kube = RecordingKube(labelled(NODE, "p5en.48xlarge"), [])
+    line = watch(unchecked=agent.ADMIT).round(kube, None, unchecked_readings, no_dcgmi, now=1000.0)
+    assert line["checks_not_run"] == 3
+    writes = [(m, b) for m, _, _, b in kube.sent if m != "GET"]
+    assert [m for m, _ in writes] == ["POST", "PATCH"]
+    assert "--unchecked-nodes admit" in writes[0][1]["message"]
+    assert taints(writes[1][1]) == [("nvidia.com/gpu", "true", "NoSchedule")]  # admitted
+
+
+def test_hold_does_not_release_a_quarantined_node_on_rounds_that_could_not_see_its_fault() -> None:
+    """Quarantined for an XID; dmesg then refused: those rounds are no passes."""
+    kube = RecordingKube(labelled(NODE, "p5en.48xlarge"), [])
+    w = watch()
+    w.checked = True
+    faulty = replace(p5en_readings(None), dmesg=(FIXTURES / "dmesg-xid63.txt").read_text())
+    assert w.round(kube, None, lambda _b: faulty, list, now=1000.0)["node_quarantined"] == 1
+    for i in range(5):  # more than --release-after 3
+        assert w.round(kube, None, unchecked_readings, list, now=1001.0 + i)["node_quarantined"] == 1
+    for i in range(3):
+        line = w.round(kube, None, p5en_readings, list, now=2000.0 + i)
+    assert line["node_quarantined"] == 0 and line["action"] == health.RELEASE

@@ -183,6 +183,11 @@ def test_node_health_agent_runs_on_every_gpu_node_with_only_the_rights_it_uses(s
     sc = c["securityContext"]
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]} and sc["allowPrivilegeEscalation"] is False
     assert "privileged" not in sc
+    # CAP_SYSLOG is effective only for uid 0 (Kubernetes grants no ambient capabilities): the image's
+    # non-root user would read dmesg refused under kernel.dmesg_restrict=1
+    assert sc["runAsUser"] == 0 and sc["runAsNonRoot"] is False
+    # the stack's policy for a node whose checks did not all run (the dev stack: admit, no DCGM in the image)
+    assert flag(c, "--unchecked-nodes") == wl.unchecked_nodes == "admit"
     [mount] = c["volumeMounts"]
     assert mount["readOnly"] is True and mount["mountPath"] == "/sys/class/infiniband"
     [volume] = pod["volumes"]

@@ -76,6 +76,7 @@ ACCELERATOR_ALARMS: dict[str, dict[str, str]] = {
     "pcie-replays": {"nvidia": "gpu-pcie-replays"},
     "node-quarantined": {"nvidia": "node-quarantined"},
     "node-replaced": {"nvidia": "node-replaced"},
+    "node-checks-not-run": {"nvidia": "node-checks-not-run"},
 }
 _NO_NODE_AGENT = (
     "no node health agent runs on Neuron node groups (it reads nvidia-smi, DCGM and XID lines; "
@@ -89,6 +90,7 @@ NO_EQUIVALENT: dict[tuple[str, str], str] = {
     ("pcie-replays", "neuron"): "neuron-monitor reports no PCIe replay counter (neuron_hw_counters: ECC events only)",
     ("node-quarantined", "neuron"): _NO_NODE_AGENT,
     ("node-replaced", "neuron"): _NO_NODE_AGENT,
+    ("node-checks-not-run", "neuron"): _NO_NODE_AGENT,
 }
 
 
@@ -109,6 +111,7 @@ class LogPattern:
     # The node health agent's round lines (supernode/trainer/node/agent.py).
     NODE_QUARANTINED = "{ $.node_quarantined = * }"
     NODE_REPLACED = "{ $.node_replaced = 1 }"
+    CHECKS_NOT_RUN = "{ $.checks_not_run = * }"
 
 
 @dataclass
@@ -203,6 +206,8 @@ class Monitoring(pulumi.ComponentResource):
             # Summed over the agents' lines of a period: quarantined node-rounds (0 when all pass).
             filters["NodesQuarantined"] = (groups["application"], LogPattern.NODE_QUARANTINED, "$.node_quarantined")
             filters["NodesReplaced"] = (groups["application"], LogPattern.NODE_REPLACED, "1")
+            # The checks each agent's round could not run (a tool missing, refused or timed out).
+            filters["NodeChecksNotRun"] = (groups["application"], LogPattern.CHECKS_NOT_RUN, "$.checks_not_run")
         for metric, (group, pattern, value) in filters.items():
             aws.cloudwatch.LogMetricFilter(
                 f"{name}-{metric}",
@@ -416,6 +421,14 @@ class Monitoring(pulumi.ComponentResource):
                 "node-replaced",
                 "the node health agent terminated a faulty GPU instance for its Auto Scaling group to replace",
                 "NodesReplaced",
+            ),
+            self._any(
+                name,
+                "node-checks-not-run",
+                "a GPU node's health checks did not all run (the agent's checks_not_run; its NodeChecksNotRun "
+                "Event names the checks and why): the node is not known healthy",
+                "NodeChecksNotRun",
+                "Maximum",
             ),
             *(
                 self._alarm(

@@ -625,6 +625,8 @@ class Operations(pulumi.ComponentResource):
                 f"{NODE_HEALTH_NAMESPACE}/{FABRIC_VERDICT}",
                 "--fabric-max-age-s",
                 str(fabric_max_age_s),
+                "--unchecked-nodes",
+                wl.unchecked_nodes,
             ],
             "env": GPU_OBSERVER_ENV,
             # dcgmi diag -r 2 runs once per node join: the limit leaves it room
@@ -632,7 +634,12 @@ class Operations(pulumi.ComponentResource):
             "securityContext": {
                 "allowPrivilegeEscalation": False,
                 "readOnlyRootFilesystem": True,
-                # dmesg reads the kernel ring buffer through syslog(2): CAP_SYSLOG, nothing else
+                # dmesg reads the kernel ring buffer through syslog(2), which kernel.dmesg_restrict=1 (the
+                # AL2023 AMI's setting) allows only with CAP_SYSLOG in the effective set. Kubernetes grants
+                # no ambient capabilities, so a non-root uid (the image's 10001) never has it effective:
+                # uid 0 with every capability dropped but SYSLOG, and an unreadable log is a check not run.
+                "runAsUser": 0,
+                "runAsNonRoot": False,
                 "capabilities": {"drop": ["ALL"], "add": ["SYSLOG"]},
             },
             "volumeMounts": [{"name": "infiniband", "mountPath": EFA_COUNTERS, "readOnly": True}],

@@ -798,6 +798,13 @@ class Workload(_Base):
         description="cron schedule of `supernode checkpoints --retain` in the cluster: tags each run's checkpoints "
         "in S3 milestone or window for the bucket's lifecycle rules (a step not tagged yet is kept)",
     )
+    unchecked_nodes: Literal["hold", "admit"] = Field(
+        default="hold",
+        description="a GPU node whose health checks did not all run (a tool missing from the agent's image, "
+        "refused or timed out): hold keeps it unadmitted (supernode.io/unchecked) and quarantined ones held "
+        "until every check runs; admit lets the checks that ran decide. Either way each round counts them "
+        "and the node-checks-not-run alarm fires",
+    )
     inventory_interval_minutes: int = Field(
         default=60,
         ge=5,

@@ -24,6 +24,13 @@ A node joins with the `supernode.io/unchecked:NoSchedule` taint (the node group 
 pods do not tolerate it): the agent's first round adds the deep check (`dcgmi diag -r 2`) and
 removes that taint only when everything passes.
 
+A check whose tool did not run (not in the image, refused, timed out, or exited with an error and no
+output: `run_tool`) is not a pass. Each round's line counts them (`checks_not_run`, which the
+`node-checks-not-run` alarm reads), the node gets a `NodeChecksNotRun` Event once per reason, and
+`--unchecked-nodes` (the stack's workload.uncheckedNodes) decides the rest: `hold` admits or
+releases a node only on a round in which every check ran (it keeps retrying the deep check),
+`admit` lets the checks that did run decide.
+
 Each round prints one JSON line; `node_quarantined` (0/1) and `node_replaced` feed the monitoring's
 log metric filters and alarms. Exit codes: 0 done (--once), 2 bad input.
 """
@@ -34,6 +41,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import ssl
 import subprocess
 import sys
@@ -169,11 +177,32 @@ def replace_instance(autoscaling: Any, instance: str) -> dict[str, Any]:
 # -- running the tools -----------------------------------------------------------------------------
 
 
-def _run(argv: list[str], timeout_s: int = 120) -> str | None:
+HOLD, ADMIT = "hold", "admit"  # --unchecked-nodes: what a check that did not run does to admission
+
+
+@dataclass(frozen=True)
+class NotRun:
+    """A tool that gave no reading, and why (a check that did not run is not a pass)."""
+
+    why: str
+
+
+def run_tool(argv: list[str], timeout_s: int = 120) -> str | NotRun:
+    """The tool's output, or why there is none. A non-zero exit with output is a reading (dcgmi
+    exits non-zero on the failures it prints); one without output is a tool that did not run (`dmesg`
+    refused by kernel.dmesg_restrict prints its error on stderr only)."""
+    cmd = shlex.join(argv)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    except FileNotFoundError:
+        return NotRun(f"{argv[0]} is not installed in this image")
+    except OSError as e:
+        return NotRun(f"{cmd} could not start: {e.strerror or e}")
+    except subprocess.TimeoutExpired:
+        return NotRun(f"{cmd} timed out after {timeout_s} s")
+    if done.returncode != 0 and not done.stdout.strip():
+        said = (done.stderr.strip().splitlines() or ["no output"])[-1].strip()[:200]
+        return NotRun(f"{cmd} exited {done.returncode}: {said}")
     return done.stdout
 
 
@@ -200,16 +229,26 @@ def parse_dcgmi_diag(text: str) -> list[str]:
     return failed
 
 
+# Each round's tools: the Readings field each fills, the check it serves, the command.
+ROUND_TOOLS = (
+    ("nvidia_smi_q", "gpu_count", ["nvidia-smi", "-q"]),
+    ("nvlink_status", "nvlink", ["nvidia-smi", "nvlink", "-s"]),
+    ("dmesg", "xid", ["dmesg"]),
+    ("ecc_remap", "ecc", ["nvidia-smi", "-q", "-d", "ECC,ROW_REMAPPER"]),
+    ("dcgmi_health", "dcgm", ["dcgmi", "health", "-c"]),
+)
+
+
 def gather(efa_before: dict[str, dict[str, int]] | None) -> health.Readings:
-    return health.Readings(
-        nvidia_smi_q=_run(["nvidia-smi", "-q"]),
-        nvlink_status=_run(["nvidia-smi", "nvlink", "-s"]),
-        dmesg=_run(["dmesg"]),
-        ecc_remap=_run(["nvidia-smi", "-q", "-d", "ECC,ROW_REMAPPER"]),
-        dcgmi_health=_run(["dcgmi", "health", "-c"]),
-        efa_before=efa_before,
-        efa_now=read_efa_counters(),
-    )
+    readings: dict[str, str] = {}
+    not_run: dict[str, str] = {}
+    for field_name, check, argv in ROUND_TOOLS:
+        result = run_tool(argv)
+        if isinstance(result, NotRun):
+            not_run[check] = result.why
+        else:
+            readings[field_name] = result
+    return health.Readings(**readings, efa_before=efa_before, efa_now=read_efa_counters(), not_run=not_run)
 
 
 # -- the loop --------------------------------------------------------------------------------------
@@ -297,9 +336,10 @@ def act(
     return line
 
 
-def deep_check() -> list[str]:
-    """`dcgmi diag -r 2`'s failed tests (minutes: run once, when the node joins)."""
-    return parse_dcgmi_diag(_run(["dcgmi", "diag", "-r", "2"], timeout_s=1800) or "")
+def deep_check() -> list[str] | NotRun:
+    """`dcgmi diag -r 2`'s failed tests (minutes: run once, when the node joins), or why it did not run."""
+    result = run_tool(["dcgmi", "diag", "-r", "2"], timeout_s=1800)
+    return result if isinstance(result, NotRun) else parse_dcgmi_diag(result)
 
 
 @dataclass
@@ -316,6 +356,8 @@ class Watch:
     checked: bool = False
     fabric_entries: dict[str, str] | None = None  # the last verdict read: a failed read keeps it (it ages)
     not_judged: str = ""  # the reason last posted as an Event: one Event per reason, not one per round
+    unchecked: str = HOLD  # --unchecked-nodes
+    not_run_posted: str = ""  # the checks-not-run detail last posted as an Event
 
     def read_fabric(self, kube: Kube, now: float) -> tuple[bool | None, str]:
         if self.fabric_configmap is None:
@@ -333,7 +375,7 @@ class Watch:
         kube: Kube,
         autoscaling: Any,
         gather_readings: Callable[[dict[str, dict[str, int]] | None], health.Readings],
-        diag: Callable[[], list[str]],
+        diag: Callable[[], list[str] | NotRun],
         now: float,
     ) -> dict[str, Any]:
         """Read, decide and act once; the round's JSON line."""
@@ -355,17 +397,37 @@ class Watch:
         readings = replace(gather_readings(self.efa_before), fabric_suspect=suspect)
         self.efa_before = dict(readings.efa_now or {})
         verdict = health.decide(readings, instance)
-        if not self.checked:  # the deep check, once, before training pods may land here
+        if not self.checked:  # the deep check, before training pods may land here (retried until it runs)
             failed = diag()
-            if failed:
+            if isinstance(failed, NotRun):
+                verdict = replace(verdict, not_run=(*verdict.not_run, ("dcgm_diag", failed.why)))
+            elif failed:
                 finding = health.Finding("dcgm_diag", health.HARDWARE, "failed: " + ", ".join(failed))
-                verdict = health.Verdict((*verdict.findings, finding))
-            self.checked = verdict.severity == health.OK
-        action = self.tracker.observe(verdict, now)
+                verdict = replace(verdict, findings=(*verdict.findings, finding))
+            self.checked = verdict.severity == health.OK and (verdict.checked or self.unchecked == ADMIT)
+        unchecked = verdict.not_run_detail
+        if unchecked and unchecked != self.not_run_posted:
+            policy = (
+                "admitted on the checks that ran (--unchecked-nodes admit)"
+                if self.unchecked == ADMIT
+                else "not admitted or released until every check runs (--unchecked-nodes hold)"
+            )
+            kube.post_event(event(node, "NodeChecksNotRun", f"{unchecked}; {policy}", datetime.fromtimestamp(now, UTC)))
+        self.not_run_posted = unchecked
+        # hold: a round with a check that did not run is neither a pass nor a failure
+        held = self.unchecked == HOLD and not verdict.checked and verdict.severity == health.OK
+        action = health.STAY if held else self.tracker.observe(verdict, now)
         line = act(
             kube, autoscaling, self.node_name, action, verdict, self.namespaces, self.checked, self.tracker.quarantined
         )
-        line.update(instance_type=instance.name, fabric=fabric_state, node_quarantined=int(self.tracker.quarantined))
+        line.update(
+            instance_type=instance.name,
+            fabric=fabric_state,
+            node_quarantined=int(self.tracker.quarantined),
+            checks_not_run=len(verdict.not_run),
+        )
+        if unchecked:
+            line["not_run"] = unchecked
         return line
 
 
@@ -405,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="ignore a fabric verdict older than this (the stack: two fabric-check intervals)",
     )
+    w.add_argument(
+        "--unchecked-nodes",
+        choices=(HOLD, ADMIT),
+        default=HOLD,
+        help="hold: admit or release a node only on rounds in which every check ran; admit: on the checks that ran",
+    )
     w.add_argument("--once", action="store_true", help="one round, then exit")
     try:
         args = p.parse_args(argv)
@@ -443,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             tracker,
             args.fabric_verdict,
             args.fabric_max_age_s or 0.0,
+            unchecked=args.unchecked_nodes,
         )
         while True:
             try:

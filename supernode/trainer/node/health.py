@@ -8,6 +8,10 @@ acts; tests feed captured text. Each check yields findings of one of three sever
   driver reload or a transient link error clears it. Repeated failures escalate (see `Tracker`).
 - `hardware`: the instance is faulty; evict our pods and hand the instance to replacement.
 
+A check whose tool did not run (not installed, refused, timed out, exited without output) is
+neither: it is `not_run`, with the reason, and a node is not called healthy for it (the agent
+reports it and, by the operator's policy, holds an unchecked node back; `Verdict.checked`).
+
 XID classes follow NVIDIA's Xid catalog (docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html,
 "Resolution Bucket") and dynamic page retirement / row remapping guides
 (docs.nvidia.com/deploy/dynamic-page-retirement, docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt):
@@ -52,6 +56,16 @@ class Finding:
 @dataclass(frozen=True)
 class Verdict:
     findings: tuple[Finding, ...]
+    not_run: tuple[tuple[str, str], ...] = ()  # (check, why) for each check whose tool did not run
+
+    @property
+    def checked(self) -> bool:
+        """Every check ran: only then does a clean verdict say the node is healthy."""
+        return not self.not_run
+
+    @property
+    def not_run_detail(self) -> str:
+        return "; ".join(f"{check}: {why}" for check, why in self.not_run)
 
     @property
     def severity(self) -> str:
@@ -155,7 +169,8 @@ def efa_error_increase(before: Mapping[str, Mapping[str, int]], now: Mapping[str
 
 @dataclass(frozen=True)
 class Readings:
-    """One round of the tools' output on a node; None: that tool did not run (no finding)."""
+    """One round of the tools' output on a node; None: that tool did not run, and `not_run` says why
+    for each check it serves (a check that did not run is not a pass)."""
 
     nvidia_smi_q: str | None = None
     nvlink_status: str | None = None
@@ -165,6 +180,7 @@ class Readings:
     efa_before: Mapping[str, Mapping[str, int]] | None = None
     efa_now: Mapping[str, Mapping[str, int]] | None = None
     fabric_suspect: bool | None = None  # the fabric check's fresh verdict named this node (fabric_verdict)
+    not_run: Mapping[str, str] = field(default_factory=dict)  # check -> why its tool gave no reading
 
 
 def fabric_entry(when: float, suspect: bool, detail: str) -> str:
@@ -258,7 +274,7 @@ def decide(readings: Readings, instance: InstanceType) -> Verdict:
             out.append(Finding("efa", RECOVERABLE, ", ".join(f"{k} +{v}" for k, v in sorted(grown.items()))))
     if readings.fabric_suspect:
         out.append(Finding("fabric", RECOVERABLE, "the fabric check named this node as slow"))
-    return Verdict(tuple(out))
+    return Verdict(tuple(out), tuple(sorted(readings.not_run.items())))
 
 
 # -- flapping and escalation -----------------------------------------------------------------------
