@@ -484,7 +484,13 @@ def step_time(
         + fsdp_pass(*first, 4)
         + replicate * last_share
     )
-    exposed_fsdp += max(0.0, fsdp + replicate - exposed_fsdp - (compute + recompute))
+    # The window beside compute is shared: where the all-to-all and the FSDP/HSDP rings both cross
+    # EFA (each GPU's share of the instance's EFA), the all-to-all hidden behind compute holds that
+    # link, and FSDP traffic cannot hide in the same seconds.
+    fsdp_links = [links[t] for t in ("fsdp", "fsdp_experts", "replicate") if t in links]
+    efa_shared = "EFA" in links.get("all_to_all", "") and any("EFA" in link for link in fsdp_links)
+    hidden_a2a = a2a + a2a_again - exposed_a2a if efa_shared else 0.0
+    exposed_fsdp += max(0.0, fsdp + replicate - exposed_fsdp - max(0.0, compute + recompute - hidden_a2a))
 
     # TP: 2 all-reduces (RS + AG) per layer forward and backward of the activations, synchronous in
     # the compute stream (DTensor's ColwiseParallel/RowwiseParallel; the MoE layer's token gather);

@@ -339,8 +339,8 @@ def test_prod_step_time_differs_by_the_recomputation_it_costs():
     }
     st = {ac: plan.step for ac, plan in plans.items()}
     # With every micro-batch's gradients reduce-scattered (supernode/trainer/engine.py), prod's 8 micro-batches make
-    # it FSDP-bound once it recomputes: full's extra recomputation hides behind FSDP traffic selective
-    # already waits for, so full is no faster, and no slower, than selective.
+    # it EFA-bound once it recomputes (the test below): full's extra recomputation hides behind EFA
+    # traffic selective already waits for, so full is no faster, and no slower, than selective.
     assert st["none"].step_s < st["selective"].step_s <= st["full"].step_s
     pc, tokens, world = plans["none"].params, 1024 * 4096, 128
     # selective re-runs the MoE/FFN forward: 2 x (router + 6 of 128 experts + 2 shared + the dense FFN)
@@ -361,6 +361,20 @@ def test_prod_step_time_differs_by_the_recomputation_it_costs():
             - st["none"].exposed_fsdp_s
         )
 
+
+def test_all_to_all_and_fsdp_over_the_same_efa_do_not_hide_in_the_same_seconds():
+    """Prod's ep 16 spans two instances and its FSDP/HSDP rings cross EFA: both use each GPU's share
+    of the instance's EFA, so the all-to-all that hides behind compute leaves that time to FSDP no
+    more. The step is then at least all the EFA traffic end to end (it was 9.67 s, less than that)."""
+    cfg = load_stack("prod", ROOT)
+    st = build_plan("prod", cfg).step
+    assert "EFA" in st.links["all_to_all"] and "EFA" in st.links["replicate"]
+    network = st.fsdp_s + st.replicate_s + st.all_to_all_s + st.recompute_all_to_all_s
+    assert st.step_s >= network - 1e-9
+    # Inside one instance (ep 8 on NVLink) the all-to-all leaves EFA to FSDP: no such floor.
+    inside = build_plan("prod", cfg.model_copy(update={"parallel": _with(cfg.parallel, ep=8)})).step
+    assert inside.links["all_to_all"] == "NVLink"
+    assert inside.step_s < inside.fsdp_s + inside.replicate_s + inside.all_to_all_s + inside.recompute_all_to_all_s
 
 def test_only_the_overlap_the_trainer_does_is_credited():
     """AllToAllDispatcher.compute: without parallel.overlap every all-to-all waits. With it, in
