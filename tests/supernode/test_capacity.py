@@ -376,6 +376,7 @@ def test_all_to_all_and_fsdp_over_the_same_efa_do_not_hide_in_the_same_seconds()
     assert inside.links["all_to_all"] == "NVLink"
     assert inside.step_s < inside.fsdp_s + inside.replicate_s + inside.all_to_all_s + inside.recompute_all_to_all_s
 
+
 def test_only_the_overlap_the_trainer_does_is_credited():
     """AllToAllDispatcher.compute: without parallel.overlap every all-to-all waits. With it, in
     forward only, dispatch 0 runs beside the shared expert and, in K = allToAllChunks pieces, piece i's
