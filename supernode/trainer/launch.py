@@ -33,6 +33,7 @@ line on stderr.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -145,7 +146,7 @@ class StallWatchdog(threading.Thread):
                 "rank": rank,
                 "pid": pid,
                 "after": beat.get("what"),
-                "silent_s": round(silent_s, 1),
+                "silent_s": math.ceil(silent_s * 10) / 10,  # up, so a kill past 11 s never reads 11.0
                 "timeout_s": timeout_s,
             }
             killed.append(record)
