@@ -301,10 +301,32 @@ class OptimizerState:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict:
+        if not self.optimizer.state:  # a restore into a fresh optimizer: DCP loads into these tensors
+            zero_adam_state(self.optimizer)
         return get_optimizer_state_dict(self.model, self.optimizer, options=self.OPTIONS)
 
     def load_state_dict(self, sd: dict) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, sd, options=self.OPTIONS)
+
+
+@torch.no_grad()
+def zero_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Adam's state before its first step, as `Adam._init_group` makes it, in place of torch's own
+    initialisation (`state_dict._init_optim_state`: a zero-lr step on zero gradients), which holds
+    every parameter's gradient and the step's temporaries beside the moments. That was a restore's
+    peak: 8 ranks, EP 8 x FSDP 8, 0.37 B parameters, 0.84x the whole fp32 model per rank (params +
+    moments + runtime are 0.64x). Other optimizers keep torch's path."""
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is one
+        return
+    for group in optimizer.param_groups:
+        on_device = group["fused"] or group["capturable"]
+        for p in (p for p in group["params"] if p.requires_grad):
+            state = optimizer.state[p]
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def train_state(
