@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import signal
 import socket
@@ -391,8 +392,8 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise BadInput(f"--temperature must be 0 (greedy) or more (got {self.temperature})")
+        if not 0 <= self.temperature < math.inf:
+            raise BadInput(f"--temperature must be 0 (greedy) or a finite positive number (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise BadInput(f"--top-p must be in (0, 1] (got {self.top_p})")
 

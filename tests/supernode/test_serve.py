@@ -116,12 +116,16 @@ def test_serve_needs_local_and_a_serving_env(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize(
     "flag,value,needle",
-    [("--temperature", "-0.5", "--temperature must be 0 (greedy) or more (got -0.5)"),
-     ("--temperature", "nan", "--temperature must be 0 (greedy) or more (got nan)"),
+    [("--temperature", "-0.5", "--temperature must be 0 (greedy) or a finite positive number (got -0.5)"),
+     ("--temperature", "nan", "--temperature must be 0 (greedy) or a finite positive number (got nan)"),
+     ("--temperature", "inf", "--temperature must be 0 (greedy) or a finite positive number (got inf)"),
+     ("--ready-timeout", "0", "--ready-timeout must be a finite number of seconds above 0 (got 0.0)"),
+     ("--ready-timeout", "nan", "--ready-timeout must be a finite number of seconds above 0 (got nan)"),
+     ("--ready-timeout", "inf", "--ready-timeout must be a finite number of seconds above 0 (got inf)"),
      ("--top-p", "0", "--top-p must be in (0, 1] (got 0.0)"),
      ("--top-p", "1.5", "--top-p must be in (0, 1] (got 1.5)")],
 )  # fmt: skip
-def test_bad_sampling_is_refused_naming_the_flag_before_a_server_starts(
+def test_bad_sampling_or_wait_is_refused_naming_the_flag_before_a_server_starts(
     tmp_path, fake_vllm, capsys, flag, value, needle
 ):
     model = _export(tmp_path / "m")

@@ -8,6 +8,7 @@ In the cluster the stack's serving workload does the same (supernode/components/
 
 from __future__ import annotations
 
+import math
 import signal
 from pathlib import Path
 
@@ -44,6 +45,8 @@ def run(args) -> int:
         )
     if not 0 <= args.port < 65536:
         raise BadInput(f"--port must be between 0 and 65535 (got {args.port})")
+    if not 0 < args.ready_timeout < math.inf:
+        raise BadInput(f"--ready-timeout must be a finite number of seconds above 0 (got {args.ready_timeout})")
     if args.max_tokens < 1:
         raise BadInput(f"--max-tokens must be at least 1 (got {args.max_tokens})")
     _, cfg = stack_from_args(args)
