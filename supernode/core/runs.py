@@ -50,7 +50,7 @@ def new_run_id() -> str:
 
 
 def check_run_id(flag: str, value: str) -> str:
-    if value == NEW or not RUN_ID.match(value):
+    if value == NEW or not RUN_ID.fullmatch(value):
         raise BadInput(
             f"{flag} {value!r}: not a run name ({RUN_ID_RULE}; '{NEW}' asks supernode train for a fresh one)"
         )
@@ -61,13 +61,54 @@ def run_dir(out: Path, run: str) -> Path:
     return Path(out) / RUNS / run
 
 
+# The fields every command reads from a run.json, and their types (`record` writes them all).
+RECORD_FIELDS = {"stack": str, "run": str, "model_fingerprint": str, "model": dict, "created_ns": int}
+
+
+def record_problem(rec: Any) -> str | None:
+    """What makes `rec` not a run record, None where it is one: a hand-edited or foreign run.json
+    must not reach the code that sorts by its creation time or follows its parent to a directory."""
+    if not isinstance(rec, dict):
+        return f"not a JSON object but {type(rec).__name__}"
+    for key, kind in RECORD_FIELDS.items():
+        if key not in rec:
+            return f"no {key}"
+        if not isinstance(rec[key], kind) or isinstance(rec[key], bool):
+            return f"{key} {rec[key]!r}: expected {kind.__name__}"
+    parent = rec.get("parent")
+    if parent is not None and not (
+        isinstance(parent, dict)
+        and isinstance(parent.get("run"), str)
+        and RUN_ID.fullmatch(parent["run"])
+        and type(parent.get("step")) is int
+        and parent["step"] >= 1
+    ):
+        return f"parent {parent!r} is not {{'run': a run name, 'step': a step >= 1}}"
+    return None
+
+
 def read_record(directory: Path) -> dict[str, Any] | None:
-    """A run's run.json, or None where there is none (or it is not a JSON object)."""
+    """A run's run.json, None where there is none; one that is not a run record is BadInput naming it."""
+    path = Path(directory) / RUN_FILE
     try:
-        record = json.loads((Path(directory) / RUN_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
         return None
-    return record if isinstance(record, dict) else None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: unreadable ({e}); repair or remove it") from None
+    try:
+        rec = json.loads(text)
+    except ValueError as e:
+        problem = f"not JSON ({e})"
+    else:
+        problem = record_problem(rec)
+    if problem is not None:
+        raise BadInput(
+            f"{path}: not a run record ({problem}); repair it (the run's S3 copy is "
+            f"{RUNS}/{Path(directory).name}/{RUN_FILE} under the checkpoint prefix) "
+            f"or move the run out of {path.parent.parent}"
+        )
+    return rec
 
 
 def record(

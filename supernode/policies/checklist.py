@@ -494,7 +494,7 @@ def _images(stack: Stack, _conf: None, report: Report) -> None:
         for c in containers(w):
             image = str(get(c, "image", default=""))
             images[w.label] = image
-            if not DIGEST_RE.match(image):
+            if not DIGEST_RE.fullmatch(image):
                 report(
                     w,
                     f"{w.label} container '{get(c, 'name')}' uses image {image!r}, not pinned by digest. "
@@ -532,7 +532,7 @@ def _code_config(stack: Stack, _conf: None, report: Report) -> None:
                     f"{PLAN_MOUNT_PATH}).",
                 )
         for c in containers(job):
-            if not DIGEST_RE.match(str(get(c, "image", default=""))):
+            if not DIGEST_RE.fullmatch(str(get(c, "image", default=""))):
                 report(
                     job,
                     f"{job.label} container '{get(c, 'name')}' image {get(c, 'image')!r} is not pinned by "

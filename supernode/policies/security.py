@@ -128,7 +128,7 @@ def _iam(res: Res, _conf: None, report: Report) -> None:
                     f"Describe/List calls without resource-level permissions may. Fix: name the ARNs.",
                 )
             writes = [a for a in actions if a.lower().startswith(tuple(f"s3:{v}" for v in S3_WRITE_VERBS))]
-            whole = [r for r in resources if WHOLE_BUCKET.match(r)]
+            whole = [r for r in resources if WHOLE_BUCKET.fullmatch(r)]
             if res.type in IDENTITY_POLICY_TYPES and writes and whole:
                 report(
                     res,
@@ -360,7 +360,7 @@ def _image_digests(stack: Stack, _conf: None, report: Report) -> None:
     jobs = {r.urn for r in stack.trainer_jobs() + stack.gates()}
     for w, c in _all_containers(stack):
         image = str(get(c, "image", default=""))
-        if w.urn not in jobs and not DIGEST_RE.match(image):
+        if w.urn not in jobs and not DIGEST_RE.fullmatch(image):
             report(
                 w,
                 f"{w.label} container '{get(c, 'name')}' runs {image!r}, a tag that can be re-pointed. Fix: pin "
@@ -403,7 +403,7 @@ def _image_placeholder(stack: Stack, _conf: None, report: Report) -> None:
         for c in containers(w, init=True):
             image = str(get(c, "image", default=""))
             if (
-                DIGEST_RE.match(image)
+                DIGEST_RE.fullmatch(image)
                 and not image.endswith("@" + PLACEHOLDER_DIGEST)
                 and _repository(image) not in own
             ):

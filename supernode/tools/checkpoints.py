@@ -40,7 +40,7 @@ RUN_DIR = re.compile(rf"^{runs.RUNS}/(?P<run>[^/]+)/{runs.CHECKPOINTS}$")
 def run_name(directory: str) -> str:
     """A run's name from the directory holding its step_N/ (relative to the checkpoint prefix): the
     run id of `runs/<id>/checkpoints`, else the directory itself (a layout from before run ids)."""
-    m = RUN_DIR.match(directory)
+    m = RUN_DIR.fullmatch(directory)
     return m["run"] if m else directory
 
 
@@ -70,7 +70,7 @@ def _objects(s3: Any, bucket: str, prefix: str) -> dict[tuple[str, int], dict[st
     found: dict[tuple[str, int], dict[str, int]] = {}
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
-            m = STEP_DIR.match(obj["Key"][len(prefix) :])
+            m = STEP_DIR.fullmatch(obj["Key"][len(prefix) :])
             if m:
                 found.setdefault((m["run"].rstrip("/"), int(m["step"])), {})[m["name"]] = obj["Size"]
     return found
@@ -108,8 +108,12 @@ def inventory(s3: Any, bucket: str, prefix: str, fsx_root: Path | None = None) -
         parent = who.get("parent")
         check, retention = "no COMPLETE marker (uncommitted or partly exported)", ""
         if COMPLETE in files:
-            marker = json.loads(s3.get_object(Bucket=bucket, Key=key_prefix + COMPLETE)["Body"].read())
-            check = _check(marker.get("files") if isinstance(marker, dict) else None, set(files))
+            try:
+                marker = json.loads(s3.get_object(Bucket=bucket, Key=key_prefix + COMPLETE)["Body"].read())
+            except ValueError:
+                check = "COMPLETE marker is not JSON"
+            else:
+                check = _check(marker.get("files") if isinstance(marker, dict) else None, set(files))
             tags = s3.get_object_tagging(Bucket=bucket, Key=key_prefix + COMPLETE)["TagSet"]
             retention = next((t["Value"] for t in tags if t["Key"] == CHECKPOINT_RETENTION_TAG), "")
         steps.append(
@@ -132,12 +136,12 @@ def inventory(s3: Any, bucket: str, prefix: str, fsx_root: Path | None = None) -
 
 
 def _identity(s3: Any, bucket: str, key: str) -> dict:
-    """A run's run.json in S3, or {} where it is missing or unreadable (the steps are listed all the same)."""
+    """A run's run.json in S3, or {} where it is missing or not a run record (the steps are listed all the same)."""
     try:
         rec = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     except (s3.exceptions.NoSuchKey, ValueError):
         return {}
-    return rec if isinstance(rec, dict) else {}
+    return rec if runs.record_problem(rec) is None else {}
 
 
 def retention_class(copy: StepCopy, newest: int, interval: int, every: int) -> str | None:

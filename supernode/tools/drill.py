@@ -73,7 +73,7 @@ def latest_checkpoint(
     found: list[tuple[int, str]] = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
-            m = STEP_MARKER.match(obj["Key"])
+            m = STEP_MARKER.fullmatch(obj["Key"])
             if not m or (step is not None and int(m["step"]) != step):
                 continue
             if run is not None and run.strip("/") not in (directory(m["dir"]), run_name(directory(m["dir"]))):

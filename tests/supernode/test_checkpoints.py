@@ -191,3 +191,27 @@ def test_runs_are_listed_by_their_identity_and_the_drill_finds_a_step_by_run_id(
     assert latest_checkpoint(s3, bucket, PREFIX, 2, "runs/base/checkpoints")[0] == 2  # the directory still works
     with pytest.raises(BadInput, match=r"--step 4: several runs have it \(base, checkpoints, lr-low\)"):
         latest_checkpoint(s3, bucket, PREFIX, 4)
+
+
+def test_lying_run_records_and_markers_in_s3_are_listed_as_such_not_a_traceback(moto_aws, capsys):
+    """Issue 41 (hostile S3): a run.json whose parent points outside the runs and whose creation time
+    is text, a COMPLETE marker that is not JSON, a run directory named with a space. Each step is
+    listed; the lying identity is none, the garbage marker is not complete."""
+    bucket = moto_aws.unique("sn-lies")
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket)
+    lie = {"stack": "dev", "run": "liar", "model_fingerprint": "f" * 16, "model": {}, "created_ns": "soon"}
+    lie["parent"] = {"run": "../../elsewhere", "step": 1}
+    s3.put_object(Bucket=bucket, Key=f"{PREFIX}runs/liar/run.json", Body=json.dumps(lie).encode())
+    write_step(s3, bucket, "runs/liar/checkpoints", 2)
+    write_step(s3, bucket, "runs/odd name/checkpoints", 2)
+    write_step(s3, bucket, "runs/garbled/checkpoints", 2)
+    s3.put_object(Bucket=bucket, Key=f"{PREFIX}runs/garbled/checkpoints/step_00000002/COMPLETE", Body=b"\xff{not json")
+    code, lines = checkpoints(capsys, bucket)
+    assert code == 0
+    got = {(s["run"], s["step"]): (s["check"], s["stack"], s["parent"]) for s in lines}
+    assert got == {
+        ("liar", 2): ("complete", "", ""),
+        ("odd name", 2): ("complete", "", ""),
+        ("garbled", 2): ("COMPLETE marker is not JSON", "", ""),
+    }

@@ -49,6 +49,35 @@ def test_a_fresh_out_gets_a_new_run_with_its_identity_written_once(tmp_path):
     assert not list(choice.dir.glob(".run.json.*"))  # no temporary left
 
 
+@pytest.mark.parametrize(
+    "edit,problem",
+    [
+        (lambda rec: "{torn", "not JSON"),
+        (lambda rec: [rec], "not a JSON object but list"),
+        (lambda rec: {**rec, "created_ns": "soon"}, "created_ns 'soon': expected int"),
+        (lambda rec: {k: v for k, v in rec.items() if k != "model_fingerprint"}, "no model_fingerprint"),
+        (lambda rec: {**rec, "parent": {"run": "../../elsewhere", "step": 2}}, "parent {'run': '../../elsewhere'"),
+        (lambda rec: {**rec, "parent": {"run": "base"}}, "parent {'run': 'base'} is not"),
+        (lambda rec: {**rec, "parent": {"run": "base", "step": True}}, "parent {'run': 'base', 'step': True}"),
+    ],
+)
+def test_a_run_json_that_is_not_a_run_record_is_bad_input_naming_it(tmp_path, edit, problem):
+    """Issue 41 (hostile run.json): a hand-edited record is refused, naming the file and what is wrong,
+    before its creation time is sorted or its parent followed to a directory (it was a TypeError, a
+    KeyError, or a parent outside OUT/runs); before, a torn one was skipped, and the next start
+    resumed an older run as "the latest"."""
+    pick(tmp_path, run="base")
+    liar = pick(tmp_path, run="liar")
+    path = liar.dir / runs.RUN_FILE
+    edited = edit(json.loads(path.read_text()))
+    path.write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    for kw in ({}, {"run": "base"}, {"run": "liar"}):
+        with pytest.raises(BadInput) as e:
+            pick(tmp_path, **kw)
+        assert f"{path}: not a run record (" in str(e.value) and problem in str(e.value), str(e.value)
+    assert path.read_text() == (edited if isinstance(edited, str) else json.dumps(edited))  # nothing rewritten
+
+
 def test_the_latest_run_is_resumed_by_default_and_a_name_picks_another(tmp_path):
     first = pick(tmp_path, run="first")
     committed(first.checkpoints, 2)

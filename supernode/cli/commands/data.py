@@ -108,7 +108,7 @@ def run_push(args) -> int:
 
     stack, cfg = stack_from_args(args)
     name = args.name or args.dir.resolve().name
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise BadInput(f"--name {name!r}: a dataset name is letters, digits, '.', '_' and '-'")
     bucket, outs = bucket_from_args(args, stack, cfg)
     prefix = outs.dataset_prefix if outs is not None else cfg.storage.dataset_prefix

@@ -477,7 +477,7 @@ IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*[a-z0-9](:[\w][\w.-]{0,127})?(@sh
 def _image_reference(v: str) -> str:
     """An image by tag (not `latest`) or digest: what an add-on may run."""
     named = "@" in v or ":" in v.rsplit("/", 1)[-1]
-    if not IMAGE_RE.match(v) or not named or v.split("@")[0].endswith(":latest"):
+    if not IMAGE_RE.fullmatch(v) or not named or v.split("@")[0].endswith(":latest"):
         raise ValueError("not an image pinned by tag or digest; use REPOSITORY:TAG@sha256:<64 hex digits>")
     return v
 
@@ -508,7 +508,7 @@ class Images(_Base):
     @field_validator("trainer", "fabric_check")
     @classmethod
     def _digest(cls, v: str | None) -> str | None:
-        if v is not None and not DIGEST_RE.match(v):
+        if v is not None and not DIGEST_RE.fullmatch(v):
             raise ValueError("image must be pinned by digest: REPOSITORY@sha256:<64 hex digits>")
         return v
 
@@ -881,7 +881,7 @@ class Inference(_Base):
     @field_validator("image")
     @classmethod
     def _digest(cls, v: str) -> str:
-        if not DIGEST_RE.match(v):
+        if not DIGEST_RE.fullmatch(v):
             raise ValueError("image must be pinned by digest: REPOSITORY@sha256:<64 hex digits>")
         return v
 
