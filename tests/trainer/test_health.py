@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,24 @@ def test_readers_parse_the_documented_formats() -> None:
     }
     overall, messages = health.parse_dcgmi_health(text("dcgmi-health-warning.txt"))
     assert overall == "Warning" and messages[0].startswith("Detected more than 8 PCIe replays")
+
+
+@pytest.mark.parametrize(
+    ("field", "garbled", "check"),
+    [
+        ("nvidia_smi_q", "NVIDIA-SMI has failed because it couldn't communicate with the driver", "gpu_count"),
+        ("nvlink_status", text("nvlink-s.txt").split("GPU 5:")[0], "nvlink"),  # cut short: GPUs 5-7 unread
+        ("nvlink_status", "\x00\x00 Failed to initialize NVML: Unknown Error", "nvlink"),
+        ("ecc_remap", "Failed to initialize NVML: Driver/library version mismatch", "ecc"),
+        ("dcgmi_health", "Error: unable to establish a connection to the specified host", "dcgm"),
+    ],
+)
+def test_garbled_tool_output_is_a_finding_not_a_pass(field: str, garbled: str, check: str) -> None:
+    """Issue 41 (garbled tool output): a tool that exits 0 but prints what the readers cannot parse
+    checked nothing; the GPUs its output omits are a finding of that check, never silence."""
+    verdict = decide(dataclasses.replace(healthy(), **{field: garbled}), P5)
+    assert [f.check for f in verdict.findings] == [check], verdict.findings
+    assert verdict.severity != OK
 
 
 def test_ecc_remap_sections_reset_per_gpu() -> None:

@@ -281,6 +281,28 @@ def test_a_flipped_byte_is_refused_naming_the_file(tmp_path, group):
         load_pretrained(model, m, hf, manifest_sha256=pin)
 
 
+def test_a_safetensors_header_that_lies_is_refused_naming_the_file(tmp_path, group):
+    """Issue 41 (hostile safetensors): a header whose offsets run past the data, written before the
+    manifest (the publisher's lie, so every sha256 matches), is BadInput naming the file, not the
+    safetensors library's exception from inside the trainer."""
+    import struct
+
+    _, m = _local_stack(tmp_path)
+    hf = _qwen3_dir(tmp_path / "qwen3", m)
+    weights = hf / "model.safetensors"
+    data = weights.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"][1] += 4096
+    lie = json.dumps(header).encode()
+    weights.write_bytes(struct.pack("<Q", len(lie)) + lie + data[8 + n :])
+    write_manifest(hf, "Qwen3MoeForCausalLM")
+    model = build_model(m, Parallel(mixed_precision="fp32"), torch.device("cpu"), seed=0)
+    with pytest.raises(BadInput, match=rf"training.initFrom {weights}: not a readable safetensors file \(.*header"):
+        load_pretrained(model, m, hf)
+
+
 # -- the trainer: initFrom at step 0, resume wins after -------------------------------------------
 
 

@@ -76,7 +76,12 @@ class _Reader:
 
     def _file(self, name: str):
         if name not in self.files:
-            self.files[name] = self.stack.enter_context(self.open(str(self.dir / name), "pt"))
+            from safetensors import SafetensorError
+
+            try:
+                self.files[name] = self.stack.enter_context(self.open(str(self.dir / name), "pt"))
+            except (SafetensorError, OSError) as e:  # a header that lies about its tensors, or no file
+                raise BadInput(f"training.initFrom {self.dir / name}: not a readable safetensors file ({e})") from None
         return self.files[name]
 
     def has(self, name: str) -> bool:

@@ -218,6 +218,10 @@ def _xid_severity(xid: int) -> str:
     return OK if xid in XID_APPLICATION else RECOVERABLE
 
 
+def _listed(tool: str, listed: int, instance: InstanceType) -> str:
+    return f"{tool} reported {listed} of the {instance.accelerators} GPUs of {instance.name}: its output is unreadable"
+
+
 def decide(readings: Readings, instance: InstanceType) -> Verdict:
     """Every finding on one node against the catalog's figures for its instance type."""
     out: list[Finding] = []
@@ -229,7 +233,10 @@ def decide(readings: Readings, instance: InstanceType) -> Verdict:
             )
     if readings.nvlink_status is not None:
         floor = NVLINK_FLOOR * instance.nvlink_gbytes_s / 2
-        for gpu, links in sorted(parse_nvlink_status(readings.nvlink_status).items()):
+        status = parse_nvlink_status(readings.nvlink_status)
+        if len(status) < instance.accelerators:  # garbled or cut short: the GPUs it omits were not checked
+            out.append(Finding("nvlink", RECOVERABLE, _listed("nvidia-smi nvlink -s", len(status), instance)))
+        for gpu, links in sorted(status.items()):
             inactive = sum(rate is None for rate in links)
             total = sum(rate for rate in links if rate is not None)
             if inactive or total < floor:
@@ -244,7 +251,10 @@ def decide(readings: Readings, instance: InstanceType) -> Verdict:
             if severity != OK:
                 out.append(Finding("xid", severity, f"Xid {xid} on {bus}"))
     if readings.ecc_remap is not None:
-        for bus, gpu in parse_ecc_remap(readings.ecc_remap).items():
+        remap = parse_ecc_remap(readings.ecc_remap)
+        if not remap:  # no GPU section at all; fewer than the instance's is gpu_count's finding
+            out.append(Finding("ecc", RECOVERABLE, _listed("nvidia-smi -q -d ECC,ROW_REMAPPER", 0, instance)))
+        for bus, gpu in remap.items():
             if gpu["remap_failure"]:
                 out.append(Finding("row_remap", HARDWARE, f"{bus}: row remapping failure occurred"))
             elif gpu["pending"]:
