@@ -156,7 +156,9 @@ class Plan(BaseModel):
     def for_world(self, world_size: int) -> Plan:
         """This plan at the world the job actually got: itself at the planned world, else a copy with
         that world's elastic layout (degrees, parallel, accumulation and padding, pipeline, memory,
-        fit, step time, placement). A world the plan has no layout for is BadInput naming it."""
+        fit, step time, placement) and the run's hours and cost at its step time; no suggestions (they
+        are the planned world's). Every other field describes the stack, the same at any world
+        (tests/supernode/test_elastic.py holds the split). A world the plan has no layout for is BadInput naming it."""
         if world_size == self.world_size:
             return self
         worlds = [e.world_size for e in self.elastic]
@@ -196,6 +198,9 @@ class Plan(BaseModel):
                 over_by_gib=max(0.0, e.memory_per_rank_gib - self.usable_hbm_gib),
                 step=e.step,
                 topology=topology,
+                run_hours=(hours := run_hours(self.training, e.step.step_s)),
+                run_cost_usd=self.cost_per_hour_usd * hours,
+                suggestions=[],  # layouts of the planned world, offered where it does not fit
             )
         )
 
@@ -240,7 +245,7 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
     usable = cap.usable_hbm_bytes(p, hw)
     fits = mem.total <= usable
     ckpt = cap.checkpoint_io(params, t, cfg.storage.fsx)
-    hours = t.steps * st.step_s / 3600
+    hours = run_hours(t, st.step_s)
     per_hour, total = cap.hours_cost(_nodes(cfg), CATALOG, hours)
     spare_per_hour, _ = cap.hours_cost(_nodes(cfg, spares_only=True), CATALOG, hours)
     shard_group = p.shard_group
@@ -313,6 +318,11 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
         ),
         elastic=elastic,
     )
+
+
+def run_hours(t: Training, step_s: float) -> float:
+    """The run's hours: training.steps at `step_s` a step."""
+    return t.steps * step_s / 3600
 
 
 def _refuse_leaving_neuronlink(hw: InstanceType, topology: Topology) -> None:

@@ -116,6 +116,38 @@ def test_for_world_is_the_plan_at_that_world_and_round_trips(prod):
         assert q.summary()["world_size"] == e.world_size
 
 
+# What `Plan.for_world` replaces: the figures of the world the job got. Every other field describes the
+# stack or every world at once (the elastic layouts, the grace period their slowest step needs, the
+# pools), the same whatever world a job runs at. A new Plan field must be put on one side.
+PER_WORLD = {
+    "nodes", "world_size", "degrees", "parallel", "micro_batches_per_step", "padded_micro_batches", "pipeline",
+    "memory", "memory_per_rank_gib", "fits", "over_by_gib", "step", "topology", "run_hours", "run_cost_usd",
+    "suggestions",
+}  # fmt: skip
+PER_STACK = {
+    "stack", "local", "instance_type", "accelerators_per_node", "model", "training", "params", "flops_per_token",
+    "hbm_gib", "usable_hbm_gib", "calibration", "checkpoint", "gate_floor_gbytes_s", "pod", "cost_per_hour_usd",
+    "spare_nodes", "spare_accelerators", "spare_cost_per_hour_usd", "inference", "pools", "termination_grace_s",
+    "termination_grace_needed_s", "elastic",
+}  # fmt: skip
+
+
+def test_a_plan_at_an_elastic_world_has_no_field_of_another_world(prod):
+    """Issue 35: `for_world` copied 13 of the fields, so run_hours and the run's cost still described
+    the planned world. Each field is per world (replaced) or per stack (kept), and the replaced ones
+    are that world's."""
+    assert set(Plan.model_fields) == PER_WORLD | PER_STACK and not PER_WORLD & PER_STACK
+    for e in prod.elastic[:-1]:
+        if not e.fits:
+            continue
+        q = prod.for_world(e.world_size)
+        assert all(getattr(q, f) == getattr(prod, f) for f in PER_STACK)
+        assert q.run_hours == pytest.approx(prod.training.steps * e.step.step_s / 3600)
+        assert q.run_cost_usd == pytest.approx(q.cost_per_hour_usd * q.run_hours)
+        assert q.run_hours > prod.run_hours  # fewer ranks, the same global batch: a longer run
+        assert q.suggestions == []
+
+
 def test_a_world_outside_the_range_is_bad_input_naming_it(prod):
     with pytest.raises(BadInput, match=r"world size 60: the plan has no elastic layout for it .*64, 72"):
         prod.for_world(60)
