@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .catalog import GIB, InstanceType
 from .config import FsxConfig, Model, Parallel, Training
 from .errors import BadInput
-from .layout import layout_rules, stage_layers
+from .layout import domain_rules, layout_rules, stage_layers
 from .mesh import Mesh
 from .topology import (
     GroupPlacement,
@@ -668,15 +668,13 @@ def fitting_layouts(
                 update=mesh.model_dump() | options | dict(pp_first_stage_fewer_layers=0, pp_last_stage_fewer_layers=0)
             )
             train = t.model_copy(update={"micro_batch": mb})
-            if layout_rules(m, cand, train, world, domain):
+            if layout_rules(m, cand, train, world, domain) or domain_rules(cand, hw, domain):
                 continue
             pipe = pipeline(m, cand, train)
             mem = memory(m, cand, train, pc, pipe)
             if mem.total <= usable_hbm_bytes(cand, hw):
                 st = step_time(m, cand, train, hw, pc, pipe, domain, calibration)
                 inside = next(g for g in place(cand, domain) if g.dim == "ep").inside_domain
-                if not inside and hw.vendor == "neuron":  # the plan refuses EP leaving a NeuronLink domain
-                    continue
                 out.append(
                     Suggestion(
                         **mesh.model_dump(),

@@ -102,6 +102,13 @@ class InstanceType:
         return {"nvidia": "NVLink", "neuron": "NeuronLink"}[self.vendor]
 
     @property
+    def keeps_ep_tp_in_domain(self) -> bool:
+        """Whether EP and TP must stay inside one scale-up domain (`layout.domain_rules`): on Trainium a
+        logical core gets 6.25 GB/s over EFA against NeuronLink's 256, so leaving is refused, not costed;
+        GPUs may pay EFA for EP, and the plan costs it."""
+        return {"nvidia": False, "neuron": True}[self.vendor]
+
+    @property
     def rank_noun(self) -> str:
         return {"nvidia": "GPU", "neuron": "logical NeuronCore"}[self.vendor]
 

@@ -34,9 +34,8 @@ from pydantic import BaseModel, ConfigDict
 from . import capacity as cap
 from .catalog import GIB, InstanceType
 from .config import Model, Parallel, Training
-from .layout import layout_rules
+from .layout import domain_rules, layout_rules
 from .mesh import Mesh
-from .topology import place
 
 
 class ElasticLayout(BaseModel):
@@ -128,16 +127,9 @@ def layout_for(
                 reason=f"pipeline parallel (pp {q.pp}) runs no zero-weight micro-batches: dp {q.dp} does not divide "
                 f"the global batch's {t.global_batch // t.micro_batch} micro-batches",
             )
-        issues = layout_rules(m, q, padded, world, domain)
+        issues = layout_rules(m, q, padded, world, domain) + domain_rules(q, hw, domain)
         if issues:
             return ElasticLayout(**none | dict(parallel=q, degrees=q.degrees()), reason=str(issues[0]))
-        if hw.vendor == "neuron":  # as the plan: EP and TP never leave a NeuronLink domain on Trainium
-            outside = [g.dim for g in place(q, domain) if g.dim in ("ep", "tp") and not g.inside_domain]
-            if outside:
-                return ElasticLayout(
-                    **none | dict(parallel=q, degrees=q.degrees()),
-                    reason=f"the {' and '.join(outside)} groups leave the NeuronLink domain of {domain}",
-                )
         pipe = cap.pipeline(m, q, padded)
         mem = cap.memory(m, q, padded, pc, pipe)
         st = cap.step_time(m, q, padded, hw, pc, pipe, domain, calibration)

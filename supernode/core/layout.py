@@ -9,10 +9,34 @@ problem by its config path.
 
 from __future__ import annotations
 
+from .catalog import InstanceType
 from .config.schema import NAMESPACE, Model, Parallel, Training
 from .errors import Issue
+from .mesh import Mesh
+from .topology import place
 
 P = f"{NAMESPACE}:"
+
+
+def domain_rules(p: Mesh, hw: InstanceType, domain: int, where: str = "", prefix: str = P) -> list[Issue]:
+    """The one home of the domain rule: on an accelerator that keeps EP and TP inside its scale-up
+    domain (`InstanceType.keeps_ep_tp_in_domain`: Trainium's NeuronLink), every ep and tp group of
+    the layout lies on one domain of `domain` ranks (`where`: what the domain is, for the message).
+    The plan, its elastic layouts and its suggestions all ask this."""
+    if not hw.keeps_ep_tp_in_domain:
+        return []
+    link, of = hw.link_name, f"{domain} {hw.rank_noun}s" + (f" ({where})" if where else "")
+    return [
+        Issue(
+            path=f"{prefix}parallel.{g.dim}",
+            value=g.size,
+            message=f"{g.size} puts each {g.dim} group across {g.domains} {link} domains of {of}; the {g.dim} "
+            f"group must stay inside one {link} domain: choose {prefix}parallel.{g.dim} dividing {domain} "
+            "(EP/TP inside the domain, FSDP/DP across domains over EFA)",
+        )
+        for g in place(p, domain)
+        if g.dim in ("ep", "tp") and not g.inside_domain
+    ]
 
 
 def layout_rules(

@@ -17,6 +17,7 @@ from .config import NAMESPACE, Model, Parallel, StackConfig, Training, with_loca
 from .elastic import ElasticLayout, costed, elastic_layouts, local_worlds, planned_worlds
 from .errors import BadInput
 from .inference import InferencePlan, build_inference_plan
+from .layout import domain_rules
 from .mesh import Mesh
 from .pools import Pool, build_pools, termination_grace_needed_s
 from .topology import GroupPlacement, place
@@ -262,8 +263,9 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
         replica_fits=replica_state <= shard_group * usable,
         placement=place(p, domain),
     )
-    if not local:
-        _refuse_leaving_neuronlink(hw, topology)
+    leaving = [] if local else domain_rules(p, hw, domain, topology.ultra_server or f"one {hw.name}")
+    if leaving:
+        raise BadInput(str(leaving[0]))
     serving = None if local else build_inference_plan(cfg, params, hw)
     worlds = (
         local_worlds(world) if local else planned_worlds(t.min_nodes or cfg.nodes, cfg.nodes, hw.accelerators, world)
@@ -323,23 +325,6 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
 def run_hours(t: Training, step_s: float) -> float:
     """The run's hours: training.steps at `step_s` a step."""
     return t.steps * step_s / 3600
-
-
-def _refuse_leaving_neuronlink(hw: InstanceType, topology: Topology) -> None:
-    """On Trainium the EP all-to-all and the TP collectives stay inside one NeuronLink domain (an
-    instance, or a Trn2 UltraServer): over EFA a logical core gets 6.25 GB/s against NeuronLink's 256,
-    so a layout that sends them across domains is refused, not costed."""
-    if hw.vendor != "neuron":
-        return
-    for dim in ("ep", "tp"):
-        g = topology.group(dim)
-        if not g.inside_domain:
-            raise BadInput(
-                f"supernode:parallel.{dim}: {g.size} puts each {dim} group across {g.domains} NeuronLink domains of "
-                f"{topology.domain_gpus} {hw.rank_noun}s ({topology.ultra_server or 'one ' + hw.name}); on "
-                f"Trainium the {dim} group must stay inside one domain: choose supernode:parallel.{dim} dividing "
-                f"{topology.domain_gpus} (EP/TP inside the domain, FSDP/DP across domains over EFA)"
-            )
 
 
 def _nodes(cfg: StackConfig, spares_only: bool = False) -> Counter:

@@ -160,6 +160,24 @@ def test_ep_leaving_the_neuronlink_domain_is_refused_naming_the_key():
     assert "logical NeuronCores (one trn2.48xlarge)" in msg and "choose supernode:parallel.ep dividing 64" in msg
 
 
+def test_the_domain_rule_covers_ep_and_tp_on_trainium_only():
+    """Issue 35: the rule had three copies beside the plan's (elastic layouts, suggestions), and the
+    suggestions' checked EP only. `domain_rules` is the one the plan, the elastic layouts and the
+    suggestions ask."""
+    from supernode.core.layout import domain_rules
+
+    tp_leaves = Parallel(dp_shard=16, tp=8, ep=4)  # tp 8 over domains of 4 ranks: two domains per group
+    both_leave = Parallel(dp_shard=16, tp=8, ep=16)
+    issues = domain_rules(tp_leaves, TRN2, 4, "one test domain")
+    assert [(i.path, i.value) for i in issues] == [("supernode:parallel.tp", 8)]
+    assert "8 puts each tp group across 2 NeuronLink domains of 4 logical NeuronCores (one test domain)" in str(
+        issues[0]
+    )
+    assert {i.path.rsplit(".", 1)[1] for i in domain_rules(both_leave, TRN2, 4)} == {"ep", "tp"}
+    assert domain_rules(both_leave, CATALOG["p5.48xlarge"], 4) == []  # GPUs cost EP/TP over EFA instead
+    assert domain_rules(both_leave, TRN2, 128) == []
+
+
 def test_suggestions_for_trainium_keep_ep_inside_the_domain():
     m = Model(
         layers=2,
