@@ -80,13 +80,17 @@ def _moments_sum(optimizer: torch.optim.Optimizer) -> float:
     )
 
 
-def train_one_step_and_save(rank: int, world: int, ckpt: str) -> float:
-    parallel = Parallel(dp_shard=world, ep=2, mixed_precision="fp32")
-    model = build_model(BIG, parallel, torch.device("cpu"), seed=1)
+def save_with_moments(rank: int, world: int, ckpt: str) -> float:
+    """A model and its Adam state after a step, as a checkpoint holds them (the moments drawn, not trained)."""
+    model = build_model(BIG, Parallel(dp_shard=world, ep=2, mixed_precision="fp32"), torch.device("cpu"), seed=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, BIG.vocab, (1, BIG.seq_len + 1), generator=torch.Generator().manual_seed(rank))
-    model(tokens[:, :-1]).sum().backward()
-    optimizer.step()
+    zero_adam_state(optimizer)
+    generator = torch.Generator().manual_seed(rank)
+    for s in optimizer.state.values():
+        s["step"].fill_(1)
+        for k in ("exp_avg", "exp_avg_sq"):
+            local = s[k].to_local()
+            local.copy_(torch.rand(local.shape, generator=generator))
     dcp.save({"model": ModelState(model), "optim": OptimizerState(model, optimizer)}, checkpoint_id=ckpt)
     return _moments_sum(optimizer)
 
@@ -116,15 +120,15 @@ def test_a_restore_holds_the_parameters_and_moments_not_gradients_as_well(tmp_pa
     EP 8 x FSDP 8). `zero_adam_state` creates only the moments: parameters + moments + the runtime."""
     from conftest import spawn
 
-    saved = spawn(train_one_step_and_save, 4, tmp_path / "save", str(tmp_path / "ckpt"))
-    restored = spawn(restore_into_a_fresh_optimizer, 4, tmp_path / "restore", str(tmp_path / "ckpt"))
+    saved = spawn(save_with_moments, 2, tmp_path / "save", str(tmp_path / "ckpt"))
+    restored = spawn(restore_into_a_fresh_optimizer, 2, tmp_path / "restore", str(tmp_path / "ckpt"))
     for rank, (moments, r) in enumerate(zip(saved, restored)):
         assert r["moments"] == pytest.approx(moments, rel=1e-12) and moments != 0, rank  # the saved state, loaded
         assert r["steps"] == [1.0] and r["grads"] == 0, (rank, r)
         # Parameters (1 share) + two moments (2 shares) + the runtime and DCP's read buffers: measured
-        # 3.7-3.8 shares; torch's own initialisation, a gradient share and the step's temporaries more,
-        # 5.0. The bar sits between the two.
-        assert r["peak"] < 4.4 * r["share"], f"rank {rank}: restore peaked at {r['peak'] / r['share']:.2f} shares"
+        # 3.5 shares (2 ranks, 221 MB each); torch's own initialisation, a gradient share and the step's
+        # temporaries more, 4.8. The bar sits between the two.
+        assert r["peak"] < 4.2 * r["share"], f"rank {rank}: restore peaked at {r['peak'] / r['share']:.2f} shares"
 
 
 def test_zero_adam_state_is_the_state_torch_creates(group) -> None:
