@@ -1,7 +1,9 @@
 """Child processes die with their parent: a killed `supernode data prepare` or `supernode serve` must
-not leave tokenizing workers (~400 MB each) or a vLLM server (~3 GB) running, reparented to init.
+not leave tokenizing workers (~400 MB each), a vLLM server (~3 GB) or training workers running,
+reparented to init. The one copy of the rule: data prepare, serve, `supernode train`'s launcher and
+the torchrun workers all call it.
 
-`die_with_parent()` runs in the child (a pool initializer, or a Popen `preexec_fn`): on Linux it asks
+`die_with_parent()` runs in the child (a pool initializer, a Popen `preexec_fn`, a torchrun worker): on Linux it asks
 the kernel for SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG), then checks that the parent
 has not already gone in between. Elsewhere it does nothing (the process group still lets the parent
 stop its children on a signal it can handle).
@@ -26,5 +28,7 @@ def die_with_parent(parent: int | None = None) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return  # no such call (a seccomp sandbox): the process group is the remaining guard
-    if os.getppid() != expected:  # the parent died before the request: nothing will send the signal
+    # The parent died before the request (this process was reparented): nothing will send the signal.
+    # Never "the parent is PID 1": in a container the launcher is PID 1, and its workers its children.
+    if os.getppid() != expected:
         os._exit(1)

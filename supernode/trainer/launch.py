@@ -46,6 +46,7 @@ from pathlib import Path
 
 RUN_KEY_ENV = "SUPERNODE_RUN_KEY"  # this launcher's key, in its workers' environment
 LAUNCHER_ENV = "SUPERNODE_LAUNCHER_PID"  # the process that may hold OUT's lock for the run
+AGENT_ENV = "SUPERNODE_AGENT_PID"  # this process, torchrun's agent: the workers' parent, which they die with
 HEARTBEAT_ENV = "SUPERNODE_HEARTBEAT_DIR"  # where this launcher's workers beat (a local directory it owns)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STALLS = "stalls.jsonl"  # OUT/: one line per stalled worker a launcher killed
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     key = os.environ[RUN_KEY_ENV] = uuid.uuid4().hex  # fresh: no earlier run's record can match it
     os.environ.setdefault(LAUNCHER_ENV, str(os.getpid()))  # `supernode train` holds the lock itself
+    os.environ[AGENT_ENV] = str(os.getpid())  # torchrun runs in this process: it starts the workers
     from torch.distributed.elastic.multiprocessing.api import SignalException  # torch only when launching
     from torch.distributed.run import main as torchrun
 

@@ -42,7 +42,6 @@ if __name__ == "__main__":
 import argparse
 import bisect
 import contextlib
-import ctypes
 import json
 import os
 import socket
@@ -59,11 +58,12 @@ from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED,
 from supernode.core.observability import PROFILE_EVERY
 from supernode.core.plan import Plan
 from supernode.core.pretrained import is_remote
+from supernode.core.processes import die_with_parent
 
 from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, RunChoice, inject, prepare_run
 from .device import choose, synchronize
 from .engine import Trainer
-from .launch import LAUNCHER_ENV, RUN_KEY_ENV, Heartbeat, exit_file, stall_count
+from .launch import AGENT_ENV, LAUNCHER_ENV, RUN_KEY_ENV, Heartbeat, exit_file, stall_count
 from .memory import measured_terms, planned_terms
 from .metrics import Metrics
 from .parallel import checked_layout, renumber_by_domain
@@ -205,16 +205,11 @@ class StopRequest:
 
 def _die_with_parent() -> None:
     """torchrun starts workers in a session of their own, so a SIGKILL to the launcher's process
-    group would orphan them: ask the kernel to kill this worker when its parent (the agent) dies."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the agent died before the prctl took effect
-        os._exit(EXIT_FAILED)
+    group would orphan them: this worker dies with its parent, the agent (supernode.trainer.launch
+    names it, so a worker that starts after the agent died exits; a plain torchrun: its parent now)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        agent = os.environ.get(AGENT_ENV, "")
+        die_with_parent(int(agent) if agent.isdigit() else None)
 
 
 # -- outcomes that a restart cannot change ----------------------------------------------------

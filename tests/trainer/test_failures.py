@@ -360,6 +360,28 @@ def test_a_commit_keeps_the_committed_checkpoint_until_the_new_one_is_in_place(g
 
 
 @pytest.mark.slow
+def test_the_launcher_trains_as_a_containers_pid_1(tmp_path, data_dir):
+    """A pod's command is PID 1 of its PID namespace, so torchrun's workers are children of PID 1.
+    The workers' orphan check read "my parent is PID 1" as "my parent died" and every worker of every
+    cluster job exited 1 at start; they now compare with the agent's PID, which the launcher names.
+    Run in a PID namespace of its own, as a container runtime starts it (needs root for unshare)."""
+    if os.geteuid() != 0:
+        pytest.skip("a PID namespace needs root (unshare --pid)")
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode().strip()}")
+    plan = write_plan(one_rank_plan(steps=2, checkpointInterval=2), tmp_path / "plan.json")
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", "import os; print(os.getpid())"]
+    assert subprocess.run(cmd, capture_output=True, text=True).stdout.strip() == "1"  # PID 1 there, as in a pod
+    cmd[4:] = [sys.executable, "-m", "supernode.trainer.launch", "--standalone", "--nproc-per-node", "1"]
+    cmd += ["--max-restarts", "0", "--module", "supernode.trainer.train", "--plan", str(plan)]
+    cmd += ["--data", str(data_dir), "--out", str(tmp_path / "out")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert max(losses(tmp_path / "out")) == 2
+
+
+@pytest.mark.slow
 def test_sigkill_of_the_launchers_process_group_leaves_no_worker_alive(tmp_path):
     out = tmp_path / "out"
     proc = launcher(out, "--steps", "500", "--log-every", "1")

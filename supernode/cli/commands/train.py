@@ -18,7 +18,6 @@ checkpoint and stop; in start-up, the run just stops. Either way exit 130, no tr
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from ...core.errors import EXIT_FAILED, EXIT_INTERRUPTED, BadInput
 from ...core.plan import Plan, build_local_plan
+from ...core.processes import die_with_parent
 from ..args import add_stack_args, err, stack_from_args
 
 
@@ -88,8 +88,7 @@ def _child_setup() -> None:
     so a kill of this process group would not reach it), and hold SIGINT/SIGTERM blocked until it
     has its handlers: a signal forwarded during Python's start-up then waits instead of becoming a
     KeyboardInterrupt traceback (or being lost)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    die_with_parent()
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
 
 
