@@ -58,6 +58,7 @@ from typing import Any
 
 from supernode.core.catalog import InstanceType, lookup
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_OK, BadInput
+from supernode.core.processes import exit_on_sigterm
 from supernode.trainer.node import health
 
 UNHEALTHY_TAINT = "supernode.io/unhealthy"
@@ -513,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             args.fabric_max_age_s or 0.0,
             unchecked=args.unchecked_nodes,
         )
+        exit_on_sigterm()
         while True:
             try:
                 line = watch.round(kube, autoscaling, gather, deep_check, time.time())

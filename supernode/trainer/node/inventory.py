@@ -41,6 +41,7 @@ from typing import Any
 
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
 from supernode.core.host import AMAZON_TIME_SYNC, HOST_SYSCTLS, NOFILE
+from supernode.core.processes import exit_on_sigterm
 
 MEMLOCK_UNLIMITED = "unlimited"  # EFA pins (locks) its buffers
 NVIDIA_SMI_QUERY = "index,uuid,serial,pci.bus_id,name,vbios_version,driver_version"
@@ -457,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.interval_s < 60 or args.max_clock_offset_ms <= 0:
             raise BadInput("--interval-s must be at least 60 and --max-clock-offset-ms positive")
         store = ConfigMaps(args.namespace)
+        exit_on_sigterm()
         while True:
             try:
                 print(
