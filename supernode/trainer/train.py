@@ -73,6 +73,54 @@ class NonFinite(Exception):
     """Training diverged: the loss or gradient norm stayed non-finite (not retryable: it would again)."""
 
 
+class Divergence:
+    """The run's non-finite steps (loss or gradient norm NaN/Inf: the update skipped): the streak,
+    the line each skipped step logs, and the NonFinite that ends the run, at a streak of
+    training.maxNonFiniteSteps or when the run ends inside a streak (its weights are an earlier step's)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.streak = limit, 0
+
+    def count(self, step: int, loss: float, grad_norm: float, skipped: bool) -> str | None:
+        """Count this step; the line a skipped one logs (None for a finite one)."""
+        if not skipped:
+            self.streak = 0
+            return None
+        self.streak += 1
+        return (
+            f"step {step}: loss {loss}, grad norm {grad_norm}: not finite, update skipped "
+            f"({self.streak} in a row of at most {self.limit})"
+        )
+
+    def skipped(self, step: int) -> str:
+        return f"step {step}" if self.streak == 1 else f"steps {step - self.streak + 1}-{step}"
+
+    @staticmethod
+    def kept(last_saved: int) -> str:
+        return (
+            f"the checkpoint of step {last_saved} holds the last trained state"
+            if last_saved
+            else "no checkpoint was written"
+        )
+
+    def check(self, step: int, last_saved: int, last: bool) -> None:
+        """Raise NonFinite where the run must end (a save in flight is of an earlier, finite step: kept)."""
+        if self.streak >= self.limit:
+            raise NonFinite(
+                f"training diverged: loss or gradient norm not finite for {self.streak} consecutive steps "
+                f"({self.skipped(step)}, updates skipped); stopped without a checkpoint. "
+                f"{'The checkpoint of step ' + str(last_saved) + ' holds the last finite state' if last_saved else 'No checkpoint was written'}; "  # noqa: E501
+                "lower training.lr or raise training.warmupSteps, then run again"
+            )
+        if self.streak and last:  # the run did not train through its last steps: not a success
+            raise NonFinite(
+                f"training ended on non-finite steps: loss or gradient norm not finite at {self.skipped(step)} "
+                f"(updates skipped), so the weights are still those of step {step - self.streak}; no "
+                f"checkpoint of step {step} written ({self.kept(last_saved)}). Lower training.lr or raise "
+                "training.warmupSteps, then run again"
+            )
+
+
 @contextlib.contextmanager
 def _quiet_stderr():
     """Kineto prints two 'USDT ... profiler_start/stop' lines to fd 2 per session, which would
@@ -505,7 +553,7 @@ def _run(
     nan_from = int(inject("nan") or 0)  # test hook: the loss (and so every gradient) is NaN from this step on
     # Test hook: the first attempt hangs at this step outside any collective (the restarted one does not).
     stall_at = int(inject("stall") or 0) if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else 0
-    bad_streak, last_saved, comm_share = 0, start, 0.0
+    divergence, last_saved, comm_share = Divergence(t.max_non_finite_steps), start, 0.0
     step, code = start, EXIT_OK
     try:
         for step in range(start + 1, steps + 1):
@@ -541,30 +589,17 @@ def _run(
                     expert_load=None if r.skipped else trainer.expert_load(),
                     skipped=r.skipped,
                 )
-            if r.skipped:
-                bad_streak += 1
-                metrics.message(
-                    f"step {step}: loss {r.loss}, grad norm {r.grad_norm}: not finite, update skipped "
-                    f"({bad_streak} in a row of at most {t.max_non_finite_steps})"
-                )
-                if bad_streak >= t.max_non_finite_steps:
-                    ckpt.close()  # a save in flight is of an earlier, finite step: keep it
-                    raise NonFinite(
-                        f"training diverged: loss or gradient norm not finite for {bad_streak} consecutive steps "
-                        f"(steps {step - bad_streak + 1}-{step}, updates skipped); stopped without a checkpoint. "
-                        f"{'The checkpoint of step ' + str(last_saved) + ' holds the last finite state' if last_saved else 'No checkpoint was written'}; "  # noqa: E501
-                        "lower training.lr or raise training.warmupSteps, then run again"
-                    )
-            else:
-                bad_streak = 0
+            line = divergence.count(step, r.loss, r.grad_norm, r.skipped)
+            if line:
+                metrics.message(line)
             stopping, last = r.stop_term or r.stop_interrupt, step == steps
+            divergence.check(step, last_saved, last)
             # Never a checkpoint of a skipped step: its weights are an earlier step's. A periodic save
             # waits for the streak to end (it would only rotate good checkpoints out), and a run
-            # that stops or ends in one keeps the last checkpoint it trained through.
-            saved = (step % t.checkpoint_interval == 0 or last or stopping) and not bad_streak
+            # that stops in one keeps the last checkpoint it trained through.
+            saved = (step % t.checkpoint_interval == 0 or last or stopping) and not divergence.streak
             if saved:
                 if not trainer.finite_params():  # never checkpoint a non-finite state
-                    ckpt.close()
                     raise NonFinite(
                         f"step {step}: the weights are not finite; no checkpoint written (the last is "
                         f"step {last_saved}); lower training.lr, then run again"
@@ -577,23 +612,8 @@ def _run(
                     f"{'written' if stopping or last else 'started (async)'}, "
                     f"training blocked {ckpt.last_stall_s * 1e3:.0f} ms"
                 )
-            if bad_streak:
-                skipped = f"step {step}" if bad_streak == 1 else f"steps {step - bad_streak + 1}-{step}"
-                kept = (
-                    f"the checkpoint of step {last_saved} holds the last trained state"
-                    if last_saved
-                    else "no checkpoint was written"
-                )
-                if last:  # the run did not train through its last steps: not a success
-                    ckpt.close()  # a save in flight is of an earlier, finite step: keep it
-                    raise NonFinite(
-                        f"training ended on non-finite steps: loss or gradient norm not finite at {skipped} "
-                        f"(updates skipped), so the weights are still those of step {step - bad_streak}; no "
-                        f"checkpoint of step {step} written ({kept}). Lower training.lr or raise "
-                        "training.warmupSteps, then run again"
-                    )
             if stopping:
-                why = "" if saved else f" ({skipped} not finite; {kept})"
+                why = "" if saved else f" ({divergence.skipped(step)} not finite; {divergence.kept(last_saved)})"
                 if r.stop_interrupt:
                     code = EXIT_INTERRUPTED
                     done = "checkpoint written" if saved else "no checkpoint written"
@@ -608,6 +628,9 @@ def _run(
                     metrics.message(f"SIGTERM: stopped after step {step} {done}{why}; run again to resume")
                 break
         ckpt.close()
+    except NonFinite:
+        ckpt.close()  # a save in flight is of an earlier, finite step: keep it
+        raise
     finally:
         metrics.close(plots=args.plots and step == steps)
     return code
