@@ -3,7 +3,7 @@
 Only rank 0 writes. Per logged step: loss, lr, grad norm, tokens/s, achieved FLOP/s per rank
 (`plan.flops_per_token` x tokens/s) and MFU against the catalog's dense bf16 peak (GPU only: a
 CPU has no catalog peak, so MFU is null there), the step time split into compute / exposed
-communication (train.py CommClock: a collective overlapped by compute counts as compute) / data
+communication (comm_clock.py CommClock: a collective overlapped by compute counts as compute) / data
 wait, and the expert load per MoE layer as max/mean token share (1.0 is a perfect balance;
 experts / topK, the ceiling the plot marks, means every token went to the same topK experts).
 

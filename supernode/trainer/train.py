@@ -40,8 +40,6 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import argparse
-import bisect
-import contextlib
 import json
 import os
 import socket
@@ -52,7 +50,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput, bad_input_lines
 from supernode.core.observability import PROFILE_EVERY
@@ -61,6 +58,7 @@ from supernode.core.pretrained import is_remote
 from supernode.core.processes import die_with_parent
 
 from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, RunChoice, inject, prepare_run
+from .comm_clock import CommClock
 from .device import choose, synchronize
 from .engine import Trainer
 from .launch import AGENT_ENV, LAUNCHER_ENV, RUN_KEY_ENV, Heartbeat, exit_file, stall_count
@@ -121,51 +119,6 @@ class Divergence:
             )
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Kineto prints two 'USDT ... profiler_start/stop' lines to fd 2 per session, which would
-    flood the log with one profiled step per metrics line; mute fd 2 for just those calls."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def exposed_seconds(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
-    """How long a collective was in flight with no compute beside it (the units of the spans)."""
-    covered, hidden = _union(comm), 0.0
-    busy = _union(compute)
-    i = 0
-    for start, end in covered:
-        while i < len(busy) and busy[i][1] <= start:
-            i += 1
-        j = i
-        while j < len(busy) and busy[j][0] < end:
-            hidden += min(end, busy[j][1]) - max(start, busy[j][0])
-            j += 1
-    return sum(e - s for s, e in covered) - hidden
-
-
-COLLECTIVE_EVENTS = ("gloo:", "nccl")
-# Host-side calls into a collective (launch and wait): not compute, whatever they nest.
-COLLECTIVE_CALLS = ("c10d::", "record_param_comms")
-
-
 def sampled(step: int, start: int, steps: int, log_every: int, profile_every: int) -> tuple[bool, bool]:
     """(logged, profiled) for a step: metrics every log_every steps, the profiler on the logged steps that
     are also one in profile_every; both on a run's first and last step, so every run shows where its
@@ -173,66 +126,6 @@ def sampled(step: int, start: int, steps: int, log_every: int, profile_every: in
     ends = step in (start + 1, steps)
     logged = step % log_every == 0 or ends
     return logged, logged and (step % profile_every == 0 or ends)
-
-
-class CommClock:
-    """Exposed communication in a profiled region: the seconds a collective is in flight (the
-    backend's collective intervals: gloo worker threads, NCCL kernels, as torch.profiler records
-    them) with no compute running beside it. Compute is the device's other kernels on a GPU; on CPU,
-    the aten ops of the thread that runs the step. So the chunked all-to-all that runs while experts
-    compute (supernode/trainer/dispatcher.py) counts as compute, not communication, and compute +
-    exposed communication + data wait is the step."""
-
-    def __init__(self, enabled: bool, cuda: bool):
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        self.cuda = cuda
-        self.prof = profile(activities=acts) if enabled else None
-
-    def __enter__(self) -> CommClock:
-        if self.prof is not None:
-            with _quiet_stderr():
-                self.prof.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.prof is not None:
-            with _quiet_stderr():
-                self.prof.__exit__(*exc)
-
-    def seconds(self) -> float:
-        if self.prof is None:
-            return 0.0
-        events = list(self.prof.events())
-        comm = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith(COLLECTIVE_EVENTS)]
-        if self.cuda:
-            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-            compute = [(e.time_range.start, e.time_range.end) for e in kernels if not e.name.startswith("nccl")]
-        else:
-            aten = [e for e in events if e.name.startswith("aten::")]
-            counts: dict[int, int] = {}
-            for e in aten:
-                counts[e.thread] = counts.get(e.thread, 0) + 1
-            step_thread = max(counts, key=counts.get, default=None)
-            calls = _union(
-                [
-                    (e.time_range.start, e.time_range.end)
-                    for e in events
-                    if e.thread == step_thread and e.name.startswith(COLLECTIVE_CALLS)
-                ]
-            )
-            starts = [start for start, _ in calls]
-
-            def inside_a_call(start: float, end: float) -> bool:
-                # calls are merged and sorted: only the last one starting at or before `start` can hold it
-                i = bisect.bisect_right(starts, start) - 1
-                return i >= 0 and end <= calls[i][1]
-
-            compute = [
-                (e.time_range.start, e.time_range.end)
-                for e in aten
-                if e.thread == step_thread and not inside_a_call(e.time_range.start, e.time_range.end)
-            ]
-        return exposed_seconds(comm, compute) / 1e6
 
 
 class StopRequest:

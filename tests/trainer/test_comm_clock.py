@@ -1,5 +1,5 @@
 """The step's communication phase is exposed communication: a collective in flight beside compute
-is hidden, one the step waits on is not (supernode/trainer/train.py CommClock)."""
+is hidden, one the step waits on is not (supernode/trainer/comm_clock.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from supernode.trainer.train import CommClock, exposed_seconds
+from supernode.trainer.comm_clock import CommClock, exposed_seconds
 
 
 def test_exposed_is_the_part_of_the_collectives_no_compute_covers():
