@@ -14,6 +14,7 @@ BENCHES = {
     "memory": "supernode.bench.memory",  # the planner's memory per rank against a real build and step
     "gpu": "supernode.bench.gpu",  # on a GPU machine: MoE layer (NCCL EP), bench memory vs the planner, model MFU
     "overlap": "supernode.bench.overlap",  # EP all-to-all chunked overlap on vs off (CPU gloo): step time, exposed comm
+    "profiler": "supernode.bench.profiler",  # a trainer step under torch.profiler vs not: the sampled-profiling cost
     "pipeline": "supernode.bench.pipeline",  # 1F1B vs interleaved 1F1B on CPU: step time, measured vs planned bubble
     "serve": "supernode.bench.serve",  # vLLM continuous batching vs sequential: TTFT, inter-token latency, tokens/s
 }
