@@ -43,11 +43,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from supernode.core.checkpoints import checkpoint_problem, complete_checkpoints, read_marker
 from supernode.core.config import Model, load_stack
 from supernode.core.errors import bad_input_lines
 from supernode.core.files import sha256_file
 from supernode.core.plan import build_plan
-from supernode.trainer.checkpoint import Checkpointer, complete_checkpoints, train_state
+from supernode.trainer.checkpoint import Checkpointer, train_state
 from supernode.trainer.model import Transformer, loss_fn
 
 GOAL = 0.2
@@ -276,7 +277,7 @@ def _hash_all(paths: list[Path]) -> None:
 
 def _check_share(path: Path, rank: int, world: int) -> float:
     t0 = time.perf_counter()
-    if Checkpointer.problem(path, (rank, world)) is not None:
+    if checkpoint_problem(path, (rank, world)) is not None:
         raise RuntimeError(f"{path} does not verify")
     return time.perf_counter() - t0
 
@@ -299,7 +300,7 @@ def _hashes(args: argparse.Namespace, cfg: Model, work: Path, plan) -> None:
     n = args.ranks
     mp.start_processes(_save_rank, args=(n, str(work), cfg), nprocs=n, start_method="spawn", join=True)
     ((_, path),) = complete_checkpoints(work / "sharded")
-    names = sorted(Checkpointer.marker(path)["files"])
+    names = sorted(read_marker(path)["files"])
     size = {name: (path / name).stat().st_size for name in names}
     own = [
         [name for name in names if name.startswith(f"__{r}_") or (r == 0 and name == ".metadata")] for r in range(n)
@@ -310,8 +311,8 @@ def _hashes(args: argparse.Namespace, cfg: Model, work: Path, plan) -> None:
 
     rank0_all = best(_hash_all, [path / name for name in names])
     per_rank = [best(_hash_all, [path / name for name in mine]) for mine in own]
-    check_all = best(Checkpointer.problem, path)
-    check_share = [best(Checkpointer.problem, path, (r, n)) for r in range(n)]
+    check_all = best(checkpoint_problem, path)
+    check_share = [best(checkpoint_problem, path, (r, n)) for r in range(n)]
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(_check_share, [path] * n, range(n), [n] * n))  # warm: imports, page cache
         together = min(max(pool.map(_check_share, [path] * n, range(n), [n] * n)) for _ in range(args.repeats))

@@ -19,9 +19,12 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .checkpoints import COMPLETE, PREFIX, complete_checkpoints, read_marker
 from .errors import BadInput
 
 RUNS, RUN_FILE, CHECKPOINTS = "runs", "run.json", "checkpoints"
@@ -175,3 +178,158 @@ def run_of(out: Path, run: str | None = None) -> Path:
 def checkpoints_of(out: Path, run: str | None = None) -> Path:
     """Where run `run` (default: the latest) of OUT keeps its checkpoints (OUT/checkpoints before runs)."""
     return run_of(out, run) / CHECKPOINTS
+
+
+# -- which run a start trains into ---------------------------------------------------------------
+
+
+@dataclass
+class RunChoice:
+    """The run a start trains into (supernode.core.runs): its directory and run.json, and, for a
+    branch that has no checkpoint of its own yet, the parent's step it starts from."""
+
+    run: str
+    dir: Path
+    record: dict
+    how: str  # "new" | "resumed" | "branched"
+    parent_step: Path | None = None
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.dir / CHECKPOINTS
+
+    def line(self) -> str:
+        return f"{self.how} {describe(self.record)} in {self.dir}"
+
+
+def _mismatch(who: str, rec: dict, model: dict, fix: str) -> BadInput:
+    theirs = rec.get("model") if isinstance(rec.get("model"), dict) else {}
+    diff = model_differences(theirs, model) or "settings not recorded"
+    return BadInput(
+        f"{who} was written for another model ({diff}), model fingerprint {rec.get('model_fingerprint')} -> "
+        f"{model_fingerprint(model)}; {fix}"
+    )
+
+
+def _migrate_legacy(out: Path, stack: str, model: dict, target: str, say: Callable[[str], None]) -> None:
+    """OUT/checkpoints (before run identities) becomes the run `target`: one rename on the same file
+    system, then its run.json with the model of its newest marker. Its S3 copy stays where it was
+    exported (run `checkpoints` in `supernode checkpoints`); the renamed files are exported anew."""
+    legacy = Path(out) / CHECKPOINTS
+    newest = complete_checkpoints(legacy)
+    theirs = read_marker(newest[-1][1]).get("model") if newest else None
+    d = run_dir(out, target)
+    d.mkdir(parents=True, exist_ok=True)
+    if read_record(d) is None:
+        rec = record(stack, target, theirs if isinstance(theirs, dict) else model, migrated_from=str(legacy))
+        write_record(d, rec)  # before the rename: a crash between leaves a run to migrate into again
+    os.replace(legacy, d / CHECKPOINTS)
+    say(f"{legacy} (written before run identities) is now run {target}: {d / CHECKPOINTS}")
+
+
+def _has_legacy(out: Path) -> bool:
+    legacy = Path(out) / CHECKPOINTS
+    return legacy.is_dir() and any(legacy.glob(PREFIX + "*"))
+
+
+def prepare_run(
+    out: Path,
+    stack: str,
+    model: dict,
+    run: str | None = None,
+    from_run: str | None = None,
+    step: int | None = None,
+    say: Callable[[str], None] = print,
+    run_flag: str = "--run",
+) -> RunChoice:
+    """The run this start trains into, created (run.json) where new. The caller holds OUT's lock.
+
+    - no `run`: the latest run (newest run.json), or a fresh one where OUT has none;
+    - `run` NAME: that run resumed, or a fresh one of that name;
+    - `from_run` R, `step` N (with `run`, a name not in use): a fresh run starting from R's step N,
+      recording R and N as its parent; the same three again resume it (a restart).
+    `run_flag`: how the caller spells `run` in its messages. Every refusal (a name not a run name,
+    an unknown run, a step the run does not have, a run of another model) is BadInput naming the flag
+    and its value."""
+    out = Path(out)
+    if step is not None and from_run is None:
+        raise BadInput(f"--step {step} goes with --from-run (the run whose step a new run starts from)")
+    if from_run is not None and step is None:
+        raise BadInput(f"--from-run {from_run} needs --step N (the step of {from_run} to start from)")
+    if step is not None and step < 1:
+        raise BadInput(f"--step {step}: a checkpoint's step is at least 1")
+    for flag, value in ((run_flag, run), ("--from-run", from_run)):
+        if value is not None:
+            check_run_id(flag, value)
+    found = runs(out)
+    if _has_legacy(out):
+        pending = [
+            r for r, rec in found.items() if rec.get("migrated_from") and not (out / RUNS / r / CHECKPOINTS).exists()
+        ]
+        target = pending[0] if pending else run if run and run not in found and from_run is None else new_run_id()
+        _migrate_legacy(out, stack, model, target, say)
+        found = runs(out)
+        if run is None and from_run is None:
+            run = target
+    ours = model_fingerprint(model)
+    parent: tuple[str, int] | None = None
+    if from_run is not None and step is not None:
+        if from_run not in found:
+            raise BadInput(f"--from-run {from_run}: no such run in {out / RUNS} (runs: {', '.join(found) or 'none'})")
+        if found[from_run].get("model_fingerprint") != ours:
+            raise _mismatch(
+                f"--from-run {from_run}: run {from_run}",
+                found[from_run],
+                model,
+                "branch from a run of this model, or train this plan as a fresh run (--run new)",
+            )
+        have = [s for s, _ in complete_checkpoints(run_dir(out, from_run) / CHECKPOINTS)]
+        if step not in have:
+            raise BadInput(
+                f"--step {step}: run {from_run} has no complete checkpoint of step {step} on this file system "
+                f"(it has {', '.join(map(str, have)) or 'none'}; `supernode checkpoints` lists the steps S3 keeps)"
+            )
+        parent = (from_run, step)
+        if run is None:
+            raise BadInput(
+                f"--from-run {from_run} needs {run_flag} NAME: the new run's name (`supernode train` gives one)"
+            )
+        if run in found and found[run].get("parent") != {"run": from_run, "step": step}:
+            rec = found[run]
+            raise BadInput(
+                f"{run_flag} {run}: {describe(rec)} exists; give a new name to branch from "
+                f"{from_run} step {step}, or drop --from-run and --step to resume it"
+            )
+    who = f"{run_flag} {run}: run {run}"
+    if run is None:
+        run = latest_run(found) or new_run_id()
+        who = f"run {run} (the latest in {out / RUNS})"
+    d = run_dir(out, run)
+    if run in found:
+        rec, how = found[run], "resumed"
+        if rec.get("model_fingerprint") != ours:
+            raise _mismatch(
+                who,
+                rec,
+                model,
+                "resume it with the plan that wrote it, or start a fresh run (--run new)",
+            )
+    else:
+        rec, how = record(stack, run, model, parent), "branched" if parent else "new"
+        try:
+            write_record(d, rec)
+        except FileExistsError:  # written since we listed: it is the run's own record
+            rec = read_record(d) or rec
+    origin = rec.get("parent")
+    choice = RunChoice(run, d, rec, how)
+    if not complete_checkpoints(choice.checkpoints):  # nothing of its own yet: it starts now
+        choice.how = "branched" if isinstance(origin, dict) else "new"
+    if isinstance(origin, dict) and not complete_checkpoints(choice.checkpoints):
+        step_dir = run_dir(out, str(origin["run"])) / CHECKPOINTS / f"{PREFIX}{int(origin['step']):08d}"
+        if not (step_dir / COMPLETE).is_file():
+            raise BadInput(
+                f"{run_flag} {run}: it starts from run {origin['run']} step {origin['step']}, and {step_dir} is "
+                "not a complete checkpoint any more; restore it (supernode drill restore --keep) or start a fresh run"
+            )
+        choice.parent_step = step_dir
+    return choice

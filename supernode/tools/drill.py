@@ -5,7 +5,7 @@ be brought back and used, and how long that takes.
    repository association exports the trainer's checkpoints): the highest `step_N/` with a
    `COMPLETE` marker.
 2. Download it into a fresh directory, timing it (MB/s).
-3. Verify it with the trainer's own check (`Checkpointer.problem`: every file of the marker
+3. Verify it with the trainer's own check (`checkpoint_problem`: every file of the marker
    present and matching its sha256), so the drill and a resume agree on what is usable.
 4. Load its model state into the plan's model on CPU (local scale: a model that fits in this
    machine's memory), or, for a cluster-scale model, say how the GPU nodes load it (a resume).
@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.checkpoints import checkpoint_problem, read_marker
 from ..core.errors import BadInput
 from ..core.plan import PLAN_MOUNT_PATH, Plan
 from .awscheck import Aws, describe_error
@@ -147,8 +148,6 @@ def restore_drill(
     step: int | None = None,
     run: str | None = None,
 ) -> DrillResult:
-    from supernode.trainer.checkpoint import Checkpointer  # torch is imported only by the command that needs it
-
     base = DrillResult(result="failed", detail="", bucket=bucket, prefix=prefix)
     s3 = aws.client("s3")
     try:
@@ -174,12 +173,12 @@ def restore_drill(
     base.download_s = round(time.perf_counter() - t0, 3)
     base.mb_per_s = round(base.bytes / 1e6 / max(base.download_s, 1e-6), 1)
     t0 = time.perf_counter()
-    problem = Checkpointer.problem(target)
+    problem = checkpoint_problem(target)
     base.verify_s = round(time.perf_counter() - t0, 3)
     if problem is not None:
         base.detail = f"step {step} does not verify: {problem}"
         return base
-    saved_model = Checkpointer.marker(target).get("model")
+    saved_model = read_marker(target).get("model")
     if isinstance(saved_model, dict) and saved_model != plan.model.model_dump(mode="json"):
         base.detail = (
             f"step {step} was written for another model than the plan's (model settings differ); "

@@ -12,8 +12,8 @@ the same step is moved aside (`.old-step_N`), not deleted, until the new one is 
 
 `restore` checks the files against the marker's sha256, split across the ranks (file i of the sorted
 names by rank i % world, whatever world size wrote it; one all_gather for the verdict), and falls
-back to the newest checkpoint that verifies, saying so. `Checkpointer.problem(path)` alone checks
-every file in one process (the restore drill, the export).
+back to the newest checkpoint that verifies, saying so. `supernode.core.checkpoints.checkpoint_problem`
+alone checks every file in one process (the restore drill, the export).
 
 What is saved: the training state registered once with the checkpointer (`train_state`: model and
 optimizer through `get_model_state_dict` / `get_optimizer_state_dict`, sharded FSDP/TP/EP DTensors
@@ -29,7 +29,6 @@ straight into the sharded tensors: a restore never materialises the full model.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import io
 import json
@@ -37,12 +36,10 @@ import os
 import pickle
 import random
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -61,19 +58,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from supernode.core import runs
-from supernode.core.errors import BadInput
-from supernode.core.files import sha256_file
+from supernode.core.checkpoints import (
+    COMPLETE,
+    OLD_PREFIX,
+    PREFIX,
+    TMP_PREFIX,
+    TRUST_UNCHECKED_ENV,
+    checkpoint_problem,
+    complete_checkpoints,
+    marker_unchecked,
+    read_marker,
+    step_dir,
+)
+from supernode.core.faults import inject
 
-COMPLETE = "COMPLETE"
-PREFIX, TMP_PREFIX, OLD_PREFIX = "step_", ".tmp-step_", ".old-step_"
 DIGESTS = ".sha256."  # `.sha256.<rank>`: the digests of the files one rank wrote, in a save's temporary directory
-LOCK = ".lock"
-# A marker without sha256 (a checkpoint from before checksums, or an edited marker) proves nothing about
-# its weights: it is refused unless this variable is "1", and then the restore says it used one.
-TRUST_UNCHECKED_ENV = "SUPERNODE_TRUST_UNCHECKED_CHECKPOINT"
-# Test hook: "enospc@N" makes the save of step N fail as a full disk does (errno ENOSPC).
-INJECT_ENV = "SUPERNODE_INJECT_FAULT"
 
 
 class CheckpointMismatch(Exception):
@@ -90,15 +89,6 @@ class NoSpace(Exception):
 
 class MissingDigest(Exception):
     """A save left a file that no rank's digest file covers: it is not committed."""
-
-
-def inject(fault: str) -> str | None:
-    """The argument of `fault@ARG` in SUPERNODE_INJECT_FAULT, if the test asked for that fault."""
-    for item in os.environ.get(INJECT_ENV, "").split(","):
-        name, _, arg = item.partition("@")
-        if name == fault:
-            return arg
-    return None
 
 
 def _nbytes(obj: Any) -> int:
@@ -135,58 +125,6 @@ def _is_no_space(exc: BaseException) -> bool:
 def _is_write_error(exc: BaseException) -> bool:
     """A failed write without an errno: torch's zip writer reports a full disk as "unexpected pos"."""
     return any(isinstance(e, OSError) or "unexpected pos" in str(e) for e in _chain(exc))
-
-
-class OutDirLock:
-    """One run per out directory: an exclusive flock on OUT/.lock, held for the run's life and
-    released by the kernel however the process ends (no stale locks after a SIGKILL). The file says
-    who holds it. Needs a filesystem with working flock (local disks; Lustre mounted with -o flock)."""
-
-    def __init__(self, out: str | Path):
-        self.path = Path(out) / LOCK
-        self._f = None
-
-    def acquire(self) -> str | None:
-        """None when this process now holds the lock, else who holds it ("pid P on host H since T")."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = self.path.open("a+", encoding="utf-8")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            text = f.read()
-            f.close()
-            return self.describe(text)
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
-        f.flush()
-        self._f = f
-        return None
-
-    @staticmethod
-    def describe(text: str) -> str:
-        try:
-            h = json.loads(text)
-            return (
-                f"pid {h['pid']} on host {h['host']} since "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h['since']))}"
-            )
-        except (ValueError, KeyError, TypeError):
-            return "another process (no holder recorded)"
-
-    @staticmethod
-    def holder_pid(out: str | Path) -> tuple[int | None, str | None]:
-        try:
-            h = json.loads((Path(out) / LOCK).read_text(encoding="utf-8"))
-            return int(h["pid"]), str(h["host"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None, None
-
-    def release(self) -> None:
-        if self._f is not None:
-            self._f.close()  # closing the descriptor drops the flock
-            self._f = None
 
 
 class _Digesting:
@@ -341,20 +279,6 @@ def train_state(
     }
 
 
-def _step_dir(root: Path, step: int, tmp: bool = False) -> Path:
-    return root / f"{TMP_PREFIX if tmp else PREFIX}{step:08d}"
-
-
-def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every committed checkpoint, oldest first."""
-    root = Path(root)
-    found = []
-    for d in root.glob(PREFIX + "*") if root.is_dir() else []:
-        if (d / COMPLETE).is_file() and d.name[len(PREFIX) :].isdigit():
-            found.append((int(d.name[len(PREFIX) :]), d))
-    return sorted(found)
-
-
 def _rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -446,7 +370,7 @@ class Checkpointer:
         state = self._state(step, rng)
         self._rank_bytes = _nbytes(state)  # what this rank writes
         self._save_bytes = self._rank_bytes * self.world
-        tmp = _step_dir(self.root, step, tmp=True)
+        tmp = step_dir(self.root, step, tmp=True)
         try:
             if inject("enospc") == str(step):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
@@ -465,7 +389,7 @@ class Checkpointer:
 
     def _failed(self, exc: BaseException, step: int) -> None:
         """A save failed: drop its partial files; a full disk becomes NoSpace (not retryable)."""
-        tmp = _step_dir(self.root, step, tmp=True)
+        tmp = step_dir(self.root, step, tmp=True)
         # Free space as the failed write saw it: measured after the partial save is gone, a full disk
         # looks roomy and the failure would be retried onto it.
         free = shutil.disk_usage(self.root).free if self.root.exists() else 0
@@ -517,7 +441,7 @@ class Checkpointer:
         # rank 0 alone can publish the directory. No collective here: ranks poll at different times.
         if self.rank != 0:
             return
-        tmp, final = _step_dir(self.root, step, tmp=True), _step_dir(self.root, step)
+        tmp, final = step_dir(self.root, step, tmp=True), step_dir(self.root, step)
         files = _merge_digests(tmp)
         marker = tmp / COMPLETE
         with marker.open("w", encoding="utf-8") as f:
@@ -539,50 +463,6 @@ class Checkpointer:
         found = complete_checkpoints(self.root)
         return found[-1] if found else None
 
-    @staticmethod
-    def marker(path: Path) -> dict:
-        try:
-            m = json.loads((path / COMPLETE).read_text(encoding="utf-8"))
-            return m if isinstance(m, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
-    @classmethod
-    def unchecked(cls, path: Path) -> bool:
-        """The marker is readable but records no sha256 of the files (see TRUST_UNCHECKED_ENV)."""
-        m = cls.marker(path)
-        return bool(m) and not isinstance(m.get("files"), dict)
-
-    @classmethod
-    def problem(cls, path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
-        """Why the checkpoint at `path` cannot be trusted (an unreadable marker, one without sha256,
-        a file missing, unreadable or not matching its recorded sha256), or None. A marker without
-        sha256 is trusted only where TRUST_UNCHECKED_ENV is "1".
-        `share` (rank, world): check only the files whose index in name order is rank modulo world,
-        so that `world` processes check every file once between them; (0, 1), all: one process."""
-        marker = cls.marker(path)
-        if not marker:
-            return f"{path / COMPLETE} is unreadable or not a JSON object"
-        files = marker.get("files")
-        if not isinstance(files, dict):
-            if os.environ.get(TRUST_UNCHECKED_ENV) == "1":
-                return None
-            return (
-                f"{path / COMPLETE} records no sha256 of its files (written before checksums, or edited), "
-                f"so nothing proves its weights are the ones saved; set {TRUST_UNCHECKED_ENV}=1 to use it anyway"
-            )
-        rank, world = share
-        for name in sorted(files)[rank::world]:
-            f = path / name
-            if not f.is_file():
-                return f"{f} is missing"
-            try:
-                if sha256_file(f) != files[name]:
-                    return f"{f} does not match its recorded sha256"
-            except OSError as e:  # one rank's read error must not leave the others waiting for its verdict
-                return f"{f} cannot be read ({e.strerror or e})"
-        return None
-
     def branch(self, step_dir: Path) -> None:
         """Until this run commits a checkpoint of its own, restore loads `step_dir` (a parent run's
         step: weights, optimizer, data position), and nothing else: no fallback past a corrupt one."""
@@ -600,10 +480,10 @@ class Checkpointer:
         bad = []
         for step, path in reversed(found[0]):
             verdicts: list[str | None] = [None] * self.world
-            dist.all_gather_object(verdicts, self.problem(path, (self.rank, self.world)), group=self.group)
+            dist.all_gather_object(verdicts, checkpoint_problem(path, (self.rank, self.world)), group=self.group)
             why = next((v for v in verdicts if v is not None), None)
             if why is None:
-                if self.unchecked(path):
+                if marker_unchecked(path):
                     say(
                         f"checkpoint {path} has no sha256 of its files; used unverified because {TRUST_UNCHECKED_ENV}=1"
                     )
@@ -629,7 +509,7 @@ class Checkpointer:
         if picked is None:
             return 0
         step, path = picked
-        self.restored_meta = self.marker(path)
+        self.restored_meta = read_marker(path)
         theirs, ours = self.restored_meta.get("model"), self.meta.get("model")
         if isinstance(theirs, dict) and isinstance(ours, dict) and theirs != ours:
             diff = ", ".join(
@@ -658,176 +538,11 @@ class Checkpointer:
         return int(state["step"])
 
 
-# -- runs ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunChoice:
-    """The run a start trains into (supernode.core.runs): its directory and run.json, and, for a
-    branch that has no checkpoint of its own yet, the parent's step it starts from."""
-
-    run: str
-    dir: Path
-    record: dict
-    how: str  # "new" | "resumed" | "branched"
-    parent_step: Path | None = None
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.dir / runs.CHECKPOINTS
-
-    def line(self) -> str:
-        return f"{self.how} {runs.describe(self.record)} in {self.dir}"
-
-
-def _mismatch(who: str, rec: dict, model: dict, fix: str) -> BadInput:
-    theirs = rec.get("model") if isinstance(rec.get("model"), dict) else {}
-    diff = runs.model_differences(theirs, model) or "settings not recorded"
-    return BadInput(
-        f"{who} was written for another model ({diff}), model fingerprint {rec.get('model_fingerprint')} -> "
-        f"{runs.model_fingerprint(model)}; {fix}"
-    )
-
-
-def _migrate_legacy(out: Path, stack: str, model: dict, target: str, say: Callable[[str], None]) -> None:
-    """OUT/checkpoints (before run identities) becomes the run `target`: one rename on the same file
-    system, then its run.json with the model of its newest marker. Its S3 copy stays where it was
-    exported (run `checkpoints` in `supernode checkpoints`); the renamed files are exported anew."""
-    legacy = Path(out) / runs.CHECKPOINTS
-    newest = complete_checkpoints(legacy)
-    theirs = Checkpointer.marker(newest[-1][1]).get("model") if newest else None
-    d = runs.run_dir(out, target)
-    d.mkdir(parents=True, exist_ok=True)
-    if runs.read_record(d) is None:
-        rec = runs.record(stack, target, theirs if isinstance(theirs, dict) else model, migrated_from=str(legacy))
-        runs.write_record(d, rec)  # before the rename: a crash between leaves a run to migrate into again
-    os.replace(legacy, d / runs.CHECKPOINTS)
-    say(f"{legacy} (written before run identities) is now run {target}: {d / runs.CHECKPOINTS}")
-
-
-def _has_legacy(out: Path) -> bool:
-    legacy = Path(out) / runs.CHECKPOINTS
-    return legacy.is_dir() and any(legacy.glob(PREFIX + "*"))
-
-
-def prepare_run(
-    out: Path,
-    stack: str,
-    model: dict,
-    run: str | None = None,
-    from_run: str | None = None,
-    step: int | None = None,
-    say: Callable[[str], None] = print,
-    run_flag: str = "--run",
-) -> RunChoice:
-    """The run this start trains into, created (run.json) where new. The caller holds OUT's lock.
-
-    - no `run`: the latest run (newest run.json), or a fresh one where OUT has none;
-    - `run` NAME: that run resumed, or a fresh one of that name;
-    - `from_run` R, `step` N (with `run`, a name not in use): a fresh run starting from R's step N,
-      recording R and N as its parent; the same three again resume it (a restart).
-    `run_flag`: how the caller spells `run` in its messages. Every refusal (a name not a run name,
-    an unknown run, a step the run does not have, a run of another model) is BadInput naming the flag
-    and its value."""
-    out = Path(out)
-    if step is not None and from_run is None:
-        raise BadInput(f"--step {step} goes with --from-run (the run whose step a new run starts from)")
-    if from_run is not None and step is None:
-        raise BadInput(f"--from-run {from_run} needs --step N (the step of {from_run} to start from)")
-    if step is not None and step < 1:
-        raise BadInput(f"--step {step}: a checkpoint's step is at least 1")
-    for flag, value in ((run_flag, run), ("--from-run", from_run)):
-        if value is not None:
-            runs.check_run_id(flag, value)
-    found = runs.runs(out)
-    if _has_legacy(out):
-        pending = [
-            r
-            for r, rec in found.items()
-            if rec.get("migrated_from") and not (out / runs.RUNS / r / runs.CHECKPOINTS).exists()
-        ]
-        target = pending[0] if pending else run if run and run not in found and from_run is None else runs.new_run_id()
-        _migrate_legacy(out, stack, model, target, say)
-        found = runs.runs(out)
-        if run is None and from_run is None:
-            run = target
-    ours = runs.model_fingerprint(model)
-    parent: tuple[str, int] | None = None
-    if from_run is not None and step is not None:
-        if from_run not in found:
-            raise BadInput(
-                f"--from-run {from_run}: no such run in {out / runs.RUNS} (runs: {', '.join(found) or 'none'})"
-            )
-        if found[from_run].get("model_fingerprint") != ours:
-            raise _mismatch(
-                f"--from-run {from_run}: run {from_run}",
-                found[from_run],
-                model,
-                "branch from a run of this model, or train this plan as a fresh run (--run new)",
-            )
-        have = [s for s, _ in complete_checkpoints(runs.run_dir(out, from_run) / runs.CHECKPOINTS)]
-        if step not in have:
-            raise BadInput(
-                f"--step {step}: run {from_run} has no complete checkpoint of step {step} on this file system "
-                f"(it has {', '.join(map(str, have)) or 'none'}; `supernode checkpoints` lists the steps S3 keeps)"
-            )
-        parent = (from_run, step)
-        if run is None:
-            raise BadInput(
-                f"--from-run {from_run} needs {run_flag} NAME: the new run's name (`supernode train` gives one)"
-            )
-        if run in found and found[run].get("parent") != {"run": from_run, "step": step}:
-            rec = found[run]
-            raise BadInput(
-                f"{run_flag} {run}: {runs.describe(rec)} exists; give a new name to branch from "
-                f"{from_run} step {step}, or drop --from-run and --step to resume it"
-            )
-    who = f"{run_flag} {run}: run {run}"
-    if run is None:
-        run = runs.latest_run(found) or runs.new_run_id()
-        who = f"run {run} (the latest in {out / runs.RUNS})"
-    d = runs.run_dir(out, run)
-    if run in found:
-        rec, how = found[run], "resumed"
-        if rec.get("model_fingerprint") != ours:
-            raise _mismatch(
-                who,
-                rec,
-                model,
-                "resume it with the plan that wrote it, or start a fresh run (--run new)",
-            )
-    else:
-        rec, how = runs.record(stack, run, model, parent), "branched" if parent else "new"
-        try:
-            runs.write_record(d, rec)
-        except FileExistsError:  # written since we listed: it is the run's own record
-            rec = runs.read_record(d) or rec
-    origin = rec.get("parent")
-    choice = RunChoice(run, d, rec, how)
-    if not complete_checkpoints(choice.checkpoints):  # nothing of its own yet: it starts now
-        choice.how = "branched" if isinstance(origin, dict) else "new"
-    if isinstance(origin, dict) and not complete_checkpoints(choice.checkpoints):
-        step_dir = runs.run_dir(out, str(origin["run"])) / runs.CHECKPOINTS / f"{PREFIX}{int(origin['step']):08d}"
-        if not (step_dir / COMPLETE).is_file():
-            raise BadInput(
-                f"{run_flag} {run}: it starts from run {origin['run']} step {origin['step']}, and {step_dir} is "
-                "not a complete checkpoint any more; restore it (supernode drill restore --keep) or start a fresh run"
-            )
-        choice.parent_step = step_dir
-    return choice
-
-
 __all__ = [
     "Checkpointer",
     "CheckpointMismatch",
     "CheckpointCorrupt",
     "NoSpace",
     "MissingDigest",
-    "OutDirLock",
-    "complete_checkpoints",
-    "COMPLETE",
-    "TRUST_UNCHECKED_ENV",
     "train_state",
-    "RunChoice",
-    "prepare_run",
 ]

@@ -28,10 +28,9 @@ import torch
 from prometheus_client import CollectorRegistry, Gauge, start_http_server, write_to_textfile
 
 from supernode.core import observability as obs
+from supernode.core.checkpoints import COMPLETE, complete_checkpoints
 from supernode.core.errors import BadInput
 from supernode.core.plan import Plan
-
-from .checkpoint import COMPLETE, complete_checkpoints
 
 JSONL, PROM, LOSS_PNG, LOAD_PNG = "metrics.jsonl", "metrics.prom", "loss.png", "expert_load.png"
 

@@ -52,12 +52,15 @@ import torch
 import torch.distributed as dist
 
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput, bad_input_lines
+from supernode.core.faults import inject
 from supernode.core.observability import PROFILE_EVERY
+from supernode.core.outdir import OutDirLock
 from supernode.core.plan import Plan
 from supernode.core.pretrained import is_remote
 from supernode.core.processes import die_with_parent
+from supernode.core.runs import RunChoice, prepare_run
 
-from .checkpoint import CheckpointCorrupt, NoSpace, OutDirLock, RunChoice, inject, prepare_run
+from .checkpoint import CheckpointCorrupt, NoSpace
 from .comm_clock import CommClock
 from .device import choose, synchronize
 from .engine import Trainer

@@ -179,9 +179,9 @@ def export_dir(tmp: Path) -> Path:
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from supernode.core.checkpoints import COMPLETE
     from supernode.core.config import Model
     from supernode.core.files import sha256_file
-    from supernode.trainer.checkpoint import COMPLETE
     from supernode.trainer.hf.export import export
     from supernode.trainer.model import Transformer
 

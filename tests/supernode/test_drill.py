@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow  # the fixture trains for real (two gloo ranks)
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """The local trainer's committed checkpoint of step 2 (the dev stack's local plan, 2 ranks)."""
-    from supernode.trainer.checkpoint import complete_checkpoints
+    from supernode.core.checkpoints import complete_checkpoints
     from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 
     tmp = tmp_path_factory.mktemp("train")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import spawn
+from ranks import spawn
 
 import supernode.trainer.engine as engine
 from supernode.core.config import load_stack

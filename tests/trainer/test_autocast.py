@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import spawn
+from ranks import spawn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from supernode.core.config import Parallel, from_mapping, load_stack

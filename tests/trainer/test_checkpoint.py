@@ -14,18 +14,23 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import spawn
 
-import supernode.trainer.checkpoint
-from supernode.core.files import sha256_file
-from supernode.trainer.checkpoint import (
+import supernode.core.checkpoints
+from supernode.core.checkpoints import (
     COMPLETE,
     TRUST_UNCHECKED_ENV,
+    checkpoint_problem,
+    complete_checkpoints,
+    read_marker,
+)
+from supernode.core.files import sha256_file
+from supernode.trainer.checkpoint import (
     CheckpointCorrupt,
     Checkpointer,
     CheckpointMismatch,
     MissingDigest,
     NoSpace,
-    complete_checkpoints,
     train_state,
 )
 
@@ -84,11 +89,11 @@ def counting_hashes():
         hashed.append(Path(path).name)
         return sha256_file(path)
 
-    supernode.trainer.checkpoint.sha256_file = counted
+    supernode.core.checkpoints.sha256_file = counted  # the check every reader shares
     try:
         yield hashed
     finally:
-        supernode.trainer.checkpoint.sha256_file = sha256_file
+        supernode.core.checkpoints.sha256_file = sha256_file
 
 
 @pytest.mark.parametrize("async_save", [True, False])
@@ -214,7 +219,7 @@ def test_a_marker_without_checksums_is_never_trusted_silently(group, tmp_path, m
     m = json.loads((path / COMPLETE).read_text())
     body = {"no-files": {k: v for k, v in m.items() if k != "files"}, "files-not-a-dict": {**m, "files": []}}
     (path / COMPLETE).write_text("{not json" if marker == "not-json" else json.dumps(body[marker]))
-    problem = Checkpointer.problem(path)  # what the restore drill and the export check
+    problem = checkpoint_problem(path)  # what the restore drill and the export check
     assert problem and str(path / COMPLETE) in problem
     model2, opt2, sched2 = make(1)
     with pytest.raises(CheckpointCorrupt, match="no usable checkpoint"):
@@ -224,7 +229,7 @@ def test_a_marker_without_checksums_is_never_trusted_silently(group, tmp_path, m
     # The explicit opt-in for checkpoints from before checksums: used, and the restore says so.
     monkeypatch.setenv(TRUST_UNCHECKED_ENV, "1")
     said = []
-    assert Checkpointer.problem(path) is None
+    assert checkpoint_problem(path) is None
     assert checkpointer(tmp_path, model2, opt2, sched2, keep=2, say=said.append).restore() == 1
     assert torch.equal(model2[0].weight, trained)
     assert any("used unverified" in line for line in said)
@@ -291,7 +296,6 @@ def restore_counting_hashes(rank: int, world: int, root: Path):
 
 @pytest.mark.slow
 def test_each_rank_hashes_its_files_and_a_restore_at_another_world_size_checks_each_once(tmp_path):
-    from conftest import spawn
 
     root = tmp_path / "ck"
     seen, saved = spawn(save_three_steps, 3, tmp_path / "save", root)[0]
@@ -306,9 +310,9 @@ def test_each_rank_hashes_its_files_and_a_restore_at_another_world_size_checks_e
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
     for step, path in complete_checkpoints(root):  # the merged marker is the serial hash of every file
         on_disk = {p.name: sha256_file(p) for p in path.iterdir() if p.name != COMPLETE}
-        assert Checkpointer.marker(path)["files"] == on_disk
+        assert read_marker(path)["files"] == on_disk
         assert sorted(on_disk) == seen[step][1]  # the digest files were merged, not kept
-        assert Checkpointer.problem(path) is None  # one process checks every file (drill, export)
+        assert checkpoint_problem(path) is None  # one process checks every file (drill, export)
 
     ranks = spawn(restore_counting_hashes, 2, tmp_path / "restore", root)  # written by 3 ranks, read by 2
     assert [step for step, _, _ in ranks] == [4, 4]

@@ -14,10 +14,11 @@ from test_train import ROOT, write_plan
 
 from supernode.cli import main as cli
 from supernode.core import runs
+from supernode.core.checkpoints import COMPLETE
 from supernode.core.config import load_stack
 from supernode.core.errors import BadInput
 from supernode.core.plan import build_local_plan
-from supernode.trainer.checkpoint import COMPLETE, prepare_run
+from supernode.core.runs import prepare_run
 from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 
 MODEL = {"dim": 64, "heads": 4, "top_k": 2}

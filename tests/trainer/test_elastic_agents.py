@@ -29,10 +29,10 @@ from pathlib import Path
 
 import pytest
 
+from supernode.core.checkpoints import complete_checkpoints
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.plan import Plan, build_local_plan
 from supernode.core.runs import checkpoints_of, run_of
-from supernode.trainer.checkpoint import complete_checkpoints
 from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import spawn
+from ranks import spawn
 from torch.distributed.tensor import DTensor
 
 from supernode.core.config import from_mapping, load_stack

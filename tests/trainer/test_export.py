@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from supernode.core.checkpoints import COMPLETE
 from supernode.core.config import Model
 from supernode.core.errors import BadInput
 from supernode.core.files import sha256_file
 from supernode.core.inference import GLM4_MOE, QWEN3_MOE
-from supernode.trainer.checkpoint import COMPLETE
 from supernode.trainer.hf.export import MANIFEST, export, rope_halves
 from supernode.trainer.model import Transformer, apply_rope, rope_tables
 

@@ -17,22 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import spawn
 from test_checkpoint import Position, checkpointer, counting_hashes, make, train_steps
 from test_train import ROOT, local_plan, losses, write_plan
 
 from supernode.cli import main as cli
+from supernode.core.checkpoints import COMPLETE, complete_checkpoints, read_marker
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.errors import BadInput
+from supernode.core.outdir import OutDirLock
 from supernode.core.plan import build_local_plan
 from supernode.core.runs import checkpoints_of, run_of
-from supernode.trainer.checkpoint import (
-    COMPLETE,
-    CheckpointCorrupt,
-    Checkpointer,
-    CheckpointMismatch,
-    OutDirLock,
-    complete_checkpoints,
-)
+from supernode.trainer.checkpoint import CheckpointCorrupt, CheckpointMismatch
 from supernode.trainer.data.manifest import DataError, verify
 from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 from supernode.trainer.engine import apply_hyper_parameters, lr_factor
@@ -281,7 +277,7 @@ def corrupt_a_file_rank_1_checks(rank: int, world: int, root: Path):
     ck.save(4)
     dist.barrier()  # rank 0 has committed step 4
     path = root / "step_00000004"
-    corrupt = sorted(Checkpointer.marker(path)["files"])[1]
+    corrupt = sorted(read_marker(path)["files"])[1]
     if rank == 0:
         flip(path / corrupt)
     dist.barrier()
@@ -293,7 +289,6 @@ def corrupt_a_file_rank_1_checks(rank: int, world: int, root: Path):
 
 @pytest.mark.slow
 def test_a_corrupt_file_that_another_rank_checks_still_falls_back(tmp_path):
-    from conftest import spawn
 
     root = tmp_path / "ck"
     ranks = spawn(corrupt_a_file_rank_1_checks, 2, tmp_path, root)

@@ -22,15 +22,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
-from conftest import spawn
+from ranks import spawn
 
 from supernode.cli import main as cli
+from supernode.core.checkpoints import COMPLETE, complete_checkpoints
 from supernode.core.config import Model, Parallel
 from supernode.core.errors import BadInput
 from supernode.core.files import sha256_file
 from supernode.core.pretrained import MANIFEST, compare, write_manifest
 from supernode.core.runs import checkpoints_of, run_of
-from supernode.trainer.checkpoint import COMPLETE, complete_checkpoints
 from supernode.trainer.hf.export import export
 from supernode.trainer.hf.load import load_pretrained
 from supernode.trainer.model import Transformer, loss_fn

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from ranks import spawn
 
 from supernode.core.config import Model, Parallel
 from supernode.trainer.checkpoint import ModelState, OptimizerState, zero_adam_state
@@ -60,7 +61,6 @@ def build_and_restore(rank: int, world: int, ckpt: str) -> dict:
 
 @pytest.mark.slow
 def test_no_rank_ever_holds_the_whole_model(tmp_path) -> None:
-    from conftest import spawn
 
     full = full_bytes(BIG)
     ranks = spawn(build_and_restore, 4, tmp_path, str(tmp_path / "ckpt"))
@@ -118,7 +118,6 @@ def test_a_restore_holds_the_parameters_and_moments_not_gradients_as_well(tmp_pa
     them for a fresh optimizer by a zero-lr step on zero gradients: every gradient and the step's
     temporaries beside the moments, a restore's peak (0.84x the whole fp32 model per rank at 8 ranks,
     EP 8 x FSDP 8). `zero_adam_state` creates only the moments: parameters + moments + the runtime."""
-    from conftest import spawn
 
     saved = spawn(save_with_moments, 2, tmp_path / "save", str(tmp_path / "ckpt"))
     restored = spawn(restore_into_a_fresh_optimizer, 2, tmp_path / "restore", str(tmp_path / "ckpt"))

@@ -126,7 +126,8 @@ def test_checkpoint_age_gauges_follow_the_commits(tmp_path, plan, group):
     step: an async save counts once committed, not when started; a restarted run shows it at once."""
     import time
 
-    from supernode.trainer.checkpoint import COMPLETE, Checkpointer
+    from supernode.core.checkpoints import COMPLETE
+    from supernode.trainer.checkpoint import Checkpointer
 
     def gauges(m: Metrics) -> tuple[float, float]:
         return (

@@ -7,6 +7,7 @@ from unittest import mock
 
 import pytest
 import torch
+from ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 from supernode.trainer.dispatcher import AllToAllDispatcher
@@ -279,7 +280,6 @@ def upstream(n: int) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_dispatch_combine_exact_for_uneven_counts_and_an_idle_expert(tmp_path) -> None:
-    from conftest import spawn
 
     ranks = spawn(run_ep, 4, tmp_path)
     ref = make_moe()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ranks import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 from supernode.core.config import Parallel
@@ -65,7 +66,6 @@ def run_layer(rank: int, world_size: int) -> dict:
 
 @pytest.mark.slow
 def test_chunked_dispatch_equals_the_synchronous_one_at_ep_2_and_4(tmp_path) -> None:
-    from conftest import spawn
 
     ranks = spawn(run_layer, 4, tmp_path)
     for ep in (4, 2):
@@ -149,7 +149,6 @@ def run_model(rank: int, world_size: int) -> dict:
 
 @pytest.mark.slow
 def test_overlap_on_and_off_train_alike_at_every_expert_parallel_layout(tmp_path) -> None:
-    from conftest import spawn
 
     ranks = spawn(run_model, 4, tmp_path)
     for rank, got in enumerate(ranks):

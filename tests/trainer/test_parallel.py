@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import spawn
 from torch.distributed.tensor import DTensor, Shard
 
 from supernode.core.config import Model, Parallel
@@ -216,7 +217,6 @@ def check_layout(layout: str, got: dict) -> None:
 @pytest.mark.slow
 def test_every_layout_matches_single_process(tmp_path) -> None:
     # One test, not one per layout: under pytest-xdist a shared fixture would spawn once per worker.
-    from conftest import spawn
 
     results = spawn(run_layouts, 4, tmp_path)[0]
     failures = []
@@ -278,7 +278,6 @@ def run_domain_ordered(rank: int, world_size: int) -> dict:
 
 @pytest.mark.slow
 def test_domain_order_keeps_ep_and_tp_groups_inside_a_domain_and_the_losses(tmp_path) -> None:
-    from conftest import spawn
 
     got = spawn(run_domain_ordered, 4, tmp_path)
     assert got[0]["permuted_gather"] == [0.0, 1.0, 2.0, 3.0]  # mesh order would read [0, 2, 1, 3]

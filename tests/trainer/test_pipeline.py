@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from ranks import spawn
 from torch.distributed.tensor import DTensor
 
 from supernode.core.config import Model, Parallel, from_mapping, load_stack
@@ -196,7 +197,6 @@ def check_layout(name: str, per_rank: list[dict], eos: int | None = None) -> Non
 
 @pytest.mark.slow
 def test_pipelines_match_single_process(tmp_path) -> None:
-    from conftest import spawn
 
     failures = []
     for world in (2, 4):
@@ -213,7 +213,6 @@ def test_pipelines_match_single_process(tmp_path) -> None:
 @pytest.mark.slow
 def test_pipelines_with_document_masking_match_single_process(tmp_path) -> None:
     """The data-parallel, interleaved (several stages per rank) and tensor-parallel pipelines."""
-    from conftest import spawn
 
     eos = 0
     tokens = batch(eos)

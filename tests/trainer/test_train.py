@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from supernode.cli import main as cli
+from supernode.core.checkpoints import complete_checkpoints
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.plan import Plan, build_local_plan
 from supernode.core.runs import checkpoints_of, run_of
-from supernode.trainer.checkpoint import complete_checkpoints
 from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
 from supernode.trainer.engine import lr_factor
 

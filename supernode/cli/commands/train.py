@@ -24,9 +24,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ...core.checkpoints import complete_checkpoints
 from ...core.errors import EXIT_FAILED, EXIT_INTERRUPTED, BadInput
+from ...core.outdir import OutDirLock
 from ...core.plan import Plan, build_local_plan
 from ...core.processes import die_with_parent
+from ...core.runs import prepare_run
 from ..args import add_stack_args, err, stack_from_args
 
 
@@ -110,7 +113,6 @@ def run(args) -> int:
         raise BadInput(f"--out {out} is an existing file, not a directory")
 
     from supernode.core.runs import NEW, new_run_id
-    from supernode.trainer.checkpoint import OutDirLock, complete_checkpoints, prepare_run  # torch only here
     from supernode.trainer.data.manifest import DataError, verify
     from supernode.trainer.data.prepare import DEFAULT_CORPUS, prepare
     from supernode.trainer.launch import LAUNCHER_ENV

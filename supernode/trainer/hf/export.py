@@ -40,12 +40,12 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 
 from supernode.core import runs
+from supernode.core.checkpoints import COMPLETE, checkpoint_problem, complete_checkpoints, read_marker
 from supernode.core.config.schema import Model
 from supernode.core.errors import BadInput
 from supernode.core.files import sha256_file
 from supernode.core.inference import DTYPES, GLM4_MOE, hf_config, served_architecture
 
-from ..checkpoint import COMPLETE, Checkpointer, complete_checkpoints
 from ..model import Transformer
 
 MANIFEST = "manifest.json"
@@ -73,7 +73,7 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def checkpoint_model(path: Path, fallback: Model | None) -> Model:
     """The model the checkpoint was trained as (its marker records it), else `fallback`."""
-    recorded = Checkpointer.marker(path).get("model")
+    recorded = read_marker(path).get("model")
     if recorded is not None:
         try:
             return Model.model_validate(recorded)
@@ -300,7 +300,7 @@ def export(
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
     path = resolve_checkpoint(Path(checkpoint))
-    problem = Checkpointer.problem(path)
+    problem = checkpoint_problem(path)
     if problem:
         raise BadInput(f"--checkpoint {path}: {problem}; export a checkpoint that verifies")
     m = checkpoint_model(path, model)
@@ -313,7 +313,7 @@ def export(
             )
         )
     arch = served_architecture(m)
-    params = _check_shapes(path, m, assumed=Checkpointer.marker(path).get("model") is None)
+    params = _check_shapes(path, m, assumed=read_marker(path).get("model") is None)
     out = Path(out)
     _prior_export(out)
     out = out.resolve()  # `--out .` has a name to put the temporary folder beside
@@ -397,7 +397,7 @@ def _write(
         "architecture": arch,
         "dtype": dtype,
         "total_bytes": total,
-        "source": {"checkpoint": str(path), "step": Checkpointer.marker(path).get("step")},
+        "source": {"checkpoint": str(path), "step": read_marker(path).get("step")},
         "files": {
             f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size}
             for f in sorted(tmp.iterdir())
