@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from .vendors import VENDORS, AcceleratorVendor
+
 GIB = 1024**3
 
 
@@ -91,31 +93,29 @@ class InstanceType:
         return self.accelerators // self.ranks_per_chip
 
     @property
+    def vendor_row(self) -> AcceleratorVendor:
+        """What this instance's accelerator vendor differs in (supernode.core.vendors)."""
+        return VENDORS[self.vendor]
+
+    @property
     def device_resource(self) -> str:
-        """The extended resource a pod requests for the node's accelerators: whole GPUs, or whole
-        Neuron devices (chips), which holds whatever the node's LNC setting makes of their cores."""
-        return {"nvidia": "nvidia.com/gpu", "neuron": "aws.amazon.com/neurondevice"}[self.vendor]
+        return self.vendor_row.device_resource
 
     @property
     def link_name(self) -> str:
-        """The scale-up link inside a domain, as plans and findings name it."""
-        return {"nvidia": "NVLink", "neuron": "NeuronLink"}[self.vendor]
+        return self.vendor_row.link_name
 
     @property
     def keeps_ep_tp_in_domain(self) -> bool:
-        """Whether EP and TP must stay inside one scale-up domain (`layout.domain_rules`): on Trainium a
-        logical core gets 6.25 GB/s over EFA against NeuronLink's 256, so leaving is refused, not costed;
-        GPUs may pay EFA for EP, and the plan costs it."""
-        return {"nvidia": False, "neuron": True}[self.vendor]
+        return self.vendor_row.keeps_ep_tp_in_domain
 
     @property
     def rank_noun(self) -> str:
-        return {"nvidia": "GPU", "neuron": "logical NeuronCore"}[self.vendor]
+        return self.vendor_row.rank_noun
 
     @property
     def torch_device(self) -> str:
-        """The torch device type the trainer runs on (supernode.trainer.device)."""
-        return {"nvidia": "cuda", "neuron": "neuron"}[self.vendor]
+        return self.vendor_row.torch_device
 
     @property
     def network_cards(self) -> int:

@@ -37,6 +37,7 @@ from supernode.core.resource_types import (
     SG_INGRESS,
     SG_RULE,
 )
+from supernode.core.vendors import VENDORS
 
 from .base import Report, ResourcePolicy, StackPolicy
 from .settings import ApprovedInstances, CheckpointThroughput, Data, Gate, Lifecycle, LogRetention
@@ -786,8 +787,6 @@ def _log_retention(log_group: Res, conf: LogRetention, report: Report) -> None:
 
 # Per accelerator vendor (the plan's InstanceType.vendor): the image of its device plugin and of its
 # metrics exporter, as the add-on files in supernode/components/addons/ pin them.
-DEVICE_PLUGINS = {"nvidia": "nvidia-device-plugin", "neuron": "neuron-device-plugin"}
-EXPORTERS = {"nvidia": ("dcgm-exporter", "DCGM exporter"), "neuron": ("neuron-monitor", "neuron-monitor exporter")}
 
 
 def _hardware(stack: Stack) -> InstanceType:
@@ -807,7 +806,8 @@ def _daemon_sets_running(stack: Stack, image: str) -> list[Res]:
 def _dcgm(stack: Stack, _conf: None, report: Report) -> None:
     """The trainer's accelerators have their metrics exporter: DCGM on GPUs, neuron-monitor on Trainium."""
     jobs = stack.trainer_jobs()
-    image, what = EXPORTERS[_hardware(stack).vendor]
+    row = VENDORS[_hardware(stack).vendor]
+    image, what = row.exporter, row.exporter_noun
     if jobs and not _daemon_sets_running(stack, image):
         for job in jobs:
             report(
@@ -822,7 +822,7 @@ def _device_plugin(stack: Stack, _conf: None, report: Report) -> None:
     """The trainer's accelerators are advertised: without the vendor's device plugin no node offers
     the devices the job's pods request, and the pods never schedule."""
     jobs, hw = stack.trainer_jobs(), _hardware(stack)
-    image = DEVICE_PLUGINS[hw.vendor]
+    image = VENDORS[hw.vendor].device_plugin
     if jobs and not _daemon_sets_running(stack, image):
         for job in jobs:
             report(

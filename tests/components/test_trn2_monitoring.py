@@ -12,9 +12,9 @@ import pytest
 from aws_preview import Stack, insights_queries, insights_query, preview
 
 from supernode.components.aws.monitoring import ACCELERATOR_ALARMS, NO_EQUIVALENT
-from supernode.components.k8s.operations import EXPORTER_SCRAPE_JOBS
 from supernode.core import observability as obs
 from supernode.core import resource_types as T
+from supernode.core.vendors import VENDORS
 
 pytestmark = pytest.mark.slow  # previews of the program under the mock engine
 
@@ -127,7 +127,7 @@ def test_no_trainium_alarm_or_widget_reads_dcgm(trn2: Stack):
 
 
 def test_the_scrape_job_is_the_one_the_alarms_name(trn2: Stack):
-    assert EXPORTER_SCRAPE_JOBS["neuron"] == obs.NEURON_SCRAPE_JOB
+    assert VENDORS["neuron"].scrape_job == obs.NEURON_SCRAPE_JOB
     scrape = json.dumps(
         [r.inputs for r in trn2.all(T.CONFIG_MAP) if r.inputs["metadata"]["name"] == "prometheus-config"]
     )

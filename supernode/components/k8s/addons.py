@@ -25,6 +25,7 @@ import pulumi_kubernetes as k8s
 import yaml
 
 from supernode.core.catalog import CATALOG
+from supernode.core.vendors import VENDORS
 
 from .common import ADDON_DIR, GpuNodes, load_addon, meta, shipped_crd
 
@@ -40,8 +41,6 @@ ADDON_FILES = (
     "kueue.yaml",
 )  # kueue.yaml: installed by supernode/components/k8s/queues.py
 # Per accelerator vendor (InstanceType.vendor): the device plugin and the metrics exporter the stack installs.
-DEVICE_PLUGIN_FILES = {"nvidia": "nvidia-device-plugin.yaml", "neuron": "neuron-device-plugin.yaml"}
-EXPORTER_FILES = {"nvidia": "dcgm-exporter.yaml", "neuron": "neuron-monitor.yaml"}
 # The metrics pipelines: the CloudWatch agent's Prometheus scrape (supernode/components/k8s/operations.py) and, with
 # serving, the Prometheus and adapter behind the serving HPA (supernode/components/k8s/serving.py).
 METRICS_ADDON_FILES = ("cwagent-prometheus.yaml", "prometheus.yaml", "prometheus-adapter.yaml")
@@ -196,7 +195,7 @@ class ClusterAddons(pulumi.ComponentResource):
         efa_nodes = {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": _efa_instance_types()}
         self.efa_device_plugin = self._create(f"{name}-efa-device-plugin", on_gpu_nodes(efa, gpu, [efa_nodes]))
 
-        exporter = load_addon(EXPORTER_FILES[args.vendor])
+        exporter = load_addon(VENDORS[args.vendor].exporter + ".yaml")
         exporter_name = exporter["DaemonSet"]["metadata"]["name"]
         with_images(exporter["DaemonSet"], args.images)
         if "ConfigMap" in exporter:  # DCGM's counters: the exporter starts after (and restarts with) them
@@ -236,7 +235,7 @@ class ClusterAddons(pulumi.ComponentResource):
     def _device_plugin(self, name: str, args: AddonArgs) -> dict[str, Any]:
         """The vendor's device plugin DaemonSet on the accelerator nodes. NVIDIA's needs no API access;
         AWS Neuron's runs as its own ServiceAccount, bound to the file's ClusterRole (its least rules)."""
-        objs = load_addon(DEVICE_PLUGIN_FILES[args.vendor])
+        objs = load_addon(VENDORS[args.vendor].device_plugin + ".yaml")
         plugin = with_images(objs["DaemonSet"], args.images)
         plugin_name = plugin["metadata"]["name"]
         if "ServiceAccount" in objs:

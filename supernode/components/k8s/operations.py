@@ -55,6 +55,7 @@ from supernode.core.observability import (
     TRAINER_SCRAPE_JOB,
     insights_log_group,
 )
+from supernode.core.vendors import VENDORS
 
 from .addons import SYSTEM_NAMESPACE, addon_resource, with_config_hash, with_images
 from .common import MESH_LABEL, GpuNodes, dns_name, load_addon, meta
@@ -104,8 +105,6 @@ RETENTION_SA = "checkpoint-retention"  # in the training namespace; its IAM role
 DRILL_MOUNT = "/restore"  # the drill restores into FSx (drills/): a checkpoint may not fit a node's disk
 DCGM_NAMESPACE = SYSTEM_NAMESPACE  # where the add-ons (our DCGM exporter among them) run
 # The accelerator exporter's scrape job, named as its pods' app.kubernetes.io/name (supernode/components/addons/):
-# DCGM on GPU nodes, neuron-monitor on Trainium ones.
-EXPORTER_SCRAPE_JOBS = {"nvidia": DCGM_SCRAPE_JOB, "neuron": "neuron-monitor"}
 PROMETHEUS_AGENT_FILE = "cwagent-prometheus.yaml"
 # The agent's two ConfigMaps, by the names AWS's manifest mounts: what to scrape, what becomes a metric.
 SCRAPE_CONFIGMAP, AGENT_CONFIGMAP = "prometheus-config", "prometheus-cwagentconfig"
@@ -355,7 +354,7 @@ class Operations(pulumi.ComponentResource):
         )
         self.restore_drill = self._restore_drill(name, job, wl, args, stack, stack_cm, filename)
         self.checkpoint_retention = self._checkpoint_retention(name, job, wl, args, stack, stack_cm, filename)
-        scrape = prometheus_scrape_config(wl.namespace, EXPORTER_SCRAPE_JOBS[job.plan.hardware.vendor])
+        scrape = prometheus_scrape_config(wl.namespace, VENDORS[job.plan.hardware.vendor].scrape_job)
         scrape_yaml = yaml.safe_dump(scrape, sort_keys=False)
         agent_json = json.dumps(cloudwatch_agent_config(args.cluster_name, args.region), indent=1)
         self.scrape_config = [

@@ -1,0 +1,53 @@
+"""The accelerator vendor seam: one row per vendor of what differs between them, read by the catalog
+(`InstanceType.vendor_row`), the add-ons, monitoring and the policy pack. A new vendor is one row here
+plus its add-on files (device plugin, exporter) in supernode/components/addons/."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .observability import DCGM_SCRAPE_JOB, NEURON_SCRAPE_JOB
+
+
+@dataclass(frozen=True)
+class AcceleratorVendor:
+    # The extended resource a pod requests for the node's accelerators: whole GPUs, or whole Neuron
+    # devices (chips), which hold whatever the node's LNC setting makes of their cores.
+    device_resource: str
+    link_name: str  # the scale-up link inside a domain, as plans and findings name it
+    rank_noun: str  # what one rank runs on
+    torch_device: str  # the torch device type the trainer runs on (supernode.trainer.device)
+    device_plugin: str  # the add-on that advertises device_resource (supernode/components/addons/<name>.yaml)
+    exporter: str  # the accelerator metrics exporter add-on
+    exporter_noun: str  # how findings name it
+    scrape_job: str  # the Prometheus job that scrapes the exporter (supernode.core.observability)
+    # EP and TP must stay inside one scale-up domain (`layout.domain_rules`): on Trainium a logical core
+    # gets 6.25 GB/s over EFA against NeuronLink's 256, so leaving is refused, not costed; GPUs may pay
+    # EFA for EP, and the plan costs it.
+    keeps_ep_tp_in_domain: bool
+
+
+VENDORS: dict[str, AcceleratorVendor] = {
+    "nvidia": AcceleratorVendor(
+        device_resource="nvidia.com/gpu",
+        link_name="NVLink",
+        rank_noun="GPU",
+        torch_device="cuda",
+        device_plugin="nvidia-device-plugin",
+        exporter="dcgm-exporter",
+        exporter_noun="DCGM exporter",
+        scrape_job=DCGM_SCRAPE_JOB,
+        keeps_ep_tp_in_domain=False,
+    ),
+    "neuron": AcceleratorVendor(
+        device_resource="aws.amazon.com/neurondevice",
+        link_name="NeuronLink",
+        rank_noun="logical NeuronCore",
+        torch_device="neuron",
+        device_plugin="neuron-device-plugin",
+        exporter="neuron-monitor",
+        exporter_noun="neuron-monitor exporter",
+        scrape_job=NEURON_SCRAPE_JOB,
+        keeps_ep_tp_in_domain=True,
+    ),
+}
