@@ -25,6 +25,13 @@ class AcceleratorVendor:
     # gets 6.25 GB/s over EFA against NeuronLink's 256, so leaving is refused, not costed; GPUs may pay
     # EFA for EP, and the plan costs it.
     keeps_ep_tp_in_domain: bool
+    # The node taint (value "true", NoSchedule) only pods that ask for the accelerators tolerate: for
+    # Neuron, the one the device plugin's own manifest tolerates (aws-neuron-sdk src/k8).
+    taint_key: str
+    present_label: str  # the label that says a node carries them (the add-ons' node affinity reads it)
+    # The EKS-optimised AL2023 AMI variant: NVIDIA (driver, fabric manager, IMEX, EFA) or Neuron (the
+    # Neuron driver and runtime, EFA); neither carries the device plugin, which the add-ons install.
+    ami_variant: str
 
 
 VENDORS: dict[str, AcceleratorVendor] = {
@@ -38,6 +45,9 @@ VENDORS: dict[str, AcceleratorVendor] = {
         exporter_noun="DCGM exporter",
         scrape_job=DCGM_SCRAPE_JOB,
         keeps_ep_tp_in_domain=False,
+        taint_key="nvidia.com/gpu",
+        present_label="nvidia.com/gpu.present",
+        ami_variant="nvidia",
     ),
     "neuron": AcceleratorVendor(
         device_resource="aws.amazon.com/neurondevice",
@@ -49,5 +59,8 @@ VENDORS: dict[str, AcceleratorVendor] = {
         exporter_noun="neuron-monitor exporter",
         scrape_job=NEURON_SCRAPE_JOB,
         keeps_ep_tp_in_domain=True,
+        taint_key="aws.amazon.com/neuron",
+        present_label="aws.amazon.com/neuron.present",
+        ami_variant="neuron",
     ),
 }

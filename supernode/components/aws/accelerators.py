@@ -19,19 +19,14 @@ from supernode.core.catalog import CATALOG
 from supernode.core.config import AcceleratorNodeGroup, SystemNodeGroup
 from supernode.core.host import AMAZON_TIME_SYNC, HOST_SYSCTLS, NOFILE
 from supernode.core.pools import ROLE_LABEL
+from supernode.core.vendors import VENDORS
 
 from ..context import StackContext
 from ..taints import UNCHECKED, Taint
 
-GPU_TAINT = Taint("nvidia.com/gpu", "true", "NoSchedule")
-# Trainium nodes: the taint the Neuron device plugin's own manifest tolerates (aws-neuron-sdk src/k8).
-NEURON_TAINT = Taint("aws.amazon.com/neuron", "true", "NoSchedule")
-ACCELERATOR_TAINTS = {"nvidia": GPU_TAINT, "neuron": NEURON_TAINT}
-# The label that says a node carries the vendor's accelerators (the add-ons' node affinity reads it).
-PRESENT_LABELS = {"nvidia": "nvidia.com/gpu.present", "neuron": "aws.amazon.com/neuron.present"}
-# The EKS-optimised AL2023 AMI variant per vendor: NVIDIA (driver, fabric manager, IMEX, EFA) or Neuron
-# (the Neuron driver and runtime, EFA); neither carries the device plugin, which the add-ons install.
-AMI_VARIANTS = {"nvidia": "nvidia", "neuron": "neuron"}
+# Each vendor's accelerator taint (supernode.core.vendors: its key).
+ACCELERATOR_TAINTS = {name: Taint(row.taint_key, "true", "NoSchedule") for name, row in VENDORS.items()}
+GPU_TAINT, NEURON_TAINT = ACCELERATOR_TAINTS["nvidia"], ACCELERATOR_TAINTS["neuron"]
 ROOT_VOLUME_GIB = 200  # the NVIDIA AMI and container images; training data lives on NVMe and FSx
 SYSTEM_ROOT_VOLUME_GIB = 50
 # IMDSv2 only, hop limit 1: a pod in its own network namespace cannot reach the node's credentials.
@@ -57,7 +52,7 @@ def node_labels(group: AcceleratorNodeGroup) -> dict[str, str]:
         "supernode.io/accelerator": hw.accelerator,
         ROLE_LABEL: group.role,  # training | serving: Kueue's flavors (k8s/queues.py) select on it
         "supernode.io/capacity": group.capacity.type,
-        PRESENT_LABELS[hw.vendor]: "true",
+        hw.vendor_row.present_label: "true",
         "vpc.amazonaws.com/efa.present": "true",
     }
     if group.ultra_server:
@@ -69,7 +64,7 @@ def ami_parameter(kubernetes_version: str, release: str, arch: str = "x86_64", v
     """SSM parameter of the EKS-optimised AL2023 accelerated AMI for one release (1.33.5-20251120), CPU
     architecture (x86_64, or arm64 for the Grace CPUs of p6e-gb200; docs/hardware.md "EKS") and
     vendor: the NVIDIA AMI, or the Neuron AMI for Trainium (amazon-eks-node-al2023-x86_64-neuron-...)."""
-    date, variant = release.rsplit("-", 1)[1], AMI_VARIANTS[vendor]
+    date, variant = release.rsplit("-", 1)[1], VENDORS[vendor].ami_variant
     return (
         f"/aws/service/eks/optimized-ami/{kubernetes_version}/amazon-linux-2023/{arch}/{variant}/"
         f"amazon-eks-node-al2023-{arch}-{variant}-{kubernetes_version}-v{date}/image_id"
