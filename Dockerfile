@@ -53,6 +53,9 @@ FROM efa AS wheel
 WORKDIR /src
 COPY pyproject.toml requirements.txt ./
 COPY supernode supernode
+COPY components components
+COPY trainer trainer
+COPY policies policies
 RUN python3 -m venv /opt/build \
  && /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

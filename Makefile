@@ -103,7 +103,7 @@ image:
 	echo "supernode:images.trainer for Pulumi.$(STACK).yaml:"; \
 	echo "    trainer: $$repo@$$digest"
 
-# The add-on images' digests (supernode/components/addons/ pin tags): paste under supernode:images as `addons:`.
+# The add-on images' digests (components/addons/ pin tags): paste under supernode:images as `addons:`.
 addon-digests: $(STAMP)
 	@echo "    addons:"
 	@$(BIN)/python -c "from supernode.components.k8s.addons import addon_images as a; print(*(f'{n} {i}' for n, i in a().items()), sep='\n')" | \

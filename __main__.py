@@ -1,4 +1,4 @@
-"""Entry point for the Pulumi CLI: the program is a function in the package (supernode/components/program.py), so
+"""Entry point for the Pulumi CLI: the program is a function in the package (components/program.py), so
 the installed package carries it too."""
 
 from supernode.components.program import main

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
+from source_tree import source_files
 
 from supernode.core.config import Images
 from supernode.core.errors import BadInput
@@ -33,7 +34,7 @@ def _anchored_patterns(tree: ast.Module) -> set[str]:
 
 
 def test_every_anchored_pattern_is_applied_to_the_whole_string():
-    files = sorted((ROOT / "supernode").rglob("*.py"))
+    files = source_files()
     sources = {f: ast.parse(f.read_text(encoding="utf-8")) for f in files}
     anchored = set().union(*(_anchored_patterns(t) for t in sources.values()))
     assert {"RUN_ID", "DIGEST_RE", "IMAGE_RE"} <= anchored  # the scan sees them

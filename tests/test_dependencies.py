@@ -2,7 +2,7 @@
 the wheel must bring every module supernode/ imports, and requirements.txt (the exact lock the Makefile
 installs) must agree with it. Fast: it parses files and reads this venv's installed metadata.
 
-Modules are found by parsing every file under supernode/ (tests excluded: their tools are the dev extra);
+Modules are found by parsing every file of the package (supernode/, components/, trainer/, policies/) (tests excluded: their tools are the dev extra);
 an import inside `try: ... except ImportError` is optional by construction (the code runs without it).
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from source_tree import PACKAGE_DIRS, SETUPTOOLS, installed_files, source_files
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "supernode"
 # Imported but not a dependency, each with the reason a user does not need it.
 OPTIONAL = {
     # `supernode bench moe --compare torchtitan` only: installed beside the project (supernode/bench/moe.py)
@@ -68,10 +68,10 @@ def disagreements(reqs: dict[str, Requirement], lock: dict[str, str]) -> list[st
     return problems
 
 
-def third_party_imports(package: Path) -> dict[str, set[str]]:
-    """dotted module -> files importing it unconditionally (an ImportError would stop them)."""
+def third_party_imports(files: list[Path], base: Path) -> dict[str, set[str]]:
+    """dotted module -> files (relative to `base`) importing it unconditionally (an ImportError would stop them)."""
     found: dict[str, set[str]] = {}
-    for path in sorted(package.rglob("*.py")):
+    for path in files:
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
         optional = {
             id(node)
@@ -95,7 +95,7 @@ def third_party_imports(package: Path) -> dict[str, set[str]]:
             for module in modules:
                 top = module.split(".")[0]
                 if top not in sys.stdlib_module_names and top != "supernode":
-                    found.setdefault(module, set()).add(str(path.relative_to(package.parent)))
+                    found.setdefault(module, set()).add(str(path.relative_to(base)))
     return found
 
 
@@ -135,13 +135,13 @@ def test_a_missing_or_unsatisfying_pin_is_reported():
 
 
 def test_the_policy_pack_venv_pins_agree_with_pyproject():
-    """`pulumi preview --policy-pack supernode/policies` installs the pack's own requirements: the same
+    """`pulumi preview --policy-pack policies` installs the pack's own requirements: the same
     pulumi-policy (private API) as the in-process runner."""
-    lock = pins(PACKAGE / "policies" / "requirements.txt")
+    lock = pins(ROOT / "policies" / "requirements.txt")
     reqs = {name: req for name, req in runtime().items() if name in lock}
     assert "pulumi-policy" in reqs
     problems = disagreements(reqs, lock)
-    assert not problems, "supernode/policies/requirements.txt vs pyproject.toml:\n" + "\n".join(problems)
+    assert not problems, "policies/requirements.txt vs pyproject.toml:\n" + "\n".join(problems)
 
 
 def test_internals_and_torch_are_pinned_exactly():
@@ -159,7 +159,7 @@ def test_test_tools_are_not_runtime_dependencies():
 
 def test_every_module_supernode_imports_comes_from_a_runtime_dependency():
     reqs = runtime()
-    imports = third_party_imports(PACKAGE)
+    imports = third_party_imports(source_files(), ROOT)
     missing = []
     for module, files in sorted(imports.items()):
         top = module.split(".")[0]
@@ -182,7 +182,7 @@ def test_the_scanner_sees_unconditional_imports_and_skips_guarded_ones(tmp_path)
         "def f():\n    try:\n        import pynvml\n    except ImportError:\n        return None\n"
         "def g():\n    from tokenizers import Tokenizer\n"
     )
-    found = third_party_imports(pkg)
+    found = third_party_imports(sorted(pkg.rglob("*.py")), tmp_path)
     assert set(found) == {"safetensors.torch", "google.protobuf", "tokenizers"}
     assert providers("google.protobuf") == {"protobuf"}
     assert providers("yaml") == {"pyyaml"}
@@ -237,3 +237,11 @@ def test_pip_config_listing_becomes_uv_flags():
     options = parse_pip_config("global.index-url='https://mirror/simple'\nglobal.timeout='60'\n")
     assert uv_flags(options) == ["--index-url=https://mirror/simple"]  # one index: uv's default strategy
     assert uv_flags(parse_pip_config("")) == []
+
+
+def test_pyproject_lists_every_package_of_the_tree():
+    """pyproject.toml names the packages (a package-dir mapping cannot be found automatically): a new
+    subpackage missing from the list would be left out of the wheel and the images."""
+    on_disk = {".".join(p.parent.parts) for p in installed_files() if p.name == "__init__.py"}
+    assert set(SETUPTOOLS["packages"]) == on_disk
+    assert all(d.is_dir() and (d / "__init__.py").is_file() for d in PACKAGE_DIRS.values())

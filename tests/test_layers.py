@@ -6,41 +6,36 @@ import subprocess
 import sys
 from pathlib import Path
 
+from source_tree import stage
+
 ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
-def _lint(config: Path) -> subprocess.CompletedProcess:
+def _lint(tree: Path) -> subprocess.CompletedProcess:
+    """The real .importlinter over the package laid out as installed in `tree` (grimp walks supernode/'s
+    directory, where the checkout keeps components/, trainer/ and policies/ beside it)."""
     return subprocess.run(
-        [str(LINT_IMPORTS), "--config", str(config), "--no-cache"],
-        cwd=ROOT,
+        [str(LINT_IMPORTS), "--config", str(ROOT / ".importlinter"), "--no-cache"],
+        cwd=tree,
         capture_output=True,
         text=True,
         timeout=300,
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
     )
 
 
-def test_layer_contracts_are_kept():
-    r = _lint(ROOT / ".importlinter")
+def test_layer_contracts_are_kept(tmp_path):
+    r = _lint(stage(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Contracts: 2 kept, 0 broken." in r.stdout
 
 
 def test_a_backwards_import_breaks_the_contract(tmp_path):
-    """The contract can fail: the real .importlinter over a copy of the packages whose core imports the CLI."""
-    for path in (ROOT / "supernode").rglob("*.py"):
-        target = tmp_path / path.relative_to(ROOT)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    """The contract can fail: a staged tree whose core imports the CLI."""
+    stage(tmp_path)
     (tmp_path / "supernode" / "core" / "backwards.py").write_text("from supernode.cli import main\n", encoding="utf-8")
-    r = subprocess.run(
-        [str(LINT_IMPORTS), "--config", str(ROOT / ".importlinter"), "--no-cache"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
-    )
+    r = _lint(tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "supernode.core.backwards -> supernode.cli" in r.stdout
     assert "Contracts: 0 kept, 2 broken." in r.stdout

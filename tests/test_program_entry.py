@@ -1,4 +1,4 @@
-"""The Pulumi program is a function in the package (supernode/components/program.py, so the wheel ships it): the
+"""The Pulumi program is a function in the package (components/program.py, so the wheel ships it): the
 root __main__.py the Pulumi CLI runs only calls its `main()`, the preview calls `program`, and
 importing the module declares nothing (issue 19, item 4; issue 25, item 4)."""
 

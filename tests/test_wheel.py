@@ -22,9 +22,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from source_tree import PACKAGE_DIRS
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "supernode")
+SOURCES = ("pyproject.toml", *(d.name for d in PACKAGE_DIRS.values()))
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +94,7 @@ def test_the_installed_wheel_is_what_runs(installed, tmp_path):
     assert Path(program).name == "program.py"
     # every add-on file and CRD schema of the source tree, the shipped corpus, the serving pins and the
     # starter stack are in the wheel
-    source = ROOT / "supernode" / "components"
+    source = ROOT / "components"
     addons, crds = len(list((source / "addons").glob("*.yaml"))), len(list((source / "crds").glob("*.yaml")))
     assert counts == f"{addons} {crds} 1 True True"
     # and nothing but pip's own files and the wheel's dependencies: no path into the project venv

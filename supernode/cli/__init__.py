@@ -64,7 +64,7 @@ EXAMPLES = {
     ],
     "policy config": [
         "supernode policy config --stack prod > pc.json",
-        "pulumi preview --policy-pack supernode/policies --policy-pack-config pc.json",
+        "pulumi preview --policy-pack policies --policy-pack-config pc.json",
     ],
     "preflight": ["supernode preflight --stack prod", "AWS_PROFILE=ml supernode preflight --stack prod --json"],
     "preview": ["supernode preview --stack dev", "supernode preview --stack prod --tree --manifests out/manifests"],

@@ -244,7 +244,7 @@ def memory(m: Model, p: Parallel, t: Training, pc: ParamCounts, pipe: PipelineSh
     elif p.pp == 1:  # two layers gathered (current + prefetch) and one layer's unsharded gradient
         fsdp_buffers = int(layer * (2 * compute_bytes + 4))
     else:
-        # Pipelined (supernode/trainer/parallel.py _fully_shard: reshard_after_forward=False; torch's pipeline
+        # Pipelined (trainer/parallel.py _fully_shard: reshard_after_forward=False; torch's pipeline
         # stage skips the gradient sync until the last backward): the stage's weights stay gathered
         # through the schedule, and with several micro-batches its unsharded fp32 gradients too.
         unsharded = tp_split + not_split + (pc.router + pc.shared_experts) * stage + pc.experts * stage / p.ep
@@ -418,7 +418,7 @@ def step_time(
             links[term] = scale_up_link(g.link, hw.link_name)
         return ring_seconds(buffer_bytes, g, scale_up(g), efa)
 
-    # Recomputation (supernode/trainer/model.py Block): "full" wraps Block._forward in torch.utils.checkpoint, so
+    # Recomputation (trainer/model.py Block): "full" wraps Block._forward in torch.utils.checkpoint, so
     # backward re-runs every block's forward, 1/3 of its 6-per-parameter FLOPs (the head and loss are
     # outside the blocks); "selective" wraps only self.ffn (Block._ffn), so backward re-runs the
     # FFN/MoE forward: router, top-k routed experts, shared expert, dense FFN (2 FLOPs per parameter).
@@ -437,12 +437,12 @@ def step_time(
     if p.ep > 1:
         links["all_to_all"] = scale_up_link(groups["ep"].link, hw.link_name)
     # Both checkpointing modes re-run MoE.forward, so its dispatch and combine (the forward half of
-    # the four all-to-alls) travel again (supernode/trainer/dispatcher.py AllToAllDispatcher.compute).
+    # the four all-to-alls) travel again (trainer/dispatcher.py AllToAllDispatcher.compute).
     forwards = 1 if ac == "none" or not m.moe_layers else 2
     a2a_again = a2a / 2 * (forwards - 1)
     exposed_a2a = a2a + a2a_again - forwards * _hidden_forward_all_to_all(m, p, pc, a2a, tokens_step / world / flop_s)
 
-    # FSDP2 units (supernode/trainer/parallel.py _fully_shard): each block (non-expert weights over dp_shard,
+    # FSDP2 units (trainer/parallel.py _fully_shard): each block (non-expert weights over dp_shard,
     # experts over edp) and the root (embedding, final norm, head). Per byte of buffer, a ring over each group:
     per_byte_shard = ring("fsdp", 1.0, groups["dp_shard"])
     per_byte_experts = ring("fsdp_experts", 1.0, groups["edp"])
@@ -457,7 +457,7 @@ def step_time(
         return (shard_params * per_byte_shard + expert_params * per_byte_experts) * nbytes
 
     # All-gathers in the compute dtype. pp 1: blocks reshard after forward and backward, and every
-    # micro-batch's gradients are reduce-scattered as its backward ends (supernode/trainer/engine.py train_step:
+    # micro-batch's gradients are reduce-scattered as its backward ends (trainer/engine.py train_step:
     # a rank holds only its gradient shard), so every micro-batch gathers each block twice, the root
     # (reshard_after_forward=False) once, and reduce-scatters everything once. pp > 1: stages keep
     # their weights gathered through the schedule (reshard_after_forward=False; pipelining's stage
@@ -554,7 +554,7 @@ def step_time(
 
 def _hidden_forward_all_to_all(m: Model, p: Parallel, pc: ParamCounts, a2a: float, per_flop: float) -> float:
     """What one forward's dispatch + combine hide behind computation, as AllToAllDispatcher.compute
-    (supernode/trainer/dispatcher.py) schedules them; backward's (_AllToAll.backward) are synchronous.
+    (trainer/dispatcher.py) schedules them; backward's (_AllToAll.backward) are synchronous.
 
     Without parallel.overlap (or at ep 1) nothing. With it, K = parallel.allToAllChunks pieces, each 1/K
     of the dispatch d and of the combine c, issued asynchronously on the group's one queue:

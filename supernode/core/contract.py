@@ -1,7 +1,7 @@
 """Typed stack-output contract other teams consume through `pulumi.StackReference`.
 
 Versioned: a consumer states the major version it understands; `CONTRACT_VERSION` changes major
-when a field is removed or changes meaning. The program (supernode/components/program.py) exports exactly these keys
+when a field is removed or changes meaning. The program (components/program.py) exports exactly these keys
 (`StackOutputs.model_fields`), and `supernode.components.aws.outputs.read_stack_outputs` (pulumi side) validates
 what a StackReference returns against this model.
 """

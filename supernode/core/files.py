@@ -8,7 +8,7 @@ from pathlib import Path
 
 # The S3 object tag that says what S3 keeps a checkpoint as ("milestone" | "window"): set by
 # `supernode checkpoints --retain` (supernode/tools/checkpoints.py), filtered on by the bucket's
-# lifecycle rules (supernode/components/aws/storage.py).
+# lifecycle rules (components/aws/storage.py).
 CHECKPOINT_RETENTION_TAG = "supernode-retention"
 MILESTONE, WINDOW = "milestone", "window"
 

@@ -1,4 +1,4 @@
-"""The host baseline of a GPU node: what the node bootstrap sets (supernode/components/aws/accelerators.py,
+"""The host baseline of a GPU node: what the node bootstrap sets (components/aws/accelerators.py,
 host_baseline_script) and the node inventory checks on every node (supernode.trainer.node.inventory), so the two
 cannot disagree. Settings from the EFA and NCCL guides."""
 

@@ -1,12 +1,12 @@
 """The observability contract: the names that the trainer, the scrape that reads it and the alarms
 and dashboard that watch it must agree on, declared once.
 
-A training-health series travels: the trainer's gauge (supernode/trainer/metrics.py registers TRAINER_METRICS)
--> the CloudWatch agent's Prometheus scrape (supernode/components/k8s/operations.py), which runs in
+A training-health series travels: the trainer's gauge (trainer/metrics.py registers TRAINER_METRICS)
+-> the CloudWatch agent's Prometheus scrape (components/k8s/operations.py), which runs in
 METRICS_SCRAPER_NAMESPACE as PROMETHEUS_AGENT and finds the trainer pods as TRAINER_SCRAPE_JOB and our
 DCGM exporter as DCGM_SCRAPE_JOB (neuron-monitor as NEURON_SCRAPE_JOB on Trainium) -> a CloudWatch
 metric in PROMETHEUS_NAMESPACE, for the series METRIC_DECLARATIONS selects, with its dimensions -> the
-alarms and dashboard (supernode/components/aws/monitoring.py), which name it by exactly those. A name
+alarms and dashboard (components/aws/monitoring.py), which name it by exactly those. A name
 typed at one end only is a metric no alarm ever sees; so every
 end imports it from here. Plain strings, so the core stays free of pulumi.
 """
@@ -26,7 +26,7 @@ class ServiceAccount(NamedTuple):
 # and the trainer's network policy admits scrapes from it.
 METRICS_SCRAPER_NAMESPACE = "amazon-cloudwatch"
 # The agents' service accounts, which their IAM roles trust (IRSA): the add-on's (Container Insights) and
-# the Prometheus scrape's (supernode/components/addons/cwagent-prometheus.yaml).
+# the Prometheus scrape's (components/addons/cwagent-prometheus.yaml).
 CLOUDWATCH_AGENT = ServiceAccount(METRICS_SCRAPER_NAMESPACE, "cloudwatch-agent")
 PROMETHEUS_AGENT = ServiceAccount(METRICS_SCRAPER_NAMESPACE, "cwagent-prometheus")
 
@@ -73,7 +73,7 @@ PHASE_SECONDS = TrainerMetric(
 )
 EXPERT_LOAD = TrainerMetric("supernode_train_expert_load_max_over_mean", "max/mean expert token share", "layer")
 MEMORY_BYTES = TrainerMetric(
-    "supernode_train_memory_bytes", "rank 0's memory by term, measured (supernode/trainer/memory.py)", "term"
+    "supernode_train_memory_bytes", "rank 0's memory by term, measured (trainer/memory.py)", "term"
 )
 PLAN_MEMORY_BYTES = TrainerMetric("supernode_train_plan_memory_bytes", "the plan's memory per rank by term", "term")
 STALL_RESTARTS = TrainerMetric(
@@ -99,7 +99,7 @@ TRAINER_METRICS = (
     PLAN_MEMORY_BYTES,
     STALL_RESTARTS,
 )
-# The DCGM exporter's fields that become metrics (its counters CSV, supernode/components/addons/dcgm-exporter.yaml,
+# The DCGM exporter's fields that become metrics (its counters CSV, components/addons/dcgm-exporter.yaml,
 # emits each under this name).
 GPU_UTIL, GPU_MEMORY_USED = "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED"
 DCGM_METRICS = (
@@ -110,14 +110,14 @@ DCGM_METRICS = (
     "DCGM_FI_DEV_POWER_USAGE",
     "DCGM_FI_DEV_XID_ERRORS",
     # Node health (issue 26 item 4): memory and bus faults that precede a failed GPU; alarmed on
-    # with the node agent's quarantine count (supernode/components/aws/monitoring.py).
+    # with the node agent's quarantine count (components/aws/monitoring.py).
     "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
     "DCGM_FI_DEV_ROW_REMAP_FAILURE",
     "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
 )
 ECC_DBE, ROW_REMAP_FAILURE, PCIE_REPLAYS = DCGM_METRICS[-3:]
 
-# neuron-monitor's series on Trainium nodes (supernode/components/addons/neuron-monitor.yaml), named as
+# neuron-monitor's series on Trainium nodes (components/addons/neuron-monitor.yaml), named as
 # /opt/aws/neuron/bin/neuron-monitor-prometheus.py (aws-neuronx-tools) registers them: process_neuroncore_counters,
 # process_memory_used, process_execution_stats, process_neuron_hw_counters, process_memory_info; the same
 # names AWS's Container Insights receiver reads (opentelemetry-collector-contrib,

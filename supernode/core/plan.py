@@ -99,7 +99,7 @@ class Plan(BaseModel):
     spare_nodes: int = 0
     spare_accelerators: int = 0
     spare_cost_per_hour_usd: float = 0.0
-    # The serving plan of the `inference` section (None without one): supernode/components/k8s/serving.py and the
+    # The serving plan of the `inference` section (None without one): components/k8s/serving.py and the
     # serving policies read it from here.
     inference: InferencePlan | None = None
     # How training and serving share the accelerators, per pool (supernode.core.pools): the Kueue

@@ -1,7 +1,7 @@
 """How training and serving share the accelerators: the pool arithmetic (issue 26, item 1).
 
 A pool is the accelerator nodes of one accelerator (the Kueue ResourceFlavors of
-supernode/components/k8s/queues.py). Its node groups are either training's (`role: training`, the
+components/k8s/queues.py). Its node groups are either training's (`role: training`, the
 job's world) or serving's reserved share (`role: serving`). The arithmetic that must hold, so that
 neither starves the other (docs/architecture.md, "How training and serving share the accelerators"):
 

@@ -90,7 +90,7 @@ STACK = "pulumi:pulumi:Stack"
 STACK_REFERENCE = "pulumi:pulumi:StackReference"
 COMPUTE_DOMAIN = "kubernetes:resource.nvidia.com/v1beta1:ComputeDomain"
 
-# Serving (supernode/components/k8s/serving.py).
+# Serving (components/k8s/serving.py).
 LEADER_WORKER_SET = "kubernetes:leaderworkerset.x-k8s.io/v1:LeaderWorkerSet"
 K8S_SERVICE = "kubernetes:core/v1:Service"
 PDB = "kubernetes:policy/v1:PodDisruptionBudget"

@@ -1,6 +1,6 @@
 """The serving backend: what every path that runs a model server must know about the server program.
 
-Three paths run one: the cluster's serving workload (supernode/components/k8s/serving.py: its container's
+Three paths run one: the cluster's serving workload (components/k8s/serving.py: its container's
 command, probes, the scrape and the HPA's metric), `supernode serve --local` (supernode/tools/serve.py)
 and the serving bench (supernode/bench/serve.py, through the same local server). Each reads the server's command
 line, health path and metric series from `BACKEND`, so they cannot drift apart, and none names the

@@ -1,6 +1,6 @@
 """The accelerator vendor seam: one row per vendor of what differs between them, read by the catalog
 (`InstanceType.vendor_row`), the add-ons, monitoring and the policy pack. A new vendor is one row here
-plus its add-on files (device plugin, exporter) in supernode/components/addons/."""
+plus its add-on files (device plugin, exporter) in components/addons/."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class AcceleratorVendor:
     link_name: str  # the scale-up link inside a domain, as plans and findings name it
     rank_noun: str  # what one rank runs on
     torch_device: str  # the torch device type the trainer runs on (supernode.trainer.device)
-    device_plugin: str  # the add-on that advertises device_resource (supernode/components/addons/<name>.yaml)
+    device_plugin: str  # the add-on that advertises device_resource (components/addons/<name>.yaml)
     exporter: str  # the accelerator metrics exporter add-on
     exporter_noun: str  # how findings name it
     scrape_job: str  # the Prometheus job that scrapes the exporter (supernode.core.observability)

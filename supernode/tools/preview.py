@@ -1,4 +1,4 @@
-"""Offline preview: call the Pulumi program (supernode/components/program.py) in-process under Pulumi's mock
+"""Offline preview: call the Pulumi program (components/program.py) in-process under Pulumi's mock
 engine (docs/architecture.md §3).
 
 Pulumi's `MockMonitor` stands in for the engine and the cloud. `RecordingMonitor` keeps every

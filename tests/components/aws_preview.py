@@ -1,4 +1,4 @@
-"""Shared helpers: the real program (supernode/components/program.py) under the mock engine, for the stack files and variants.
+"""Shared helpers: the real program (components/program.py) under the mock engine, for the stack files and variants.
 
 Runs are cached per session (each is ~0.5 s once warm); a variant is the stack file's mapping
 with changes applied and validated again, so it is a config a user could write.

@@ -1,4 +1,4 @@
-"""The Kueue controller (supernode/components/addons/kueue.yaml, supernode.components.k8s.queues.KueueController): without it the
+"""The Kueue controller (components/addons/kueue.yaml, supernode.components.k8s.queues.KueueController): without it the
 queue labels, quotas and priorities are inert. Its configuration gangs admission (waitForPodsReady with
 blockAdmission) and integrates the job kinds the stack queues; its webhooks reach its Service, scoped to the
 queued namespaces; its RBAC covers what it writes; it comes before everything it admits; all objects valid."""

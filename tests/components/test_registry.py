@@ -1,4 +1,4 @@
-"""The trainer image's ECR repository (supernode/components/aws/registry.py) in the dev and prod previews."""
+"""The trainer image's ECR repository (components/aws/registry.py) in the dev and prod previews."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from supernode.core.plan import build_local_plan, build_plan
 from supernode.trainer.metrics import Metrics
 from supernode.trainer.node import fabric
 
-GRAFANA = ROOT / "supernode" / "components" / "dashboards" / "training.json"
+GRAFANA = ROOT / "components" / "dashboards" / "training.json"
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +119,10 @@ def test_a_changed_config_moves_the_thresholds():
 def test_log_alarms_match_what_the_trainer_and_the_checks_print(stack: Stack):
     """The filter patterns quote the trainer's own lines; the JSON filters read the field the fabric
     check prints. A reworded message or renamed field breaks this test, not the pager silently."""
-    train_py = (ROOT / "supernode" / "trainer" / "train.py").read_text(encoding="utf-8")
+    train_py = (ROOT / "trainer" / "train.py").read_text(encoding="utf-8")
     for pattern in (LogPattern.NON_FINITE, LogPattern.CHECKPOINT, LogPattern.TRAINER_START):
         for phrase in re.findall(r'"([^"]+)"', pattern):
-            assert phrase in train_py, f"{phrase!r} is no longer printed by supernode/trainer/train.py"
+            assert phrase in train_py, f"{phrase!r} is no longer printed by trainer/train.py"
     found = fabric.compare([{"pair": ["a", "b"], "gb_s": 1.0, "latency_us": 1.0}], 0.2)
     assert "fabric_regressed_node_count" in found and "$.fabric_regressed_node_count" in LogPattern.FABRIC_REGRESSED
     filters = {r.inputs["metricTransformation"]["name"]: r.inputs for r in stack.all(T.LOG_METRIC_FILTER)}

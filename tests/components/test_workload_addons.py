@@ -1,4 +1,4 @@
-"""Third-party add-ons come from pinned YAML files in supernode/components/addons/ and are patched per stack."""
+"""Third-party add-ons come from pinned YAML files in components/addons/ and are patched per stack."""
 
 from __future__ import annotations
 

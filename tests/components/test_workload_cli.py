@@ -55,7 +55,7 @@ def test_preview_writes_manifests_that_all_validate(tmp_path: Path) -> None:
     # apply order: namespaces and the CRD come before the objects that need them
     kinds = [m["kind"] for m in manifests]
     assert kinds.index("Namespace") < kinds.index("CustomResourceDefinition") < kinds.index("PyTorchJob")
-    # the program's workload wiring (supernode/components/program.py) feeds the AWS outputs in
+    # the program's workload wiring (components/program.py) feeds the AWS outputs in
     pvs = [m for m in manifests if m["kind"] == "PersistentVolume"]  # FSx, for training and for serving
     assert pvs and all(
         pv["spec"]["csi"]["volumeHandle"]

@@ -1,4 +1,4 @@
-"""The pack as the Pulumi CLI runs it: `supernode/policies/__main__.py` serving gRPC, plus its packaging files."""
+"""The pack as the Pulumi CLI runs it: `policies/__main__.py` serving gRPC, plus its packaging files."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from supernode.policies.pack import POLICIES
 def test_main_serves_the_pack_over_grpc(tmp_path):
     # Started from another directory, as the CLI's language host does: the pack finds the core itself.
     proc = subprocess.Popen(
-        [sys.executable, "-u", str(ROOT / "supernode" / "policies" / "__main__.py")],
+        [sys.executable, "-u", str(ROOT / "policies" / "__main__.py")],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -51,7 +51,7 @@ def test_main_serves_the_pack_over_grpc(tmp_path):
 
 
 def test_pack_files():
-    meta = yaml.safe_load((ROOT / "supernode" / "policies" / "PulumiPolicy.yaml").read_text())
+    meta = yaml.safe_load((ROOT / "policies" / "PulumiPolicy.yaml").read_text())
     assert meta["runtime"] == "python"
     pins = dict(
         line.split("==")
@@ -60,7 +60,7 @@ def test_pack_files():
     )
     pack = [
         line
-        for line in (ROOT / "supernode" / "policies" / "requirements.txt").read_text().splitlines()
+        for line in (ROOT / "policies" / "requirements.txt").read_text().splitlines()
         if line and not line.startswith("#")
     ]
     assert {p.split("==")[0] for p in pack} == {"pulumi-policy", "pulumi", "pydantic", "pyyaml"}

@@ -338,7 +338,7 @@ def test_prod_step_time_differs_by_the_recomputation_it_costs():
         for ac in cap.AC_MODES
     }
     st = {ac: plan.step for ac, plan in plans.items()}
-    # With every micro-batch's gradients reduce-scattered (supernode/trainer/engine.py), prod's 8 micro-batches make
+    # With every micro-batch's gradients reduce-scattered (trainer/engine.py), prod's 8 micro-batches make
     # it EFA-bound once it recomputes (the test below): full's extra recomputation hides behind EFA
     # traffic selective already waits for, so full is no faster, and no slower, than selective.
     assert st["none"].step_s < st["selective"].step_s <= st["full"].step_s
@@ -424,7 +424,7 @@ def test_only_the_overlap_the_trainer_does_is_credited():
 
 
 def test_fsdp_all_gathers_repeat_per_micro_batch_at_pp_1():
-    """supernode/trainer/engine.py reduce-scatters every micro-batch's gradients (a rank holds only its gradient
+    """trainer/engine.py reduce-scatters every micro-batch's gradients (a rank holds only its gradient
     shard): every micro-batch gathers each block in forward and backward again and reduce-scatters."""
     p = _with(FP32_EP2, dp_shard=2, ep=2)
     one = step_time(TINY, p, TRAIN.model_copy(update={"micro_batch": 2}), H100)  # 4 / (2 x 2) = 1 micro-batch

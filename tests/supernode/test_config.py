@@ -49,7 +49,7 @@ def test_round_trip_through_pulumi_config_mapping(stack):
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
 def test_runtime_config_reads_the_same_schema(stack):
-    """`supernode/components/stack_config.py` reads Pulumi's runtime config (JSON strings) into the same StackConfig."""
+    """`components/stack_config.py` reads Pulumi's runtime config (JSON strings) into the same StackConfig."""
     from pulumi.runtime.config import set_all_config
 
     from supernode.components.stack_config import stack_config

@@ -1,4 +1,4 @@
-"""Offline preview: the program (supernode/components/program.py) under Pulumi's mock engine records the stack's resources."""
+"""Offline preview: the program (components/program.py) under Pulumi's mock engine records the stack's resources."""
 
 from __future__ import annotations
 

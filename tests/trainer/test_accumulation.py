@@ -1,5 +1,5 @@
 """Gradient accumulation holds only gradient shards: each micro-batch's gradients are reduce-scattered
-as its backward ends (supernode/trainer/engine.py train_step). Skipping the reduce-scatter until the last
+as its backward ends (trainer/engine.py train_step). Skipping the reduce-scatter until the last
 micro-batch kept every parameter's unsharded fp32 gradient across the accumulation, ~40 GiB per rank
 more than the plan's memory at prod (10.8 B unsharded parameters x 4 B)."""
 

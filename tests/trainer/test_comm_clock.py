@@ -1,5 +1,5 @@
 """The step's communication phase is exposed communication: a collective in flight beside compute
-is hidden, one the step waits on is not (supernode/trainer/comm_clock.py)."""
+is hidden, one the step waits on is not (trainer/comm_clock.py)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def register(sub) -> None:
         type=Path,
         nargs="+",
         default=None,
-        help="UTF-8 .txt / .jsonl files (default: the corpus shipped in supernode/trainer/data/corpus)",
+        help="UTF-8 .txt / .jsonl files (default: the corpus shipped in trainer/data/corpus)",
     )
     prep.add_argument("--out", type=Path, required=True, help="directory for the shards and manifest.json")
     tok = prep.add_mutually_exclusive_group()

@@ -1,6 +1,6 @@
 """`supernode model push`: an export (`supernode export`) to the stack's bucket at
 `inference.weightsPrefix`, from where FSx imports it and the serving pods' init container copies and
-verifies it before vLLM starts (supernode/components/k8s/serving.py). The same resumable, manifest-last push as
+verifies it before vLLM starts (components/k8s/serving.py). The same resumable, manifest-last push as
 `supernode data push` (supernode/tools/push.py)."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def run_push(args) -> int:
         raise BadInput(f"DIR {args.dir}: no {EXPORT_MANIFEST}, not an export; give the --out of `supernode export`")
     objects = export_objects(args.dir)  # BadInput naming the file that does not match the manifest
     bucket, _ = bucket_from_args(args, stack, cfg)
-    # The serving init container copies FSx's copy of exactly this prefix (supernode/components/k8s/serving.py).
+    # The serving init container copies FSx's copy of exactly this prefix (components/k8s/serving.py).
     prefix = cfg.inference.weights_prefix
     result = push_with_progress(cfg.region, args.dir, objects, bucket, base_key(prefix))
     if result is None:

@@ -41,7 +41,7 @@ def register(sub) -> None:
     k = actions.add_parser(
         "config",
         help="the policy config a stack implies, for `pulumi preview "
-        "--policy-pack supernode/policies --policy-pack-config FILE` and `policy check`",
+        "--policy-pack policies --policy-pack-config FILE` and `policy check`",
     )
     add_stack_args(k)
     k.set_defaults(func=run_config)

@@ -4,7 +4,7 @@ against the export's manifest (a mismatch: exit 2 naming the file; the server ne
 --prompt it answers those prompts, prints each completion with its latency and stops; without, it
 serves until Ctrl-C; a completion that is only whitespace is printed as such. vLLM runs from the
 serving environment (`supernode serve-env`; where it is looked for: supernode.tools.serve.serve_python).
-In the cluster the stack's serving workload does the same (supernode/components/k8s/serving.py)."""
+In the cluster the stack's serving workload does the same (components/k8s/serving.py)."""
 
 from __future__ import annotations
 

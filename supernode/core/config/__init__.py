@@ -1,7 +1,7 @@
 """StackConfig: one validated description of an environment.
 
 Read from the `supernode:` namespace of `Pulumi.<stack>.yaml` or from Pulumi's runtime config
-inside the Pulumi program (supernode/components/stack_config.py); both go through `from_mapping`, so there is
+inside the Pulumi program (components/stack_config.py); both go through `from_mapping`, so there is
 one schema (`schema`), one set of
 cross-field rules (`rules`, the parallel layout in `supernode.core.layout`) and one loader
 (`loading`). Every error names its YAML path (`supernode:parallel.tp`), the bad value and what

@@ -456,7 +456,7 @@ class MonitoringConfig(_Base):
 # The digest the stack files ship with while no image has been built: `make image` prints the real
 # one. The image-placeholder policy reports every image that still carries it.
 PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
-# The add-on containers (supernode/components/addons/*.yaml) whose image a stack may set in images.addons, and the
+# The add-on containers (components/addons/*.yaml) whose image a stack may set in images.addons, and the
 # NVIDIA DRA driver (one image for all its containers; installed where the NVLink domain spans nodes).
 AddonImage = Literal[
     "aws-efa-k8s-device-plugin",
@@ -497,7 +497,7 @@ class Images(_Base):
     addons: dict[AddonImage, ImageReference] = Field(
         default={},
         description="add-on container -> image, pinned as REPOSITORY:TAG@sha256:<digest>; an add-on "
-        "not listed runs the tag its file in supernode/components/addons/ pins",
+        "not listed runs the tag its file in components/addons/ pins",
     )
     require_digests: bool = Field(
         default=False,
@@ -821,7 +821,7 @@ class Workload(_Base):
 
 
 class Inference(_Base):
-    """Serving the training run's export with vLLM: in the cluster (supernode/components/k8s/serving.py) and
+    """Serving the training run's export with vLLM: in the cluster (components/k8s/serving.py) and
     locally (`supernode serve --local`). Sized by the inference planner (supernode/core/inference.py)."""
 
     image: str = Field(description="the vLLM server image, pinned by digest: REPOSITORY@sha256:<64 hex digits>")

@@ -1,0 +1,827 @@
+"""Monitoring: Container Insights (the CloudWatch observability add-on), log groups, alarms on GPU
+utilisation, node health, GPU XID errors, FSx free capacity, NCCL timeouts and OOM, an encrypted
+SNS topic every alarm notifies, and a dashboard (issue 3, part 6).
+
+The accelerator alarms follow the plan's vendor: DCGM's fields on NVIDIA stacks, neuron-monitor's series
+on Trainium ones (issue 27), one alarm per purpose (ACCELERATOR_ALARMS); a purpose a vendor cannot alarm
+on says why (NO_EQUIVALENT), so a Trainium stack never silently lacks an alarm a GPU stack has.
+
+Training health (issue 18): the trainer's Prometheus gauges (trainer/metrics.py) reach CloudWatch
+through the CloudWatch agent's Prometheus scrape of the trainer pods (by annotation, see
+components/k8s/operations.py), as embedded-metric-format metrics in PROMETHEUS_NAMESPACE; the names both
+ends use are the observability contract (supernode/core/observability.py). We chose that
+over Amazon Managed Prometheus + a PodMonitor because every alarm here already goes through
+CloudWatch to one SNS topic: one alerting path, no workspace or alert manager to run. What the
+trainer, the fabric check, the inventory and the restore drill say as log lines (non-finite steps,
+checkpoints, starts, `fabric_regressed_node_count`, `inventory_drift_count`, `restore_drill`)
+becomes metrics through log metric filters on the application log group.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from supernode.core import observability as obs
+from supernode.core.catalog import GIB
+from supernode.core.config import MonitoringConfig
+from supernode.core.plan import Plan
+
+from ..context import StackContext
+from .cluster import Cluster
+from .identity import irsa_trust_policy, managed_policy_arn
+
+CONTAINER_INSIGHTS = "ContainerInsights"
+# Container Insights writes to these groups; creating them first sets retention and KMS.
+INSIGHTS_LOG_GROUPS = ("application", "dataplane", "host", "performance", "prometheus")
+PERIOD_S = 60
+# One GPU exporter: ours (components/addons/dcgm-exporter.yaml), scraped into the Prometheus namespace
+# like the trainer. The add-on's own NVIDIA GPU collection is switched off, so no second exporter's
+# series exist to be confused with ours.
+AGENT_CONFIGURATION = {
+    "agent": {
+        "config": {
+            "logs": {
+                "metrics_collected": {
+                    "kubernetes": {"enhanced_container_insights": True, "accelerated_compute_metrics": False}
+                }
+            }
+        }
+    }
+}
+
+
+# The utilisation alarms watch each node, not the cluster's mean (one idle node of 16 moves a mean by
+# 6%, issue 41 item 4): a Metrics Insights query over the per-node series (the DCGM / neuron-monitor
+# declarations' Hostname dimension set, obs.DCGM_DIMENSIONS), one time series per node. CloudWatch
+# evaluates each series of such a multi-time-series alarm as its own contributor and names it (its
+# Hostname) in the alarm's state and notification. Those alarms see at most the latest 3 hours (the
+# config schema caps gpuUtilWindowMinutes at 180).
+NODE_DIMENSION = "Hostname"
+PER_NODE_NOTE = f"each node alarms on its own and is named by its {NODE_DIMENSION} contributor"
+PCIE_REPLAYS_PER_MIN = 8  # `dcgmi health -c` warns above 8 PCIe replays a minute
+EXPORTER_ABSENT_MINUTES = 5  # no series from the accelerator exporter for this long: the alarms above are blind
+
+# Each accelerator alarm's purpose -> its short name on each vendor's stacks (InstanceType.vendor).
+ACCELERATOR_ALARMS: dict[str, dict[str, str]] = {
+    "utilisation-low": {"nvidia": "gpu-util-low", "neuron": "neuroncore-util-low"},
+    "hardware-errors": {"nvidia": "gpu-xid-errors", "neuron": "neuron-hardware-errors"},
+    "uncorrectable-ecc": {"nvidia": "gpu-ecc-uncorrectable", "neuron": "neuron-ecc-uncorrectable"},
+    "exporter-absent": {"nvidia": "gpu-exporter-absent", "neuron": "neuron-exporter-absent"},
+    "row-remap-failure": {"nvidia": "gpu-row-remap-failure"},
+    "pcie-replays": {"nvidia": "gpu-pcie-replays"},
+    "node-quarantined": {"nvidia": "node-quarantined"},
+    "node-replaced": {"nvidia": "node-replaced"},
+    "node-checks-not-run": {"nvidia": "node-checks-not-run"},
+}
+_NO_NODE_AGENT = (
+    "no node health agent runs on Neuron node groups (it reads nvidia-smi, DCGM and XID lines; "
+    "components/k8s/operations.py deploys it on NVIDIA nodes only)"
+)
+# Why a vendor has no alarm for a purpose (tests/components/test_trn2_monitoring.py holds every purpose of
+# a GPU stack to a Trainium alarm or a reason here).
+NO_EQUIVALENT: dict[tuple[str, str], str] = {
+    ("row-remap-failure", "neuron"): "neuron-monitor reports no row remapping: its hardware counters are ECC "
+    "events only (neuron_hw_counters), whose uncorrected ones neuron-ecc-uncorrectable alarms on",
+    ("pcie-replays", "neuron"): "neuron-monitor reports no PCIe replay counter (neuron_hw_counters: ECC events only)",
+    ("node-quarantined", "neuron"): _NO_NODE_AGENT,
+    ("node-replaced", "neuron"): _NO_NODE_AGENT,
+    ("node-checks-not-run", "neuron"): _NO_NODE_AGENT,
+}
+
+
+class LogPattern:
+    """CloudWatch Logs filter patterns (any of the quoted terms) for failures worth a page."""
+
+    NCCL_TIMEOUT = '?"Watchdog caught collective operation timeout" ?"NCCL timeout" ?"NCCL communicator was aborted"'
+    OOM = '?"CUDA out of memory" ?"OutOfMemoryError" ?"Out of memory: Killed process"'
+    GPU_XID = '?"NVRM: Xid" ?"NVRM: GPU has fallen off the bus"'
+    # trainer/train.py's own lines (rank 0): a skipped non-finite step, a checkpoint, a (re)start.
+    NON_FINITE = '"not finite, update skipped"'
+    CHECKPOINT = '"; checkpoint "'  # "step N: loss L; checkpoint written|started (async), ..."
+    TRAINER_START = '?"resumed from checkpoint at step" ?"starting at step 0"'
+    # The JSON lines of the scheduled checks (trainer/node/fabric.py, the inventory, `supernode drill`).
+    FABRIC_REGRESSED = "{ $.fabric_regressed_node_count = * }"
+    INVENTORY_DRIFT = "{ $.inventory_drift_count = * }"
+    RESTORE_DRILL_FAILED = '{ $.restore_drill = "failed" }'
+    # The node health agent's round lines (trainer/node/agent.py).
+    NODE_QUARANTINED = "{ $.node_quarantined = * }"
+    NODE_REPLACED = "{ $.node_replaced = 1 }"
+    CHECKS_NOT_RUN = "{ $.checks_not_run = * }"
+
+
+@dataclass
+class MonitoringArgs:
+    ctx: StackContext
+    monitoring: MonitoringConfig
+    cluster: Cluster
+    fsx_id: pulumi.Input[str]
+    fsx_capacity_gib: int
+    ops_kms_key_arn: pulumi.Input[str]
+    node_groups: Sequence[pulumi.Resource]  # the add-on's agents run on them
+    plan: Plan  # the throughput estimate, the checkpoint interval and step time the training alarms use
+    training_namespace: str
+
+
+class Monitoring(pulumi.ComponentResource):
+    topic_arn: pulumi.Output[str]
+    log_group_names: list[pulumi.Output[str]]
+    alarm_names: list[pulumi.Output[str]]
+
+    def __init__(self, name: str, args: MonitoringArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("supernode:monitoring:Monitoring", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        m, ctx, cluster_name = args.monitoring, args.ctx, args.cluster.name
+        tags = ctx.tagged()
+        self.namespace, self.prefix = f"Supernode/{ctx.stack}", f"supernode-{ctx.stack}"
+
+        self.topic = aws.sns.Topic(
+            name, name=f"supernode-{ctx.stack}-alarms", kms_master_key_id=args.ops_kms_key_arn, tags=tags, opts=child
+        )
+        aws.sns.TopicSubscription(
+            f"{name}-email", topic=self.topic.arn, protocol="email", endpoint=m.notification_email, opts=child
+        )
+        self.topic_arn = self.topic.arn
+
+        groups = {}
+        for kind in INSIGHTS_LOG_GROUPS:
+            groups[kind] = aws.cloudwatch.LogGroup(
+                f"{name}-{kind}",
+                name=obs.insights_log_group(cluster_name, kind),
+                retention_in_days=m.log_retention_days,
+                kms_key_id=args.ops_kms_key_arn,
+                tags=tags,
+                opts=child,
+            )
+        self.log_group_names = [g.name for g in groups.values()]
+        self.training_log_group_name = groups["application"].name  # where the trainer pods' stdout lands
+        self.prometheus_log_group_arn = groups["prometheus"].arn  # where the Prometheus scrape writes (operations.py)
+
+        agent_role = aws.iam.Role(
+            f"{name}-cloudwatch-agent",
+            tags=tags,
+            opts=child,
+            assume_role_policy=irsa_trust_policy(
+                args.cluster.oidc_provider_arn, args.cluster.oidc_issuer_url, *obs.CLOUDWATCH_AGENT
+            ),
+        )
+        attach = aws.iam.RolePolicyAttachment(
+            f"{name}-cloudwatch-agent",
+            role=agent_role.name,
+            policy_arn=managed_policy_arn("CloudWatchAgentServerPolicy"),
+            opts=child,
+        )
+        self.agent_addon = args.cluster.addon(
+            "amazon-cloudwatch-observability",
+            service_account_role_arn=agent_role.arn,
+            parent=self,
+            depends_on=[attach, *groups.values(), *args.node_groups],
+            configuration_values=json.dumps(AGENT_CONFIGURATION, sort_keys=True),
+        )
+
+        # Each filter: (log group, pattern, metric value: 1 per line or a JSON field of the line).
+        filters = {
+            "NcclTimeouts": (groups["application"], LogPattern.NCCL_TIMEOUT, "1"),
+            "OutOfMemory": (groups["application"], LogPattern.OOM, "1"),
+            "NonFiniteSteps": (groups["application"], LogPattern.NON_FINITE, "1"),
+            "CheckpointsSaved": (groups["application"], LogPattern.CHECKPOINT, "1"),
+            "TrainerStarts": (groups["application"], LogPattern.TRAINER_START, "1"),
+            "FabricRegressedNodes": (
+                groups["application"],
+                LogPattern.FABRIC_REGRESSED,
+                "$.fabric_regressed_node_count",
+            ),
+            "InventoryDrift": (groups["application"], LogPattern.INVENTORY_DRIFT, "$.inventory_drift_count"),
+            "RestoreDrillFailures": (groups["application"], LogPattern.RESTORE_DRILL_FAILED, "1"),
+        }
+        vendor = args.plan.hardware.vendor
+        if vendor == "nvidia":
+            # The NVIDIA driver's kernel lines (Neuron's hardware errors are a neuron-monitor metric) and
+            # the node health agent's, which runs on NVIDIA nodes only (NO_EQUIVALENT).
+            filters["GpuXidErrors"] = (groups["host"], LogPattern.GPU_XID, "1")
+            # Summed over the agents' lines of a period: quarantined node-rounds (0 when all pass).
+            filters["NodesQuarantined"] = (groups["application"], LogPattern.NODE_QUARANTINED, "$.node_quarantined")
+            filters["NodesReplaced"] = (groups["application"], LogPattern.NODE_REPLACED, "1")
+            # The checks each agent's round could not run (a tool missing, refused or timed out).
+            filters["NodeChecksNotRun"] = (groups["application"], LogPattern.CHECKS_NOT_RUN, "$.checks_not_run")
+        for metric, (group, pattern, value) in filters.items():
+            aws.cloudwatch.LogMetricFilter(
+                f"{name}-{metric}",
+                log_group_name=group.name,
+                pattern=pattern,
+                opts=child,
+                # JSON-valued metrics have no default: a line without the field is no datapoint.
+                metric_transformation=aws.cloudwatch.LogMetricFilterMetricTransformationArgs(
+                    name=metric, namespace=self.namespace, value=value, default_value="0" if value == "1" else None
+                ),
+            )
+
+        insights = {"ClusterName": cluster_name}
+        window = m.gpu_util_window_minutes * 60 // PERIOD_S
+        train = obs.trainer_dimensions(cluster_name, args.training_namespace)
+        floor = round(m.throughput_floor_fraction * planned_tokens_per_s(args.plan), 1)
+        checkpoint_window_s = checkpoint_window(args.plan)
+        self.alarms = [
+            self._alarm(
+                name,
+                "node-not-ready",
+                "a node is not ready",
+                namespace=CONTAINER_INSIGHTS,
+                metric_name="cluster_failed_node_count",
+                dimensions=insights,
+                statistic="Maximum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=5,
+            ),
+            self._any(name, "nccl-timeouts", "NCCL collective timeouts in training logs", "NcclTimeouts"),
+            self._any(name, "out-of-memory", "out-of-memory errors in training logs", "OutOfMemory"),
+            self._alarm(
+                name,
+                "fsx-free-capacity-low",
+                f"FSx free capacity below {m.fsx_free_capacity_floor_percent}%",
+                namespace="AWS/FSx",
+                metric_name="FreeDataStorageCapacity",
+                dimensions={"FileSystemId": args.fsx_id},
+                statistic="Minimum",
+                threshold=fsx_free_floor_bytes(args.fsx_capacity_gib, m.fsx_free_capacity_floor_percent),
+                comparison="LessThanThreshold",
+                periods=5,
+            ),
+            # -- training health -------------------------------------------------------------------
+            # The step gauge unchanged over the window: max - min of one window-long period is 0.
+            self._alarm(
+                name,
+                "training-step-stalled",
+                f"no training step for {m.step_stall_minutes} min "
+                "(the trainer is up but its step gauge has not advanced)",
+                threshold=0,
+                comparison="LessThanOrEqualToThreshold",
+                periods=1,
+                metric_queries=progress_queries(train, m.step_stall_minutes * 60),
+            ),
+            self._alarm(
+                name,
+                "training-throughput-low",
+                f"tokens/s below {m.throughput_floor_fraction:g} x the "
+                f"plan's estimate ({floor:,.0f} tokens/s) for {m.step_stall_minutes} min",
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.TOKENS_PER_S.name,
+                dimensions=train,
+                statistic="Average",
+                threshold=floor,
+                comparison="LessThanThreshold",
+                periods=m.step_stall_minutes,
+            ),
+            # |measured / planned - 1| over the window: a slower run (a bad node, a slow link) and a
+            # faster one (the plan's efficiencies are off: calibrate) both mean the plan is not the run.
+            self._alarm(
+                name,
+                "training-plan-drift",
+                f"measured step time off the plan's estimate ({args.plan.step.step_s:.3g} s) by more than "
+                f"{m.plan_drift_fraction:.0%} for {m.step_stall_minutes} min",
+                threshold=m.plan_drift_fraction,
+                comparison="GreaterThanThreshold",
+                periods=m.step_stall_minutes,
+                metric_queries=[
+                    _query(
+                        "ratio",
+                        stat="Average",
+                        period=PERIOD_S,
+                        namespace=obs.PROMETHEUS_NAMESPACE,
+                        metric_name=obs.STEP_OVER_PLAN.name,
+                        dimensions=train,
+                    ),
+                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
+                        id="drift", expression="ABS(ratio - 1)", label="step time drift from the plan", return_data=True
+                    ),
+                ],
+            ),
+            self._any(
+                name,
+                "training-loss-not-finite",
+                "a training step had a non-finite loss or gradient norm (its update skipped)",
+                "NonFiniteSteps",
+            ),
+            # Steps advanced but no checkpoint line for 2 x the checkpoint interval (at the planned step time).
+            self._alarm(
+                name,
+                "checkpoint-stale",
+                f"no checkpoint for {checkpoint_window_s // 60} min (2 x "
+                f"training.checkpointInterval = {args.plan.training.checkpoint_interval} steps at the "
+                "planned step time) while steps advance",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+                metric_queries=[
+                    *progress_queries(train, checkpoint_window_s, expression_id="progress", return_data=False),
+                    _query(
+                        "saved",
+                        period=checkpoint_window_s,
+                        namespace=self.namespace,
+                        metric_name="CheckpointsSaved",
+                        stat="Sum",
+                    ),
+                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
+                        id="stale",
+                        return_data=True,
+                        label="steps advanced without a checkpoint",
+                        expression="IF(progress > 0 AND FILL(saved, 0) == 0, 1, 0)",
+                    ),
+                ],
+            ),
+            self._alarm(
+                name,
+                "training-restarts",
+                f"the trainer started more than {m.restart_alarm_count} times in an hour",
+                namespace=self.namespace,
+                metric_name="TrainerStarts",
+                statistic="Sum",
+                threshold=m.restart_alarm_count,
+                comparison="GreaterThanThreshold",
+                periods=1,
+                period=3600,
+            ),
+            # -- operations (components/k8s/operations.py) ---------------------------------------------
+            self._any(
+                name,
+                "fabric-regressed",
+                "the scheduled fabric check names node(s) whose pairs regressed from the baseline",
+                "FabricRegressedNodes",
+                "Maximum",
+            ),
+            self._any(
+                name,
+                "inventory-drift",
+                "a GPU node's driver, firmware, library or host settings differ from the inventory baseline",
+                "InventoryDrift",
+                "Maximum",
+            ),
+            self._any(name, "restore-drill-failed", "the checkpoint restore drill failed", "RestoreDrillFailures"),
+            *self._accelerator_alarms(name, vendor, cluster_name, m, window),
+        ]
+        self.alarm_names = [a.name for a in self.alarms]
+        self.dashboard = aws.cloudwatch.Dashboard(
+            name,
+            dashboard_name=f"supernode-{ctx.stack}",
+            opts=child,
+            dashboard_body=pulumi.Output.all(args.fsx_id).apply(
+                lambda a: json.dumps(
+                    dashboard(
+                        ctx.region,
+                        cluster_name,
+                        self.namespace,
+                        a[0],
+                        m,
+                        args.training_namespace,
+                        floor,
+                        checkpoint_window_s,
+                        vendor,
+                    )
+                )
+            ),
+        )
+        self.register_outputs({"topic_arn": self.topic_arn, "alarm_names": self.alarm_names})
+
+    def _accelerator_alarms(
+        self, name: str, vendor: str, cluster_name: pulumi.Input[str], m: MonitoringConfig, window: int
+    ) -> list[aws.cloudwatch.MetricAlarm]:
+        """The alarms on the accelerators and their exporter, by the vendor's metric names (ACCELERATOR_ALARMS)."""
+        if vendor == "neuron":
+            return self._neuron_alarms(name, cluster_name, m, window)
+        gpus = obs.dcgm_dimensions(cluster_name)
+        return [
+            self._alarm(
+                name,
+                "gpu-util-low",
+                f"a node's GPU utilisation below {m.gpu_util_floor_percent}% for "
+                f"{m.gpu_util_window_minutes} min (DCGM exporter, mean over the node's GPUs; {PER_NODE_NOTE})",
+                threshold=m.gpu_util_floor_percent,
+                comparison="LessThanThreshold",
+                periods=window,
+                missing="notBreaching",
+                metric_queries=[per_node_query("utilisation", obs.GPU_UTIL, gpus, "GPU utilisation")],
+            ),
+            self._any(name, "gpu-xid-errors", "NVIDIA XID errors in node kernel logs", "GpuXidErrors"),
+            self._exporter_absent(name, "gpu-exporter-absent", "DCGM exporter", obs.GPU_UTIL, gpus),
+            # -- node health (trainer/node/agent.py; issue 26 item 4) --------------------------
+            self._any(
+                name,
+                "node-quarantined",
+                "the node health agent quarantined a GPU node (tainted supernode.io/unhealthy)",
+                "NodesQuarantined",
+                "Maximum",
+            ),
+            self._any(
+                name,
+                "node-replaced",
+                "the node health agent terminated a faulty GPU instance for its Auto Scaling group to replace",
+                "NodesReplaced",
+            ),
+            self._any(
+                name,
+                "node-checks-not-run",
+                "a GPU node's health checks did not all run (the agent's checks_not_run; its NodeChecksNotRun "
+                "Event names the checks and why): the node is not known healthy",
+                "NodeChecksNotRun",
+                "Maximum",
+            ),
+            *(
+                self._alarm(
+                    name,
+                    short,
+                    description,
+                    namespace=obs.PROMETHEUS_NAMESPACE,
+                    metric_name=metric,
+                    dimensions=gpus,
+                    statistic="Maximum",
+                    threshold=0,
+                    comparison="GreaterThanThreshold",
+                    periods=1,
+                )
+                for short, metric, description in (
+                    ("gpu-ecc-uncorrectable", obs.ECC_DBE, "a GPU counted uncorrectable (double-bit) ECC errors"),
+                    ("gpu-row-remap-failure", obs.ROW_REMAP_FAILURE, "a GPU failed to remap a memory row"),
+                )
+            ),
+            # A cumulative counter: alarm on its growth, at dcgmi health's PCIe warning level.
+            self._alarm(
+                name,
+                "gpu-pcie-replays",
+                f"a GPU's PCIe link replayed more than {PCIE_REPLAYS_PER_MIN} transfers a minute",
+                threshold=PCIE_REPLAYS_PER_MIN,
+                comparison="GreaterThanThreshold",
+                periods=1,
+                metric_queries=[
+                    _query(
+                        "replays",
+                        period=PERIOD_S,
+                        namespace=obs.PROMETHEUS_NAMESPACE,
+                        metric_name=obs.PCIE_REPLAYS,
+                        dimensions=gpus,
+                        stat="Maximum",
+                    ),
+                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
+                        id="per_minute",
+                        return_data=True,
+                        label="PCIe replays a minute",
+                        expression="RATE(replays) * 60",
+                    ),
+                ],
+            ),
+        ]
+
+    def _neuron_alarms(
+        self, name: str, cluster_name: pulumi.Input[str], m: MonitoringConfig, window: int
+    ) -> list[aws.cloudwatch.MetricAlarm]:
+        """Trainium's alarms on neuron-monitor's series. Its counters reach CloudWatch as the increase
+        since the previous scrape (the CloudWatch agent's Prometheus counter conversion), so a Sum above 0
+        is a new event."""
+
+        def ecc(qid: str, event_type: str) -> aws.cloudwatch.MetricAlarmMetricQueryArgs:
+            return _query(
+                qid,
+                period=PERIOD_S,
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.NEURON_ECC_EVENTS,
+                dimensions=obs.neuron_dimensions(cluster_name, event_type=event_type),
+                stat="Sum",
+            )
+
+        return [
+            # neuroncore_utilization_ratio is a 0-1 ratio: the floor in percent / 100. It exists only for
+            # NeuronCores a Neuron application runs on, so no training means no data, not an alarm.
+            self._alarm(
+                name,
+                "neuroncore-util-low",
+                f"a node's NeuronCore utilisation below {m.gpu_util_floor_percent}% for "
+                f"{m.gpu_util_window_minutes} min (neuron-monitor, mean over the node's NeuronCores in use; "
+                f"{PER_NODE_NOTE})",
+                threshold=m.gpu_util_floor_percent / 100,
+                comparison="LessThanThreshold",
+                periods=window,
+                missing="notBreaching",
+                metric_queries=[
+                    per_node_query(
+                        "utilisation",
+                        obs.NEURONCORE_UTIL,
+                        obs.neuron_dimensions(cluster_name),
+                        "NeuronCore utilisation",
+                    )
+                ],
+            ),
+            # error_type "hardware": "hardware errors such as uncorrectable ECC issues" (neuron-monitor
+            # user guide, execution_stats), what XID lines are to the NVIDIA driver.
+            self._alarm(
+                name,
+                "neuron-hardware-errors",
+                "a Neuron application's executions failed with hardware errors (neuron-monitor execution_stats)",
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.NEURON_EXECUTION_ERRORS,
+                dimensions=obs.neuron_dimensions(cluster_name, error_type="hardware"),
+                statistic="Sum",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+            ),
+            self._alarm(
+                name,
+                "neuron-ecc-uncorrectable",
+                "a Neuron device counted uncorrected ECC events in its HBM or SRAM",
+                threshold=0,
+                comparison="GreaterThanThreshold",
+                periods=1,
+                metric_queries=[
+                    ecc("hbm", "mem_ecc_uncorrected"),
+                    ecc("sram", "sram_ecc_uncorrected"),
+                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
+                        id="uncorrected",
+                        return_data=True,
+                        label="uncorrected ECC events",
+                        expression="FILL(hbm, 0) + FILL(sram, 0)",
+                    ),
+                ],
+            ),
+            self._exporter_absent(
+                name,
+                "neuron-exporter-absent",
+                "neuron-monitor",
+                obs.NEURON_HOST_MEMORY_USED,
+                obs.neuron_dimensions(cluster_name),
+            ),
+        ]
+
+    def _exporter_absent(
+        self, name: str, short: str, exporter: str, heartbeat: str, dimensions: Mapping
+    ) -> aws.cloudwatch.MetricAlarm:
+        """No datapoint of a series the exporter always reports for EXPORTER_ABSENT_MINUTES: the
+        exporter (or its scrape) is down and every alarm on its series is blind."""
+        return self._alarm(
+            name,
+            short,
+            f"no {exporter} series for {EXPORTER_ABSENT_MINUTES} min: the accelerator alarms see nothing "
+            "(also while the accelerator node groups are at 0, e.g. after a Capacity Block ends)",
+            namespace=obs.PROMETHEUS_NAMESPACE,
+            metric_name=heartbeat,
+            dimensions=dimensions,
+            statistic="SampleCount",
+            threshold=1,
+            comparison="LessThanThreshold",
+            periods=EXPORTER_ABSENT_MINUTES,
+            missing="breaching",
+        )
+
+    def _any(
+        self, name: str, short: str, description: str, metric_name: str, statistic: str = "Sum"
+    ) -> aws.cloudwatch.MetricAlarm:
+        """An alarm on any occurrence: one of this stack's metrics above 0 in a period (the Sum of a
+        log-metric-filter count, or the Maximum of a gauge the operations jobs publish)."""
+        return self._alarm(
+            name,
+            short,
+            description,
+            namespace=self.namespace,
+            metric_name=metric_name,
+            statistic=statistic,
+            threshold=0,
+            comparison="GreaterThanThreshold",
+            periods=1,
+        )
+
+    def _alarm(
+        self,
+        name: str,
+        short: str,
+        description: str,
+        *,
+        threshold: float,
+        comparison: str,
+        periods: int,
+        namespace: str | None = None,
+        metric_name: str | None = None,
+        statistic: str | None = None,
+        dimensions: Mapping | None = None,
+        period: int = PERIOD_S,
+        missing: str = "notBreaching",
+        metric_queries: list | None = None,
+    ) -> aws.cloudwatch.MetricAlarm:
+        """One alarm on one metric, or on a metric-math expression (`metric_queries`)."""
+        single = (
+            {}
+            if metric_queries
+            else dict(
+                namespace=namespace,
+                metric_name=metric_name,
+                dimensions=dict(dimensions) if dimensions else None,
+                statistic=statistic,
+                period=period,
+            )
+        )
+        return aws.cloudwatch.MetricAlarm(
+            f"{name}-{short}",
+            name=f"{self.prefix}-{short}",
+            alarm_description=description,
+            evaluation_periods=periods,
+            datapoints_to_alarm=periods,
+            threshold=threshold,
+            comparison_operator=comparison,
+            treat_missing_data=missing,
+            metric_queries=metric_queries,
+            alarm_actions=[self.topic.arn],
+            ok_actions=[self.topic.arn],
+            opts=pulumi.ResourceOptions(parent=self),
+            **single,
+        )
+
+
+def per_node_select(metric_name: str, dimensions: Mapping[str, str], statistic: str = "AVG") -> str:
+    """A Metrics Insights query: `metric_name`'s series with `dimensions` and the node dimension, one
+    time series per node (GROUP BY), the lowest first, so that a multi-time-series alarm evaluates
+    every node on its own."""
+    keys = ", ".join(sorted([*dimensions, NODE_DIMENSION]))
+    where = " AND ".join(f"{k} = '{v}'" for k, v in sorted(dimensions.items()))
+    return (
+        f'SELECT {statistic}({metric_name}) FROM SCHEMA("{obs.PROMETHEUS_NAMESPACE}", {keys}) WHERE {where} '
+        f"GROUP BY {NODE_DIMENSION} ORDER BY {statistic}() ASC"
+    )
+
+
+def per_node_query(
+    qid: str, metric_name: str, dimensions: Mapping, label: str
+) -> aws.cloudwatch.MetricAlarmMetricQueryArgs:
+    """The alarm's one query: `per_node_select` over the cluster-wide `dimensions` (their values may be
+    Outputs, the cluster's name), at PERIOD_S."""
+    return aws.cloudwatch.MetricAlarmMetricQueryArgs(
+        id=qid,
+        expression=pulumi.Output.from_input(dict(dimensions)).apply(lambda d: per_node_select(metric_name, d)),
+        label=f"{label} per node",
+        period=PERIOD_S,
+        return_data=True,
+    )
+
+
+def planned_tokens_per_s(plan: Plan) -> float:
+    """The plan's throughput estimate: one global batch of sequences per planned step time."""
+    return plan.training.global_batch * plan.model.seq_len / plan.step.step_s
+
+
+def checkpoint_window(plan: Plan) -> int:
+    """2 x the checkpoint interval at the planned step time, in whole minutes (CloudWatch periods)."""
+    seconds = 2 * plan.training.checkpoint_interval * plan.step.step_s
+    return max(PERIOD_S, -(-int(seconds) // PERIOD_S) * PERIOD_S)
+
+
+def _query(
+    qid: str, *, period: int, namespace: str, metric_name: str, stat: str, dimensions: Mapping | None = None
+) -> aws.cloudwatch.MetricAlarmMetricQueryArgs:
+    return aws.cloudwatch.MetricAlarmMetricQueryArgs(
+        id=qid,
+        return_data=False,
+        metric=aws.cloudwatch.MetricAlarmMetricQueryMetricArgs(
+            namespace=namespace,
+            metric_name=metric_name,
+            dimensions=dict(dimensions) if dimensions else None,
+            period=period,
+            stat=stat,
+        ),
+    )
+
+
+def progress_queries(
+    dimensions: Mapping, period_s: int, expression_id: str = "advanced", return_data: bool = True
+) -> list:
+    """Steps advanced within one `period_s` window: max - min of the trainer's step gauge."""
+    step = dict(namespace=obs.PROMETHEUS_NAMESPACE, metric_name=obs.STEP.name, dimensions=dimensions, period=period_s)
+    return [
+        _query("last", stat="Maximum", **step),
+        _query("first", stat="Minimum", **step),
+        aws.cloudwatch.MetricAlarmMetricQueryArgs(
+            id=expression_id, expression="last - first", label="steps advanced", return_data=return_data
+        ),
+    ]
+
+
+def fsx_free_floor_bytes(capacity_gib: int, floor_percent: float) -> float:
+    return capacity_gib * GIB * floor_percent / 100
+
+
+def dashboard(
+    region: str,
+    cluster_name: str,
+    namespace: str,
+    fsx_id: str,
+    m: MonitoringConfig,
+    training_namespace: str,
+    throughput_floor: float,
+    checkpoint_window_s: int,
+    vendor: str,
+) -> dict:
+    def metric(title: str, metrics: list, annotation: float | None = None, label: str = "floor") -> dict:
+        props = {"title": title, "region": region, "metrics": metrics, "period": PERIOD_S, "view": "timeSeries"}
+        if annotation is not None:
+            props["annotations"] = {"horizontal": [{"label": label, "value": annotation}]}
+        return {"type": "metric", "width": 12, "height": 6, "properties": props}
+
+    def series(metric_name: str, dimensions: dict) -> list:
+        """A series of the Prometheus namespace: its name, then each dimension's name and value."""
+        return [obs.PROMETHEUS_NAMESPACE, metric_name, *(x for kv in dimensions.items() for x in kv)]
+
+    dims = obs.trainer_dimensions(cluster_name, training_namespace)
+
+    def trainer(metric: obs.TrainerMetric) -> list:
+        return series(metric.name, dims)
+
+    def by_label(metric: obs.TrainerMetric) -> list:
+        """Every series of a labelled gauge (one per phase, one per MoE layer)."""
+        name, label = metric.name, metric.label
+        keys = ",".join([obs.PROMETHEUS_NAMESPACE, *dims, label])
+        where = " ".join(f'{k}="{v}"' for k, v in dims.items())
+        return [
+            {
+                "expression": f"SEARCH('{{{keys}}} MetricName=\"{name}\" {where}', 'Average', {PERIOD_S})",
+                "id": f"{label}s",
+                "label": label,
+            }
+        ]
+
+    if vendor == "neuron":
+        neuron = obs.neuron_dimensions(cluster_name)
+        accelerators = [
+            metric(
+                "NeuronCore utilisation (0-1)", [series(obs.NEURONCORE_UTIL, neuron)], m.gpu_util_floor_percent / 100
+            ),
+            metric(
+                "Neuron device memory used (bytes)",
+                [series(obs.NEURON_MEMORY_USED, obs.neuron_dimensions(cluster_name, memory_location="neuron_device"))],
+            ),
+            metric(
+                "Neuron hardware errors and uncorrected ECC events",
+                [
+                    series(obs.NEURON_EXECUTION_ERRORS, obs.neuron_dimensions(cluster_name, error_type="hardware")),
+                    *(
+                        series(obs.NEURON_ECC_EVENTS, obs.neuron_dimensions(cluster_name, event_type=event))
+                        for event in ("mem_ecc_uncorrected", "sram_ecc_uncorrected")
+                    ),
+                ],
+            ),
+        ]
+        hardware_errors = []
+    else:
+        gpus = obs.dcgm_dimensions(cluster_name)
+        accelerators = [
+            metric("GPU utilisation (%)", [series(obs.GPU_UTIL, gpus)], m.gpu_util_floor_percent),
+            metric("GPU memory used (MiB)", [series(obs.GPU_MEMORY_USED, gpus)]),
+        ]
+        hardware_errors = [[namespace, "GpuXidErrors"]]
+    return {
+        "widgets": [
+            *accelerators,
+            metric("Failed nodes", [[CONTAINER_INSIGHTS, "cluster_failed_node_count", "ClusterName", cluster_name]]),
+            metric(
+                "Training failures",
+                [
+                    [namespace, "NcclTimeouts"],
+                    [namespace, "OutOfMemory"],
+                    *hardware_errors,
+                    [namespace, "NonFiniteSteps"],
+                    [namespace, "TrainerStarts"],
+                ],
+            ),
+            metric("Training loss", [trainer(obs.LOSS)]),
+            metric("Tokens/s", [trainer(obs.TOKENS_PER_S)], throughput_floor),
+            metric("MFU", [trainer(obs.MFU)]),
+            metric("Step", [trainer(obs.STEP)]),
+            metric("Step time by phase (s)", by_label(obs.PHASE_SECONDS)),
+            metric("Expert load (max/mean per MoE layer; 1 = balanced)", by_label(obs.EXPERT_LOAD)),
+            # The trainer's commit-time gauge; EPOCH gives each datapoint's own time, so age = EPOCH(ts) - ts.
+            metric(
+                "Checkpoint age (s)",
+                [
+                    trainer(obs.CHECKPOINT_TIME) + [{"id": "ts", "stat": "Maximum", "visible": False}],
+                    {"expression": "EPOCH(ts) - ts", "id": "age", "label": "since the last commit"},
+                ],
+                checkpoint_window_s,
+                "checkpoint-stale alarm",
+            ),
+            metric(
+                "Fabric, inventory and restore drill",
+                [
+                    [namespace, "FabricRegressedNodes"],
+                    [namespace, "InventoryDrift"],
+                    [namespace, "RestoreDrillFailures"],
+                ],
+            ),
+            metric("FSx free capacity (bytes)", [["AWS/FSx", "FreeDataStorageCapacity", "FileSystemId", fsx_id]]),
+            metric(
+                "FSx throughput (bytes)",
+                [
+                    ["AWS/FSx", "DataWriteBytes", "FileSystemId", fsx_id],
+                    ["AWS/FSx", "DataReadBytes", "FileSystemId", fsx_id],
+                ],
+            ),
+        ]
+    }

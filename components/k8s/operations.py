@@ -1,0 +1,812 @@
+"""Operations in the cluster after day one (issue 18): what runs on a schedule and what feeds the
+monitoring. Every object is a typed Kubernetes resource, so `supernode preview --manifests` renders
+and validates it.
+
+- **Fabric re-check** (CronJob, `workload.fabricCheckSchedule`): the interconnect gate's Indexed
+  Job again, comparing the node-pair matrix with the baseline the first gate recorded on FSx
+  (`/baselines/fabric/baseline.json`, exported to s3://BUCKET/baselines/fabric/, a prefix no
+  lifecycle rule expires). `supernode.trainer.node.fabric` prints `fabric_regressed_node_count`, which the
+  fabric-regressed alarm reads. Queued by Kueue at the experiments priority, so it runs only on
+  free GPU nodes and never preempts training. A ConfigMap summarises the baseline.
+- **Inventory** (DaemonSet on the GPU nodes, namespace supernode-ops): `supernode.trainer.node.inventory watch`
+  keeps each node's first record and the fleet's as ConfigMaps and prints `inventory_drift_count`
+  (the inventory-drift alarm) every `workload.inventoryIntervalMinutes`.
+- **Node health** (DaemonSet on the NVIDIA nodes, namespace supernode-node-health, Pod Security privileged
+  for its read-only hostPath and CAP_SYSLOG): `supernode.trainer.node.agent watch` admits a node that
+  joined unchecked, quarantines and replaces broken ones (docs/architecture.md, "Node life cycle"),
+  each node judged as its own instance type. The fabric re-check records its verdict on each node it
+  measured in the `fabric-verdict` ConfigMap there (its own service account may patch that one object,
+  the agents may get it), and the agent quarantines a node named slow.
+- **Restore drill** (CronJob, `workload.restoreDrillSchedule`): `supernode drill restore --json`
+  from the trainer image, as the trainer's service account (read access to the checkpoints).
+- **Checkpoint retention** (CronJob, `workload.checkpointRetentionSchedule`): `supernode checkpoints
+  --retain --json` from the trainer image tags each run's checkpoints in S3 milestone or window, which
+  the bucket's lifecycle rules act on. Its own service account, whose IRSA role may list the
+  checkpoint prefix, read the markers and run.json files and read and write object tags there:
+  nothing else (identity.checkpoint_retention_policy).
+- **Training-health scrape**: AWS's "CloudWatch agent with Prometheus monitoring" for EKS
+  (components/addons/cwagent-prometheus.yaml) and its two ConfigMaps: the trainer pods (by their
+  prometheus.io annotations) and our DCGM exporter, as embedded-metric-format metrics in
+  ContainerInsights/Prometheus with the dimensions the alarms and dashboard use. The agent lists pods
+  only in the namespaces its scrape configuration names and writes only to the Prometheus log group
+  (IRSA: identity.metrics_agent_policy). Jobs, namespaces, service account and metric names are the
+  observability contract (supernode/core/observability.py), which the alarms read too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+import yaml
+
+from supernode.core.config import StackConfig
+from supernode.core.config import Workload as WorkloadConfig
+from supernode.core.observability import (
+    DCGM_SCRAPE_JOB,
+    METRIC_DECLARATIONS,
+    PROMETHEUS_AGENT,
+    PROMETHEUS_NAMESPACE,
+    TRAINER_SCRAPE_JOB,
+    insights_log_group,
+)
+from supernode.core.vendors import VENDORS
+
+from .addons import SYSTEM_NAMESPACE, addon_resource, with_config_hash, with_images
+from .common import MESH_LABEL, GpuNodes, dns_name, load_addon, meta
+from .jobs import (
+    BASELINE_MOUNT,
+    FABRIC_BASELINE,
+    BaselineStore,
+    JobArgs,
+    fabric_job_spec,
+    fabric_mesh,
+    fabric_pod_template,
+)
+from .queues import EXPERIMENTS, job_labels
+
+OPS_NAMESPACE = "supernode-ops"
+INVENTORY_SA = "inventory"
+# The node health agent's own namespace: it needs a hostPath and CAP_SYSLOG, which Pod Security
+# baseline forbids and only privileged admits, so no other pod gets that level with it.
+NODE_HEALTH_NAMESPACE, NODE_HEALTH_SA = "supernode-node-health", "node-health"
+# The fabric re-check's verdict on each node (supernode.trainer.node.fabric --verdict-configmap), in
+# the agents' namespace; the re-check's pods run as FABRIC_SA, which may patch this one ConfigMap.
+FABRIC_VERDICT, FABRIC_SA = "fabric-verdict", "fabric-check"
+# A node the agent quarantined for the fabric verdict alone (taint supernode.io/unhealthy=fabric, the
+# agent's UNHEALTHY_TAINT and finding) still takes the re-check's pod: only a new measurement clears it.
+FABRIC_QUARANTINE_TOLERATION = {
+    "key": "supernode.io/unhealthy",
+    "operator": "Equal",
+    "value": "fabric",
+    "effect": "NoSchedule",
+}
+EFA_COUNTERS = "/sys/class/infiniband"
+# The ops pods' egress: DNS, and HTTPS to the Kubernetes API (the cluster's private endpoint), STS and
+# the AWS APIs their IRSA roles call; never the instance metadata service.
+HTTPS_AND_DNS_ONLY = {
+    "podSelector": {},
+    "policyTypes": ["Ingress", "Egress"],
+    "egress": [
+        {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+        {
+            "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}}],
+            "ports": [{"protocol": "TCP", "port": 443}],
+        },
+    ],
+}
+STACK_CONFIGMAP, STACK_MOUNT = "supernode-stack", "/etc/supernode-stack"
+RETENTION_SA = "checkpoint-retention"  # in the training namespace; its IAM role trusts this name
+DRILL_MOUNT = "/restore"  # the drill restores into FSx (drills/): a checkpoint may not fit a node's disk
+DCGM_NAMESPACE = SYSTEM_NAMESPACE  # where the add-ons (our DCGM exporter among them) run
+# The accelerator exporter's scrape job, named as its pods' app.kubernetes.io/name (components/addons/):
+PROMETHEUS_AGENT_FILE = "cwagent-prometheus.yaml"
+# The agent's two ConfigMaps, by the names AWS's manifest mounts: what to scrape, what becomes a metric.
+SCRAPE_CONFIGMAP, AGENT_CONFIGMAP = "prometheus-config", "prometheus-cwagentconfig"
+
+
+@dataclass(frozen=True)
+class OperationsArgs:
+    job: JobArgs  # the gate's: image, GPU nodes, plan, plan ConfigMap, priority class
+    workload: WorkloadConfig
+    pvc: pulumi.Input[str]  # the FSx claim in the training namespace
+    baseline_subpath: str  # the FSx directory exported to s3://BUCKET/baselines/
+    service_account: pulumi.Input[str]  # the trainer's (IRSA: reads the checkpoints in S3)
+    cluster_name: str
+    region: str
+    stack_file: str  # the stack's config as the restore drill reads it (stack_file())
+    bucket_name: pulumi.Input[str]  # the drill restores from it
+    # The IAM role of the CloudWatch agent's Prometheus scrape (identity.ServiceAccountRole).
+    metrics_agent_role_arn: pulumi.Input[str]
+    # IRSA of the node health agent (identity.node_health_agent_policy); None: no agent (Neuron nodes)
+    node_health_role_arn: pulumi.Input[str] | None
+    # IRSA of the checkpoint retention CronJob (identity.checkpoint_retention_policy)
+    retention_role_arn: pulumi.Input[str]
+    addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
+
+
+def stack_file(cfg: StackConfig) -> str:
+    """The config as a Pulumi.<stack>.yaml (what `supernode drill restore --config` reads)."""
+    return yaml.safe_dump({"config": {f"supernode:{k}": v for k, v in cfg.to_mapping().items()}}, sort_keys=False)
+
+
+def scraped_namespaces(scrape: dict[str, Any]) -> list[str]:
+    """Every namespace a Prometheus scrape configuration discovers pods in."""
+    return sorted(
+        {
+            n
+            for job in scrape["scrape_configs"]
+            for sd in job["kubernetes_sd_configs"]
+            for n in sd["namespaces"]["names"]
+        }
+    )
+
+
+def prometheus_scrape_config(training_namespace: str, exporter_job: str = DCGM_SCRAPE_JOB) -> dict[str, Any]:
+    """Prometheus scrape jobs: pods that ask for it by annotation in the training namespace, and the
+    accelerator exporter's pods (`exporter_job`: DCGM's, or neuron-monitor's). Namespace and Hostname
+    become labels (the metrics' dimensions)."""
+
+    def pods(job: str, namespace: str, keep: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "job_name": job,
+            "kubernetes_sd_configs": [{"role": "pod", "namespaces": {"names": [namespace]}}],
+            "relabel_configs": [
+                *keep,
+                {
+                    "source_labels": ["__address__", "__meta_kubernetes_pod_annotation_prometheus_io_port"],
+                    "action": "replace",
+                    "regex": r"([^:]+)(?::\d+)?;(\d+)",
+                    "replacement": "$1:$2",
+                    "target_label": "__address__",
+                },
+                {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "Namespace"},
+                {"source_labels": ["__meta_kubernetes_pod_node_name"], "target_label": "Hostname"},
+                {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod_name"},
+            ],
+        }
+
+    annotated = {
+        "source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_scrape"],
+        "action": "keep",
+        "regex": "true",
+    }
+    dcgm = {
+        "source_labels": ["__meta_kubernetes_pod_label_app_kubernetes_io_name"],
+        "action": "keep",
+        "regex": exporter_job,
+    }
+    return {
+        "global": {"scrape_interval": "1m", "scrape_timeout": "10s"},
+        "scrape_configs": [
+            pods(TRAINER_SCRAPE_JOB, training_namespace, [annotated]),
+            pods(exporter_job, DCGM_NAMESPACE, [dcgm, annotated]),
+        ],
+    }
+
+
+def cloudwatch_agent_config(cluster_name: str, region: str) -> dict[str, Any]:
+    return {
+        "agent": {"region": region},
+        "logs": {
+            "metrics_collected": {
+                "prometheus": {
+                    "cluster_name": cluster_name,
+                    "log_group_name": insights_log_group(cluster_name, "prometheus"),
+                    "prometheus_config_path": "/etc/prometheusconfig/prometheus.yaml",
+                    "emf_processor": {
+                        "metric_declaration_dedup": True,
+                        "metric_namespace": PROMETHEUS_NAMESPACE,
+                        "metric_declaration": METRIC_DECLARATIONS,
+                    },
+                }
+            },
+            "force_flush_interval": 5,
+        },
+    }
+
+
+_CRON_FIELDS = (  # (low, high, names) of minute, hour, day of month, month, day of week
+    (0, 59, ()),
+    (0, 23, ()),
+    (1, 31, ()),
+    (1, 12, ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC")),
+    (0, 7, ("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT")),
+)
+
+
+def _cron_field(text: str, low: int, high: int, names: tuple[str, ...]) -> set[int]:
+    def value(v: str) -> int:
+        v = v.upper()
+        return names.index(v) + low if v in names else int(v)
+
+    out: set[int] = set()
+    for part in text.split(","):
+        span, _, step = part.partition("/")
+        if span in ("*", "?"):
+            first, last = low, high
+        elif "-" in span:
+            first, last = (value(v) for v in span.split("-", 1))
+        else:
+            first = value(span)
+            last = high if step else first
+        if not (low <= first <= last <= high) or (step and int(step) < 1):
+            raise ValueError(f"{part!r} is outside {low}-{high}")
+        out.update(range(first, last + 1, int(step) if step else 1))
+    return out
+
+
+def longest_gap_s(schedule: str) -> int:
+    """The longest time between two runs of a CronJob schedule (minute hour day-of-month month
+    day-of-week, with names, ranges, lists and steps; a day matches either day field when both are
+    restricted, as cron's), over eight years from 2024, which a leap-day schedule needs."""
+    import datetime as dt
+
+    fields = schedule.split()
+    try:
+        if len(fields) != 5:
+            raise ValueError("five fields are needed")
+        minutes, hours, days, months, weekdays = (_cron_field(f, *spec) for f, spec in zip(fields, _CRON_FIELDS))
+    except ValueError as e:
+        raise ValueError(f"{schedule!r} is not a cron schedule: {e}") from None
+    weekdays = {d % 7 for d in weekdays}  # 7 is Sunday too
+    either = not fields[2].startswith(("*", "?")) and not fields[4].startswith(("*", "?"))
+    daily = sorted(h * 60 + m for h in hours for m in minutes)
+    gaps = [b - a for a, b in zip(daily, daily[1:])]
+    previous = None
+    start = dt.date(2024, 1, 1)
+    for offset in range(8 * 366):
+        day = start + dt.timedelta(days=offset)
+        dom, dow = day.day in days, (day.weekday() + 1) % 7 in weekdays
+        if day.month in months and ((dom or dow) if either else (dom and dow)):
+            if previous is not None:
+                gaps.append((offset - previous) * 1440 + daily[0] - daily[-1])
+            previous = offset
+    if previous is None or not gaps:
+        raise ValueError(f"{schedule!r} runs at most once in eight years")
+    return max(gaps) * 60
+
+
+def small(cpu: str, memory: str, cpu_limit: str, memory_limit: str) -> dict[str, Any]:
+    return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"cpu": cpu_limit, "memory": memory_limit}}
+
+
+RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+# A per-node agent's pod: its node's name, and nvidia-smi (and dcgmi) seeing the node's GPUs without
+# claiming any (the jobs own them all).
+GPU_OBSERVER_ENV = [
+    {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+    {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+    {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
+]
+
+
+def gpu_daemonset(
+    resource_name: str,
+    app: str,
+    namespace: pulumi.Input[str],
+    service_account: pulumi.Input[str],
+    gpu: GpuNodes,
+    container: dict[str, Any],
+    opts: pulumi.ResourceOptions,
+    volumes: list[dict[str, Any]] | None = None,
+) -> k8s.apps.v1.DaemonSet:
+    """One agent pod (`container`) on every GPU node, tolerating the node groups' taints and the node
+    health ones (the agents run on, and release, the nodes they quarantine)."""
+    labels = {"app.kubernetes.io/name": app}
+    return k8s.apps.v1.DaemonSet(
+        resource_name,
+        metadata=meta(app, namespace, labels),
+        spec={
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "serviceAccountName": service_account,
+                    "tolerations": gpu.daemon_tolerations(),
+                    "affinity": gpu.affinity(),
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [container],
+                    **({"volumes": volumes} if volumes else {}),
+                },
+            },
+        },
+        opts=opts,
+    )
+
+
+class Operations(pulumi.ComponentResource):
+    def __init__(self, name: str, args: OperationsArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("supernode:workload:Operations", name, None, opts)
+        self._child = pulumi.ResourceOptions(parent=self)
+        job, wl = args.job, args.workload
+        stack = job.plan.stack
+        store = BaselineStore(pvc=args.pvc, subpath=args.baseline_subpath, regression=wl.fabric_regression)
+
+        # Node health first: the fabric re-check records its verdict in the agents' namespace.
+        self.node_health, self.fabric_verdict = (
+            (None, None)
+            if args.node_health_role_arn is None
+            else self._node_health(name, job, wl, args.node_health_role_arn)
+        )
+        self.fabric_check = self._fabric_check(
+            name, job, wl, store, dns_name(stack, "fabric-check"), self.fabric_verdict
+        )
+        self.fabric_summary = k8s.core.v1.ConfigMap(
+            f"{name}-fabric-baseline",
+            metadata=meta("fabric-baseline", job.namespace),
+            data={"summary.json": json.dumps(self._summary(job, wl, args), indent=1)},
+            opts=self._child,
+        )
+        self.inventory = self._inventory(name, job.image, job.gpu_nodes, wl)
+        filename = f"Pulumi.{stack}.yaml"  # the stack's config, as the drill and the retention read it
+        stack_cm = k8s.core.v1.ConfigMap(
+            f"{name}-stack",
+            metadata=meta(STACK_CONFIGMAP, job.namespace),
+            data={filename: args.stack_file},
+            opts=self._child,
+        )
+        self.restore_drill = self._restore_drill(name, job, wl, args, stack, stack_cm, filename)
+        self.checkpoint_retention = self._checkpoint_retention(name, job, wl, args, stack, stack_cm, filename)
+        scrape = prometheus_scrape_config(wl.namespace, VENDORS[job.plan.hardware.vendor].scrape_job)
+        scrape_yaml = yaml.safe_dump(scrape, sort_keys=False)
+        agent_json = json.dumps(cloudwatch_agent_config(args.cluster_name, args.region), indent=1)
+        self.scrape_config = [
+            k8s.core.v1.ConfigMap(
+                f"{name}-prometheus-config",
+                metadata=meta(SCRAPE_CONFIGMAP, PROMETHEUS_AGENT.namespace),
+                data={"prometheus.yaml": scrape_yaml},
+                opts=self._child,
+            ),
+            k8s.core.v1.ConfigMap(
+                f"{name}-prometheus-cwagentconfig",
+                metadata=meta(AGENT_CONFIGMAP, PROMETHEUS_AGENT.namespace),
+                data={"cwagentconfig.json": agent_json},
+                opts=self._child,
+            ),
+        ]
+        self.prometheus_agent = self._prometheus_agent(
+            name, args, scraped_namespaces(scrape), (scrape_yaml, agent_json)
+        )
+        self.register_outputs(
+            {"fabric_check": self.fabric_check.metadata.name, "inventory": self.inventory.metadata.name}
+        )
+
+    @staticmethod
+    def _summary(job: JobArgs, wl: WorkloadConfig, args: OperationsArgs) -> dict[str, Any]:
+        """Where the baseline is and what it must cover; the baseline file itself names each node
+        (instance id, GPU and EFA device counts) and every pair's figures."""
+        plan = job.plan
+        return {
+            "baseline": FABRIC_BASELINE,
+            "fsx_directory": "/" + args.baseline_subpath,
+            "s3_prefix": f"{args.baseline_subpath}/fabric/",
+            "latest_report": f"{BASELINE_MOUNT}/fabric/latest.json",
+            "schedule": wl.fabric_check_schedule,
+            "regression": wl.fabric_regression,
+            "gate_floor_gbytes_s": plan.gate_floor_gbytes_s,
+            "nodes": plan.nodes,
+            "gpus_per_node": plan.pod.gpus,
+            "efa_per_node": plan.pod.efa,
+            "instance_type": plan.instance_type,
+            "rebaseline": f"delete {FABRIC_BASELINE} (and its S3 copy): the next check records a new one",
+        }
+
+    def _fabric_check(
+        self,
+        name: str,
+        job: JobArgs,
+        wl: WorkloadConfig,
+        store: BaselineStore,
+        service: str,
+        verdict: k8s.core.v1.ConfigMap | None,
+    ) -> k8s.batch.v1.CronJob:
+        """`verdict`: the ConfigMap the check records its verdict on each node in (None: no node agent reads it)."""
+        mesh = service
+        after = fabric_mesh(f"{name}-fabric", job, mesh, self)
+        template = fabric_pod_template(job, mesh, service, store, "latest.json")
+        if verdict is not None:
+            after += self._fabric_verdict_writer(name, job, verdict, template)
+        return k8s.batch.v1.CronJob(
+            f"{name}-fabric-check",
+            metadata=meta(service, job.namespace),
+            spec={
+                "schedule": wl.fabric_check_schedule,
+                "concurrencyPolicy": "Forbid",  # one fabric check at a time: two would measure each other
+                "successfulJobsHistoryLimit": 3,
+                "failedJobsHistoryLimit": 3,
+                # Kueue keeps the Job suspended until the pool has free quota for all of its pods.
+                "jobTemplate": {
+                    "metadata": {"labels": job_labels(job.plan, EXPERIMENTS)},
+                    "spec": fabric_job_spec(job, template),
+                },
+            },
+            opts=pulumi.ResourceOptions(parent=self, depends_on=after),
+        )
+
+    def _fabric_verdict_writer(
+        self, name: str, job: JobArgs, verdict: k8s.core.v1.ConfigMap, template: dict[str, Any]
+    ) -> list[pulumi.Resource]:
+        """The re-check's pods get a service account that may patch the verdict ConfigMap and nothing
+        else (no create, no list: Pulumi made it; resourceNames pins the one object), tolerate a node
+        quarantined for the fabric alone (so a check can clear it), and rank 0 records the verdict."""
+        child = self._child
+        sa = k8s.core.v1.ServiceAccount(f"{name}-fabric-check", metadata=meta(FABRIC_SA, job.namespace), opts=child)
+        role = k8s.rbac.v1.Role(
+            f"{name}-fabric-verdict",
+            metadata=meta("fabric-verdict-writer", verdict.metadata.namespace),
+            rules=[
+                {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [FABRIC_VERDICT], "verbs": ["patch"]}
+            ],
+            opts=child,
+        )
+        binding = k8s.rbac.v1.RoleBinding(
+            f"{name}-fabric-verdict",
+            metadata=meta("fabric-verdict-writer", verdict.metadata.namespace),
+            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name},
+            subjects=[{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": job.namespace}],
+            opts=child,
+        )
+        pod = template["spec"]
+        pod["serviceAccountName"] = sa.metadata.name
+        pod["automountServiceAccountToken"] = True  # rank 0 patches the verdict through the API
+        pod["tolerations"] = [*pod["tolerations"], FABRIC_QUARANTINE_TOLERATION]
+        [container] = pod["containers"]
+        container["args"] = [*container["args"], "--verdict-configmap", f"{NODE_HEALTH_NAMESPACE}/{FABRIC_VERDICT}"]
+        return [verdict, role, binding]
+
+    def _inventory(self, name: str, image: str, gpu: GpuNodes, wl: WorkloadConfig) -> k8s.apps.v1.DaemonSet:
+        """Own namespace: the training namespace's quota counts one job's pods, and PSA baseline suffices."""
+        child = self._child
+        ns = k8s.core.v1.Namespace(
+            f"{name}-ops-ns",
+            metadata=meta(
+                OPS_NAMESPACE,
+                labels={
+                    "pod-security.kubernetes.io/enforce": "baseline",
+                    "pod-security.kubernetes.io/warn": "restricted",
+                },
+            ),
+            opts=child,
+        ).metadata.name
+        sa = k8s.core.v1.ServiceAccount(f"{name}-inventory", metadata=meta(INVENTORY_SA, ns), opts=child)
+        # Create (keep the first record) and read the baselines: no update, so a baseline is never rewritten.
+        role = k8s.rbac.v1.Role(
+            f"{name}-inventory",
+            metadata=meta("inventory-baselines", ns),
+            rules=[{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "get"]}],
+            opts=child,
+        )
+        k8s.rbac.v1.RoleBinding(
+            f"{name}-inventory",
+            metadata=meta("inventory-baselines", ns),
+            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name},
+            subjects=[{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": ns}],
+            opts=child,
+        )
+        k8s.networking.v1.NetworkPolicy(
+            f"{name}-ops-policy",
+            metadata=meta("inventory", ns),
+            spec=HTTPS_AND_DNS_ONLY,
+            opts=child,
+        )
+        container = {
+            "name": "inventory",
+            "image": image,
+            "command": ["python", "-m", "supernode.trainer.node.inventory", "watch"],
+            "args": [
+                "--namespace",
+                OPS_NAMESPACE,
+                "--interval-s",
+                str(wl.inventory_interval_minutes * 60),
+                "--max-clock-offset-ms",
+                f"{wl.max_clock_offset_ms:g}",
+            ],
+            "env": GPU_OBSERVER_ENV,
+            "resources": small("50m", "256Mi", "500m", "1Gi"),
+            "securityContext": RESTRICTED,
+        }
+        return gpu_daemonset(
+            f"{name}-inventory",
+            "inventory",
+            ns,
+            sa.metadata.name,
+            gpu,
+            container,
+            pulumi.ResourceOptions(parent=self, depends_on=[role]),
+        )
+
+    def _node_health(
+        self, name: str, job: JobArgs, wl: WorkloadConfig, role_arn: pulumi.Input[str]
+    ) -> tuple[k8s.apps.v1.DaemonSet, k8s.core.v1.ConfigMap]:
+        """supernode.trainer.node.agent on every GPU node: taints, evicts and replaces a broken node.
+        With it, the (empty) fabric verdict ConfigMap the fabric re-check fills and the agents read."""
+        try:  # a verdict older than two fabric-check intervals is ignored
+            fabric_max_age_s = 2 * longest_gap_s(wl.fabric_check_schedule)
+        except ValueError as e:
+            raise pulumi.RunError(f"workload.fabricCheckSchedule: {e}") from None
+        child = self._child
+        ns = k8s.core.v1.Namespace(
+            f"{name}-node-health-ns",
+            metadata=meta(
+                NODE_HEALTH_NAMESPACE,
+                labels={
+                    "pod-security.kubernetes.io/enforce": "privileged",
+                    "pod-security.kubernetes.io/warn": "baseline",
+                },
+            ),
+            opts=child,
+        ).metadata.name
+        sa = k8s.core.v1.ServiceAccount(
+            f"{name}-node-health",
+            metadata=meta(NODE_HEALTH_SA, ns, annotations={"eks.amazonaws.com/role-arn": role_arn}),
+            opts=child,
+        )
+        subjects = [{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": ns}]
+        # Nodes are cluster-scoped: the one ClusterRole. Pods, evictions and events are namespaced Roles.
+        node_role = k8s.rbac.v1.ClusterRole(
+            f"{name}-node-health",
+            metadata=meta("supernode-node-health"),
+            rules=[{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}],
+            opts=child,
+        )
+        k8s.rbac.v1.ClusterRoleBinding(
+            f"{name}-node-health",
+            metadata=meta("supernode-node-health"),
+            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": node_role.metadata.name},
+            subjects=subjects,
+            opts=child,
+        )
+        # The fabric re-check patches it (only the data: Pulumi must not reset verdicts on `up`).
+        verdict = k8s.core.v1.ConfigMap(
+            f"{name}-fabric-verdict",
+            metadata=meta(FABRIC_VERDICT, ns),
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["data"]),
+        )
+        namespaced = {
+            # the training pods leave a broken node through the eviction API (it honours any PodDisruptionBudget
+            # a user adds; the stack ships none: an elastic job restarts smaller instead)
+            wl.namespace: (
+                wl.namespace,
+                [
+                    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                    {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
+                ],
+            ),
+            # a Node's events
+            "default": ("default", [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]),
+            # the fabric verdict, that one object (its namespace: the Role waits for the ConfigMap)
+            NODE_HEALTH_NAMESPACE: (
+                verdict.metadata.namespace,
+                [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [FABRIC_VERDICT], "verbs": ["get"]}],
+            ),
+        }
+        roles = []
+        for where, (namespace, rules) in namespaced.items():
+            role = k8s.rbac.v1.Role(
+                f"{name}-node-health-{where}",
+                metadata=meta("supernode-node-health", namespace),
+                rules=rules,
+                opts=child,
+            )
+            k8s.rbac.v1.RoleBinding(
+                f"{name}-node-health-{where}",
+                metadata=meta("supernode-node-health", namespace),
+                role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name},
+                subjects=subjects,
+                opts=child,
+            )
+            roles.append(role)
+        k8s.networking.v1.NetworkPolicy(
+            f"{name}-node-health-policy",
+            metadata=meta("node-health", ns),
+            spec=HTTPS_AND_DNS_ONLY,
+            opts=child,
+        )
+        gpu = job.gpu_nodes
+        container = {
+            "name": "node-health",
+            "image": job.image,
+            "command": ["python", "-m", "supernode.trainer.node.agent", "watch"],
+            "args": [
+                # only where a node has no node.kubernetes.io/instance-type label: each is judged as its own type
+                "--instance-type",
+                job.plan.instance_type,
+                "--evict-namespace",
+                wl.namespace,
+                "--fabric-verdict",
+                f"{NODE_HEALTH_NAMESPACE}/{FABRIC_VERDICT}",
+                "--fabric-max-age-s",
+                str(fabric_max_age_s),
+                "--unchecked-nodes",
+                wl.unchecked_nodes,
+            ],
+            "env": GPU_OBSERVER_ENV,
+            # dcgmi diag -r 2 runs once per node join: the limit leaves it room
+            "resources": small("100m", "256Mi", "1", "1Gi"),
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                # dmesg reads the kernel ring buffer through syslog(2), which kernel.dmesg_restrict=1 (the
+                # AL2023 AMI's setting) allows only with CAP_SYSLOG in the effective set. Kubernetes grants
+                # no ambient capabilities, so a non-root uid (the image's 10001) never has it effective:
+                # uid 0 with every capability dropped but SYSLOG, and an unreadable log is a check not run.
+                "runAsUser": 0,
+                "runAsNonRoot": False,
+                "capabilities": {"drop": ["ALL"], "add": ["SYSLOG"]},
+            },
+            "volumeMounts": [{"name": "infiniband", "mountPath": EFA_COUNTERS, "readOnly": True}],
+        }
+        agents = gpu_daemonset(
+            f"{name}-node-health",
+            "node-health",
+            ns,
+            sa.metadata.name,
+            gpu,  # tolerating its own quarantine taints: it releases the node it quarantined
+            container,
+            pulumi.ResourceOptions(parent=self, depends_on=[node_role, *roles]),
+            volumes=[{"name": "infiniband", "hostPath": {"path": EFA_COUNTERS, "type": "Directory"}}],
+        )
+        return agents, verdict
+
+    def _prometheus_agent(
+        self, name: str, args: OperationsArgs, namespaces: list[str], config: tuple[str, str]
+    ) -> pulumi.CustomResource:
+        """AWS's cwagent-prometheus on the two ConfigMaps above: its pod-reading ClusterRole bound only
+        in the namespaces the scrape discovers pods in; IRSA lets it write the Prometheus log group."""
+        objs = load_addon(PROMETHEUS_AGENT_FILE)
+        ns, child = PROMETHEUS_AGENT.namespace, self._child
+
+        def create(obj: dict[str, Any], suffix: str = "", namespace: str | None = ns) -> pulumi.CustomResource:
+            return addon_resource(
+                f"{name}-{obj['kind'].lower()}-{obj['metadata']['name']}{suffix}", obj, child, namespace
+            )
+
+        sa_obj = objs["ServiceAccount"]
+        sa_obj["metadata"]["name"] = PROMETHEUS_AGENT.name  # the account its IAM role trusts
+        sa_obj["metadata"]["annotations"] = {
+            "eks.amazonaws.com/role-arn": args.metrics_agent_role_arn,
+            "eks.amazonaws.com/sts-regional-endpoints": "true",
+        }
+        sa = create(sa_obj)
+        role = create(objs["ClusterRole"], namespace=None)
+        for scraped in namespaces:
+            binding = copy.deepcopy(objs["RoleBinding"])  # one per namespace
+            binding["roleRef"]["name"] = role.metadata.name
+            binding["subjects"][0].update(name=sa.metadata.name, namespace=ns)
+            create(binding, f"-{scraped}", namespace=scraped)
+        deployment = with_config_hash(with_images(objs["Deployment"], args.addon_images), *config)
+        pod = deployment["spec"]["template"]["spec"]
+        pod["serviceAccountName"] = sa.metadata.name
+        created = dict(zip((SCRAPE_CONFIGMAP, AGENT_CONFIGMAP), self.scrape_config))
+        for volume in pod["volumes"]:  # the agent starts after its configuration exists
+            volume["configMap"]["name"] = created[volume["configMap"]["name"]].metadata.name
+        return create(deployment)
+
+    def _restore_drill(
+        self,
+        name: str,
+        job: JobArgs,
+        wl: WorkloadConfig,
+        args: OperationsArgs,
+        stack: str,
+        cm: k8s.core.v1.ConfigMap,
+        filename: str,
+    ) -> k8s.batch.v1.CronJob:
+        container = {
+            "name": "restore-drill",
+            "image": job.image,
+            "command": ["supernode", "drill", "restore"],
+            "args": [
+                "--config",
+                f"{STACK_MOUNT}/{filename}",
+                "--bucket",
+                "$(BUCKET)",
+                "--dest",
+                f"{DRILL_MOUNT}/{stack}",
+                "--json",
+            ],
+            "env": [{"name": "BUCKET", "value": args.bucket_name}],
+            "resources": small("1", "4Gi", "2", "12Gi"),
+            "securityContext": RESTRICTED,
+            "volumeMounts": [
+                {"name": "stack", "mountPath": STACK_MOUNT, "readOnly": True},
+                {"name": "fsx", "mountPath": DRILL_MOUNT, "subPath": "drills"},
+            ],
+        }
+        pod = {
+            "restartPolicy": "Never",
+            "serviceAccountName": args.service_account,
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [container],
+            "volumes": [
+                {"name": "stack", "configMap": {"name": cm.metadata.name}},
+                {"name": "fsx", "persistentVolumeClaim": {"claimName": args.pvc}},
+            ],
+        }
+        # The fabric-mesh label gives the pod the namespace's HTTPS egress (S3, STS); no GPU, no taint toleration.
+        return k8s.batch.v1.CronJob(
+            f"{name}-restore-drill",
+            metadata=meta(dns_name(stack, "restore-drill"), job.namespace),
+            spec={
+                "schedule": wl.restore_drill_schedule,
+                "concurrencyPolicy": "Forbid",
+                "successfulJobsHistoryLimit": 3,
+                "failedJobsHistoryLimit": 3,
+                "jobTemplate": {
+                    "spec": {
+                        "backoffLimit": 0,
+                        "template": {"metadata": {"labels": {MESH_LABEL: "restore-drill"}}, "spec": pod},
+                    }
+                },
+            },
+            opts=self._child,
+        )
+
+    def _checkpoint_retention(
+        self,
+        name: str,
+        job: JobArgs,
+        wl: WorkloadConfig,
+        args: OperationsArgs,
+        stack: str,
+        cm: k8s.core.v1.ConfigMap,
+        filename: str,
+    ) -> k8s.batch.v1.CronJob:
+        """`supernode checkpoints --retain` on a schedule: no GPU, no FSx, only S3 through its own role."""
+        sa = k8s.core.v1.ServiceAccount(
+            f"{name}-checkpoint-retention",
+            metadata=meta(
+                RETENTION_SA,
+                job.namespace,
+                annotations={
+                    "eks.amazonaws.com/role-arn": args.retention_role_arn,
+                    "eks.amazonaws.com/sts-regional-endpoints": "true",
+                },
+            ),
+            opts=self._child,
+        )
+        container = {
+            "name": "checkpoint-retention",
+            "image": job.image,
+            "command": ["supernode", "checkpoints"],
+            "args": ["--config", f"{STACK_MOUNT}/{filename}", "--bucket", "$(BUCKET)", "--retain", "--json"],
+            "env": [{"name": "BUCKET", "value": args.bucket_name}],
+            "resources": small("100m", "256Mi", "1", "1Gi"),
+            "securityContext": {**RESTRICTED, "readOnlyRootFilesystem": True},
+            "volumeMounts": [{"name": "stack", "mountPath": STACK_MOUNT, "readOnly": True}],
+        }
+        pod = {
+            "restartPolicy": "Never",
+            "serviceAccountName": sa.metadata.name,
+            "securityContext": {
+                "seccompProfile": {"type": "RuntimeDefault"},
+                "runAsNonRoot": True,
+            },  # image: USER 10001
+            "containers": [container],
+            "volumes": [{"name": "stack", "configMap": {"name": cm.metadata.name}}],
+        }
+        # The fabric-mesh label gives the pod the namespace's HTTPS egress (S3, STS), as the drill's.
+        return k8s.batch.v1.CronJob(
+            f"{name}-checkpoint-retention",
+            metadata=meta(dns_name(stack, "checkpoint-retention"), job.namespace),
+            spec={
+                "schedule": wl.checkpoint_retention_schedule,
+                "concurrencyPolicy": "Forbid",  # two taggers would only repeat each other's work
+                "successfulJobsHistoryLimit": 3,
+                "failedJobsHistoryLimit": 3,
+                "jobTemplate": {
+                    "spec": {
+                        "backoffLimit": 2,  # a throttled S3 call is worth a retry; the tags are idempotent
+                        "template": {"metadata": {"labels": {MESH_LABEL: "checkpoint-retention"}}, "spec": pod},
+                    }
+                },
+            },
+            opts=self._child,
+        )

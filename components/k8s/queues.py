@@ -1,0 +1,386 @@
+"""Kueue: queues, quotas, gang admission and priorities for the GPU pools (issue 18, item 3).
+
+- Per GPU pool (the accelerator node groups of one accelerator, their `supernode.io/accelerator`
+  label), the Plan's pool arithmetic (supernode.core.pools, `Plan.pools`) written as quotas, never
+  recomputed (docs/architecture.md, "How training and serving share the accelerators"):
+  - training's ResourceFlavor and ClusterQueue `gpu-<acc>`: the training groups' nodes, spares
+    included (`supernode.io/gpu-role: training`), nominal quota = those nodes x the whole-node pod
+    shape (GPUs, EFA devices, CPU, memory, huge pages), so the quota is exactly the hardware they
+    buy; it lends at most what the elastic job can give up, its share less its spares and its
+    minimum (`lendingLimit`; training.minNodes), and takes lent quota back (`reclaimWithinCohort`),
+    so a training job waiting behind borrowed quota is re-admitted unaided;
+  - serving's ResourceFlavor and ClusterQueue `gpu-<acc>-serving` (where the stack serves): the
+    serving groups' nodes, its nominal quota; it never preempts across the cohort
+    (`borrowWithinCohort: Never`), and borrows only what training lends.
+  Kueue puts the admitted flavor's node labels into the pods' node selector, so neither lands on the
+  other's nodes (no fragmentation of the whole nodes the training job needs). One cohort.
+- A LocalQueue `gpu-<acc>` in each queued namespace: training's points at training's ClusterQueue,
+  serving's at serving's.
+- WorkloadPriorityClasses: serving > training > experiments (docs/architecture.md, "Operations").
+- A job names its LocalQueue and priority with labels (`job_labels`). Kueue admits a job as one
+  Workload: quota for all of its pods or none (no half-scheduled job holding GPUs); the controller's
+  waitForPodsReady evicts and requeues a job whose admitted pods do not all become ready.
+
+The controller (`KueueController`) is the pinned add-on file components/addons/kueue.yaml: its
+configuration turns on waitForPodsReady with blockAdmission, and its webhooks admit jobs and serving pods
+in the queued namespaces only. It comes first: everything its webhooks intercept (the jobs, the serving
+workload) and the queue objects themselves are created after it is ready, and deleted before it, so its
+finalizers are always removed. The CRDs are the trimmed schemas in components/crds/kueue-*.yaml, installed
+with the controller (it will not start without them), so the objects are validated against them
+(`supernode preview --manifests`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+import yaml
+
+from supernode.core.capacity import PodShape
+from supernode.core.catalog import CATALOG
+from supernode.core.config import AcceleratorNodeGroup
+from supernode.core.plan import Plan
+from supernode.core.pools import ROLE_LABEL
+from supernode.core.pools import Pool as PoolFigures
+
+from .addons import addon_resource, with_config_hash, with_images
+from .common import crd_kind, dns_name, load_addon, meta, pod_resources, shipped_crd
+
+KUEUE_API = "kueue.x-k8s.io/v1beta1"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+ACCELERATOR_LABEL = "supernode.io/accelerator"  # set on every GPU node by its node group
+COHORT = "supernode-gpu"
+# Every kind the controller watches (it will not start without their CRDs), the stack's objects' first.
+CRD_FILES = (
+    "kueue-resourceflavors.yaml",
+    "kueue-clusterqueues.yaml",
+    "kueue-localqueues.yaml",
+    "kueue-workloadpriorityclasses.yaml",
+    "kueue-workloads.yaml",
+    "kueue-admissionchecks.yaml",
+    "kueue-cohorts.yaml",
+)
+CONTROLLER_FILE = "kueue.yaml"  # its container `kueue` is its images.addons entry
+CONTROLLER_NAMESPACE = "kueue-system"  # where the file places its namespaced objects (and its configuration says)
+CONFIG_KEY = "controller_manager_config.yaml"  # the Configuration in the ConfigMap
+# Kueue priorities (higher first), which order work within a ClusterQueue: training and serving have
+# queues and quotas of their own (the Plan's pools), so neither preempts the other; experiments (ad-hoc
+# runs, the scheduled fabric check) yield to training on its nodes.
+PRIORITIES = {
+    "supernode-serving": (1000, "inference serving: its own quota (the serving node groups); preempts no training"),
+    "supernode-training": (500, "training jobs: preempt experiments; their quota is never serving's"),
+    "supernode-experiments": (100, "experiments and scheduled checks: run on free GPU nodes only"),
+}
+TRAINING, SERVING, EXPERIMENTS = "supernode-training", "supernode-serving", "supernode-experiments"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """GPU nodes of one accelerator, the quotas they give, and the Plan's arithmetic behind them."""
+
+    figures: PoolFigures  # Plan.pools: the devices, each side's min and max, the lending and borrowing limits
+    shapes: Mapping[str, PodShape]  # one whole-node pod of each role's nodes (a role has one node shape)
+
+    @property
+    def accelerator(self) -> str:
+        return self.figures.accelerator
+
+    @property
+    def name(self) -> str:
+        """Training's flavor and ClusterQueue, and the LocalQueue in every queued namespace."""
+        return queue_name(self.accelerator)
+
+    @property
+    def serving_name(self) -> str:
+        return f"{self.name}-serving"
+
+    @property
+    def serves(self) -> bool:
+        """Serving has a queue in this pool: its reserved nodes, or replicas to run."""
+        return bool(self.figures.serving_nodes or self.figures.serving_max)
+
+    def quota(self, role: str = "training") -> dict[str, str]:
+        """Nominal quota of a role's flavor: its nodes x its node's pod shape (Kubernetes quantities)."""
+        nodes = self.figures.training_nodes if role == "training" else self.figures.serving_nodes
+        shape = self.shapes.get(role, self.shapes["training"])  # no serving nodes: a quota of 0 of its kind
+        return pod_resources(shape.times(nodes))["requests"]
+
+
+def gpu_pools(groups: Sequence[AcceleratorNodeGroup], plan: Plan) -> list[Pool]:
+    """The plan's pools (by accelerator) with each role's node shape."""
+    shapes: dict[str, dict[str, tuple[str, PodShape]]] = {}
+    for g in groups:
+        hw = CATALOG[g.instance_type]
+        shape = PodShape.for_node(hw, plan.pod.hugepages_gib)
+        seen = shapes.setdefault(hw.accelerator, {}).get(g.role)
+        if seen is not None and seen[1] != shape:
+            raise pulumi.RunError(
+                f"node group {g.name}: {g.instance_type} gives a different node shape than the other "
+                f"{hw.accelerator} {g.role} group {seen[0]}; one Kueue flavor needs one node shape"
+            )
+        shapes[hw.accelerator].setdefault(g.role, (g.name, shape))
+    return [Pool(f, {role: shape for role, (_, shape) in shapes[f.accelerator].items()}) for f in plan.pools]
+
+
+def queue_name(accelerator: str) -> str:
+    """The pool's flavor and ClusterQueue, and its LocalQueue in every served namespace: gpu-h100."""
+    return dns_name("gpu", accelerator)
+
+
+def job_labels(plan: Plan, priority: str) -> dict[str, str]:
+    """The labels that put a job in its pool's LocalQueue at a priority."""
+    return {QUEUE_LABEL: queue_name(plan.hardware.accelerator), PRIORITY_LABEL: priority}
+
+
+def namespace_selector(namespaces: Sequence[str]) -> dict[str, Any]:
+    """The queued namespaces, by name: whom a ClusterQueue serves and whose jobs the controller manages."""
+    return {
+        "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(namespaces)}]
+    }
+
+
+def flavor_spec(pool: Pool, role: str) -> dict[str, Any]:
+    """A role's nodes of the pool: Kueue adds these labels to an admitted pod's node selector."""
+    return {"nodeLabels": {ACCELERATOR_LABEL: pool.accelerator, ROLE_LABEL: role}}
+
+
+def _resources(quota: Mapping[str, str], limits: Mapping[str, Mapping[str, int]]) -> list[dict[str, Any]]:
+    """A flavor's resources: nominal quotas, and the limits (lendingLimit, borrowingLimit) on some."""
+    return [{"name": r, "nominalQuota": q, **{k: v[r] for k, v in limits.items() if r in v}} for r, q in quota.items()]
+
+
+def cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
+    """Training's ClusterQueue: the training nodes' quota, lending what training can give up."""
+    quota = pool.quota("training")
+    device = pool.figures.device_resource
+    limits = {"lendingLimit": {device: pool.figures.training_lending_limit}} if pool.serves else {}
+    return {
+        "cohort": COHORT,
+        "namespaceSelector": namespace_selector(namespaces),
+        # A big job at the head does not block smaller ones that fit (they cannot starve it: it keeps
+        # its place, and preemption below frees nodes for higher priorities).
+        "queueingStrategy": "BestEffortFIFO",
+        "resourceGroups": [
+            {"coveredResources": list(quota), "flavors": [{"name": pool.name, "resources": _resources(quota, limits)}]}
+        ],
+        "preemption": {
+            "withinClusterQueue": "LowerPriority",
+            # Quota lent to serving comes back when training needs it: a training job waiting behind
+            # borrowed quota is re-admitted without a person.
+            "reclaimWithinCohort": "Any",
+            # Borrowed quota may be taken back only from experiments, never from training or serving.
+            "borrowWithinCohort": {"policy": "LowerPriority", "maxPriorityThreshold": PRIORITIES[EXPERIMENTS][0]},
+        },
+    }
+
+
+def serving_cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
+    """Serving's ClusterQueue: its reserved nodes' quota. Beyond it serving may only borrow what
+    training lends (training's lendingLimit: its share less its spares and its minimum, 0 when the
+    job is not elastic, so serving then scales out within its share)."""
+    quota = pool.quota("serving")
+    return {
+        "cohort": COHORT,
+        "namespaceSelector": namespace_selector(namespaces),
+        "queueingStrategy": "BestEffortFIFO",
+        "resourceGroups": [
+            {
+                "coveredResources": list(quota),
+                "flavors": [{"name": pool.serving_name, "resources": _resources(quota, {})}],
+            }
+        ],
+        "preemption": {
+            "withinClusterQueue": "LowerPriority",
+            "reclaimWithinCohort": "Any",  # its reserved share, should another queue ever borrow it
+            "borrowWithinCohort": {"policy": "Never"},  # scale-out never evicts training to borrow
+        },
+    }
+
+
+class TopLevelResource(pulumi.CustomResource):
+    """A custom resource with its fields at the top level, which k8s.apiextensions.CustomResource
+    (metadata and spec only) cannot send: a WorkloadPriorityClass has `value` and `description`."""
+
+    def __init__(
+        self, name: str, api_version: str, kind: str, metadata: dict, fields: dict, opts: pulumi.ResourceOptions
+    ):
+        super().__init__(
+            f"kubernetes:{api_version}:{kind}",
+            name,
+            {"apiVersion": api_version, "kind": kind, "metadata": metadata, **fields},
+            opts,
+        )
+
+
+def controller_configuration(namespaces: Sequence[str]) -> dict[str, Any]:
+    """The controller's Configuration as shipped, managing the jobs of the queued namespaces only."""
+    config = yaml.safe_load(load_addon(CONTROLLER_FILE)["ConfigMap"]["data"][CONFIG_KEY])
+    config["managedJobsNamespaceSelector"] = namespace_selector(namespaces)
+    return config
+
+
+def _intercepts_jobs(hook: dict[str, Any]) -> bool:
+    """A webhook on a workload kind (pods, jobs, ...), not on Kueue's own API."""
+    return any(group != KUEUE_API.split("/")[0] for rule in hook["rules"] for group in rule["apiGroups"])
+
+
+@dataclass(frozen=True)
+class KueueArgs:
+    namespaces: Sequence[str]  # the queued namespaces: training; serving when it exists
+    # images.addons: the `kueue` entry pins the controller by digest; without it, the file's tag.
+    images: Mapping[str, str] = field(default_factory=dict)
+
+
+class KueueController(pulumi.ComponentResource):
+    """Kueue's CRDs and controller-manager (components/addons/kueue.yaml) in a namespace of its own (its
+    Role reads the Secrets there: none but its certificate's). `ready`: the controller answers its
+    webhooks, and so admits what the queued namespaces create."""
+
+    def __init__(self, name: str, args: KueueArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("supernode:workload:Kueue", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        self.namespaces = sorted(args.namespaces)
+        self.crds = {
+            kind: shipped_crd(f"{name}-{kind.lower()}-crd", filename, child)
+            for kind, filename in ((crd_kind(f), f) for f in CRD_FILES)
+        }
+        self.namespace = k8s.core.v1.Namespace(
+            f"{name}-ns",
+            metadata=meta(
+                CONTROLLER_NAMESPACE,
+                labels={
+                    "pod-security.kubernetes.io/enforce": "restricted",
+                    "pod-security.kubernetes.io/warn": "restricted",
+                },
+            ),
+            opts=child,
+        )
+        ns = self.namespace.metadata.name
+        objs = load_addon(CONTROLLER_FILE)
+
+        def create(suffix: str, obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
+            namespace = ns if "namespace" in obj["metadata"] else None
+            return addon_resource(
+                f"{name}-{suffix}",
+                obj,
+                pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(**options)),
+                namespace,
+            )
+
+        account = create("sa", objs["ServiceAccount"])
+
+        def bind(binding: dict[str, Any], role: pulumi.CustomResource) -> dict[str, Any]:
+            binding["roleRef"]["name"] = role.metadata.name
+            for subject in binding["subjects"]:
+                subject.update(name=account.metadata.name, namespace=ns)
+            return binding
+
+        bindings = [
+            create("manager", bind(objs["ClusterRoleBinding"], create("manager", objs["ClusterRole"]))),
+            create("namespace", bind(objs["RoleBinding"], create("namespace", objs["Role"]))),
+        ]
+        # Kueue writes and rotates the certificate in this Secret, and injects its CA into both webhook
+        # configurations: Pulumi must not fight over either.
+        cert = create("webhook-cert", objs["Secret"], ignore_changes=["data"])
+        service = create("webhook", objs["Service"])
+        config = yaml.safe_dump(controller_configuration(self.namespaces), sort_keys=False)
+        config_map = create("config", {**objs["ConfigMap"], "data": {CONFIG_KEY: config}})
+        webhooks = []
+        for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+            for hook in objs[kind]["webhooks"]:
+                hook["clientConfig"]["service"].update(name=service.metadata.name, namespace=ns)
+                if _intercepts_jobs(hook):  # fails closed: only where jobs are queued
+                    hook["namespaceSelector"] = namespace_selector(self.namespaces)
+            webhooks.append(
+                create(
+                    kind.removesuffix("Configuration").lower(),
+                    objs[kind],
+                    ignore_changes=["webhooks[*].clientConfig.caBundle"],
+                )
+            )
+
+        # Its pods restart with a changed configuration (read once at start).
+        deployment = with_config_hash(with_images(objs["Deployment"], args.images), config)
+        pod = deployment["spec"]["template"]["spec"]
+        pod["serviceAccountName"] = account.metadata.name
+        for volume in pod["volumes"]:
+            if "configMap" in volume:
+                volume["configMap"]["name"] = config_map.metadata.name
+            if "secret" in volume:
+                volume["secret"]["secretName"] = cert.metadata.name
+        (container,) = pod["containers"]
+        self.version = container["image"].split("@", 1)[0].rsplit(":", 1)[1]
+        # After its CRDs, its rights and its webhook configurations: it reports ready once it has put its CA
+        # into them, so what their webhooks intercept may be created from then on.
+        self.deployment = create("controller", deployment, depends_on=[*self.crds.values(), *bindings, *webhooks])
+        self.ready: list[pulumi.Resource] = [self.deployment]
+        self.register_outputs({"namespaces": self.namespaces, "version": self.version})
+
+
+@dataclass(frozen=True)
+class QueuesArgs:
+    pools: Sequence[Pool]
+    kueue: KueueController  # its CRDs, the namespaces it queues (a LocalQueue per pool in each), its readiness
+    after: Sequence[pulumi.Resource] = ()  # the queued namespaces themselves
+    serving_namespace: str | None = None  # its LocalQueues feed serving's ClusterQueues; the others training's
+
+
+class Queues(pulumi.ComponentResource):
+    def __init__(self, name: str, args: QueuesArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("supernode:workload:Queues", name, None, opts)
+        kueue = args.kueue
+
+        def custom(
+            resource: str, kind: str, metadata: dict, after: Sequence[pulumi.Resource] = (), **body: Any
+        ) -> pulumi.CustomResource:
+            # After the controller: its webhooks admit these objects, and it removes their finalizers on delete.
+            opts = pulumi.ResourceOptions(parent=self, depends_on=[kueue.crds[kind], *kueue.ready, *after])
+            if set(body) == {"spec"}:
+                return k8s.apiextensions.CustomResource(
+                    resource, api_version=KUEUE_API, kind=kind, metadata=metadata, spec=body["spec"], opts=opts
+                )
+            return TopLevelResource(resource, KUEUE_API, kind, metadata, body, opts)
+
+        self.priority_classes = [
+            custom(f"{name}-{p}", "WorkloadPriorityClass", meta(p), value=value, description=text)
+            for p, (value, text) in PRIORITIES.items()
+        ]
+        serving_ns = [ns for ns in kueue.namespaces if ns == args.serving_namespace]
+        training_ns = [ns for ns in kueue.namespaces if ns != args.serving_namespace]
+        self.local_queues = []
+        self.cluster_queues = []
+        for pool in args.pools:
+            flavor = custom(
+                f"{name}-{pool.name}-flavor", "ResourceFlavor", meta(pool.name), spec=flavor_spec(pool, "training")
+            )
+            queues = [(pool.name, cluster_queue_spec(pool, training_ns), training_ns, [flavor])]
+            if serving_ns and pool.serves:
+                serving_flavor = custom(
+                    f"{name}-{pool.serving_name}-flavor",
+                    "ResourceFlavor",
+                    meta(pool.serving_name),
+                    spec=flavor_spec(pool, "serving"),
+                )
+                spec = serving_cluster_queue_spec(pool, serving_ns)
+                queues.append((pool.serving_name, spec, serving_ns, [serving_flavor, flavor]))
+            for cq_name, spec, namespaces, flavors in queues:
+                cq = custom(f"{name}-{cq_name}", "ClusterQueue", meta(cq_name), after=flavors, spec=spec)
+                self.cluster_queues.append(cq)
+                for ns in namespaces:
+                    self.local_queues.append(
+                        custom(
+                            f"{name}-{ns}-{pool.name}",
+                            "LocalQueue",
+                            meta(queue_name(pool.accelerator), ns),
+                            after=[cq, *args.after],
+                            spec={"clusterQueue": cq_name},
+                        )
+                    )
+        # What a queued job waits for: its LocalQueue and the priority classes it names.
+        self.ready: list[pulumi.Resource] = [*self.local_queues, *self.priority_classes]
+        self.register_outputs({"cluster_queues": [p.name for p in args.pools]})

@@ -1,0 +1,560 @@
+"""The serving workload: the serving backend (supernode.core.serving: vLLM) on the training run's
+export, sized by the Plan's inference plan.
+
+- **Where the weights come from.** `supernode export` writes the model directory to FSx at
+  `inference.weightsPrefix` (FSx is linked to the stack's bucket, so it is in S3 as well). An init
+  container copies it from the read-only FSx mount to the pod's local disk and verifies every file
+  against manifest.json (sha256; the manifest itself against `inference.manifestSha256` when set):
+  a mismatch fails the pod before the server starts (checklist item 7, the `serving-weights-verified`
+  policy). The server then reads the local copy offline (`HF_HUB_OFFLINE`: nothing is downloaded).
+- **Kind.** A Deployment when one replica (tp x pp GPUs) fits a node; a LeaderWorkerSet when it
+  spans nodes (one leader + workers per replica, scheduled as a group; CRD shipped in crds/).
+- **Health.** Startup, readiness and liveness probes on the backend's health path; a Service in front.
+- **Autoscaling.** An HPA (autoscaling/v2) between replicasMin and replicasMax on the pods metric
+  `vllm_requests_in_flight` (the backend's in-flight gauges, vLLM's `vllm:num_requests_running +
+  vllm:num_requests_waiting`, summed by a Prometheus adapter rule, `ADAPTER_RULE`), target
+  `targetRunningPerReplica`. Why HPA over KEDA: the HPA is core Kubernetes (validated against the
+  cluster's own schemas, no extra controller or CRD), and with an adapter it reads the same signal
+  KEDA's Prometheus scaler would.
+  The metric's path, installed with serving only (namespace `monitoring`, add-on files in
+  components/addons/): a one-replica Prometheus scraping the server's metrics on the serving pods alone
+  and keeping only the two gauges the rule reads (so its memory is a few series per pod), and
+  prometheus-adapter serving `custom.metrics.k8s.io` (APIService) from it with `ADAPTER_RULE` as
+  its only rule. Why not the CloudWatch agent's scrape, which already runs: the HPA reads the
+  custom metrics API, which only an adapter in the cluster serves, and CloudWatch's minute-scale
+  delivery would slow scaling; training health needs CloudWatch (one alerting path), the HPA does not.
+- **Sharing the GPU pool with training** (the rule, docs/architecture.md "How training and serving
+  share the accelerators"): serving runs on its reserved share of the pool (the `role: serving` node
+  groups), admitted by its own Kueue ClusterQueue (components/k8s/queues.py, from the Plan's
+  pool arithmetic); beyond that share it borrows only what training lends, which training reclaims.
+  Its PriorityClass never preempts (`preemptionPolicy: Never`): the kube-scheduler must not evict a
+  training pod to place a serving pod, only Kueue's quota decides. A ResourceQuota caps serving at
+  `gpuQuota` GPUs (default replicasMax x GPUs per replica).
+- **Access.** A NetworkPolicy admits only pods of `allowedClientNamespaces` (and the metrics
+  scraper) to the server port; egress is DNS and the replica's own pods only. A PodDisruptionBudget
+  keeps all but one replica up through node drains.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+import yaml
+
+from supernode.core.config.schema import Inference
+from supernode.core.inference import InferencePlan
+from supernode.core.observability import METRICS_SCRAPER_NAMESPACE
+from supernode.core.plan import Plan
+from supernode.core.pools import ROLE_LABEL
+from supernode.core.serving import BACKEND, MODELS_DIR, VERIFY_CONTAINER, ServerSpec
+
+from .addons import addon_resource, load_addon_objects, with_config_hash, with_images
+from .common import GpuNodes, dns_name, fsx_claim, gib, meta, shipped_crd
+
+PORT = 8000
+PRIORITY_CLASS = "supernode-serving"
+PRIORITY_VALUE = 200000  # above supernode-training (100000, namespace.py)
+FSX_MOUNT = "/fsx"
+VERIFY_CONFIGMAP = "weights-verify"
+MONITORING_NAMESPACE = "monitoring"  # the serving Prometheus and the adapter behind the HPA
+METRICS_NAMESPACES = (METRICS_SCRAPER_NAMESPACE, MONITORING_NAMESPACE)  # scrapers of /metrics
+PROMETHEUS_FILE, ADAPTER_FILE = "prometheus.yaml", "prometheus-adapter.yaml"
+PROMETHEUS_CONFIG, ADAPTER_CONFIG = "prometheus.yaml", "config.yaml"  # the files their Deployments read
+# The prometheus-adapter rule behind the HPA's metric: the backend's in-flight gauges, summed per pod.
+_IN_FLIGHT = " + ".join(f"{series}{{<<.LabelMatchers>>}}" for series in BACKEND.in_flight_series)
+ADAPTER_RULE = {
+    "seriesQuery": f'{BACKEND.in_flight_series[0]}{{namespace!="",pod!=""}}',
+    "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+    "name": {"as": BACKEND.in_flight_metric},
+    "metricsQuery": f"sum({_IN_FLIGHT}) by (<<.GroupBy>>)",
+}
+
+# Runs in the init container (the server image's Python, standard library only): each file is hashed as
+# it is copied (one read of FSx, not a copy and a re-read), several files at once (hashlib and file I/O
+# release the GIL): a 700 B model's 1.4 TB export is ~23 min of one core's sha256, ~3 min on 8.
+VERIFY_SCRIPT = r"""
+import concurrent.futures, hashlib, json, os, shutil, sys
+src, dst, pin = sys.argv[1], sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else "")
+def copy(name):
+    h = hashlib.sha256()
+    with open(os.path.join(src, name), "rb") as r, open(os.path.join(dst, name), "wb") as w:
+        for b in iter(lambda: r.read(1 << 24), b""):
+            h.update(b)
+            w.write(b)
+    return h.hexdigest()
+man = os.path.join(src, "manifest.json")
+if not os.path.isfile(man):
+    sys.exit(f"weights: no manifest.json in {src}")
+with open(man, "rb") as f:
+    got = hashlib.sha256(f.read()).hexdigest()
+if pin and got != pin:
+    sys.exit(f"weights: {man} sha256 {got} is not the pinned {pin}")
+files = json.load(open(man))["files"]
+os.makedirs(dst, exist_ok=True)
+names = sorted(files)
+# Plain names only (supernode.core.files.plain_name): a path would read or write outside the folders.
+bad = [n for n in names if not n or "/" in n or "\\" in n or "\0" in n or n in (".", "..")]
+if bad:
+    sys.exit(f"weights: manifest.json lists {bad[0]!r}, not a plain file name in the folder: not serving")
+with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+    for name, got in zip(names, pool.map(copy, names)):
+        if got != files[name]["sha256"]:
+            sys.exit(f"weights: {name} sha256 {got} does not match manifest.json ({files[name]['sha256']}): not serving")
+shutil.copyfile(man, os.path.join(dst, "manifest.json"))
+print(f"weights: {len(files)} files verified against manifest.json")
+"""
+
+
+@dataclass(frozen=True)
+class ServingArgs:
+    plan: Plan  # plan.inference: the inference plan (must be set)
+    inference: Inference
+    gpu_nodes: GpuNodes
+    fsx_id: pulumi.Input[str]
+    fsx_dns_name: pulumi.Input[str]
+    fsx_mount_name: pulumi.Input[str]
+    queue_labels: dict[str, str] | None = None  # Kueue LocalQueue and priority (components/k8s/queues.py)
+    addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
+
+
+def server_spec(ip: InferencePlan, name: str) -> ServerSpec:
+    """The server the inference plan sizes, on the verified weights (`supernode serve --local` fills the
+    same fields for this machine, supernode/tools/serve.py)."""
+    return ServerSpec(
+        model_dir=MODELS_DIR,
+        name=name,
+        dtype=ip.dtype,
+        max_seq_len=ip.max_seq_len,
+        max_concurrency=ip.max_concurrency,
+        tp=ip.tp,
+        pp=ip.pp,
+        # the planner's headroom rule: the server may use HBM less parallel.hbmHeadroom
+        memory_fraction=ip.usable_hbm_gib / ip.hbm_gib,
+        host="0.0.0.0",
+        port=PORT,
+    )
+
+
+def serving_scrape_config(namespace: str, pod_labels: Mapping[str, str]) -> dict[str, Any]:
+    """The serving Prometheus' one job: the server's metrics on PORT of the pods with the serving labels
+    in the serving namespace, keeping only the series ADAPTER_RULE reads, each labelled `namespace` and
+    `pod` (the rule's resource overrides)."""
+    selected = [
+        {
+            "source_labels": [f"__meta_kubernetes_pod_label_{re.sub(r'[^A-Za-z0-9_]', '_', k)}"],
+            "action": "keep",
+            "regex": re.escape(v),
+        }
+        for k, v in sorted(pod_labels.items())
+    ]
+    return {
+        "global": {"scrape_interval": "15s", "scrape_timeout": "10s"},  # the HPA re-reads every 15 s
+        "scrape_configs": [
+            {
+                "job_name": BACKEND.name,
+                "metrics_path": BACKEND.metrics_path,
+                "kubernetes_sd_configs": [{"role": "pod", "namespaces": {"names": [namespace]}}],
+                "relabel_configs": [
+                    *selected,
+                    # one target per pod: the server's port (the init container declares none)
+                    {
+                        "source_labels": ["__meta_kubernetes_pod_container_port_number"],
+                        "action": "keep",
+                        "regex": str(PORT),
+                    },
+                    {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+                    {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+                ],
+                "metric_relabel_configs": [
+                    {
+                        "source_labels": ["__name__"],
+                        "action": "keep",
+                        "regex": "|".join(map(re.escape, BACKEND.in_flight_series)),
+                    }
+                ],
+            }
+        ],
+    }
+
+
+def adapter_config() -> dict[str, Any]:
+    return {"rules": [ADAPTER_RULE]}
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": PORT},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
+
+
+class ServingWorkload(pulumi.ComponentResource):
+    def __init__(self, name: str, args: ServingArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("supernode:serving:ServingWorkload", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        plan, inf, ip = args.plan, args.inference, args.plan.inference
+        if ip is None:
+            raise ValueError("the plan has no inference plan (no inference section)")
+        hw = plan.hardware
+        ns_name = inf.namespace
+        app = dns_name(plan.stack, BACKEND.name)
+        labels = {"app.kubernetes.io/name": app, "app.kubernetes.io/component": "serving"}
+        gpus_per_pod = min(ip.gpus_per_replica, hw.accelerators)
+
+        self.namespace = k8s.core.v1.Namespace(
+            f"{name}-ns",
+            metadata=meta(
+                ns_name,
+                labels={
+                    "pod-security.kubernetes.io/enforce": "restricted",
+                    "pod-security.kubernetes.io/warn": "restricted",
+                },
+            ),
+            opts=child,
+        )
+        ns = self.namespace.metadata.name
+        self.priority_class = k8s.scheduling.v1.PriorityClass(
+            f"{name}-priority",
+            metadata=meta(PRIORITY_CLASS),
+            value=PRIORITY_VALUE,
+            global_default=False,
+            # Kueue's quotas decide who runs (serving's reserved share, what training lends); the scheduler
+            # evicting a training pod for a serving pod would strand the training job.
+            preemption_policy="Never",
+            description="inference serving: scheduled before training and experiments, preempting neither",
+            opts=child,
+        )
+        quota = inf.gpu_quota or ip.replicas_max * ip.gpus_per_replica
+        self.quota = k8s.core.v1.ResourceQuota(
+            f"{name}-quota",
+            metadata=meta("serving-gpus", ns),
+            spec={"hard": {"requests.nvidia.com/gpu": str(quota), "limits.nvidia.com/gpu": str(quota)}},
+            opts=child,
+        )
+
+        size = max(1, int(plan.inference.weights_gib * 1.2) + 1)
+        self.claim = fsx_claim(
+            name,
+            args.fsx_id,
+            args.fsx_dns_name,
+            args.fsx_mount_name,
+            ns_name,
+            "fsx-models",
+            gib(size),
+            read_only=True,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.namespace]),
+        )
+        self.verify_script = k8s.core.v1.ConfigMap(
+            f"{name}-verify", metadata=meta(VERIFY_CONFIGMAP, ns), data={"verify.py": VERIFY_SCRIPT}, opts=child
+        )
+
+        # Whole-node share of CPU and memory per GPU, requests = limits (Guaranteed QoS).
+        cpu = max(1, plan.pod.cpu * gpus_per_pod // max(1, hw.accelerators))
+        mem = max(4, int(plan.pod.memory_gib * gpus_per_pod / max(1, hw.accelerators)))
+        amounts = {"nvidia.com/gpu": str(gpus_per_pod), "cpu": str(cpu), "memory": gib(mem)}
+        secure = {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        small = {"cpu": "1", "memory": "2Gi"}
+        verify = {
+            "name": VERIFY_CONTAINER,
+            "image": inf.image,
+            "command": ["python3", "/verify/verify.py"],
+            "args": [f"{FSX_MOUNT}/{inf.weights_prefix.strip('/')}", MODELS_DIR]
+            + ([inf.manifest_sha256] if inf.manifest_sha256 else []),
+            "volumeMounts": [
+                {"name": "fsx", "mountPath": FSX_MOUNT, "readOnly": True},
+                {"name": "models", "mountPath": MODELS_DIR},
+                {"name": "verify", "mountPath": "/verify"},
+            ],
+            "resources": {"requests": small, "limits": small},
+            "securityContext": secure,
+        }
+        server = {
+            "name": BACKEND.name,
+            "image": inf.image,
+            "command": BACKEND.command(),
+            "args": BACKEND.flags(server_spec(ip, app)),
+            "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "HOME", "value": "/tmp"}],
+            "ports": [{"name": "http", "containerPort": PORT}],
+            "startupProbe": _probe(BACKEND.health_path, 10, 180),  # up to 30 min to load large weights
+            "readinessProbe": _probe(BACKEND.health_path, 5, 3),
+            "livenessProbe": _probe(BACKEND.health_path, 10, 6),
+            "resources": {"requests": amounts, "limits": dict(amounts)},
+            "volumeMounts": [
+                {"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
+                {"name": "shm", "mountPath": "/dev/shm"},
+                {"name": "tmp", "mountPath": "/tmp"},
+            ],
+            "securityContext": secure,
+        }
+        pod_labels = {**labels, **(args.queue_labels or {})}
+        template = {
+            "metadata": {
+                "labels": pod_labels,
+                "annotations": {
+                    "prometheus.io/scrape": "true",
+                    "prometheus.io/port": str(PORT),
+                    "prometheus.io/path": BACKEND.metrics_path,
+                },
+            },
+            "spec": {
+                "priorityClassName": PRIORITY_CLASS,
+                "initContainers": [verify],
+                "containers": [server],
+                "automountServiceAccountToken": False,
+                "terminationGracePeriodSeconds": 60,
+                "securityContext": {
+                    "runAsNonRoot": True,
+                    "fsGroup": 1000,
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+                "tolerations": args.gpu_nodes.tolerations(),
+                # Serving's reserved share only (Kueue's flavor says the same once admitted).
+                "affinity": args.gpu_nodes.affinity([{"key": ROLE_LABEL, "operator": "In", "values": ["serving"]}]),
+                "volumes": [
+                    {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-models", "readOnly": True}},
+                    {"name": "models", "emptyDir": {"sizeLimit": gib(size)}},
+                    {"name": "verify", "configMap": {"name": VERIFY_CONFIGMAP}},
+                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+                    {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}},
+                ],
+            },
+        }
+        workload_meta = meta(app, ns, labels={**labels, **(args.queue_labels or {})})
+        depends = pulumi.ResourceOptions(
+            parent=self, depends_on=[self.priority_class, self.quota, self.claim, self.verify_script]
+        )
+        if ip.workload_kind == "Deployment":
+            self.server = k8s.apps.v1.Deployment(
+                f"{name}-server",
+                metadata=workload_meta,
+                spec={
+                    "replicas": ip.replicas_min,
+                    "selector": {"matchLabels": labels},
+                    "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                    "template": template,
+                },
+                opts=depends,
+            )
+            target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": app}
+        else:
+            self.crd = shipped_crd(f"{name}-lws-crd", "leaderworkerset.yaml", child)
+            self.server = k8s.apiextensions.CustomResource(
+                f"{name}-server",
+                api_version="leaderworkerset.x-k8s.io/v1",
+                kind="LeaderWorkerSet",
+                metadata=workload_meta,
+                spec={
+                    "replicas": ip.replicas_min,
+                    "startupPolicy": "LeaderReady",
+                    "leaderWorkerTemplate": {
+                        "size": ip.pods_per_replica,
+                        "restartPolicy": "RecreateGroupOnPodRestart",
+                        "leaderTemplate": template,
+                        "workerTemplate": _worker(template),
+                    },
+                },
+                opts=pulumi.ResourceOptions(
+                    parent=self, depends_on=[self.crd, self.priority_class, self.quota, self.claim, self.verify_script]
+                ),
+            )
+            target = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": app}
+
+        self.service = k8s.core.v1.Service(
+            f"{name}-svc",
+            metadata=meta(app, ns, labels=labels),
+            spec={
+                "type": "ClusterIP",
+                "selector": labels,
+                "ports": [{"name": "http", "port": PORT, "targetPort": PORT}],
+            },
+            opts=child,
+        )
+        self.metrics_api = self._autoscaling_metrics(name, args, ns, labels)
+        self.hpa = k8s.autoscaling.v2.HorizontalPodAutoscaler(
+            f"{name}-hpa",
+            metadata=meta(app, ns, labels=labels),
+            spec={
+                "scaleTargetRef": target,
+                "minReplicas": ip.replicas_min,
+                "maxReplicas": ip.replicas_max,
+                "metrics": [
+                    {
+                        "type": "Pods",
+                        "pods": {
+                            "metric": {"name": BACKEND.in_flight_metric},
+                            "target": {"type": "AverageValue", "averageValue": str(inf.target_running_per_replica)},
+                        },
+                    }
+                ],
+                # Loading weights takes minutes: scale up promptly, scale down slowly.
+                "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
+            },
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.metrics_api]),
+        )
+        self.pdb = k8s.policy.v1.PodDisruptionBudget(
+            f"{name}-pdb",
+            metadata=meta(app, ns, labels=labels),
+            spec={"maxUnavailable": 1, "selector": {"matchLabels": labels}},
+            opts=child,
+        )
+        peers = [{"podSelector": {"matchLabels": labels}}]  # the replica's own pods (LeaderWorkerSet groups)
+        self.network_policy = k8s.networking.v1.NetworkPolicy(
+            f"{name}-netpol",
+            metadata=meta(app, ns, labels=labels),
+            spec={
+                "podSelector": {"matchLabels": labels},
+                "policyTypes": ["Ingress", "Egress"],
+                "ingress": [
+                    {
+                        "from": [
+                            {
+                                "namespaceSelector": {
+                                    "matchExpressions": [
+                                        {
+                                            "key": "kubernetes.io/metadata.name",
+                                            "operator": "In",
+                                            "values": sorted({*inf.allowed_client_namespaces, *METRICS_NAMESPACES}),
+                                        }
+                                    ]
+                                }
+                            }
+                        ],
+                        "ports": [{"protocol": "TCP", "port": PORT}],
+                    },
+                    {"from": peers},
+                ],
+                "egress": [
+                    {
+                        "to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+                        "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+                    },
+                    {"to": peers},
+                ],
+            },
+            opts=child,
+        )
+        self.outputs = {
+            "serving_namespace": ns,
+            "serving_service": self.service.metadata.name,
+            "serving_kind": ip.workload_kind,
+        }
+        self.register_outputs(self.outputs)
+
+    def _autoscaling_metrics(
+        self, name: str, args: ServingArgs, serving_ns: pulumi.Input[str], pod_labels: Mapping[str, str]
+    ) -> pulumi.CustomResource:
+        """The serving Prometheus and prometheus-adapter (namespace `monitoring`) from their add-on files,
+        each object's references pointed at the created objects (so Pulumi orders them), the images of
+        supernode:images.addons, and each Deployment's ConfigMap built here. Returns the APIService."""
+        child = pulumi.ResourceOptions(parent=self)
+        mon = k8s.core.v1.Namespace(
+            f"{name}-monitoring-ns",
+            metadata=meta(
+                MONITORING_NAMESPACE,
+                labels={
+                    "pod-security.kubernetes.io/enforce": "restricted",
+                    "pod-security.kubernetes.io/warn": "restricted",
+                },
+            ),
+            opts=child,
+        ).metadata.name
+        # The files place objects in `monitoring`, the serving namespace (as "serving") or kube-system.
+        namespaces = {MONITORING_NAMESPACE: mon, "serving": serving_ns}
+
+        def create(obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
+            md = obj["metadata"]
+            return addon_resource(
+                f"{name}-{obj['kind'].lower()}-{md['name'].replace(':', '-')}",
+                obj,
+                pulumi.ResourceOptions(parent=self, **options),
+                namespaces.get(md.get("namespace", "")),
+            )
+
+        def install(filename: str, config: str, data: str) -> dict[str, Any]:
+            """Creates the file's service account, roles and bindings, and the Deployment's ConfigMap
+            (`data` as its file `config`); returns the file's objects by kind, the Deployment patched
+            (service account, image, configuration) for the caller to create with the rest."""
+            loaded = load_addon_objects(filename)
+            objs = {o["kind"]: o for o in loaded}  # by kind, for the kinds of one object in the file
+            sa = create(objs["ServiceAccount"])
+            roles = {o["metadata"]["name"]: create(o) for o in loaded if o["kind"] == "ClusterRole"}
+            for o in loaded:
+                if o["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+                    ref = o["roleRef"]  # ours by their created names; the cluster's (system:...) as named
+                    ref["name"] = roles[ref["name"]].metadata.name if ref["name"] in roles else ref["name"]
+                    for subject in o["subjects"]:
+                        subject.update(name=sa.metadata.name, namespace=mon)
+                    create(o)
+            deployment = with_config_hash(with_images(objs["Deployment"], args.addon_images), data)
+            pod = deployment["spec"]["template"]["spec"]
+            pod["serviceAccountName"] = sa.metadata.name
+            [volume] = [v for v in pod["volumes"] if "configMap" in v]
+            cm = k8s.core.v1.ConfigMap(
+                f"{name}-{volume['configMap']['name']}",
+                data={config: data},
+                metadata=meta(volume["configMap"]["name"], mon),
+                opts=child,
+            )
+            volume["configMap"]["name"] = cm.metadata.name
+            return objs
+
+        prometheus = install(
+            PROMETHEUS_FILE,
+            PROMETHEUS_CONFIG,
+            yaml.safe_dump(serving_scrape_config(args.inference.namespace, pod_labels), sort_keys=False),
+        )
+        self.prometheus = create(prometheus["Deployment"])
+        svc, port = create(prometheus["Service"]), prometheus["Service"]["spec"]["ports"][0]["port"]
+
+        adapter = install(ADAPTER_FILE, ADAPTER_CONFIG, yaml.safe_dump(adapter_config(), sort_keys=False))
+        [server] = adapter["Deployment"]["spec"]["template"]["spec"]["containers"]
+        server["args"] = [
+            pulumi.Output.concat("--prometheus-url=http://", svc.metadata.name, ".", mon, f".svc:{port}/")
+            if a.startswith("--prometheus-url=")
+            else a
+            for a in server["args"]
+        ]
+        self.adapter = create(adapter["Deployment"])
+        adapter_svc = create(adapter["Service"])
+        # Only the adapter reads Prometheus. (The API server reaches the adapter from the control plane.)
+        k8s.networking.v1.NetworkPolicy(
+            f"{name}-prometheus-netpol",
+            metadata=meta("prometheus", mon),
+            spec={
+                "podSelector": {"matchLabels": prometheus["Deployment"]["spec"]["selector"]["matchLabels"]},
+                "policyTypes": ["Ingress"],
+                "ingress": [
+                    {
+                        "from": [
+                            {"podSelector": {"matchLabels": adapter["Deployment"]["spec"]["selector"]["matchLabels"]}}
+                        ],
+                        "ports": [{"protocol": "TCP", "port": port}],
+                    }
+                ],
+            },
+            opts=child,
+        )
+        api = adapter["APIService"]
+        api["spec"]["service"].update(name=adapter_svc.metadata.name, namespace=mon)
+        return create(api, depends_on=[self.adapter])
+
+
+def _worker(template: dict[str, Any]) -> dict[str, Any]:
+    """A LeaderWorkerSet worker: the same pod (vLLM's workers join the leader's Ray cluster), without
+    the HTTP probes, which only the leader answers."""
+    spec = dict(template["spec"])
+    spec["containers"] = [{k: v for k, v in c.items() if not k.endswith("Probe")} for c in spec["containers"]]
+    return {**template, "spec": spec}

@@ -1,0 +1,941 @@
+"""Deployment checklist items 1-9: the hardware, the plan and the workload agree before training starts.
+
+Each check reads resources and, where the item is about the job, the Plan as the job will read it
+(the plan ConfigMap). A check whose resources are not in the stack has nothing to say (a stack
+without GPU node groups needs no placement group); what must exist is anchored to what it serves
+(a trainer job needs the gate, the plan ConfigMap and the DCGM exporter; an FSx file system needs
+its data repository association).
+"""
+
+from __future__ import annotations
+
+from pulumi_policy import EnforcementLevel
+from pydantic import ValidationError
+
+from supernode.core import capacity as cap
+from supernode.core.catalog import CATALOG, EFA_INTERFACE_TYPES, InstanceType, gate_floor_gbytes_s
+from supernode.core.config import DIGEST_RE, FsxConfig
+from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH
+from supernode.core.pools import GRACE_MARGIN_S, ROLE_LABEL
+from supernode.core.resource_types import (
+    BUCKET,
+    BUCKET_LIFECYCLE,
+    COMPUTE_DOMAIN,
+    DAEMON_SET,
+    EKS_CLUSTER,
+    FSX_DRA,
+    FSX_LUSTRE,
+    IAM_ATTACHMENT,
+    IAM_POLICY,
+    IAM_ROLE,
+    IAM_ROLE_POLICY,
+    LOG_GROUP,
+    METRIC_ALARM,
+    PLACEMENT_GROUP,
+    SECURITY_GROUP,
+    SG_EGRESS,
+    SG_INGRESS,
+    SG_RULE,
+)
+from supernode.core.vendors import VENDORS
+
+from .base import Report, ResourcePolicy, StackPolicy
+from .settings import ApprovedInstances, CheckpointThroughput, Data, Gate, Lifecycle, LogRetention
+from .view import (
+    EFA_RESOURCE,
+    Res,
+    Stack,
+    as_list,
+    containers,
+    get,
+    is_fabric_check,
+    is_true,
+    items,
+    json_doc,
+    mounts_config_map,
+    pod_specs,
+    resource_quantity,
+    statements,
+)
+
+ADVISORY = EnforcementLevel.ADVISORY
+
+
+def _node_count(ng: Res) -> int:
+    return int(ng.get("scalingConfig", "desiredSize", default=0))
+
+
+# -- 1. accelerators ------------------------------------------------------------------------------
+
+
+def _approved(stack: Stack, conf: ApprovedInstances, report: Report) -> None:
+    for ng in stack.gpu_node_groups():
+        itype = stack.instance_type_of(ng)
+        if itype not in conf.approved_instance_types:
+            report(
+                ng,
+                f"{ng.label} uses instance type {itype!r}, which is not approved for GPU node groups. "
+                f"Fix: use one of {', '.join(conf.approved_instance_types)} "
+                f"(supernode:acceleratorNodeGroups[].instanceType).",
+            )
+
+
+def _role(ng: Res) -> str:
+    """The node group's role (its supernode.io/gpu-role label): training unless it says serving."""
+    return str(ng.get("labels", ROLE_LABEL, default="training"))
+
+
+def _world_size(stack: Stack, _conf: None, report: Report) -> None:
+    # Serving's reserved groups are outside the world (pools-add-up checks them).
+    plan, groups = stack.plan(), [ng for ng in stack.gpu_node_groups() if _role(ng) == "training"]
+    if plan is None or not groups:
+        return
+    parts, total = [], 0
+    for ng in groups:
+        itype = stack.instance_type_of(ng)
+        per_node = CATALOG[itype].accelerators if itype in CATALOG else 0
+        total += _node_count(ng) * per_node
+        parts.append(f"{ng.name}: {_node_count(ng)} x {per_node}")
+    # The groups also run the plan's spare nodes (outside the world, standing by for a failed one).
+    expected = plan.world_size + plan.spare_accelerators
+    if total != expected:
+        spares = f" and {plan.spare_accelerators} spare accelerators" if plan.spare_accelerators else ""
+        report(
+            stack.plan_config_map(),
+            f"GPU node groups provide {total} accelerators ({', '.join(parts)}) but the plan in "
+            f"{stack.plan_config_map().label} runs world size {plan.world_size}{spares}. Fix: size the node "
+            f"groups from the plan (supernode:acceleratorNodeGroups[].nodes and .spares) or change the "
+            "parallel degrees.",
+        )
+
+
+def _pools(stack: Stack, _conf: None, report: Report) -> None:
+    """Training and serving share the accelerators without stranding either (supernode.core.pools):
+    the node groups give each pool the devices the plan counted, and the plan's arithmetic adds up."""
+    plan = stack.plan()
+    if plan is None:
+        return
+    cm = stack.plan_config_map()
+    for pool in plan.pools:
+        # Training's groups against the world are accelerators-match-world-size's; serving's share here.
+        serving = 0
+        for ng in stack.gpu_node_groups():
+            itype = stack.instance_type_of(ng)
+            if _role(ng) == "serving" and itype in CATALOG and CATALOG[itype].accelerator == pool.accelerator:
+                serving += _node_count(ng) * CATALOG[itype].chips
+        if stack.gpu_node_groups() and serving != pool.serving_devices:
+            report(
+                cm,
+                f"pool {pool.accelerator}: the serving node groups give {serving} {pool.noun}, but the plan in "
+                f"{cm.label} counted {pool.serving_devices} for serving's share. Fix: deploy the plan's node "
+                f"groups (supernode:acceleratorNodeGroups[].nodes with role: serving).",
+            )
+        if not pool.adds_up:
+            report(
+                cm,
+                f"{pool.reason}. Training's minimum and serving's minimum must fit the pool together, or "
+                f"serving's first replica evicts the training job for good. Fix: give serving its own share, "
+                f"a node group with role: serving of at least {pool.serving_min} {pool.noun} "
+                f"(supernode:acceleratorNodeGroups[].role), or lower supernode:inference.replicasMin.",
+            )
+
+
+# -- 2. memory fit --------------------------------------------------------------------------------
+
+
+def _elastic_fit(stack: Stack, _conf: None, report: Report) -> None:
+    """Every node count the elastic job may run on (training.minNodes to the planned nodes) has a
+    layout that fits memory: the plan's verdict per world (Plan.elastic), never recomputed here. The
+    planned world is memory-fit's."""
+    plan = stack.plan()
+    if plan is None:
+        return
+    cm = stack.plan_config_map()
+    for e in plan.elastic:
+        if not e.fits and e.world_size != plan.world_size:
+            report(
+                cm,
+                f"the elastic job may run on {e.nodes} nodes (world {e.world_size}; training.minNodes "
+                f"{plan.min_nodes} to {plan.nodes} nodes) but the plan in {cm.label} has no layout there that "
+                f"fits: {e.reason}. Fix: raise supernode:training.minNodes above {e.nodes}, or change the "
+                "parallel degrees so that world runs (`supernode plan` lists every node count).",
+            )
+
+
+def _memory_fit(stack: Stack, _conf: None, report: Report) -> None:
+    # The plan's own verdict (`fits`, within HBM less parallel.hbmHeadroom), never recomputed here, so
+    # `supernode plan`, its suggestions and this policy give one answer, in the same figures.
+    plan = stack.plan()
+    if plan is None:
+        return
+    cm, topo = stack.plan_config_map(), plan.topology
+    # Item 2's global address space: one replica's state against its shard group's aggregate HBM.
+    domain = ""
+    if not topo.replica_fits:
+        shard, rank, link = plan.degrees.shard_group, plan.hardware.rank_noun, plan.hardware.link_name
+        domain = (
+            f"One replica's training state is {topo.replica_state_gib:,.0f} GiB but its {shard} shard-group "
+            f"{rank}s ({topo.replica_domains} {link} domain(s) of {topo.domain_gpus} {rank}s, "
+            f"{topo.domain_hbm_gib:,.0f} GiB each) hold {shard * plan.usable_hbm_gib:,.0f} GiB usable. "
+        )
+    if not plan.fits:
+        hint = ""
+        if plan.suggestions:
+            s = plan.suggestions[0]
+            hint = (
+                f" e.g. dpReplicate {s.dp_replicate}, dpShard {s.dp_shard}, tp {s.tp}, ep {s.ep}, pp {s.pp}, "
+                f"activationCheckpointing {s.activation_checkpointing}, training.microBatch {s.micro_batch} "
+                f"({s.memory_gib} GiB);"
+            )
+        report(
+            cm,
+            f"the plan in {cm.label} needs {plan.memory_per_rank_gib:.1f} GiB per rank but {plan.instance_type} "
+            f"has {plan.hbm_gib:.1f} GiB, {plan.usable_hbm_gib:.1f} GiB with {plan.parallel.hbm_headroom:.0%} "
+            f"headroom: over by {plan.over_by_gib:.1f} GiB. {domain}Fix: change the layout (supernode:parallel);"
+            f"{hint} or use more activation checkpointing, a smaller microBatch, more nodes or larger-memory "
+            f"GPUs (`supernode plan` lists layouts that fit).",
+        )
+    elif domain:  # per-rank fit implies this; a plan saying otherwise was not built by this planner
+        report(
+            cm,
+            f"the plan in {cm.label}: {domain}Fix: shard over more GPUs (supernode:parallel.dpShard up, "
+            f"dpReplicate down) or add UltraServers / nodes.",
+        )
+    # The plan's verdict holds only on the GPU it was sized for: nodes with less HBM void it.
+    for ng in stack.gpu_node_groups():
+        itype = stack.instance_type_of(ng)
+        if itype in CATALOG and CATALOG[itype].hbm_gib < plan.hbm_gib:
+            report(
+                ng,
+                f"{ng.label} runs {itype} with {CATALOG[itype].hbm_gib:.1f} GiB HBM per GPU, but the plan in "
+                f"{cm.label} was sized for {plan.instance_type} with {plan.hbm_gib:.1f} GiB, so its memory fit "
+                f"does not hold there. Fix: plan for the deployed instance type "
+                f"(supernode:acceleratorNodeGroups[].instanceType) and regenerate the plan ConfigMap.",
+            )
+
+
+# -- 3. interconnect ------------------------------------------------------------------------------
+
+
+def _instance_type_for_template(stack: Stack, lt: Res) -> str | None:
+    if lt.get("instanceType"):
+        return lt.get("instanceType")
+    for ng in stack.gpu_node_groups():
+        if stack.launch_template_of(ng) is lt:
+            return stack.instance_type_of(ng)
+    return None
+
+
+def _efa_interfaces(stack: Stack, _conf: None, report: Report) -> None:
+    for lt in stack.gpu_launch_templates():
+        itype = _instance_type_for_template(stack, lt)
+        if itype not in CATALOG:
+            continue  # unapproved types are item 1's finding
+        hw = CATALOG[itype]
+        want = hw.efa_cards
+        efa = [ni for ni in items(lt.get("networkInterfaces")) if get(ni, "interfaceType") in EFA_INTERFACE_TYPES]
+        cards = sorted({int(get(ni, "networkCardIndex", default=0)) for ni in efa})
+        if len(efa) != len(want) or cards != want:
+            report(
+                lt,
+                f"{lt.label} ({itype}) has {len(efa)} EFA interfaces on network cards {cards}; {itype} has "
+                f"{hw.efa_interfaces} EFA-capable network cards and needs one EFA interface on each "
+                f"({want[0]}..{want[-1]}), else NCCL loses bandwidth. Fix: build networkInterfaces from "
+                f"the catalog's layout (supernode.core.catalog: {itype} network_interfaces).",
+            )
+
+
+def _nvlink_domain(stack: Stack, _conf: None, report: Report) -> None:
+    """On a multi-node NVLink domain (GB200 UltraServers) every EP and TP group stays inside one domain,
+    and each job claims the IMEX channel of its own ComputeDomain (without it NCCL cannot use NVLink
+    between the domain's nodes)."""
+    plan = stack.plan()
+    # Trainium keeps EP and TP inside its NeuronLink domain on every instance type (the planner refuses
+    # otherwise); GPUs are checked where the domain spans nodes.
+    neuron = plan is not None and plan.hardware.vendor == "neuron"
+    if plan is None or (plan.topology.nodes_per_domain <= 1 and not neuron):
+        return
+    cm, topo, hw = stack.plan_config_map(), plan.topology, plan.hardware
+    for dim, key in (("ep", "ep"), ("tp", "tp")):
+        g = topo.group(dim)
+        if not g.inside_domain:
+            report(
+                cm,
+                f"the plan in {cm.label} puts each {dim} group of {g.size} {hw.rank_noun}s across {g.domains} "
+                f"{hw.link_name} domains of {topo.domain_gpus} ({topo.ultra_server or 'one ' + hw.name}), so its "
+                f"traffic crosses EFA. Fix: choose supernode:parallel.{key} dividing {topo.domain_gpus} (EP inside "
+                f"the domain, FSDP/DP across domains; `supernode plan` suggests such layouts).",
+            )
+    if neuron:  # NeuronLink between a Trn2 UltraServer's instances needs no IMEX channel
+        return
+    domains = {get(cd.props, "metadata", "name"): cd for cd in stack.of(COMPUTE_DOMAIN)}
+    templates = {get(cd.props, "spec", "channel", "resourceClaimTemplate", "name") for cd in domains.values()}
+    for job in [*stack.trainer_jobs(), *stack.gates()]:
+        claimed = {
+            get(c, "resourceClaimTemplateName") for spec in pod_specs(job) for c in items(get(spec, "resourceClaims"))
+        }
+        if not claimed & templates:
+            report(
+                job,
+                f"{job.label} runs on {topo.ultra_server} NVLink domains but its pods claim no ComputeDomain "
+                f"IMEX channel (ComputeDomains: {', '.join(sorted(map(str, domains))) or 'none'}), so NCCL cannot "
+                f"use NVLink between nodes. Fix: install the NVIDIA DRA driver (computeDomains.enabled=true), "
+                f"create a ComputeDomain (resource.nvidia.com/v1beta1) for the job and add its "
+                f"spec.channel.resourceClaimTemplate.name to the pods' resourceClaims.",
+            )
+
+
+def _placement(stack: Stack, _conf: None, report: Report) -> None:
+    cluster_groups = {
+        pg.get("name", default=pg.name): pg for pg in stack.of(PLACEMENT_GROUP) if pg.get("strategy") == "cluster"
+    }
+    for lt in stack.gpu_launch_templates():
+        group = lt.get("placement", "groupName")
+        in_cluster_group = group in cluster_groups or any(pg.urn in lt.deps for pg in cluster_groups.values())
+        reserved = (
+            lt.get("capacityReservationSpecification", "capacityReservationTarget", "capacityReservationId")
+            or lt.get("instanceMarketOptions", "marketType") == "capacity-block"
+        )
+        if not (in_cluster_group and group) and not reserved:
+            report(
+                lt,
+                f"{lt.label} neither places instances in a cluster placement group nor targets a capacity "
+                f"reservation or Capacity Block, so GPU nodes may land far apart. Fix: set "
+                f"placement.groupName to an aws.ec2.PlacementGroup with strategy 'cluster', or target a "
+                f"reservation (supernode:acceleratorNodeGroups[].capacity).",
+            )
+
+
+def _all_traffic(protocol: object) -> bool:
+    return str(protocol) in ("-1", "all", "-1.0")
+
+
+def efa_groups(stack: Stack) -> list[set[str]]:
+    """Security groups with self-referencing all-traffic ingress AND egress, each as the identifiers that can
+    point at it (its URN and/or its id as rules and launch templates spell it)."""
+    groups: dict[str, dict[str, set]] = {}
+
+    def add(key: str, direction: str, *ids: str | None) -> None:
+        g = groups.setdefault(key, {"dirs": set(), "ids": set()})
+        g["dirs"].add(direction)
+        g["ids"].update(str(i) for i in ids if i)
+
+    for sg in stack.of(SECURITY_GROUP):
+        for direction in ("ingress", "egress"):
+            if any(is_true(get(r, "self")) and _all_traffic(get(r, "protocol")) for r in items(sg.get(direction))):
+                add(sg.urn, direction, sg.urn)
+    for rule in stack.of(SG_RULE, SG_INGRESS, SG_EGRESS):
+        group = rule.get("securityGroupId")
+        if rule.type == SG_RULE:
+            source, protocol, direction = rule.get("sourceSecurityGroupId"), rule.get("protocol"), str(rule.get("type"))
+            self_ref = is_true(rule.get("self")) or (source and source == group)
+        else:
+            protocol = rule.get("ipProtocol")
+            direction = "ingress" if rule.type == SG_INGRESS else "egress"
+            self_ref = rule.get("referencedSecurityGroupId") and rule.get("referencedSecurityGroupId") == group
+        if self_ref and _all_traffic(protocol):
+            owners = [u for u in rule.deps if u in stack.by_urn and stack.by_urn[u].type == SECURITY_GROUP]
+            add(str(group), direction, group, *(owners if len(owners) == 1 else []))
+    return [g["ids"] for g in groups.values() if g["dirs"] >= {"ingress", "egress"}]
+
+
+def _efa_security_group(stack: Stack, _conf: None, report: Report) -> None:
+    groups = efa_groups(stack)
+    for lt in stack.gpu_launch_templates():
+        attached = set(lt.deps) | {
+            str(sg) for ni in items(lt.get("networkInterfaces")) for sg in items(get(ni, "securityGroups"))
+        }
+        attached |= {str(sg) for sg in items(lt.get("vpcSecurityGroupIds"))}
+        if not any(ids & attached for ids in groups):
+            report(
+                lt,
+                f"{lt.label}: none of its security groups allows all traffic to and from itself (ingress and "
+                f"egress); EFA needs that or NCCL cannot use the fabric. Fix: add self-referencing all-traffic "
+                f"(protocol -1) ingress and egress rules to the EFA security group and attach it to every "
+                f"EFA network interface.",
+            )
+
+
+def _trainer_efa(stack: Stack, _conf: None, report: Report) -> None:
+    plan = stack.plan()
+    want = CATALOG[plan.instance_type].efa_interfaces if plan and plan.instance_type in CATALOG else None
+    for job in stack.trainer_jobs():
+        device = CATALOG[plan.instance_type].device_resource if plan and plan.instance_type in CATALOG else None
+        gpu = [c for c in containers(job) if resource_quantity(c, device or "nvidia.com/gpu")] or containers(job)
+        for c in gpu:
+            got = resource_quantity(c, EFA_RESOURCE)
+            if not got or (want is not None and got != want):
+                need = f"{want}" if want is not None else "the node's EFA device count"
+                report(
+                    job,
+                    f"{job.label} container '{get(c, 'name')}' requests {EFA_RESOURCE}: "
+                    f"{got if got is not None else 'none'}; it needs {need} (one per EFA device of "
+                    f"{plan.instance_type if plan else 'the node'}), else NCCL silently falls back to TCP. "
+                    f"Fix: set resources.requests and limits '{EFA_RESOURCE}': {need}.",
+                )
+
+
+def _reads_plan(container: object) -> bool:
+    argv = [str(a) for a in items(get(container, "command")) + items(get(container, "args"))]
+    return (
+        any(a == "--plan" and b == PLAN_MOUNT_PATH for a, b in zip(argv, argv[1:]))
+        or f"--plan={PLAN_MOUNT_PATH}" in argv
+    )
+
+
+def _plan_config_map_name(stack: Stack) -> str | None:
+    cm = stack.plan_config_map()
+    return (cm.get("metadata", "name") or cm.name) if cm else None
+
+
+def _gate(stack: Stack, conf: Gate, report: Report) -> None:
+    jobs = stack.trainer_jobs()
+    if not jobs:
+        return
+    gates, plan = stack.gates(), stack.plan()
+    if not gates:
+        for job in jobs:
+            report(
+                job,
+                f"{job.label} has no interconnect gate: no Job runs `python -m supernode.trainer.node.fabric`. "
+                f"Fix: deploy the fabric-check Job across the GPU nodes and make the trainer job depend on it.",
+            )
+        return
+    for job in jobs:
+        if not any(stack.depends_on(job, g) for g in gates):
+            report(
+                job,
+                f"{job.label} does not depend on the interconnect gate ({', '.join(g.label for g in gates)}), "
+                f"so training can start on a broken fabric. Fix: pass depends_on=[gate] to the trainer job.",
+            )
+    # The gate takes its floor from the plan (plan.gate_floor_gbytes_s, read at --plan PLAN_MOUNT_PATH), so
+    # it must mount the plan ConfigMap and run on that file, and the plan's floor must not be below this
+    # policy's minimum.
+    cm_name = _plan_config_map_name(stack)
+    fix = (
+        f"Fix: add a configMap volume for the plan ConfigMap, mount it at {PLAN_MOUNT_DIR} and run "
+        f"`python -m supernode.trainer.node.fabric --plan {PLAN_MOUNT_PATH}`."
+    )
+    for g in gates:
+        if cm_name is None or not all(mounts_config_map(spec, cm_name) for spec in pod_specs(g)):
+            report(
+                g,
+                f"{g.label} does not mount the plan ConfigMap"
+                f"{f' {cm_name!r}' if cm_name else f' (none holds data[{PLAN_CONFIGMAP_KEY!r}])'}, so it cannot "
+                f"read its bus-bandwidth floor from the plan. {fix}",
+            )
+        elif not all(_reads_plan(c) for c in containers(g) if is_fabric_check(c)):
+            report(
+                g,
+                f"{g.label} does not run the fabric check on the plan (--plan {PLAN_MOUNT_PATH}), so the floor "
+                f"it enforces is not the plan's. {fix}",
+            )
+    minimum = gate_floor_gbytes_s(plan.instance_type, conf.min_gate_fraction) if plan else None
+    if minimum is None or plan.gate_floor_gbytes_s is None:
+        return  # no published baseline for this instance type: nothing to compare with
+    if plan.gate_floor_gbytes_s < minimum:
+        baseline = CATALOG[plan.instance_type].all_reduce_baseline_gbytes_s
+        for g in gates:
+            report(
+                g,
+                f"{g.label} accepts an all_reduce bus bandwidth of {plan.gate_floor_gbytes_s:g} GB/s (the "
+                f"plan's gate floor); the minimum is {minimum:g} GB/s ({conf.min_gate_fraction:g} x the "
+                f"{plan.instance_type} baseline {baseline:g} GB/s). Fix: raise "
+                f"supernode:workload.gateMinFraction to at least {conf.min_gate_fraction:g}.",
+            )
+
+
+# -- 4. consistent versions -----------------------------------------------------------------------
+
+
+def _versions(stack: Stack, _conf: None, report: Report) -> None:
+    groups = stack.gpu_node_groups()
+    if not groups:
+        return
+    clusters = stack.of(EKS_CLUSTER)
+    k8s = clusters[0].get("version") if clusters else None
+    if clusters and not k8s:
+        report(
+            clusters[0],
+            f"{clusters[0].label} does not pin its Kubernetes version. Fix: set version "
+            f"(supernode:cluster.kubernetesVersion).",
+        )
+    pins = {}
+    for ng in groups:
+        lt = stack.launch_template_of(ng)
+        pin = ng.get("releaseVersion") or (lt.get("imageId") if lt else None)
+        pins[ng.name] = pin
+        if not pin:
+            report(
+                ng,
+                f"{ng.label} does not pin its AMI: neither releaseVersion nor a launch-template imageId. "
+                f"Fix: set releaseVersion (supernode:acceleratorNodeGroups[].amiReleaseVersion).",
+            )
+        release = str(ng.get("releaseVersion", default=""))
+        version = ng.get("version")
+        if k8s and ((version and version != k8s) or (release and not release.startswith(f"{k8s}."))):
+            report(
+                ng,
+                f"{ng.label} runs Kubernetes {version or release} but the cluster runs {k8s}. Fix: pin the node "
+                f"group's version and AMI release to {k8s} (e.g. releaseVersion {k8s}.x-YYYYMMDD).",
+            )
+    if len({p for p in pins.values() if p}) > 1:
+        for ng in groups:
+            report(
+                ng,
+                f"GPU node groups pin different AMI releases ({pins}); mixed drivers/NCCL break collectives. "
+                f"Fix: use one amiReleaseVersion for every accelerator node group.",
+            )
+
+
+def _images(stack: Stack, _conf: None, report: Report) -> None:
+    workloads = stack.trainer_jobs() + stack.gates()
+    images = {}
+    for w in workloads:
+        for c in containers(w):
+            image = str(get(c, "image", default=""))
+            images[w.label] = image
+            if not DIGEST_RE.fullmatch(image):
+                report(
+                    w,
+                    f"{w.label} container '{get(c, 'name')}' uses image {image!r}, not pinned by digest. "
+                    f"Fix: use REPOSITORY@sha256:<digest> (supernode:images).",
+                )
+    if stack.trainer_jobs() and stack.gates() and len(set(images.values())) > 1:
+        for w in workloads:
+            report(
+                w,
+                f"the trainer and the interconnect gate run different images ({images}); the gate must test "
+                f"the NCCL/EFA stack the trainer uses. Fix: run the gate from the trainer image "
+                f"(leave supernode:images.fabricCheck unset).",
+            )
+
+
+# -- 5. code and config ready ---------------------------------------------------------------------
+
+
+def _code_config(stack: Stack, _conf: None, report: Report) -> None:
+    cm_name = _plan_config_map_name(stack)
+    for job in stack.trainer_jobs():
+        if cm_name is None:
+            report(
+                job,
+                f"{job.label} has no plan to run: no ConfigMap holds data['{PLAN_CONFIGMAP_KEY}']. Fix: create the plan "  # noqa: E501
+                f"ConfigMap from supernode.core.plan.Plan.to_json() and mount it at {PLAN_MOUNT_DIR}.",
+            )
+            continue
+        for spec in pod_specs(job):
+            if not mounts_config_map(spec, cm_name):
+                report(
+                    job,
+                    f"{job.label} does not mount the plan ConfigMap '{cm_name}'. Fix: add a configMap volume "
+                    f"for '{cm_name}' and mount it at {PLAN_MOUNT_DIR} (the trainer reads --plan "
+                    f"{PLAN_MOUNT_PATH}).",
+                )
+        for c in containers(job):
+            if not DIGEST_RE.fullmatch(str(get(c, "image", default=""))):
+                report(
+                    job,
+                    f"{job.label} container '{get(c, 'name')}' image {get(c, 'image')!r} is not pinned by "
+                    f"digest, so the code that runs is not the code reviewed. Fix: REPOSITORY@sha256:<digest>.",
+                )
+
+
+# -- 6. data --------------------------------------------------------------------------------------
+
+
+def pod_roles(stack: Stack) -> list[Res]:
+    """IAM roles assumed by pods (IRSA web identity or EKS Pod Identity)."""
+    out = []
+    for role in stack.of(IAM_ROLE):
+        trust = str(role.get("assumeRolePolicy", default=""))
+        if "AssumeRoleWithWebIdentity" in trust or "pods.eks.amazonaws.com" in trust:
+            out.append(role)
+    return out
+
+
+def role_documents(stack: Stack, role: Res) -> list[dict]:
+    """Every identity-policy document that applies to `role` (inline, RolePolicy, attached Policy)."""
+    docs = [json_doc(get(p, "policy")) for p in items(role.get("inlinePolicies"))]
+    docs += [json_doc(rp.get("policy")) for rp in stack.attached(role, (IAM_ROLE_POLICY,))]
+    for att in stack.attached(role, (IAM_ATTACHMENT,)):
+        docs += [json_doc(p.get("policy")) for p in stack.of(IAM_POLICY) if p.urn in att.deps]
+    return [d for d in docs if d]
+
+
+def _readable_prefixes(docs: list[dict]) -> list[str]:
+    """S3 key prefixes (as `bucket/prefix`) that s3:GetObject is allowed on."""
+    out = []
+    for st in (s for d in docs for s in statements(d) if s.get("Effect") == "Allow"):
+        actions = as_list(st.get("Action"))
+        if "s3:GetObject" in actions or "s3:Get*" in actions:
+            for r in as_list(st.get("Resource")):
+                if isinstance(r, str) and r.startswith("arn:aws:s3:::") and "/" in r:
+                    out.append(r.removeprefix("arn:aws:s3:::").rstrip("*"))
+    return out
+
+
+def _data(stack: Stack, conf: Data, report: Report) -> None:
+    for fs in stack.of(FSX_LUSTRE):
+        dras = [
+            d
+            for d in stack.attached(fs, (FSX_DRA,))
+            if str(d.get("dataRepositoryPath", default="")).startswith("s3://")
+        ]
+        if not dras:
+            report(
+                fs,
+                f"{fs.label} has no data repository association to S3, so the dataset never reaches the "
+                f"nodes and checkpoints never reach S3. Fix: add an aws.fsx.DataRepositoryAssociation "
+                f"(dataRepositoryPath s3://BUCKET/..., auto import/export).",
+            )
+    roles = pod_roles(stack)
+    if not roles:
+        for job in stack.trainer_jobs():
+            report(
+                job,
+                f"{job.label}: no IAM role for pods (IRSA or Pod Identity) exists, so the trainer cannot read "
+                f"the dataset. Fix: create the trainer role and bind it to the trainer service account.",
+            )
+        return
+    trainer = [r for r in roles if "trainer" in r.name.lower()] or roles
+    readable = [p for r in trainer for p in _readable_prefixes(role_documents(stack, r))]
+    wanted = conf.dataset_prefix
+    ok = any(p.split("/", 1)[1] and (wanted is None or p.split("/", 1)[1].startswith(wanted)) for p in readable)
+    if not ok:
+        need = f"prefix {wanted!r}" if wanted else "a dataset prefix"
+        for r in trainer:
+            report(
+                r,
+                f"{r.label} cannot read {need}: it allows s3:GetObject on {readable or 'nothing'}. Fix: allow "
+                f"s3:GetObject on arn:aws:s3:::BUCKET/{wanted or 'DATASET_PREFIX/'}* (and s3:ListBucket with "
+                f"that prefix); set supernode:storage.datasetPrefix.",
+            )
+
+
+# -- 7. weights verified (advisory) ---------------------------------------------------------------
+
+
+def _weights(stack: Stack, _conf: None, report: Report) -> None:
+    plan = stack.plan()
+    # The manifest pins every file; its own sha256 pins the manifest (a swapped directory brings its own).
+    if plan and plan.training.init_from and not plan.training.init_from_sha256:
+        report(
+            stack.plan_config_map(),
+            f"the plan starts from the weights at {plan.training.init_from} without pinning their manifest, so "
+            f"swapped weights (with a manifest of their own) go unnoticed. Fix: set supernode:training.initFromSha256 "
+            f"to the sha256 of its manifest.json.",
+        )
+
+
+# -- 8. checkpoint storage ------------------------------------------------------------------------
+
+
+def _termination_grace(stack: Stack, _conf: None, report: Report) -> None:
+    """A preempted, drained or terminated trainer pod checkpoints before it is killed: its grace period
+    covers the plan's step, checkpoint write and margin (Plan.termination_grace_needed_s)."""
+    plan = stack.plan()
+    if plan is None:
+        return
+    need = plan.termination_grace_needed_s
+    for job in stack.trainer_jobs():
+        for spec in pod_specs(job):
+            grace = int(get(spec, "terminationGracePeriodSeconds", default=30))  # Kubernetes' default
+            if grace < need:
+                report(
+                    job,
+                    f"{job.label} gives its pods terminationGracePeriodSeconds {grace} s, but finishing a step "
+                    f"({plan.step.step_s:.1f} s) and writing a checkpoint ({plan.checkpoint.write_seconds:.0f} s) "
+                    f"takes {need} s with the {GRACE_MARGIN_S} s margin: a preempted or drained pod is killed "
+                    f"before its checkpoint "
+                    f"is written and loses up to a checkpoint interval. Fix: supernode:workload.terminationGraceS "
+                    f">= {need}.",
+                )
+                break
+
+
+def _checkpoint_throughput(stack: Stack, conf: CheckpointThroughput, report: Report) -> None:
+    plan = stack.plan()
+    if plan is None:
+        return
+    # The budget the plan was sized for (storage.fsx.checkpointWriteBudgetS), unless the policy config overrides it.
+    budget = conf.checkpoint_write_budget_s or plan.checkpoint.write_budget_s
+    for fs in stack.of(FSX_LUSTRE):
+        capacity, per_unit = fs.get("storageCapacity"), fs.get("perUnitStorageThroughput")
+        try:
+            fsx = FsxConfig(
+                capacity_gib=int(capacity or 0),
+                per_unit_throughput=int(per_unit or 0),
+                checkpoint_write_budget_s=max(10, round(budget)),
+            )
+        except ValidationError as e:
+            report(
+                fs,
+                f"{fs.label} has storageCapacity {capacity} GiB / perUnitStorageThroughput {per_unit} MB/s/TiB, "
+                f"which PERSISTENT_2 does not accept ({e.errors()[0]['msg']}). Fix: use the planner's size "
+                f"({plan.checkpoint.fsx_capacity_gib} GiB).",
+            )
+            continue
+        io = cap.checkpoint_io(plan.params, plan.training, fsx)
+        if not io.within_budget:
+            report(
+                fs,
+                f"{fs.label} gives {io.fsx_throughput_mb_s:.0f} MB/s and {fsx.capacity_gib} GiB: one "
+                f"{io.checkpoint_bytes / 1e9:.0f} GB checkpoint takes {io.write_seconds:.0f} s against a "
+                f"{fsx.checkpoint_write_budget_s} s budget (and {plan.training.keep_checkpoints}+1 checkpoints "
+                f"must fit). Fix: storageCapacity >= {plan.checkpoint.fsx_capacity_gib} GiB at this "
+                f"throughput (plan.checkpoint.fsx_capacity_gib), or a higher perUnitStorageThroughput.",
+            )
+
+
+def _rule_prefix(rule: dict) -> str:
+    return str(get(rule, "filter", "prefix") or get(rule, "filter", "and", "prefix") or get(rule, "prefix") or "")
+
+
+def _lifecycle(stack: Stack, conf: Lifecycle, report: Report) -> None:
+    buckets = stack.of(BUCKET)
+    if not buckets:
+        return
+    rules = []
+    for b in buckets:
+        configs = stack.attached(b, (BUCKET_LIFECYCLE,))
+        if not configs:
+            report(
+                b,
+                f"{b.label} has no lifecycle configuration, so objects and incomplete uploads are kept (and "
+                f"billed) forever. Fix: add an aws.s3.BucketLifecycleConfiguration (supernode:storage.lifecycle).",
+            )
+        rules += [r for c in configs for r in items(c.get("rules")) if get(r, "status") == "Enabled"]
+    where = stack.of(BUCKET_LIFECYCLE)[0] if stack.of(BUCKET_LIFECYCLE) else buckets[0]
+    if not any(get(r, "abortIncompleteMultipartUpload", "daysAfterInitiation") for r in rules):
+        report(
+            where,
+            f"{where.label}: no enabled lifecycle rule aborts incomplete multipart uploads (checkpoints are "
+            f"multipart). Fix: add abortIncompleteMultipartUpload.daysAfterInitiation "
+            f"(supernode:storage.lifecycle.abortMultipartDays).",
+        )
+    wanted = conf.checkpoint_prefix
+    if not any(
+        items(get(r, "transitions")) and get(r, "expiration", "days") and (wanted is None or _rule_prefix(r) == wanted)
+        for r in rules
+    ):
+        report(
+            where,
+            f"{where.label}: no enabled lifecycle rule on the checkpoint prefix{f' {wanted!r}' if wanted else ''} both "
+            f"transitions and expires checkpoints. Fix: add a rule filtered on the checkpoint prefix with "
+            f"transitions and expiration (supernode:storage.lifecycle.checkpointTransitionDays / "
+            f"checkpointExpireDays).",
+        )
+
+
+# -- 9. monitoring --------------------------------------------------------------------------------
+
+
+def _alarm_text(alarm: Res) -> str:
+    parts = [alarm.name, alarm.get("name"), alarm.get("metricName"), alarm.get("alarmDescription")]
+    for q in items(alarm.get("metricQueries")):
+        parts += [get(q, "expression"), get(q, "metric", "metricName")]
+    return " ".join(str(p) for p in parts if p).lower()
+
+
+def is_gpu_util_alarm(alarm: Res) -> bool:
+    """An accelerator-utilisation alarm: DCGM's GPU utilisation or neuron-monitor's NeuronCore one."""
+    text = _alarm_text(alarm)
+    return ("gpu" in text or "neuroncore" in text) and "util" in text
+
+
+def is_node_health_alarm(alarm: Res) -> bool:
+    text = _alarm_text(alarm)
+    return "xid" in text or ("node" in text and any(w in text for w in ("ready", "health", "status", "fail")))
+
+
+def _alarms(stack: Stack, _conf: None, report: Report) -> None:
+    groups = stack.gpu_node_groups()
+    if not groups:
+        return
+    alarms = stack.of(METRIC_ALARM)
+    for what, test in (
+        ("accelerator utilisation (DCGM / neuron-monitor) below the floor", is_gpu_util_alarm),
+        ("node health (node not ready / GPU XID errors)", is_node_health_alarm),
+    ):
+        if not any(test(a) for a in alarms):
+            report(
+                groups[0],
+                f"no CloudWatch alarm watches {what} for {', '.join(g.label for g in groups)}. Fix: add an "
+                f"aws.cloudwatch.MetricAlarm with the SNS topic as its action (supernode:monitoring).",
+            )
+    for a in alarms:
+        actions = [str(x) for x in items(a.get("alarmActions"))]
+        if not any(x.startswith("arn:aws") and ":sns:" in x for x in actions):
+            report(
+                a,
+                f"{a.label} notifies nobody: alarmActions {actions} has no SNS topic. Fix: set alarmActions to "
+                f"the stack's SNS topic ARN.",
+            )
+
+
+def _log_retention(log_group: Res, conf: LogRetention, report: Report) -> None:
+    days = log_group.get("retentionInDays")
+    if not days or days < conf.min_retention_days:
+        report(
+            log_group,
+            f"{log_group.label} keeps logs {'forever' if not days else f'{days:g} days'}; retention must be "
+            f"at least {conf.min_retention_days} days and finite. Fix: set retentionInDays "
+            f"(supernode:monitoring.logRetentionDays).",
+        )
+
+
+# Per accelerator vendor (the plan's InstanceType.vendor): the image of its device plugin and of its
+# metrics exporter, as the add-on files in components/addons/ pin them.
+
+
+def _hardware(stack: Stack) -> InstanceType:
+    """The plan's accelerator, or an NVIDIA GPU where no plan names one (the pack's original reading)."""
+    plan = stack.plan()
+    return CATALOG[plan.instance_type if plan is not None and plan.instance_type in CATALOG else "p5.48xlarge"]
+
+
+def _daemon_sets_running(stack: Stack, image: str) -> list[Res]:
+    return [
+        d
+        for d in stack.of(DAEMON_SET)
+        if image in d.name.lower() or any(image in str(get(c, "image")) for c in containers(d))
+    ]
+
+
+def _dcgm(stack: Stack, _conf: None, report: Report) -> None:
+    """The trainer's accelerators have their metrics exporter: DCGM on GPUs, neuron-monitor on Trainium."""
+    jobs = stack.trainer_jobs()
+    row = VENDORS[_hardware(stack).vendor]
+    image, what = row.exporter, row.exporter_noun
+    if jobs and not _daemon_sets_running(stack, image):
+        for job in jobs:
+            report(
+                job,
+                f"{job.label} runs without accelerator metrics: no {what} DaemonSet ({image}) is deployed, so "
+                f"the utilisation alarm has no data. Fix: deploy {image} on the accelerator nodes "
+                f"(components/addons/).",
+            )
+
+
+def _device_plugin(stack: Stack, _conf: None, report: Report) -> None:
+    """The trainer's accelerators are advertised: without the vendor's device plugin no node offers
+    the devices the job's pods request, and the pods never schedule."""
+    jobs, hw = stack.trainer_jobs(), _hardware(stack)
+    image = VENDORS[hw.vendor].device_plugin
+    if jobs and not _daemon_sets_running(stack, image):
+        for job in jobs:
+            report(
+                job,
+                f"{job.label} requests {hw.device_resource} but no {image} DaemonSet is deployed, so no node "
+                f"advertises it and the pods never schedule. Fix: deploy {image} on the accelerator nodes "
+                f"(components/addons/{image}.yaml).",
+            )
+
+
+POLICIES = [
+    StackPolicy(
+        "accelerators-approved-instance-types",
+        1,
+        "GPU node groups use approved instance types.",
+        _approved,
+        settings=ApprovedInstances,
+    ),
+    StackPolicy(
+        "accelerators-match-world-size",
+        1,
+        "Accelerators across GPU node groups equal the plan's world size.",
+        _world_size,
+    ),
+    StackPolicy(
+        "accelerators-pools-add-up",
+        1,
+        "Training's and serving's minimum accelerators fit their pool together; serving scales out only on "
+        "its share and what training lends.",
+        _pools,
+    ),
+    StackPolicy(
+        "accelerators-device-plugin",
+        1,
+        "The accelerator vendor's device plugin (NVIDIA or AWS Neuron) is deployed for the trainer.",
+        _device_plugin,
+    ),
+    StackPolicy("memory-fit", 2, "The plan's per-rank memory fits HBM with headroom.", _memory_fit),
+    StackPolicy(
+        "memory-fit-elastic",
+        2,
+        "Every node count the elastic job may run on (training.minNodes to the planned nodes) has a layout "
+        "that fits HBM with headroom.",
+        _elastic_fit,
+    ),
+    StackPolicy(
+        "interconnect-efa-interfaces",
+        3,
+        "GPU launch templates carry the instance type's full EFA interface count.",
+        _efa_interfaces,
+    ),
+    StackPolicy(
+        "interconnect-nvlink-domain",
+        3,
+        "On UltraServers, EP and TP groups stay inside one NVLink domain "
+        "and jobs claim a ComputeDomain's IMEX channel.",
+        _nvlink_domain,
+    ),
+    StackPolicy(
+        "interconnect-placement", 3, "GPU nodes use a cluster placement group or a targeted reservation.", _placement
+    ),
+    StackPolicy(
+        "interconnect-efa-security-group",
+        3,
+        "An EFA security group allows all traffic to and from itself.",
+        _efa_security_group,
+    ),
+    StackPolicy("interconnect-trainer-efa", 3, "Trainer pods request the node's EFA devices.", _trainer_efa),
+    StackPolicy(
+        "interconnect-gate", 3, "The trainer job depends on a passing interconnect gate.", _gate, settings=Gate
+    ),
+    StackPolicy(
+        "versions-consistent", 4, "GPU node groups pin one AMI release and the cluster's Kubernetes version.", _versions
+    ),
+    StackPolicy("images-pinned", 4, "Trainer and gate images are pinned by digest and identical.", _images),
+    StackPolicy(
+        "code-config-ready",
+        5,
+        "The trainer job mounts the plan ConfigMap and runs a digest-pinned image.",
+        _code_config,
+    ),
+    StackPolicy("data-ready", 6, "The dataset is readable by the trainer role and reaches FSx.", _data, settings=Data),
+    StackPolicy("weights-verified", 7, "Weights loaded from a URI are verified by sha256.", _weights, level=ADVISORY),
+    StackPolicy(
+        "checkpoint-throughput",
+        8,
+        "FSx writes one checkpoint within the budget.",
+        _checkpoint_throughput,
+        settings=CheckpointThroughput,
+    ),
+    StackPolicy(
+        "checkpoint-termination-grace",
+        8,
+        "The trainer pod's grace period covers a step and a checkpoint write (the plan's estimates).",
+        _termination_grace,
+    ),
+    StackPolicy(
+        "checkpoint-lifecycle",
+        8,
+        "S3 lifecycle rules abort multipart uploads and age out checkpoints.",
+        _lifecycle,
+        settings=Lifecycle,
+    ),
+    StackPolicy("monitoring-alarms", 9, "GPU-utilisation and node-health alarms exist and notify SNS.", _alarms),
+    ResourcePolicy(
+        "monitoring-log-retention",
+        9,
+        "Log groups have a finite retention.",
+        (LOG_GROUP,),
+        _log_retention,
+        settings=LogRetention,
+    ),
+    StackPolicy(
+        "monitoring-dcgm", 9, "The accelerators' exporter (DCGM, or neuron-monitor) is deployed for the trainer.", _dcgm
+    ),
+]

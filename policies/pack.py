@@ -1,0 +1,29 @@
+"""The pack's contents: served by `policies/__main__.py` (Pulumi CLI) and run in-process by
+`supernode.tools.policycheck`."""
+
+from __future__ import annotations
+
+from . import checklist, security, serving
+from .base import ChecklistPolicy
+
+PACK_NAME = "supernode-checklist"
+POLICIES: list[ChecklistPolicy] = checklist.POLICIES + security.POLICIES + serving.POLICIES
+
+CHECKLIST_ITEMS = {
+    1: "Accelerators",
+    2: "Memory fit",
+    3: "Interconnect",
+    4: "Consistent versions",
+    5: "Code and config ready",
+    6: "Data",
+    7: "Weights verified",
+    8: "Checkpoint storage",
+    9: "Monitoring",
+    10: "Access control and keys",
+}
+
+BY_NAME: dict[str, ChecklistPolicy] = {p.name: p for p in POLICIES}
+
+
+def item_of(policy: str) -> int:
+    return BY_NAME[policy].item
