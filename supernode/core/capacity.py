@@ -1,7 +1,7 @@
 """Capacity planner: parameters, per-rank memory, FLOPs, step time, checkpoint I/O and cost.
 
 Pure arithmetic over the config and the catalog (no torch), so every figure can be checked by hand
-(tests/supernode/test_capacity.py does). Conventions, chosen to match how the trainer lays things
+(tests/core/test_capacity.py does). Conventions, chosen to match how the trainer lays things
 out (docs/architecture.md §6):
 - FSDP2 mixed precision keeps fp32 sharded master parameters, fp32 gradients and two fp32 Adam
   moments: 16 bytes per *sharded* parameter. Compute copies are all-gathered in the compute dtype.

@@ -159,7 +159,7 @@ class Plan(BaseModel):
         that world's elastic layout (degrees, parallel, accumulation and padding, pipeline, memory,
         fit, step time, placement) and the run's hours and cost at its step time; no suggestions (they
         are the planned world's). Every other field describes the stack, the same at any world
-        (tests/supernode/test_elastic.py holds the split). A world the plan has no layout for is BadInput naming it."""
+        (tests/core/test_elastic.py holds the split). A world the plan has no layout for is BadInput naming it."""
         if world_size == self.world_size:
             return self
         worlds = [e.world_size for e in self.elastic]

@@ -23,7 +23,7 @@ CATALOG_FIX = (
     "correct supernode/catalog.py (the plan was sized with the catalog's figures), then re-run `supernode plan`"
 )
 # EC2 On-Demand vCPU quotas are per instance-family group; every catalog type is a P instance or a
-# Trainium one (tests/supernode/test_preflight.py holds the catalog to that).
+# Trainium one (tests/tools/test_preflight.py holds the catalog to that).
 P_QUOTA_CODE, P_QUOTA_NAME = "L-417A185B", "Running On-Demand P instances"
 TRN_QUOTA_CODE, TRN_QUOTA_NAME = "L-2C3B7624", "Running On-Demand Trn instances"
 

@@ -7,7 +7,7 @@ rank's return value comes back in a list indexed by rank.
 
 A module of its own, not the conftest: every test directory's conftest is a top-level module named
 `conftest`, so `from conftest import spawn` found whichever directory's conftest came first on the
-path (a spawned rank, importing its test module afresh, could get tests/supernode's).
+path (a spawned rank, importing its test module afresh, could get tests/tools').
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import supernode.components.program
 from supernode.core.config import load_stack
 from supernode.tools.preview import run_program
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_root_main_only_calls_the_programs_main():

@@ -146,7 +146,7 @@ def test_type_not_offered_in_the_region_says_so(moto_aws):
 # moto 5.2.5 describes every catalog type but p6e-gb200 (sold only inside UltraServers).
 NOT_IN_MOTO = {"p6e-gb200.36xlarge"}
 # Trainium2: moto's NeuronInfo gives 524288 MiB per device (AWS's Neuron docs: 96 GiB) and none for trn2u,
-# so preflight warns on them; tests/supernode/test_trn2_preflight.py holds what must match.
+# so preflight warns on them; tests/tools/test_preflight_trn2.py holds what must match.
 NEURON_WARNED = {"trn2.48xlarge", "trn2u.48xlarge"}
 
 

@@ -10,7 +10,7 @@ import pytest
 from supernode.bench import profiler
 from supernode.core.observability import PROFILE_EVERY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

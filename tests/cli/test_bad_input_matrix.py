@@ -12,7 +12,7 @@ import pytest
 
 from supernode.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEV = (ROOT / "Pulumi.dev.yaml").read_text()
 
 

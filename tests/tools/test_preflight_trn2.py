@@ -47,7 +47,7 @@ def test_trainium_counts_against_the_trn_quota():
     cfg = load_stack("trn2", ROOT)
     names = [s.name for s in preflight_steps(cfg, Aws(REGION))]
     # A Capacity Block counts against no On-Demand quota: the trn2 stack (one UltraServer block) asks none.
-    # Its reservation must be that UltraServer's block (tests/supernode/test_trn2_ultraserver.py).
+    # Its reservation must be that UltraServer's block (tests/tools/test_trn2_ultraserver.py).
     assert names == [
         "offering trn2u.48xlarge",
         "instance type trn2u.48xlarge",
