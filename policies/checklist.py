@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from supernode.core import capacity as cap
 from supernode.core.catalog import CATALOG, EFA_INTERFACE_TYPES, InstanceType, gate_floor_gbytes_s
 from supernode.core.config import DIGEST_RE, FsxConfig
+from supernode.core.observability import CHECKLIST_ALARMS, checklist_alarm
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH
 from supernode.core.pools import GRACE_MARGIN_S, ROLE_LABEL
 from supernode.core.resource_types import (
@@ -731,22 +732,10 @@ def _lifecycle(stack: Stack, conf: Lifecycle, report: Report) -> None:
 # -- 9. monitoring --------------------------------------------------------------------------------
 
 
-def _alarm_text(alarm: Res) -> str:
-    parts = [alarm.name, alarm.get("name"), alarm.get("metricName"), alarm.get("alarmDescription")]
-    for q in items(alarm.get("metricQueries")):
-        parts += [get(q, "expression"), get(q, "metric", "metricName")]
-    return " ".join(str(p) for p in parts if p).lower()
-
-
-def is_gpu_util_alarm(alarm: Res) -> bool:
-    """An accelerator-utilisation alarm: DCGM's GPU utilisation or neuron-monitor's NeuronCore one."""
-    text = _alarm_text(alarm)
-    return ("gpu" in text or "neuroncore" in text) and "util" in text
-
-
-def is_node_health_alarm(alarm: Res) -> bool:
-    text = _alarm_text(alarm)
-    return "xid" in text or ("node" in text and any(w in text for w in ("ready", "health", "status", "fail")))
+def _alarm_named(alarms: list[Res], short: str) -> bool:
+    """An alarm of this short name (the stack's alarms are "<prefix>-<short>", core.observability)."""
+    names = [str(a.get("name") or a.name) for a in alarms]
+    return any(n == short or n.endswith(f"-{short}") for n in names)
 
 
 def _alarms(stack: Stack, _conf: None, report: Report) -> None:
@@ -754,15 +743,15 @@ def _alarms(stack: Stack, _conf: None, report: Report) -> None:
     if not groups:
         return
     alarms = stack.of(METRIC_ALARM)
-    for what, test in (
-        ("accelerator utilisation (DCGM / neuron-monitor) below the floor", is_gpu_util_alarm),
-        ("node health (node not ready / GPU XID errors)", is_node_health_alarm),
-    ):
-        if not any(test(a) for a in alarms):
+    vendor = _hardware(stack).vendor
+    for purpose, what in CHECKLIST_ALARMS.items():
+        short = checklist_alarm(purpose, vendor)
+        if not _alarm_named(alarms, short):
             report(
                 groups[0],
-                f"no CloudWatch alarm watches {what} for {', '.join(g.label for g in groups)}. Fix: add an "
-                f"aws.cloudwatch.MetricAlarm with the SNS topic as its action (supernode:monitoring).",
+                f"no CloudWatch alarm watches {what} for {', '.join(g.label for g in groups)}: none is named "
+                f"{short!r}. Fix: add the aws.cloudwatch.MetricAlarm '<prefix>-{short}' with the SNS topic as "
+                f"its action (supernode:monitoring).",
             )
     for a in alarms:
         actions = [str(x) for x in items(a.get("alarmActions"))]
@@ -926,7 +915,9 @@ POLICIES = [
         _lifecycle,
         settings=Lifecycle,
     ),
-    StackPolicy("monitoring-alarms", 9, "GPU-utilisation and node-health alarms exist and notify SNS.", _alarms),
+    StackPolicy(
+        "monitoring-alarms", 9, "Accelerator-utilisation and node-not-ready alarms exist and notify SNS.", _alarms
+    ),
     ResourcePolicy(
         "monitoring-log-retention",
         9,

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from supernode.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput, bad_input_lines
 from supernode.core.faults import inject
-from supernode.core.observability import PROFILE_EVERY
+from supernode.core.observability import PROFILE_EVERY, TrainerLine
 from supernode.core.outdir import OutDirLock
 from supernode.core.plan import Plan
 from supernode.core.pretrained import is_remote
@@ -89,7 +89,7 @@ class Divergence:
             return None
         self.streak += 1
         return (
-            f"step {step}: loss {loss}, grad norm {grad_norm}: not finite, update skipped "
+            f"step {step}: loss {loss}, grad norm {grad_norm}: {TrainerLine.SKIPPED} "
             f"({self.streak} in a row of at most {self.limit})"
         )
 
@@ -442,7 +442,7 @@ def _run(
             "else a restarted attempt reads stale addresses (pytorch/pytorch#135712) and cannot connect"
         )
     metrics.message(
-        f"{'resumed from checkpoint at step ' + str(start) if start else 'starting at step 0'}; "
+        f"{f'{TrainerLine.RESUMED} {start}' if start else TrainerLine.STARTED}; "
         f"training to step {steps} on {world} {device.type} rank(s), layout {plan.degrees.model_dump()}"
     )
     tokens_per_step = t.global_batch * plan.model.seq_len
@@ -504,7 +504,7 @@ def _run(
                 metrics.checkpoint_stall(ckpt.last_stall_s)
                 last_saved = step
                 metrics.message(
-                    f"step {step}: loss {r.loss:.4f}; checkpoint "
+                    f"step {step}: loss {r.loss:.4f}{TrainerLine.CHECKPOINT}"
                     f"{'written' if stopping or last else 'started (async)'}, "
                     f"training blocked {ckpt.last_stall_s * 1e3:.0f} ms"
                 )

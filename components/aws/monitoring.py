@@ -3,8 +3,8 @@ utilisation, node health, GPU XID errors, FSx free capacity, NCCL timeouts and O
 SNS topic every alarm notifies, and a dashboard (issue 3, part 6).
 
 The accelerator alarms follow the plan's vendor: DCGM's fields on NVIDIA stacks, neuron-monitor's series
-on Trainium ones (issue 27), one alarm per purpose (ACCELERATOR_ALARMS); a purpose a vendor cannot alarm
-on says why (NO_EQUIVALENT), so a Trainium stack never silently lacks an alarm a GPU stack has.
+on Trainium ones (issue 27), one alarm per purpose (the core's observability.ACCELERATOR_ALARMS); a purpose a vendor
+cannot alarm on says why (NO_EQUIVALENT there), so a Trainium stack never silently lacks an alarm a GPU stack has.
 
 Training health (issue 18): the trainer's Prometheus gauges (trainer/metrics.py) reach CloudWatch
 through the CloudWatch agent's Prometheus scrape of the trainer pods (by annotation, see
@@ -66,33 +66,6 @@ PER_NODE_NOTE = f"each node alarms on its own and is named by its {NODE_DIMENSIO
 PCIE_REPLAYS_PER_MIN = 8  # `dcgmi health -c` warns above 8 PCIe replays a minute
 EXPORTER_ABSENT_MINUTES = 5  # no series from the accelerator exporter for this long: the alarms above are blind
 
-# Each accelerator alarm's purpose -> its short name on each vendor's stacks (InstanceType.vendor).
-ACCELERATOR_ALARMS: dict[str, dict[str, str]] = {
-    "utilisation-low": {"nvidia": "gpu-util-low", "neuron": "neuroncore-util-low"},
-    "hardware-errors": {"nvidia": "gpu-xid-errors", "neuron": "neuron-hardware-errors"},
-    "uncorrectable-ecc": {"nvidia": "gpu-ecc-uncorrectable", "neuron": "neuron-ecc-uncorrectable"},
-    "exporter-absent": {"nvidia": "gpu-exporter-absent", "neuron": "neuron-exporter-absent"},
-    "row-remap-failure": {"nvidia": "gpu-row-remap-failure"},
-    "pcie-replays": {"nvidia": "gpu-pcie-replays"},
-    "node-quarantined": {"nvidia": "node-quarantined"},
-    "node-replaced": {"nvidia": "node-replaced"},
-    "node-checks-not-run": {"nvidia": "node-checks-not-run"},
-}
-_NO_NODE_AGENT = (
-    "no node health agent runs on Neuron node groups (it reads nvidia-smi, DCGM and XID lines; "
-    "components/k8s/operations.py deploys it on NVIDIA nodes only)"
-)
-# Why a vendor has no alarm for a purpose (tests/components/test_trn2_monitoring.py holds every purpose of
-# a GPU stack to a Trainium alarm or a reason here).
-NO_EQUIVALENT: dict[tuple[str, str], str] = {
-    ("row-remap-failure", "neuron"): "neuron-monitor reports no row remapping: its hardware counters are ECC "
-    "events only (neuron_hw_counters), whose uncorrected ones neuron-ecc-uncorrectable alarms on",
-    ("pcie-replays", "neuron"): "neuron-monitor reports no PCIe replay counter (neuron_hw_counters: ECC events only)",
-    ("node-quarantined", "neuron"): _NO_NODE_AGENT,
-    ("node-replaced", "neuron"): _NO_NODE_AGENT,
-    ("node-checks-not-run", "neuron"): _NO_NODE_AGENT,
-}
-
 
 class LogPattern:
     """CloudWatch Logs filter patterns (any of the quoted terms) for failures worth a page."""
@@ -100,10 +73,11 @@ class LogPattern:
     NCCL_TIMEOUT = '?"Watchdog caught collective operation timeout" ?"NCCL timeout" ?"NCCL communicator was aborted"'
     OOM = '?"CUDA out of memory" ?"OutOfMemoryError" ?"Out of memory: Killed process"'
     GPU_XID = '?"NVRM: Xid" ?"NVRM: GPU has fallen off the bus"'
-    # trainer/train.py's own lines (rank 0): a skipped non-finite step, a checkpoint, a (re)start.
-    NON_FINITE = '"not finite, update skipped"'
-    CHECKPOINT = '"; checkpoint "'  # "step N: loss L; checkpoint written|started (async), ..."
-    TRAINER_START = '?"resumed from checkpoint at step" ?"starting at step 0"'
+    # The trainer's own lines (rank 0), by the phrases it builds them from: a skipped non-finite step, a
+    # checkpoint, a (re)start.
+    NON_FINITE = f'"{obs.TrainerLine.SKIPPED}"'
+    CHECKPOINT = f'"{obs.TrainerLine.CHECKPOINT}"'
+    TRAINER_START = f'?"{obs.TrainerLine.RESUMED}" ?"{obs.TrainerLine.STARTED}"'
     # The JSON lines of the scheduled checks (trainer/node/fabric.py, the inventory, `supernode drill`).
     FABRIC_REGRESSED = "{ $.fabric_regressed_node_count = * }"
     INVENTORY_DRIFT = "{ $.inventory_drift_count = * }"
@@ -201,7 +175,7 @@ class Monitoring(pulumi.ComponentResource):
         vendor = args.plan.hardware.vendor
         if vendor == "nvidia":
             # The NVIDIA driver's kernel lines (Neuron's hardware errors are a neuron-monitor metric) and
-            # the node health agent's, which runs on NVIDIA nodes only (NO_EQUIVALENT).
+            # the node health agent's, which runs on NVIDIA nodes only (obs.NO_EQUIVALENT).
             filters["GpuXidErrors"] = (groups["host"], LogPattern.GPU_XID, "1")
             # Summed over the agents' lines of a period: quarantined node-rounds (0 when all pass).
             filters["NodesQuarantined"] = (groups["application"], LogPattern.NODE_QUARANTINED, "$.node_quarantined")
@@ -228,7 +202,7 @@ class Monitoring(pulumi.ComponentResource):
         self.alarms = [
             self._alarm(
                 name,
-                "node-not-ready",
+                obs.NODE_NOT_READY_ALARM,
                 "a node is not ready",
                 namespace=CONTAINER_INSIGHTS,
                 metric_name="cluster_failed_node_count",
@@ -390,14 +364,14 @@ class Monitoring(pulumi.ComponentResource):
     def _accelerator_alarms(
         self, name: str, vendor: str, cluster_name: pulumi.Input[str], m: MonitoringConfig, window: int
     ) -> list[aws.cloudwatch.MetricAlarm]:
-        """The alarms on the accelerators and their exporter, by the vendor's metric names (ACCELERATOR_ALARMS)."""
+        """The alarms on the accelerators and their exporter, by the vendor's metric names (obs.ACCELERATOR_ALARMS)."""
         if vendor == "neuron":
             return self._neuron_alarms(name, cluster_name, m, window)
         gpus = obs.dcgm_dimensions(cluster_name)
         return [
             self._alarm(
                 name,
-                "gpu-util-low",
+                obs.accelerator_alarm("utilisation-low", "nvidia"),
                 f"a node's GPU utilisation below {m.gpu_util_floor_percent}% for "
                 f"{m.gpu_util_window_minutes} min (DCGM exporter, mean over the node's GPUs; {PER_NODE_NOTE})",
                 threshold=m.gpu_util_floor_percent,
@@ -406,25 +380,32 @@ class Monitoring(pulumi.ComponentResource):
                 missing="notBreaching",
                 metric_queries=[per_node_query("utilisation", obs.GPU_UTIL, gpus, "GPU utilisation")],
             ),
-            self._any(name, "gpu-xid-errors", "NVIDIA XID errors in node kernel logs", "GpuXidErrors"),
-            self._exporter_absent(name, "gpu-exporter-absent", "DCGM exporter", obs.GPU_UTIL, gpus),
+            self._any(
+                name,
+                obs.accelerator_alarm("hardware-errors", "nvidia"),
+                "NVIDIA XID errors in node kernel logs",
+                "GpuXidErrors",
+            ),
+            self._exporter_absent(
+                name, obs.accelerator_alarm("exporter-absent", "nvidia"), "DCGM exporter", obs.GPU_UTIL, gpus
+            ),
             # -- node health (trainer/node/agent.py; issue 26 item 4) --------------------------
             self._any(
                 name,
-                "node-quarantined",
+                obs.accelerator_alarm("node-quarantined", "nvidia"),
                 "the node health agent quarantined a GPU node (tainted supernode.io/unhealthy)",
                 "NodesQuarantined",
                 "Maximum",
             ),
             self._any(
                 name,
-                "node-replaced",
+                obs.accelerator_alarm("node-replaced", "nvidia"),
                 "the node health agent terminated a faulty GPU instance for its Auto Scaling group to replace",
                 "NodesReplaced",
             ),
             self._any(
                 name,
-                "node-checks-not-run",
+                obs.accelerator_alarm("node-checks-not-run", "nvidia"),
                 "a GPU node's health checks did not all run (the agent's checks_not_run; its NodeChecksNotRun "
                 "Event names the checks and why): the node is not known healthy",
                 "NodeChecksNotRun",
@@ -444,14 +425,22 @@ class Monitoring(pulumi.ComponentResource):
                     periods=1,
                 )
                 for short, metric, description in (
-                    ("gpu-ecc-uncorrectable", obs.ECC_DBE, "a GPU counted uncorrectable (double-bit) ECC errors"),
-                    ("gpu-row-remap-failure", obs.ROW_REMAP_FAILURE, "a GPU failed to remap a memory row"),
+                    (
+                        obs.accelerator_alarm("uncorrectable-ecc", "nvidia"),
+                        obs.ECC_DBE,
+                        "a GPU counted uncorrectable (double-bit) ECC errors",
+                    ),
+                    (
+                        obs.accelerator_alarm("row-remap-failure", "nvidia"),
+                        obs.ROW_REMAP_FAILURE,
+                        "a GPU failed to remap a memory row",
+                    ),
                 )
             ),
             # A cumulative counter: alarm on its growth, at dcgmi health's PCIe warning level.
             self._alarm(
                 name,
-                "gpu-pcie-replays",
+                obs.accelerator_alarm("pcie-replays", "nvidia"),
                 f"a GPU's PCIe link replayed more than {PCIE_REPLAYS_PER_MIN} transfers a minute",
                 threshold=PCIE_REPLAYS_PER_MIN,
                 comparison="GreaterThanThreshold",
@@ -497,7 +486,7 @@ class Monitoring(pulumi.ComponentResource):
             # NeuronCores a Neuron application runs on, so no training means no data, not an alarm.
             self._alarm(
                 name,
-                "neuroncore-util-low",
+                obs.accelerator_alarm("utilisation-low", "neuron"),
                 f"a node's NeuronCore utilisation below {m.gpu_util_floor_percent}% for "
                 f"{m.gpu_util_window_minutes} min (neuron-monitor, mean over the node's NeuronCores in use; "
                 f"{PER_NODE_NOTE})",
@@ -518,7 +507,7 @@ class Monitoring(pulumi.ComponentResource):
             # user guide, execution_stats), what XID lines are to the NVIDIA driver.
             self._alarm(
                 name,
-                "neuron-hardware-errors",
+                obs.accelerator_alarm("hardware-errors", "neuron"),
                 "a Neuron application's executions failed with hardware errors (neuron-monitor execution_stats)",
                 namespace=obs.PROMETHEUS_NAMESPACE,
                 metric_name=obs.NEURON_EXECUTION_ERRORS,
@@ -530,7 +519,7 @@ class Monitoring(pulumi.ComponentResource):
             ),
             self._alarm(
                 name,
-                "neuron-ecc-uncorrectable",
+                obs.accelerator_alarm("uncorrectable-ecc", "neuron"),
                 "a Neuron device counted uncorrected ECC events in its HBM or SRAM",
                 threshold=0,
                 comparison="GreaterThanThreshold",
@@ -548,7 +537,7 @@ class Monitoring(pulumi.ComponentResource):
             ),
             self._exporter_absent(
                 name,
-                "neuron-exporter-absent",
+                obs.accelerator_alarm("exporter-absent", "neuron"),
                 "neuron-monitor",
                 obs.NEURON_HOST_MEMORY_USED,
                 obs.neuron_dimensions(cluster_name),

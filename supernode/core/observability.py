@@ -8,7 +8,8 @@ DCGM exporter as DCGM_SCRAPE_JOB (neuron-monitor as NEURON_SCRAPE_JOB on Trainiu
 metric in PROMETHEUS_NAMESPACE, for the series METRIC_DECLARATIONS selects, with its dimensions -> the
 alarms and dashboard (components/aws/monitoring.py), which name it by exactly those. A name
 typed at one end only is a metric no alarm ever sees; so every
-end imports it from here. Plain strings, so the core stays free of pulumi.
+end imports it from here; likewise the alarms' names (by purpose and vendor) and the trainer's log
+phrases that the log alarms match. Plain strings, so the core stays free of pulumi.
 """
 
 from __future__ import annotations
@@ -210,3 +211,60 @@ METRIC_DECLARATIONS = _metric_declarations()
 # The trainer profiles (torch.profiler/Kineto) one logged step in this many, plus a run's first and last:
 # on every step it would cost the step (issue 39); a sample is enough for the exposed-communication share.
 PROFILE_EVERY = 50
+
+
+# -- alarms ----------------------------------------------------------------------------------------------
+# Each alarm is "<stack prefix>-<short name>": monitoring creates it by its short name, the policy pack
+# (monitoring-alarms) finds it by the same one.
+NODE_NOT_READY_ALARM = "node-not-ready"
+# Each accelerator alarm's purpose -> its short name on each vendor's stacks (InstanceType.vendor).
+ACCELERATOR_ALARMS: dict[str, dict[str, str]] = {
+    "utilisation-low": {"nvidia": "gpu-util-low", "neuron": "neuroncore-util-low"},
+    "hardware-errors": {"nvidia": "gpu-xid-errors", "neuron": "neuron-hardware-errors"},
+    "uncorrectable-ecc": {"nvidia": "gpu-ecc-uncorrectable", "neuron": "neuron-ecc-uncorrectable"},
+    "exporter-absent": {"nvidia": "gpu-exporter-absent", "neuron": "neuron-exporter-absent"},
+    "row-remap-failure": {"nvidia": "gpu-row-remap-failure"},
+    "pcie-replays": {"nvidia": "gpu-pcie-replays"},
+    "node-quarantined": {"nvidia": "node-quarantined"},
+    "node-replaced": {"nvidia": "node-replaced"},
+    "node-checks-not-run": {"nvidia": "node-checks-not-run"},
+}
+_NO_NODE_AGENT = (
+    "no node health agent runs on Neuron node groups (it reads nvidia-smi, DCGM and XID lines; "
+    "components/k8s/operations.py deploys it on NVIDIA nodes only)"
+)
+# Why a vendor has no alarm for a purpose (tests/components/test_trn2_monitoring.py holds every purpose of
+# a GPU stack to a Trainium alarm or a reason here).
+NO_EQUIVALENT: dict[tuple[str, str], str] = {
+    ("row-remap-failure", "neuron"): "neuron-monitor reports no row remapping: its hardware counters are ECC "
+    "events only (neuron_hw_counters), whose uncorrected ones neuron-ecc-uncorrectable alarms on",
+    ("pcie-replays", "neuron"): "neuron-monitor reports no PCIe replay counter (neuron_hw_counters: ECC events only)",
+    ("node-quarantined", "neuron"): _NO_NODE_AGENT,
+    ("node-replaced", "neuron"): _NO_NODE_AGENT,
+    ("node-checks-not-run", "neuron"): _NO_NODE_AGENT,
+}
+
+
+def accelerator_alarm(purpose: str, vendor: str) -> str:
+    """The short name of the alarm of `purpose` on `vendor`'s stacks (KeyError: the vendor has none, see
+    NO_EQUIVALENT)."""
+    return ACCELERATOR_ALARMS[purpose][vendor]
+
+
+# The deployment checklist's item 9 on an accelerator stack: the alarms it must have, by what they watch.
+CHECKLIST_ALARMS = {"utilisation-low": "accelerator utilisation below the floor", "node-not-ready": "a node not ready"}
+
+
+def checklist_alarm(purpose: str, vendor: str) -> str:
+    return NODE_NOT_READY_ALARM if purpose == "node-not-ready" else accelerator_alarm(purpose, vendor)
+
+
+# -- the trainer's log lines ------------------------------------------------------------------------------
+class TrainerLine:
+    """Phrases of the trainer's rank-0 lines that the log alarms match (components/aws/monitoring.py's
+    LogPattern): the trainer builds those lines from these, so a reworded line moves its filter with it."""
+
+    SKIPPED = "not finite, update skipped"  # "step N: loss nan, grad norm nan: not finite, update skipped (...)"
+    CHECKPOINT = "; checkpoint "  # "step N: loss L; checkpoint written|started (async), ..."
+    RESUMED = "resumed from checkpoint at step"  # "... at step N; training to step M ..."
+    STARTED = "starting at step 0"

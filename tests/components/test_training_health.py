@@ -116,13 +116,9 @@ def test_a_changed_config_moves_the_thresholds():
     assert b["training-restarts"]["threshold"] == 5 and b["training-restarts"]["period"] == 3600
 
 
-def test_log_alarms_match_what_the_trainer_and_the_checks_print(stack: Stack):
-    """The filter patterns quote the trainer's own lines; the JSON filters read the field the fabric
-    check prints. A reworded message or renamed field breaks this test, not the pager silently."""
-    train_py = (ROOT / "trainer" / "train.py").read_text(encoding="utf-8")
-    for pattern in (LogPattern.NON_FINITE, LogPattern.CHECKPOINT, LogPattern.TRAINER_START):
-        for phrase in re.findall(r'"([^"]+)"', pattern):
-            assert phrase in train_py, f"{phrase!r} is no longer printed by trainer/train.py"
+def test_log_alarms_match_what_the_checks_print(stack: Stack):
+    """The JSON filters read the field the fabric check prints (the trainer's lines are matched against a
+    real run's output in tests/trainer/test_failures.py). A renamed field breaks this test, not the pager."""
     found = fabric.compare([{"pair": ["a", "b"], "gb_s": 1.0, "latency_us": 1.0}], 0.2)
     assert "fabric_regressed_node_count" in found and "$.fabric_regressed_node_count" in LogPattern.FABRIC_REGRESSED
     filters = {r.inputs["metricTransformation"]["name"]: r.inputs for r in stack.all(T.LOG_METRIC_FILTER)}

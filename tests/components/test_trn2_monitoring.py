@@ -11,9 +11,9 @@ import re
 import pytest
 from aws_preview import Stack, insights_queries, insights_query, preview
 
-from supernode.components.aws.monitoring import ACCELERATOR_ALARMS, NO_EQUIVALENT
 from supernode.core import observability as obs
 from supernode.core import resource_types as T
+from supernode.core.observability import ACCELERATOR_ALARMS, NO_EQUIVALENT
 from supernode.core.vendors import VENDORS
 
 pytestmark = pytest.mark.slow  # previews of the program under the mock engine

@@ -235,6 +235,12 @@ CASES: list[tuple[str, Callable, str, str]] = [
         "mandatory",
     ),
     (
+        "no accelerator-utilisation alarm",
+        lambda s, c: without(s, T.METRIC_ALARM, "gpu-util-low"),
+        "monitoring-alarms",
+        "mandatory",
+    ),
+    (
         "alarm without SNS action",
         lambda s, c: mutate(s, T.METRIC_ALARM, set_in(("alarmActions",), []), "gpu-util-low"),
         "monitoring-alarms",

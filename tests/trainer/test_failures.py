@@ -22,6 +22,7 @@ from test_checkpoint import Position, checkpointer, counting_hashes, make, train
 from test_train import ROOT, local_plan, losses, write_plan
 
 from supernode.cli import main as cli
+from supernode.components.aws.monitoring import LogPattern
 from supernode.core.checkpoints import COMPLETE, complete_checkpoints, read_marker
 from supernode.core.config import from_mapping, load_stack
 from supernode.core.errors import BadInput
@@ -208,6 +209,15 @@ def test_torn_metrics_line_is_dropped_on_resume_and_writes_cannot_stop_training(
 # 2 -----------------------------------------------------------------------------------------------
 
 
+def lines_matching(pattern: str, log: str) -> list[str]:
+    """The log's lines a CloudWatch Logs term pattern matches: `"a" "b"` needs every term in the line,
+    `?"a" ?"b"` any of them (what the log alarms' metric filters count)."""
+    terms = re.findall(r'(\??)"([^"]*)"', pattern)
+    assert len({optional for optional, _ in terms}) == 1, pattern  # all terms, or any one of them
+    test = any if terms[0][0] else all
+    return [line for line in log.splitlines() if test(term in line for _, term in terms)]
+
+
 @pytest.mark.slow
 def test_nan_loss_skips_updates_then_stops_nonzero_without_a_nan_checkpoint(tmp_path, data_dir):
     plan = write_plan(one_rank_plan(steps=30, checkpointInterval=2, maxNonFiniteSteps=3), tmp_path / "plan.json")
@@ -217,6 +227,10 @@ def test_nan_loss_skips_updates_then_stops_nonzero_without_a_nan_checkpoint(tmp_
     assert "training diverged: loss or gradient norm not finite for 3 consecutive steps (steps 5-7" in r.stderr
     assert "The checkpoint of step 4 holds the last finite state" in r.stderr and "Traceback" not in r.stderr
     assert "step 5: loss nan, grad norm nan: not finite, update skipped (1 in a row of at most 3)" in r.stdout
+    # the log alarms count what this run printed: 3 skipped steps, checkpoints 2 and 4, one start
+    assert len(lines_matching(LogPattern.NON_FINITE, r.stdout)) == 3
+    assert [line.split(":")[0] for line in lines_matching(LogPattern.CHECKPOINT, r.stdout)] == ["step 2", "step 4"]
+    assert len(lines_matching(LogPattern.TRAINER_START, r.stdout)) == 1
     assert [s for s, _ in complete_checkpoints(checkpoints_of(out))] == [2, 4]  # 6 would be a skipped step's
     recs = strict_records(run_of(out) / JSONL)  # valid JSON throughout
     assert [(r["step"], r["loss"], r["skipped"]) for r in recs if r["step"] >= 5] == [
@@ -793,6 +807,7 @@ def test_a_step_that_hangs_outside_any_collective_is_restarted_and_counted(tmp_p
     # hang never reached, so step 2's (a hung step cannot checkpoint; the periodic saves bound the loss).
     assert "resumed from checkpoint at step 2" in log
     assert "1 stalled worker(s) restarted" in log
+    assert len(lines_matching(LogPattern.TRAINER_START, log)) == 2  # the restart alarm counts both starts
     step_4 = re.findall(r"step 4: loss (\S+);", log)
     assert len(step_4) == 2 and step_4[0] == step_4[1]  # the restart retrained step 4 to the same loss
     assert max(losses(out)) == 8
