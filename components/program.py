@@ -197,9 +197,9 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
         ),
     )
     gpu_groups = list(accelerators.labels)
-    # The node health agent reads NVIDIA's tools; Neuron nodes get neither it nor its role yet.
+    # The node health agent reads NVIDIA's tools; other vendors' nodes get neither it nor its role yet.
     node_health_role = None
-    if plan.hardware.vendor == "nvidia":
+    if plan.hardware.vendor_row.node_agent:
         node_health_role = ServiceAccountRole(
             "node-health-role",
             ServiceAccountRoleArgs(

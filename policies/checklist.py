@@ -251,10 +251,9 @@ def _nvlink_domain(stack: Stack, _conf: None, report: Report) -> None:
     and each job claims the IMEX channel of its own ComputeDomain (without it NCCL cannot use NVLink
     between the domain's nodes)."""
     plan = stack.plan()
-    # Trainium keeps EP and TP inside its NeuronLink domain on every instance type (the planner refuses
-    # otherwise); GPUs are checked where the domain spans nodes.
-    neuron = plan is not None and plan.hardware.vendor == "neuron"
-    if plan is None or (plan.topology.nodes_per_domain <= 1 and not neuron):
+    # A vendor that keeps EP and TP inside its domain (Trainium's NeuronLink) is checked on every instance
+    # type (the planner refuses otherwise); the others where the domain spans nodes.
+    if plan is None or (plan.topology.nodes_per_domain <= 1 and not plan.hardware.keeps_ep_tp_in_domain):
         return
     cm, topo, hw = stack.plan_config_map(), plan.topology, plan.hardware
     for dim, key in (("ep", "ep"), ("tp", "tp")):
@@ -267,7 +266,7 @@ def _nvlink_domain(stack: Stack, _conf: None, report: Report) -> None:
                 f"traffic crosses EFA. Fix: choose supernode:parallel.{key} dividing {topo.domain_gpus} (EP inside "
                 f"the domain, FSDP/DP across domains; `supernode plan` suggests such layouts).",
             )
-    if neuron:  # NeuronLink between a Trn2 UltraServer's instances needs no IMEX channel
+    if not hw.vendor_row.cross_node_domain_needs_imex or topo.nodes_per_domain <= 1:  # e.g. NeuronLink: none
         return
     domains = {get(cd.props, "metadata", "name"): cd for cd in stack.of(COMPUTE_DOMAIN)}
     templates = {get(cd.props, "spec", "channel", "resourceClaimTemplate", "name") for cd in domains.values()}

@@ -175,7 +175,7 @@ class GpuNodeGroup(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         hw, tags, cap = CATALOG[group.instance_type], args.ctx.tagged(), group.capacity
         self.labels, self.taints = node_labels(group), [ACCELERATOR_TAINTS[hw.vendor]]
-        if hw.vendor == "nvidia":  # joins unchecked until the node health agent's deep check passes (NVIDIA only)
+        if hw.vendor_row.node_agent:  # joins unchecked until the node health agent's deep check passes
             self.taints.append(UNCHECKED)
 
         placement = None

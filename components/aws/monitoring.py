@@ -173,9 +173,9 @@ class Monitoring(pulumi.ComponentResource):
             "RestoreDrillFailures": (groups["application"], LogPattern.RESTORE_DRILL_FAILED, "1"),
         }
         vendor = args.plan.hardware.vendor
-        if vendor == "nvidia":
+        if args.plan.hardware.vendor_row.node_agent:
             # The NVIDIA driver's kernel lines (Neuron's hardware errors are a neuron-monitor metric) and
-            # the node health agent's, which runs on NVIDIA nodes only (obs.NO_EQUIVALENT).
+            # the node health agent's, which runs where the vendor row says (obs.NO_EQUIVALENT).
             filters["GpuXidErrors"] = (groups["host"], LogPattern.GPU_XID, "1")
             # Summed over the agents' lines of a period: quarantined node-rounds (0 when all pass).
             filters["NodesQuarantined"] = (groups["application"], LogPattern.NODE_QUARANTINED, "$.node_quarantined")

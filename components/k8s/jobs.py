@@ -183,9 +183,9 @@ CLIQUE_LABEL = "nvidia.com/gpu.clique"
 
 
 def spans_nodes_over_nvlink(plan: Plan) -> bool:
-    """The plan's NVLink domain is larger than one node: the job needs IMEX channels. (A Trn2
-    UltraServer's NeuronLink needs none: the Neuron runtime reaches the other instances' chips itself.)"""
-    return plan.hardware.vendor == "nvidia" and plan.topology.nodes_per_domain > 1
+    """The plan's NVLink domain is larger than one node: the job needs IMEX channels (the vendor row's
+    cross_node_domain_needs_imex; a Trn2 UltraServer's NeuronLink needs none)."""
+    return plan.hardware.vendor_row.cross_node_domain_needs_imex and plan.topology.nodes_per_domain > 1
 
 
 def imex_channel_template(mesh: str) -> str:

@@ -230,13 +230,11 @@ def build_inference_plan(cfg: StackConfig, params: ParamCounts, hw: InstanceType
     m = cfg.model
     hw = hw or min((CATALOG[g.instance_type] for g in cfg.accelerator_node_groups), key=lambda t: t.hbm_mib)
     arch = served_architecture(m)
-    if hw.vendor != "nvidia":
-        # docs/architecture.md, "Serving on Trainium": this path is vLLM's CUDA build on nvidia.com/gpu.
+    if hw.vendor_row.not_served_because:
         raise BadInput(
-            f"inference: serving on {hw.accelerator} ({hw.name}) is not supported: the serving path runs vLLM's "
-            "CUDA image on nvidia.com/gpu, and vLLM serves Trainium only through the vLLM Neuron plugin (beta), "
-            "a separate server with its own port of each architecture, compiled per shape bucket; remove "
-            "supernode:inference from this stack and serve the export (supernode export) from a GPU stack"
+            f"inference: serving on {hw.accelerator} ({hw.name}) is not supported: "
+            f"{hw.vendor_row.not_served_because}; remove supernode:inference from this stack and serve the "
+            "export (supernode export) from a GPU stack"
         )
     usable = hw.hbm_bytes * (1 - cfg.parallel.hbm_headroom)
     seq, conc, tp, pp = inf.max_seq_len, inf.max_concurrency, inf.tp, inf.pp

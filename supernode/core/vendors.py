@@ -32,6 +32,15 @@ class AcceleratorVendor:
     # The EKS-optimised AL2023 AMI variant: NVIDIA (driver, fabric manager, IMEX, EFA) or Neuron (the
     # Neuron driver and runtime, EFA); neither carries the device plugin, which the add-ons install.
     ami_variant: str
+    # The node health agent (trainer/node/agent.py) judges this vendor's nodes: it reads nvidia-smi, DCGM
+    # and XID lines, so only NVIDIA nodes join unchecked, get the agent, its role and its log alarms.
+    node_agent: bool
+    # An NVLink domain wider than one node (GB200 NVL72) needs IMEX channels, which the job claims from a
+    # ComputeDomain; a Trn2 UltraServer's NeuronLink needs none (the Neuron runtime reaches the other
+    # instances' chips itself).
+    cross_node_domain_needs_imex: bool
+    # Why the serving path (vLLM's CUDA image) cannot serve on this vendor; empty where it can.
+    not_served_because: str
 
 
 VENDORS: dict[str, AcceleratorVendor] = {
@@ -48,6 +57,9 @@ VENDORS: dict[str, AcceleratorVendor] = {
         taint_key="nvidia.com/gpu",
         present_label="nvidia.com/gpu.present",
         ami_variant="nvidia",
+        node_agent=True,
+        cross_node_domain_needs_imex=True,
+        not_served_because="",
     ),
     "neuron": AcceleratorVendor(
         device_resource="aws.amazon.com/neurondevice",
@@ -62,5 +74,13 @@ VENDORS: dict[str, AcceleratorVendor] = {
         taint_key="aws.amazon.com/neuron",
         present_label="aws.amazon.com/neuron.present",
         ami_variant="neuron",
+        node_agent=False,
+        cross_node_domain_needs_imex=False,
+        # docs/architecture.md, "Serving on Trainium"
+        not_served_because=(
+            "the serving path runs vLLM's CUDA image on nvidia.com/gpu, and vLLM serves Trainium only through "
+            "the vLLM Neuron plugin (beta), a separate server with its own port of each architecture, compiled "
+            "per shape bucket"
+        ),
     ),
 }

@@ -160,7 +160,7 @@ def judged_as(node: dict[str, Any], fallback: str | None) -> InstanceType:
             f"node {name}: instance type {kind!r} ({source}) is not in the catalog: no GPU count, NVLink or "
             "EFA figures to judge it against, so it is neither quarantined nor replaced"
         ) from None
-    if instance.vendor != "nvidia":  # the checks read NVIDIA's tools (Neuron nodes: not yet)
+    if not instance.vendor_row.node_agent:  # the checks read NVIDIA's tools (Neuron nodes: not yet)
         raise NotJudged(f"node {name}: {kind} ({source}) is not an NVIDIA GPU instance: the checks read NVIDIA tools")
     return instance
 
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                 instance = lookup(args.instance_type)
             except KeyError as e:
                 raise BadInput(f"--instance-type: {e.args[0]}") from None
-            if instance.vendor != "nvidia":
+            if not instance.vendor_row.node_agent:
                 raise BadInput(f"--instance-type: {instance.name} is not an NVIDIA GPU instance")
         if args.interval_s < 30:
             raise BadInput(f"--interval-s must be at least 30, got {args.interval_s}")
