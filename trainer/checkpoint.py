@@ -72,6 +72,9 @@ from supernode.core.checkpoints import (
 )
 from supernode.core.faults import inject
 
+from .divergence import NonFinite
+from .log import LOG
+
 DIGESTS = ".sha256."  # `.sha256.<rank>`: the digests of the files one rank wrote, in a save's temporary directory
 
 
@@ -295,7 +298,9 @@ def _set_rng_state(state: dict) -> None:
 
 
 class Checkpointer:
-    """Save / restore the registered training state under `root`, keeping the newest `keep` checkpoints."""
+    """Save / restore the registered training state under `root`, keeping the newest `keep` checkpoints,
+    and decide when to save (`maybe_save`). As a context manager it finishes the save in flight on the way
+    out, unless the run is failing for a reason (a lost peer) that would hang that save's collectives."""
 
     def __init__(
         self,
@@ -304,17 +309,22 @@ class Checkpointer:
         state: dict[str, Stateful],
         async_save: bool = True,
         meta: dict | None = None,
-        say: Callable[[str], None] = print,
+        interval: int = 0,
+        weights_finite: Callable[[], bool] = lambda: True,
     ):
         """`state`: the Statefuls saved and restored (`train_state(...)`), registered once; the
         checkpointer adds the step and every rank's RNG states.
         `meta` (the model and training settings) is recorded in every checkpoint's marker;
-        `say` reports (rank 0) what restore decided, e.g. a fallback past a corrupt checkpoint, and
-        step directories without a marker, which are kept.
+        Rank 0 says (the trainer's log) what restore decided, e.g. a fallback past a corrupt checkpoint,
+        and names step directories without a marker, which are kept.
+        `interval`: `maybe_save` saves every `interval` steps (0: only at a run's last step or a stop);
+        `weights_finite` (collective) is asked before each of its saves: a non-finite state is never written.
         The caller must own the out directory (OutDirLock): start-up removes leftovers of saves."""
         self.root, self.keep, self.async_save = Path(root), keep, async_save
+        self.interval, self.weights_finite = interval, weights_finite
+        self.last_saved = 0  # the newest step saved or restored
         self.state = state
-        self.meta, self.say = meta or {}, say
+        self.meta = meta or {}
         self.restored_meta: dict = {}  # the marker of the checkpoint restore() loaded
         self._save_bytes = 0  # estimated size of the save in flight, for a "no space" message
         self.rank = dist.get_rank()
@@ -349,13 +359,29 @@ class Checkpointer:
             # it may still hold good weights, so it is named and kept, never removed in silence.
             for d in sorted(self.root.glob(PREFIX + "*")):
                 if d.is_dir() and not (d / COMPLETE).is_file():
-                    say(
+                    LOG.info(
                         f"{d} has no {COMPLETE} marker, so it is not a checkpoint to resume from; kept as it "
                         "is (restore its marker from a copy, or delete it)"
                     )
         dist.barrier(group=self.group)
 
     # -- saving ----------------------------------------------------------------------------
+    def maybe_save(self, step: int, last: bool, stopping: bool, trained: bool = True) -> bool:
+        """Save step `step` if it is due: every `interval` steps, the run's last step, or a stop (those two
+        written before this returns). Never a step whose update was skipped (`trained` false): its weights
+        are an earlier step's, and a periodic save would only rotate good checkpoints out. Raises NonFinite
+        rather than write non-finite weights. Returns whether it saved."""
+        due = (self.interval and step % self.interval == 0) or last or stopping
+        if not (due and trained):
+            return False
+        if not self.weights_finite():
+            raise NonFinite(
+                f"step {step}: the weights are not finite; no checkpoint written (the last is step "
+                f"{self.last_saved}); lower training.lr, then run again"
+            )
+        self.save(step, sync=stopping or last)
+        return True
+
     def _state(self, step: int, rng: Any) -> dict:
         return {**{name: obj.state_dict() for name, obj in self.state.items()}, "step": step, "rng": rng}
 
@@ -386,6 +412,7 @@ class Checkpointer:
             self._failed(e, step)
             raise
         self.last_stall_s = time.perf_counter() - t0
+        self.last_saved = step
 
     def _failed(self, exc: BaseException, step: int) -> None:
         """A save failed: drop its partial files; a full disk becomes NoSpace (not retryable)."""
@@ -417,6 +444,15 @@ class Checkpointer:
         """Finish the save in flight and free the staging buffers."""
         self.wait()
         self._stager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        # A save in flight on a diverging run is of an earlier, finite step: kept. Any other failure
+        # (a lost peer, a timeout) would leave that save's collectives waiting forever.
+        if exc is None or isinstance(exc, NonFinite):
+            self.close()
 
     def poll(self) -> None:
         """Commit a finished async save (cheap; call once per step)."""
@@ -476,7 +512,6 @@ class Checkpointer:
             found[0] = [(int(self._branch.name[len(PREFIX) :]), self._branch)]
         # Every rank must consider the same checkpoints, as rank 0 lists them.
         dist.broadcast_object_list(found, src=0, group=self.group)
-        say = self.say if self.rank == 0 else (lambda line: None)
         bad = []
         for step, path in reversed(found[0]):
             verdicts: list[str | None] = [None] * self.world
@@ -484,15 +519,15 @@ class Checkpointer:
             why = next((v for v in verdicts if v is not None), None)
             if why is None:
                 if marker_unchecked(path):
-                    say(
+                    LOG.info(
                         f"checkpoint {path} has no sha256 of its files; used unverified because {TRUST_UNCHECKED_ENV}=1"
                     )
                 if bad:
-                    say(f"checkpoint {bad[0]}; resuming from the previous complete checkpoint, step {step}")
+                    LOG.info(f"checkpoint {bad[0]}; resuming from the previous complete checkpoint, step {step}")
                 return (step, path), None
             bad.append(f"{path} is corrupt ({why})")
             if len(bad) > 1:
-                say(f"checkpoint {bad[-1]}")
+                LOG.info(f"checkpoint {bad[-1]}")
         if bad:
             return None, (
                 f"no usable checkpoint in {self.root}: {'; '.join(bad)}; move the corrupt ones away "
@@ -535,7 +570,8 @@ class Checkpointer:
             obj.load_state_dict(state[name])
         if state["rng"]["world_size"] == self.world:  # per-rank streams only map 1:1 at the same size
             _set_rng_state(pickle.loads(state["rng"]["ranks"])[self.rank])
-        return int(state["step"])
+        self.last_saved = int(state["step"])
+        return self.last_saved
 
 
 __all__ = [

@@ -31,6 +31,7 @@ from supernode.core.plan import Plan
 from .checkpoint import Checkpointer, CheckpointMismatch, train_state
 from .data.loader import TokenLoader
 from .data.manifest import DataError
+from .log import LOG
 from .model import inputs_and_targets, loss_fn
 from .moe import ExpertBalancer
 from .parallel import Meshes, autocast_dtype, build_model
@@ -167,7 +168,6 @@ class Trainer:
         data: Path,
         out: Path,
         async_checkpoint: bool,
-        say: Callable[[str], None],
     ):
         t, layout = plan.training, plan.parallel
         # An elastic layout whose dp does not divide the global batch runs zero-weight micro-batches
@@ -181,7 +181,7 @@ class Trainer:
         mesh = Meshes.build(layout, device.type)
         self.autocast = autocast_dtype(layout, mesh, device.type)
         if self.autocast is not None:
-            say(
+            LOG.info(
                 f"parallel.mixedPrecision bf16 by torch.autocast: this layout has no data parallelism "
                 f"(dpReplicate x dpShard = 1 over {layout.world_size} ranks) for FSDP's mixed precision"
             )
@@ -231,7 +231,8 @@ class Trainer:
             async_save=async_checkpoint,
             state=train_state(self.model, self.optimizer, self.scheduler, self.loader),
             meta=meta,
-            say=say,
+            interval=t.checkpoint_interval,
+            weights_finite=self.finite_params,
         )
 
     def restore(self) -> tuple[int, str | None]:

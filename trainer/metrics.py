@@ -32,6 +32,8 @@ from supernode.core.checkpoints import COMPLETE, complete_checkpoints
 from supernode.core.errors import BadInput
 from supernode.core.plan import Plan
 
+from .log import LOG, write_through
+
 JSONL, PROM, LOSS_PNG, LOAD_PNG = "metrics.jsonl", "metrics.prom", "loss.png", "expert_load.png"
 
 
@@ -146,6 +148,8 @@ class Metrics:
             )
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
+            console = self._progress.console
+            write_through(lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
 
     def _truncate_after(self, step: int) -> None:
         """A resumed run repeats the steps after its checkpoint: drop their old records (and a torn
@@ -166,7 +170,7 @@ class Metrics:
         """Metrics are not worth a run: a failed write is reported once and training goes on."""
         if not self._write_failed:
             self._write_failed = True
-            self.message(f"warning: metrics not written to {self.out} ({e.strerror or e}); training continues")
+            LOG.info(f"warning: metrics not written to {self.out} ({e.strerror or e}); training continues")
 
     def log(
         self,
@@ -244,7 +248,7 @@ class Metrics:
         for term, value in measured.items():
             self.gauges[obs.MEMORY_BYTES].labels(term).set(value)
             self.gauges[obs.PLAN_MEMORY_BYTES].labels(term).set(planned[term])
-        self.message(
+        LOG.info(
             "memory per rank, measured / plan: "
             + ", ".join(f"{t} {measured[t] / 2**20:,.1f} / {planned[t] / 2**20:,.1f} MiB" for t in measured)
         )
@@ -267,20 +271,12 @@ class Metrics:
             self.gauges[obs.CHECKPOINT_TIME].set((path / COMPLETE).stat().st_mtime)
             self.gauges[obs.CHECKPOINT_STEP].set(step)
 
-    def message(self, text: str) -> None:
-        """A line above the progress bar (or plain stdout without one), rank 0 only."""
-        if self.rank != 0:
-            return
-        if self._progress is not None:
-            self._progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
-        else:
-            print(text, flush=True)
-
     def close(self, plots: bool = False) -> None:
         if self.rank != 0:
             return
         if self._progress is not None:
             self._progress.stop()
+            write_through(None)
         # The run's last save commits after its step was logged (a sync save, or an async one that
         # ckpt.close() waited for): the file must end on that checkpoint, not the one before it.
         self._checkpoint_gauges()

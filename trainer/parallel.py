@@ -24,7 +24,7 @@ import math
 import os
 import socket
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -44,6 +44,7 @@ from supernode.core.plan import Plan
 from supernode.core.topology import GroupPlacement, rank_order
 
 from .dispatcher import AllToAllDispatcher, TokenDispatcher
+from .log import LOG
 from .model import Transformer
 from .moe import MoE
 
@@ -110,7 +111,7 @@ def nvml_clique() -> str | None:
     return f"{uuid.UUID(bytes=cluster)}.{info.cliqueId}"
 
 
-def domain_order(world_size: int, placement: Sequence[GroupPlacement], say: Callable[[str], None]) -> list[int]:
+def domain_order(world_size: int, placement: Sequence[GroupPlacement]) -> list[int]:
     """torchrun's ranks in the order to number them, NVLink domain by domain
     (`supernode.core.topology.rank_order`), so that every EP and TP group the plan places inside a
     domain (`placement`, the Plan's topology) lies inside one. One all_gather_object of the domain labels: the only
@@ -124,7 +125,7 @@ def domain_order(world_size: int, placement: Sequence[GroupPlacement], say: Call
     inside = [g for g in placed.values() if g.inside_domain]
     crossing = [g for g in placed.values() if not g.inside_domain]
     if crossing:
-        say(
+        LOG.info(
             "; ".join(
                 f"{g.dim} {g.size} spans {g.domains} NVLink domains by the plan's design ({g.link})" for g in crossing
             )
@@ -145,7 +146,6 @@ def renumber_by_domain(
     placement: Sequence[GroupPlacement],
     backend: str,
     timeout: timedelta,
-    say: Callable[[str], None],
 ) -> None:
     """Number the ranks of the default process group NVLink domain by domain (`domain_order`), so the
     row-major meshes put every EP and TP group inside one domain and everything that derives a
@@ -157,7 +157,7 @@ def renumber_by_domain(
     coordinate, so a mesh whose ranks do not ascend along every dim silently scrambles sharded
     tensors (tests/trainer/test_parallel.py shows it). Rank 0 keeps rank 0: the first domain is
     rank 0's and ranks ascend inside a domain."""
-    order = domain_order(world_size, placement, say)
+    order = domain_order(world_size, placement)
     if order == sorted(order):
         return
     rank = order.index(dist.get_rank())

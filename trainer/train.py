@@ -45,6 +45,7 @@ import os
 import socket
 import sys
 import time
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
@@ -63,63 +64,13 @@ from supernode.core.runs import RunChoice, prepare_run
 from .checkpoint import CheckpointCorrupt, NoSpace
 from .comm_clock import CommClock
 from .device import choose, synchronize
+from .divergence import Divergence, NonFinite
 from .engine import Trainer
 from .launch import AGENT_ENV, LAUNCHER_ENV, RUN_KEY_ENV, Heartbeat, exit_file, stall_count
+from .log import LOG, setup
 from .memory import measured_terms, planned_terms
 from .metrics import Metrics
 from .parallel import checked_layout, renumber_by_domain
-
-
-class NonFinite(Exception):
-    """Training diverged: the loss or gradient norm stayed non-finite (not retryable: it would again)."""
-
-
-class Divergence:
-    """The run's non-finite steps (loss or gradient norm NaN/Inf: the update skipped): the streak,
-    the line each skipped step logs, and the NonFinite that ends the run, at a streak of
-    training.maxNonFiniteSteps or when the run ends inside a streak (its weights are an earlier step's)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.streak = limit, 0
-
-    def count(self, step: int, loss: float, grad_norm: float, skipped: bool) -> str | None:
-        """Count this step; the line a skipped one logs (None for a finite one)."""
-        if not skipped:
-            self.streak = 0
-            return None
-        self.streak += 1
-        return (
-            f"step {step}: loss {loss}, grad norm {grad_norm}: {TrainerLine.SKIPPED} "
-            f"({self.streak} in a row of at most {self.limit})"
-        )
-
-    def skipped(self, step: int) -> str:
-        return f"step {step}" if self.streak == 1 else f"steps {step - self.streak + 1}-{step}"
-
-    @staticmethod
-    def kept(last_saved: int) -> str:
-        return (
-            f"the checkpoint of step {last_saved} holds the last trained state"
-            if last_saved
-            else "no checkpoint was written"
-        )
-
-    def check(self, step: int, last_saved: int, last: bool) -> None:
-        """Raise NonFinite where the run must end (a save in flight is of an earlier, finite step: kept)."""
-        if self.streak >= self.limit:
-            raise NonFinite(
-                f"training diverged: loss or gradient norm not finite for {self.streak} consecutive steps "
-                f"({self.skipped(step)}, updates skipped); stopped without a checkpoint. "
-                f"{'The checkpoint of step ' + str(last_saved) + ' holds the last finite state' if last_saved else 'No checkpoint was written'}; "  # noqa: E501
-                "lower training.lr or raise training.warmupSteps, then run again"
-            )
-        if self.streak and last:  # the run did not train through its last steps: not a success
-            raise NonFinite(
-                f"training ended on non-finite steps: loss or gradient norm not finite at {self.skipped(step)} "
-                f"(updates skipped), so the weights are still those of step {step - self.streak}; no "
-                f"checkpoint of step {step} written ({self.kept(last_saved)}). Lower training.lr or raise "
-                "training.warmupSteps, then run again"
-            )
 
 
 def sampled(step: int, start: int, steps: int, log_every: int, profile_every: int) -> tuple[bool, bool]:
@@ -300,19 +251,13 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
     heartbeat = Heartbeat(t.stall_restart_s)  # from here on a worker that stops progressing is restarted
     heartbeat.beat("start")
     dist.init_process_group(backend, timeout=timeout)
+    setup(dist.get_rank())  # rank 0's lines on stdout; the other ranks quiet
     heartbeat.beat("the process group")
     lock = OutDirLock(args.out)
     try:
-        if dist.get_rank() == 0:
-            print(layout_line(planned, plan), flush=True)
+        LOG.info(layout_line(planned, plan))
         _learn_run_keys()
-        renumber_by_domain(
-            world,
-            plan.topology.placement,
-            backend,
-            timeout,
-            say=lambda line: print(line, flush=True) if dist.get_rank() == 0 else None,
-        )
+        renumber_by_domain(world, plan.topology.placement, backend, timeout)
         _own_out_dir(args.out, lock)
         return _run(args, plan, steps, device, stop, _select_run(args, plan), heartbeat)
     except Exception as e:
@@ -372,7 +317,7 @@ def _select_run(args: argparse.Namespace, plan: Plan) -> RunChoice:
                 args.run_id,
                 args.from_run,
                 args.step,
-                say=lambda line: print(line, flush=True),
+                say=LOG.info,
                 run_flag="--run-id",
             )
         except BadInput as e:
@@ -392,147 +337,174 @@ def _run(
     run: RunChoice,
     heartbeat: Heartbeat,
 ) -> int:
-    t = plan.training
-    rank, world = dist.get_rank(), dist.get_world_size()
-    say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
-    say(run.line())
-    trainer = Trainer(plan, device, args.data, run.dir, t.async_checkpoint and not args.sync_checkpoint, say)
-    ckpt = trainer.checkpointer
-    if run.parent_step is not None:
-        ckpt.branch(run.parent_step)
-    heartbeat.beat("the model build")
+    LOG.info(run.line())
+    trainer = Trainer(plan, device, args.data, run.dir, plan.training.async_checkpoint and not args.sync_checkpoint)
+    metrics: Metrics | None = None
+    step = 0
+    with ExitStack() as cleanup:  # unwound in reverse: the checkpointer's last save commits, then metrics close
+        cleanup.callback(lambda: metrics is not None and metrics.close(plots=args.plots and step == steps))
+        ckpt = cleanup.enter_context(trainer.checkpointer)
+        if run.parent_step is not None:
+            ckpt.branch(run.parent_step)
+        heartbeat.beat("the model build")
+        start = step = _restore(trainer, args, plan, run, steps)
+        heartbeat.beat(f"the restore (step {start})")
+        if start == steps:
+            LOG.info(
+                f"run {run.run} in {args.out} is already at step {start}: nothing to train (give a larger --steps)"
+            )
+            return EXIT_OK
+        metrics = _open_metrics(args, plan, run, trainer, steps, start)
+        loop = _Steps(args, trainer, metrics, stop, heartbeat, start, steps)
+        for step in range(start + 1, steps + 1):
+            code = loop.step(step)
+            if code is not None:
+                return code
+        return EXIT_OK
+
+
+def _restore(trainer: Trainer, args: argparse.Namespace, plan: Plan, run: RunChoice, steps: int) -> int:
+    """The step this start resumes from (its checkpoint, a parent run's, or step 0's weights: initFrom)."""
     start, changed = trainer.restore()
-    heartbeat.beat(f"the restore (step {start})")
     if start > steps:
         raise BadInput(
             f"--steps {steps}: run {run.run} in {args.out} is already at step {start}; give --steps above "
             f"{start} to train on, or start a fresh run (--run new)"
         )
     if changed:
-        say(changed)
-    if start == 0 and t.init_from:  # a checkpoint of the run wins: its weights are further along
-        _init_from(trainer, plan, args.init_from, say)
-    if start == steps:
-        say(f"run {run.run} in {args.out} is already at step {start}: nothing to train (give a larger --steps)")
-        ckpt.close()
-        return EXIT_OK
+        LOG.info(changed)
+    if start == 0 and plan.training.init_from:  # a checkpoint of the run wins: its weights are further along
+        _init_from(trainer, plan, args.init_from)
+    return start
+
+
+def _open_metrics(
+    args: argparse.Namespace, plan: Plan, run: RunChoice, trainer: Trainer, steps: int, start: int
+) -> Metrics:
+    """The run's metrics (each run its own: a fresh run or a branch must not rewrite another's), and the
+    lines a start says: earlier stalls, a restart hazard, where it starts."""
+    world, device = dist.get_world_size(), trainer.device
     metrics = Metrics(
-        run.dir,  # each run its own metrics: a fresh run or a branch must not rewrite another's
+        run.dir,
         plan,
         world,
         device.type,
-        rank,
+        dist.get_rank(),
         args.prometheus_port,
         progress=args.progress,
         total_steps=steps,
         start_step=start,
         prometheus_addr=args.prometheus_addr,
-        checkpoints=ckpt.root,
-    )  # the checkpoint-age gauges follow its commits
+        checkpoints=trainer.checkpointer.root,  # the checkpoint-age gauges follow its commits
+    )
     stalls = stall_count(args.out)
     metrics.stall_restarts(stalls)
     if stalls:
-        metrics.message(f"{stalls} stalled worker(s) restarted in {args.out} so far ({args.out}/stalls.jsonl)")
+        LOG.info(f"{stalls} stalled worker(s) restarted in {args.out} so far ({args.out}/stalls.jsonl)")
     if (
         int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
         and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
     ):
-        metrics.message(
+        LOG.info(
             "warning: torchrun restarts need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, "
             "else a restarted attempt reads stale addresses (pytorch/pytorch#135712) and cannot connect"
         )
-    metrics.message(
+    LOG.info(
         f"{f'{TrainerLine.RESUMED} {start}' if start else TrainerLine.STARTED}; "
         f"training to step {steps} on {world} {device.type} rank(s), layout {plan.degrees.model_dump()}"
     )
-    tokens_per_step = t.global_batch * plan.model.seq_len
-    nan_from = int(inject("nan") or 0)  # test hook: the loss (and so every gradient) is NaN from this step on
-    # Test hook: the first attempt hangs at this step outside any collective (the restarted one does not).
-    stall_at = int(inject("stall") or 0) if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else 0
-    divergence, last_saved, comm_share = Divergence(t.max_non_finite_steps), start, 0.0
-    step, code = start, EXIT_OK
-    try:
-        for step in range(start + 1, steps + 1):
-            # Also the first and last steps, so a run always shows where its loss started and ended.
-            logged, profiled = sampled(step, start, steps, args.log_every, args.profile_every)
-            t0 = time.perf_counter()
-            while step == stall_at:
-                time.sleep(3600)
-            micro = trainer.loader.next_step()
-            data_s = time.perf_counter() - t0
-            with CommClock(profiled, cuda=device.type == "cuda") as clock:
-                r = trainer.train_step(micro, stop.term, stop.interrupt, poison=bool(nan_from) and step >= nan_from)
-                synchronize(device)  # the step's time includes its queued device work
-            step_s = time.perf_counter() - t0
-            if step == start + 1:  # the first update allocated the optimizer state: the terms are all there
-                metrics.memory(measured_terms(trainer.model, trainer.optimizer, device), planned_terms(plan))
-            ckpt.poll()
-            heartbeat.beat(f"step {step}")
-            if profiled:
-                comm_share = clock.seconds() / step_s
-            if logged or r.skipped:
-                comm_s = comm_share * step_s  # measured on this step, or the latest sampled share
-                metrics.log(
-                    step,
-                    loss=r.loss,
-                    lr=trainer.scheduler.get_last_lr()[0],
-                    grad_norm=r.grad_norm,
-                    tokens=tokens_per_step,
-                    step_s=step_s,
-                    compute_s=max(0.0, step_s - data_s - comm_s),
-                    comm_s=comm_s,
-                    data_s=data_s,
-                    expert_load=None if r.skipped else trainer.expert_load(),
-                    skipped=r.skipped,
-                )
-            line = divergence.count(step, r.loss, r.grad_norm, r.skipped)
-            if line:
-                metrics.message(line)
-            stopping, last = r.stop_term or r.stop_interrupt, step == steps
-            divergence.check(step, last_saved, last)
-            # Never a checkpoint of a skipped step: its weights are an earlier step's. A periodic save
-            # waits for the streak to end (it would only rotate good checkpoints out), and a run
-            # that stops in one keeps the last checkpoint it trained through.
-            saved = (step % t.checkpoint_interval == 0 or last or stopping) and not divergence.streak
-            if saved:
-                if not trainer.finite_params():  # never checkpoint a non-finite state
-                    raise NonFinite(
-                        f"step {step}: the weights are not finite; no checkpoint written (the last is "
-                        f"step {last_saved}); lower training.lr, then run again"
-                    )
-                ckpt.save(step, sync=stopping or last)
-                metrics.checkpoint_stall(ckpt.last_stall_s)
-                last_saved = step
-                metrics.message(
-                    f"step {step}: loss {r.loss:.4f}{TrainerLine.CHECKPOINT}"
-                    f"{'written' if stopping or last else 'started (async)'}, "
-                    f"training blocked {ckpt.last_stall_s * 1e3:.0f} ms"
-                )
-            if stopping:
-                why = "" if saved else f" ({divergence.skipped(step)} not finite; {divergence.kept(last_saved)})"
-                if r.stop_interrupt:
-                    code = EXIT_INTERRUPTED
-                    done = "checkpoint written" if saved else "no checkpoint written"
-                    _report(
-                        args.out,
-                        code,
-                        [f"interrupted at step {step}; {done}{why}; run again to resume"],
-                        to_stderr=False,
-                    )
-                else:
-                    done = "with a checkpoint" if saved else "without a checkpoint"
-                    metrics.message(f"SIGTERM: stopped after step {step} {done}{why}; run again to resume")
-                break
-        ckpt.close()
-    except NonFinite:
-        ckpt.close()  # a save in flight is of an earlier, finite step: keep it
-        raise
-    finally:
-        metrics.close(plots=args.plots and step == steps)
-    return code
+    return metrics
 
 
-def _init_from(trainer: Trainer, plan: Plan, local_copy: Path | None, say) -> None:
+class _Steps:
+    """The steps of one start, each asked in turn (`step`): train, measure, log, count a skipped update,
+    save when due, act on a stop. What they share: the divergence streak, the latest sampled
+    communication share, the test hooks (read once)."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        trainer: Trainer,
+        metrics: Metrics,
+        stop: StopRequest,
+        heartbeat: Heartbeat,
+        start: int,
+        steps: int,
+    ) -> None:
+        self.args, self.trainer, self.metrics, self.stop, self.heartbeat = args, trainer, metrics, stop, heartbeat
+        self.start, self.steps = start, steps
+        plan = trainer.plan
+        self.divergence = Divergence(plan.training.max_non_finite_steps)
+        self.comm_share = 0.0
+        self.tokens_per_step = plan.training.global_batch * plan.model.seq_len
+        # Test hooks: the loss (and so every gradient) is NaN from this step on; the first attempt hangs
+        # at this step outside any collective (the restarted one does not).
+        self.nan_from = int(inject("nan") or 0)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.stall_at = int(inject("stall") or 0) if first_attempt else 0
+
+    def step(self, step: int) -> int | None:
+        """Run step `step`; the exit code where the run ends here (a stop), None to go on."""
+        trainer, metrics, ckpt, device = self.trainer, self.metrics, self.trainer.checkpointer, self.trainer.device
+        # Also the first and last steps, so a run always shows where its loss started and ended.
+        logged, profiled = sampled(step, self.start, self.steps, self.args.log_every, self.args.profile_every)
+        t0 = time.perf_counter()
+        while step == self.stall_at:
+            time.sleep(3600)
+        micro = trainer.loader.next_step()
+        data_s = time.perf_counter() - t0
+        poison = bool(self.nan_from) and step >= self.nan_from
+        with CommClock(profiled, cuda=device.type == "cuda") as clock:
+            r = trainer.train_step(micro, self.stop.term, self.stop.interrupt, poison=poison)
+            synchronize(device)  # the step's time includes its queued device work
+        step_s = time.perf_counter() - t0
+        if step == self.start + 1:  # the first update allocated the optimizer state: the terms are all there
+            metrics.memory(measured_terms(trainer.model, trainer.optimizer, device), planned_terms(trainer.plan))
+        ckpt.poll()
+        self.heartbeat.beat(f"step {step}")
+        if profiled:
+            self.comm_share = clock.seconds() / step_s
+        if logged or r.skipped:
+            comm_s = self.comm_share * step_s  # measured on this step, or the latest sampled share
+            metrics.log(
+                step,
+                loss=r.loss,
+                lr=trainer.scheduler.get_last_lr()[0],
+                grad_norm=r.grad_norm,
+                tokens=self.tokens_per_step,
+                step_s=step_s,
+                compute_s=max(0.0, step_s - data_s - comm_s),
+                comm_s=comm_s,
+                data_s=data_s,
+                expert_load=None if r.skipped else trainer.expert_load(),
+                skipped=r.skipped,
+            )
+        divergence = self.divergence
+        divergence.count(step, r.loss, r.grad_norm, r.skipped)
+        stopping, last = r.stop_term or r.stop_interrupt, step == self.steps
+        divergence.check(step, ckpt.last_saved, last)
+        saved = ckpt.maybe_save(step, last, stopping, trained=not divergence.streak)
+        if saved:
+            metrics.checkpoint_stall(ckpt.last_stall_s)
+            LOG.info(
+                f"step {step}: loss {r.loss:.4f}{TrainerLine.CHECKPOINT}"
+                f"{'written' if stopping or last else 'started (async)'}, "
+                f"training blocked {ckpt.last_stall_s * 1e3:.0f} ms"
+            )
+        if not stopping:
+            return None
+        why = "" if saved else f" ({divergence.skipped(step)} not finite; {divergence.kept(ckpt.last_saved)})"
+        if r.stop_interrupt:
+            done = "checkpoint written" if saved else "no checkpoint written"
+            lines = [f"interrupted at step {step}; {done}{why}; run again to resume"]
+            _report(self.args.out, EXIT_INTERRUPTED, lines, to_stderr=False)
+            return EXIT_INTERRUPTED
+        done = "with a checkpoint" if saved else "without a checkpoint"
+        LOG.info(f"SIGTERM: stopped after step {step} {done}{why}; run again to resume")
+        return EXIT_OK
+
+
+def _init_from(trainer: Trainer, plan: Plan, local_copy: Path | None) -> None:
     """Step 0's weights from the pretrained directory (verified first); the optimizer and the data
     position start fresh, as they would from a random initialisation."""
     from .hf.load import load_pretrained
@@ -550,7 +522,7 @@ def _init_from(trainer: Trainer, plan: Plan, local_copy: Path | None, say) -> No
     load_pretrained(
         trainer.model, plan.model, directory, plan.training.init_from_sha256, "local.model" if plan.local else "model"
     )
-    say(f"step 0 starts from the weights in {directory} (verified, loaded in {time.perf_counter() - t0:.1f} s)")
+    LOG.info(f"step 0 starts from the weights in {directory} (verified, loaded in {time.perf_counter() - t0:.1f} s)")
 
 
 def main(argv: list[str] | None = None) -> int:

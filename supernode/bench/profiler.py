@@ -59,7 +59,6 @@ def _worker(rank: int, world: int, workdir: str, plan_json: str, data: str, reps
             Path(data),
             Path(workdir),
             False,
-            say=lambda line: None,
         )
         _step_seconds(trainer, False)  # warm-up: the first step allocates the optimizer state
         _step_seconds(trainer, True)

@@ -12,10 +12,12 @@ path (a spawned rank, importing its test module afresh, could get tests/tools').
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from supernode.trainer.log import LOG, setup, write_through
 
 
 def _entry(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], args: tuple) -> None:
@@ -65,3 +69,19 @@ def spawn(fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any) ->
     if missing:
         raise AssertionError(f"ranks {missing} exited without a result (crashed or killed)")
     return [found[rank][0] for rank in range(world_size)]
+
+
+@contextmanager
+def logged(rank: int = 0) -> Iterator[list[str]]:
+    """The lines this process's trainer logger prints, configured as a worker of `rank` configures it
+    (rank 0 says, the others are quiet)."""
+    lines: list[str] = []
+    setup(rank)
+    write_through(lines.append)
+    try:
+        yield lines
+    finally:
+        write_through(None)
+        LOG.handlers.clear()
+        LOG.propagate = True
+        LOG.setLevel(logging.NOTSET)

@@ -34,7 +34,7 @@ def _unsharded_grad_bytes(model: torch.nn.Module) -> int:
 
 def held_between_micro_batches(rank: int, world: int, plan_json: str, data: str, out: str) -> list[int]:
     plan = Plan.from_json(plan_json)
-    trainer = engine.Trainer(plan, torch.device("cpu"), Path(data), Path(out), False, say=lambda line: None)
+    trainer = engine.Trainer(plan, torch.device("cpu"), Path(data), Path(out), False)
     seen: list[int] = []
     real = engine.inputs_and_targets
 

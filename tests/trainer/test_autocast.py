@@ -52,7 +52,7 @@ def forward_matmul_dtypes(rank: int, world: int, plan_json: str, data: str, out:
     if as_accelerator:  # the accelerator's rule on these CPU ranks: bf16 wherever the plan says so
         parallel.bf16_compute = lambda p, device_type: p.mixed_precision == "bf16"
     plan = Plan.from_json(plan_json)
-    trainer = engine.Trainer(plan, torch.device("cpu"), Path(data), Path(out), False, say=lambda line: None)
+    trainer = engine.Trainer(plan, torch.device("cpu"), Path(data), Path(out), False)
     real_loss = engine.loss_fn
     modes: list[MatmulDtypes] = []
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import spawn
+from ranks import logged, spawn
 
 import supernode.core.checkpoints
 from supernode.core.checkpoints import (
@@ -228,9 +228,9 @@ def test_a_marker_without_checksums_is_never_trusted_silently(group, tmp_path, m
         return
     # The explicit opt-in for checkpoints from before checksums: used, and the restore says so.
     monkeypatch.setenv(TRUST_UNCHECKED_ENV, "1")
-    said = []
     assert checkpoint_problem(path) is None
-    assert checkpointer(tmp_path, model2, opt2, sched2, keep=2, say=said.append).restore() == 1
+    with logged() as said:
+        assert checkpointer(tmp_path, model2, opt2, sched2, keep=2).restore() == 1
     assert torch.equal(model2[0].weight, trained)
     assert any("used unverified" in line for line in said)
 
@@ -240,8 +240,8 @@ def test_a_step_directory_without_its_marker_is_named_and_kept(group, tmp_path):
     model, opt, sched = make(0)
     checkpointer(tmp_path, model, opt, sched, keep=3, async_save=False).save(2)
     (tmp_path / "step_00000002" / COMPLETE).unlink()
-    said = []
-    ck = checkpointer(tmp_path, model, opt, sched, keep=3, async_save=False, say=said.append)
+    with logged() as said:
+        ck = checkpointer(tmp_path, model, opt, sched, keep=3, async_save=False)
     assert [line for line in said if "step_00000002 has no COMPLETE marker" in line and "kept" in line]
     assert ck.restore() == 0
     ck.save(4)

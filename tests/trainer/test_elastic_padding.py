@@ -112,7 +112,7 @@ def first_step(rank: int, world: int, plan_json: str, data: str, out: str) -> di
     """Step 1 at `world`: the loss, the gradient norm, every full gradient (before the update) and
     the global routed-token counts the router biases move by."""
     plan = Plan.from_json(plan_json).for_world(world)
-    trainer = Trainer(plan, torch.device("cpu"), Path(data), Path(out), False, say=lambda line: None)
+    trainer = Trainer(plan, torch.device("cpu"), Path(data), Path(out), False)
     grads: dict[str, torch.Tensor] = {}
 
     def capture(optimizer, args, kwargs) -> None:  # before the update: the clipped gradients

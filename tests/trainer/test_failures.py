@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import spawn
+from ranks import logged, spawn
 from test_checkpoint import Position, checkpointer, counting_hashes, make, train_steps
 from test_train import ROOT, local_plan, losses, write_plan
 
@@ -252,9 +252,8 @@ def flip(path: Path, offset: int = 64) -> None:
 
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(group, tmp_path):
     model, opt, sched = make(0)
-    said: list[str] = []
     position = Position(0, 2)
-    ck = checkpointer(tmp_path, model, opt, sched, position, keep=3, async_save=False, say=said.append)
+    ck = checkpointer(tmp_path, model, opt, sched, position, keep=3, async_save=False)
     ck.save(2)
     good = model[0].weight.detach().clone()
     with torch.no_grad():
@@ -264,8 +263,9 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(group, tmp_p
     flip(tmp_path / "step_00000004" / "__0_0.distcp")
 
     model2, opt2, sched2 = make(1)
-    ck = checkpointer(tmp_path, model2, opt2, sched2, keep=3, say=said.append)
-    assert ck.restore() == 2
+    ck = checkpointer(tmp_path, model2, opt2, sched2, keep=3)
+    with logged() as said:
+        assert ck.restore() == 2
     assert torch.equal(model2[0].weight, good)
     assert said == [
         f"checkpoint {tmp_path / 'step_00000004'} is corrupt ({tmp_path / 'step_00000004' / '__0_0.distcp'} "
@@ -295,9 +295,8 @@ def corrupt_a_file_rank_1_checks(rank: int, world: int, root: Path):
     if rank == 0:
         flip(path / corrupt)
     dist.barrier()
-    said: list[str] = []
-    with counting_hashes() as hashed:
-        step = checkpointer(root, *make(1, world), keep=3, say=said.append).restore()
+    with counting_hashes() as hashed, logged(rank) as said:
+        step = checkpointer(root, *make(1, world), keep=3).restore()
     return step, said, hashed, corrupt
 
 
@@ -767,9 +766,9 @@ def test_sigterm_while_steps_are_skipped_stops_without_checkpointing_them(tmp_pa
 
 def test_the_summary_counts_skipped_steps(tmp_path, capsys):
     """#7: the closing summary read only the steps with a loss, so skipped ones vanished from it."""
-    from supernode.cli.commands.train import _summary
     from supernode.core.config import load_stack
     from supernode.core.plan import build_local_plan
+    from supernode.tools.train_local import summary
 
     plan = build_local_plan("dev", load_stack("dev", ROOT))
     recs = [
@@ -778,7 +777,7 @@ def test_the_summary_counts_skipped_steps(tmp_path, capsys):
         {"step": 3, "loss": 2.5, "tokens_per_s": 100.0, "step_s": 3 * plan.step.step_s},
     ]
     (tmp_path / JSONL).write_text("".join(json.dumps(r) + "\n" for r in recs))
-    _summary(tmp_path, plan)
+    summary(tmp_path, plan)
     out = capsys.readouterr().out
     assert "loss 3.000 (step 1) -> 2.500 (step 3); 1 non-finite step(s) skipped;" in out
     # issue 29 item 4: the measured step (median, past the first) next to the plan's estimate

@@ -136,7 +136,7 @@ def test_checkpoint_age_gauges_follow_the_commits(tmp_path, plan, group):
         )
 
     root = tmp_path / "checkpoints"
-    ckpt = Checkpointer(root, keep=2, state={"model": torch.nn.Linear(4, 4)}, async_save=True, say=lambda s: None)
+    ckpt = Checkpointer(root, keep=2, state={"model": torch.nn.Linear(4, 4)}, async_save=True)
     m = Metrics(tmp_path, plan, world_size=1, device_type="cpu", checkpoints=root)
     assert all(v != v for v in gauges(m))  # NaN
     ckpt.save(1)

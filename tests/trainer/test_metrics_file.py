@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from ranks import logged
 
 from supernode.core.config import load_stack
 from supernode.core.plan import build_local_plan
@@ -35,7 +36,7 @@ def test_metrics_prom_ends_on_the_last_save(tmp_path, plan, group):
     """The trainer logs a step, then saves it (train.py): the file written with the log still shows
     the checkpoint before; closing the metrics must bring it to the last save."""
     root = tmp_path / "checkpoints"
-    ckpt = Checkpointer(root, keep=2, state={"model": torch.nn.Linear(4, 4)}, async_save=True, say=lambda s: None)
+    ckpt = Checkpointer(root, keep=2, state={"model": torch.nn.Linear(4, 4)}, async_save=True)
     m = Metrics(tmp_path, plan, world_size=1, device_type="cpu", checkpoints=root)
     log(m, 1)
     ckpt.save(1, sync=True)
@@ -89,10 +90,9 @@ def test_memory_by_term_is_measured_beside_the_plan(tmp_path, plan):
     assert planned["parameters"] == plan.memory.parameters
     assert planned["peak"] == plan.memory.total - plan.memory.runtime_reserve
 
-    said = []
     m = Metrics(tmp_path, plan, world_size=1, device_type="cpu")
-    m.message = said.append
-    m.memory(measured, planned)
+    with logged() as said:
+        m.memory(measured, planned)
     log(m, 1)
     families = {f.name: f for f in text_string_to_metric_families((tmp_path / PROM).read_text())}
     got = {s.labels["term"]: s.value for s in families["supernode_train_memory_bytes"].samples}
