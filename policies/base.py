@@ -3,7 +3,8 @@
 A stack check is `check(stack, settings, report)` and a resource check `check(res, settings, report)`,
 where `report(res, message)` names the offending resource. `StackPolicy` and `ResourcePolicy` are the
 pulumi-policy classes plus the checklist item the policy enforces and its settings model; the pack,
-the offline runner and the reports ask the policy objects for these (there is no registry to fill).
+the offline runner and the reports ask the policy objects for these. Each module registers its policies
+in a `Registry` by a decorator on the check, so a policy is declared where it is defined.
 """
 
 from __future__ import annotations
@@ -167,3 +168,44 @@ class ResourcePolicy(ChecklistPolicy, ResourceValidationPolicy):
             return self.fix(self._res(args))
         except _SHAPE_ERRORS as e:
             raise MalformedInput(self.name, args.urn, e) from e
+
+
+class Registry(list):
+    """A module's policies in the order they are defined, each registered by a decorator on its check,
+    beside which its metadata (name, checklist item, description, level) and its settings model live."""
+
+    def stack(
+        self,
+        name: str,
+        item: int,
+        description: str,
+        *,
+        level: EnforcementLevel = EnforcementLevel.MANDATORY,
+        settings: type[PolicySettings] | None = None,
+    ) -> Callable[[StackCheck], StackCheck]:
+        def register(check: StackCheck) -> StackCheck:
+            self.append(StackPolicy(name, item, description, check, level=level, settings=settings))
+            return check
+
+        return register
+
+    def resource(
+        self,
+        name: str,
+        item: int,
+        description: str,
+        types: tuple[str, ...],
+        *,
+        level: EnforcementLevel = EnforcementLevel.MANDATORY,
+        settings: type[PolicySettings] | None = None,
+        remediate: Remediation | None = None,
+    ) -> Callable[[ResourceCheck], ResourceCheck]:
+        def register(check: ResourceCheck) -> ResourceCheck:
+            self.append(
+                ResourcePolicy(
+                    name, item, description, types, check, level=level, settings=settings, remediate=remediate
+                )
+            )
+            return check
+
+        return register

@@ -3,11 +3,19 @@
 
 from __future__ import annotations
 
-from . import checklist, security, serving
+from . import accelerators, monitoring, readiness, security, serving, storage
 from .base import ChecklistPolicy
 
 PACK_NAME = "supernode-checklist"
-POLICIES: list[ChecklistPolicy] = checklist.POLICIES + security.POLICIES + serving.POLICIES
+# By checklist item group: 1-3, 4-5, 6-8, 9, 10, then serving's (items 2, 7, 9, 10).
+POLICIES: list[ChecklistPolicy] = [
+    *accelerators.POLICIES,
+    *readiness.POLICIES,
+    *storage.POLICIES,
+    *monitoring.POLICIES,
+    *security.POLICIES,
+    *serving.POLICIES,
+]
 
 CHECKLIST_ITEMS = {
     1: "Accelerators",

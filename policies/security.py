@@ -50,8 +50,10 @@ from supernode.core.resource_types import (
     STATEFUL_SET,
 )
 
-from .base import Report, ResourcePolicy, StackPolicy
+from .base import Registry, Report
 from .view import OPEN_CIDRS, Res, Stack, as_list, containers, get, is_true, items, json_doc, plain, statements
+
+POLICIES = Registry()
 
 REMEDIATE = EnforcementLevel.REMEDIATE
 PAB_FLAGS = ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets")
@@ -103,6 +105,23 @@ def _read_only(action: str) -> bool:
     return action in NO_RESOURCE_LEVEL or (verb.startswith(READ_ONLY_VERBS) and "*" not in action.split(":", 1)[0])
 
 
+@POLICIES.resource(
+    "iam-no-wildcards",
+    10,
+    "IAM documents allow no wildcard actions and no '*' resource beyond read-only calls; identity "
+    "policies write S3 under a prefix, never a whole bucket.",
+    (
+        IAM_ROLE,
+        IAM_ROLE_POLICY,
+        IAM_POLICY,
+        IAM_USER_POLICY,
+        IAM_GROUP_POLICY,
+        BUCKET_POLICY,
+        KMS_KEY,
+        KMS_KEY_POLICY,
+        SNS_TOPIC_POLICY,
+    ),
+)
 def _iam(res: Res, _conf: None, report: Report) -> None:
     for where, doc in _documents(res):
         for i, st in enumerate(statements(doc)):
@@ -148,6 +167,7 @@ def bucket_name(stack: Stack, bucket: Res) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
+@POLICIES.stack("s3-kms-encryption", 10, "S3 buckets are encrypted with KMS.")
 def _s3_kms(stack: Stack, _conf: None, report: Report) -> None:
     # S3 server access logging delivers only to SSE-S3 buckets (AWS does not support SSE-KMS there).
     log_targets = {r.get("targetBucket") for r in stack.of(BUCKET_LOGGING)}
@@ -166,6 +186,7 @@ def _s3_kms(stack: Stack, _conf: None, report: Report) -> None:
             )
 
 
+@POLICIES.stack("s3-public-access-block-attached", 10, "Every S3 bucket has a public-access block.")
 def _pab_attached(stack: Stack, _conf: None, report: Report) -> None:
     for b in stack.of(BUCKET):
         if not stack.attached(b, (BUCKET_PAB,)):
@@ -176,16 +197,24 @@ def _pab_attached(stack: Stack, _conf: None, report: Report) -> None:
             )
 
 
-def _pab(res: Res, _conf: None, report: Report) -> None:
-    off = [f for f in PAB_FLAGS if not is_true(res.get(f))]
-    if off:
-        report(res, f"{res.label} leaves {off} off. Fix: set all of {', '.join(PAB_FLAGS)} to true.")
-
-
 def _pab_fix(res: Res) -> dict[str, Any] | None:
     if all(is_true(res.get(f)) for f in PAB_FLAGS):
         return None
     return {**plain(res.props), **{f: True for f in PAB_FLAGS}}
+
+
+@POLICIES.resource(
+    "s3-public-access-block",
+    10,
+    "S3 public-access blocks set all four flags.",
+    (BUCKET_PAB,),
+    level=REMEDIATE,
+    remediate=_pab_fix,
+)
+def _pab(res: Res, _conf: None, report: Report) -> None:
+    off = [f for f in PAB_FLAGS if not is_true(res.get(f))]
+    if off:
+        report(res, f"{res.label} leaves {off} off. Fix: set all of {', '.join(PAB_FLAGS)} to true.")
 
 
 def _anyone(st: dict) -> bool:
@@ -201,6 +230,12 @@ def _confined(st: dict) -> bool:
     return isinstance(condition, dict) and bool(keys & set(CONFINING_KEYS))
 
 
+@POLICIES.resource(
+    "s3-no-public-policy",
+    10,
+    "No bucket policy allows anyone (Principal '*') without a condition confining it.",
+    (BUCKET_POLICY,),
+)
 def _public_policy(res: Res, _conf: None, report: Report) -> None:
     for i, st in enumerate(statements(json_doc(res.get("policy")))):
         if st.get("Effect") == "Allow" and _anyone(st) and not _confined(st):
@@ -212,6 +247,12 @@ def _public_policy(res: Res, _conf: None, report: Report) -> None:
             )
 
 
+@POLICIES.resource(
+    "s3-no-public-acl",
+    10,
+    "No bucket ACL grants access to all or all authenticated AWS users.",
+    (BUCKET, BUCKET_ACL, BUCKET_ACL_V2),
+)
 def _public_acl(res: Res, _conf: None, report: Report) -> None:
     acl = res.get("acl")
     grants = items(res.get("grants")) + items(res.get("accessControlPolicy", "grants"))
@@ -227,17 +268,7 @@ def _public_acl(res: Res, _conf: None, report: Report) -> None:
         )
 
 
-def _aws_types_reviewed(stack: Stack, _conf: None, report: Report) -> None:
-    for r in stack.resources:
-        if r.type.startswith("aws:") and r.type not in REVIEWED_AWS_TYPES:
-            report(
-                r,
-                f"{r.label} is of type {r.type}, which no security policy has been reviewed against: it could "
-                f"open access that nothing here reads. Fix: check what it can grant, add a policy if it can, "
-                f"and name the type in supernode/core/resource_types.py.",
-            )
-
-
+@POLICIES.stack("s3-tls-only", 10, "S3 buckets deny non-TLS requests.")
 def _tls_only(stack: Stack, _conf: None, report: Report) -> None:
     for b in stack.of(BUCKET):
         denies = [
@@ -258,6 +289,7 @@ def _tls_only(stack: Stack, _conf: None, report: Report) -> None:
 # -- EKS, EC2, KMS, network -----------------------------------------------------------------------
 
 
+@POLICIES.resource("eks-secrets-encryption", 10, "EKS encrypts secrets with KMS.", (EKS_CLUSTER,))
 def _eks_secrets(res: Res, _conf: None, report: Report) -> None:
     configs = items(res.get("encryptionConfig")) or (
         [res.get("encryptionConfig")] if res.get("encryptionConfig") else []
@@ -270,6 +302,7 @@ def _eks_secrets(res: Res, _conf: None, report: Report) -> None:
         )
 
 
+@POLICIES.resource("eks-endpoint-restricted", 10, "The EKS API endpoint is not open to 0.0.0.0/0.", (EKS_CLUSTER,))
 def _eks_endpoint(res: Res, _conf: None, report: Report) -> None:
     public = res.get("vpcConfig", "endpointPublicAccess")
     cidrs = [str(c) for c in items(res.get("vpcConfig", "publicAccessCidrs"))]
@@ -285,6 +318,17 @@ def _eks_endpoint(res: Res, _conf: None, report: Report) -> None:
         )
 
 
+def _imdsv2_fix(res: Res) -> dict[str, Any] | None:
+    if res.get("metadataOptions", "httpTokens") == "required":
+        return None
+    props = plain(res.props)
+    props["metadataOptions"] = {**(props.get("metadataOptions") or {}), "httpTokens": "required"}
+    return props
+
+
+@POLICIES.resource(
+    "ec2-imdsv2", 10, "Launch templates require IMDSv2.", (LAUNCH_TEMPLATE,), level=REMEDIATE, remediate=_imdsv2_fix
+)
 def _imdsv2(res: Res, _conf: None, report: Report) -> None:
     if res.get("metadataOptions", "httpTokens") != "required":
         report(
@@ -295,14 +339,9 @@ def _imdsv2(res: Res, _conf: None, report: Report) -> None:
         )
 
 
-def _imdsv2_fix(res: Res) -> dict[str, Any] | None:
-    if res.get("metadataOptions", "httpTokens") == "required":
-        return None
-    props = plain(res.props)
-    props["metadataOptions"] = {**(props.get("metadataOptions") or {}), "httpTokens": "required"}
-    return props
-
-
+@POLICIES.resource(
+    "ec2-imds-hop-limit", 10, "Launch templates keep IMDS answers on the node (hop limit 1).", (LAUNCH_TEMPLATE,)
+)
 def _imds_hop_limit(res: Res, _conf: None, report: Report) -> None:
     hops = res.get("metadataOptions", "httpPutResponseHopLimit")
     if hops != 1:
@@ -315,6 +354,7 @@ def _imds_hop_limit(res: Res, _conf: None, report: Report) -> None:
         )
 
 
+@POLICIES.resource("kms-key-rotation", 10, "KMS keys rotate.", (KMS_KEY,))
 def _kms_rotation(res: Res, _conf: None, report: Report) -> None:
     spec = res.get("customerMasterKeySpec") or res.get("keySpec") or "SYMMETRIC_DEFAULT"
     if spec == "SYMMETRIC_DEFAULT" and not is_true(res.get("enableKeyRotation")):
@@ -325,6 +365,12 @@ def _kms_rotation(res: Res, _conf: None, report: Report) -> None:
         )
 
 
+@POLICIES.resource(
+    "no-open-ingress",
+    10,
+    "No security group allows ingress from 0.0.0.0/0 or ::/0.",
+    (SECURITY_GROUP, SG_RULE, SG_INGRESS),
+)
 def _open_ingress(res: Res, _conf: None, report: Report) -> None:
     if res.type == SECURITY_GROUP:
         rules = [(r, items(get(r, "cidrBlocks")) + items(get(r, "ipv6CidrBlocks"))) for r in items(res.get("ingress"))]
@@ -355,8 +401,11 @@ def _all_containers(stack: Stack) -> list[tuple[Res, Any]]:
     return [(w, c) for w in stack.of(*WORKLOADS) for c in containers(w, init=True)]
 
 
+# Both image policies are mandatory unless the stack says otherwise (supernode:images.requireDigests
+# false, a dev stack: `supernode policy config` makes them advisory).
+@POLICIES.stack("image-digests", 10, "Every container image the stack deploys is pinned by digest.")
 def _image_digests(stack: Stack, _conf: None, report: Report) -> None:
-    # The trainer job and the gate are the checklist's (images-pinned, code-config-ready): not reported twice.
+    # The trainer job and the gate are the checklist's (images-pinned): not reported twice.
     jobs = {r.urn for r in stack.trainer_jobs() + stack.gates()}
     for w, c in _all_containers(stack):
         image = str(get(c, "image", default=""))
@@ -384,6 +433,11 @@ _SERVING_IMAGE_FIX = (
 )
 
 
+@POLICIES.stack(
+    "image-placeholder",
+    10,
+    "No container runs the placeholder image digest; the trainer's comes from the stack's own repository.",
+)
 def _image_placeholder(stack: Stack, _conf: None, report: Report) -> None:
     for w, c in _all_containers(stack):
         image = str(get(c, "image", default=""))
@@ -416,6 +470,7 @@ def _image_placeholder(stack: Stack, _conf: None, report: Report) -> None:
                 )
 
 
+@POLICIES.stack("container-resources", 10, "Every container sets CPU and memory requests and limits.")
 def _container_resources(stack: Stack, _conf: None, report: Report) -> None:
     for w, c in _all_containers(stack):
         missing = [
@@ -433,96 +488,19 @@ def _container_resources(stack: Stack, _conf: None, report: Report) -> None:
             )
 
 
-POLICIES = [
-    ResourcePolicy(
-        "iam-no-wildcards",
-        10,
-        "IAM documents allow no wildcard actions and no '*' resource beyond read-only calls; identity "
-        "policies write S3 under a prefix, never a whole bucket.",
-        (
-            IAM_ROLE,
-            IAM_ROLE_POLICY,
-            IAM_POLICY,
-            IAM_USER_POLICY,
-            IAM_GROUP_POLICY,
-            BUCKET_POLICY,
-            KMS_KEY,
-            KMS_KEY_POLICY,
-            SNS_TOPIC_POLICY,
-        ),
-        _iam,
-    ),
-    StackPolicy("s3-kms-encryption", 10, "S3 buckets are encrypted with KMS.", _s3_kms),
-    StackPolicy("s3-public-access-block-attached", 10, "Every S3 bucket has a public-access block.", _pab_attached),
-    ResourcePolicy(
-        "s3-public-access-block",
-        10,
-        "S3 public-access blocks set all four flags.",
-        (BUCKET_PAB,),
-        _pab,
-        level=REMEDIATE,
-        remediate=_pab_fix,
-    ),
-    ResourcePolicy(
-        "s3-no-public-policy",
-        10,
-        "No bucket policy allows anyone (Principal '*') without a condition confining it.",
-        (BUCKET_POLICY,),
-        _public_policy,
-    ),
-    ResourcePolicy(
-        "s3-no-public-acl",
-        10,
-        "No bucket ACL grants access to all or all authenticated AWS users.",
-        (BUCKET, BUCKET_ACL, BUCKET_ACL_V2),
-        _public_acl,
-    ),
-    StackPolicy("s3-tls-only", 10, "S3 buckets deny non-TLS requests.", _tls_only),
-    ResourcePolicy("eks-secrets-encryption", 10, "EKS encrypts secrets with KMS.", (EKS_CLUSTER,), _eks_secrets),
-    ResourcePolicy(
-        "eks-endpoint-restricted", 10, "The EKS API endpoint is not open to 0.0.0.0/0.", (EKS_CLUSTER,), _eks_endpoint
-    ),
-    ResourcePolicy(
-        "ec2-imdsv2",
-        10,
-        "Launch templates require IMDSv2.",
-        (LAUNCH_TEMPLATE,),
-        _imdsv2,
-        level=REMEDIATE,
-        remediate=_imdsv2_fix,
-    ),
-    ResourcePolicy(
-        "ec2-imds-hop-limit",
-        10,
-        "Launch templates keep IMDS answers on the node (hop limit 1).",
-        (LAUNCH_TEMPLATE,),
-        _imds_hop_limit,
-    ),
-    ResourcePolicy("kms-key-rotation", 10, "KMS keys rotate.", (KMS_KEY,), _kms_rotation),
-    ResourcePolicy(
-        "no-open-ingress",
-        10,
-        "No security group allows ingress from 0.0.0.0/0 or ::/0.",
-        (SECURITY_GROUP, SG_RULE, SG_INGRESS),
-        _open_ingress,
-    ),
-    # Both image policies are mandatory unless the stack says otherwise (supernode:images.requireDigests
-    # false, a dev stack: `supernode policy config` makes them advisory).
-    StackPolicy("image-digests", 10, "Every container image the stack deploys is pinned by digest.", _image_digests),
-    StackPolicy(
-        "image-placeholder",
-        10,
-        "No container runs the placeholder image digest; the trainer's comes from the stack's own repository.",
-        _image_placeholder,
-    ),
-    StackPolicy(
-        "container-resources", 10, "Every container sets CPU and memory requests and limits.", _container_resources
-    ),
-    StackPolicy(
-        "aws-types-reviewed", 10, "Every AWS resource is of a type the security policies read.", _aws_types_reviewed
-    ),
-]
 IMAGE_POLICIES = ("image-digests", "image-placeholder")
 # Remediated where the Pulumi CLI applies the pack to an update; a check (the offline preview, the
 # PR check, a plain `pulumi up` without the pack) must fail instead: nothing else applies the fix.
 REMEDIATING_POLICIES = ("s3-public-access-block", "ec2-imdsv2")
+
+
+@POLICIES.stack("aws-types-reviewed", 10, "Every AWS resource is of a type the security policies read.")
+def _aws_types_reviewed(stack: Stack, _conf: None, report: Report) -> None:
+    for r in stack.resources:
+        if r.type.startswith("aws:") and r.type not in REVIEWED_AWS_TYPES:
+            report(
+                r,
+                f"{r.label} is of type {r.type}, which no security policy has been reviewed against: it could "
+                f"open access that nothing here reads. Fix: check what it can grant, add a policy if it can, "
+                f"and name the type in supernode/core/resource_types.py.",
+            )

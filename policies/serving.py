@@ -9,8 +9,10 @@ from typing import Any
 from supernode.core.resource_types import DEPLOYMENT, K8S_SERVICE, LEADER_WORKER_SET, NETWORK_POLICY, PDB
 from supernode.core.serving import MODELS_DIR, VERIFY_CONTAINER
 
-from .base import Report, StackPolicy
+from .base import Registry, Report
 from .view import Res, Stack, get, items, pod_templates
+
+POLICIES = Registry()
 
 COMPONENT = "app.kubernetes.io/component"
 OPEN_CIDRS = ("0.0.0.0/0", "::/0")
@@ -29,6 +31,11 @@ def _selects(selector: Any, labels: dict) -> bool:
     return bool(match) and all(labels.get(k) == v for k, v in dict(match).items())
 
 
+@POLICIES.stack(
+    "serving-weights-verified",
+    7,
+    "Serving pods start only on weights verified by sha256 against the export's manifest.",
+)
 def _weights_verified(stack: Stack, _conf: None, report: Report) -> None:
     for res in serving_workloads(stack):
         for template in pod_templates(res):
@@ -50,6 +57,7 @@ def _weights_verified(stack: Stack, _conf: None, report: Report) -> None:
                 )
 
 
+@POLICIES.stack("serving-availability", 9, "Serving has a PodDisruptionBudget, and at least 2 replicas in prod.")
 def _availability(stack: Stack, _conf: None, report: Report) -> None:
     plan = stack.plan()
     pdbs = stack.of(PDB)
@@ -70,6 +78,9 @@ def _availability(stack: Stack, _conf: None, report: Report) -> None:
             )
 
 
+@POLICIES.stack(
+    "serving-not-public", 10, "No serving endpoint is open to the world (ClusterIP, NetworkPolicy with listed clients)."
+)
 def _not_public(stack: Stack, _conf: None, report: Report) -> None:
     workloads = serving_workloads(stack)
     labels = [_pod_labels(r) for r in workloads]
@@ -111,6 +122,7 @@ def _not_public(stack: Stack, _conf: None, report: Report) -> None:
                     )
 
 
+@POLICIES.stack("serving-plan-fits", 2, "The inference plan (weights + KV cache + runtime) fits the usable HBM.")
 def _fits(stack: Stack, _conf: None, report: Report) -> None:
     plan = stack.plan()
     ip = plan.inference if plan else None
@@ -126,25 +138,3 @@ def _fits(stack: Stack, _conf: None, report: Report) -> None:
             f"{ip.weights_per_gpu_gib:.1f} + KV cache {ip.kv_per_gpu_gib:.1f} + runtime {ip.overhead_per_gpu_gib:.1f}), "  # noqa: E501
             f"over the usable {ip.usable_hbm_gib:.1f} GiB by {ip.over_by_gib:.1f} GiB. Fix: {hint}.",
         )
-
-
-POLICIES = [
-    StackPolicy(
-        "serving-weights-verified",
-        7,
-        "Serving pods start only on weights verified by sha256 against the export's manifest.",
-        _weights_verified,
-    ),
-    StackPolicy(
-        "serving-availability", 9, "Serving has a PodDisruptionBudget, and at least 2 replicas in prod.", _availability
-    ),
-    StackPolicy(
-        "serving-not-public",
-        10,
-        "No serving endpoint is open to the world (ClusterIP, NetworkPolicy with listed clients).",
-        _not_public,
-    ),
-    StackPolicy(
-        "serving-plan-fits", 2, "The inference plan (weights + KV cache + runtime) fits the usable HBM.", _fits
-    ),
-]

@@ -17,11 +17,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from supernode.core.catalog import CATALOG
+from supernode.core.catalog import CATALOG, InstanceType
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
 from supernode.core.resource_types import (
     CONFIG_MAP,
     CRON_JOB,
+    DAEMON_SET,
     K8S_JOB,
     LAUNCH_TEMPLATE,
     LEADER_WORKER_SET,
@@ -310,3 +311,24 @@ def resource_quantity(container: Any, name: str) -> float | None:
             except (TypeError, ValueError):
                 return None
     return None
+
+
+def hardware(stack: Stack) -> InstanceType:
+    """The plan's accelerator, or an NVIDIA GPU where no plan names one (the pack's original reading)."""
+    plan = stack.plan()
+    return CATALOG[plan.instance_type if plan is not None and plan.instance_type in CATALOG else "p5.48xlarge"]
+
+
+def daemon_sets_running(stack: Stack, image: str) -> list[Res]:
+    """The DaemonSets that run `image` (an add-on's, e.g. the vendor's device plugin or exporter)."""
+    return [
+        d
+        for d in stack.of(DAEMON_SET)
+        if image in d.name.lower() or any(image in str(get(c, "image")) for c in containers(d))
+    ]
+
+
+def plan_config_map_name(stack: Stack) -> str | None:
+    """The name of the ConfigMap that holds the plan, if the stack has one."""
+    cm = stack.plan_config_map()
+    return (cm.get("metadata", "name") or cm.name) if cm else None

@@ -185,9 +185,9 @@ CASES: list[tuple[str, Callable, str, str]] = [
         "mandatory",
     ),
     (
-        "trainer image by tag",
+        "trainer image by tag",  # one finding: images-pinned owns the digest (code-config-ready checked it too)
         lambda s, c: mutate(s, JOB, lambda i: worker(i)["containers"][0].update(image="trainer:latest")),
-        "code-config-ready",
+        "images-pinned",
         "mandatory",
     ),
     # 6. data
@@ -328,7 +328,6 @@ CASES: list[tuple[str, Callable, str, str]] = [
 
 # Findings that legitimately come with a case (one defect breaking two items), and nothing else.
 ALSO = {
-    "code-config-ready": {"images-pinned"},  # a tag image is unpinned for both items 4 and 5
     "no-open-ingress": {"interconnect-efa-security-group"},  # the case rewrites the EFA self rule
     # an unknown instance type has no catalog accelerators or EFA count
     "accelerators-approved-instance-types": {

@@ -70,9 +70,9 @@ def test_pack_files():
 
 
 def test_each_policy_carries_its_item_and_settings():
+    from supernode.policies.accelerators import Gate
     from supernode.policies.base import ChecklistPolicy
     from supernode.policies.pack import BY_NAME
-    from supernode.policies.settings import Gate
 
     assert all(isinstance(p, ChecklistPolicy) and 1 <= p.item <= 10 for p in POLICIES)
     assert BY_NAME["interconnect-gate"].settings is Gate
