@@ -79,6 +79,43 @@ def meta(
     return m
 
 
+def irsa(role_arn: pulumi.Input[str]) -> dict[str, pulumi.Input[str]]:
+    """A service account's annotations for its IAM role (IRSA), through the regional STS endpoint."""
+    return {"eks.amazonaws.com/role-arn": role_arn, "eks.amazonaws.com/sts-regional-endpoints": "true"}
+
+
+def bound_role(
+    resource: str,
+    name: str,
+    namespace: pulumi.Input[str] | None,
+    rules: list[dict[str, Any]],
+    subjects: list[dict[str, Any]],
+    opts: pulumi.ResourceOptions,
+) -> tuple[pulumi.CustomResource, pulumi.CustomResource]:
+    """A Role and the RoleBinding that grants it to `subjects`, both named `name` (Pulumi resource names
+    `resource`); namespace None: a ClusterRole and its ClusterRoleBinding. Returns (role, binding): what
+    needs the permission depends on the binding."""
+    if namespace is None:
+        role = k8s.rbac.v1.ClusterRole(resource, metadata=meta(name), rules=rules, opts=opts)
+        binding = k8s.rbac.v1.ClusterRoleBinding(
+            resource,
+            metadata=meta(name),
+            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role.metadata.name},
+            subjects=subjects,
+            opts=opts,
+        )
+        return role, binding
+    role = k8s.rbac.v1.Role(resource, metadata=meta(name, namespace), rules=rules, opts=opts)
+    binding = k8s.rbac.v1.RoleBinding(
+        resource,
+        metadata=meta(name, namespace),
+        role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name},
+        subjects=subjects,
+        opts=opts,
+    )
+    return role, binding
+
+
 def dns_name(*parts: str) -> str:
     """A Kubernetes object name (RFC 1123 label) from free-form parts such as a Pulumi stack name."""
     name = re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")

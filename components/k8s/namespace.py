@@ -12,7 +12,7 @@ import pulumi_kubernetes as k8s
 
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
 
-from .common import MESH_LABEL, fsx_claim, gib, meta
+from .common import MESH_LABEL, fsx_claim, gib, irsa, meta
 
 PLAN_CONFIGMAP = "supernode-plan"
 PVC_NAME = "fsx"
@@ -125,12 +125,7 @@ class TrainingNamespace(pulumi.ComponentResource):
         )
         self._network_policies(name, ns, args.pod_identity, child)
 
-        annotations: dict[str, pulumi.Input[str]] = {}
-        if not args.pod_identity:
-            annotations = {
-                "eks.amazonaws.com/role-arn": args.trainer_role_arn,
-                "eks.amazonaws.com/sts-regional-endpoints": "true",
-            }
+        annotations = {} if args.pod_identity else irsa(args.trainer_role_arn)
         # The trainer never calls the Kubernetes API: no API token in its pods (IRSA mounts its own).
         self.service_account = k8s.core.v1.ServiceAccount(
             f"{name}-sa",

@@ -59,7 +59,7 @@ from supernode.core.observability import (
 from supernode.core.vendors import VENDORS
 
 from .addons import SYSTEM_NAMESPACE, addon_resource, with_config_hash, with_images
-from .common import MESH_LABEL, GpuNodes, dns_name, load_addon, meta
+from .common import MESH_LABEL, GpuNodes, bound_role, dns_name, irsa, load_addon, meta
 from .jobs import (
     BASELINE_MOUNT,
     FABRIC_BASELINE,
@@ -378,20 +378,13 @@ class Operations(pulumi.ComponentResource):
         quarantined for the fabric alone (so a check can clear it), and rank 0 records the verdict."""
         child = self._child
         sa = k8s.core.v1.ServiceAccount(f"{name}-fabric-check", metadata=meta(FABRIC_SA, job.namespace), opts=child)
-        role = k8s.rbac.v1.Role(
+        role, binding = bound_role(
             f"{name}-fabric-verdict",
-            metadata=meta("fabric-verdict-writer", verdict.metadata.namespace),
-            rules=[
-                {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [FABRIC_VERDICT], "verbs": ["patch"]}
-            ],
-            opts=child,
-        )
-        binding = k8s.rbac.v1.RoleBinding(
-            f"{name}-fabric-verdict",
-            metadata=meta("fabric-verdict-writer", verdict.metadata.namespace),
-            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name},
-            subjects=[{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": job.namespace}],
-            opts=child,
+            "fabric-verdict-writer",
+            verdict.metadata.namespace,
+            [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [FABRIC_VERDICT], "verbs": ["patch"]}],
+            [{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": job.namespace}],
+            child,
         )
         pod = template["spec"]
         pod["serviceAccountName"] = sa.metadata.name
@@ -417,18 +410,13 @@ class Operations(pulumi.ComponentResource):
         ).metadata.name
         sa = k8s.core.v1.ServiceAccount(f"{name}-inventory", metadata=meta(INVENTORY_SA, ns), opts=child)
         # Create (keep the first record) and read the baselines: no update, so a baseline is never rewritten.
-        role = k8s.rbac.v1.Role(
+        role, _ = bound_role(
             f"{name}-inventory",
-            metadata=meta("inventory-baselines", ns),
-            rules=[{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "get"]}],
-            opts=child,
-        )
-        k8s.rbac.v1.RoleBinding(
-            f"{name}-inventory",
-            metadata=meta("inventory-baselines", ns),
-            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name},
-            subjects=[{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": ns}],
-            opts=child,
+            "inventory-baselines",
+            ns,
+            [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "get"]}],
+            [{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": ns}],
+            child,
         )
         k8s.networking.v1.NetworkPolicy(
             f"{name}-ops-policy",
@@ -485,24 +473,13 @@ class Operations(pulumi.ComponentResource):
         ).metadata.name
         sa = k8s.core.v1.ServiceAccount(
             f"{name}-node-health",
-            metadata=meta(NODE_HEALTH_SA, ns, annotations={"eks.amazonaws.com/role-arn": role_arn}),
+            metadata=meta(NODE_HEALTH_SA, ns, annotations=irsa(role_arn)),
             opts=child,
         )
         subjects = [{"kind": "ServiceAccount", "name": sa.metadata.name, "namespace": ns}]
         # Nodes are cluster-scoped: the one ClusterRole. Pods, evictions and events are namespaced Roles.
-        node_role = k8s.rbac.v1.ClusterRole(
-            f"{name}-node-health",
-            metadata=meta("supernode-node-health"),
-            rules=[{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}],
-            opts=child,
-        )
-        k8s.rbac.v1.ClusterRoleBinding(
-            f"{name}-node-health",
-            metadata=meta("supernode-node-health"),
-            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": node_role.metadata.name},
-            subjects=subjects,
-            opts=child,
-        )
+        nodes = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+        node_role, _ = bound_role(f"{name}-node-health", "supernode-node-health", None, nodes, subjects, child)
         # The fabric re-check patches it (only the data: Pulumi must not reset verdicts on `up`).
         verdict = k8s.core.v1.ConfigMap(
             f"{name}-fabric-verdict",
@@ -527,22 +504,10 @@ class Operations(pulumi.ComponentResource):
                 [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [FABRIC_VERDICT], "verbs": ["get"]}],
             ),
         }
-        roles = []
-        for where, (namespace, rules) in namespaced.items():
-            role = k8s.rbac.v1.Role(
-                f"{name}-node-health-{where}",
-                metadata=meta("supernode-node-health", namespace),
-                rules=rules,
-                opts=child,
-            )
-            k8s.rbac.v1.RoleBinding(
-                f"{name}-node-health-{where}",
-                metadata=meta("supernode-node-health", namespace),
-                role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name},
-                subjects=subjects,
-                opts=child,
-            )
-            roles.append(role)
+        roles = [
+            bound_role(f"{name}-node-health-{where}", "supernode-node-health", namespace, rules, subjects, child)[0]
+            for where, (namespace, rules) in namespaced.items()
+        ]
         k8s.networking.v1.NetworkPolicy(
             f"{name}-node-health-policy",
             metadata=meta("node-health", ns),
@@ -610,10 +575,7 @@ class Operations(pulumi.ComponentResource):
 
         sa_obj = objs["ServiceAccount"]
         sa_obj["metadata"]["name"] = PROMETHEUS_AGENT.name  # the account its IAM role trusts
-        sa_obj["metadata"]["annotations"] = {
-            "eks.amazonaws.com/role-arn": args.metrics_agent_role_arn,
-            "eks.amazonaws.com/sts-regional-endpoints": "true",
-        }
+        sa_obj["metadata"]["annotations"] = irsa(args.metrics_agent_role_arn)
         sa = create(sa_obj)
         role = create(objs["ClusterRole"], namespace=None)
         for scraped in namespaces:
@@ -702,14 +664,7 @@ class Operations(pulumi.ComponentResource):
         """`supernode checkpoints --retain` on a schedule: no GPU, no FSx, only S3 through its own role."""
         sa = k8s.core.v1.ServiceAccount(
             f"{name}-checkpoint-retention",
-            metadata=meta(
-                RETENTION_SA,
-                job.namespace,
-                annotations={
-                    "eks.amazonaws.com/role-arn": args.retention_role_arn,
-                    "eks.amazonaws.com/sts-regional-endpoints": "true",
-                },
-            ),
+            metadata=meta(RETENTION_SA, job.namespace, annotations=irsa(args.retention_role_arn)),
             opts=self._child,
         )
         container = {
