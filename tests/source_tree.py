@@ -1,6 +1,7 @@
 """The package's sources as pyproject.toml maps them: supernode/ and the design card's top-level components/,
-trainer/ and policies/, installed as supernode.components, supernode.trainer and supernode.policies.
-Tools that walk a package's directory (grimp, a wheel's layout) see the installed tree; `stage` builds it."""
+trainer/ and policies/, installed as supernode.components, supernode.trainer and supernode.policies
+(supernode/ links to them in the checkout). Each file once, by its real path; `stage` copies the package
+laid out as installed (a tree a test may break)."""
 
 from __future__ import annotations
 
