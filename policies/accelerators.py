@@ -191,11 +191,11 @@ def _memory_fit(stack: Stack, _conf: None, report: Report) -> None:
     cm, topo = stack.plan_config_map(), plan.topology
     # Item 2's global address space: one replica's state against its shard group's aggregate HBM.
     domain = ""
-    if not topo.replica_fits:
+    if not plan.layout.replica_fits:
         shard, rank, link = plan.degrees.shard_group, plan.hardware.rank_noun, plan.hardware.link_name
         domain = (
             f"One replica's training state is {topo.replica_state_gib:,.0f} GiB but its {shard} shard-group "
-            f"{rank}s ({topo.replica_domains} {link} domain(s) of {topo.domain_gpus} {rank}s, "
+            f"{rank}s ({plan.layout.replica_domains} {link} domain(s) of {topo.domain_gpus} {rank}s, "
             f"{topo.domain_hbm_gib:,.0f} GiB each) hold {shard * plan.usable_hbm_gib:,.0f} GiB usable. "
         )
     if not plan.fits:
@@ -242,13 +242,13 @@ def _memory_fit(stack: Stack, _conf: None, report: Report) -> None:
 )
 def _elastic_fit(stack: Stack, _conf: None, report: Report) -> None:
     """Every node count the elastic job may run on (training.minNodes to the planned nodes) has a
-    layout that fits memory: the plan's verdict per world (Plan.elastic), never recomputed here. The
+    layout that fits memory: the plan's verdict per world (Plan.layouts), never recomputed here. The
     planned world is memory-fit's."""
     plan = stack.plan()
     if plan is None:
         return
     cm = stack.plan_config_map()
-    for e in plan.elastic:
+    for e in plan.layouts:
         if not e.fits and e.world_size != plan.world_size:
             report(
                 cm,
@@ -309,7 +309,7 @@ def _nvlink_domain(stack: Stack, _conf: None, report: Report) -> None:
         return
     cm, topo, hw = stack.plan_config_map(), plan.topology, plan.hardware
     for dim, key in (("ep", "ep"), ("tp", "tp")):
-        g = topo.group(dim)
+        g = plan.layout.group(dim)
         if not g.inside_domain:
             report(
                 cm,

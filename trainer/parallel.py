@@ -253,9 +253,9 @@ def build_model(
 
 
 def bf16_compute(parallel: Parallel, device_type: str) -> bool:
-    """Whether FSDP's mixed precision computes in bf16: `mixedPrecision: bf16` on an accelerator (cuda,
-    neuron). On CPU the plan's bf16 is not applied: CPU matmuls in bf16 are slow and imprecise."""
-    return parallel.mixed_precision == "bf16" and device_type != "cpu"
+    """Whether the step computes in bf16: `mixedPrecision: bf16` as `device_type` runs it
+    (`Parallel.computed_on`, the rule the planner costs by: a CPU computes in fp32)."""
+    return parallel.computed_on(device_type).mixed_precision == "bf16"
 
 
 def autocast_dtype(parallel: Parallel, mesh: Meshes, device_type: str) -> torch.dtype | None:

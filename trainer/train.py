@@ -235,7 +235,7 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # The plan's accelerator picks device and backend (supernode.trainer.device); a local plan runs on
     # what the host has.
-    choice = choose(None if planned.local else planned.hardware.torch_device)
+    choice = choose(planned.device)
     # The core's layout validator on the planned layout, before any collective: a mismatch must not
     # hang. tp stays in a node. Then the layout for the world this job got (an elastic job restarted
     # on fewer or more nodes): the plan's, never one computed here; BadInput if it has none.
@@ -257,7 +257,7 @@ def train(args: argparse.Namespace, stop: StopRequest) -> int:
     try:
         LOG.info(layout_line(planned, plan))
         _learn_run_keys()
-        renumber_by_domain(world, plan.topology.placement, backend, timeout)
+        renumber_by_domain(world, plan.layout.placement, backend, timeout)
         _own_out_dir(args.out, lock)
         return _run(args, plan, steps, device, stop, _select_run(args, plan), heartbeat)
     except Exception as e:

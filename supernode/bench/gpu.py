@@ -209,7 +209,7 @@ def gpu_plan(stack: str, root: Path, gpus: int):
             "activationCheckpointing": p.activation_checkpointing,
         },
     }
-    plan = build_local_plan(stack, from_mapping(data, f"{stack} on {gpus} GPU(s)"))
+    plan = build_local_plan(stack, from_mapping(data, f"{stack} on {gpus} GPU(s)"), device="cuda")
     return plan, f"the stack's model on {gpus} GPU(s) (dpShard={gpus}, ep={ep}); its full plan needs {full.world_size}"
 
 

@@ -18,13 +18,13 @@ out (docs/architecture.md §6):
   `bench gpu` measured, or else from the uncalibrated defaults below (`UNCALIBRATED` says which).
 
 The estimate is one pass: `param_counts` (per model) -> `pipeline` (per layout) -> `memory` and
-`step_time`, each taking what the steps before computed; `supernode.core.plan` runs it once per plan,
-`suggest` once per candidate layout with the plan's counts.
+`step_time`, each taking what the steps before computed; `supernode.core.estimate.cost` runs it once
+per layout (the plan's, each elastic world's, each candidate of `supernode.core.search`) with the
+plan's counts.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from pathlib import Path
@@ -35,8 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .catalog import GIB, InstanceType
 from .config import FsxConfig, Model, Parallel, Training
 from .errors import BadInput
-from .layout import domain_rules, layout_rules, stage_layers
-from .mesh import Mesh
+from .layout import stage_layers
 from .topology import (
     GroupPlacement,
     Link,
@@ -138,7 +137,7 @@ class Memory(BaseModel):
 
 def activation_terms(m: Model, p: Parallel, tokens: int) -> dict[str, int]:
     """Saved activation bytes for `tokens` tokens through one layer of each kind, by AC mode."""
-    a = 2 if p.mixed_precision == "bf16" else 4
+    a = p.compute_bytes
     d, tp = m.dim, p.tp
     q_dim, kv_dim = m.heads * m.head_dim, m.kv_heads * m.head_dim
     # attention: norm input, normed input, q/k/v after RoPE, SDPA output (+ fp32 log-sum-exp)
@@ -204,7 +203,7 @@ def pipeline(m: Model, p: Parallel, t: Training) -> PipelineShape:
         in_flight = min(p.pp, mbs)
     else:  # torch's Interleaved1F1B: warm-up forwards of rank 0, then one more before its first backward
         in_flight = min(mbs * v, (v - 1) * p.pp + 2 * (p.pp - 1) + 1)
-    a = 2 if p.mixed_precision == "bf16" else 4
+    a = p.compute_bytes
     # Each of the rank's v stages sends every micro-batch's output on and its input gradient back.
     p2p = 2 * mbs * v * t.micro_batch * m.seq_len * m.dim * a if p.pp > 1 else 0
     return PipelineShape(
@@ -221,7 +220,7 @@ def pipeline(m: Model, p: Parallel, t: Training) -> PipelineShape:
 
 def memory(m: Model, p: Parallel, t: Training, pc: ParamCounts, pipe: PipelineShape) -> Memory:
     """Bytes per rank on the busiest stage, from the model's counts and the layout's pipeline shape."""
-    compute_bytes = 2 if p.mixed_precision == "bf16" else 4
+    compute_bytes = p.compute_bytes
     stage = pipe.busiest_rank_layers / m.layers
     outer = pc.embedding + pc.head if p.pp == 1 else max(pc.embedding, pc.head)  # first/last stage
     # As the trainer lays them out: attention and dense FFN split by tp; embedding, output head and
@@ -391,7 +390,7 @@ def step_time(
     (`supernode.core.topology`), from the model's counts and the layout's pipeline shape; efficiencies
     from `calibration` where it measured them, else the uncalibrated defaults."""
     world = p.world_size
-    a = 2 if p.mixed_precision == "bf16" else 4
+    a = p.compute_bytes
     cal = calibration
     flop_s = hw.peak_flops * (cal.matmul_efficiency if cal else MATMUL_EFFICIENCY)
     tokens_step = t.global_batch * m.seq_len
@@ -609,122 +608,14 @@ def checkpoint_io(pc: ParamCounts, t: Training, fsx: FsxConfig) -> CheckpointIO:
     )
 
 
-class Suggestion(Mesh):
-    """A layout the planner found to fit: its degrees, the options it was costed with, the figures."""
-
-    activation_checkpointing: str
-    pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1
-    micro_batch: int = 1  # training.microBatch
-    micro_batches: int = 1  # per step: globalBatch / (microBatch x dp), the gradient accumulation
-    memory_gib: float
-    step_s: float
-    ep_inside_domain: bool = True  # every EP group on one NVLink domain
-
-
 def usable_hbm_bytes(p: Parallel, hw: InstanceType) -> int:
     """HBM a rank may plan to use: the GPU's memory less the layout's headroom (`fits` means within this)."""
     return int(hw.hbm_bytes * (1 - p.hbm_headroom))
 
 
-def micro_batch_options(t: Training) -> list[int]:
-    """Micro-batches the search tries: the stack's, every power of two below it (less activation
-    memory, more accumulation) and the next one above (fewer gathers per step where memory allows)."""
-    return sorted({t.micro_batch} | {2**k for k in range(t.micro_batch.bit_length() + 1)})
-
-
-def pareto(found: list[Suggestion]) -> list[Suggestion]:
-    """The suggestions no other one beats on step time and memory both (equal on one and better on
-    the other beats); of equal figures, the first in `found`'s order. Sorted by step time."""
-    front: list[Suggestion] = []
-    for s in sorted(found, key=lambda s: (s.step_s, s.memory_gib)):  # stable: `found`'s order breaks ties
-        if not front or s.memory_gib < front[-1].memory_gib:
-            front.append(s)
-    return front
-
-
-def fitting_layouts(
-    m: Model,
-    p: Parallel,
-    t: Training,
-    hw: InstanceType,
-    pc: ParamCounts,
-    domain: int | None = None,
-    calibration: Calibration | None = None,
-) -> list[Suggestion]:
-    """Every layout with the same world size that fits within the usable HBM (`Mesh.candidates`, each
-    with the pipeline schedules, activation checkpointing modes and micro-batches), simplest first:
-    each one passes the same layout validator and the same fit test as the stack's own layout; tp up
-    to the domain's GPUs. `pc`: the model's counts, the same for every layout."""
-    domain = domain or hw.accelerators
-    world, out = p.world_size, []
-    for mesh in Mesh.candidates(world, max_tp=domain, max_pp=m.layers, experts=m.experts):
-        # Pipelines: 1f1b, and interleaved with 2 virtual stages where the layers allow (gpipe has
-        # 1f1b's bubble and holds more activations: never better).
-        schedules = [("1f1b", 1)] + ([("interleaved1f1b", 2)] if 1 < mesh.pp and 2 * mesh.pp <= m.layers else [])
-        for (schedule, virtual), ac, mb in itertools.product(schedules, AC_MODES, micro_batch_options(t)):
-            options = dict(pp_schedule=schedule, pp_virtual_stages=virtual, activation_checkpointing=ac)
-            cand = p.model_copy(
-                update=mesh.model_dump() | options | dict(pp_first_stage_fewer_layers=0, pp_last_stage_fewer_layers=0)
-            )
-            train = t.model_copy(update={"micro_batch": mb})
-            if layout_rules(m, cand, train, world, domain) or domain_rules(cand, hw, domain):
-                continue
-            pipe = pipeline(m, cand, train)
-            mem = memory(m, cand, train, pc, pipe)
-            if mem.total <= usable_hbm_bytes(cand, hw):
-                st = step_time(m, cand, train, hw, pc, pipe, domain, calibration)
-                inside = next(g for g in place(cand, domain) if g.dim == "ep").inside_domain
-                out.append(
-                    Suggestion(
-                        **mesh.model_dump(),
-                        **options,
-                        micro_batch=mb,
-                        micro_batches=pipe.micro_batches,
-                        memory_gib=round(mem.total_gib, 2),
-                        step_s=round(st.step_s, 4),
-                        ep_inside_domain=inside,
-                    )
-                )
-    # Simplest first, so that of equal (rounded) figures the simpler layout is kept: fewer stages,
-    # the plain schedule, less tp, less replication, less recomputation, smaller EP groups, the
-    # stack's own micro-batch.
-    out.sort(
-        key=lambda s: (
-            s.pp,
-            s.pp_virtual_stages,
-            s.tp,
-            s.dp_replicate,
-            AC_MODES.index(s.activation_checkpointing),
-            s.ep,
-            s.micro_batch != t.micro_batch,
-        )
-    )
-    return out
-
-
-def suggest(
-    m: Model,
-    p: Parallel,
-    t: Training,
-    hw: InstanceType,
-    pc: ParamCounts,
-    limit: int = 3,
-    domain: int | None = None,
-    calibration: Calibration | None = None,
-) -> list[Suggestion]:
-    """The fitting layouts (`fitting_layouts`) worth offering: only the Pareto front of step time and
-    memory (no suggestion is slower and larger than another), EP inside the NVLink domain first,
-    then fastest, as NVIDIA's GB200 recipes place it (docs/hardware.md: EP in the NVL domain, DP/FSDP
-    across domains)."""
-    front = pareto(fitting_layouts(m, p, t, hw, pc, domain, calibration))
-    front.sort(key=lambda s: (not s.ep_inside_domain, s.step_s, s.memory_gib))  # stable: ties stay simplest first
-    return front[:limit]
-
-
-def hours_cost(nodes_by_type: dict[str, int], catalog: dict[str, InstanceType], hours: float) -> tuple[float, float]:
-    per_hour = sum(n * catalog[name].price_per_hour for name, n in nodes_by_type.items())
-    return per_hour, per_hour * hours
+def cost_per_hour(nodes_by_type: dict[str, int], catalog: dict[str, InstanceType]) -> float:
+    """What the instances cost per hour at the catalog's on-demand prices."""
+    return sum(n * catalog[name].price_per_hour for name, n in nodes_by_type.items())
 
 
 # Share of a GPU node's vCPUs and memory left to the kubelet, system reservations and the

@@ -9,18 +9,18 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from . import capacity as cap
 from .catalog import CATALOG, GIB, InstanceType, gate_floor_gbytes_s, nvlink_domain_gpus
 from .config import NAMESPACE, Model, Parallel, StackConfig, Training, with_local_nproc
-from .elastic import ElasticLayout, costed, elastic_layouts, local_worlds, planned_worlds
 from .errors import BadInput
+from .estimate import Layout, estimate, local_worlds, planned_worlds
 from .inference import InferencePlan, build_inference_plan
 from .layout import domain_rules
 from .mesh import Mesh
 from .pools import Pool, build_pools, termination_grace_needed_s
-from .topology import GroupPlacement, place
+from .search import Suggestion, suggest
 
 # In the cluster the Plan travels as this ConfigMap key, mounted read-only in this directory: the
 # workload writes it, the trainer reads it (`--plan PLAN_MOUNT_PATH`), the policy pack checks it.
@@ -30,58 +30,46 @@ PLAN_MOUNT_PATH = f"{PLAN_MOUNT_DIR}/{PLAN_CONFIGMAP_KEY}"
 
 
 class Topology(BaseModel):
-    """The NVLink domain and where the mesh lands on it (supernode.core.topology)."""
+    """The NVLink domain the stack's GPUs form (supernode.core.topology); where a world's mesh lands
+    on it is that world's `Layout.placement`."""
 
     model_config = ConfigDict(frozen=True)
     ultra_server: str | None  # e.g. u-p6e-gb200x72; None: the domain is one instance
     domain_gpus: int
     nodes_per_domain: int
-    domains: int  # NVLink domains the job spans (world / domain_gpus, rounded up)
     # The domain's aggregate HBM: the "global address space" one job's ranks on it share.
     domain_hbm_gib: float
-    # One replica's training state (16 B per parameter) and the domains its shard group
-    # (dp_shard x tp x pp ranks) spans: that state must fit the aggregate usable HBM of the shard
-    # group's GPUs (checklist item 2, the global address space, beside the per-GPU fit).
+    # One replica's training state (16 B per parameter); whether it fits its shard group's HBM is the
+    # layout's `replica_fits`.
     replica_state_gib: float
-    replica_domains: int
-    replica_fits: bool
-    placement: list[GroupPlacement]
-
-    def group(self, dim: str) -> GroupPlacement:
-        return next(g for g in self.placement if g.dim == dim)
 
 
 class Plan(BaseModel):
+    """The stack's plan at one world: `world_size` selects its layout from `layouts` (every world the
+    job may run at, the planned one last), and every figure that depends on the world (degrees,
+    accumulation, pipeline, memory, fit, step time, placement, the run's hours) is read from that
+    layout; the other fields describe the stack, the same at any world."""
+
     model_config = ConfigDict(frozen=True)
 
     stack: str
     local: bool  # True: the CPU layout from the stack's `local` section
+    # The torch device type the plan runs on and is costed for, in the dtype it computes in there
+    # (`Parallel.computed_on`): the accelerator's for a cluster plan, cpu for a local one unless it
+    # was built for another (`bench gpu` lays the stack's model out on the GPUs of one machine).
+    device: str
     instance_type: str
-    nodes: int
     accelerators_per_node: int
-    world_size: int
-    degrees: Mesh  # the layout: rank order, groups, shard group (`parallel` holds the same degrees and the options)
+    world_size: int  # the world this plan describes: the planned one unless `for_world` chose another
     model: Model
-    parallel: Parallel
     training: Training
     # capacity figures
     params: cap.ParamCounts
     flops_per_token: float
-    memory: cap.Memory
-    memory_per_rank_gib: float
     hbm_gib: float
     usable_hbm_gib: float  # HBM less parallel.hbm_headroom: what a rank may plan to use
-    fits: bool  # memory_per_rank_gib <= usable_hbm_gib; the memory-fit policy reads this, never recomputes it
-    over_by_gib: float  # how far over the usable HBM the estimate is (0 when it fits)
-    suggestions: list[cap.Suggestion]
-    micro_batches_per_step: int  # gradient accumulation: global_batch / (micro_batch x dp), rounded up
-    # Micro-batch slots (over all dp ranks) of the last accumulation round beyond the global batch,
-    # run with zero weight: 0 at the planned world, where dp divides the batch (supernode.core.elastic).
-    padded_micro_batches: int = 0
-    # pp, the schedule, virtual stages, the layers of each stage (the trainer builds its stages from
-    # these), the bubble, the in-flight micro-batches and the stage-to-stage volume.
-    pipeline: cap.PipelineShape
-    step: cap.StepTime
+    # Layouts of the planned world that fit, offered where the planned one does not (empty at another world).
+    suggestions: list[Suggestion]
     # The measured efficiencies the step time used (`supernode:calibration` or `plan --calibration`);
     # None: an uncalibrated estimate on the defaults `capacity.UNCALIBRATED` names.
     calibration: cap.Calibration | None = None
@@ -92,8 +80,6 @@ class Plan(BaseModel):
     gate_floor_gbytes_s: float | None
     pod: cap.PodShape  # the distributed job's pod on one GPU node
     cost_per_hour_usd: float  # every accelerator node the stack runs, spares included
-    run_hours: float
-    run_cost_usd: float
     # Spare training nodes (acceleratorNodeGroups[].spares): booted beside the world to replace a
     # failed node at once; their accelerators and their share of the cost per hour above.
     spare_nodes: int = 0
@@ -112,15 +98,83 @@ class Plan(BaseModel):
     termination_grace_s: int = 0
     termination_grace_needed_s: int = 0
     # The layout of every world the elastic job may run at (training.minNodes to the planned nodes;
-    # a local plan: every world 1..local.nproc), the planned world included with the plan's own
-    # figures (supernode.core.elastic); `for_world` picks one.
-    elastic: list[ElasticLayout] = []
+    # a local plan: every world 1..local.nproc), the planned world last (supernode.core.estimate).
+    layouts: list[Layout]
+
+    @model_validator(mode="after")
+    def _world_has_a_layout(self) -> Plan:
+        got = [lay for lay in self.layouts if lay.world_size == self.world_size]
+        if len(got) != 1 or got[0].step is None:
+            raise ValueError(f"world_size {self.world_size}: needs exactly one costed layout in layouts")
+        return self
+
+    # -- the selected world's figures ---------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        return next(lay for lay in self.layouts if lay.world_size == self.world_size)
+
+    @property
+    def nodes(self) -> int:
+        """The training nodes of this world (one trainer pod each; a local plan: its ranks)."""
+        return self.layout.nodes
+
+    @property
+    def parallel(self) -> Parallel:
+        return self.layout.parallel  # type: ignore[return-value]  # a costed layout has one
+
+    @property
+    def degrees(self) -> Mesh:
+        """The layout: rank order, groups, shard group (`parallel` holds the same degrees and the options)."""
+        return self.parallel.degrees()
+
+    @property
+    def memory(self) -> cap.Memory:
+        return self.layout.memory  # type: ignore[return-value]
+
+    @property
+    def memory_per_rank_gib(self) -> float:
+        return self.layout.memory_per_rank_gib
+
+    @property
+    def fits(self) -> bool:
+        """Memory per rank within the usable HBM: the memory-fit policy reads this, never recomputes it."""
+        return self.layout.fits
+
+    @property
+    def over_by_gib(self) -> float:
+        return self.layout.over_by_gib
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Gradient accumulation: global_batch / (micro_batch x dp), rounded up."""
+        return self.layout.micro_batches_per_step
+
+    @property
+    def padded_micro_batches(self) -> int:
+        return self.layout.padded_micro_batches
+
+    @property
+    def pipeline(self) -> cap.PipelineShape:
+        return self.layout.pipeline  # type: ignore[return-value]
+
+    @property
+    def step(self) -> cap.StepTime:
+        return self.layout.step  # type: ignore[return-value]
+
+    @property
+    def run_hours(self) -> float:
+        """The run's hours: training.steps at this world's step time."""
+        return self.training.steps * self.step.step_s / 3600
+
+    @property
+    def run_cost_usd(self) -> float:
+        return self.cost_per_hour_usd * self.run_hours
 
     @property
     def min_nodes(self) -> int:
         """The fewest nodes the elastic job runs on (training.minNodes; the planned nodes when the
         job is not elastic): the PyTorchJob's minReplicas."""
-        return self.nodes if self.local or not self.elastic else self.elastic[0].nodes
+        return self.nodes if self.local else self.layouts[0].nodes
 
     @property
     def hardware(self) -> InstanceType:
@@ -155,55 +209,23 @@ class Plan(BaseModel):
             raise BadInput(f"{where}: not a valid plan: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
 
     def for_world(self, world_size: int) -> Plan:
-        """This plan at the world the job actually got: itself at the planned world, else a copy with
-        that world's elastic layout (degrees, parallel, accumulation and padding, pipeline, memory,
-        fit, step time, placement) and the run's hours and cost at its step time; no suggestions (they
-        are the planned world's). Every other field describes the stack, the same at any world
-        (tests/core/test_elastic.py holds the split). A world the plan has no layout for is BadInput naming it."""
+        """This plan at the world the job actually got: the same plan with `world_size` selecting that
+        world's layout, and no suggestions (they are the planned world's). A world the plan has no
+        layout for, or one whose layout cannot run, is BadInput naming it."""
         if world_size == self.world_size:
             return self
-        worlds = [e.world_size for e in self.elastic]
-        span = f"{min(worlds)}..{max(worlds)} ranks" if worlds else "none"
-        e = next((e for e in self.elastic if e.world_size == world_size), None)
+        worlds = [lay.world_size for lay in self.layouts]
+        span = f"{min(worlds)}..{max(worlds)} ranks"
+        e = next((lay for lay in self.layouts if lay.world_size == world_size), None)
         if e is None:
             raise BadInput(
                 f"world size {world_size}: the plan has no elastic layout for it (its worlds: "
-                f"{', '.join(map(str, worlds)) or 'none'}, {span}); "
+                f"{', '.join(map(str, worlds))}, {span}); "
                 + ("run with at most local.nproc ranks" if self.local else "set training.minNodes to allow it")
             )
-        if not e.fits or e.parallel is None or e.pipeline is None or e.memory is None or e.step is None:
+        if not e.fits:
             raise BadInput(f"world size {world_size}: no layout runs there (the plan's worlds {span}): {e.reason}")
-        usable = self.usable_hbm_gib * GIB
-        t = self.topology
-        shard_group = e.parallel.shard_group
-        topology = t.model_copy(
-            update=dict(
-                domains=-(-world_size // t.domain_gpus),
-                replica_domains=-(-shard_group // t.domain_gpus),
-                replica_fits=cap.ADAM_STATE_BYTES * self.params.total <= shard_group * usable,
-                placement=place(e.parallel, t.domain_gpus),
-            )
-        )
-        return self.model_copy(
-            update=dict(
-                nodes=self.nodes if self.local else e.nodes,
-                world_size=world_size,
-                degrees=e.degrees,
-                parallel=e.parallel,
-                micro_batches_per_step=e.micro_batches_per_step,
-                padded_micro_batches=e.padded_micro_batches,
-                pipeline=e.pipeline,
-                memory=e.memory,
-                memory_per_rank_gib=e.memory_per_rank_gib,
-                fits=e.fits,
-                over_by_gib=max(0.0, e.memory_per_rank_gib - self.usable_hbm_gib),
-                step=e.step,
-                topology=topology,
-                run_hours=(hours := run_hours(self.training, e.step.step_s)),
-                run_cost_usd=self.cost_per_hour_usd * hours,
-                suggestions=[],  # layouts of the planned world, offered where it does not fit
-            )
-        )
+        return self.model_copy(update={"world_size": world_size, "suggestions": []})
 
     def summary(self) -> dict:
         """The contract keys (docs/architecture.md §7) plus the headline figures."""
@@ -217,7 +239,9 @@ class Plan(BaseModel):
         }
 
 
-def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibration | None = None) -> Plan:
+def _plan(
+    stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibration | None = None, device: str | None = None
+) -> Plan:
     # Mixed instance types are allowed; the plan is sized for the smallest GPU memory among them,
     # and for the smallest NVLink domain among the groups of that type.
     hw = min((CATALOG[g.instance_type] for g in cfg.training_node_groups), key=lambda t: t.hbm_mib)
@@ -227,7 +251,8 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
             f"but the plan's GPUs are {hw.accelerator} ({hw.name}); run `supernode bench gpu "
             f"--calibration-out FILE` on a {hw.accelerator}"
         )
-    m, p, t = cfg.model, cfg.parallel, cfg.training
+    device = device or hw.torch_device
+    m, p, t = cfg.model, cfg.parallel.computed_on(device), cfg.training
     world = cfg.local.nproc if local else cfg.accelerators
     ultra = (
         None
@@ -238,93 +263,64 @@ def _plan(stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibratio
         )
     )
     domain = world if local else nvlink_domain_gpus(hw.name, ultra)  # a CPU run: one host, one "domain"
-    # The estimate, one pass: each figure computed once and handed on.
-    params = cap.param_counts(m)
-    pipe = cap.pipeline(m, p, t)  # micro-batches per step, stages, bubble: one figure for all readers
-    mem = cap.memory(m, p, t, params, pipe)
-    st = cap.step_time(m, p, t, hw, params, pipe, domain, calibration)
-    usable = cap.usable_hbm_bytes(p, hw)
-    fits = mem.total <= usable
-    ckpt = cap.checkpoint_io(params, t, cfg.storage.fsx)
-    hours = run_hours(t, st.step_s)
-    per_hour, total = cap.hours_cost(_nodes(cfg), CATALOG, hours)
-    spare_per_hour, _ = cap.hours_cost(_nodes(cfg, spares_only=True), CATALOG, hours)
-    shard_group = p.shard_group
-    replica_domains = -(-shard_group // domain)
-    replica_state = cap.ADAM_STATE_BYTES * params.total
-    topology = Topology(
-        ultra_server=ultra,
-        domain_gpus=domain,
-        nodes_per_domain=max(1, domain // hw.accelerators),
-        domains=-(-world // domain),
-        domain_hbm_gib=domain * hw.hbm_gib,
-        replica_state_gib=replica_state / GIB,
-        replica_domains=replica_domains,
-        replica_fits=replica_state <= shard_group * usable,
-        placement=place(p, domain),
-    )
-    leaving = [] if local else domain_rules(p, hw, domain, topology.ultra_server or f"one {hw.name}")
+    leaving = [] if local else domain_rules(p, hw, domain, ultra or f"one {hw.name}")
     if leaving:
         raise BadInput(str(leaving[0]))
-    serving = None if local else build_inference_plan(cfg, params, hw)
+    params = cap.param_counts(m)
     worlds = (
         local_worlds(world) if local else planned_worlds(t.min_nodes or cfg.nodes, cfg.nodes, hw.accelerators, world)
     )
-    # The planned world's layout is the plan's own estimate; the other worlds are estimated like it.
-    elastic = elastic_layouts(m, p, t, hw, params, worlds[:-1], None if local else domain, calibration)
-    elastic.append(costed(m, p, t, hw, *worlds[-1], pipe, mem, st))
+    # Each world estimated once (a CPU run: one host, the domain is its world).
+    layouts = [estimate(m, p, t, hw, params, n, w, w if local else domain, calibration) for n, w in worlds]
+    planned = layouts[-1]
+    if planned.step is None:
+        raise BadInput(f"{NAMESPACE}:parallel: {planned.reason}")
+    ckpt = cap.checkpoint_io(params, t, cfg.storage.fsx)
+    serving = None if local else build_inference_plan(cfg, params, hw)
     return Plan(
         stack=stack,
         local=local,
+        device=device,
         instance_type=hw.name,
-        nodes=cfg.nodes,
         accelerators_per_node=hw.accelerators,
         world_size=world,
-        degrees=p.degrees(),
         model=m,
-        parallel=p,
         training=t,
         params=params,
         flops_per_token=cap.flops_per_token(m, params),
-        memory=mem,
-        memory_per_rank_gib=mem.total_gib,
         hbm_gib=hw.hbm_gib,
-        usable_hbm_gib=usable / GIB,
-        fits=fits,
-        over_by_gib=max(0.0, (mem.total - usable) / GIB),
-        suggestions=[] if fits or local else cap.suggest(m, p, t, hw, params, domain=domain, calibration=calibration),
-        micro_batches_per_step=pipe.micro_batches,
-        pipeline=pipe,
-        step=st,
+        usable_hbm_gib=cap.usable_hbm_bytes(p, hw) / GIB,
+        suggestions=[]
+        if planned.fits or local
+        else suggest(m, p, t, hw, params, domain=domain, calibration=calibration),
         calibration=calibration,
-        topology=topology,
+        topology=Topology(
+            ultra_server=ultra,
+            domain_gpus=domain,
+            nodes_per_domain=max(1, domain // hw.accelerators),
+            domain_hbm_gib=domain * hw.hbm_gib,
+            replica_state_gib=cap.ADAM_STATE_BYTES * params.total / GIB,
+        ),
         checkpoint=ckpt,
         gate_floor_gbytes_s=gate_floor_gbytes_s(hw.name, cfg.workload.gate_min_fraction),
         pod=cap.PodShape.for_node(hw, cfg.workload.hugepages_2mi_gib),
-        cost_per_hour_usd=per_hour,
-        run_hours=hours,
-        run_cost_usd=total,
+        cost_per_hour_usd=cap.cost_per_hour(_nodes(cfg), CATALOG),
         spare_nodes=sum(g.spares for g in cfg.training_node_groups),
         spare_accelerators=sum(g.spares * CATALOG[g.instance_type].accelerators for g in cfg.training_node_groups),
-        spare_cost_per_hour_usd=spare_per_hour,
+        spare_cost_per_hour_usd=cap.cost_per_hour(_nodes(cfg, spares_only=True), CATALOG),
         inference=serving,
         pools=[]
         if local
         else build_pools(
-            cfg, world // hw.ranks_per_chip, elastic[0].world_size // hw.ranks_per_chip, hw.accelerator, serving
+            cfg, world // hw.ranks_per_chip, layouts[0].world_size // hw.ranks_per_chip, hw.accelerator, serving
         ),
         termination_grace_s=cfg.workload.termination_grace_s,
         # the slowest step the job may run: an elastic job preempted at a smaller world finishes that step
         termination_grace_needed_s=termination_grace_needed_s(
-            max(e.step_s for e in elastic if e.fits or e is elastic[-1]), ckpt.write_seconds
+            max(lay.step_s for lay in layouts if lay.fits or lay is planned), ckpt.write_seconds
         ),
-        elastic=elastic,
+        layouts=layouts,
     )
-
-
-def run_hours(t: Training, step_s: float) -> float:
-    """The run's hours: training.steps at `step_s` a step."""
-    return t.steps * step_s / 3600
 
 
 def _nodes(cfg: StackConfig, spares_only: bool = False) -> Counter:
@@ -345,9 +341,10 @@ def build_plan(
     return _plan(stack, cfg, local=False, calibration=calibration)
 
 
-def build_local_plan(stack: str, cfg: StackConfig, nproc: int | None = None) -> Plan:
-    """The same plan scaled down by the stack's `local` section, for a CPU run with nproc ranks
-    (default: local.nproc; another count rescales the local dpShard, see `with_local_nproc`)."""
+def build_local_plan(stack: str, cfg: StackConfig, nproc: int | None = None, device: str = "cpu") -> Plan:
+    """The same plan scaled down by the stack's `local` section, for a run of nproc ranks on one
+    machine's `device` (default: local.nproc on CPU; another count rescales the local dpShard, see
+    `with_local_nproc`)."""
     if nproc is not None:
         cfg = with_local_nproc(cfg, nproc)
-    return _plan(stack, cfg.local_config(), local=True)
+    return _plan(stack, cfg.local_config(), local=True, device=device)

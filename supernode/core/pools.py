@@ -13,7 +13,7 @@ neither starves the other (docs/architecture.md, "How training and serving share
   when training needs it, so a preempted or waiting training job is re-admitted without a person.
 
 Training's maximum is the plan's world; its minimum the world at `training.minNodes` (the elastic
-job's minReplicas, supernode.core.elastic), equal to the maximum when the job is not elastic. Spare
+job's minReplicas, supernode.core.estimate), equal to the maximum when the job is not elastic. Spare
 nodes (`spares` of a training group) are in the pool and in training's share, so the quota is the
 hardware bought, but never lent: they stand by to replace a failed node at once. Devices are the
 accelerator device resource the pods request (GPUs; Neuron devices on Trainium, where one device is

@@ -8,8 +8,10 @@ import pytest
 
 from supernode.core import capacity as cap
 from supernode.core.catalog import CATALOG, GIB
-from supernode.core.config import FsxConfig, Model, Parallel, Training, load_stack
+from supernode.core.config import FsxConfig, Model, Parallel, Training, from_mapping, load_stack
+from supernode.core.layout import layout_rules
 from supernode.core.plan import Plan, build_local_plan, build_plan
+from supernode.core.search import fitting_layouts, suggest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,6 +89,26 @@ def test_activation_checkpointing_modes_by_hand():
     assert sel.activations == 2 * (41472 + 16384) + (67840 - 16384)
     none = memory(TINY, FP32_EP2, TRAIN)
     assert full.activations < sel.activations < none.activations
+
+
+def test_a_local_plan_is_costed_in_the_dtype_the_cpu_computes_in():
+    """Issue 35: the compute dtype had two owners; a `local` section that inherits mixedPrecision bf16
+    was planned in bf16 while the trainer ran it in fp32 on CPU. One rule (`Parallel.computed_on`) now
+    decides both: a plan is costed for its device (`Plan.device`, the one the trainer runs it on), so
+    the local plan says fp32 and costs 4-byte activations; a cluster plan keeps bf16."""
+    data = load_stack("dev", ROOT).to_mapping()
+    data["local"]["parallel"].pop("mixedPrecision")
+    cfg = from_mapping(data)
+    assert cfg.parallel.mixed_precision == "bf16" and cfg.local_config().parallel.mixed_precision == "bf16"
+    local = build_local_plan("dev", cfg)
+    assert local.parallel.mixed_precision == "fp32"
+    assert local.parallel == cfg.local_config().parallel.model_copy(update={"mixed_precision": "fp32"})
+    explicit = build_local_plan("dev", load_stack("dev", ROOT))  # the shipped local section says fp32
+    assert local.memory == explicit.memory and local.step == explicit.step
+    assert build_plan("dev", cfg).parallel.mixed_precision == "bf16"
+    assert build_local_plan("dev", cfg, device="cuda").parallel.mixed_precision == "bf16"  # bench gpu's plan
+    p = cfg.parallel
+    assert (p.compute_bytes, p.computed_on("cpu").compute_bytes, p.computed_on("cuda") is p) == (2, 4, True)
 
 
 def test_bf16_halves_activations_and_tp_splits_weights():
@@ -226,12 +248,12 @@ def test_suggestions_consider_pipeline_stages_where_nothing_else_fits():
     m = FOUR.model_copy(update={"kv_heads": 1, "heads": 4})
     t = Training(global_batch=48, micro_batch=1, steps=10, lr=1e-3, checkpoint_interval=5)
     p = Parallel(dp_shard=16, pp=2)
-    fitting = cap.fitting_layouts(m, p, t, CATALOG["p5.48xlarge"], cap.param_counts(m))
+    fitting = fitting_layouts(m, p, t, CATALOG["p5.48xlarge"], cap.param_counts(m))
     assert fitting and all(s.pp >= 2 for s in fitting)
     assert {s.pp for s in fitting} == {2, 4}
     # What is offered is the Pareto front of those (this tiny model's figures all round to 0.0 s and
     # 1.5 GiB, so one layout, the simplest), every one of them a fitting layout.
-    found = cap.suggest(m, p, t, CATALOG["p5.48xlarge"], cap.param_counts(m), limit=50)
+    found = suggest(m, p, t, CATALOG["p5.48xlarge"], cap.param_counts(m), limit=50)
     assert found and all(s in fitting for s in found)
     for s in fitting:  # each passes the same validator as a stack's own layout
         cand = p.model_copy(
@@ -245,7 +267,7 @@ def test_suggestions_consider_pipeline_stages_where_nothing_else_fits():
                 pp_virtual_stages=s.pp_virtual_stages,
             )
         )
-        assert not cap.layout_rules(m, cand, t.model_copy(update={"micro_batch": s.micro_batch}), 32, 8)
+        assert not layout_rules(m, cand, t.model_copy(update={"micro_batch": s.micro_batch}), 32, 8)
 
 
 def test_plan_carries_the_pipeline():
@@ -297,10 +319,10 @@ def test_one_plan_build_is_one_pass_of_the_estimate(monkeypatch, fits):
     assert plan.fits == fits and bool(plan.suggestions) != fits
     assert calls["param_counts"] == 1
     if fits:
-        # One pass for the planned world (its elastic layout reuses the plan's own figures) and one per
+        # One pass for the planned world (costed once, the plan reads its layout) and one per
         # candidate of each other world of prod's elastic range (training.minNodes 8: 8..15 nodes, each
         # tried with 2 replicas and with 1: every world there is even).
-        assert len(plan.elastic) == 9
+        assert len(plan.layouts) == 9
         passes = 1 + 8 * 2
         assert calls == {"param_counts": 1, "pipeline": passes, "memory": passes, "step_time": passes}
 
@@ -454,7 +476,7 @@ def _prod_over(instance_type: str = "p5.48xlarge", micro_batch: int = 4):
 def test_suggestions_are_the_pareto_front_ranked_by_step_time():
     cfg = _prod_over()
     plan = build_plan("prod", cfg)
-    found = cap.suggest(cfg.model, cfg.parallel, cfg.training, H100, plan.params, limit=50, domain=8)
+    found = suggest(cfg.model, cfg.parallel, cfg.training, H100, plan.params, limit=50, domain=8)
     assert not plan.fits and len(found) > 1
     for a in found:  # none is slower and larger than (or as slow and as large as) another
         for b in found:
@@ -492,8 +514,8 @@ def test_suggestions_lower_the_micro_batch_where_the_stacks_does_not_fit():
 
 def test_world_size_message_offers_only_an_integer_dp_shard():
     m, t = TINY, TRAIN.model_copy(update={"global_batch": 48, "micro_batch": 1})
-    (issue,) = [i for i in cap.layout_rules(m, Parallel(dp_replicate=3, dp_shard=2), t, 16, 8) if "world" in i.message]
+    (issue,) = [i for i in layout_rules(m, Parallel(dp_replicate=3, dp_shard=2), t, 16, 8) if "world" in i.message]
     assert "5.3" not in issue.message and "no integer dpShard matches" in issue.message
     assert "multiple of the other degrees' 3" in issue.message
-    (issue,) = [i for i in cap.layout_rules(m, Parallel(dp_replicate=2, dp_shard=2), t, 16, 8) if "world" in i.message]
+    (issue,) = [i for i in layout_rules(m, Parallel(dp_replicate=2, dp_shard=2), t, 16, 8) if "world" in i.message]
     assert "dpShard = 8 would match" in issue.message

@@ -7,10 +7,11 @@ import itertools
 import json
 from pathlib import Path
 
-from supernode.core import capacity as cap
 from supernode.core.config import Parallel, load_stack
+from supernode.core.estimate import Layout
 from supernode.core.mesh import Mesh
 from supernode.core.plan import Plan, build_plan
+from supernode.core.search import Suggestion
 
 ROOT = Path(__file__).resolve().parents[2]
 DEGREES = ["dp_replicate", "dp_shard", "tp", "ep", "pp"]
@@ -18,13 +19,14 @@ DEGREES = ["dp_replicate", "dp_shard", "tp", "ep", "pp"]
 
 def test_the_degrees_are_declared_once():
     assert list(Mesh.model_fields) == DEGREES
-    for shape in (Parallel, cap.Suggestion):
+    for shape in (Parallel, Suggestion):
         assert issubclass(shape, Mesh) and list(shape.model_fields)[:5] == DEGREES
-    assert Plan.model_fields["degrees"].annotation is Mesh
+    # The plan holds the degrees once, in each layout's Parallel (`degrees` reads them from there).
+    assert "degrees" not in Plan.model_fields and "degrees" not in Layout.model_fields
     # The config keeps its camelCase keys; the plan serialises the bare degrees in their order.
     assert [Parallel.model_fields[d].alias for d in DEGREES] == ["dpReplicate", "dpShard", "tp", "ep", "pp"]
     plan = build_plan("prod", load_stack("prod", ROOT))
-    assert list(json.loads(plan.to_json())["degrees"]) == DEGREES
+    assert list(json.loads(plan.to_json())["layouts"][-1]["parallel"])[:5] == DEGREES
     assert type(plan.degrees) is Mesh and plan.degrees == plan.parallel.degrees()
 
 

@@ -14,6 +14,7 @@ from supernode.core.catalog import CATALOG, GIB, ULTRASERVERS, nvlink_domain_gpu
 from supernode.core.config import Model, Parallel, Training, load_stack
 from supernode.core.errors import BadInput
 from supernode.core.plan import build_plan
+from supernode.core.search import fitting_layouts
 
 ROOT = Path(__file__).resolve().parents[2]
 TRN2, TRN2U = CATALOG["trn2.48xlarge"], CATALOG["trn2u.48xlarge"]
@@ -139,7 +140,7 @@ def test_the_trn2_stack_plan_by_hand():
     assert plan.pod.gpus == 16 and plan.pod.device_resource == "aws.amazon.com/neurondevice"
     chip = plan.step.chip_tensor_parallel
     assert chip.inside_chip and chip.across_chips_s > 5 * chip.inside_chip_s
-    assert {g.dim: g.inside_domain for g in plan.topology.placement}["ep"]
+    assert {g.dim: g.inside_domain for g in plan.layout.placement}["ep"]
     assert plan.gate_floor_gbytes_s == pytest.approx(300 * 0.8)
 
 
@@ -193,9 +194,9 @@ def test_suggestions_for_trainium_keep_ep_inside_the_domain():
     )
     t = Training(global_batch=128, micro_batch=1, steps=10, lr=1e-3, checkpoint_interval=5)
     p = Parallel(dp_shard=128, ep=128)  # two trn2.48xlarge: EP 128 would span both domains
-    found = cap.fitting_layouts(m, p, t, TRN2, cap.param_counts(m), domain=64)
+    found = fitting_layouts(m, p, t, TRN2, cap.param_counts(m), domain=64)
     assert found and all(s.ep_inside_domain and 64 % s.ep == 0 for s in found)
-    gpu = cap.fitting_layouts(m, p, t, CATALOG["p5.48xlarge"], cap.param_counts(m), domain=8)
+    gpu = fitting_layouts(m, p, t, CATALOG["p5.48xlarge"], cap.param_counts(m), domain=8)
     assert any(not s.ep_inside_domain for s in gpu)  # GPUs may cost EP over EFA; Trainium may not
 
 

@@ -99,7 +99,7 @@ def test_the_grace_period_needed_is_a_step_a_checkpoint_write_and_the_margin():
     assert termination_grace_needed_s(9.7, 252.4) == 263 + GRACE_MARGIN_S
     plan = build_plan("prod", load_stack("prod", ROOT))
     # prod is elastic from 8 nodes: its slowest step (9 nodes, 28 s) is the one a preempted pod may be in
-    slowest = max(e.step_s for e in plan.elastic)
+    slowest = max(e.step_s for e in plan.layouts)
     assert slowest > 2 * plan.step.step_s
     assert plan.termination_grace_needed_s == math.ceil(slowest + plan.checkpoint.write_seconds) + 30
     assert plan.termination_grace_s == load_stack("prod", ROOT).workload.termination_grace_s

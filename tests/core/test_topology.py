@@ -15,6 +15,7 @@ from supernode.core.catalog import CATALOG, ULTRASERVERS, nvlink_domain_gpus
 from supernode.core.config import ConfigError, Model, Parallel, Training, from_mapping, load_stack, read_stack_file
 from supernode.core.layout import layout_rules
 from supernode.core.plan import build_plan
+from supernode.core.search import suggest
 from supernode.core.topology import group_span, place, rank_order
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,16 +64,16 @@ def test_group_span_counts_domains_and_members():
 
 def test_placement_of_the_gb200_stack_keeps_ep_and_fsdp_inside_the_domain():
     plan = build_plan("gb200", load_stack("gb200", ROOT))
-    topo = plan.topology
-    assert (topo.ultra_server, topo.domain_gpus, topo.nodes_per_domain, topo.domains) == ("u-p6e-gb200x72", 72, 18, 2)
+    topo, layout = plan.topology, plan.layout
+    assert (topo.ultra_server, topo.domain_gpus, topo.nodes_per_domain, layout.domains) == ("u-p6e-gb200x72", 72, 18, 2)
     assert topo.domain_hbm_gib == pytest.approx(72 * GB200.hbm_gib)
-    assert topo.group("ep").inside_domain and topo.group("ep").size == 72
-    assert topo.group("dp_shard").inside_domain
-    rep = topo.group("dp_replicate")
+    assert layout.group("ep").inside_domain and layout.group("ep").size == 72
+    assert layout.group("dp_shard").inside_domain
+    rep = layout.group("dp_replicate")
     assert (rep.domains, rep.per_domain, rep.link) == (2, 1, "EFA")
     assert plan.step.links == {"all_to_all": "NVLink", "fsdp": "NVLink", "replicate": "EFA"}
     # one replica (16 B per parameter) on its 72 GPUs of one domain
-    assert topo.replica_domains == 1 and topo.replica_fits
+    assert layout.replica_domains == 1 and layout.replica_fits
     assert topo.replica_state_gib == pytest.approx(16 * plan.params.total / 2**30)
     assert 300e9 <= plan.params.total <= 700e9 and plan.world_size == 144 and plan.fits
 
@@ -189,7 +190,7 @@ def test_suggestions_prefer_ep_inside_the_domain():
     )
     plan = build_plan("gb200", cfg)
     assert not plan.fits and plan.suggestions
-    sug = cap.suggest(cfg.model, cfg.parallel, cfg.training, GB200, cap.param_counts(cfg.model), limit=50, domain=NVL72)
+    sug = suggest(cfg.model, cfg.parallel, cfg.training, GB200, cap.param_counts(cfg.model), limit=50, domain=NVL72)
     inside = [s.ep_inside_domain for s in sug]
     assert inside == sorted(inside, reverse=True) and inside[0]  # every EP-inside layout before any crossing one
     for s in plan.suggestions:

@@ -13,9 +13,9 @@ from rich.console import Console
 
 from supernode.cli import main
 from supernode.cli.commands.plan import render
-from supernode.core.capacity import Suggestion
 from supernode.core.config import StackConfig, load_stack
 from supernode.core.plan import Plan, build_plan
+from supernode.core.search import Suggestion
 from supernode.tools.policycheck import check
 
 

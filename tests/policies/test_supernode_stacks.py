@@ -181,7 +181,7 @@ def test_gb200_ep_crossing_domains_fails_naming_the_fix(gb200):
         update={"parallel": cfg.parallel.model_copy(update={"dp_replicate": 1, "dp_shard": 144, "ep": 144})}
     )
     plan = build_plan("gb200", crossing)
-    assert not plan.topology.group("ep").inside_domain
+    assert not plan.layout.group("ep").inside_domain
     messages = mandatory(with_plan(resources, plan.to_json()), cfg)["interconnect-nvlink-domain"]
     assert len(messages) == 1
     assert "each ep group of 144 GPUs across 2 NVLink domains of 72 (u-p6e-gb200x72)" in messages[0]
@@ -191,7 +191,7 @@ def test_gb200_ep_crossing_domains_fails_naming_the_fix(gb200):
 def test_replica_state_over_the_domain_memory_fails_item_2(gb200):
     cfg, resources = gb200
     plan = json.loads(build_plan("gb200", cfg).to_json())
-    plan["topology"]["replica_fits"] = False  # the plan's verdict, as the policy reads it
+    plan["layouts"][-1]["replica_fits"] = False  # the plan's verdict, as the policy reads it
     messages = mandatory(with_plan(resources, json.dumps(plan)), cfg)["memory-fit"]
     assert len(messages) == 1 and "One replica's training state" in messages[0]
     assert "72 shard-group GPUs (1 NVLink domain(s) of 72 GPUs" in messages[0] and "dpShard up" in messages[0]

@@ -137,9 +137,10 @@ def plan_edit(edit):
 
 def elastic_from_two_nodes(doc: dict) -> None:
     """training.minNodes 2 of the 4 trn2u nodes, whose layout does not fit the Trainium2 HBM."""
-    planned = doc["elastic"][-1]
     reason = "30.0 GiB per rank > the usable 21.6 GiB of 24 GiB HBM"
-    doc["elastic"][:0] = [planned | {"nodes": n, "world_size": 64 * n, "fits": False, "reason": reason} for n in (2, 3)]
+    doc["layouts"][:0] = [
+        planned(doc) | {"nodes": n, "world_size": 64 * n, "fits": False, "reason": reason} for n in (2, 3)
+    ]
 
 
 def drop(kind: str, name: str):
@@ -160,8 +161,19 @@ def edit_first(kind: str, edit):
     return apply
 
 
+def planned(doc: dict) -> dict:
+    """The plan's own layout in its JSON (the one its world_size selects: the last)."""
+    return doc["layouts"][-1]
+
+
+def world_128(doc: dict) -> None:
+    """A plan laid out for 128 ranks (2 nodes) on the stack's 256."""
+    doc["layouts"].insert(0, planned(doc) | {"nodes": 2, "world_size": 128})
+    doc["world_size"] = 128
+
+
 def ep_across_domains(doc: dict) -> None:
-    ep = next(g for g in doc["topology"]["placement"] if g["dim"] == "ep")
+    ep = next(g for g in planned(doc)["placement"] if g["dim"] == "ep")
     ep.update(domains=2, per_domain=128)
 
 
@@ -187,18 +199,18 @@ def unreserved(lt: dict) -> None:
 
 # Each checklist policy that reads the accelerators, with a mistake on the trn2 preview it must catch.
 MISTAKES = [
-    ("accelerators-match-world-size", plan_edit(lambda d: d.update(world_size=128)), "256 accelerators"),
+    ("accelerators-match-world-size", plan_edit(world_128), "256 accelerators"),
     (
         "accelerators-pools-add-up",
         plan_edit(lambda d: d["pools"][0].update(serving_devices=16)),
         "pool Trainium2: the serving node groups give 0 devices",
     ),
     ("accelerators-device-plugin", drop(T.DAEMON_SET, "neuron-device-plugin"), "requests aws.amazon.com/neurondevice"),
-    ("memory-fit", plan_edit(lambda d: d.update(fits=False, over_by_gib=3.0)), "has 24.0 GiB"),
+    ("memory-fit", plan_edit(lambda d: planned(d).update(fits=False, over_by_gib=3.0)), "has 24.0 GiB"),
     ("memory-fit-elastic", plan_edit(elastic_from_two_nodes), "may run on 2 nodes (world 128"),
     (
         "memory-fit",
-        plan_edit(lambda d: d["topology"].update(replica_fits=False)),
+        plan_edit(lambda d: planned(d).update(replica_fits=False)),
         "256 shard-group logical NeuronCores (1 NeuronLink domain(s) of 256 logical NeuronCores",
     ),
     (

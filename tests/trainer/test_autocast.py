@@ -82,8 +82,10 @@ def test_a_tp_only_layout_computes_its_matmuls_in_bf16(tmp_path):
     data["local"]["model"].update({"heads": 2, "kvHeads": 2})
     data["local"]["parallel"].update({"tp": 2, "dpShard": 1, "ep": 1, "mixedPrecision": "bf16"})
     data["local"]["nproc"] = 2
-    plan = build_local_plan("dev", from_mapping(data), 2)
-    assert plan.parallel.dp == 1 and plan.parallel.tp == 2
+    # The plan for an accelerator keeps mixedPrecision bf16 (a CPU plan says fp32: Parallel.computed_on);
+    # run on CPU here, the trainer computes it by the same rule.
+    plan = build_local_plan("dev", from_mapping(data), 2, device="cuda")
+    assert plan.parallel.dp == 1 and plan.parallel.tp == 2 and plan.parallel.mixed_precision == "bf16"
     tokens = tmp_path / "data"
     prepare(DEFAULT_CORPUS, tokens, shard_tokens=1 << 16)
     got = {}

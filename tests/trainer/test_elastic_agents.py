@@ -192,7 +192,7 @@ def test_two_agents_shrink_to_world_3_and_grow_back_with_the_reference_losses(tm
     data = tmp_path / "data"
     prepare(DEFAULT_CORPUS, data, shard_tokens=1 << 16)
     plan = elastic_plan(steps=200, checkpointInterval=2)
-    assert [(lay.world_size, lay.padded_micro_batches, lay.degrees.ep) for lay in plan.elastic[2:]] == [
+    assert [(lay.world_size, lay.padded_micro_batches, lay.degrees.ep) for lay in plan.layouts[2:]] == [
         (3, 2, 1),
         (4, 0, 2),
     ]

@@ -314,12 +314,10 @@ def _dev_local_plan():
 
 
 def _with_degrees(plan, **degrees):
-    return plan.model_copy(
-        update={
-            "parallel": plan.parallel.model_copy(update=degrees),
-            "degrees": plan.degrees.model_copy(update=degrees),
-        }
-    )
+    """The plan with its own world's layout given other degrees (held once: in the layout's Parallel)."""
+    own = plan.layout
+    changed = own.model_copy(update={"parallel": own.parallel.model_copy(update=degrees)})
+    return plan.model_copy(update={"layouts": [changed if lay is own else lay for lay in plan.layouts]})
 
 
 def test_layout_from_degrees_and_errors() -> None:

@@ -10,8 +10,8 @@ from rich.table import Table
 
 from ...core.capacity import UNCALIBRATED, Calibration
 from ...core.catalog import GIB
-from ...core.elastic import ElasticLayout
 from ...core.errors import EXIT_FAILED
+from ...core.estimate import Layout
 from ...core.plan import Plan, build_plan
 from ...core.topology import scale_up_link
 from ..args import add_stack_args, plain_console, stack_from_args
@@ -35,40 +35,34 @@ def register(sub) -> None:
 
 
 def plan_json(plan: Plan) -> dict:
-    out = plan.summary()
-    out.update(
-        json.loads(
-            plan.model_dump_json(
-                include={
-                    "instance_type",
-                    "nodes",
-                    "accelerators_per_node",
-                    "params",
-                    "flops_per_token",
-                    "memory",
-                    "usable_hbm_gib",
-                    "over_by_gib",
-                    "suggestions",
-                    "step",
-                    "calibration",
-                    "pipeline",
-                    "topology",
-                    "checkpoint",
-                    "cost_per_hour_usd",
-                    "run_hours",
-                    "run_cost_usd",
-                    "spare_nodes",
-                    "spare_accelerators",
-                    "spare_cost_per_hour_usd",
-                    "pools",
-                    "termination_grace_s",
-                    "termination_grace_needed_s",
-                    "elastic",
-                }
-            )
-        )
+    """The summary, the stack's figures, this world's layout (flattened) and every world's."""
+    stack_fields = {
+        "instance_type",
+        "accelerators_per_node",
+        "params",
+        "flops_per_token",
+        "usable_hbm_gib",
+        "suggestions",
+        "calibration",
+        "topology",
+        "checkpoint",
+        "cost_per_hour_usd",
+        "spare_nodes",
+        "spare_accelerators",
+        "spare_cost_per_hour_usd",
+        "pools",
+        "termination_grace_s",
+        "termination_grace_needed_s",
+        "layouts",
+    }
+    layout_fields = {"nodes", "memory", "over_by_gib", "step", "pipeline", "placement", "domains"}
+    layout_fields |= {"replica_domains", "replica_fits"}
+    return (
+        plan.summary()
+        | json.loads(plan.model_dump_json(include=stack_fields))
+        | json.loads(plan.layout.model_dump_json(include=layout_fields))
+        | {"run_hours": plan.run_hours, "run_cost_usd": plan.run_cost_usd}
     )
-    return out
 
 
 def step_detail(plan: Plan) -> str:
@@ -144,7 +138,7 @@ def pipeline_detail(plan: Plan) -> str:
 def placement_detail(plan: Plan) -> str:
     """Which mesh degrees live inside one NVLink domain and which cross EFA."""
     inside, across = [], []
-    for g in plan.topology.placement:
+    for g in plan.layout.placement:
         if g.size > 1:
             link = scale_up_link(g.link, plan.hardware.link_name)
             (inside if g.inside_domain else across).append(
@@ -153,14 +147,14 @@ def placement_detail(plan: Plan) -> str:
     return f"inside a domain: {', '.join(inside) or 'none'}; across EFA: {', '.join(across) or 'none'}"
 
 
-def elastic_detail(plan: Plan, e: ElasticLayout) -> str:
+def elastic_detail(plan: Plan, e: Layout) -> str:
     """One elastic world as the plan laid it out: what changed from the planned layout and its cost."""
     if e.degrees is None or not e.fits:
         return f"[red]no layout: {e.reason}[/]"
     d = e.degrees
     padded = f" (+{e.padded_micro_batches} padded)" if e.padded_micro_batches else ""
     # A smaller world may train faster (its ep divides into the planned group, this one's does not).
-    faster = [f.nodes for f in plan.elastic if f.fits and f.nodes < e.nodes and f.tokens_per_s > e.tokens_per_s]
+    faster = [f.nodes for f in plan.layouts if f.fits and f.nodes < e.nodes and f.tokens_per_s > e.tokens_per_s]
     return (
         f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} x pp {d.pp}; ep {d.ep}; "
         f"{e.micro_batches_per_step} micro-batches per step{padded}; {e.memory_per_rank_gib:.1f} GiB/rank; "
@@ -199,17 +193,17 @@ def render(plan: Plan, console: Console) -> None:
         f"{hw.link_name} domain",
         f"{topo.domain_gpus} {hw.rank_noun}s",
         f"{kind}: {topo.nodes_per_domain} node(s), "
-        f"{topo.domain_hbm_gib:,.0f} GiB HBM in one address space; the job spans {topo.domains} domain(s)",
+        f"{topo.domain_hbm_gib:,.0f} GiB HBM in one address space; the job spans {plan.layout.domains} domain(s)",
     )
     t.add_row("placement", f"ep {d.ep}", placement_detail(plan))
-    fits_domain = "[green]fits[/]" if topo.replica_fits else "[red]does not fit[/]"
+    fits_domain = "[green]fits[/]" if plan.layout.replica_fits else "[red]does not fit[/]"
     if d.pp > 1:
         t.add_row("pipeline", f"bubble {plan.pipeline.bubble:.1%}", pipeline_detail(plan))
     t.add_row(
         "replica state",
         f"{topo.replica_state_gib:,.0f} GiB",
         f"{fits_domain} the aggregate HBM of its {d.shard_group} shard-group {hw.rank_noun}s "
-        f"({topo.replica_domains} domain(s))",
+        f"({plan.layout.replica_domains} domain(s))",
     )
     m = plan.memory
     t.add_row(
@@ -240,8 +234,8 @@ def render(plan: Plan, console: Console) -> None:
             f"({chip.ranks_per_chip} logical cores per chip; the plan costs "
             f"{'the first' if chip.inside_chip else 'the second'})",
         )
-    if len(plan.elastic) > 1:
-        for e in plan.elastic:
+    if len(plan.layouts) > 1:
+        for e in plan.layouts:
             t.add_row(f"elastic {e.nodes} nodes", f"world {e.world_size}", elastic_detail(plan, e))
     t.add_row("MFU (est.)", f"{s.mfu:.1%}", f"{plan.flops_per_token / 1e9:.2f} GFLOP/token")
     t.add_row("calibration", plan.calibration.accelerator if plan.calibration else "none", calibration_detail(plan))
@@ -281,7 +275,7 @@ def render(plan: Plan, console: Console) -> None:
         ),
     )
     console.print(t)
-    for e in plan.elastic:
+    for e in plan.layouts:
         if not e.fits and e.world_size != plan.world_size:
             console.print(
                 f"[red]The elastic job may run on {e.nodes} nodes (training.minNodes {plan.min_nodes}) but has no "
@@ -333,4 +327,4 @@ def run(args) -> int:
     else:
         render(plan, plain_console())
     # As the preview's memory-fit and memory-fit-elastic policies: every world the job may run at fits.
-    return 0 if plan.fits and all(e.fits for e in plan.elastic) else EXIT_FAILED
+    return 0 if plan.fits and all(e.fits for e in plan.layouts) else EXIT_FAILED

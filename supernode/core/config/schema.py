@@ -565,7 +565,9 @@ class Model(_Base):
 
     @property
     def moe_layers(self) -> int:
-        return sum(self.is_moe(i) for i in range(self.layers))
+        """The layers `is_moe` picks: every moeEvery-th from firstDenseLayers on (counted, not walked:
+        the layout search asks this for every candidate)."""
+        return -(-max(0, self.layers - self.first_dense_layers) // self.moe_every)
 
 
 # The degrees (dpReplicate, dpShard, tp, ep, pp) are declared once, by the Mesh; Parallel adds the
@@ -619,6 +621,18 @@ class Parallel(_Base, Mesh):
         description="fraction of HBM the plan keeps free (allocator fragmentation, NCCL "
         "growth): a layout fits when its memory per rank is within the rest",
     )
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of an activation and of a gathered weight in the compute dtype: what the planner costs."""
+        return 2 if self.mixed_precision == "bf16" else 4
+
+    def computed_on(self, device_type: str) -> Parallel:
+        """This layout as `device_type` computes it, the one rule the planner and the trainer share: a
+        CPU computes in fp32 whatever mixedPrecision says (its bf16 matmuls are slow and imprecise)."""
+        if device_type == "cpu" and self.mixed_precision != "fp32":
+            return self.model_copy(update={"mixed_precision": "fp32"})
+        return self
 
     @property
     def stages(self) -> int:

@@ -1,6 +1,7 @@
-"""Elastic layouts (issue 26, item 2, plan side): the layout of every world from training.minNodes to
-the planned nodes (a local plan: every world 1..nproc), the global batch kept by accumulation and
-zero-weight padding, and `Plan.for_world` handing the trainer the plan at the world it got."""
+"""One Layout and one estimate (issue 35 item 2; elastic layouts: issue 26 item 2): the layout of every
+world from training.minNodes to the planned nodes (a local plan: every world 1..nproc), the global
+batch kept by accumulation and zero-weight padding, and `Plan.for_world` selecting the world's layout
+for the trainer."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pytest
 from supernode.cli import main
 from supernode.core import capacity as cap
 from supernode.core.config import ConfigError, from_mapping, load_stack
-from supernode.core.elastic import derive, layout_for, padded_training, rounds
 from supernode.core.errors import BadInput
+from supernode.core.estimate import derive, estimate, padded_training, rounds
 from supernode.core.plan import Plan, build_local_plan, build_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,12 +42,13 @@ def prod() -> Plan:
 
 def test_prod_is_elastic_from_one_reservation_to_both(prod):
     # prod ships minNodes 8: one of its two 8-node capacity reservations keeps the job running.
-    assert [(e.nodes, e.world_size) for e in prod.elastic] == [(n, 8 * n) for n in range(8, 17)]
-    assert all(e.fits and e.reason is None for e in prod.elastic), [e.reason for e in prod.elastic]
+    assert [(e.nodes, e.world_size) for e in prod.layouts] == [(n, 8 * n) for n in range(8, 17)]
+    assert all(e.fits and e.reason is None for e in prod.layouts), [e.reason for e in prod.layouts]
 
 
 def test_the_planned_world_is_the_plans_own_layout(prod):
-    planned = prod.elastic[-1]
+    planned = prod.layouts[-1]
+    assert prod.layout is planned  # held once: the plan's figures are its layout's
     assert planned.world_size == prod.world_size and planned.nodes == prod.nodes
     assert planned.parallel == prod.parallel and planned.degrees == prod.degrees
     assert planned.pipeline == prod.pipeline and planned.memory == prod.memory and planned.step == prod.step
@@ -57,7 +59,7 @@ def test_the_planned_world_is_the_plans_own_layout(prod):
 
 def test_every_layout_follows_the_rule(prod):
     planned, t = prod.parallel, prod.training
-    for e in prod.elastic:
+    for e in prod.layouts:
         d = e.degrees
         assert d.world_size == e.world_size
         assert (d.tp, d.pp) == (planned.tp, planned.pp)
@@ -80,11 +82,11 @@ def test_fifteen_nodes_pad_56_micro_batches_and_shrink_ep(prod):
     # global 1024, micro 1, dp 120: ceil(1024/120) = 9 rounds, 9*120 - 1024 = 56 padded slots.
     # Candidates: 2 replicas x 60 (ep: the divisors of 60 that divide 128 experts, at most 4) or one
     # replica x 120 (ep 8): the larger EP group gathers half the expert weights, so it is faster.
-    e = next(e for e in prod.elastic if e.nodes == 15)
+    e = next(e for e in prod.layouts if e.nodes == 15)
     assert (e.degrees.dp_replicate, e.degrees.dp_shard, e.degrees.ep) == (1, 120, 8)
     hw, pc = prod.hardware, prod.params
     domain = prod.topology.domain_gpus
-    alt = layout_for(prod.model, prod.parallel, prod.training, hw, pc, 15, 120, domain, replicas=[2])
+    alt = estimate(prod.model, prod.parallel, prod.training, hw, pc, 15, 120, domain, replicas=[2])
     assert (alt.degrees.dp_replicate, alt.degrees.ep) == (2, 4) and alt.fits and alt.step_s > e.step_s
     assert (e.micro_batches_per_step, e.padded_micro_batches) == (9, 56)
     assert rounds(prod.training, 120) == 9 and padded_training(prod.training, 120).global_batch == 1080
@@ -95,7 +97,7 @@ def test_fifteen_nodes_pad_56_micro_batches_and_shrink_ep(prod):
 
 
 def test_fewer_ranks_hold_more_of_the_state(prod):
-    by_nodes = {e.nodes: e for e in prod.elastic}
+    by_nodes = {e.nodes: e for e in prod.layouts}
     assert by_nodes[8].memory.params_per_rank > by_nodes[16].memory.params_per_rank
     assert by_nodes[8].memory_per_rank_gib > by_nodes[16].memory_per_rank_gib
     assert by_nodes[8].micro_batches_per_step == 2 * by_nodes[16].micro_batches_per_step  # same global batch
@@ -103,7 +105,7 @@ def test_fewer_ranks_hold_more_of_the_state(prod):
 
 def test_for_world_is_the_plan_at_that_world_and_round_trips(prod):
     assert prod.for_world(prod.world_size) is prod
-    for e in prod.elastic[:-1]:
+    for e in prod.layouts[:-1]:
         q = prod.for_world(e.world_size)
         assert Plan.from_json(q.to_json()) == q
         assert (q.world_size, q.nodes, q.degrees, q.parallel) == (e.world_size, e.nodes, e.degrees, e.parallel)
@@ -111,41 +113,53 @@ def test_for_world_is_the_plan_at_that_world_and_round_trips(prod):
         assert (q.pipeline, q.memory, q.step, q.fits) == (e.pipeline, e.memory, e.step, True)
         assert q.training == prod.training  # the global batch is kept
         # the placement is the new layout's: its ep groups and the domains the job spans
-        assert q.topology.group("ep").size == e.degrees.ep
-        assert q.topology.domains == e.world_size // prod.topology.domain_gpus
+        assert q.layout is e and q.layout.group("ep").size == e.degrees.ep
+        assert q.layout.domains == e.world_size // prod.topology.domain_gpus
         assert q.summary()["world_size"] == e.world_size
 
 
-# What `Plan.for_world` replaces: the figures of the world the job got. Every other field describes the
-# stack or every world at once (the elastic layouts, the grace period their slowest step needs, the
-# pools), the same whatever world a job runs at. A new Plan field must be put on one side.
-PER_WORLD = {
-    "nodes", "world_size", "degrees", "parallel", "micro_batches_per_step", "padded_micro_batches", "pipeline",
-    "memory", "memory_per_rank_gib", "fits", "over_by_gib", "step", "topology", "run_hours", "run_cost_usd",
-    "suggestions",
-}  # fmt: skip
+# The figures that depend on the world are the selected layout's (properties); the fields describe the
+# stack or every world at once (the layouts, the grace period their slowest step needs, the pools), the
+# same whatever world a job runs at, except `world_size` (which layout) and the planned world's
+# suggestions. A new Plan field must be put on one side.
+PER_WORLD_FIELDS = {"world_size", "suggestions"}
 PER_STACK = {
-    "stack", "local", "instance_type", "accelerators_per_node", "model", "training", "params", "flops_per_token",
-    "hbm_gib", "usable_hbm_gib", "calibration", "checkpoint", "gate_floor_gbytes_s", "pod", "cost_per_hour_usd",
-    "spare_nodes", "spare_accelerators", "spare_cost_per_hour_usd", "inference", "pools", "termination_grace_s",
-    "termination_grace_needed_s", "elastic",
+    "stack", "local", "device", "instance_type", "accelerators_per_node", "model", "training", "params", "flops_per_token",
+    "hbm_gib", "usable_hbm_gib", "calibration", "topology", "checkpoint", "gate_floor_gbytes_s", "pod",
+    "cost_per_hour_usd", "spare_nodes", "spare_accelerators", "spare_cost_per_hour_usd", "inference", "pools",
+    "termination_grace_s", "termination_grace_needed_s", "layouts",
 }  # fmt: skip
+FROM_THE_LAYOUT = (
+    "nodes", "parallel", "degrees", "micro_batches_per_step", "padded_micro_batches", "pipeline", "memory",
+    "memory_per_rank_gib", "fits", "over_by_gib", "step",
+)  # fmt: skip
 
 
 def test_a_plan_at_an_elastic_world_has_no_field_of_another_world(prod):
     """Issue 35: `for_world` copied 13 of the fields, so run_hours and the run's cost still described
-    the planned world. Each field is per world (replaced) or per stack (kept), and the replaced ones
-    are that world's."""
-    assert set(Plan.model_fields) == PER_WORLD | PER_STACK and not PER_WORLD & PER_STACK
-    for e in prod.elastic[:-1]:
+    the planned world. Now the plan holds each world's layout once and `world_size` selects one: every
+    world figure is that layout's, and the run's hours follow its step time."""
+    assert set(Plan.model_fields) == PER_WORLD_FIELDS | PER_STACK and not PER_WORLD_FIELDS & PER_STACK
+    assert not {"placement", "domains"} & set(type(prod.topology).model_fields)
+    for e in prod.layouts[:-1]:
         if not e.fits:
             continue
         q = prod.for_world(e.world_size)
         assert all(getattr(q, f) == getattr(prod, f) for f in PER_STACK)
+        assert all(getattr(q, f) == getattr(e, f) for f in FROM_THE_LAYOUT), [
+            f for f in FROM_THE_LAYOUT if getattr(q, f) != getattr(e, f)
+        ]
         assert q.run_hours == pytest.approx(prod.training.steps * e.step.step_s / 3600)
         assert q.run_cost_usd == pytest.approx(q.cost_per_hour_usd * q.run_hours)
         assert q.run_hours > prod.run_hours  # fewer ranks, the same global batch: a longer run
         assert q.suggestions == []
+
+
+def test_a_plan_file_without_a_costed_layout_for_its_world_is_refused(prod):
+    doc = json.loads(prod.to_json())
+    doc["world_size"] = 60
+    with pytest.raises(ValueError, match="world_size 60: needs exactly one costed layout"):
+        Plan.model_validate(doc)
 
 
 def test_a_world_outside_the_range_is_bad_input_naming_it(prod):
@@ -155,7 +169,7 @@ def test_a_world_outside_the_range_is_bad_input_naming_it(prod):
 
 def test_a_world_that_does_not_fit_is_listed_with_the_reason_and_refused():
     plan = build_plan("prod", variant("prod", set_min_nodes(1)))
-    one = plan.elastic[0]
+    one = plan.layouts[0]
     assert (one.nodes, one.world_size, one.fits) == (1, 8, False)
     usable = cap.usable_hbm_bytes(one.parallel, plan.hardware) / 2**30
     assert one.memory_per_rank_gib > usable
@@ -171,9 +185,9 @@ def test_a_world_tp_does_not_divide_has_no_layout():
         data["local"]["model"]["kvHeads"] = 2  # tp 2 divides the heads
 
     plan = build_local_plan("dev", variant("dev", tp2_on_four))
-    assert [(e.world_size, e.fits) for e in plan.elastic] == [(1, False), (2, True), (3, False), (4, True)]
-    assert plan.elastic[2].reason == "tp*pp = 2*1 = 2 does not divide the world 3"
-    assert plan.elastic[2].parallel is None
+    assert [(e.world_size, e.fits) for e in plan.layouts] == [(1, False), (2, True), (3, False), (4, True)]
+    assert plan.layouts[2].reason == "tp*pp = 2*1 = 2 does not divide the world 3"
+    assert plan.layouts[2].parallel is None
     with pytest.raises(BadInput, match="world size 3: no layout runs there .* does not divide the world 3"):
         plan.for_world(3)
     assert derive(plan.parallel, 2, plan.model.experts).dp_shard == 1
@@ -182,13 +196,13 @@ def test_a_world_tp_does_not_divide_has_no_layout():
 def test_a_local_plan_covers_every_world_up_to_nproc():
     cfg = load_stack("dev", ROOT)
     plan = build_local_plan("dev", cfg, nproc=4)  # local: globalBatch 16, microBatch 4, ep 2
-    assert [e.world_size for e in plan.elastic] == [1, 2, 3, 4] and all(e.fits for e in plan.elastic)
-    three = plan.elastic[2]
+    assert [e.world_size for e in plan.layouts] == [1, 2, 3, 4] and all(e.fits for e in plan.layouts)
+    three = plan.layouts[2]
     # 16/4 = 4 micro-batches over dp 3: 2 rounds, 2 padded slots; ep 2 does not divide dp_shard 3: ep 1
     assert (three.degrees.dp_shard, three.degrees.ep) == (3, 1)
     assert (three.micro_batches_per_step, three.padded_micro_batches) == (2, 2)
     q = plan.for_world(3)
-    assert Plan.from_json(q.to_json()) == q and q.local and q.nodes == plan.nodes
+    assert Plan.from_json(q.to_json()) == q and q.local and q.nodes == 3  # one rank per "node"
     with pytest.raises(BadInput, match="world size 5: the plan has no elastic layout .*at most local.nproc"):
         plan.for_world(5)
 
@@ -196,9 +210,9 @@ def test_a_local_plan_covers_every_world_up_to_nproc():
 def test_without_min_nodes_the_job_is_not_elastic():
     plan = build_plan("dev", load_stack("dev", ROOT))
     assert load_stack("dev", ROOT).training.min_nodes is None
-    assert [e.world_size for e in plan.elastic] == [plan.world_size]
+    assert [e.world_size for e in plan.layouts] == [plan.world_size]
     dev1 = build_plan("dev", variant("dev", set_min_nodes(1)))
-    assert [(e.nodes, e.world_size, e.fits) for e in dev1.elastic] == [(1, 8, True), (2, 16, True)]
+    assert [(e.nodes, e.world_size, e.fits) for e in dev1.layouts] == [(1, 8, True), (2, 16, True)]
 
 
 def test_min_nodes_above_the_training_nodes_is_a_config_error_naming_it():
@@ -244,8 +258,8 @@ def test_plan_prints_and_serialises_the_elastic_layouts(capsys):
     )
     assert main(["plan", "--stack", "prod", "--root", str(ROOT), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [e["world_size"] for e in out["elastic"]] == list(range(64, 129, 8))
-    assert math.isclose(out["elastic"][-1]["step_s"], out["step"]["step_s"])
+    assert [e["world_size"] for e in out["layouts"]] == list(range(64, 129, 8))
+    assert math.isclose(out["layouts"][-1]["step_s"], out["step"]["step_s"])
 
 
 # -- pools with an elastic minimum and spare nodes (items 2 and 3) ----------------------------------
@@ -298,7 +312,7 @@ def test_the_cost_counts_the_spare():
     assert plan.run_cost_usd == pytest.approx(plan.cost_per_hour_usd * plan.run_hours)
     # the spare is outside the world: layout and elastic range as without it
     without = build_plan("prod", variant("prod", lambda d: d["acceleratorNodeGroups"][0].pop("spares")))
-    assert (without.world_size, without.elastic) == (plan.world_size, plan.elastic)
+    assert (without.world_size, without.layouts) == (plan.world_size, plan.layouts)
     assert plan.cost_per_hour_usd - without.cost_per_hour_usd == pytest.approx(price)
 
 
@@ -333,7 +347,7 @@ def test_a_world_whose_rounds_break_the_pipeline_schedule_has_no_layout():
         data["training"].update(globalBatch=60, microBatch=1, minNodes=2)
 
     plan = build_plan("dev", variant("dev", interleaved_on_three_nodes))
-    two, three = plan.elastic
+    two, three = plan.layouts
     # 3 nodes: dp 6, 10 rounds; 2 nodes: dp 4, ceil(60/4) = 15 rounds, not a multiple of pp 2
     assert (three.fits, three.micro_batches_per_step) == (True, 10)
     assert not two.fits and two.degrees.dp == 4 and two.memory is None
