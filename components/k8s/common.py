@@ -116,6 +116,30 @@ def bound_role(
     return role, binding
 
 
+def cron_job(
+    resource: str,
+    name: str,
+    namespace: pulumi.Input[str],
+    schedule: str,
+    job_template: dict[str, Any],
+    opts: pulumi.ResourceOptions,
+) -> k8s.batch.v1.CronJob:
+    """A CronJob named `name` (Pulumi resource name `resource`) that never starts a run while the last
+    one still runs (concurrencyPolicy Forbid) and keeps the last three succeeded and failed Jobs to read."""
+    return k8s.batch.v1.CronJob(
+        resource,
+        metadata=meta(name, namespace),
+        spec={
+            "schedule": schedule,
+            "concurrencyPolicy": "Forbid",
+            "successfulJobsHistoryLimit": 3,
+            "failedJobsHistoryLimit": 3,
+            "jobTemplate": job_template,
+        },
+        opts=opts,
+    )
+
+
 def dns_name(*parts: str) -> str:
     """A Kubernetes object name (RFC 1123 label) from free-form parts such as a Pulumi stack name."""
     name = re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")

@@ -404,123 +404,141 @@ class TrainerArgs:
     queue_labels: Mapping[str, str] = field(default_factory=dict)
 
 
+def scrape_policy(
+    name: str, namespace: pulumi.Input[str], mesh: str, opts: pulumi.ResourceOptions
+) -> k8s.networking.v1.NetworkPolicy:
+    """The namespace denies all ingress: let the CloudWatch agent reach the metrics port, nothing else."""
+    return k8s.networking.v1.NetworkPolicy(
+        name,
+        metadata=meta(f"allow-scrape-{mesh}", namespace),
+        spec={
+            "podSelector": {"matchLabels": {MESH_LABEL: mesh}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {"kubernetes.io/metadata.name": METRICS_SCRAPER_NAMESPACE}
+                            }
+                        }
+                    ],
+                    "ports": [{"protocol": "TCP", "port": METRICS_PORT}],
+                }
+            ],
+        },
+        opts=opts,
+    )
+
+
+def trainer_container(args: TrainerArgs) -> dict[str, Any]:
+    """The worker's container: supernode.trainer.train under supernode.trainer.launch, on the plan file,
+    the data and the checkpoints (both on FSx)."""
+    plan = args.job.plan
+    return {
+        "name": "pytorch",  # the operator injects the PET_* rendezvous env into this container name
+        "image": args.job.image,
+        # supernode.trainer.launch: torchrun whose exit code says a recorded failure (bad input 2, failed 1)
+        # apart from a signal, so the ExitCode restart policy (pytorch_job_spec) retries only what can recover.
+        "command": launch(args.termination_grace_s) + ["supernode.trainer.train"],
+        # Rank 0 serves its gauges on the pod IP (not loopback) for the CloudWatch agent's scrape.
+        "args": [
+            "--plan",
+            PLAN_MOUNT_PATH,
+            "--data",
+            DATA_PATH,
+            "--out",
+            CHECKPOINT_PATH,
+            *("--run-id", plan.training.run or plan.stack),  # training.run, else one run per stack
+            # metrics every step are counters; Kineto on one step in PROFILE_EVERY (issue 39)
+            *("--log-every", "1", "--profile-every", str(PROFILE_EVERY)),
+            "--prometheus-port",
+            str(METRICS_PORT),
+            "--prometheus-addr",
+            "$(POD_IP)",
+        ],
+        "env": [field_env("POD_IP", "status.podIP")],
+        "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
+        "volumeMounts": [
+            PLAN_VOLUME_MOUNT,
+            {"name": "fsx", "mountPath": DATA_PATH, "subPath": args.data_subpath, "readOnly": True},
+            {"name": "fsx", "mountPath": CHECKPOINT_PATH, "subPath": args.checkpoint_subpath},
+        ],
+    }
+
+
+def trainer_pod_template(args: TrainerArgs, mesh: str) -> dict[str, Any]:
+    """A worker's pod: the trainer, the plan and FSx volumes, and with training.initFrom the init
+    container that verifies the pretrained weights first."""
+    container = trainer_container(args)
+    volumes = [plan_volume(args.job), {"name": "fsx", "persistentVolumeClaim": {"claimName": args.pvc}}]
+    init = pretrained_init(args.job.plan, args.job.image, container, volumes)
+    # A changed plan replaces the job (the spec changes with its hash); checkpoints carry the run over.
+    return {
+        "metadata": pod_metadata(args.job, mesh, SCRAPE_ANNOTATIONS),
+        "spec": gpu_pod_spec(
+            args.job,
+            mesh,
+            container,
+            volumes,
+            serviceAccountName=args.service_account,
+            # the trainer writes a checkpoint on SIGTERM before exiting
+            terminationGracePeriodSeconds=args.termination_grace_s,
+            **({"initContainers": [init]} if init else {}),
+        ),
+    }
+
+
+def pytorch_job_spec(plan: Plan, template: dict[str, Any]) -> dict[str, Any]:
+    nodes = plan.nodes
+    return {
+        "nprocPerNode": str(plan.accelerators_per_node),
+        # Elastic between training.minNodes and the planned nodes: a lost node shrinks the job
+        # (the trainer picks the plan's layout for the world it gets, Plan.for_world) instead
+        # of stopping it, and a replacement (a spare node) grows it back.
+        "elasticPolicy": {
+            "rdzvBackend": "c10d",
+            "minReplicas": plan.min_nodes,
+            "maxReplicas": nodes,
+            "maxRestarts": plan.training.max_restarts,
+        },
+        "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": plan.training.max_restarts},
+        # ExitCode: the operator restarts a pod for a signal (128-255: OOM kill, node loss) and
+        # fails the job for 1-127, which supernode.trainer.launch returns only once torchrun's own elastic
+        # restarts are spent or the failure is recorded as one no restart can fix.
+        "pytorchReplicaSpecs": {"Worker": {"replicas": nodes, "restartPolicy": "ExitCode", "template": template}},
+    }
+
+
 class TrainerJob(pulumi.ComponentResource):
     """PyTorchJob (kubeflow.org/v1), elastic with c10d rendezvous, one worker per GPU node."""
 
     def __init__(self, name: str, args: TrainerArgs, job_name: str, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:workload:TrainerJob", name, None, opts)
-        plan, mesh = args.job.plan, job_name
+        plan, mesh, namespace = args.job.plan, job_name, args.job.namespace
+        child = pulumi.ResourceOptions(parent=self)
         self.name = job_name
-        self.policy = mesh_policy(f"{name}-mesh", args.job.namespace, mesh, pulumi.ResourceOptions(parent=self))
-        # The namespace denies all ingress: let the CloudWatch agent reach the metrics port, nothing else.
-        self.scrape_policy = k8s.networking.v1.NetworkPolicy(
-            f"{name}-scrape",
-            metadata=meta(f"allow-scrape-{mesh}", args.job.namespace),
-            spec={
-                "podSelector": {"matchLabels": {MESH_LABEL: mesh}},
-                "policyTypes": ["Ingress"],
-                "ingress": [
-                    {
-                        "from": [
-                            {
-                                "namespaceSelector": {
-                                    "matchLabels": {"kubernetes.io/metadata.name": METRICS_SCRAPER_NAMESPACE}
-                                }
-                            }
-                        ],
-                        "ports": [{"protocol": "TCP", "port": METRICS_PORT}],
-                    }
-                ],
-            },
-            opts=pulumi.ResourceOptions(parent=self),
-        )
+        self.policy = mesh_policy(f"{name}-mesh", namespace, mesh, child)
+        self.scrape_policy = scrape_policy(f"{name}-scrape", namespace, mesh, child)
         after: list[pulumi.Resource] = [self.policy, self.scrape_policy]
         if spans_nodes_over_nvlink(plan):
             after.append(
                 compute_domain(
                     f"{name}-compute-domain",
-                    args.job.namespace,
+                    namespace,
                     mesh,
                     pulumi.ResourceOptions(parent=self, depends_on=list(args.job.wait_for)),
                 )
             )
-        container = {
-            "name": "pytorch",  # the operator injects the PET_* rendezvous env into this container name
-            "image": args.job.image,
-            # supernode.trainer.launch: torchrun whose exit code says a recorded failure (bad input 2, failed 1)
-            # apart from a signal, so the ExitCode restart policy below retries only what can recover.
-            "command": launch(args.termination_grace_s) + ["supernode.trainer.train"],
-            # Rank 0 serves its gauges on the pod IP (not loopback) for the CloudWatch agent's scrape.
-            "args": [
-                "--plan",
-                PLAN_MOUNT_PATH,
-                "--data",
-                DATA_PATH,
-                "--out",
-                CHECKPOINT_PATH,
-                *("--run-id", plan.training.run or plan.stack),  # training.run, else one run per stack
-                # metrics every step are counters; Kineto on one step in PROFILE_EVERY (issue 39)
-                *("--log-every", "1", "--profile-every", str(PROFILE_EVERY)),
-                "--prometheus-port",
-                str(METRICS_PORT),
-                "--prometheus-addr",
-                "$(POD_IP)",
-            ],
-            "env": [field_env("POD_IP", "status.podIP")],
-            "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
-            "volumeMounts": [
-                PLAN_VOLUME_MOUNT,
-                {"name": "fsx", "mountPath": DATA_PATH, "subPath": args.data_subpath, "readOnly": True},
-                {"name": "fsx", "mountPath": CHECKPOINT_PATH, "subPath": args.checkpoint_subpath},
-            ],
-        }
-        volumes = [plan_volume(args.job), {"name": "fsx", "persistentVolumeClaim": {"claimName": args.pvc}}]
-        init = pretrained_init(plan, args.job.image, container, volumes)
-        # A changed plan replaces the job (the spec changes with its hash); checkpoints carry the run over.
-        template = {
-            "metadata": pod_metadata(args.job, mesh, SCRAPE_ANNOTATIONS),
-            "spec": gpu_pod_spec(
-                args.job,
-                mesh,
-                container,
-                volumes,
-                serviceAccountName=args.service_account,
-                # the trainer writes a checkpoint on SIGTERM before exiting
-                terminationGracePeriodSeconds=args.termination_grace_s,
-                **({"initContainers": [init]} if init else {}),
-            ),
-        }
-        nodes = plan.nodes
         # `pulumi up` succeeds once the workers run (admitted, scheduled, images pulled), not at creation.
         self.job = k8s.apiextensions.CustomResource(
             f"{name}-job",
             api_version="kubeflow.org/v1",
             kind="PyTorchJob",
             metadata=meta(
-                job_name,
-                args.job.namespace,
-                labels=args.queue_labels,
-                annotations={"pulumi.com/waitFor": "condition=Running"},
+                job_name, namespace, labels=args.queue_labels, annotations={"pulumi.com/waitFor": "condition=Running"}
             ),
-            spec={
-                "nprocPerNode": str(plan.accelerators_per_node),
-                # Elastic between training.minNodes and the planned nodes: a lost node shrinks the job
-                # (the trainer picks the plan's layout for the world it gets, Plan.for_world) instead
-                # of stopping it, and a replacement (a spare node) grows it back.
-                "elasticPolicy": {
-                    "rdzvBackend": "c10d",
-                    "minReplicas": plan.min_nodes,
-                    "maxReplicas": nodes,
-                    "maxRestarts": plan.training.max_restarts,
-                },
-                "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": plan.training.max_restarts},
-                # ExitCode: the operator restarts a pod for a signal (128-255: OOM kill, node loss) and
-                # fails the job for 1-127, which supernode.trainer.launch returns only once torchrun's own elastic
-                # restarts are spent or the failure is recorded as one no restart can fix.
-                "pytorchReplicaSpecs": {
-                    "Worker": {"replicas": nodes, "restartPolicy": "ExitCode", "template": template}
-                },
-            },
+            spec=pytorch_job_spec(plan, trainer_pod_template(args, mesh)),
             opts=pulumi.ResourceOptions(
                 parent=self,
                 depends_on=[*after, *args.wait_for],
@@ -529,4 +547,4 @@ class TrainerJob(pulumi.ComponentResource):
                 custom_timeouts=pulumi.CustomTimeouts(create="30m"),
             ),
         )
-        self.register_outputs({"job": job_name, "workers": nodes, "nproc_per_node": plan.accelerators_per_node})
+        self.register_outputs({"job": job_name, "workers": plan.nodes, "nproc_per_node": plan.accelerators_per_node})

@@ -10,6 +10,7 @@ from typing import Any
 import pulumi
 import pulumi_kubernetes as k8s
 
+from supernode.core.capacity import PodShape
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
 
 from .common import MESH_LABEL, fsx_claim, gib, irsa, meta
@@ -63,66 +64,84 @@ class NamespaceArgs:
     plan: Plan  # the job's node count and pod shape size the quota
 
 
+def training_namespace(
+    resource: str, name: str, cluster_version: str, opts: pulumi.ResourceOptions
+) -> k8s.core.v1.Namespace:
+    """PSA has no per-capability exemption: enforce "privileged" at the PSA level, keep baseline as
+    warn/audit, and enforce "baseline + IPC_LOCK" with the admission policy (TrainingNamespace's)."""
+    psa_version = f"v{cluster_version}"
+    return k8s.core.v1.Namespace(
+        resource,
+        metadata=meta(
+            name,
+            labels={
+                "pod-security.kubernetes.io/enforce": "privileged",
+                "pod-security.kubernetes.io/enforce-version": psa_version,
+                "pod-security.kubernetes.io/warn": "baseline",
+                "pod-security.kubernetes.io/warn-version": psa_version,
+                "pod-security.kubernetes.io/audit": "baseline",
+                "pod-security.kubernetes.io/audit-version": psa_version,
+            },
+        ),
+        opts=opts,
+    )
+
+
+def training_quota(
+    resource: str, namespace: pulumi.Input[str], nodes: int, pod: PodShape, opts: pulumi.ResourceOptions
+) -> k8s.core.v1.ResourceQuota:
+    return k8s.core.v1.ResourceQuota(
+        resource,
+        metadata=meta("training-quota", namespace),
+        spec={
+            "hard": {
+                # The scarce resources are capped at exactly one job's worth: the GPU fleet.
+                f"requests.{pod.device_resource}": str(nodes * pod.gpus),
+                "requests.vpc.amazonaws.com/efa": str(nodes * pod.efa),
+                "requests.hugepages-2Mi": gib(nodes * pod.hugepages_gib),
+                "requests.cpu": str(nodes * pod.cpu + HEADROOM["cpu"]),
+                "limits.cpu": str(nodes * pod.cpu + HEADROOM["cpu"]),
+                "requests.memory": gib(nodes * pod.memory_gib + HEADROOM["memory_gib"]),
+                "limits.memory": gib(nodes * pod.memory_gib + HEADROOM["memory_gib"]),
+                "pods": str(nodes + HEADROOM["pods"]),
+            }
+        },
+        opts=opts,
+    )
+
+
+def container_limits(
+    resource: str, namespace: pulumi.Input[str], pod: PodShape, opts: pulumi.ResourceOptions
+) -> k8s.core.v1.LimitRange:
+    """Defaults for the small pods beside the job, and no container larger than the job's pod."""
+    return k8s.core.v1.LimitRange(
+        resource,
+        metadata=meta("training-limits", namespace),
+        spec={
+            "limits": [
+                {
+                    "type": "Container",
+                    "defaultRequest": {"cpu": "250m", "memory": "512Mi"},
+                    "default": {"cpu": "1", "memory": "2Gi"},
+                    "max": {"cpu": str(pod.cpu), "memory": gib(pod.memory_gib)},
+                }
+            ]
+        },
+        opts=opts,
+    )
+
+
 class TrainingNamespace(pulumi.ComponentResource):
     def __init__(self, name: str, args: NamespaceArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:workload:TrainingNamespace", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         nodes, pod = args.plan.nodes, args.plan.pod
-        # PSA has no per-capability exemption: enforce "privileged" at the PSA level, keep baseline as
-        # warn/audit, and enforce "baseline + IPC_LOCK" with the admission policy below.
-        psa_version = f"v{args.cluster_version}"
-        self.namespace = k8s.core.v1.Namespace(
-            f"{name}-ns",
-            metadata=meta(
-                args.namespace,
-                labels={
-                    "pod-security.kubernetes.io/enforce": "privileged",
-                    "pod-security.kubernetes.io/enforce-version": psa_version,
-                    "pod-security.kubernetes.io/warn": "baseline",
-                    "pod-security.kubernetes.io/warn-version": psa_version,
-                    "pod-security.kubernetes.io/audit": "baseline",
-                    "pod-security.kubernetes.io/audit-version": psa_version,
-                },
-            ),
-            opts=child,
-        )
+        self.namespace = training_namespace(f"{name}-ns", args.namespace, args.cluster_version, child)
         ns = self.namespace.metadata.name
         self.name = ns
         self._admission_policy(name, args.namespace, child)
-
-        self.quota = k8s.core.v1.ResourceQuota(
-            f"{name}-quota",
-            metadata=meta("training-quota", ns),
-            spec={
-                "hard": {
-                    # The scarce resources are capped at exactly one job's worth: the GPU fleet.
-                    f"requests.{pod.device_resource}": str(nodes * pod.gpus),
-                    "requests.vpc.amazonaws.com/efa": str(nodes * pod.efa),
-                    "requests.hugepages-2Mi": gib(nodes * pod.hugepages_gib),
-                    "requests.cpu": str(nodes * pod.cpu + HEADROOM["cpu"]),
-                    "limits.cpu": str(nodes * pod.cpu + HEADROOM["cpu"]),
-                    "requests.memory": gib(nodes * pod.memory_gib + HEADROOM["memory_gib"]),
-                    "limits.memory": gib(nodes * pod.memory_gib + HEADROOM["memory_gib"]),
-                    "pods": str(nodes + HEADROOM["pods"]),
-                }
-            },
-            opts=child,
-        )
-        self.limits = k8s.core.v1.LimitRange(
-            f"{name}-limits",
-            metadata=meta("training-limits", ns),
-            spec={
-                "limits": [
-                    {
-                        "type": "Container",
-                        "defaultRequest": {"cpu": "250m", "memory": "512Mi"},
-                        "default": {"cpu": "1", "memory": "2Gi"},
-                        "max": {"cpu": str(pod.cpu), "memory": gib(pod.memory_gib)},
-                    }
-                ]
-            },
-            opts=child,
-        )
+        self.quota = training_quota(f"{name}-quota", ns, nodes, pod, child)
+        self.limits = container_limits(f"{name}-limits", ns, pod, child)
         self._network_policies(name, ns, args.pod_identity, child)
 
         annotations = {} if args.pod_identity else irsa(args.trainer_role_arn)

@@ -59,7 +59,7 @@ from supernode.core.observability import (
 from supernode.core.vendors import VENDORS
 
 from .addons import SYSTEM_NAMESPACE, addon_resource, with_config_hash, with_images
-from .common import MESH_LABEL, GpuNodes, bound_role, dns_name, irsa, load_addon, meta
+from .common import MESH_LABEL, GpuNodes, bound_role, cron_job, dns_name, irsa, load_addon, meta
 from .jobs import (
     BASELINE_MOUNT,
     FABRIC_BASELINE,
@@ -261,6 +261,76 @@ def gpu_daemonset(
     )
 
 
+def fabric_verdict_max_age_s(fabric_check_schedule: str) -> int:
+    """How old a fabric verdict the node agent still acts on: two fabric-check intervals (older ones
+    are ignored)."""
+    try:
+        return 2 * longest_gap_s(fabric_check_schedule)
+    except ValueError as e:
+        raise pulumi.RunError(f"workload.fabricCheckSchedule: {e}") from None
+
+
+def node_health_grants(
+    training_namespace: str, verdict: k8s.core.v1.ConfigMap
+) -> dict[str, tuple[pulumi.Input[str], list[dict[str, Any]]]]:
+    """The node agent's namespaced Roles, by where they apply: (namespace, rules)."""
+    return {
+        # the training pods leave a broken node through the eviction API (it honours any PodDisruptionBudget
+        # a user adds; the stack ships none: an elastic job restarts smaller instead)
+        training_namespace: (
+            training_namespace,
+            [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
+            ],
+        ),
+        # a Node's events
+        "default": ("default", [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]),
+        # the fabric verdict, that one object (its namespace: the Role waits for the ConfigMap)
+        NODE_HEALTH_NAMESPACE: (
+            verdict.metadata.namespace,
+            [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [FABRIC_VERDICT], "verbs": ["get"]}],
+        ),
+    }
+
+
+def node_health_container(job: JobArgs, wl: WorkloadConfig, fabric_max_age_s: int) -> dict[str, Any]:
+    """The node agent's container: `supernode.trainer.node.agent watch`, reading the node's EFA counters."""
+    return {
+        "name": "node-health",
+        "image": job.image,
+        "command": ["python", "-m", "supernode.trainer.node.agent", "watch"],
+        "args": [
+            # only where a node has no node.kubernetes.io/instance-type label: each is judged as its own type
+            "--instance-type",
+            job.plan.instance_type,
+            "--evict-namespace",
+            wl.namespace,
+            "--fabric-verdict",
+            f"{NODE_HEALTH_NAMESPACE}/{FABRIC_VERDICT}",
+            "--fabric-max-age-s",
+            str(fabric_max_age_s),
+            "--unchecked-nodes",
+            wl.unchecked_nodes,
+        ],
+        "env": GPU_OBSERVER_ENV,
+        # dcgmi diag -r 2 runs once per node join: the limit leaves it room
+        "resources": small("100m", "256Mi", "1", "1Gi"),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            # dmesg reads the kernel ring buffer through syslog(2), which kernel.dmesg_restrict=1 (the
+            # AL2023 AMI's setting) allows only with CAP_SYSLOG in the effective set. Kubernetes grants
+            # no ambient capabilities, so a non-root uid (the image's 10001) never has it effective:
+            # uid 0 with every capability dropped but SYSLOG, and an unreadable log is a check not run.
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "capabilities": {"drop": ["ALL"], "add": ["SYSLOG"]},
+        },
+        "volumeMounts": [{"name": "infiniband", "mountPath": EFA_COUNTERS, "readOnly": True}],
+    }
+
+
 class Operations(pulumi.ComponentResource):
     def __init__(self, name: str, args: OperationsArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:workload:Operations", name, None, opts)
@@ -353,21 +423,15 @@ class Operations(pulumi.ComponentResource):
         template = fabric_pod_template(job, mesh, service, store, "latest.json")
         if verdict is not None:
             after += self._fabric_verdict_writer(name, job, verdict, template)
-        return k8s.batch.v1.CronJob(
+        # One fabric check at a time (the CronJob's Forbid): two would measure each other.
+        return cron_job(
             f"{name}-fabric-check",
-            metadata=meta(service, job.namespace),
-            spec={
-                "schedule": wl.fabric_check_schedule,
-                "concurrencyPolicy": "Forbid",  # one fabric check at a time: two would measure each other
-                "successfulJobsHistoryLimit": 3,
-                "failedJobsHistoryLimit": 3,
-                # Kueue keeps the Job suspended until the pool has free quota for all of its pods.
-                "jobTemplate": {
-                    "metadata": {"labels": job_labels(job.plan, EXPERIMENTS)},
-                    "spec": fabric_job_spec(job, template),
-                },
-            },
-            opts=pulumi.ResourceOptions(parent=self, depends_on=after),
+            service,
+            job.namespace,
+            wl.fabric_check_schedule,
+            # Kueue keeps the Job suspended until the pool has free quota for all of its pods.
+            {"metadata": {"labels": job_labels(job.plan, EXPERIMENTS)}, "spec": fabric_job_spec(job, template)},
+            pulumi.ResourceOptions(parent=self, depends_on=after),
         )
 
     def _fabric_verdict_writer(
@@ -455,10 +519,7 @@ class Operations(pulumi.ComponentResource):
     ) -> tuple[k8s.apps.v1.DaemonSet, k8s.core.v1.ConfigMap]:
         """supernode.trainer.node.agent on every GPU node: taints, evicts and replaces a broken node.
         With it, the (empty) fabric verdict ConfigMap the fabric re-check fills and the agents read."""
-        try:  # a verdict older than two fabric-check intervals is ignored
-            fabric_max_age_s = 2 * longest_gap_s(wl.fabric_check_schedule)
-        except ValueError as e:
-            raise pulumi.RunError(f"workload.fabricCheckSchedule: {e}") from None
+        max_age_s = fabric_verdict_max_age_s(wl.fabric_check_schedule)
         child = self._child
         ns = k8s.core.v1.Namespace(
             f"{name}-node-health-ns",
@@ -486,27 +547,9 @@ class Operations(pulumi.ComponentResource):
             metadata=meta(FABRIC_VERDICT, ns),
             opts=pulumi.ResourceOptions(parent=self, ignore_changes=["data"]),
         )
-        namespaced = {
-            # the training pods leave a broken node through the eviction API (it honours any PodDisruptionBudget
-            # a user adds; the stack ships none: an elastic job restarts smaller instead)
-            wl.namespace: (
-                wl.namespace,
-                [
-                    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-                    {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
-                ],
-            ),
-            # a Node's events
-            "default": ("default", [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]),
-            # the fabric verdict, that one object (its namespace: the Role waits for the ConfigMap)
-            NODE_HEALTH_NAMESPACE: (
-                verdict.metadata.namespace,
-                [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [FABRIC_VERDICT], "verbs": ["get"]}],
-            ),
-        }
         roles = [
             bound_role(f"{name}-node-health-{where}", "supernode-node-health", namespace, rules, subjects, child)[0]
-            for where, (namespace, rules) in namespaced.items()
+            for where, (namespace, rules) in node_health_grants(wl.namespace, verdict).items()
         ]
         k8s.networking.v1.NetworkPolicy(
             f"{name}-node-health-policy",
@@ -514,47 +557,13 @@ class Operations(pulumi.ComponentResource):
             spec=HTTPS_AND_DNS_ONLY,
             opts=child,
         )
-        gpu = job.gpu_nodes
-        container = {
-            "name": "node-health",
-            "image": job.image,
-            "command": ["python", "-m", "supernode.trainer.node.agent", "watch"],
-            "args": [
-                # only where a node has no node.kubernetes.io/instance-type label: each is judged as its own type
-                "--instance-type",
-                job.plan.instance_type,
-                "--evict-namespace",
-                wl.namespace,
-                "--fabric-verdict",
-                f"{NODE_HEALTH_NAMESPACE}/{FABRIC_VERDICT}",
-                "--fabric-max-age-s",
-                str(fabric_max_age_s),
-                "--unchecked-nodes",
-                wl.unchecked_nodes,
-            ],
-            "env": GPU_OBSERVER_ENV,
-            # dcgmi diag -r 2 runs once per node join: the limit leaves it room
-            "resources": small("100m", "256Mi", "1", "1Gi"),
-            "securityContext": {
-                "allowPrivilegeEscalation": False,
-                "readOnlyRootFilesystem": True,
-                # dmesg reads the kernel ring buffer through syslog(2), which kernel.dmesg_restrict=1 (the
-                # AL2023 AMI's setting) allows only with CAP_SYSLOG in the effective set. Kubernetes grants
-                # no ambient capabilities, so a non-root uid (the image's 10001) never has it effective:
-                # uid 0 with every capability dropped but SYSLOG, and an unreadable log is a check not run.
-                "runAsUser": 0,
-                "runAsNonRoot": False,
-                "capabilities": {"drop": ["ALL"], "add": ["SYSLOG"]},
-            },
-            "volumeMounts": [{"name": "infiniband", "mountPath": EFA_COUNTERS, "readOnly": True}],
-        }
         agents = gpu_daemonset(
             f"{name}-node-health",
             "node-health",
             ns,
             sa.metadata.name,
-            gpu,  # tolerating its own quarantine taints: it releases the node it quarantined
-            container,
+            job.gpu_nodes,  # tolerating its own quarantine taints: it releases the node it quarantined
+            node_health_container(job, wl, max_age_s),
             pulumi.ResourceOptions(parent=self, depends_on=[node_role, *roles]),
             volumes=[{"name": "infiniband", "hostPath": {"path": EFA_COUNTERS, "type": "Directory"}}],
         )
@@ -633,22 +642,18 @@ class Operations(pulumi.ComponentResource):
             ],
         }
         # The fabric-mesh label gives the pod the namespace's HTTPS egress (S3, STS); no GPU, no taint toleration.
-        return k8s.batch.v1.CronJob(
+        return cron_job(
             f"{name}-restore-drill",
-            metadata=meta(dns_name(stack, "restore-drill"), job.namespace),
-            spec={
-                "schedule": wl.restore_drill_schedule,
-                "concurrencyPolicy": "Forbid",
-                "successfulJobsHistoryLimit": 3,
-                "failedJobsHistoryLimit": 3,
-                "jobTemplate": {
-                    "spec": {
-                        "backoffLimit": 0,
-                        "template": {"metadata": {"labels": {MESH_LABEL: "restore-drill"}}, "spec": pod},
-                    }
-                },
+            dns_name(stack, "restore-drill"),
+            job.namespace,
+            wl.restore_drill_schedule,
+            {
+                "spec": {
+                    "backoffLimit": 0,
+                    "template": {"metadata": {"labels": {MESH_LABEL: "restore-drill"}}, "spec": pod},
+                }
             },
-            opts=self._child,
+            self._child,
         )
 
     def _checkpoint_retention(
@@ -688,20 +693,17 @@ class Operations(pulumi.ComponentResource):
             "volumes": [{"name": "stack", "configMap": {"name": cm.metadata.name}}],
         }
         # The fabric-mesh label gives the pod the namespace's HTTPS egress (S3, STS), as the drill's.
-        return k8s.batch.v1.CronJob(
+        # One run at a time (the CronJob's Forbid): two taggers would only repeat each other's work.
+        return cron_job(
             f"{name}-checkpoint-retention",
-            metadata=meta(dns_name(stack, "checkpoint-retention"), job.namespace),
-            spec={
-                "schedule": wl.checkpoint_retention_schedule,
-                "concurrencyPolicy": "Forbid",  # two taggers would only repeat each other's work
-                "successfulJobsHistoryLimit": 3,
-                "failedJobsHistoryLimit": 3,
-                "jobTemplate": {
-                    "spec": {
-                        "backoffLimit": 2,  # a throttled S3 call is worth a retry; the tags are idempotent
-                        "template": {"metadata": {"labels": {MESH_LABEL: "checkpoint-retention"}}, "spec": pod},
-                    }
-                },
+            dns_name(stack, "checkpoint-retention"),
+            job.namespace,
+            wl.checkpoint_retention_schedule,
+            {
+                "spec": {
+                    "backoffLimit": 2,  # a throttled S3 call is worth a retry; the tags are idempotent
+                    "template": {"metadata": {"labels": {MESH_LABEL: "checkpoint-retention"}}, "spec": pod},
+                }
             },
-            opts=self._child,
+            self._child,
         )

@@ -195,6 +195,391 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+SECURE_CONTAINER = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+API_VERSIONS = {"Deployment": "apps/v1", "LeaderWorkerSet": LWS_API}  # by InferencePlan.workload_kind
+
+
+def restricted_namespace(resource: str, name: str, opts: pulumi.ResourceOptions) -> k8s.core.v1.Namespace:
+    """A namespace whose pods Pod Security holds to `restricted`."""
+    return k8s.core.v1.Namespace(
+        resource,
+        metadata=meta(
+            name,
+            labels={
+                "pod-security.kubernetes.io/enforce": "restricted",
+                "pod-security.kubernetes.io/warn": "restricted",
+            },
+        ),
+        opts=opts,
+    )
+
+
+def serving_priority_class(resource: str, opts: pulumi.ResourceOptions) -> k8s.scheduling.v1.PriorityClass:
+    return k8s.scheduling.v1.PriorityClass(
+        resource,
+        metadata=meta(PRIORITY_CLASS),
+        value=PRIORITY_VALUE,
+        global_default=False,
+        # Kueue's quotas decide who runs (serving's reserved share, what training lends); the scheduler
+        # evicting a training pod for a serving pod would strand the training job.
+        preemption_policy="Never",
+        description="inference serving: scheduled before training and experiments, preempting neither",
+        opts=opts,
+    )
+
+
+def gpu_quota(
+    resource: str, namespace: pulumi.Input[str], gpus: int, opts: pulumi.ResourceOptions
+) -> k8s.core.v1.ResourceQuota:
+    return k8s.core.v1.ResourceQuota(
+        resource,
+        metadata=meta("serving-gpus", namespace),
+        spec={"hard": {"requests.nvidia.com/gpu": str(gpus), "limits.nvidia.com/gpu": str(gpus)}},
+        opts=opts,
+    )
+
+
+def weights_disk_gib(ip: InferencePlan) -> int:
+    """The room for the weights: the FSx claim's size and the pod's local copy (the export and a fifth)."""
+    return max(1, int(ip.weights_gib * 1.2) + 1)
+
+
+def server_resources(plan: Plan, ip: InferencePlan) -> dict[str, Any]:
+    """Whole-node share of CPU and memory per GPU, requests = limits (Guaranteed QoS)."""
+    accelerators = plan.hardware.accelerators
+    gpus_per_pod = min(ip.gpus_per_replica, accelerators)
+    cpu = max(1, plan.pod.cpu * gpus_per_pod // max(1, accelerators))
+    mem = max(4, int(plan.pod.memory_gib * gpus_per_pod / max(1, accelerators)))
+    amounts = {"nvidia.com/gpu": str(gpus_per_pod), "cpu": str(cpu), "memory": gib(mem)}
+    return {"requests": amounts, "limits": dict(amounts)}
+
+
+def verify_container(inf: Inference) -> dict[str, Any]:
+    """The init container: VERIFY_SCRIPT copies the export from FSx to the pod's disk and checks it."""
+    small = {"cpu": "1", "memory": "2Gi"}
+    return {
+        "name": VERIFY_CONTAINER,
+        "image": inf.image,
+        "command": ["python3", "/verify/verify.py"],
+        "args": [f"{FSX_MOUNT}/{inf.weights_prefix.strip('/')}", MODELS_DIR]
+        + ([inf.manifest_sha256] if inf.manifest_sha256 else []),
+        "volumeMounts": [
+            {"name": "fsx", "mountPath": FSX_MOUNT, "readOnly": True},
+            {"name": "models", "mountPath": MODELS_DIR},
+            {"name": "verify", "mountPath": "/verify"},
+        ],
+        "resources": {"requests": small, "limits": small},
+        "securityContext": SECURE_CONTAINER,
+    }
+
+
+def server_container(plan: Plan, inf: Inference, ip: InferencePlan, app: str) -> dict[str, Any]:
+    """The backend on the verified local copy, offline."""
+    return {
+        "name": BACKEND.name,
+        "image": inf.image,
+        "command": BACKEND.command(),
+        "args": BACKEND.flags(server_spec(ip, app)),
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "HOME", "value": "/tmp"}],
+        "ports": [{"name": "http", "containerPort": PORT}],
+        "startupProbe": _probe(BACKEND.health_path, 10, 180),  # up to 30 min to load large weights
+        "readinessProbe": _probe(BACKEND.health_path, 5, 3),
+        "livenessProbe": _probe(BACKEND.health_path, 10, 6),
+        "resources": server_resources(plan, ip),
+        "volumeMounts": [
+            {"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
+            {"name": "shm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": SECURE_CONTAINER,
+    }
+
+
+def pod_volumes(disk_gib: int) -> list[dict[str, Any]]:
+    return [
+        {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-models", "readOnly": True}},
+        {"name": "models", "emptyDir": {"sizeLimit": gib(disk_gib)}},
+        {"name": "verify", "configMap": {"name": VERIFY_CONFIGMAP}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}},
+    ]
+
+
+def pod_template(args: ServingArgs, ip: InferencePlan, app: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    """A serving pod (a replica's, or a LeaderWorkerSet leader's): the verifier, then the server, on
+    serving's GPU nodes, its metrics annotated for the scrapers."""
+    return {
+        "metadata": {
+            "labels": labels,
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(PORT),
+                "prometheus.io/path": BACKEND.metrics_path,
+            },
+        },
+        "spec": {
+            "priorityClassName": PRIORITY_CLASS,
+            "initContainers": [verify_container(args.inference)],
+            "containers": [server_container(args.plan, args.inference, ip, app)],
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 60,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "fsGroup": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "tolerations": args.gpu_nodes.tolerations(),
+            # Serving's reserved share only (Kueue's flavor says the same once admitted).
+            "affinity": args.gpu_nodes.affinity([{"key": ROLE_LABEL, "operator": "In", "values": ["serving"]}]),
+            "volumes": pod_volumes(weights_disk_gib(ip)),
+        },
+    }
+
+
+def deployment(
+    resource: str,
+    metadata: dict[str, Any],
+    replicas: int,
+    selector: Mapping[str, str],
+    template: dict[str, Any],
+    opts: pulumi.ResourceOptions,
+) -> k8s.apps.v1.Deployment:
+    """Replicas that each fit a node."""
+    return k8s.apps.v1.Deployment(
+        resource,
+        metadata=metadata,
+        spec={
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": template,
+        },
+        opts=opts,
+    )
+
+
+def leader_worker_set(
+    resource: str, metadata: dict[str, Any], ip: InferencePlan, template: dict[str, Any], opts: pulumi.ResourceOptions
+) -> k8s.apiextensions.CustomResource:
+    """Replicas that span nodes: a leader and its workers per replica, started and restarted as a group."""
+    return k8s.apiextensions.CustomResource(
+        resource,
+        api_version=LWS_API,
+        kind="LeaderWorkerSet",
+        metadata=metadata,
+        spec={
+            "replicas": ip.replicas_min,
+            "startupPolicy": "LeaderReady",
+            "leaderWorkerTemplate": {
+                "size": ip.pods_per_replica,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": template,
+                "workerTemplate": _worker(template),
+            },
+        },
+        opts=opts,
+    )
+
+
+def cluster_service(
+    resource: str, app: str, namespace: pulumi.Input[str], labels: Mapping[str, str], opts: pulumi.ResourceOptions
+) -> k8s.core.v1.Service:
+    return k8s.core.v1.Service(
+        resource,
+        metadata=meta(app, namespace, labels=labels),
+        spec={
+            "type": "ClusterIP",
+            "selector": labels,
+            "ports": [{"name": "http", "port": PORT, "targetPort": PORT}],
+        },
+        opts=opts,
+    )
+
+
+def autoscaler(
+    resource: str,
+    metadata: dict[str, Any],
+    target: dict[str, str],
+    ip: InferencePlan,
+    running_per_replica: float,
+    opts: pulumi.ResourceOptions,
+) -> k8s.autoscaling.v2.HorizontalPodAutoscaler:
+    """The HPA on the in-flight requests per pod (ADAPTER_RULE's metric), between replicasMin and replicasMax."""
+    return k8s.autoscaling.v2.HorizontalPodAutoscaler(
+        resource,
+        metadata=metadata,
+        spec={
+            "scaleTargetRef": target,
+            "minReplicas": ip.replicas_min,
+            "maxReplicas": ip.replicas_max,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": BACKEND.in_flight_metric},
+                        "target": {"type": "AverageValue", "averageValue": str(running_per_replica)},
+                    },
+                }
+            ],
+            # Loading weights takes minutes: scale up promptly, scale down slowly.
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
+        },
+        opts=opts,
+    )
+
+
+def disruption_budget(
+    resource: str, app: str, namespace: pulumi.Input[str], labels: Mapping[str, str], opts: pulumi.ResourceOptions
+) -> k8s.policy.v1.PodDisruptionBudget:
+    """All but one replica stay up through node drains."""
+    return k8s.policy.v1.PodDisruptionBudget(
+        resource,
+        metadata=meta(app, namespace, labels=labels),
+        spec={"maxUnavailable": 1, "selector": {"matchLabels": labels}},
+        opts=opts,
+    )
+
+
+def serving_network_policy(
+    resource: str,
+    app: str,
+    namespace: pulumi.Input[str],
+    labels: Mapping[str, str],
+    clients: list[str],
+    opts: pulumi.ResourceOptions,
+) -> k8s.networking.v1.NetworkPolicy:
+    """Ingress to the server port from the `clients` namespaces only; egress DNS and the replica's own pods."""
+    peers = [{"podSelector": {"matchLabels": labels}}]  # the replica's own pods (LeaderWorkerSet groups)
+    return k8s.networking.v1.NetworkPolicy(
+        resource,
+        metadata=meta(app, namespace, labels=labels),
+        spec={
+            "podSelector": {"matchLabels": labels},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {
+                                "matchExpressions": [
+                                    {"key": "kubernetes.io/metadata.name", "operator": "In", "values": clients}
+                                ]
+                            }
+                        }
+                    ],
+                    "ports": [{"protocol": "TCP", "port": PORT}],
+                },
+                {"from": peers},
+            ],
+            "egress": [
+                {
+                    "to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+                    "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+                },
+                {"to": peers},
+            ],
+        },
+        opts=opts,
+    )
+
+
+@dataclass(frozen=True)
+class _AddonFiles:
+    """Creates the objects of the serving add-on files as children of `parent` (Pulumi names
+    `<name>-<kind>-<object name>`), each in the namespace its file places it in: `monitoring`, the
+    serving namespace (as "serving") or kube-system."""
+
+    name: str
+    parent: pulumi.Resource
+    monitoring: pulumi.Output[str]
+    serving: pulumi.Input[str]
+    images: Mapping[str, str]  # supernode:images.addons
+
+    def create(self, obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
+        md = obj["metadata"]
+        namespaces = {MONITORING_NAMESPACE: self.monitoring, "serving": self.serving}
+        return addon_resource(
+            f"{self.name}-{obj['kind'].lower()}-{md['name'].replace(':', '-')}",
+            obj,
+            pulumi.ResourceOptions(parent=self.parent, **options),
+            namespaces.get(md.get("namespace", "")),
+        )
+
+    def install(self, filename: str, config: str, data: str) -> dict[str, Any]:
+        """Creates the file's service account, roles and bindings, and the Deployment's ConfigMap
+        (`data` as its file `config`); returns the file's objects by kind, the Deployment patched
+        (service account, image, configuration) for the caller to create with the rest."""
+        loaded = load_addon_objects(filename)
+        objs = {o["kind"]: o for o in loaded}  # by kind, for the kinds of one object in the file
+        sa = self.create(objs["ServiceAccount"])
+        roles = {o["metadata"]["name"]: self.create(o) for o in loaded if o["kind"] == "ClusterRole"}
+        for o in loaded:
+            if o["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+                ref = o["roleRef"]  # ours by their created names; the cluster's (system:...) as named
+                ref["name"] = roles[ref["name"]].metadata.name if ref["name"] in roles else ref["name"]
+                for subject in o["subjects"]:
+                    subject.update(name=sa.metadata.name, namespace=self.monitoring)
+                self.create(o)
+        deployment = with_config_hash(with_images(objs["Deployment"], self.images), data)
+        pod = deployment["spec"]["template"]["spec"]
+        pod["serviceAccountName"] = sa.metadata.name
+        [volume] = [v for v in pod["volumes"] if "configMap" in v]
+        cm = k8s.core.v1.ConfigMap(
+            f"{self.name}-{volume['configMap']['name']}",
+            data={config: data},
+            metadata=meta(volume["configMap"]["name"], self.monitoring),
+            opts=pulumi.ResourceOptions(parent=self.parent),
+        )
+        volume["configMap"]["name"] = cm.metadata.name
+        return objs
+
+
+def point_at_prometheus(
+    adapter: dict[str, Any], service: pulumi.Output[str], namespace: pulumi.Output[str], port: int
+) -> None:
+    """The adapter Deployment's --prometheus-url, at the created Prometheus Service."""
+    [server] = adapter["spec"]["template"]["spec"]["containers"]
+    server["args"] = [
+        pulumi.Output.concat("--prometheus-url=http://", service, ".", namespace, f".svc:{port}/")
+        if a.startswith("--prometheus-url=")
+        else a
+        for a in server["args"]
+    ]
+
+
+def prometheus_policy(
+    resource: str,
+    namespace: pulumi.Input[str],
+    prometheus: dict[str, Any],
+    adapter: dict[str, Any],
+    port: int,
+    opts: pulumi.ResourceOptions,
+) -> k8s.networking.v1.NetworkPolicy:
+    """Only the adapter reads Prometheus. (The API server reaches the adapter from the control plane.)"""
+    return k8s.networking.v1.NetworkPolicy(
+        resource,
+        metadata=meta("prometheus", namespace),
+        spec={
+            "podSelector": {"matchLabels": prometheus["spec"]["selector"]["matchLabels"]},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": adapter["spec"]["selector"]["matchLabels"]}}],
+                    "ports": [{"protocol": "TCP", "port": port}],
+                }
+            ],
+        },
+        opts=opts,
+    )
+
+
 class ServingWorkload(pulumi.ComponentResource):
     def __init__(self, name: str, args: ServingArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:serving:ServingWorkload", name, None, opts)
@@ -202,52 +587,22 @@ class ServingWorkload(pulumi.ComponentResource):
         plan, inf, ip = args.plan, args.inference, args.plan.inference
         if ip is None:
             raise ValueError("the plan has no inference plan (no inference section)")
-        hw = plan.hardware
-        ns_name = inf.namespace
         app = dns_name(plan.stack, BACKEND.name)
         labels = {"app.kubernetes.io/name": app, "app.kubernetes.io/component": "serving"}
-        gpus_per_pod = min(ip.gpus_per_replica, hw.accelerators)
+        pod_labels = {**labels, **(args.queue_labels or {})}
 
-        self.namespace = k8s.core.v1.Namespace(
-            f"{name}-ns",
-            metadata=meta(
-                ns_name,
-                labels={
-                    "pod-security.kubernetes.io/enforce": "restricted",
-                    "pod-security.kubernetes.io/warn": "restricted",
-                },
-            ),
-            opts=child,
-        )
+        self.namespace = restricted_namespace(f"{name}-ns", inf.namespace, child)
         ns = self.namespace.metadata.name
-        self.priority_class = k8s.scheduling.v1.PriorityClass(
-            f"{name}-priority",
-            metadata=meta(PRIORITY_CLASS),
-            value=PRIORITY_VALUE,
-            global_default=False,
-            # Kueue's quotas decide who runs (serving's reserved share, what training lends); the scheduler
-            # evicting a training pod for a serving pod would strand the training job.
-            preemption_policy="Never",
-            description="inference serving: scheduled before training and experiments, preempting neither",
-            opts=child,
-        )
-        quota = inf.gpu_quota or ip.replicas_max * ip.gpus_per_replica
-        self.quota = k8s.core.v1.ResourceQuota(
-            f"{name}-quota",
-            metadata=meta("serving-gpus", ns),
-            spec={"hard": {"requests.nvidia.com/gpu": str(quota), "limits.nvidia.com/gpu": str(quota)}},
-            opts=child,
-        )
-
-        size = max(1, int(plan.inference.weights_gib * 1.2) + 1)
+        self.priority_class = serving_priority_class(f"{name}-priority", child)
+        self.quota = gpu_quota(f"{name}-quota", ns, inf.gpu_quota or ip.replicas_max * ip.gpus_per_replica, child)
         self.claim = fsx_claim(
             name,
             args.fsx_id,
             args.fsx_dns_name,
             args.fsx_mount_name,
-            ns_name,
+            inf.namespace,
             "fsx-models",
-            gib(size),
+            gib(weights_disk_gib(ip)),
             read_only=True,
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.namespace]),
         )
@@ -255,197 +610,31 @@ class ServingWorkload(pulumi.ComponentResource):
             f"{name}-verify", metadata=meta(VERIFY_CONFIGMAP, ns), data={"verify.py": VERIFY_SCRIPT}, opts=child
         )
 
-        # Whole-node share of CPU and memory per GPU, requests = limits (Guaranteed QoS).
-        cpu = max(1, plan.pod.cpu * gpus_per_pod // max(1, hw.accelerators))
-        mem = max(4, int(plan.pod.memory_gib * gpus_per_pod / max(1, hw.accelerators)))
-        amounts = {"nvidia.com/gpu": str(gpus_per_pod), "cpu": str(cpu), "memory": gib(mem)}
-        secure = {
-            "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        }
-        small = {"cpu": "1", "memory": "2Gi"}
-        verify = {
-            "name": VERIFY_CONTAINER,
-            "image": inf.image,
-            "command": ["python3", "/verify/verify.py"],
-            "args": [f"{FSX_MOUNT}/{inf.weights_prefix.strip('/')}", MODELS_DIR]
-            + ([inf.manifest_sha256] if inf.manifest_sha256 else []),
-            "volumeMounts": [
-                {"name": "fsx", "mountPath": FSX_MOUNT, "readOnly": True},
-                {"name": "models", "mountPath": MODELS_DIR},
-                {"name": "verify", "mountPath": "/verify"},
-            ],
-            "resources": {"requests": small, "limits": small},
-            "securityContext": secure,
-        }
-        server = {
-            "name": BACKEND.name,
-            "image": inf.image,
-            "command": BACKEND.command(),
-            "args": BACKEND.flags(server_spec(ip, app)),
-            "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "HOME", "value": "/tmp"}],
-            "ports": [{"name": "http", "containerPort": PORT}],
-            "startupProbe": _probe(BACKEND.health_path, 10, 180),  # up to 30 min to load large weights
-            "readinessProbe": _probe(BACKEND.health_path, 5, 3),
-            "livenessProbe": _probe(BACKEND.health_path, 10, 6),
-            "resources": {"requests": amounts, "limits": dict(amounts)},
-            "volumeMounts": [
-                {"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
-                {"name": "shm", "mountPath": "/dev/shm"},
-                {"name": "tmp", "mountPath": "/tmp"},
-            ],
-            "securityContext": secure,
-        }
-        pod_labels = {**labels, **(args.queue_labels or {})}
-        template = {
-            "metadata": {
-                "labels": pod_labels,
-                "annotations": {
-                    "prometheus.io/scrape": "true",
-                    "prometheus.io/port": str(PORT),
-                    "prometheus.io/path": BACKEND.metrics_path,
-                },
-            },
-            "spec": {
-                "priorityClassName": PRIORITY_CLASS,
-                "initContainers": [verify],
-                "containers": [server],
-                "automountServiceAccountToken": False,
-                "terminationGracePeriodSeconds": 60,
-                "securityContext": {
-                    "runAsNonRoot": True,
-                    "fsGroup": 1000,
-                    "seccompProfile": {"type": "RuntimeDefault"},
-                },
-                "tolerations": args.gpu_nodes.tolerations(),
-                # Serving's reserved share only (Kueue's flavor says the same once admitted).
-                "affinity": args.gpu_nodes.affinity([{"key": ROLE_LABEL, "operator": "In", "values": ["serving"]}]),
-                "volumes": [
-                    {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-models", "readOnly": True}},
-                    {"name": "models", "emptyDir": {"sizeLimit": gib(size)}},
-                    {"name": "verify", "configMap": {"name": VERIFY_CONFIGMAP}},
-                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
-                    {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}},
-                ],
-            },
-        }
-        workload_meta = meta(app, ns, labels={**labels, **(args.queue_labels or {})})
-        depends = pulumi.ResourceOptions(
-            parent=self, depends_on=[self.priority_class, self.quota, self.claim, self.verify_script]
-        )
+        template = pod_template(args, ip, app, pod_labels)
+        workload_meta = meta(app, ns, labels=pod_labels)
+        needs = [self.priority_class, self.quota, self.claim, self.verify_script]
         if ip.workload_kind == "Deployment":
-            self.server = k8s.apps.v1.Deployment(
-                f"{name}-server",
-                metadata=workload_meta,
-                spec={
-                    "replicas": ip.replicas_min,
-                    "selector": {"matchLabels": labels},
-                    "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-                    "template": template,
-                },
-                opts=depends,
-            )
-            target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": app}
+            after = pulumi.ResourceOptions(parent=self, depends_on=needs)
+            self.server = deployment(f"{name}-server", workload_meta, ip.replicas_min, labels, template, after)
         else:
             self.crd = shipped_crd(f"{name}-lws-crd", "leaderworkerset.yaml", child)
-            self.server = k8s.apiextensions.CustomResource(
-                f"{name}-server",
-                api_version="leaderworkerset.x-k8s.io/v1",
-                kind="LeaderWorkerSet",
-                metadata=workload_meta,
-                spec={
-                    "replicas": ip.replicas_min,
-                    "startupPolicy": "LeaderReady",
-                    "leaderWorkerTemplate": {
-                        "size": ip.pods_per_replica,
-                        "restartPolicy": "RecreateGroupOnPodRestart",
-                        "leaderTemplate": template,
-                        "workerTemplate": _worker(template),
-                    },
-                },
-                opts=pulumi.ResourceOptions(
-                    parent=self, depends_on=[self.crd, self.priority_class, self.quota, self.claim, self.verify_script]
-                ),
-            )
-            target = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": app}
+            after = pulumi.ResourceOptions(parent=self, depends_on=[self.crd, *needs])
+            self.server = leader_worker_set(f"{name}-server", workload_meta, ip, template, after)
+        target = {"apiVersion": API_VERSIONS[ip.workload_kind], "kind": ip.workload_kind, "name": app}
 
-        self.service = k8s.core.v1.Service(
-            f"{name}-svc",
-            metadata=meta(app, ns, labels=labels),
-            spec={
-                "type": "ClusterIP",
-                "selector": labels,
-                "ports": [{"name": "http", "port": PORT, "targetPort": PORT}],
-            },
-            opts=child,
-        )
+        self.service = cluster_service(f"{name}-svc", app, ns, labels, child)
         self.metrics_api = self._autoscaling_metrics(name, args, ns, labels)
-        self.hpa = k8s.autoscaling.v2.HorizontalPodAutoscaler(
+        self.hpa = autoscaler(
             f"{name}-hpa",
-            metadata=meta(app, ns, labels=labels),
-            spec={
-                "scaleTargetRef": target,
-                "minReplicas": ip.replicas_min,
-                "maxReplicas": ip.replicas_max,
-                "metrics": [
-                    {
-                        "type": "Pods",
-                        "pods": {
-                            "metric": {"name": BACKEND.in_flight_metric},
-                            "target": {"type": "AverageValue", "averageValue": str(inf.target_running_per_replica)},
-                        },
-                    }
-                ],
-                # Loading weights takes minutes: scale up promptly, scale down slowly.
-                "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
-            },
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.metrics_api]),
+            meta(app, ns, labels=labels),
+            target,
+            ip,
+            inf.target_running_per_replica,
+            pulumi.ResourceOptions(parent=self, depends_on=[self.metrics_api]),
         )
-        self.pdb = k8s.policy.v1.PodDisruptionBudget(
-            f"{name}-pdb",
-            metadata=meta(app, ns, labels=labels),
-            spec={"maxUnavailable": 1, "selector": {"matchLabels": labels}},
-            opts=child,
-        )
-        peers = [{"podSelector": {"matchLabels": labels}}]  # the replica's own pods (LeaderWorkerSet groups)
-        self.network_policy = k8s.networking.v1.NetworkPolicy(
-            f"{name}-netpol",
-            metadata=meta(app, ns, labels=labels),
-            spec={
-                "podSelector": {"matchLabels": labels},
-                "policyTypes": ["Ingress", "Egress"],
-                "ingress": [
-                    {
-                        "from": [
-                            {
-                                "namespaceSelector": {
-                                    "matchExpressions": [
-                                        {
-                                            "key": "kubernetes.io/metadata.name",
-                                            "operator": "In",
-                                            "values": sorted({*inf.allowed_client_namespaces, *METRICS_NAMESPACES}),
-                                        }
-                                    ]
-                                }
-                            }
-                        ],
-                        "ports": [{"protocol": "TCP", "port": PORT}],
-                    },
-                    {"from": peers},
-                ],
-                "egress": [
-                    {
-                        "to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
-                        "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
-                    },
-                    {"to": peers},
-                ],
-            },
-            opts=child,
-        )
+        self.pdb = disruption_budget(f"{name}-pdb", app, ns, labels, child)
+        clients = sorted({*inf.allowed_client_namespaces, *METRICS_NAMESPACES})
+        self.network_policy = serving_network_policy(f"{name}-netpol", app, ns, labels, clients, child)
         self.outputs = {
             "serving_namespace": ns,
             "serving_service": self.service.metadata.name,
@@ -460,96 +649,23 @@ class ServingWorkload(pulumi.ComponentResource):
         each object's references pointed at the created objects (so Pulumi orders them), the images of
         supernode:images.addons, and each Deployment's ConfigMap built here. Returns the APIService."""
         child = pulumi.ResourceOptions(parent=self)
-        mon = k8s.core.v1.Namespace(
-            f"{name}-monitoring-ns",
-            metadata=meta(
-                MONITORING_NAMESPACE,
-                labels={
-                    "pod-security.kubernetes.io/enforce": "restricted",
-                    "pod-security.kubernetes.io/warn": "restricted",
-                },
-            ),
-            opts=child,
-        ).metadata.name
-        # The files place objects in `monitoring`, the serving namespace (as "serving") or kube-system.
-        namespaces = {MONITORING_NAMESPACE: mon, "serving": serving_ns}
+        mon = restricted_namespace(f"{name}-monitoring-ns", MONITORING_NAMESPACE, child).metadata.name
+        addons = _AddonFiles(name, self, mon, serving_ns, args.addon_images)
+        scrape = serving_scrape_config(args.inference.namespace, pod_labels)
+        prometheus = addons.install(PROMETHEUS_FILE, PROMETHEUS_CONFIG, yaml.safe_dump(scrape, sort_keys=False))
+        self.prometheus = addons.create(prometheus["Deployment"])
+        svc, port = addons.create(prometheus["Service"]), prometheus["Service"]["spec"]["ports"][0]["port"]
 
-        def create(obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
-            md = obj["metadata"]
-            return addon_resource(
-                f"{name}-{obj['kind'].lower()}-{md['name'].replace(':', '-')}",
-                obj,
-                pulumi.ResourceOptions(parent=self, **options),
-                namespaces.get(md.get("namespace", "")),
-            )
-
-        def install(filename: str, config: str, data: str) -> dict[str, Any]:
-            """Creates the file's service account, roles and bindings, and the Deployment's ConfigMap
-            (`data` as its file `config`); returns the file's objects by kind, the Deployment patched
-            (service account, image, configuration) for the caller to create with the rest."""
-            loaded = load_addon_objects(filename)
-            objs = {o["kind"]: o for o in loaded}  # by kind, for the kinds of one object in the file
-            sa = create(objs["ServiceAccount"])
-            roles = {o["metadata"]["name"]: create(o) for o in loaded if o["kind"] == "ClusterRole"}
-            for o in loaded:
-                if o["kind"] in ("ClusterRoleBinding", "RoleBinding"):
-                    ref = o["roleRef"]  # ours by their created names; the cluster's (system:...) as named
-                    ref["name"] = roles[ref["name"]].metadata.name if ref["name"] in roles else ref["name"]
-                    for subject in o["subjects"]:
-                        subject.update(name=sa.metadata.name, namespace=mon)
-                    create(o)
-            deployment = with_config_hash(with_images(objs["Deployment"], args.addon_images), data)
-            pod = deployment["spec"]["template"]["spec"]
-            pod["serviceAccountName"] = sa.metadata.name
-            [volume] = [v for v in pod["volumes"] if "configMap" in v]
-            cm = k8s.core.v1.ConfigMap(
-                f"{name}-{volume['configMap']['name']}",
-                data={config: data},
-                metadata=meta(volume["configMap"]["name"], mon),
-                opts=child,
-            )
-            volume["configMap"]["name"] = cm.metadata.name
-            return objs
-
-        prometheus = install(
-            PROMETHEUS_FILE,
-            PROMETHEUS_CONFIG,
-            yaml.safe_dump(serving_scrape_config(args.inference.namespace, pod_labels), sort_keys=False),
-        )
-        self.prometheus = create(prometheus["Deployment"])
-        svc, port = create(prometheus["Service"]), prometheus["Service"]["spec"]["ports"][0]["port"]
-
-        adapter = install(ADAPTER_FILE, ADAPTER_CONFIG, yaml.safe_dump(adapter_config(), sort_keys=False))
-        [server] = adapter["Deployment"]["spec"]["template"]["spec"]["containers"]
-        server["args"] = [
-            pulumi.Output.concat("--prometheus-url=http://", svc.metadata.name, ".", mon, f".svc:{port}/")
-            if a.startswith("--prometheus-url=")
-            else a
-            for a in server["args"]
-        ]
-        self.adapter = create(adapter["Deployment"])
-        adapter_svc = create(adapter["Service"])
-        # Only the adapter reads Prometheus. (The API server reaches the adapter from the control plane.)
-        k8s.networking.v1.NetworkPolicy(
-            f"{name}-prometheus-netpol",
-            metadata=meta("prometheus", mon),
-            spec={
-                "podSelector": {"matchLabels": prometheus["Deployment"]["spec"]["selector"]["matchLabels"]},
-                "policyTypes": ["Ingress"],
-                "ingress": [
-                    {
-                        "from": [
-                            {"podSelector": {"matchLabels": adapter["Deployment"]["spec"]["selector"]["matchLabels"]}}
-                        ],
-                        "ports": [{"protocol": "TCP", "port": port}],
-                    }
-                ],
-            },
-            opts=child,
+        adapter = addons.install(ADAPTER_FILE, ADAPTER_CONFIG, yaml.safe_dump(adapter_config(), sort_keys=False))
+        point_at_prometheus(adapter["Deployment"], svc.metadata.name, mon, port)
+        self.adapter = addons.create(adapter["Deployment"])
+        adapter_svc = addons.create(adapter["Service"])
+        prometheus_policy(
+            f"{name}-prometheus-netpol", mon, prometheus["Deployment"], adapter["Deployment"], port, child
         )
         api = adapter["APIService"]
         api["spec"]["service"].update(name=adapter_svc.metadata.name, namespace=mon)
-        return create(api, depends_on=[self.adapter])
+        return addons.create(api, depends_on=[self.adapter])
 
 
 def _worker(template: dict[str, Any]) -> dict[str, Any]:
