@@ -88,22 +88,74 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
     # Stack name, region, account and tags: passed once, as the first field of every component's Args.
     ctx = StackContext.create(stack, cfg.region, aws.get_caller_identity_output().account_id)
     cluster_name = f"supernode-{stack}"
-    retention = cfg.monitoring.log_retention_days
 
     # AWS: keys, network, the cluster and its nodes, storage, identities, registry, monitoring.
     keys = Keys("keys", KeysArgs(ctx=ctx, identity=cfg.identity))
-    network = Network(
+    network = _network(ctx, cfg, cluster_name, keys)
+    cluster = _cluster(ctx, cfg, cluster_name, network, keys)
+    node_role = NodeRole("node-role", ctx)
+    node_addons = cluster.install_addons(NODE_ADDONS)
+    accelerators = _accelerators(ctx, cfg, cluster, network, node_role, node_addons)
+    workload_addons = cluster.install_addons(WORKLOAD_ADDONS, depends_on=accelerators.node_groups)
+    storage = _storage(ctx, cfg, plan, network, accelerators, keys)
+    trainer_role = _trainer_role(ctx, cfg, cluster, storage, keys)
+    registry = Registry("registry", RegistryArgs(ctx=ctx, kms_key_arn=keys.data_key_arn))  # `make image` pushes here
+    monitoring = _monitoring(ctx, cfg, plan, cluster, storage, keys, accelerators)
+    metrics_agent_role = _metrics_agent_role(ctx, cluster, monitoring)
+    # The node health agent reads NVIDIA's tools; other vendors' nodes get neither it nor its role yet.
+    node_health_role = (
+        _node_health_role(ctx, cluster, cluster_name, list(accelerators.labels))
+        if plan.hardware.vendor_row.node_agent
+        else None
+    )
+    retention_role = _retention_role(ctx, cfg, cluster, storage, keys)
+    _export_stack_outputs(keys, network, cluster, accelerators, storage, trainer_role, registry, monitoring)
+
+    # The Kubernetes side, on the cluster once its GPU nodes, its workload add-ons and the CloudWatch add-on
+    # (which creates amazon-cloudwatch, where the scrape configuration goes) are up.
+    kubernetes(
+        ctx,
+        cfg,
+        plan,
+        AwsOutputs(
+            kubeconfig=cluster.kubeconfig,
+            fsx=FsxVolume(
+                id=storage.fsx_id,
+                dns_name=storage.fsx_dns_name,
+                mount_name=storage.fsx_mount_name,
+                size_gib=storage.fsx_capacity_gib,
+                data_dir=storage.dataset_dir,
+                checkpoint_dir=storage.checkpoint_dir,
+            ),
+            baseline_dir=storage.baseline_dir,
+            bucket_name=storage.bucket_name,
+            trainer_role_arn=trainer_role.arn,
+            metrics_agent_role_arn=metrics_agent_role.arn,
+            node_health_role_arn=node_health_role.arn if node_health_role else None,
+            retention_role_arn=retention_role.arn,
+            gpu_nodes=GpuNodes.for_groups(accelerators.labels, accelerators.taints),
+            cluster_name=cluster_name,
+            after=[*accelerators.node_groups, *workload_addons, monitoring.agent_addon],
+        ),
+    )
+
+
+def _network(ctx: StackContext, cfg: StackConfig, cluster_name: str, keys: Keys) -> Network:
+    return Network(
         "network",
         NetworkArgs(
             ctx=ctx,
             network=cfg.network,
             gpu_availability_zone=cfg.availability_zone,
             cluster_name=cluster_name,
-            log_retention_days=retention,
+            log_retention_days=cfg.monitoring.log_retention_days,
             logs_kms_key_arn=keys.ops.arn,
         ),
     )
-    cluster = Cluster(
+
+
+def _cluster(ctx: StackContext, cfg: StackConfig, cluster_name: str, network: Network, keys: Keys) -> Cluster:
+    return Cluster(
         "cluster",
         ClusterArgs(
             ctx=ctx,
@@ -112,12 +164,22 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             subnet_ids=network.private_subnet_ids,
             secrets_kms_key_arn=keys.eks.arn,
             logs_kms_key_arn=keys.ops.arn,
-            log_retention_days=retention,
+            log_retention_days=cfg.monitoring.log_retention_days,
         ),
     )
-    node_role = NodeRole("node-role", ctx)
-    node_addons = cluster.install_addons(NODE_ADDONS)
-    accelerators = Accelerators(
+
+
+def _accelerators(
+    ctx: StackContext,
+    cfg: StackConfig,
+    cluster: Cluster,
+    network: Network,
+    node_role: NodeRole,
+    node_addons: Sequence[pulumi.Resource],
+) -> Accelerators:
+    """The accelerator node groups in the GPU subnet and the system node group in the private subnets,
+    once the add-ons nodes need to join (`node_addons`) are in."""
+    return Accelerators(
         "accelerators",
         AcceleratorsArgs(
             ctx=ctx,
@@ -137,8 +199,13 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             node_dependencies=node_addons,
         ),
     )
-    workload_addons = cluster.install_addons(WORKLOAD_ADDONS, depends_on=accelerators.node_groups)
-    storage = Storage(
+
+
+def _storage(
+    ctx: StackContext, cfg: StackConfig, plan: Plan, network: Network, accelerators: Accelerators, keys: Keys
+) -> Storage:
+    """The bucket and FSx, in the GPU subnet, open to the GPU nodes (their EFA security group)."""
+    return Storage(
         "storage",
         StorageArgs(
             ctx=ctx,
@@ -149,11 +216,14 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             node_security_group_id=accelerators.efa_security_group_id,
             data_kms_key_arn=keys.data_key_arn,
             logs_kms_key_arn=keys.ops.arn,
-            log_retention_days=retention,
+            log_retention_days=cfg.monitoring.log_retention_days,
             weights_prefix=cfg.inference.weights_prefix if cfg.inference else None,
         ),
     )
-    trainer_role = TrainerRole(
+
+
+def _trainer_role(ctx: StackContext, cfg: StackConfig, cluster: Cluster, storage: Storage, keys: Keys) -> TrainerRole:
+    return TrainerRole(
         "trainer-role",
         TrainerRoleArgs(
             ctx=ctx,
@@ -169,8 +239,18 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             init_from=cfg.training.init_from,
         ),
     )
-    registry = Registry("registry", RegistryArgs(ctx=ctx, kms_key_arn=keys.data_key_arn))  # `make image` pushes here
-    monitoring = Monitoring(
+
+
+def _monitoring(
+    ctx: StackContext,
+    cfg: StackConfig,
+    plan: Plan,
+    cluster: Cluster,
+    storage: Storage,
+    keys: Keys,
+    accelerators: Accelerators,
+) -> Monitoring:
+    return Monitoring(
         "monitoring",
         MonitoringArgs(
             ctx=ctx,
@@ -184,7 +264,11 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             training_namespace=cfg.workload.namespace,
         ),
     )
-    metrics_agent_role = ServiceAccountRole(
+
+
+def _metrics_agent_role(ctx: StackContext, cluster: Cluster, monitoring: Monitoring) -> ServiceAccountRole:
+    """The CloudWatch agent's Prometheus scrape: it writes to monitoring's Prometheus log group."""
+    return ServiceAccountRole(
         "metrics-agent-role",
         ServiceAccountRoleArgs(
             ctx=ctx,
@@ -193,29 +277,36 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             oidc_provider_arn=cluster.oidc_provider_arn,
             oidc_issuer_url=cluster.oidc_issuer_url,
             policy=monitoring.prometheus_log_group_arn.apply(lambda arn: json.dumps(metrics_agent_policy(arn))),
-            description=f"supernode {stack}: the CloudWatch agent's Prometheus scrape (training health, DCGM)",
+            description=f"supernode {ctx.stack}: the CloudWatch agent's Prometheus scrape (training health, DCGM)",
         ),
     )
-    gpu_groups = list(accelerators.labels)
-    # The node health agent reads NVIDIA's tools; other vendors' nodes get neither it nor its role yet.
-    node_health_role = None
-    if plan.hardware.vendor_row.node_agent:
-        node_health_role = ServiceAccountRole(
-            "node-health-role",
-            ServiceAccountRoleArgs(
-                ctx=ctx,
-                namespace=NODE_HEALTH_NAMESPACE,
-                service_account=NODE_HEALTH_SA,
-                oidc_provider_arn=cluster.oidc_provider_arn,
-                oidc_issuer_url=cluster.oidc_issuer_url,
-                policy=pulumi.Output.from_input(ctx.account_id).apply(
-                    lambda account: json.dumps(node_health_agent_policy(ctx.region, account, cluster_name, gpu_groups))
-                ),
-                description=f"supernode {stack}: the node health agent replaces broken GPU nodes",
+
+
+def _node_health_role(
+    ctx: StackContext, cluster: Cluster, cluster_name: str, gpu_groups: list[str]
+) -> ServiceAccountRole:
+    """The node health agent's: it replaces broken nodes of `gpu_groups`."""
+    return ServiceAccountRole(
+        "node-health-role",
+        ServiceAccountRoleArgs(
+            ctx=ctx,
+            namespace=NODE_HEALTH_NAMESPACE,
+            service_account=NODE_HEALTH_SA,
+            oidc_provider_arn=cluster.oidc_provider_arn,
+            oidc_issuer_url=cluster.oidc_issuer_url,
+            policy=pulumi.Output.from_input(ctx.account_id).apply(
+                lambda account: json.dumps(node_health_agent_policy(ctx.region, account, cluster_name, gpu_groups))
             ),
-        )
-    # `supernode checkpoints --retain` in the cluster (operations.py): list, read markers, tag; nothing else.
-    retention_role = ServiceAccountRole(
+            description=f"supernode {ctx.stack}: the node health agent replaces broken GPU nodes",
+        ),
+    )
+
+
+def _retention_role(
+    ctx: StackContext, cfg: StackConfig, cluster: Cluster, storage: Storage, keys: Keys
+) -> ServiceAccountRole:
+    """`supernode checkpoints --retain` in the cluster (operations.py): list, read markers, tag; nothing else."""
+    return ServiceAccountRole(
         "checkpoint-retention-role",
         ServiceAccountRoleArgs(
             ctx=ctx,
@@ -226,10 +317,22 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             policy=pulumi.Output.all(storage.bucket_arn, keys.data_key_arn).apply(
                 lambda a: json.dumps(checkpoint_retention_policy(a[0], cfg.storage.checkpoint_prefix, a[1], ctx.region))
             ),
-            description=f"supernode {stack}: checkpoint retention tags the checkpoints for the lifecycle rules",
+            description=f"supernode {ctx.stack}: checkpoint retention tags the checkpoints for the lifecycle rules",
         ),
     )
 
+
+def _export_stack_outputs(
+    keys: Keys,
+    network: Network,
+    cluster: Cluster,
+    accelerators: Accelerators,
+    storage: Storage,
+    trainer_role: TrainerRole,
+    registry: Registry,
+    monitoring: Monitoring,
+) -> None:
+    """The contract's stack outputs (supernode.core.contract), from the AWS components."""
     log_groups = [cluster.log_group_name, storage.fsx_log_group_name, *monitoring.log_group_names]
     if network.flow_log_group_name is not None:
         log_groups.append(network.flow_log_group_name)
@@ -263,34 +366,6 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
         }
     )
 
-    # The Kubernetes side, on the cluster once its GPU nodes, its workload add-ons and the CloudWatch add-on
-    # (which creates amazon-cloudwatch, where the scrape configuration goes) are up.
-    kubernetes(
-        ctx,
-        cfg,
-        plan,
-        AwsOutputs(
-            kubeconfig=cluster.kubeconfig,
-            fsx=FsxVolume(
-                id=storage.fsx_id,
-                dns_name=storage.fsx_dns_name,
-                mount_name=storage.fsx_mount_name,
-                size_gib=storage.fsx_capacity_gib,
-                data_dir=storage.dataset_dir,
-                checkpoint_dir=storage.checkpoint_dir,
-            ),
-            baseline_dir=storage.baseline_dir,
-            bucket_name=storage.bucket_name,
-            trainer_role_arn=trainer_role.arn,
-            metrics_agent_role_arn=metrics_agent_role.arn,
-            node_health_role_arn=node_health_role.arn if node_health_role else None,
-            retention_role_arn=retention_role.arn,
-            gpu_nodes=GpuNodes.for_groups(accelerators.labels, accelerators.taints),
-            cluster_name=cluster_name,
-            after=[*accelerators.node_groups, *workload_addons, monitoring.agent_addon],
-        ),
-    )
-
 
 @dataclass(frozen=True)
 class AwsOutputs:
@@ -317,36 +392,14 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
     LocalQueue in each namespace; the trainer job, admitted once the gate passed; operations."""
     wl = cfg.workload
     workload = TrainingWorkload("workload", from_aws.kubeconfig, from_aws.after)
-    addons = ClusterAddons(
-        "workload-addons",
-        AddonArgs(
-            region=ctx.region,
-            gpu_nodes=from_aws.gpu_nodes,
-            images=cfg.images.addons,
-            compute_domains=spans_nodes_over_nvlink(plan),
-            vendor=plan.hardware.vendor,
-        ),
-        workload.child(),
-    )
+    addons = _cluster_addons(ctx, cfg, plan, from_aws, workload.child())
     serving_namespace = [] if cfg.inference is None else [cfg.inference.namespace]
     kueue = KueueController(
         "workload-kueue",
         KueueArgs(namespaces=[wl.namespace, *serving_namespace], images=cfg.images.addons),
         workload.child(),
     )
-    training = TrainingNamespace(
-        "workload-ns",
-        NamespaceArgs(
-            namespace=wl.namespace,
-            service_account=wl.service_account,
-            trainer_role_arn=from_aws.trainer_role_arn,
-            pod_identity=cfg.identity.pod_identity == "pod-identity",
-            cluster_version=cfg.cluster.kubernetes_version,
-            fsx=from_aws.fsx,
-            plan=plan,
-        ),
-        workload.child(),
-    )
+    training = _training_namespace(cfg, plan, from_aws, workload.child())
     job = JobArgs(
         namespace=training.name,
         image=cfg.images.trainer,
@@ -367,68 +420,18 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
         opts=workload.child(after=kueue.ready),
         baseline=store,
     )
-    # vLLM on the verified export, at serving priority in the same pools.
-    serving = (
-        None
-        if cfg.inference is None
-        else ServingWorkload(
-            "workload-serving",
-            ServingArgs(
-                plan=plan,
-                inference=cfg.inference,
-                gpu_nodes=from_aws.gpu_nodes,
-                fsx_id=from_aws.fsx.id,
-                fsx_dns_name=from_aws.fsx.dns_name,
-                fsx_mount_name=from_aws.fsx.mount_name,
-                queue_labels=job_labels(plan, SERVING),
-                addon_images=cfg.images.addons,
-            ),
-            workload.child(after=[*addons.ready, *kueue.ready]),
-        )
+    serving = _serving(cfg, plan, from_aws, workload.child(after=[*addons.ready, *kueue.ready]))
+    queues = _queues(cfg, plan, kueue, training, serving, workload.child())
+    trainer = _trainer_job(
+        cfg, plan, from_aws, job, training, [gate.job, *addons.ready, *queues.ready], workload.child()
     )
-    # A ClusterQueue per GPU pool; the trainer is admitted through its LocalQueue, all workers or none.
-    queues = Queues(
-        "workload-queues",
-        QueuesArgs(
-            pools=gpu_pools(cfg.accelerator_node_groups, plan),
-            kueue=kueue,
-            after=[training.namespace, *([serving.namespace] if serving else [])],
-            serving_namespace=cfg.inference.namespace if cfg.inference else None,
-        ),
-        workload.child(),
-    )
-    trainer = TrainerJob(
-        "workload-trainer",
-        TrainerArgs(
-            job=job,
-            service_account=training.service_account.metadata.name,
-            pvc=training.claim.metadata.name,
-            data_subpath=from_aws.fsx.data_dir.strip("/"),
-            checkpoint_subpath=from_aws.fsx.checkpoint_dir.strip("/"),
-            termination_grace_s=wl.termination_grace_s,
-            wait_for=[gate.job, *addons.ready, *queues.ready],
-            queue_labels=job_labels(plan, TRAINING),
-        ),
-        job_name=dns_name(plan.stack, "train"),
-        opts=workload.child(),
-    )
-    Operations(
-        "workload-ops",
-        OperationsArgs(
-            job=fabric,
-            workload=wl,
-            pvc=training.claim.metadata.name,
-            baseline_subpath=store.subpath,
-            service_account=training.service_account.metadata.name,
-            cluster_name=from_aws.cluster_name,
-            region=ctx.region,
-            stack_file=stack_file(cfg),
-            bucket_name=from_aws.bucket_name,
-            metrics_agent_role_arn=from_aws.metrics_agent_role_arn,
-            node_health_role_arn=from_aws.node_health_role_arn,
-            retention_role_arn=from_aws.retention_role_arn,
-            addon_images=cfg.images.addons,
-        ),
+    _operations(
+        ctx,
+        cfg,
+        from_aws,
+        fabric,
+        store,
+        training,
         workload.child(after=[*queues.ready, addons.namespace]),  # the agent reads pods there (DCGM)
     )
     workload.register_outputs(
@@ -443,3 +446,139 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
         }
     )
     return workload
+
+
+def _cluster_addons(
+    ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOutputs, opts: pulumi.ResourceOptions
+) -> ClusterAddons:
+    return ClusterAddons(
+        "workload-addons",
+        AddonArgs(
+            region=ctx.region,
+            gpu_nodes=from_aws.gpu_nodes,
+            images=cfg.images.addons,
+            compute_domains=spans_nodes_over_nvlink(plan),
+            vendor=plan.hardware.vendor,
+        ),
+        opts,
+    )
+
+
+def _training_namespace(
+    cfg: StackConfig, plan: Plan, from_aws: AwsOutputs, opts: pulumi.ResourceOptions
+) -> TrainingNamespace:
+    return TrainingNamespace(
+        "workload-ns",
+        NamespaceArgs(
+            namespace=cfg.workload.namespace,
+            service_account=cfg.workload.service_account,
+            trainer_role_arn=from_aws.trainer_role_arn,
+            pod_identity=cfg.identity.pod_identity == "pod-identity",
+            cluster_version=cfg.cluster.kubernetes_version,
+            fsx=from_aws.fsx,
+            plan=plan,
+        ),
+        opts,
+    )
+
+
+def _serving(
+    cfg: StackConfig, plan: Plan, from_aws: AwsOutputs, opts: pulumi.ResourceOptions
+) -> ServingWorkload | None:
+    """vLLM on the verified export, at serving priority in the same pools; None without inference."""
+    if cfg.inference is None:
+        return None
+    return ServingWorkload(
+        "workload-serving",
+        ServingArgs(
+            plan=plan,
+            inference=cfg.inference,
+            gpu_nodes=from_aws.gpu_nodes,
+            fsx_id=from_aws.fsx.id,
+            fsx_dns_name=from_aws.fsx.dns_name,
+            fsx_mount_name=from_aws.fsx.mount_name,
+            queue_labels=job_labels(plan, SERVING),
+            addon_images=cfg.images.addons,
+        ),
+        opts,
+    )
+
+
+def _queues(
+    cfg: StackConfig,
+    plan: Plan,
+    kueue: KueueController,
+    training: TrainingNamespace,
+    serving: ServingWorkload | None,
+    opts: pulumi.ResourceOptions,
+) -> Queues:
+    """A ClusterQueue per GPU pool; the trainer is admitted through its LocalQueue, all workers or none."""
+    return Queues(
+        "workload-queues",
+        QueuesArgs(
+            pools=gpu_pools(cfg.accelerator_node_groups, plan),
+            kueue=kueue,
+            after=[training.namespace, *([serving.namespace] if serving else [])],
+            serving_namespace=cfg.inference.namespace if cfg.inference else None,
+        ),
+        opts,
+    )
+
+
+def _trainer_job(
+    cfg: StackConfig,
+    plan: Plan,
+    from_aws: AwsOutputs,
+    job: JobArgs,
+    training: TrainingNamespace,
+    wait_for: Sequence[pulumi.Resource],
+    opts: pulumi.ResourceOptions,
+) -> TrainerJob:
+    """The trainer job on the training namespace's claim, created after `wait_for` (the gate's job among them)."""
+    return TrainerJob(
+        "workload-trainer",
+        TrainerArgs(
+            job=job,
+            service_account=training.service_account.metadata.name,
+            pvc=training.claim.metadata.name,
+            data_subpath=from_aws.fsx.data_dir.strip("/"),
+            checkpoint_subpath=from_aws.fsx.checkpoint_dir.strip("/"),
+            termination_grace_s=cfg.workload.termination_grace_s,
+            wait_for=wait_for,
+            queue_labels=job_labels(plan, TRAINING),
+        ),
+        job_name=dns_name(plan.stack, "train"),
+        opts=opts,
+    )
+
+
+def _operations(
+    ctx: StackContext,
+    cfg: StackConfig,
+    from_aws: AwsOutputs,
+    fabric: JobArgs,
+    store: BaselineStore,
+    training: TrainingNamespace,
+    opts: pulumi.ResourceOptions,
+) -> Operations:
+    """What runs on a schedule and feeds the monitoring (components/k8s/operations.py): the fabric
+    re-check runs `fabric`'s job against the baselines in `store`."""
+    return Operations(
+        "workload-ops",
+        OperationsArgs(
+            job=fabric,
+            workload=cfg.workload,
+            pvc=training.claim.metadata.name,
+            baseline_subpath=store.subpath,
+            service_account=training.service_account.metadata.name,
+            cluster_name=from_aws.cluster_name,
+            region=ctx.region,
+            stack_file=stack_file(cfg),
+            bucket_name=from_aws.bucket_name,
+            metrics_agent_role_arn=from_aws.metrics_agent_role_arn,
+            node_health_role_arn=from_aws.node_health_role_arn,
+            retention_role_arn=from_aws.retention_role_arn,
+            addon_images=cfg.images.addons,
+        ),
+        opts,
+    )

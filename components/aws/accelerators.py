@@ -16,7 +16,7 @@ import pulumi_aws as aws
 import yaml
 
 from supernode.core.catalog import CATALOG
-from supernode.core.config import AcceleratorNodeGroup, SystemNodeGroup
+from supernode.core.config import AcceleratorNodeGroup, Capacity, SystemNodeGroup
 from supernode.core.host import AMAZON_TIME_SYNC, HOST_SYSCTLS, NOFILE
 from supernode.core.pools import ROLE_LABEL
 from supernode.core.vendors import VENDORS
@@ -173,106 +173,151 @@ class GpuNodeGroup(pulumi.ComponentResource):
     ):
         super().__init__("supernode:accelerators:GpuNodeGroup", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        hw, tags, cap = CATALOG[group.instance_type], args.ctx.tagged(), group.capacity
+        hw = CATALOG[group.instance_type]
         self.labels, self.taints = node_labels(group), [ACCELERATOR_TAINTS[hw.vendor]]
         if hw.vendor_row.node_agent:  # joins unchecked until the node health agent's deep check passes
             self.taints.append(UNCHECKED)
 
-        placement = None
-        if group.use_placement_group:
-            pg = aws.ec2.PlacementGroup(name, strategy="cluster", tags=tags, opts=child)
-            placement = aws.ec2.LaunchTemplatePlacementArgs(group_name=pg.name)
-        reservation = market = None
-        if cap.type != "on-demand":
-            reservation = aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(
-                capacity_reservation_target=aws.ec2.LaunchTemplateCapacityReservationSpecificationCapacityReservationTargetArgs(
-                    capacity_reservation_id=cap.reservation_id
-                )
-            )
-        if cap.type == "capacity-block":
-            market = aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(market_type="capacity-block")
-
-        # EKS would attach the cluster SG itself, but not when the template lists interfaces.
-        security_groups = [efa_security_group_id, args.cluster_security_group_id]
-        interfaces = [
-            aws.ec2.LaunchTemplateNetworkInterfaceArgs(
-                network_card_index=s.network_card_index,
-                device_index=s.device_index,
-                interface_type=s.interface_type,
-                security_groups=security_groups,
-                delete_on_termination=True,
-            )
-            for s in hw.network_interfaces
-        ]
-        ami = aws.ssm.get_parameter_output(
-            name=ami_parameter(args.kubernetes_version, group.ami_release_version, hw.arch, hw.vendor),
-            opts=pulumi.InvokeOutputOptions(parent=self),
+        self.launch_template = _launch_template(
+            name, group, args, efa_security_group_id, self.labels, self.taints, child
         )
-        user_data = pulumi.Output.all(
-            args.cluster_name, args.cluster_endpoint, args.cluster_certificate_authority
-        ).apply(
-            lambda a: nodeadm_user_data(
-                a[0], a[1], a[2], args.service_cidr, self.labels, self.taints, args.hugepages_2mi_gib * 512
-            )
-        )
-        self.launch_template = aws.ec2.LaunchTemplate(
-            name,
-            instance_type=group.instance_type,
-            image_id=ami.value,
-            user_data=user_data,
-            network_interfaces=interfaces,
-            placement=placement,
-            capacity_reservation_specification=reservation,
-            instance_market_options=market,
-            metadata_options=IMDS,
-            ebs_optimized="true",
-            block_device_mappings=[_root_volume(ROOT_VOLUME_GIB)],
-            update_default_version=True,
-            tag_specifications=[
-                aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=r, tags=tags)
-                for r in ("instance", "volume", "network-interface")
-            ],
-            tags=tags,
-            opts=child,
-        )
-        self.node_group = aws.eks.NodeGroup(
-            name,
-            cluster_name=args.cluster_name,
-            node_group_name=group.name,
-            node_role_arn=args.node_role_arn,
-            subnet_ids=[args.gpu_subnet_id],
-            capacity_type=CAPACITY_TYPES[cap.type],
-            # The group's nodes and its spares: a spare boots and passes the join checks like any node
-            # (outside the job's world), so a failed node's pod lands on it at once.
-            scaling_config=aws.eks.NodeGroupScalingConfigArgs(
-                min_size=group.instances, desired_size=group.instances, max_size=group.instances
-            ),
-            launch_template=aws.eks.NodeGroupLaunchTemplateArgs(
-                id=self.launch_template.id, version=self.launch_template.latest_version.apply(str)
-            ),
-            labels=self.labels,
-            taints=[_eks_taint(t) for t in self.taints],
-            update_config=aws.eks.NodeGroupUpdateConfigArgs(max_unavailable=1),
-            node_repair_config=aws.eks.NodeGroupNodeRepairConfigArgs(enabled=True),
-            tags=tags,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.node_dependencies)),
-        )
+        self.node_group = _node_group(name, group, args, self.launch_template, self.labels, self.taints, child)
         self.name_output = self.node_group.node_group_name
-        self.scale_to_zero = None
-        if cap.scale_to_zero_at is not None:
-            # The Capacity Block's end: 0 nodes before EC2 terminates them, so the pods drain (the
-            # trainer checkpoints on SIGTERM). On the group's Auto Scaling group, which EKS creates.
-            self.scale_to_zero = aws.autoscaling.Schedule(
-                f"{name}-block-end",
-                scheduled_action_name=f"{group.name}-capacity-block-end",
-                autoscaling_group_name=self.node_group.resources.apply(lambda rs: rs[0].autoscaling_groups[0].name),
-                start_time=cap.scale_to_zero_at.strftime(AWS_TIME),
-                min_size=0,
-                max_size=0,
-                desired_capacity=0,
-                opts=child,
-            )
+        self.scale_to_zero = _scale_to_zero(name, group, self.node_group, child)
         self.register_outputs({"node_group_name": self.name_output, "launch_template_id": self.launch_template.id})
+
+
+def _launch_template(
+    name: str,
+    group: AcceleratorNodeGroup,
+    args: AcceleratorsArgs,
+    efa_security_group_id: pulumi.Input[str],
+    labels: Mapping[str, str],
+    taints: Sequence[Taint],
+    child: pulumi.ResourceOptions,
+) -> aws.ec2.LaunchTemplate:
+    """The group's launch template: the accelerated AMI, nodeadm user data, the EFA interfaces, the
+    placement group and the capacity it launches into."""
+    hw, tags = CATALOG[group.instance_type], args.ctx.tagged()
+    placement = None
+    if group.use_placement_group:
+        pg = aws.ec2.PlacementGroup(name, strategy="cluster", tags=tags, opts=child)
+        placement = aws.ec2.LaunchTemplatePlacementArgs(group_name=pg.name)
+    reservation, market = _capacity_options(group.capacity)
+    # EKS would attach the cluster SG itself, but not when the template lists interfaces.
+    security_groups = [efa_security_group_id, args.cluster_security_group_id]
+    interfaces = [
+        aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+            network_card_index=s.network_card_index,
+            device_index=s.device_index,
+            interface_type=s.interface_type,
+            security_groups=security_groups,
+            delete_on_termination=True,
+        )
+        for s in hw.network_interfaces
+    ]
+    ami = aws.ssm.get_parameter_output(
+        name=ami_parameter(args.kubernetes_version, group.ami_release_version, hw.arch, hw.vendor),
+        opts=pulumi.InvokeOutputOptions(parent=child.parent),
+    )
+    user_data = pulumi.Output.all(args.cluster_name, args.cluster_endpoint, args.cluster_certificate_authority).apply(
+        lambda a: nodeadm_user_data(a[0], a[1], a[2], args.service_cidr, labels, taints, args.hugepages_2mi_gib * 512)
+    )
+    return aws.ec2.LaunchTemplate(
+        name,
+        instance_type=group.instance_type,
+        image_id=ami.value,
+        user_data=user_data,
+        network_interfaces=interfaces,
+        placement=placement,
+        capacity_reservation_specification=reservation,
+        instance_market_options=market,
+        metadata_options=IMDS,
+        ebs_optimized="true",
+        block_device_mappings=[_root_volume(ROOT_VOLUME_GIB)],
+        update_default_version=True,
+        tag_specifications=[
+            aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=r, tags=tags)
+            for r in ("instance", "volume", "network-interface")
+        ],
+        tags=tags,
+        opts=child,
+    )
+
+
+def _capacity_options(
+    cap: Capacity,
+) -> tuple[
+    aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs | None,
+    aws.ec2.LaunchTemplateInstanceMarketOptionsArgs | None,
+]:
+    """The launch template's (capacity reservation, market options): the reservation it targets
+    unless on demand, and the capacity-block market on a Capacity Block."""
+    reservation = market = None
+    if cap.type != "on-demand":
+        reservation = aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(
+            capacity_reservation_target=aws.ec2.LaunchTemplateCapacityReservationSpecificationCapacityReservationTargetArgs(
+                capacity_reservation_id=cap.reservation_id
+            )
+        )
+    if cap.type == "capacity-block":
+        market = aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(market_type="capacity-block")
+    return reservation, market
+
+
+def _node_group(
+    name: str,
+    group: AcceleratorNodeGroup,
+    args: AcceleratorsArgs,
+    launch_template: aws.ec2.LaunchTemplate,
+    labels: Mapping[str, str],
+    taints: Sequence[Taint],
+    child: pulumi.ResourceOptions,
+) -> aws.eks.NodeGroup:
+    """The managed node group of `launch_template` in the GPU subnet, at its fixed size."""
+    return aws.eks.NodeGroup(
+        name,
+        cluster_name=args.cluster_name,
+        node_group_name=group.name,
+        node_role_arn=args.node_role_arn,
+        subnet_ids=[args.gpu_subnet_id],
+        capacity_type=CAPACITY_TYPES[group.capacity.type],
+        # The group's nodes and its spares: a spare boots and passes the join checks like any node
+        # (outside the job's world), so a failed node's pod lands on it at once.
+        scaling_config=aws.eks.NodeGroupScalingConfigArgs(
+            min_size=group.instances, desired_size=group.instances, max_size=group.instances
+        ),
+        launch_template=aws.eks.NodeGroupLaunchTemplateArgs(
+            id=launch_template.id, version=launch_template.latest_version.apply(str)
+        ),
+        labels=labels,
+        taints=[_eks_taint(t) for t in taints],
+        update_config=aws.eks.NodeGroupUpdateConfigArgs(max_unavailable=1),
+        node_repair_config=aws.eks.NodeGroupNodeRepairConfigArgs(enabled=True),
+        tags=args.ctx.tagged(),
+        opts=pulumi.ResourceOptions(parent=child.parent, depends_on=list(args.node_dependencies)),
+    )
+
+
+def _scale_to_zero(
+    name: str, group: AcceleratorNodeGroup, node_group: aws.eks.NodeGroup, child: pulumi.ResourceOptions
+) -> aws.autoscaling.Schedule | None:
+    """On a Capacity Block, the scheduled scale to 0 before the block ends; None otherwise."""
+    at = group.capacity.scale_to_zero_at
+    if at is None:
+        return None
+    # The Capacity Block's end: 0 nodes before EC2 terminates them, so the pods drain (the trainer
+    # checkpoints on SIGTERM). On the group's Auto Scaling group, which EKS creates.
+    return aws.autoscaling.Schedule(
+        f"{name}-block-end",
+        scheduled_action_name=f"{group.name}-capacity-block-end",
+        autoscaling_group_name=node_group.resources.apply(lambda rs: rs[0].autoscaling_groups[0].name),
+        start_time=at.strftime(AWS_TIME),
+        min_size=0,
+        max_size=0,
+        desired_capacity=0,
+        opts=child,
+    )
 
 
 class Accelerators(pulumi.ComponentResource):

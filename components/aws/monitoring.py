@@ -108,105 +108,41 @@ class Monitoring(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: MonitoringArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:monitoring:Monitoring", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
-        m, ctx, cluster_name = args.monitoring, args.ctx, args.cluster.name
-        tags = ctx.tagged()
+        m, ctx = args.monitoring, args.ctx
         self.namespace, self.prefix = f"Supernode/{ctx.stack}", f"supernode-{ctx.stack}"
 
-        self.topic = aws.sns.Topic(
-            name, name=f"supernode-{ctx.stack}-alarms", kms_master_key_id=args.ops_kms_key_arn, tags=tags, opts=child
-        )
-        aws.sns.TopicSubscription(
-            f"{name}-email", topic=self.topic.arn, protocol="email", endpoint=m.notification_email, opts=child
-        )
+        self.topic = alarm_topic(name, args, self)
         self.topic_arn = self.topic.arn
-
-        groups = {}
-        for kind in INSIGHTS_LOG_GROUPS:
-            groups[kind] = aws.cloudwatch.LogGroup(
-                f"{name}-{kind}",
-                name=obs.insights_log_group(cluster_name, kind),
-                retention_in_days=m.log_retention_days,
-                kms_key_id=args.ops_kms_key_arn,
-                tags=tags,
-                opts=child,
-            )
+        groups = insights_log_groups(name, args, self)
         self.log_group_names = [g.name for g in groups.values()]
         self.training_log_group_name = groups["application"].name  # where the trainer pods' stdout lands
         self.prometheus_log_group_arn = groups["prometheus"].arn  # where the Prometheus scrape writes (operations.py)
+        self.agent_addon = observability_addon(name, args, groups, self)
+        log_metric_filters(name, self.namespace, groups, args.plan.hardware.vendor_row.node_agent, self)
 
-        agent_role = aws.iam.Role(
-            f"{name}-cloudwatch-agent",
-            tags=tags,
-            opts=child,
-            assume_role_policy=irsa_trust_policy(
-                args.cluster.oidc_provider_arn, args.cluster.oidc_issuer_url, *obs.CLOUDWATCH_AGENT
-            ),
-        )
-        attach = aws.iam.RolePolicyAttachment(
-            f"{name}-cloudwatch-agent",
-            role=agent_role.name,
-            policy_arn=managed_policy_arn("CloudWatchAgentServerPolicy"),
-            opts=child,
-        )
-        self.agent_addon = args.cluster.addon(
-            "amazon-cloudwatch-observability",
-            service_account_role_arn=agent_role.arn,
-            parent=self,
-            depends_on=[attach, *groups.values(), *args.node_groups],
-            configuration_values=json.dumps(AGENT_CONFIGURATION, sort_keys=True),
-        )
-
-        # Each filter: (log group, pattern, metric value: 1 per line or a JSON field of the line).
-        filters = {
-            "NcclTimeouts": (groups["application"], LogPattern.NCCL_TIMEOUT, "1"),
-            "OutOfMemory": (groups["application"], LogPattern.OOM, "1"),
-            "NonFiniteSteps": (groups["application"], LogPattern.NON_FINITE, "1"),
-            "CheckpointsSaved": (groups["application"], LogPattern.CHECKPOINT, "1"),
-            "TrainerStarts": (groups["application"], LogPattern.TRAINER_START, "1"),
-            "FabricRegressedNodes": (
-                groups["application"],
-                LogPattern.FABRIC_REGRESSED,
-                "$.fabric_regressed_node_count",
-            ),
-            "InventoryDrift": (groups["application"], LogPattern.INVENTORY_DRIFT, "$.inventory_drift_count"),
-            "RestoreDrillFailures": (groups["application"], LogPattern.RESTORE_DRILL_FAILED, "1"),
-        }
-        vendor = args.plan.hardware.vendor
-        if args.plan.hardware.vendor_row.node_agent:
-            # The NVIDIA driver's kernel lines (Neuron's hardware errors are a neuron-monitor metric) and
-            # the node health agent's, which runs where the vendor row says (obs.NO_EQUIVALENT).
-            filters["GpuXidErrors"] = (groups["host"], LogPattern.GPU_XID, "1")
-            # Summed over the agents' lines of a period: quarantined node-rounds (0 when all pass).
-            filters["NodesQuarantined"] = (groups["application"], LogPattern.NODE_QUARANTINED, "$.node_quarantined")
-            filters["NodesReplaced"] = (groups["application"], LogPattern.NODE_REPLACED, "1")
-            # The checks each agent's round could not run (a tool missing, refused or timed out).
-            filters["NodeChecksNotRun"] = (groups["application"], LogPattern.CHECKS_NOT_RUN, "$.checks_not_run")
-        for metric, (group, pattern, value) in filters.items():
-            aws.cloudwatch.LogMetricFilter(
-                f"{name}-{metric}",
-                log_group_name=group.name,
-                pattern=pattern,
-                opts=child,
-                # JSON-valued metrics have no default: a line without the field is no datapoint.
-                metric_transformation=aws.cloudwatch.LogMetricFilterMetricTransformationArgs(
-                    name=metric, namespace=self.namespace, value=value, default_value="0" if value == "1" else None
-                ),
-            )
-
-        insights = {"ClusterName": cluster_name}
-        window = m.gpu_util_window_minutes * 60 // PERIOD_S
-        train = obs.trainer_dimensions(cluster_name, args.training_namespace)
         floor = round(m.throughput_floor_fraction * planned_tokens_per_s(args.plan), 1)
         checkpoint_window_s = checkpoint_window(args.plan)
         self.alarms = [
+            *self._cluster_alarms(name, args),
+            *self._training_alarms(name, args, floor, checkpoint_window_s),
+            *self._operations_alarms(name),
+            *self._accelerator_alarms(name, args.plan.hardware.vendor, args.cluster.name, m),
+        ]
+        self.alarm_names = [a.name for a in self.alarms]
+        self.dashboard = stack_dashboard(name, args, self.namespace, floor, checkpoint_window_s, self)
+        self.register_outputs({"topic_arn": self.topic_arn, "alarm_names": self.alarm_names})
+
+    def _cluster_alarms(self, name: str, args: MonitoringArgs) -> list[aws.cloudwatch.MetricAlarm]:
+        """A node not ready, NCCL timeouts and out-of-memory errors in the training logs, FSx nearly full."""
+        m = args.monitoring
+        return [
             self._alarm(
                 name,
                 obs.NODE_NOT_READY_ALARM,
                 "a node is not ready",
                 namespace=CONTAINER_INSIGHTS,
                 metric_name="cluster_failed_node_count",
-                dimensions=insights,
+                dimensions={"ClusterName": args.cluster.name},
                 statistic="Maximum",
                 threshold=0,
                 comparison="GreaterThanThreshold",
@@ -226,7 +162,15 @@ class Monitoring(pulumi.ComponentResource):
                 comparison="LessThanThreshold",
                 periods=5,
             ),
-            # -- training health -------------------------------------------------------------------
+        ]
+
+    def _training_alarms(
+        self, name: str, args: MonitoringArgs, floor: float, checkpoint_window_s: int
+    ) -> list[aws.cloudwatch.MetricAlarm]:
+        """Training health: the trainer's gauges (progress, throughput, the plan's step time) and log lines."""
+        m, plan = args.monitoring, args.plan
+        train = obs.trainer_dimensions(args.cluster.name, args.training_namespace)
+        return [
             # The step gauge unchanged over the window: max - min of one window-long period is 0.
             self._alarm(
                 name,
@@ -256,24 +200,12 @@ class Monitoring(pulumi.ComponentResource):
             self._alarm(
                 name,
                 "training-plan-drift",
-                f"measured step time off the plan's estimate ({args.plan.step.step_s:.3g} s) by more than "
+                f"measured step time off the plan's estimate ({plan.step.step_s:.3g} s) by more than "
                 f"{m.plan_drift_fraction:.0%} for {m.step_stall_minutes} min",
                 threshold=m.plan_drift_fraction,
                 comparison="GreaterThanThreshold",
                 periods=m.step_stall_minutes,
-                metric_queries=[
-                    _query(
-                        "ratio",
-                        stat="Average",
-                        period=PERIOD_S,
-                        namespace=obs.PROMETHEUS_NAMESPACE,
-                        metric_name=obs.STEP_OVER_PLAN.name,
-                        dimensions=train,
-                    ),
-                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
-                        id="drift", expression="ABS(ratio - 1)", label="step time drift from the plan", return_data=True
-                    ),
-                ],
+                metric_queries=plan_drift_queries(train),
             ),
             self._any(
                 name,
@@ -286,27 +218,12 @@ class Monitoring(pulumi.ComponentResource):
                 name,
                 "checkpoint-stale",
                 f"no checkpoint for {checkpoint_window_s // 60} min (2 x "
-                f"training.checkpointInterval = {args.plan.training.checkpoint_interval} steps at the "
+                f"training.checkpointInterval = {plan.training.checkpoint_interval} steps at the "
                 "planned step time) while steps advance",
                 threshold=0,
                 comparison="GreaterThanThreshold",
                 periods=1,
-                metric_queries=[
-                    *progress_queries(train, checkpoint_window_s, expression_id="progress", return_data=False),
-                    _query(
-                        "saved",
-                        period=checkpoint_window_s,
-                        namespace=self.namespace,
-                        metric_name="CheckpointsSaved",
-                        stat="Sum",
-                    ),
-                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
-                        id="stale",
-                        return_data=True,
-                        label="steps advanced without a checkpoint",
-                        expression="IF(progress > 0 AND FILL(saved, 0) == 0, 1, 0)",
-                    ),
-                ],
+                metric_queries=checkpoint_stale_queries(train, checkpoint_window_s, self.namespace),
             ),
             self._alarm(
                 name,
@@ -320,7 +237,11 @@ class Monitoring(pulumi.ComponentResource):
                 periods=1,
                 period=3600,
             ),
-            # -- operations (components/k8s/operations.py) ---------------------------------------------
+        ]
+
+    def _operations_alarms(self, name: str) -> list[aws.cloudwatch.MetricAlarm]:
+        """The scheduled operations' findings (components/k8s/operations.py)."""
+        return [
             self._any(
                 name,
                 "fabric-regressed",
@@ -336,38 +257,26 @@ class Monitoring(pulumi.ComponentResource):
                 "Maximum",
             ),
             self._any(name, "restore-drill-failed", "the checkpoint restore drill failed", "RestoreDrillFailures"),
-            *self._accelerator_alarms(name, vendor, cluster_name, m, window),
         ]
-        self.alarm_names = [a.name for a in self.alarms]
-        self.dashboard = aws.cloudwatch.Dashboard(
-            name,
-            dashboard_name=f"supernode-{ctx.stack}",
-            opts=child,
-            dashboard_body=pulumi.Output.all(args.fsx_id).apply(
-                lambda a: json.dumps(
-                    dashboard(
-                        ctx.region,
-                        cluster_name,
-                        self.namespace,
-                        a[0],
-                        m,
-                        args.training_namespace,
-                        floor,
-                        checkpoint_window_s,
-                        vendor,
-                    )
-                )
-            ),
-        )
-        self.register_outputs({"topic_arn": self.topic_arn, "alarm_names": self.alarm_names})
 
     def _accelerator_alarms(
-        self, name: str, vendor: str, cluster_name: pulumi.Input[str], m: MonitoringConfig, window: int
+        self, name: str, vendor: str, cluster_name: pulumi.Input[str], m: MonitoringConfig
     ) -> list[aws.cloudwatch.MetricAlarm]:
         """The alarms on the accelerators and their exporter, by the vendor's metric names (obs.ACCELERATOR_ALARMS)."""
+        window = m.gpu_util_window_minutes * 60 // PERIOD_S
         if vendor == "neuron":
             return self._neuron_alarms(name, cluster_name, m, window)
         gpus = obs.dcgm_dimensions(cluster_name)
+        return [
+            *self._gpu_alarms(name, gpus, m, window),
+            *self._node_health_alarms(name),
+            *self._gpu_counter_alarms(name, gpus),
+        ]
+
+    def _gpu_alarms(
+        self, name: str, gpus: Mapping, m: MonitoringConfig, window: int
+    ) -> list[aws.cloudwatch.MetricAlarm]:
+        """DCGM's utilisation per node, the driver's XID lines, and the DCGM exporter's own absence."""
         return [
             self._alarm(
                 name,
@@ -389,7 +298,11 @@ class Monitoring(pulumi.ComponentResource):
             self._exporter_absent(
                 name, obs.accelerator_alarm("exporter-absent", "nvidia"), "DCGM exporter", obs.GPU_UTIL, gpus
             ),
-            # -- node health (trainer/node/agent.py; issue 26 item 4) --------------------------
+        ]
+
+    def _node_health_alarms(self, name: str) -> list[aws.cloudwatch.MetricAlarm]:
+        """What the node health agent did or could not do (trainer/node/agent.py; issue 26 item 4)."""
+        return [
             self._any(
                 name,
                 obs.accelerator_alarm("node-quarantined", "nvidia"),
@@ -411,6 +324,11 @@ class Monitoring(pulumi.ComponentResource):
                 "NodeChecksNotRun",
                 "Maximum",
             ),
+        ]
+
+    def _gpu_counter_alarms(self, name: str, gpus: Mapping) -> list[aws.cloudwatch.MetricAlarm]:
+        """DCGM's fault counters: uncorrectable ECC errors, failed row remaps, PCIe replays."""
+        return [
             *(
                 self._alarm(
                     name,
@@ -445,22 +363,7 @@ class Monitoring(pulumi.ComponentResource):
                 threshold=PCIE_REPLAYS_PER_MIN,
                 comparison="GreaterThanThreshold",
                 periods=1,
-                metric_queries=[
-                    _query(
-                        "replays",
-                        period=PERIOD_S,
-                        namespace=obs.PROMETHEUS_NAMESPACE,
-                        metric_name=obs.PCIE_REPLAYS,
-                        dimensions=gpus,
-                        stat="Maximum",
-                    ),
-                    aws.cloudwatch.MetricAlarmMetricQueryArgs(
-                        id="per_minute",
-                        return_data=True,
-                        label="PCIe replays a minute",
-                        expression="RATE(replays) * 60",
-                    ),
-                ],
+                metric_queries=pcie_replay_queries(gpus),
             ),
         ]
 
@@ -627,6 +530,143 @@ class Monitoring(pulumi.ComponentResource):
         )
 
 
+def alarm_topic(name: str, args: MonitoringArgs, parent: pulumi.Resource) -> aws.sns.Topic:
+    """The encrypted SNS topic every alarm notifies, with the configured email subscribed."""
+    child = pulumi.ResourceOptions(parent=parent)
+    topic = aws.sns.Topic(
+        name,
+        name=f"supernode-{args.ctx.stack}-alarms",
+        kms_master_key_id=args.ops_kms_key_arn,
+        tags=args.ctx.tagged(),
+        opts=child,
+    )
+    aws.sns.TopicSubscription(
+        f"{name}-email", topic=topic.arn, protocol="email", endpoint=args.monitoring.notification_email, opts=child
+    )
+    return topic
+
+
+def insights_log_groups(name: str, args: MonitoringArgs, parent: pulumi.Resource) -> dict[str, aws.cloudwatch.LogGroup]:
+    """Container Insights' log groups (INSIGHTS_LOG_GROUPS), by kind."""
+    return {
+        kind: aws.cloudwatch.LogGroup(
+            f"{name}-{kind}",
+            name=obs.insights_log_group(args.cluster.name, kind),
+            retention_in_days=args.monitoring.log_retention_days,
+            kms_key_id=args.ops_kms_key_arn,
+            tags=args.ctx.tagged(),
+            opts=pulumi.ResourceOptions(parent=parent),
+        )
+        for kind in INSIGHTS_LOG_GROUPS
+    }
+
+
+def observability_addon(
+    name: str, args: MonitoringArgs, groups: Mapping[str, aws.cloudwatch.LogGroup], parent: pulumi.Resource
+) -> aws.eks.Addon:
+    """The CloudWatch observability add-on and its agent's IRSA role, once its log groups exist and there
+    are nodes for its agents."""
+    child = pulumi.ResourceOptions(parent=parent)
+    agent_role = aws.iam.Role(
+        f"{name}-cloudwatch-agent",
+        tags=args.ctx.tagged(),
+        opts=child,
+        assume_role_policy=irsa_trust_policy(
+            args.cluster.oidc_provider_arn, args.cluster.oidc_issuer_url, *obs.CLOUDWATCH_AGENT
+        ),
+    )
+    attach = aws.iam.RolePolicyAttachment(
+        f"{name}-cloudwatch-agent",
+        role=agent_role.name,
+        policy_arn=managed_policy_arn("CloudWatchAgentServerPolicy"),
+        opts=child,
+    )
+    return args.cluster.addon(
+        "amazon-cloudwatch-observability",
+        service_account_role_arn=agent_role.arn,
+        parent=parent,
+        depends_on=[attach, *groups.values(), *args.node_groups],
+        configuration_values=json.dumps(AGENT_CONFIGURATION, sort_keys=True),
+    )
+
+
+def log_metric_filters(
+    name: str,
+    namespace: str,
+    groups: Mapping[str, aws.cloudwatch.LogGroup],
+    node_agent: bool,
+    parent: pulumi.Resource,
+) -> None:
+    """The log lines that become this stack's metrics (in `namespace`), for the alarms and the dashboard.
+    `node_agent`: the vendor's nodes run the node health agent (the vendor row)."""
+    # Each filter: (log group, pattern, metric value: 1 per line or a JSON field of the line).
+    filters = {
+        "NcclTimeouts": (groups["application"], LogPattern.NCCL_TIMEOUT, "1"),
+        "OutOfMemory": (groups["application"], LogPattern.OOM, "1"),
+        "NonFiniteSteps": (groups["application"], LogPattern.NON_FINITE, "1"),
+        "CheckpointsSaved": (groups["application"], LogPattern.CHECKPOINT, "1"),
+        "TrainerStarts": (groups["application"], LogPattern.TRAINER_START, "1"),
+        "FabricRegressedNodes": (
+            groups["application"],
+            LogPattern.FABRIC_REGRESSED,
+            "$.fabric_regressed_node_count",
+        ),
+        "InventoryDrift": (groups["application"], LogPattern.INVENTORY_DRIFT, "$.inventory_drift_count"),
+        "RestoreDrillFailures": (groups["application"], LogPattern.RESTORE_DRILL_FAILED, "1"),
+    }
+    if node_agent:
+        # The NVIDIA driver's kernel lines (Neuron's hardware errors are a neuron-monitor metric) and
+        # the node health agent's, which runs where the vendor row says (obs.NO_EQUIVALENT).
+        filters["GpuXidErrors"] = (groups["host"], LogPattern.GPU_XID, "1")
+        # Summed over the agents' lines of a period: quarantined node-rounds (0 when all pass).
+        filters["NodesQuarantined"] = (groups["application"], LogPattern.NODE_QUARANTINED, "$.node_quarantined")
+        filters["NodesReplaced"] = (groups["application"], LogPattern.NODE_REPLACED, "1")
+        # The checks each agent's round could not run (a tool missing, refused or timed out).
+        filters["NodeChecksNotRun"] = (groups["application"], LogPattern.CHECKS_NOT_RUN, "$.checks_not_run")
+    for metric, (group, pattern, value) in filters.items():
+        aws.cloudwatch.LogMetricFilter(
+            f"{name}-{metric}",
+            log_group_name=group.name,
+            pattern=pattern,
+            opts=pulumi.ResourceOptions(parent=parent),
+            # JSON-valued metrics have no default: a line without the field is no datapoint.
+            metric_transformation=aws.cloudwatch.LogMetricFilterMetricTransformationArgs(
+                name=metric, namespace=namespace, value=value, default_value="0" if value == "1" else None
+            ),
+        )
+
+
+def stack_dashboard(
+    name: str,
+    args: MonitoringArgs,
+    namespace: str,
+    throughput_floor: float,
+    checkpoint_window_s: int,
+    parent: pulumi.Resource,
+) -> aws.cloudwatch.Dashboard:
+    """The stack's dashboard (`dashboard`), once the FSx file system's id is known."""
+    return aws.cloudwatch.Dashboard(
+        name,
+        dashboard_name=f"supernode-{args.ctx.stack}",
+        opts=pulumi.ResourceOptions(parent=parent),
+        dashboard_body=pulumi.Output.all(args.fsx_id).apply(
+            lambda a: json.dumps(
+                dashboard(
+                    args.ctx.region,
+                    args.cluster.name,
+                    namespace,
+                    a[0],
+                    args.monitoring,
+                    args.training_namespace,
+                    throughput_floor,
+                    checkpoint_window_s,
+                    args.plan.hardware.vendor,
+                )
+            )
+        ),
+    )
+
+
 def per_node_select(metric_name: str, dimensions: Mapping[str, str], statistic: str = "AVG") -> str:
     """A Metrics Insights query: `metric_name`'s series with `dimensions` and the node dimension, one
     time series per node (GROUP BY), the lowest first, so that a multi-time-series alarm evaluates
@@ -694,6 +734,57 @@ def progress_queries(
     ]
 
 
+def plan_drift_queries(dimensions: Mapping) -> list:
+    """|measured / planned - 1|: the trainer's step-time-over-plan gauge's distance from 1."""
+    return [
+        _query(
+            "ratio",
+            stat="Average",
+            period=PERIOD_S,
+            namespace=obs.PROMETHEUS_NAMESPACE,
+            metric_name=obs.STEP_OVER_PLAN.name,
+            dimensions=dimensions,
+        ),
+        aws.cloudwatch.MetricAlarmMetricQueryArgs(
+            id="drift", expression="ABS(ratio - 1)", label="step time drift from the plan", return_data=True
+        ),
+    ]
+
+
+def checkpoint_stale_queries(dimensions: Mapping, window_s: int, namespace: str) -> list:
+    """1 when steps advanced within one `window_s` window but no checkpoint line (in `namespace`) did."""
+    return [
+        *progress_queries(dimensions, window_s, expression_id="progress", return_data=False),
+        _query("saved", period=window_s, namespace=namespace, metric_name="CheckpointsSaved", stat="Sum"),
+        aws.cloudwatch.MetricAlarmMetricQueryArgs(
+            id="stale",
+            return_data=True,
+            label="steps advanced without a checkpoint",
+            expression="IF(progress > 0 AND FILL(saved, 0) == 0, 1, 0)",
+        ),
+    ]
+
+
+def pcie_replay_queries(gpus: Mapping) -> list:
+    """PCIe replays a minute: the growth rate of DCGM's cumulative replay counter."""
+    return [
+        _query(
+            "replays",
+            period=PERIOD_S,
+            namespace=obs.PROMETHEUS_NAMESPACE,
+            metric_name=obs.PCIE_REPLAYS,
+            dimensions=gpus,
+            stat="Maximum",
+        ),
+        aws.cloudwatch.MetricAlarmMetricQueryArgs(
+            id="per_minute",
+            return_data=True,
+            label="PCIe replays a minute",
+            expression="RATE(replays) * 60",
+        ),
+    ]
+
+
 def fsx_free_floor_bytes(capacity_gib: int, floor_percent: float) -> float:
     return capacity_gib * GIB * floor_percent / 100
 
@@ -709,108 +800,149 @@ def dashboard(
     checkpoint_window_s: int,
     vendor: str,
 ) -> dict:
-    def metric(title: str, metrics: list, annotation: float | None = None, label: str = "floor") -> dict:
-        props = {"title": title, "region": region, "metrics": metrics, "period": PERIOD_S, "view": "timeSeries"}
-        if annotation is not None:
-            props["annotations"] = {"horizontal": [{"label": label, "value": annotation}]}
-        return {"type": "metric", "width": 12, "height": 6, "properties": props}
-
-    def series(metric_name: str, dimensions: dict) -> list:
-        """A series of the Prometheus namespace: its name, then each dimension's name and value."""
-        return [obs.PROMETHEUS_NAMESPACE, metric_name, *(x for kv in dimensions.items() for x in kv)]
-
-    dims = obs.trainer_dimensions(cluster_name, training_namespace)
-
-    def trainer(metric: obs.TrainerMetric) -> list:
-        return series(metric.name, dims)
-
-    def by_label(metric: obs.TrainerMetric) -> list:
-        """Every series of a labelled gauge (one per phase, one per MoE layer)."""
-        name, label = metric.name, metric.label
-        keys = ",".join([obs.PROMETHEUS_NAMESPACE, *dims, label])
-        where = " ".join(f'{k}="{v}"' for k, v in dims.items())
-        return [
-            {
-                "expression": f"SEARCH('{{{keys}}} MetricName=\"{name}\" {where}', 'Average', {PERIOD_S})",
-                "id": f"{label}s",
-                "label": label,
-            }
-        ]
-
+    """The dashboard's body: the accelerators, failures, training, then operations and FSx."""
     if vendor == "neuron":
-        neuron = obs.neuron_dimensions(cluster_name)
-        accelerators = [
-            metric(
-                "NeuronCore utilisation (0-1)", [series(obs.NEURONCORE_UTIL, neuron)], m.gpu_util_floor_percent / 100
-            ),
-            metric(
-                "Neuron device memory used (bytes)",
-                [series(obs.NEURON_MEMORY_USED, obs.neuron_dimensions(cluster_name, memory_location="neuron_device"))],
-            ),
-            metric(
-                "Neuron hardware errors and uncorrected ECC events",
-                [
-                    series(obs.NEURON_EXECUTION_ERRORS, obs.neuron_dimensions(cluster_name, error_type="hardware")),
-                    *(
-                        series(obs.NEURON_ECC_EVENTS, obs.neuron_dimensions(cluster_name, event_type=event))
-                        for event in ("mem_ecc_uncorrected", "sram_ecc_uncorrected")
-                    ),
-                ],
-            ),
-        ]
-        hardware_errors = []
+        accelerators, hardware_errors = _neuron_widgets(region, cluster_name, m), []
     else:
-        gpus = obs.dcgm_dimensions(cluster_name)
-        accelerators = [
-            metric("GPU utilisation (%)", [series(obs.GPU_UTIL, gpus)], m.gpu_util_floor_percent),
-            metric("GPU memory used (MiB)", [series(obs.GPU_MEMORY_USED, gpus)]),
-        ]
-        hardware_errors = [[namespace, "GpuXidErrors"]]
+        accelerators, hardware_errors = _gpu_widgets(region, cluster_name, m), [[namespace, "GpuXidErrors"]]
+    trainer = obs.trainer_dimensions(cluster_name, training_namespace)
     return {
         "widgets": [
             *accelerators,
-            metric("Failed nodes", [[CONTAINER_INSIGHTS, "cluster_failed_node_count", "ClusterName", cluster_name]]),
-            metric(
-                "Training failures",
-                [
-                    [namespace, "NcclTimeouts"],
-                    [namespace, "OutOfMemory"],
-                    *hardware_errors,
-                    [namespace, "NonFiniteSteps"],
-                    [namespace, "TrainerStarts"],
-                ],
-            ),
-            metric("Training loss", [trainer(obs.LOSS)]),
-            metric("Tokens/s", [trainer(obs.TOKENS_PER_S)], throughput_floor),
-            metric("MFU", [trainer(obs.MFU)]),
-            metric("Step", [trainer(obs.STEP)]),
-            metric("Step time by phase (s)", by_label(obs.PHASE_SECONDS)),
-            metric("Expert load (max/mean per MoE layer; 1 = balanced)", by_label(obs.EXPERT_LOAD)),
-            # The trainer's commit-time gauge; EPOCH gives each datapoint's own time, so age = EPOCH(ts) - ts.
-            metric(
-                "Checkpoint age (s)",
-                [
-                    trainer(obs.CHECKPOINT_TIME) + [{"id": "ts", "stat": "Maximum", "visible": False}],
-                    {"expression": "EPOCH(ts) - ts", "id": "age", "label": "since the last commit"},
-                ],
-                checkpoint_window_s,
-                "checkpoint-stale alarm",
-            ),
-            metric(
-                "Fabric, inventory and restore drill",
-                [
-                    [namespace, "FabricRegressedNodes"],
-                    [namespace, "InventoryDrift"],
-                    [namespace, "RestoreDrillFailures"],
-                ],
-            ),
-            metric("FSx free capacity (bytes)", [["AWS/FSx", "FreeDataStorageCapacity", "FileSystemId", fsx_id]]),
-            metric(
-                "FSx throughput (bytes)",
-                [
-                    ["AWS/FSx", "DataWriteBytes", "FileSystemId", fsx_id],
-                    ["AWS/FSx", "DataReadBytes", "FileSystemId", fsx_id],
-                ],
-            ),
+            *_failure_widgets(region, cluster_name, namespace, hardware_errors),
+            *_training_widgets(region, trainer, throughput_floor, checkpoint_window_s),
+            *_operations_widgets(region, namespace, fsx_id),
         ]
     }
+
+
+def _widget(region: str, title: str, metrics: list, annotation: float | None = None, label: str = "floor") -> dict:
+    """One time-series widget, half the dashboard's width, with a horizontal line at `annotation`."""
+    props = {"title": title, "region": region, "metrics": metrics, "period": PERIOD_S, "view": "timeSeries"}
+    if annotation is not None:
+        props["annotations"] = {"horizontal": [{"label": label, "value": annotation}]}
+    return {"type": "metric", "width": 12, "height": 6, "properties": props}
+
+
+def _series(metric_name: str, dimensions: Mapping) -> list:
+    """A series of the Prometheus namespace: its name, then each dimension's name and value."""
+    return [obs.PROMETHEUS_NAMESPACE, metric_name, *(x for kv in dimensions.items() for x in kv)]
+
+
+def _by_label(metric: obs.TrainerMetric, dimensions: Mapping) -> list:
+    """Every series of a labelled gauge (one per phase, one per MoE layer)."""
+    name, label = metric.name, metric.label
+    keys = ",".join([obs.PROMETHEUS_NAMESPACE, *dimensions, label])
+    where = " ".join(f'{k}="{v}"' for k, v in dimensions.items())
+    return [
+        {
+            "expression": f"SEARCH('{{{keys}}} MetricName=\"{name}\" {where}', 'Average', {PERIOD_S})",
+            "id": f"{label}s",
+            "label": label,
+        }
+    ]
+
+
+def _neuron_widgets(region: str, cluster_name: str, m: MonitoringConfig) -> list[dict]:
+    """neuron-monitor's NeuronCore utilisation, device memory, hardware errors and ECC events."""
+    return [
+        _widget(
+            region,
+            "NeuronCore utilisation (0-1)",
+            [_series(obs.NEURONCORE_UTIL, obs.neuron_dimensions(cluster_name))],
+            m.gpu_util_floor_percent / 100,
+        ),
+        _widget(
+            region,
+            "Neuron device memory used (bytes)",
+            [_series(obs.NEURON_MEMORY_USED, obs.neuron_dimensions(cluster_name, memory_location="neuron_device"))],
+        ),
+        _widget(
+            region,
+            "Neuron hardware errors and uncorrected ECC events",
+            [
+                _series(obs.NEURON_EXECUTION_ERRORS, obs.neuron_dimensions(cluster_name, error_type="hardware")),
+                *(
+                    _series(obs.NEURON_ECC_EVENTS, obs.neuron_dimensions(cluster_name, event_type=event))
+                    for event in ("mem_ecc_uncorrected", "sram_ecc_uncorrected")
+                ),
+            ],
+        ),
+    ]
+
+
+def _gpu_widgets(region: str, cluster_name: str, m: MonitoringConfig) -> list[dict]:
+    """DCGM's GPU utilisation and memory."""
+    gpus = obs.dcgm_dimensions(cluster_name)
+    return [
+        _widget(region, "GPU utilisation (%)", [_series(obs.GPU_UTIL, gpus)], m.gpu_util_floor_percent),
+        _widget(region, "GPU memory used (MiB)", [_series(obs.GPU_MEMORY_USED, gpus)]),
+    ]
+
+
+def _failure_widgets(region: str, cluster_name: str, namespace: str, hardware_errors: list) -> list[dict]:
+    """Failed nodes, and the training failures the logs show (with the vendor's `hardware_errors`)."""
+    return [
+        _widget(
+            region, "Failed nodes", [[CONTAINER_INSIGHTS, "cluster_failed_node_count", "ClusterName", cluster_name]]
+        ),
+        _widget(
+            region,
+            "Training failures",
+            [
+                [namespace, "NcclTimeouts"],
+                [namespace, "OutOfMemory"],
+                *hardware_errors,
+                [namespace, "NonFiniteSteps"],
+                [namespace, "TrainerStarts"],
+            ],
+        ),
+    ]
+
+
+def _training_widgets(region: str, trainer: Mapping, throughput_floor: float, checkpoint_window_s: int) -> list[dict]:
+    """The trainer's gauges (by its `trainer` dimensions): loss, throughput, MFU, steps, phases, experts,
+    and the checkpoint's age."""
+    return [
+        _widget(region, "Training loss", [_series(obs.LOSS.name, trainer)]),
+        _widget(region, "Tokens/s", [_series(obs.TOKENS_PER_S.name, trainer)], throughput_floor),
+        _widget(region, "MFU", [_series(obs.MFU.name, trainer)]),
+        _widget(region, "Step", [_series(obs.STEP.name, trainer)]),
+        _widget(region, "Step time by phase (s)", _by_label(obs.PHASE_SECONDS, trainer)),
+        _widget(region, "Expert load (max/mean per MoE layer; 1 = balanced)", _by_label(obs.EXPERT_LOAD, trainer)),
+        # The trainer's commit-time gauge; EPOCH gives each datapoint's own time, so age = EPOCH(ts) - ts.
+        _widget(
+            region,
+            "Checkpoint age (s)",
+            [
+                _series(obs.CHECKPOINT_TIME.name, trainer) + [{"id": "ts", "stat": "Maximum", "visible": False}],
+                {"expression": "EPOCH(ts) - ts", "id": "age", "label": "since the last commit"},
+            ],
+            checkpoint_window_s,
+            "checkpoint-stale alarm",
+        ),
+    ]
+
+
+def _operations_widgets(region: str, namespace: str, fsx_id: str) -> list[dict]:
+    """The scheduled checks' findings, and FSx's free capacity and throughput."""
+    return [
+        _widget(
+            region,
+            "Fabric, inventory and restore drill",
+            [
+                [namespace, "FabricRegressedNodes"],
+                [namespace, "InventoryDrift"],
+                [namespace, "RestoreDrillFailures"],
+            ],
+        ),
+        _widget(region, "FSx free capacity (bytes)", [["AWS/FSx", "FreeDataStorageCapacity", "FileSystemId", fsx_id]]),
+        _widget(
+            region,
+            "FSx throughput (bytes)",
+            [
+                ["AWS/FSx", "DataWriteBytes", "FileSystemId", fsx_id],
+                ["AWS/FSx", "DataReadBytes", "FileSystemId", fsx_id],
+            ],
+        ),
+    ]

@@ -75,6 +75,18 @@ def lifecycle_rules(storage: StorageConfig) -> list[aws.s3.BucketLifecycleConfig
     ]
 
 
+def access_log_rules(storage: StorageConfig) -> list[aws.s3.BucketLifecycleConfigurationRuleArgs]:
+    return [
+        aws.s3.BucketLifecycleConfigurationRuleArgs(
+            id="access-logs-expire",
+            status="Enabled",
+            filter=aws.s3.BucketLifecycleConfigurationRuleFilterArgs(),
+            expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(days=storage.lifecycle.log_expire_days),
+        ),
+        _housekeeping(storage),
+    ]
+
+
 def _housekeeping(storage: StorageConfig) -> aws.s3.BucketLifecycleConfigurationRuleArgs:
     lc = storage.lifecycle
     return aws.s3.BucketLifecycleConfigurationRuleArgs(
@@ -117,65 +129,13 @@ class Storage(pulumi.ComponentResource):
         s, tags = args.storage, args.ctx.tagged()
         self.dataset_prefix, self.checkpoint_prefix = s.dataset_prefix, s.checkpoint_prefix
 
-        if s.existing_bucket:  # the organisation's bucket: referenced, not managed here
-            self.bucket_name = pulumi.Output.from_input(s.bucket_name)
-            self.bucket_arn = pulumi.Output.concat("arn:aws:s3:::", s.bucket_name)
-            self.access_log_bucket_name = None
-        else:
-            logs = self._bucket(
-                f"{name}-access-logs",
-                None,
-                tags,
-                kms_key_arn=None,
-                rules=[
-                    aws.s3.BucketLifecycleConfigurationRuleArgs(
-                        id="access-logs-expire",
-                        status="Enabled",
-                        filter=aws.s3.BucketLifecycleConfigurationRuleFilterArgs(),
-                        expiration=aws.s3.BucketLifecycleConfigurationRuleExpirationArgs(
-                            days=s.lifecycle.log_expire_days
-                        ),
-                    ),
-                    _housekeeping(s),
-                ],
-            )
-            data = self._bucket(
-                name, s.bucket_name, tags, kms_key_arn=args.data_kms_key_arn, rules=lifecycle_rules(s), log_bucket=logs
-            )
-            self.bucket_name, self.bucket_arn = data.bucket, data.arn
-            self.access_log_bucket_name = logs.bucket
-
+        self.bucket_name, self.bucket_arn, self.access_log_bucket_name = self._buckets(name, args, tags)
         self.fsx_security_group_id = self._fsx_security_group(name, args)
-        fsx_logs = aws.cloudwatch.LogGroup(
-            f"{name}-fsx",
-            name=f"/aws/fsx/supernode-{args.ctx.stack}",
-            retention_in_days=args.log_retention_days,
-            kms_key_id=args.logs_kms_key_arn,
-            tags=tags,
-            opts=self._child,
-        )
+        fsx_logs = self._fsx_log_group(name, args, tags)
         self.fsx_log_group_name = fsx_logs.name
-        ckpt = args.plan.checkpoint
-        # Capacity and per-unit throughput come from the plan: one checkpoint writes within budget.
-        self.fsx = aws.fsx.LustreFileSystem(
-            name,
-            deployment_type=s.fsx.deployment_type,
-            storage_type="SSD",
-            storage_capacity=ckpt.fsx_capacity_gib,
-            per_unit_storage_throughput=s.fsx.per_unit_throughput,
-            subnet_ids=args.fsx_subnet_id,
-            security_group_ids=[self.fsx_security_group_id],
-            kms_key_id=args.data_kms_key_arn,
-            file_system_type_version="2.15",
-            data_compression_type="LZ4",
-            log_configuration=aws.fsx.LustreFileSystemLogConfigurationArgs(
-                level="WARN_ERROR", destination=fsx_logs.arn
-            ),
-            tags=args.ctx.tagged({"Name": f"supernode-{args.ctx.stack}"}),
-            opts=self._child,
-        )
+        self.fsx = self._file_system(name, args, fsx_logs)
         self.fsx_id, self.fsx_dns_name, self.fsx_mount_name = self.fsx.id, self.fsx.dns_name, self.fsx.mount_name
-        self.fsx_capacity_gib = ckpt.fsx_capacity_gib
+        self.fsx_capacity_gib = args.plan.checkpoint.fsx_capacity_gib
         # Datasets flow in from S3; checkpoints flow both ways (written on FSx, exported to S3); so do the
         # operations baselines (fabric matrix), under a prefix of their own that no lifecycle rule expires.
         self.dataset_dir, self.checkpoint_dir = "/datasets", "/checkpoints"  # paths inside the file system
@@ -188,23 +148,84 @@ class Storage(pulumi.ComponentResource):
         if args.weights_prefix:  # served weights flow in only: the serving init container reads /fsx/<prefix>
             links.append(("/" + args.weights_prefix.strip("/"), args.weights_prefix, AUTO_EVENTS, None))
         for path, prefix, imported, exported in links:
-            aws.fsx.DataRepositoryAssociation(
-                f"{name}{path.replace('/', '-')}",
-                file_system_id=self.fsx.id,
-                file_system_path=path,
-                data_repository_path=pulumi.Output.concat("s3://", self.bucket_name, "/", prefix),
-                batch_import_meta_data_on_create=True,
-                delete_data_in_filesystem=False,
-                s3=aws.fsx.DataRepositoryAssociationS3Args(
-                    auto_import_policy=aws.fsx.DataRepositoryAssociationS3AutoImportPolicyArgs(events=imported),
-                    auto_export_policy=aws.fsx.DataRepositoryAssociationS3AutoExportPolicyArgs(events=exported)
-                    if exported
-                    else None,
-                ),
-                tags=tags,
-                opts=self._child,
-            )
+            self._link(name, path, prefix, imported, exported, tags)
         self.register_outputs({"bucket_name": self.bucket_name, "fsx_id": self.fsx_id})
+
+    def _buckets(
+        self, name: str, args: StorageArgs, tags: dict
+    ) -> tuple[pulumi.Output[str], pulumi.Output[str], pulumi.Output[str] | None]:
+        """The training bucket and its access-log bucket: (bucket name, bucket ARN, access-log bucket name).
+        An existing bucket is only referenced, and has no access-log bucket here (None)."""
+        s = args.storage
+        if s.existing_bucket:  # the organisation's bucket: referenced, not managed here
+            return pulumi.Output.from_input(s.bucket_name), pulumi.Output.concat("arn:aws:s3:::", s.bucket_name), None
+        logs = self._bucket(f"{name}-access-logs", None, tags, kms_key_arn=None, rules=access_log_rules(s))
+        data = self._bucket(
+            name, s.bucket_name, tags, kms_key_arn=args.data_kms_key_arn, rules=lifecycle_rules(s), log_bucket=logs
+        )
+        return data.bucket, data.arn, logs.bucket
+
+    def _fsx_log_group(self, name: str, args: StorageArgs, tags: dict) -> aws.cloudwatch.LogGroup:
+        return aws.cloudwatch.LogGroup(
+            f"{name}-fsx",
+            name=f"/aws/fsx/supernode-{args.ctx.stack}",
+            retention_in_days=args.log_retention_days,
+            kms_key_id=args.logs_kms_key_arn,
+            tags=tags,
+            opts=self._child,
+        )
+
+    def _file_system(
+        self, name: str, args: StorageArgs, log_group: aws.cloudwatch.LogGroup
+    ) -> aws.fsx.LustreFileSystem:
+        """FSx for Lustre in the GPU subnet, logging to `log_group`."""
+        fsx = args.storage.fsx
+        # Capacity and per-unit throughput come from the plan: one checkpoint writes within budget.
+        return aws.fsx.LustreFileSystem(
+            name,
+            deployment_type=fsx.deployment_type,
+            storage_type="SSD",
+            storage_capacity=args.plan.checkpoint.fsx_capacity_gib,
+            per_unit_storage_throughput=fsx.per_unit_throughput,
+            subnet_ids=args.fsx_subnet_id,
+            security_group_ids=[self.fsx_security_group_id],
+            kms_key_id=args.data_kms_key_arn,
+            file_system_type_version="2.15",
+            data_compression_type="LZ4",
+            log_configuration=aws.fsx.LustreFileSystemLogConfigurationArgs(
+                level="WARN_ERROR", destination=log_group.arn
+            ),
+            tags=args.ctx.tagged({"Name": f"supernode-{args.ctx.stack}"}),
+            opts=self._child,
+        )
+
+    def _link(
+        self,
+        name: str,
+        path: str,
+        prefix: str,
+        imported: list[str],
+        exported: list[str] | None,
+        tags: dict,
+    ) -> aws.fsx.DataRepositoryAssociation:
+        """The file system's `path` linked to the bucket's `prefix`: the S3 events it imports, and
+        those it exports (None: it exports nothing)."""
+        return aws.fsx.DataRepositoryAssociation(
+            f"{name}{path.replace('/', '-')}",
+            file_system_id=self.fsx.id,
+            file_system_path=path,
+            data_repository_path=pulumi.Output.concat("s3://", self.bucket_name, "/", prefix),
+            batch_import_meta_data_on_create=True,
+            delete_data_in_filesystem=False,
+            s3=aws.fsx.DataRepositoryAssociationS3Args(
+                auto_import_policy=aws.fsx.DataRepositoryAssociationS3AutoImportPolicyArgs(events=imported),
+                auto_export_policy=aws.fsx.DataRepositoryAssociationS3AutoExportPolicyArgs(events=exported)
+                if exported
+                else None,
+            ),
+            tags=tags,
+            opts=self._child,
+        )
 
     def _bucket(
         self,
