@@ -375,6 +375,33 @@ class StepTime(BaseModel):
     chip_tensor_parallel: ChipTensorParallel | None = None
 
 
+class _Network:
+    """The links one layout's collectives cross on `hw`: per-GPU rates (calibrated where measured),
+    each mesh dimension's placement, and the link each costed term crossed (`links`, StepTime.links)."""
+
+    def __init__(self, p: Parallel, hw: InstanceType, domain: int | None, cal: Calibration | None):
+        self.world, self.per_node, self.link_name = p.world_size, hw.accelerators, hw.link_name
+        nvlink_eff = cal.nvlink if cal else NVLINK_EFFICIENCY
+        self.nvlink = hw.nvlink_gbytes_s * 1e9 / 2 * nvlink_eff  # one direction
+        self.efa = hw.efa_gbytes_s * 1e9 / hw.accelerators * (cal.efa if cal else EFA_EFFICIENCY)  # per GPU
+        # A domain of several instances whose link between them is slower (Trn2 UltraServer: NeuronLink
+        # 256 GB/s per chip between instances, 1,024 inside one): a group that leaves its instance runs at that pace.
+        self.between_nodes = (
+            hw.domain_inter_node_gbytes_s * 1e9 / 2 * nvlink_eff if hw.domain_inter_node_gbytes_s else self.nvlink
+        )
+        self.domain = domain or hw.accelerators
+        self.groups = {g.dim: g for g in place(p, self.domain)}
+        self.links: dict[str, Link] = {}
+
+    def scale_up(self, g: GroupPlacement) -> float:
+        return self.nvlink if nodes_spanned(g, self.world, self.per_node) == 1 else self.between_nodes
+
+    def ring(self, term: str, buffer_bytes: float, g: GroupPlacement) -> float:
+        if g.size > 1:
+            self.links[term] = scale_up_link(g.link, self.link_name)
+        return ring_seconds(buffer_bytes, g, self.scale_up(g), self.efa)
+
+
 def step_time(
     m: Model,
     p: Parallel,
@@ -390,61 +417,89 @@ def step_time(
     (`supernode.core.topology`), from the model's counts and the layout's pipeline shape; efficiencies
     from `calibration` where it measured them, else the uncalibrated defaults."""
     world = p.world_size
-    a = p.compute_bytes
-    cal = calibration
-    flop_s = hw.peak_flops * (cal.matmul_efficiency if cal else MATMUL_EFFICIENCY)
+    flop_s = hw.peak_flops * (calibration.matmul_efficiency if calibration else MATMUL_EFFICIENCY)
+    net = _Network(p, hw, domain, calibration)
     tokens_step = t.global_batch * m.seq_len
     flops_rank = tokens_step * flops_per_token(m, pc) / world
     compute = flops_rank / flop_s
-    nvlink = hw.nvlink_gbytes_s * 1e9 / 2 * (cal.nvlink if cal else NVLINK_EFFICIENCY)  # one direction
-    efa = hw.efa_gbytes_s * 1e9 / hw.accelerators * (cal.efa if cal else EFA_EFFICIENCY)  # per GPU
-    groups = {g.dim: g for g in place(p, domain or hw.accelerators)}
-    links: dict[str, Link] = {}
-    ac = p.activation_checkpointing
-    # A domain of several instances whose link between them is slower (Trn2 UltraServer: NeuronLink
-    # 256 GB/s per chip between instances, 1,024 inside one): a group that leaves its instance runs at that pace.
-    between_nodes = (
-        hw.domain_inter_node_gbytes_s * 1e9 / 2 * (cal.nvlink if cal else NVLINK_EFFICIENCY)
-        if hw.domain_inter_node_gbytes_s
-        else nvlink
+    recompute = tokens_step * _recompute_per_token(m, pc, p.activation_checkpointing) / world / flop_s
+    tokens_rank = tokens_step / p.dp  # tp ranks process the same tokens
+    a2a_bytes, a2a, a2a_again, exposed_a2a = _all_to_all(m, p, pc, net, tokens_rank, tokens_step / world / flop_s)
+    fsdp, replicate, exposed_fsdp = _fsdp(m, p, pc, pipe, net)
+    # The window beside compute is shared: where the all-to-all and the FSDP/HSDP rings both cross
+    # EFA (each GPU's share of the instance's EFA), the all-to-all hidden behind compute holds that
+    # link, and FSDP traffic cannot hide in the same seconds.
+    fsdp_links = [net.links[k] for k in ("fsdp", "fsdp_experts", "replicate") if k in net.links]
+    efa_shared = "EFA" in net.links.get("all_to_all", "") and any("EFA" in link for link in fsdp_links)
+    hidden_a2a = a2a + a2a_again - exposed_a2a if efa_shared else 0.0
+    exposed_fsdp += max(0.0, fsdp + replicate - exposed_fsdp - max(0.0, compute + recompute - hidden_a2a))
+    tpc, chip_tp = _tensor_parallel(m, p, hw, net, tokens_rank)
+    p2p = _p2p(p, pipe, hw, net)
+    # The bubble: (pp-1) micro-batch stage-times of fill and drain, each as long as the work a
+    # micro-batch puts on the critical path (FSDP traffic is once per step, not per micro-batch).
+    busy = compute + recompute + exposed_a2a + tpc + p2p
+    bubble = busy * (p.pp - 1) / (pipe.micro_batches * pipe.virtual_stages)
+    step = busy + exposed_fsdp + bubble
+    return StepTime(
+        compute_s=compute,
+        recompute_s=recompute,
+        all_to_all_s=a2a,
+        recompute_all_to_all_s=a2a_again,
+        exposed_all_to_all_s=exposed_a2a,
+        fsdp_s=fsdp,
+        replicate_s=replicate,
+        exposed_fsdp_s=exposed_fsdp,
+        tensor_parallel_s=tpc,
+        step_s=step,
+        mfu=flops_rank / (step * hw.peak_flops),
+        all_to_all_bytes_per_rank=a2a_bytes,
+        links=net.links,
+        pipeline_bubble_s=bubble,
+        p2p_s=p2p,
+        chip_tensor_parallel=chip_tp,
     )
 
-    def scale_up(g: GroupPlacement) -> float:
-        return nvlink if nodes_spanned(g, world, hw.accelerators) == 1 else between_nodes
 
-    def ring(term: str, buffer_bytes: float, g: GroupPlacement) -> float:
-        if g.size > 1:
-            links[term] = scale_up_link(g.link, hw.link_name)
-        return ring_seconds(buffer_bytes, g, scale_up(g), efa)
-
-    # Recomputation (trainer/model.py Block): "full" wraps Block._forward in torch.utils.checkpoint, so
-    # backward re-runs every block's forward, 1/3 of its 6-per-parameter FLOPs (the head and loss are
-    # outside the blocks); "selective" wraps only self.ffn (Block._ffn), so backward re-runs the
-    # FFN/MoE forward: router, top-k routed experts, shared expert, dense FFN (2 FLOPs per parameter).
+def _recompute_per_token(m: Model, pc: ParamCounts, ac: str) -> float:
+    """FLOPs per token activation checkpointing runs again (trainer/model.py Block): "full" wraps
+    Block._forward in torch.utils.checkpoint, so backward re-runs every block's forward, 1/3 of its
+    6-per-parameter FLOPs (the head and loss are outside the blocks); "selective" wraps only self.ffn
+    (Block._ffn), so backward re-runs the FFN/MoE forward: router, top-k routed experts, shared
+    expert, dense FFN (2 FLOPs per parameter)."""
     if ac == "full":
-        recompute_per_token = (flops_per_token(m, pc) - 6 * (m.vocab * m.dim + m.dim)) / 3
-    elif ac == "selective":
+        return (flops_per_token(m, pc) - 6 * (m.vocab * m.dim + m.dim)) / 3
+    if ac == "selective":
         routed = pc.experts * m.top_k // m.experts if m.experts else 0
-        recompute_per_token = 2 * (pc.router + routed + pc.shared_experts + pc.dense_ffn)
-    else:
-        recompute_per_token = 0
-    recompute = tokens_step * recompute_per_token / world / flop_s
+        return 2 * (pc.router + routed + pc.shared_experts + pc.dense_ffn)
+    return 0
 
-    tokens_rank = tokens_step / p.dp  # tp ranks process the same tokens
-    a2a_bytes = int(4 * tokens_rank * m.top_k * m.dim * a * (p.ep - 1) / p.ep * m.moe_layers / p.pp)
-    a2a = all_to_all_seconds(a2a_bytes, groups["ep"], scale_up(groups["ep"]), efa)
+
+def _all_to_all(
+    m: Model, p: Parallel, pc: ParamCounts, net: _Network, tokens_rank: float, per_flop: float
+) -> tuple[int, float, float, float]:
+    """The MoE dispatch and combine: (bytes per rank, seconds, seconds run again by checkpointing,
+    exposed seconds)."""
+    a2a_bytes = int(4 * tokens_rank * m.top_k * m.dim * p.compute_bytes * (p.ep - 1) / p.ep * m.moe_layers / p.pp)
+    ep = net.groups["ep"]
+    a2a = all_to_all_seconds(a2a_bytes, ep, net.scale_up(ep), net.efa)
     if p.ep > 1:
-        links["all_to_all"] = scale_up_link(groups["ep"].link, hw.link_name)
+        net.links["all_to_all"] = scale_up_link(ep.link, net.link_name)
     # Both checkpointing modes re-run MoE.forward, so its dispatch and combine (the forward half of
     # the four all-to-alls) travel again (trainer/dispatcher.py AllToAllDispatcher.compute).
-    forwards = 1 if ac == "none" or not m.moe_layers else 2
-    a2a_again = a2a / 2 * (forwards - 1)
-    exposed_a2a = a2a + a2a_again - forwards * _hidden_forward_all_to_all(m, p, pc, a2a, tokens_step / world / flop_s)
+    forwards = 1 if p.activation_checkpointing == "none" or not m.moe_layers else 2
+    again = a2a / 2 * (forwards - 1)
+    exposed = a2a + again - forwards * _hidden_forward_all_to_all(m, p, pc, a2a, per_flop)
+    return a2a_bytes, a2a, again, exposed
 
+
+def _fsdp(m: Model, p: Parallel, pc: ParamCounts, pipe: PipelineShape, net: _Network) -> tuple[float, float, float]:
+    """FSDP2's gathers and reduce-scatters and HSDP's all-reduce: (fsdp seconds, replicate seconds,
+    exposed seconds before the shared-window correction of `step_time`)."""
+    a = p.compute_bytes
     # FSDP2 units (trainer/parallel.py _fully_shard): each block (non-expert weights over dp_shard,
     # experts over edp) and the root (embedding, final norm, head). Per byte of buffer, a ring over each group:
-    per_byte_shard = ring("fsdp", 1.0, groups["dp_shard"])
-    per_byte_experts = ring("fsdp_experts", 1.0, groups["edp"])
+    per_byte_shard = net.ring("fsdp", 1.0, net.groups["dp_shard"])
+    per_byte_experts = net.ring("fsdp_experts", 1.0, net.groups["edp"])
     stage = 1 / p.pp
     nonexpert = (pc.total - pc.experts) * stage / p.tp  # gathered by each rank over dp_shard
     experts = pc.experts * stage / p.ep  # gathered over dp_shard*tp/ep
@@ -467,88 +522,69 @@ def step_time(
     reduce = fsdp_pass(nonexpert, experts, 4)  # gradients in fp32 (reduce_dtype)
     fsdp = mbs * (fwd_gather + bwd_gather + reduce)
     shard_bytes = 4 * pc.total * stage / (p.tp * p.dp_shard)
-    replicate = ring("replicate", 2 * shard_bytes, groups["dp_replicate"])  # all-reduce = RS + AG
+    replicate = net.ring("replicate", 2 * shard_bytes, net.groups["dp_replicate"])  # all-reduce = RS + AG
     # Exposed: what has no compute beside it. Each forward waits for the root's and the first block's
     # gathers, each backward for its first (the last) block's; after the last backward, block 0's and
     # the root's reduce-scatter and HSDP all-reduce. The rest runs on FSDP2's own streams beside
     # compute: forward gathers prefetched one block ahead (set_modules_to_forward_prefetch, only with
     # parallel.overlap; without it every forward gather waits), backward gathers by FSDP2's default
     # backward prefetch, reduce-scatters as each block's backward ends. Traffic beyond the compute
-    # it runs beside is exposed too.
+    # it runs beside is exposed too (`step_time`).
     first = root + block, block_experts
     last_share = (root + block + block_experts) / (nonexpert + experts)
-    exposed_fsdp = (
+    exposed = (
         mbs * (fsdp_pass(*first, a) if p.overlap else fwd_gather)
         + (mbs * fsdp_pass(block, block_experts, a) if p.pp == 1 else 0.0)
         + fsdp_pass(*first, 4)
         + replicate * last_share
     )
-    # The window beside compute is shared: where the all-to-all and the FSDP/HSDP rings both cross
-    # EFA (each GPU's share of the instance's EFA), the all-to-all hidden behind compute holds that
-    # link, and FSDP traffic cannot hide in the same seconds.
-    fsdp_links = [links[t] for t in ("fsdp", "fsdp_experts", "replicate") if t in links]
-    efa_shared = "EFA" in links.get("all_to_all", "") and any("EFA" in link for link in fsdp_links)
-    hidden_a2a = a2a + a2a_again - exposed_a2a if efa_shared else 0.0
-    exposed_fsdp += max(0.0, fsdp + replicate - exposed_fsdp - max(0.0, compute + recompute - hidden_a2a))
+    return fsdp, replicate, exposed
 
-    # TP: 2 all-reduces (RS + AG) per layer forward and backward of the activations, synchronous in
-    # the compute stream (DTensor's ColwiseParallel/RowwiseParallel; the MoE layer's token gather);
-    # checkpointing re-runs the forward ones: all of them (full), the FFN's (selective).
-    tp_bytes = 4 * (m.layers / p.pp) * 2 * tokens_rank * m.dim * a
-    recomputed_tp = {"none": 1, "selective": 1.25, "full": 1.5}[ac]
-    tpc = ring("tensor_parallel", tp_bytes, groups["tp"]) * recomputed_tp
-    chip_tp = None
-    if hw.ranks_per_chip > 1:
-        # The logical cores of one chip exchange through its HBM (each core's share of the chip's
-        # bandwidth); a TP group wider than the chip, or spread over chips, pays NeuronLink.
-        g_tp = groups["tp"]
-        on_chip = ring_seconds(tp_bytes, g_tp, hw.hbm_gbytes_s * 1e9, efa) * recomputed_tp
-        across = (
-            tpc
-            if not inside_chip(g_tp, hw.ranks_per_chip)
-            else ring_seconds(tp_bytes, g_tp, scale_up(g_tp), efa) * recomputed_tp
-        )
-        chip_tp = ChipTensorParallel(
-            tp=p.tp,
-            ranks_per_chip=hw.ranks_per_chip,
-            inside_chip=inside_chip(g_tp, hw.ranks_per_chip),
-            inside_chip_s=on_chip if hw.ranks_per_chip % p.tp == 0 else None,
-            across_chips_s=across,
-        )
-        if chip_tp.inside_chip:
-            tpc = on_chip
-            if p.tp > 1:
-                links["tensor_parallel"] = "on-chip"
-    p2p = 0.0
-    if p.pp > 1:  # stage neighbours are a stage's ranks apart: EFA once a pipeline leaves the domain
-        spans, _ = group_span(p.pp, p.stride("pp"), world, domain or hw.accelerators)
-        links["p2p"] = hw.link_name if spans == 1 else "EFA"
-        # Exposed: Schedule1F1B/GPipe fuse each send with the next receive and wait on both
-        # (torch.distributed.pipelining _wait_batch_p2p) before computing.
-        p2p = pipe.p2p_bytes_per_rank / (nvlink if spans == 1 else efa)
-    # The bubble: (pp-1) micro-batch stage-times of fill and drain, each as long as the work a
-    # micro-batch puts on the critical path (FSDP traffic is once per step, not per micro-batch).
-    busy = compute + recompute + exposed_a2a + tpc + p2p
-    bubble = busy * (p.pp - 1) / (pipe.micro_batches * pipe.virtual_stages)
-    step = busy + exposed_fsdp + bubble
-    return StepTime(
-        compute_s=compute,
-        recompute_s=recompute,
-        all_to_all_s=a2a,
-        recompute_all_to_all_s=a2a_again,
-        exposed_all_to_all_s=exposed_a2a,
-        fsdp_s=fsdp,
-        replicate_s=replicate,
-        exposed_fsdp_s=exposed_fsdp,
-        tensor_parallel_s=tpc,
-        step_s=step,
-        mfu=flops_rank / (step * hw.peak_flops),
-        all_to_all_bytes_per_rank=a2a_bytes,
-        links=links,
-        pipeline_bubble_s=bubble,
-        p2p_s=p2p,
-        chip_tensor_parallel=chip_tp,
+
+def _tensor_parallel(
+    m: Model, p: Parallel, hw: InstanceType, net: _Network, tokens_rank: float
+) -> tuple[float, ChipTensorParallel | None]:
+    """TP: 2 all-reduces (RS + AG) per layer forward and backward of the activations, synchronous in
+    the compute stream (DTensor's ColwiseParallel/RowwiseParallel; the MoE layer's token gather);
+    checkpointing re-runs the forward ones: all of them (full), the FFN's (selective). With several
+    ranks per chip, also what TP costs on one chip against across chips."""
+    tp_bytes = 4 * (m.layers / p.pp) * 2 * tokens_rank * m.dim * p.compute_bytes
+    recomputed_tp = {"none": 1, "selective": 1.25, "full": 1.5}[p.activation_checkpointing]
+    g_tp = net.groups["tp"]
+    tpc = net.ring("tensor_parallel", tp_bytes, g_tp) * recomputed_tp
+    if hw.ranks_per_chip == 1:
+        return tpc, None
+    # The logical cores of one chip exchange through its HBM (each core's share of the chip's
+    # bandwidth); a TP group wider than the chip, or spread over chips, pays NeuronLink.
+    on_chip = ring_seconds(tp_bytes, g_tp, hw.hbm_gbytes_s * 1e9, net.efa) * recomputed_tp
+    across = (
+        tpc
+        if not inside_chip(g_tp, hw.ranks_per_chip)
+        else ring_seconds(tp_bytes, g_tp, net.scale_up(g_tp), net.efa) * recomputed_tp
     )
+    chip_tp = ChipTensorParallel(
+        tp=p.tp,
+        ranks_per_chip=hw.ranks_per_chip,
+        inside_chip=inside_chip(g_tp, hw.ranks_per_chip),
+        inside_chip_s=on_chip if hw.ranks_per_chip % p.tp == 0 else None,
+        across_chips_s=across,
+    )
+    if chip_tp.inside_chip:
+        tpc = on_chip
+        if p.tp > 1:
+            net.links["tensor_parallel"] = "on-chip"
+    return tpc, chip_tp
+
+
+def _p2p(p: Parallel, pipe: PipelineShape, hw: InstanceType, net: _Network) -> float:
+    """The pipeline's stage-to-stage sends, exposed: Schedule1F1B/GPipe fuse each send with the next
+    receive and wait on both (torch.distributed.pipelining _wait_batch_p2p) before computing. Stage
+    neighbours are a stage's ranks apart: EFA once a pipeline leaves the domain."""
+    if p.pp == 1:
+        return 0.0
+    spans, _ = group_span(p.pp, p.stride("pp"), p.world_size, net.domain)
+    net.links["p2p"] = hw.link_name if spans == 1 else "EFA"
+    return pipe.p2p_bytes_per_rank / (net.nvlink if spans == 1 else net.efa)
 
 
 def _hidden_forward_all_to_all(m: Model, p: Parallel, pc: ParamCounts, a2a: float, per_flop: float) -> float:

@@ -44,31 +44,16 @@ def layout_rules(
 ) -> list[Issue]:
     """model.dim is divisible by heads with an even head dim (RoPE); heads is a multiple of kvHeads;
     topK <= experts; firstDenseLayers <= layers. dpReplicate x dpShard x tp x pp equals the world
-    size; tp is at most the GPUs of one NVLink domain (a node, or an UltraServer) and divides heads and kvHeads; ep
-    divides experts and
-    dpShard x tp; training.globalBatch is divisible by microBatch x dpReplicate x dpShard;
-    warmupSteps is below steps. Pipeline (pp > 1): every one of the pp x ppVirtualStages stages holds
-    at least one layer (`stage_layers`: an even split, less the first/last stage's fewer layers);
-    ppVirtualStages > 1 only with ppSchedule interleaved1f1b, which needs it >= 2 (at pp 1 both are
-    ignored); the micro-batches
-    per step (globalBatch / (microBatch x dp)) are at least pp, a multiple of pp for interleaved1f1b;
-    embeddings are tied only at pp 1 (the embedding and the head live on different stages)."""
-    issues: list[Issue] = []
-    mp, pp_, tp_ = prefix + "model.", prefix + "parallel.", prefix + "training."
-    if m.dim % m.heads:
-        issues.append(Issue(path=mp + "dim", value=m.dim, message=f"dim must be divisible by heads ({m.heads})"))
-    elif m.head_dim % 2:
-        issues.append(Issue(path=mp + "dim", value=m.dim, message="head dim (dim/heads) must be even for RoPE"))
-    if m.heads % m.kv_heads:
-        issues.append(
-            Issue(path=mp + "kvHeads", value=m.kv_heads, message=f"heads ({m.heads}) must be a multiple of kvHeads")
-        )
-    if m.top_k > m.experts:
-        issues.append(Issue(path=mp + "topK", value=m.top_k, message=f"topK must be at most experts ({m.experts})"))
-    if m.first_dense_layers > m.layers:
-        issues.append(
-            Issue(path=mp + "firstDenseLayers", value=m.first_dense_layers, message=f"at most layers ({m.layers})")
-        )
+    size; tp is at most the GPUs of one NVLink domain (a node, or an UltraServer) and divides heads
+    and kvHeads; ep divides experts and dpShard x tp; training.globalBatch is divisible by microBatch
+    x dpReplicate x dpShard; warmupSteps is below steps. Pipeline (pp > 1): every one of the pp x
+    ppVirtualStages stages holds at least one layer (`stage_layers`: an even split, less the
+    first/last stage's fewer layers); ppVirtualStages > 1 only with ppSchedule interleaved1f1b, which
+    needs it >= 2 (at pp 1 both are ignored); the micro-batches per step (globalBatch / (microBatch x
+    dp)) are at least pp, a multiple of pp for interleaved1f1b; embeddings are tied only at pp 1 (the
+    embedding and the head live on different stages)."""
+    issues = _model_rules(m, prefix)
+    pp_, tp_ = prefix + "parallel.", prefix + "training."
     if p.world_size != world_size:
         factors = p.factors()
         rest = p.world_size // p.dp_shard  # the other degrees' product
@@ -124,7 +109,29 @@ def layout_rules(
     return issues
 
 
+def _model_rules(m: Model, prefix: str) -> list[Issue]:
+    """The model part of `layout_rules`, which lists them."""
+    issues: list[Issue] = []
+    mp = prefix + "model."
+    if m.dim % m.heads:
+        issues.append(Issue(path=mp + "dim", value=m.dim, message=f"dim must be divisible by heads ({m.heads})"))
+    elif m.head_dim % 2:
+        issues.append(Issue(path=mp + "dim", value=m.dim, message="head dim (dim/heads) must be even for RoPE"))
+    if m.heads % m.kv_heads:
+        issues.append(
+            Issue(path=mp + "kvHeads", value=m.kv_heads, message=f"heads ({m.heads}) must be a multiple of kvHeads")
+        )
+    if m.top_k > m.experts:
+        issues.append(Issue(path=mp + "topK", value=m.top_k, message=f"topK must be at most experts ({m.experts})"))
+    if m.first_dense_layers > m.layers:
+        issues.append(
+            Issue(path=mp + "firstDenseLayers", value=m.first_dense_layers, message=f"at most layers ({m.layers})")
+        )
+    return issues
+
+
 def _pipeline_rules(m: Model, p: Parallel, micro_batches: int, prefix: str) -> list[Issue]:
+    """The pipeline part of `layout_rules` (pp > 1), which lists them."""
     issues: list[Issue] = []
     mp, pp_, tp_ = prefix + "model.", prefix + "parallel.", prefix + "training."
     # At pp 1 the pipeline keys are ignored (a `local` layout inherits the stack's).

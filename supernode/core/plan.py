@@ -239,11 +239,9 @@ class Plan(BaseModel):
         }
 
 
-def _plan(
-    stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibration | None = None, device: str | None = None
-) -> Plan:
-    # Mixed instance types are allowed; the plan is sized for the smallest GPU memory among them,
-    # and for the smallest NVLink domain among the groups of that type.
+def _training_hardware(cfg: StackConfig, calibration: cap.Calibration | None) -> InstanceType:
+    """Mixed instance types are allowed; the plan is sized for the smallest GPU memory among them
+    (a calibration must have been measured on that accelerator)."""
     hw = min((CATALOG[g.instance_type] for g in cfg.training_node_groups), key=lambda t: t.hbm_mib)
     if calibration is not None and calibration.accelerator != hw.accelerator:
         raise BadInput(
@@ -251,18 +249,26 @@ def _plan(
             f"but the plan's GPUs are {hw.accelerator} ({hw.name}); run `supernode bench gpu "
             f"--calibration-out FILE` on a {hw.accelerator}"
         )
+    return hw
+
+
+def _smallest_domain(cfg: StackConfig, hw: InstanceType) -> tuple[str | None, int]:
+    """(UltraServer type or None, its ranks): the smallest NVLink domain among the groups of `hw`'s type."""
+    ultra = min(
+        (g.ultra_server for g in cfg.training_node_groups if g.instance_type == hw.name),
+        key=lambda u: nvlink_domain_gpus(hw.name, u),
+    )
+    return ultra, nvlink_domain_gpus(hw.name, ultra)
+
+
+def _plan(
+    stack: str, cfg: StackConfig, local: bool, calibration: cap.Calibration | None = None, device: str | None = None
+) -> Plan:
+    hw = _training_hardware(cfg, calibration)
     device = device or hw.torch_device
     m, p, t = cfg.model, cfg.parallel.computed_on(device), cfg.training
     world = cfg.local.nproc if local else cfg.accelerators
-    ultra = (
-        None
-        if local
-        else min(
-            (g.ultra_server for g in cfg.training_node_groups if g.instance_type == hw.name),
-            key=lambda u: nvlink_domain_gpus(hw.name, u),
-        )
-    )
-    domain = world if local else nvlink_domain_gpus(hw.name, ultra)  # a CPU run: one host, one "domain"
+    ultra, domain = (None, world) if local else _smallest_domain(cfg, hw)  # a CPU run: one host, one "domain"
     leaving = [] if local else domain_rules(p, hw, domain, ultra or f"one {hw.name}")
     if leaving:
         raise BadInput(str(leaving[0]))

@@ -163,117 +163,16 @@ def elastic_detail(plan: Plan, e: Layout) -> str:
     )
 
 
+Row = tuple[str, str, str]
+
+
 def render(plan: Plan, console: Console) -> None:
-    d = plan.degrees
     t = Table(title=f"supernode plan: {plan.stack}", show_header=True, header_style="bold")
     t.add_column("item")
     t.add_column("value", justify="right")
     t.add_column("detail")
-    hw = plan.hardware
-    t.add_row(
-        "hardware",
-        f"{plan.nodes} x {plan.instance_type}",
-        f"{plan.world_size} x {hw.accelerator} {plan.hbm_gib:.0f} GiB, {hw.efa_interfaces} EFA x {hw.efa_gbps} Gb/s",
-    )
-    t.add_row(
-        "layout",
-        f"world {plan.world_size}",
-        f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x "
-        f"tp {d.tp} x pp {d.pp}; ep {d.ep}; AC {plan.parallel.activation_checkpointing}; "
-        f"{plan.parallel.mixed_precision}; overlap {'on' if plan.parallel.overlap else 'off'}",
-    )
-    t.add_row(
-        "parameters",
-        f"{plan.params.total / 1e9:.2f} B",
-        f"{plan.params.active / 1e9:.2f} B active per token; experts {plan.params.experts / 1e9:.2f} B",
-    )
-    topo = plan.topology
-    kind = topo.ultra_server or "one instance"
-    t.add_row(
-        f"{hw.link_name} domain",
-        f"{topo.domain_gpus} {hw.rank_noun}s",
-        f"{kind}: {topo.nodes_per_domain} node(s), "
-        f"{topo.domain_hbm_gib:,.0f} GiB HBM in one address space; the job spans {plan.layout.domains} domain(s)",
-    )
-    t.add_row("placement", f"ep {d.ep}", placement_detail(plan))
-    fits_domain = "[green]fits[/]" if plan.layout.replica_fits else "[red]does not fit[/]"
-    if d.pp > 1:
-        t.add_row("pipeline", f"bubble {plan.pipeline.bubble:.1%}", pipeline_detail(plan))
-    t.add_row(
-        "replica state",
-        f"{topo.replica_state_gib:,.0f} GiB",
-        f"{fits_domain} the aggregate HBM of its {d.shard_group} shard-group {hw.rank_noun}s "
-        f"({plan.layout.replica_domains} domain(s))",
-    )
-    m = plan.memory
-    t.add_row(
-        "memory / rank",
-        f"{plan.memory_per_rank_gib:.1f} GiB",
-        f"states {m.model_states / GIB:.1f}, FSDP buffers {m.fsdp_buffers / GIB:.1f}, activations "
-        f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}, reserve {m.runtime_reserve / GIB:.1f} GiB",
-    )
-    within = f"{plan.usable_hbm_gib:.1f} GiB usable ({plan.parallel.hbm_headroom:.0%} headroom)"
-    fit = (
-        f"[green]fits in {within}[/]"
-        if plan.fits
-        else f"[red]does not fit: over by {plan.over_by_gib:.1f} GiB of {within}[/]"
-    )
-    t.add_row("HBM / rank", f"{plan.hbm_gib:.1f} GiB", fit)
-    s = plan.step
-    t.add_row("step time (est.)", f"{s.step_s:.3f} s", step_detail(plan))
-    exposed = s.exposed_all_to_all_s + s.exposed_fsdp_s + s.tensor_parallel_s + s.p2p_s
-    t.add_row("communication", f"{exposed:.3f} s exposed", comm_detail(plan))
-    if (chip := s.chip_tensor_parallel) is not None and chip.tp > 1:
-        on_chip = (
-            f"{chip.inside_chip_s:.3f} s inside one chip" if chip.inside_chip_s is not None else "no chip holds it"
-        )
-        t.add_row(
-            "TP on chip",
-            f"tp {chip.tp}",
-            f"{on_chip} against {chip.across_chips_s:.3f} s across chips over {hw.link_name} "
-            f"({chip.ranks_per_chip} logical cores per chip; the plan costs "
-            f"{'the first' if chip.inside_chip else 'the second'})",
-        )
-    if len(plan.layouts) > 1:
-        for e in plan.layouts:
-            t.add_row(f"elastic {e.nodes} nodes", f"world {e.world_size}", elastic_detail(plan, e))
-    t.add_row("MFU (est.)", f"{s.mfu:.1%}", f"{plan.flops_per_token / 1e9:.2f} GFLOP/token")
-    t.add_row("calibration", plan.calibration.accelerator if plan.calibration else "none", calibration_detail(plan))
-    c = plan.checkpoint
-    t.add_row(
-        "checkpoint",
-        f"{c.checkpoint_bytes / 1e9:.1f} GB",
-        f"needs {c.required_mb_s:.0f} MB/s; FSx "
-        f"{c.fsx_capacity_gib} GiB -> {c.fsx_throughput_mb_s:.0f} MB/s, writes in {c.write_seconds:.0f} s"
-        f"{' (sized by planner)' if c.sized_by_planner else ''}",
-    )
-    enough = plan.termination_grace_s >= plan.termination_grace_needed_s
-    t.add_row(
-        "grace period",
-        f"{plan.termination_grace_s} s",
-        f"{'[green]covers[/]' if enough else '[red]below[/]'} the {plan.termination_grace_needed_s} s a preempted "
-        f"pod needs: a step {s.step_s:.1f} s + a checkpoint write {c.write_seconds:.0f} s + margin "
-        "(workload.terminationGraceS)",
-    )
-    for pool in plan.pools:
-        t.add_row(
-            f"pool {pool.accelerator}",
-            f"{pool.devices} {pool.noun}",
-            f"{'[green]adds up[/]' if pool.adds_up else '[red]does not add up[/]'}: {pool.reason}; training "
-            f"runs on {pool.training_min} to {pool.training_max} {pool.noun} (training.minNodes {plan.min_nodes} to "
-            f"{plan.nodes} nodes), lends {pool.training_lending_limit}"
-            + (f", never its {pool.spare_devices} spare {pool.noun}" if pool.spare_devices else ""),
-        )
-    t.add_row(
-        "cost",
-        f"${plan.cost_per_hour_usd:,.2f}/h",
-        f"{plan.training.steps} steps ~ {duration(plan.run_hours)} ~ {money(plan.run_cost_usd)} on demand"
-        + (
-            f"; of it {plan.spare_nodes} spare node(s) ${plan.spare_cost_per_hour_usd:,.2f}/h"
-            if plan.spare_nodes
-            else ""
-        ),
-    )
+    for row in (*_layout_rows(plan), *_memory_rows(plan), *_step_rows(plan), *_operations_rows(plan)):
+        t.add_row(*row)
     console.print(t)
     for e in plan.layouts:
         if not e.fits and e.world_size != plan.world_size:
@@ -282,39 +181,171 @@ def render(plan: Plan, console: Console) -> None:
                 f"layout there: {e.reason}.[/]"
             )
     if not plan.fits:
-        console.print(
-            f"[red]The plan needs {plan.memory_per_rank_gib:.1f} GiB per rank but the GPU has "
-            f"{plan.hbm_gib:.1f} GiB, {plan.usable_hbm_gib:.1f} GiB with {plan.parallel.hbm_headroom:.0%} "
-            f"headroom.[/]"
+        _print_fit_advice(plan, console)
+
+
+def _layout_rows(plan: Plan) -> list[Row]:
+    """The hardware, the layout on it, the model and where its groups land on the domains."""
+    d, hw, topo = plan.degrees, plan.hardware, plan.topology
+    rows = [
+        (
+            "hardware",
+            f"{plan.nodes} x {plan.instance_type}",
+            f"{plan.world_size} x {hw.accelerator} {plan.hbm_gib:.0f} GiB, "
+            f"{hw.efa_interfaces} EFA x {hw.efa_gbps} Gb/s",
+        ),
+        (
+            "layout",
+            f"world {plan.world_size}",
+            f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x "
+            f"tp {d.tp} x pp {d.pp}; ep {d.ep}; AC {plan.parallel.activation_checkpointing}; "
+            f"{plan.parallel.mixed_precision}; overlap {'on' if plan.parallel.overlap else 'off'}",
+        ),
+        (
+            "parameters",
+            f"{plan.params.total / 1e9:.2f} B",
+            f"{plan.params.active / 1e9:.2f} B active per token; experts {plan.params.experts / 1e9:.2f} B",
+        ),
+        (
+            f"{hw.link_name} domain",
+            f"{topo.domain_gpus} {hw.rank_noun}s",
+            f"{topo.ultra_server or 'one instance'}: {topo.nodes_per_domain} node(s), {topo.domain_hbm_gib:,.0f} GiB "
+            f"HBM in one address space; the job spans {plan.layout.domains} domain(s)",
+        ),
+        ("placement", f"ep {d.ep}", placement_detail(plan)),
+    ]
+    if d.pp > 1:
+        rows.append(("pipeline", f"bubble {plan.pipeline.bubble:.1%}", pipeline_detail(plan)))
+    return rows
+
+
+def _memory_rows(plan: Plan) -> list[Row]:
+    """One replica's state against its shard group's HBM, and a rank's memory against its GPU's."""
+    d, hw, m = plan.degrees, plan.hardware, plan.memory
+    fits_domain = "[green]fits[/]" if plan.layout.replica_fits else "[red]does not fit[/]"
+    within = f"{plan.usable_hbm_gib:.1f} GiB usable ({plan.parallel.hbm_headroom:.0%} headroom)"
+    fit = (
+        f"[green]fits in {within}[/]"
+        if plan.fits
+        else f"[red]does not fit: over by {plan.over_by_gib:.1f} GiB of {within}[/]"
+    )
+    return [
+        (
+            "replica state",
+            f"{plan.topology.replica_state_gib:,.0f} GiB",
+            f"{fits_domain} the aggregate HBM of its {d.shard_group} shard-group {hw.rank_noun}s "
+            f"({plan.layout.replica_domains} domain(s))",
+        ),
+        (
+            "memory / rank",
+            f"{plan.memory_per_rank_gib:.1f} GiB",
+            f"states {m.model_states / GIB:.1f}, FSDP buffers {m.fsdp_buffers / GIB:.1f}, activations "
+            f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}, reserve {m.runtime_reserve / GIB:.1f} GiB",
+        ),
+        ("HBM / rank", f"{plan.hbm_gib:.1f} GiB", fit),
+    ]
+
+
+def _step_rows(plan: Plan) -> list[Row]:
+    """The step time, its communication, TP on a chip, every elastic world, MFU and calibration."""
+    s, hw = plan.step, plan.hardware
+    exposed = s.exposed_all_to_all_s + s.exposed_fsdp_s + s.tensor_parallel_s + s.p2p_s
+    rows = [
+        ("step time (est.)", f"{s.step_s:.3f} s", step_detail(plan)),
+        ("communication", f"{exposed:.3f} s exposed", comm_detail(plan)),
+    ]
+    if (chip := s.chip_tensor_parallel) is not None and chip.tp > 1:
+        on_chip = (
+            f"{chip.inside_chip_s:.3f} s inside one chip" if chip.inside_chip_s is not None else "no chip holds it"
         )
-        if plan.suggestions:
-            console.print(
-                "Layouts with the same world size that fit (EP inside the NVLink domain first, then fastest; "
-                "none slower and larger than another):"
+        rows.append(
+            (
+                "TP on chip",
+                f"tp {chip.tp}",
+                f"{on_chip} against {chip.across_chips_s:.3f} s across chips over {hw.link_name} "
+                f"({chip.ranks_per_chip} logical cores per chip; the plan costs "
+                f"{'the first' if chip.inside_chip else 'the second'})",
             )
-            for sug in plan.suggestions:
-                pipe = (
-                    (
-                        f" ({sug.pp_schedule}"
-                        + (f", ppVirtualStages {sug.pp_virtual_stages}" if sug.pp_virtual_stages > 1 else "")
-                        + ")"
-                    )
-                    if sug.pp > 1
-                    else ""
-                )
-                console.print(
-                    f"  dpReplicate {sug.dp_replicate}, dpShard {sug.dp_shard}, tp {sug.tp}, ep {sug.ep}, "
-                    f"pp {sug.pp}{pipe}, activationCheckpointing {sug.activation_checkpointing}, "
-                    f"microBatch {sug.micro_batch} ({sug.micro_batches} per step): "
-                    f"{sug.memory_gib} GiB, ~{sug.step_s} s/step"
-                    f"{'' if sug.ep_inside_domain else ', EP crosses NVLink domains'}",
-                    markup=False,
-                )
-        else:
-            console.print(
-                "No layout of this world size fits: add nodes, use larger-memory GPUs, "
-                "or shrink micro batch / sequence length."
+        )
+    if len(plan.layouts) > 1:
+        rows += [(f"elastic {e.nodes} nodes", f"world {e.world_size}", elastic_detail(plan, e)) for e in plan.layouts]
+    rows.append(("MFU (est.)", f"{s.mfu:.1%}", f"{plan.flops_per_token / 1e9:.2f} GFLOP/token"))
+    rows.append(("calibration", plan.calibration.accelerator if plan.calibration else "none", calibration_detail(plan)))
+    return rows
+
+
+def _operations_rows(plan: Plan) -> list[Row]:
+    """The checkpoint, the grace period it needs, the pools training shares and the cost."""
+    c, s = plan.checkpoint, plan.step
+    enough = plan.termination_grace_s >= plan.termination_grace_needed_s
+    rows = [
+        (
+            "checkpoint",
+            f"{c.checkpoint_bytes / 1e9:.1f} GB",
+            f"needs {c.required_mb_s:.0f} MB/s; FSx "
+            f"{c.fsx_capacity_gib} GiB -> {c.fsx_throughput_mb_s:.0f} MB/s, writes in {c.write_seconds:.0f} s"
+            f"{' (sized by planner)' if c.sized_by_planner else ''}",
+        ),
+        (
+            "grace period",
+            f"{plan.termination_grace_s} s",
+            f"{'[green]covers[/]' if enough else '[red]below[/]'} the {plan.termination_grace_needed_s} s a "
+            f"preempted pod needs: a step {s.step_s:.1f} s + a checkpoint write {c.write_seconds:.0f} s + margin "
+            "(workload.terminationGraceS)",
+        ),
+    ]
+    for pool in plan.pools:
+        rows.append(
+            (
+                f"pool {pool.accelerator}",
+                f"{pool.devices} {pool.noun}",
+                f"{'[green]adds up[/]' if pool.adds_up else '[red]does not add up[/]'}: {pool.reason}; training "
+                f"runs on {pool.training_min} to {pool.training_max} {pool.noun} (training.minNodes "
+                f"{plan.min_nodes} to {plan.nodes} nodes), lends {pool.training_lending_limit}"
+                + (f", never its {pool.spare_devices} spare {pool.noun}" if pool.spare_devices else ""),
             )
+        )
+    spares = (
+        f"; of it {plan.spare_nodes} spare node(s) ${plan.spare_cost_per_hour_usd:,.2f}/h" if plan.spare_nodes else ""
+    )
+    rows.append(
+        (
+            "cost",
+            f"${plan.cost_per_hour_usd:,.2f}/h",
+            f"{plan.training.steps} steps ~ {duration(plan.run_hours)} ~ {money(plan.run_cost_usd)} on demand{spares}",
+        )
+    )
+    return rows
+
+
+def _print_fit_advice(plan: Plan, console: Console) -> None:
+    """Why the planned layout does not fit, and the layouts of the same world that do."""
+    console.print(
+        f"[red]The plan needs {plan.memory_per_rank_gib:.1f} GiB per rank but the GPU has "
+        f"{plan.hbm_gib:.1f} GiB, {plan.usable_hbm_gib:.1f} GiB with {plan.parallel.hbm_headroom:.0%} "
+        f"headroom.[/]"
+    )
+    if not plan.suggestions:
+        console.print(
+            "No layout of this world size fits: add nodes, use larger-memory GPUs, "
+            "or shrink micro batch / sequence length."
+        )
+        return
+    console.print(
+        "Layouts with the same world size that fit (EP inside the NVLink domain first, then fastest; "
+        "none slower and larger than another):"
+    )
+    for sug in plan.suggestions:
+        virtual = f", ppVirtualStages {sug.pp_virtual_stages}" if sug.pp_virtual_stages > 1 else ""
+        pipe = f" ({sug.pp_schedule}{virtual})" if sug.pp > 1 else ""
+        console.print(
+            f"  dpReplicate {sug.dp_replicate}, dpShard {sug.dp_shard}, tp {sug.tp}, ep {sug.ep}, "
+            f"pp {sug.pp}{pipe}, activationCheckpointing {sug.activation_checkpointing}, "
+            f"microBatch {sug.micro_batch} ({sug.micro_batches} per step): "
+            f"{sug.memory_gib} GiB, ~{sug.step_s} s/step"
+            f"{'' if sug.ep_inside_domain else ', EP crosses NVLink domains'}",
+            markup=False,
+        )
 
 
 def run(args) -> int:
