@@ -57,6 +57,10 @@ EXAMPLES = {
         "supernode import --stack dev --local --from out/demo/model",
         "supernode import --stack dev --local --from ~/models/qwen3-moe-tiny --write-manifest",
     ],
+    "job plan": [
+        "supernode job plan --stack prod jobs/moe-lr-sweep.yaml",
+        "supernode job plan --stack dev job.yaml --json",
+    ],
     "plan": ["supernode plan --stack prod", "supernode plan --config Pulumi.p4d.yaml --json"],
     "policy check": [
         "supernode preview --stack prod --json > preview.json",
