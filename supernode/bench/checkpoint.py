@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -154,10 +155,7 @@ def _run(args: argparse.Namespace, cfg: Model, root: Path) -> int:
         return waited
 
     step()  # optimizer state exists from here on: the checkpoint holds params + Adam moments
-    state_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 1e6
-    state_mb += (
-        sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)) / 1e6
-    )
+    state_mb = _state_mb(model, opt)
     save_count = 0
 
     def window(ckpt: Checkpointer | None, sync: bool) -> tuple[float, float]:
@@ -183,6 +181,28 @@ def _run(args: argparse.Namespace, cfg: Model, root: Path) -> int:
     ckpt = Checkpointer(root, keep=1, state=train_state(model, opt, sched, _Position()), async_save=True)
     window(ckpt, sync=False)  # warm-up: first DCP save plans and allocates staging buffers
     window(ckpt, sync=True)
+    _stall_per_mode(args, window, ckpt, state_mb)
+    return 0
+
+
+def _state_mb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    """MB a checkpoint holds: the model's state and the optimizer's tensors (Adam moments)."""
+    state_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 1e6
+    state_mb += (
+        sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)) / 1e6
+    )
+    return state_mb
+
+
+def _stall_per_mode(
+    args: argparse.Namespace,
+    window: Callable[..., tuple[float, float]],
+    ckpt: Checkpointer,
+    state_mb: float,
+) -> None:
+    """A line per mode (sync, async) as it is measured: the median stall over `--repeats` windows
+    with a save, beside windows without one; then the async/sync ratio against the goal.
+    `window(ckpt or None, sync=...)` is `_run`'s: (window seconds, seconds blocked in checkpoint calls)."""
     results = {}
     for mode in ("sync", "async"):
         base, with_save, blocked = [], [], []
@@ -213,7 +233,6 @@ def _run(args: argparse.Namespace, cfg: Model, root: Path) -> int:
         ),
         flush=True,
     )
-    return 0
 
 
 # -- checksums: rank 0 alone vs each rank its own files -----------------------------------------------

@@ -40,6 +40,27 @@ BUDGET_S = 480  # the whole run must finish in 8 minutes on one GPU machine
 
 
 def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():  # before anything slow: this benchmark measures GPUs only
+        print(
+            "error: python -m supernode.bench.gpu needs a CUDA GPU and this machine has none "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); run it on a GPU node, "
+            "e.g. a p5 pod with the trainer image",
+            file=sys.stderr,
+        )
+        return 2
+    problems = _argument_problems(args)
+    if problems:
+        ap.error("; ".join(problems))  # exit 2
+    planned = _stack_plan(args)
+    if planned is None:
+        return 2
+    _measure(args, *planned)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m supernode.bench.gpu", description=__doc__.split("\n")[0])
     ap.add_argument("--stack", default="dev", help="stack whose plan the memory and MFU parts build")
     ap.add_argument("--root", type=Path, default=Path("."), help="directory holding Pulumi.<stack>.yaml")
@@ -56,15 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="write the calibration the planner reads (supernode plan --calibration FILE)",
     )
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():  # before anything slow: this benchmark measures GPUs only
-        print(
-            "error: python -m supernode.bench.gpu needs a CUDA GPU and this machine has none "
-            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); run it on a GPU node, "
-            "e.g. a p5 pod with the trainer image",
-            file=sys.stderr,
-        )
-        return 2
+    return ap
+
+
+def _argument_problems(args: argparse.Namespace) -> list[str]:
     problems = [
         f"--{k} must be >= 1 (got {getattr(args, k)})"
         for k in ("tokens", "dim", "hidden", "experts", "topk", "repeat", "steps")
@@ -74,18 +90,26 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--topk must be at most --experts ({args.experts}) (got {args.topk})")
     if args.calibration_out is not None and not args.calibration_out.parent.is_dir():
         problems.append(f"--calibration-out {args.calibration_out}: no such directory")
-    if problems:
-        ap.error("; ".join(problems))  # exit 2
+    return problems
+
+
+def _stack_plan(args: argparse.Namespace):
+    """(plan, layout) for the GPUs here (`gpu_plan`), or None once stderr says why the stack has none."""
     from supernode.core.errors import ConfigError
 
     try:
-        plan, layout = gpu_plan(args.stack, args.root, torch.cuda.device_count())
+        return gpu_plan(args.stack, args.root, torch.cuda.device_count())
     except FileNotFoundError as e:
         print(f"error: --stack {args.stack}: {e.filename} not found", file=sys.stderr)
-        return 2
+        return None
     except ConfigError as e:
         print(f"error: --stack {args.stack}: no layout of its model fits the GPUs here:\n{e}", file=sys.stderr)
-        return 2
+        return None
+
+
+def _measure(args: argparse.Namespace, plan, layout: str) -> None:
+    """Every measurement in the order the module's docstring lists, one JSON line each as it comes,
+    then the calibration (with --calibration-out) and the run's wall time against its budget."""
     from supernode.bench.gpu_moe import layer_mfu, peak_flops
 
     start = time.monotonic()
@@ -98,19 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
     emit(layer_mfu(args, peak))
     torch.cuda.empty_cache()
-    gpus = torch.cuda.device_count()
-    if gpus > 1:
-        if args.experts % gpus:
-            emit(
-                {
-                    "measurement": "moe_layer_expert_parallel",
-                    "skipped": True,
-                    "reason": f"--experts {args.experts} is not divisible by the {gpus} GPUs",
-                }
-            )
-        else:
-            for line in _spawn(_ep_worker, gpus, "cuda", args, peak):
-                emit(line)
+    for line in _expert_parallel(args, peak):
+        emit(line)
     for line in _spawn(_model_worker, plan.world_size, "cuda", plan.model_dump_json(), layout, args.steps, peak):
         emit(line)
     if args.calibration_out is not None:
@@ -135,7 +148,23 @@ def main(argv: list[str] | None = None) -> int:
         ),
         flush=True,
     )
-    return 0
+
+
+def _expert_parallel(args: argparse.Namespace, peak: float) -> list[dict]:
+    """The layer with its experts over every GPU here: a line per rank, a skipped line when the GPUs
+    do not divide the experts, none on one GPU."""
+    gpus = torch.cuda.device_count()
+    if gpus <= 1:
+        return []
+    if args.experts % gpus:
+        return [
+            {
+                "measurement": "moe_layer_expert_parallel",
+                "skipped": True,
+                "reason": f"--experts {args.experts} is not divisible by the {gpus} GPUs",
+            }
+        ]
+    return _spawn(_ep_worker, gpus, "cuda", args, peak)
 
 
 def calibration_from(lines: list[dict], accelerator: str, device: str, measured_at: str | None = None):

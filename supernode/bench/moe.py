@@ -305,7 +305,34 @@ def compare_torchtitan(args: argparse.Namespace, tt) -> dict:
     x = torch.randn(args.tokens, args.dim, generator=gen).to(dtype).requires_grad_()
     upstream = torch.randn(args.tokens, args.dim, generator=gen).to(dtype)
     impls = {"ours": lambda: ours(x), "torchtitan": lambda: theirs(x.view(1, args.tokens, args.dim)).view_as(x)}
+    sameness = _same_function(ours, theirs, impls, x, args)
+    times, faults = _alternate(impls, (ours, theirs), x, upstream, args.repeat)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    kept = _with_freed_memory_kept(impls, (ours, theirs), x, upstream, args.repeat)
+    return {
+        "measurement": "moe_layer_vs_torchtitan",
+        "torchtitan_version": _version("torchtitan"),
+        "tokens": args.tokens,
+        "dim": args.dim,
+        "hidden": args.hidden,
+        "experts": args.experts,
+        "topk": args.topk,
+        "shared_experts": args.shared,
+        "score": args.score,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "repeat": args.repeat,
+        **sameness,
+        **_speeds(args.tokens, times, faults),
+        "freed_memory_kept": kept,
+        "load_average_1m": load,
+    }
 
+
+def _same_function(
+    ours: MoE, theirs, impls: dict[str, Callable[[], torch.Tensor]], x: torch.Tensor, args: argparse.Namespace
+) -> dict:
+    """Whether both layers compute the same function on x (`same_function`), and the figures it rests on."""
     # Same function: the same outputs for the tokens routed alike, and every token routed otherwise
     # a near-tie, i.e. the experts torchtitan chose score, by our fp32 scores, within bf16's rounding
     # (2^-8 relative) of our k-th best: its router rounds the scores to bf16 on CPU, so ties there
@@ -322,58 +349,44 @@ def compare_torchtitan(args: argparse.Namespace, tt) -> dict:
     kth = scores.gather(-1, ids_ours).min(-1).values
     near_tie = scores.gather(-1, ids_tt).min(-1).values >= kth * (1 - 2.0**-7) - 1e-6
     same_function = bool(agreement >= 0.5 and near_tie[~same].all() and diff <= 0.05 * max(scale, 1e-6))
-
-    def alternate() -> tuple[dict[str, list[float]], dict[str, float]]:
-        """Both, repetition by repetition (noise hits both alike): times, and minor page faults per step."""
-        times: dict[str, list[float]] = {k: [] for k in impls}
-        faults = dict.fromkeys(impls, 0)
-        for fn in impls.values():  # warm-up
-            _timed(fn, x, upstream)
-        for _ in range(args.repeat):
-            for name, fn in impls.items():
-                for layer in (ours, theirs):
-                    layer.zero_grad(set_to_none=True)
-                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                times[name].append(_timed(fn, x, upstream))
-                faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        return times, {k: round(v / args.repeat) for k, v in faults.items()}
-
-    times, faults = alternate()
-    med = {k: statistics.median(v) for k, v in times.items()}
-    paired = _paired(times)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    # Then with freed memory kept by the C allocator, for both: what is left without page faults.
-    kept = None
-    if _keep_freed_memory():
-        kept_times, kept_faults = alternate()
-        kept_paired = _paired(kept_times)
-        kept = {
-            "paired_speedup_median": round(statistics.median(kept_paired), 3),
-            "paired_speedup_quartiles": _quartiles(kept_paired),
-            "ours_median_s": round(statistics.median(kept_times["ours"]), 5),
-            "torchtitan_median_s": round(statistics.median(kept_times["torchtitan"]), 5),
-            "minor_page_faults_per_step": kept_faults,
-        }
     return {
-        "measurement": "moe_layer_vs_torchtitan",
-        "torchtitan_version": _version("torchtitan"),
-        "tokens": args.tokens,
-        "dim": args.dim,
-        "hidden": args.hidden,
-        "experts": args.experts,
-        "topk": args.topk,
-        "shared_experts": args.shared,
-        "score": args.score,
-        "dtype": args.dtype,
-        "threads": args.threads,
-        "repeat": args.repeat,
         "routing_agreement": round(agreement, 5),
         "other_routing_all_bf16_near_ties": bool(near_tie[~same].all()),
         "max_abs_diff_same_routing": round(diff, 6),
         "output_abs_max": round(scale, 6),
         "same_function": same_function,
-        "ours_tokens_per_s": round(args.tokens / med["ours"], 1),
-        "torchtitan_tokens_per_s": round(args.tokens / med["torchtitan"], 1),
+    }
+
+
+def _alternate(
+    impls: dict[str, Callable[[], torch.Tensor]],
+    layers: tuple[torch.nn.Module, ...],
+    x: torch.Tensor,
+    upstream: torch.Tensor,
+    repeat: int,
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Both, repetition by repetition (noise hits both alike): times, and minor page faults per step."""
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    faults = dict.fromkeys(impls, 0)
+    for fn in impls.values():  # warm-up
+        _timed(fn, x, upstream)
+    for _ in range(repeat):
+        for name, fn in impls.items():
+            for layer in layers:
+                layer.zero_grad(set_to_none=True)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            times[name].append(_timed(fn, x, upstream))
+            faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return times, {k: round(v / repeat) for k, v in faults.items()}
+
+
+def _speeds(tokens: int, times: dict[str, list[float]], faults: dict[str, float]) -> dict:
+    """Tokens/s, speedups (of the medians, and paired) and step times of the alternated runs."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    paired = _paired(times)
+    return {
+        "ours_tokens_per_s": round(tokens / med["ours"], 1),
+        "torchtitan_tokens_per_s": round(tokens / med["torchtitan"], 1),
         "speedup_vs_torchtitan": round(med["torchtitan"] / med["ours"], 3),
         "paired_speedup_median": round(statistics.median(paired), 3),
         "paired_speedup_quartiles": _quartiles(paired),
@@ -382,8 +395,28 @@ def compare_torchtitan(args: argparse.Namespace, tt) -> dict:
         "ours_min_s": round(min(times["ours"]), 5),
         "torchtitan_min_s": round(min(times["torchtitan"]), 5),
         "minor_page_faults_per_step": faults,
-        "freed_memory_kept": kept,
-        "load_average_1m": load,
+    }
+
+
+def _with_freed_memory_kept(
+    impls: dict[str, Callable[[], torch.Tensor]],
+    layers: tuple[torch.nn.Module, ...],
+    x: torch.Tensor,
+    upstream: torch.Tensor,
+    repeat: int,
+) -> dict | None:
+    """Then with freed memory kept by the C allocator, for both: what is left without page faults.
+    None where glibc cannot be told to keep it."""
+    if not _keep_freed_memory():
+        return None
+    times, faults = _alternate(impls, layers, x, upstream, repeat)
+    paired = _paired(times)
+    return {
+        "paired_speedup_median": round(statistics.median(paired), 3),
+        "paired_speedup_quartiles": _quartiles(paired),
+        "ours_median_s": round(statistics.median(times["ours"]), 5),
+        "torchtitan_median_s": round(statistics.median(times["torchtitan"]), 5),
+        "minor_page_faults_per_step": faults,
     }
 
 
@@ -417,6 +450,31 @@ def _version(dist: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.compare else "float32")
+    args.repeat = args.repeat if args.repeat is not None else (15 if args.compare else 5)
+    problems = _argument_problems(args)
+    if problems:
+        ap.error("; ".join(problems))  # exit 2
+    if args.dtype == "bfloat16" and not args.allow_emulated_bf16 and not cpu_has_native_bf16():
+        # A fact of this machine, not a bad flag: one line, before minutes of emulated bf16 (issue 41 item 7).
+        instead = "--allow-emulated-bf16" if args.compare else "--dtype float32 (or --allow-emulated-bf16)"
+        print(
+            "error: --dtype bfloat16: this CPU has no native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo), "
+            f"so torch emulates it and the run takes many minutes; use {instead}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.compare:
+        return _run_comparison(args)
+    print(json.dumps(layer_throughput(args)), flush=True)
+    for ep in args.ep:
+        print(json.dumps(all_to_all_bytes(args, ep)), flush=True)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="supernode bench moe", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     ap.add_argument("--dim", type=int, default=256)
@@ -450,9 +508,11 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("SUPERNODE_TORCHTITAN_PATH"),
         help="directory holding torchtitan and its imports (default: $SUPERNODE_TORCHTITAN_PATH)",
     )
-    args = ap.parse_args(argv)
-    args.dtype = args.dtype or ("bfloat16" if args.compare else "float32")
-    args.repeat = args.repeat if args.repeat is not None else (15 if args.compare else 5)
+    return ap
+
+
+def _argument_problems(args: argparse.Namespace) -> list[str]:
+    """Every bad flag (its dtype and repeat defaults already resolved), in one list: one error for all."""
     problems = [
         f"--{k} must be >= 1 (got {getattr(args, k)})"
         for k in ("tokens", "dim", "hidden", "experts", "topk", "threads", "repeat")
@@ -480,46 +540,35 @@ def main(argv: list[str] | None = None) -> int:
             for k in ("dim", "hidden")
             if getattr(args, k) % 8
         ]
-    if problems:
-        ap.error("; ".join(problems))  # exit 2
-    if args.dtype == "bfloat16" and not args.allow_emulated_bf16 and not cpu_has_native_bf16():
-        # A fact of this machine, not a bad flag: one line, before minutes of emulated bf16 (issue 41 item 7).
-        instead = "--allow-emulated-bf16" if args.compare else "--dtype float32 (or --allow-emulated-bf16)"
+    return problems
+
+
+def _run_comparison(args: argparse.Namespace) -> int:
+    """`--compare torchtitan`: its line, and exit 1 when the two layers do not compute the same function."""
+    try:
+        tt = import_torchtitan(args.torchtitan_path)
+    except ImportError as e:  # ModuleNotFoundError included: torchtitan or one of its imports
         print(
-            "error: --dtype bfloat16: this CPU has no native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo), "
-            f"so torch emulates it and the run takes many minutes; use {instead}",
+            f"error: --compare torchtitan: torchtitan's MoE is not importable ({e}). It is not a project "
+            f"dependency: {TORCHTITAN_INSTALL}",
             file=sys.stderr,
         )
         return 2
-    if args.compare:
-        try:
-            tt = import_torchtitan(args.torchtitan_path)
-        except ImportError as e:  # ModuleNotFoundError included: torchtitan or one of its imports
-            print(
-                f"error: --compare torchtitan: torchtitan's MoE is not importable ({e}). It is not a project "
-                f"dependency: {TORCHTITAN_INSTALL}",
-                file=sys.stderr,
-            )
-            return 2
-        version = _version("torchtitan")
-        if version != TORCHTITAN_VERSION:
-            print(
-                f"warning: torchtitan {version} found; the comparison was written for {TORCHTITAN_VERSION}",
-                file=sys.stderr,
-            )
-        line = compare_torchtitan(args, tt)
-        print(json.dumps(line), flush=True)
-        if not line["same_function"]:
-            print(
-                "error: the two layers do not compute the same function on these weights (see routing_agreement "
-                "and max_abs_diff_same_routing); the speed comparison is void",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
-    print(json.dumps(layer_throughput(args)), flush=True)
-    for ep in args.ep:
-        print(json.dumps(all_to_all_bytes(args, ep)), flush=True)
+    version = _version("torchtitan")
+    if version != TORCHTITAN_VERSION:
+        print(
+            f"warning: torchtitan {version} found; the comparison was written for {TORCHTITAN_VERSION}",
+            file=sys.stderr,
+        )
+    line = compare_torchtitan(args, tt)
+    print(json.dumps(line), flush=True)
+    if not line["same_function"]:
+        print(
+            "error: the two layers do not compute the same function on these weights (see routing_agreement "
+            "and max_abs_diff_same_routing); the speed comparison is void",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

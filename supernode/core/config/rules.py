@@ -25,6 +25,20 @@ def _nets(paths_cidrs: list[tuple[str, str]], issues: list[Issue]) -> list[tuple
 
 def _created_vpc_rules(c: StackConfig, vpc: ipaddress.IPv4Network | None) -> list[Issue]:
     """The stack creates the VPC: its subnets come from the *Cidrs keys, inside vpcCidr, disjoint."""
+    net = c.network
+    issues = _created_subnet_keys(c)
+    subnets = _nets(
+        [(f"{P}network.privateSubnetCidrs[{i}]", s) for i, s in enumerate(net.private_subnet_cidrs)]
+        + [(f"{P}network.publicSubnetCidrs[{i}]", s) for i, s in enumerate(net.public_subnet_cidrs)]
+        + ([(P + "network.gpuSubnetCidr", net.gpu_subnet_cidr)] if net.gpu_subnet_cidr is not None else []),
+        issues,
+    )
+    return issues + _subnets_inside_and_disjoint(subnets, vpc)
+
+
+def _created_subnet_keys(c: StackConfig) -> list[Issue]:
+    """A created VPC's subnet keys: no existing*SubnetId, one private (and none or one public)
+    subnet CIDR per availability zone, a gpuSubnetCidr, and public subnets for a NAT gateway."""
     net, issues = c.network, []
     azs = len(net.availability_zones)
     for key, value in (
@@ -86,13 +100,14 @@ def _created_vpc_rules(c: StackConfig, vpc: ipaddress.IPv4Network | None) -> lis
                 "network.natGateway: false",
             )
         )
+    return issues
 
-    subnets = _nets(
-        [(f"{P}network.privateSubnetCidrs[{i}]", s) for i, s in enumerate(net.private_subnet_cidrs)]
-        + [(f"{P}network.publicSubnetCidrs[{i}]", s) for i, s in enumerate(net.public_subnet_cidrs)]
-        + ([(P + "network.gpuSubnetCidr", net.gpu_subnet_cidr)] if net.gpu_subnet_cidr is not None else []),
-        issues,
-    )
+
+def _subnets_inside_and_disjoint(
+    subnets: list[tuple[str, ipaddress.IPv4Network]], vpc: ipaddress.IPv4Network | None
+) -> list[Issue]:
+    """Every subnet inside the VPC's CIDR (when that is valid), and no two overlapping."""
+    issues: list[Issue] = []
     if vpc:
         for path, subnet in subnets:
             if not subnet.subnet_of(vpc):
@@ -264,57 +279,64 @@ def _node_groups(c: StackConfig) -> list[Issue]:
             )
         if g.require_efa and CATALOG[g.instance_type].efa_interfaces == 0:
             issues.append(Issue(path=gp + ".instanceType", value=g.instance_type, message="instance type has no EFA"))
-        cap = g.capacity
-        if cap.type != "on-demand" and not cap.reservation_id:
-            issues.append(
-                Issue(
-                    path=gp + ".capacity.reservationId",
-                    value=None,
-                    message=f"capacity type {cap.type} needs a reservation id (cr-...)",
-                )
-            )
-        if cap.type == "on-demand" and cap.reservation_id:
-            issues.append(
-                Issue(
-                    path=gp + ".capacity.type",
-                    value=cap.type,
-                    message="a reservation id is set: use capacity-reservation or capacity-block",
-                )
-            )
-        if cap.availability_zone and cap.availability_zone != c.availability_zone:
-            issues.append(
-                Issue(
-                    path=gp + ".capacity.availabilityZone",
-                    value=cap.availability_zone,
-                    message=f"the reservation's AZ must be the GPU subnet's AZ {c.availability_zone}",
-                )
-            )
-        if cap.type == "capacity-block" and cap.ends_at is None:
-            issues.append(
-                Issue(
-                    path=gp + ".capacity.endsAt",
-                    missing=True,
-                    message="a Capacity Block needs its end time (EC2's EndDate, e.g. 2026-03-14T11:30:00Z): "
-                    "the node group is scaled to 0 forty minutes before it",
-                )
-            )
-        if cap.type != "capacity-block" and cap.ends_at is not None:
-            issues.append(
-                Issue(
-                    path=gp + ".capacity.endsAt",
-                    value=cap.ends_at.isoformat(),
-                    message=f"endsAt is a Capacity Block's end; capacity type {cap.type} has none: remove it",
-                )
-            )
-        if cap.type == "capacity-block" and g.placement_group:
-            issues.append(
-                Issue(
-                    path=gp + ".placementGroup",
-                    value=True,
-                    message="Capacity Blocks are already co-located and conflict with a placement group; set false",
-                )
-            )
+        issues += _capacity(g, gp, c.availability_zone)
         issues += _ultra_server(g, gp)
+    return issues
+
+
+def _capacity(g, gp: str, availability_zone: str) -> list[Issue]:
+    """A group's capacity: a reservation id exactly when not on-demand, the reservation in the GPU
+    subnet's AZ, and a Capacity Block's end time (endsAt) and no placement group."""
+    cap, issues = g.capacity, []
+    if cap.type != "on-demand" and not cap.reservation_id:
+        issues.append(
+            Issue(
+                path=gp + ".capacity.reservationId",
+                value=None,
+                message=f"capacity type {cap.type} needs a reservation id (cr-...)",
+            )
+        )
+    if cap.type == "on-demand" and cap.reservation_id:
+        issues.append(
+            Issue(
+                path=gp + ".capacity.type",
+                value=cap.type,
+                message="a reservation id is set: use capacity-reservation or capacity-block",
+            )
+        )
+    if cap.availability_zone and cap.availability_zone != availability_zone:
+        issues.append(
+            Issue(
+                path=gp + ".capacity.availabilityZone",
+                value=cap.availability_zone,
+                message=f"the reservation's AZ must be the GPU subnet's AZ {availability_zone}",
+            )
+        )
+    if cap.type == "capacity-block" and cap.ends_at is None:
+        issues.append(
+            Issue(
+                path=gp + ".capacity.endsAt",
+                missing=True,
+                message="a Capacity Block needs its end time (EC2's EndDate, e.g. 2026-03-14T11:30:00Z): "
+                "the node group is scaled to 0 forty minutes before it",
+            )
+        )
+    if cap.type != "capacity-block" and cap.ends_at is not None:
+        issues.append(
+            Issue(
+                path=gp + ".capacity.endsAt",
+                value=cap.ends_at.isoformat(),
+                message=f"endsAt is a Capacity Block's end; capacity type {cap.type} has none: remove it",
+            )
+        )
+    if cap.type == "capacity-block" and g.placement_group:
+        issues.append(
+            Issue(
+                path=gp + ".placementGroup",
+                value=True,
+                message="Capacity Blocks are already co-located and conflict with a placement group; set false",
+            )
+        )
     return issues
 
 
