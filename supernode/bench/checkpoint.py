@@ -53,7 +53,6 @@ from supernode.trainer.checkpoint import Checkpointer, train_state
 from supernode.trainer.model import Transformer, loss_fn
 
 GOAL = 0.2
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Position:
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part", choices=("all", "stall", "hash"), default="all")
     p.add_argument("--ranks", type=int, default=4, help="gloo ranks that write the checkpoint the hash part measures")
     p.add_argument("--stack", default="prod", help="the stack whose checkpoint the measured rate is projected to")
-    p.add_argument("--root", type=Path, default=ROOT, help="directory holding Pulumi.<stack>.yaml")
+    p.add_argument("--root", type=Path, default=Path("."), help="directory holding Pulumi.<stack>.yaml (default: .)")
     args = p.parse_args(argv)
     for name, least in (
         ("dim", 1),
@@ -274,7 +273,6 @@ def _save_rank(rank: int, world: int, work: str, cfg: Model) -> None:
             keep=1,
             state=train_state(model, opt, sched, _Position()),
             async_save=False,
-            say=lambda line: None,
         )
         ckpt.save(1, sync=True)
         ckpt.close()

@@ -30,7 +30,6 @@ from supernode.core.plan import Plan, build_plan
 from supernode.trainer.data.manifest import read_manifest, scan_shard
 from supernode.trainer.data.prepare import write_synthetic
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 32768
 
 
@@ -75,7 +74,6 @@ def _child(data: Path, plan: Plan, steps: int, scratch: Path) -> dict:
         capture_output=True,
         text=True,
         check=True,
-        cwd=ROOT,
     )
     return json.loads(r.stdout)
 
@@ -107,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes-gb", type=float, nargs="+", default=[0.5, 2.0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dir", type=Path, default=None, help="keep the synthetic datasets here (default: temporary)")
+    p.add_argument("--root", type=Path, default=Path("."), help="directory holding Pulumi.<stack>.yaml (default: .)")
     p.add_argument("--measure", nargs=3, help=argparse.SUPPRESS)  # the child process
     args = p.parse_args(argv)
     if args.measure:
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     scratch = args.dir or Path(tempfile.mkdtemp(prefix="bench-data-"))
     try:
-        plans = {s: build_plan(s, load_stack(s, ROOT)) for s in ("dev", "prod")}
+        plans = {s: build_plan(s, load_stack(s, args.root)) for s in ("dev", "prod")}
         sets = {gb: synthetic(scratch / f"{gb:g}gb", gb) for gb in args.sizes_gb}
         for stack, plan in plans.items():
             t, dp = plan.training, plan.degrees.dp
