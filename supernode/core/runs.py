@@ -232,6 +232,132 @@ def _has_legacy(out: Path) -> bool:
     return legacy.is_dir() and any(legacy.glob(PREFIX + "*"))
 
 
+def _check_run_flags(run: str | None, from_run: str | None, step: int | None, run_flag: str) -> None:
+    """The flags alone: --step and --from-run together, a step of at least 1, run names well formed."""
+    if step is not None and from_run is None:
+        raise BadInput(f"--step {step} goes with --from-run (the run whose step a new run starts from)")
+    if from_run is not None and step is None:
+        raise BadInput(f"--from-run {from_run} needs --step N (the step of {from_run} to start from)")
+    if step is not None and step < 1:
+        raise BadInput(f"--step {step}: a checkpoint's step is at least 1")
+    for flag, value in ((run_flag, run), ("--from-run", from_run)):
+        if value is not None:
+            check_run_id(flag, value)
+
+
+def _migrated_runs(
+    out: Path,
+    stack: str,
+    model: dict,
+    run: str | None,
+    from_run: str | None,
+    found: dict[str, dict[str, Any]],
+    say: Callable[[str], None],
+) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """The runs and the run asked for, once OUT/checkpoints (before run identities) is a run: the one
+    a migration interrupted, else the named new run, else a fresh id; a start that names no run
+    trains into the migrated one."""
+    if not _has_legacy(out):
+        return found, run
+    pending = [
+        r for r, rec in found.items() if rec.get("migrated_from") and not (out / RUNS / r / CHECKPOINTS).exists()
+    ]
+    target = pending[0] if pending else run if run and run not in found and from_run is None else new_run_id()
+    _migrate_legacy(out, stack, model, target, say)
+    found = runs(out)
+    if run is None and from_run is None:
+        run = target
+    return found, run
+
+
+def _branch_parent(
+    out: Path,
+    found: dict[str, dict[str, Any]],
+    model: dict,
+    run: str | None,
+    from_run: str,
+    step: int,
+    run_flag: str,
+) -> tuple[str, int]:
+    """The parent (run, step) of a branch, checked: a run of this model with that complete step, and
+    a new run name (or the branch's own, to resume it)."""
+    if from_run not in found:
+        raise BadInput(f"--from-run {from_run}: no such run in {out / RUNS} (runs: {', '.join(found) or 'none'})")
+    if found[from_run].get("model_fingerprint") != model_fingerprint(model):
+        raise _mismatch(
+            f"--from-run {from_run}: run {from_run}",
+            found[from_run],
+            model,
+            "branch from a run of this model, or train this plan as a fresh run (--run new)",
+        )
+    have = [s for s, _ in complete_checkpoints(run_dir(out, from_run) / CHECKPOINTS)]
+    if step not in have:
+        raise BadInput(
+            f"--step {step}: run {from_run} has no complete checkpoint of step {step} on this file system "
+            f"(it has {', '.join(map(str, have)) or 'none'}; `supernode checkpoints` lists the steps S3 keeps)"
+        )
+    if run is None:
+        raise BadInput(f"--from-run {from_run} needs {run_flag} NAME: the new run's name (`supernode train` gives one)")
+    if run in found and found[run].get("parent") != {"run": from_run, "step": step}:
+        rec = found[run]
+        raise BadInput(
+            f"{run_flag} {run}: {describe(rec)} exists; give a new name to branch from "
+            f"{from_run} step {step}, or drop --from-run and --step to resume it"
+        )
+    return from_run, step
+
+
+def _open_run(
+    out: Path,
+    stack: str,
+    model: dict,
+    run: str | None,
+    found: dict[str, dict[str, Any]],
+    parent: tuple[str, int] | None,
+    run_flag: str,
+) -> RunChoice:
+    """The run resumed (of this model), or created with its run.json; no `run`: the latest run, or a
+    fresh one where OUT has none."""
+    who = f"{run_flag} {run}: run {run}"
+    if run is None:
+        run = latest_run(found) or new_run_id()
+        who = f"run {run} (the latest in {out / RUNS})"
+    d = run_dir(out, run)
+    if run in found:
+        rec, how = found[run], "resumed"
+        if rec.get("model_fingerprint") != model_fingerprint(model):
+            raise _mismatch(
+                who,
+                rec,
+                model,
+                "resume it with the plan that wrote it, or start a fresh run (--run new)",
+            )
+    else:
+        rec, how = record(stack, run, model, parent), "branched" if parent else "new"
+        try:
+            write_record(d, rec)
+        except FileExistsError:  # written since we listed: it is the run's own record
+            rec = read_record(d) or rec
+    return RunChoice(run, d, rec, how)
+
+
+def _starting_point(out: Path, choice: RunChoice, run_flag: str) -> RunChoice:
+    """A run with no checkpoint of its own yet starts now: new, or branched from its parent's step,
+    which must still be complete."""
+    origin = choice.record.get("parent")
+    if not complete_checkpoints(choice.checkpoints):  # nothing of its own yet: it starts now
+        choice.how = "branched" if isinstance(origin, dict) else "new"
+    if isinstance(origin, dict) and not complete_checkpoints(choice.checkpoints):
+        step_dir = run_dir(out, str(origin["run"])) / CHECKPOINTS / f"{PREFIX}{int(origin['step']):08d}"
+        if not (step_dir / COMPLETE).is_file():
+            raise BadInput(
+                f"{run_flag} {choice.run}: it starts from run {origin['run']} step {origin['step']}, and {step_dir} is "
+                "not a complete checkpoint any more; restore it (supernode drill restore --keep) or start a fresh run"
+            )
+        choice.parent_step = step_dir
+    return choice
+
+
 def prepare_run(
     out: Path,
     stack: str,
@@ -252,84 +378,9 @@ def prepare_run(
     an unknown run, a step the run does not have, a run of another model) is BadInput naming the flag
     and its value."""
     out = Path(out)
-    if step is not None and from_run is None:
-        raise BadInput(f"--step {step} goes with --from-run (the run whose step a new run starts from)")
-    if from_run is not None and step is None:
-        raise BadInput(f"--from-run {from_run} needs --step N (the step of {from_run} to start from)")
-    if step is not None and step < 1:
-        raise BadInput(f"--step {step}: a checkpoint's step is at least 1")
-    for flag, value in ((run_flag, run), ("--from-run", from_run)):
-        if value is not None:
-            check_run_id(flag, value)
-    found = runs(out)
-    if _has_legacy(out):
-        pending = [
-            r for r, rec in found.items() if rec.get("migrated_from") and not (out / RUNS / r / CHECKPOINTS).exists()
-        ]
-        target = pending[0] if pending else run if run and run not in found and from_run is None else new_run_id()
-        _migrate_legacy(out, stack, model, target, say)
-        found = runs(out)
-        if run is None and from_run is None:
-            run = target
-    ours = model_fingerprint(model)
+    _check_run_flags(run, from_run, step, run_flag)
+    found, run = _migrated_runs(out, stack, model, run, from_run, runs(out), say)
     parent: tuple[str, int] | None = None
     if from_run is not None and step is not None:
-        if from_run not in found:
-            raise BadInput(f"--from-run {from_run}: no such run in {out / RUNS} (runs: {', '.join(found) or 'none'})")
-        if found[from_run].get("model_fingerprint") != ours:
-            raise _mismatch(
-                f"--from-run {from_run}: run {from_run}",
-                found[from_run],
-                model,
-                "branch from a run of this model, or train this plan as a fresh run (--run new)",
-            )
-        have = [s for s, _ in complete_checkpoints(run_dir(out, from_run) / CHECKPOINTS)]
-        if step not in have:
-            raise BadInput(
-                f"--step {step}: run {from_run} has no complete checkpoint of step {step} on this file system "
-                f"(it has {', '.join(map(str, have)) or 'none'}; `supernode checkpoints` lists the steps S3 keeps)"
-            )
-        parent = (from_run, step)
-        if run is None:
-            raise BadInput(
-                f"--from-run {from_run} needs {run_flag} NAME: the new run's name (`supernode train` gives one)"
-            )
-        if run in found and found[run].get("parent") != {"run": from_run, "step": step}:
-            rec = found[run]
-            raise BadInput(
-                f"{run_flag} {run}: {describe(rec)} exists; give a new name to branch from "
-                f"{from_run} step {step}, or drop --from-run and --step to resume it"
-            )
-    who = f"{run_flag} {run}: run {run}"
-    if run is None:
-        run = latest_run(found) or new_run_id()
-        who = f"run {run} (the latest in {out / RUNS})"
-    d = run_dir(out, run)
-    if run in found:
-        rec, how = found[run], "resumed"
-        if rec.get("model_fingerprint") != ours:
-            raise _mismatch(
-                who,
-                rec,
-                model,
-                "resume it with the plan that wrote it, or start a fresh run (--run new)",
-            )
-    else:
-        rec, how = record(stack, run, model, parent), "branched" if parent else "new"
-        try:
-            write_record(d, rec)
-        except FileExistsError:  # written since we listed: it is the run's own record
-            rec = read_record(d) or rec
-    origin = rec.get("parent")
-    choice = RunChoice(run, d, rec, how)
-    if not complete_checkpoints(choice.checkpoints):  # nothing of its own yet: it starts now
-        choice.how = "branched" if isinstance(origin, dict) else "new"
-    if isinstance(origin, dict) and not complete_checkpoints(choice.checkpoints):
-        step_dir = run_dir(out, str(origin["run"])) / CHECKPOINTS / f"{PREFIX}{int(origin['step']):08d}"
-        if not (step_dir / COMPLETE).is_file():
-            raise BadInput(
-                f"{run_flag} {run}: it starts from run {origin['run']} step {origin['step']}, and {step_dir} is "
-                "not a complete checkpoint any more; restore it (supernode drill restore --keep) or start a fresh run"
-            )
-        choice.parent_step = step_dir
-    return choice
+        parent = _branch_parent(out, found, model, run, from_run, step, run_flag)
+    return _starting_point(out, _open_run(out, stack, model, run, found, parent, run_flag), run_flag)

@@ -234,19 +234,14 @@ def _bpe_texts(paths: Sequence[Path]) -> Iterator[str]:
         yield from _texts(c)
 
 
-def prepare(
+def _checked_inputs(
     corpus_paths: Sequence[str | Path],
     out_dir: str | Path,
-    shard_tokens: int = 1 << 27,
-    *,
-    tokenizer: Path | None = None,
-    train_bpe_vocab: int | None = None,
-    eos: str | None = None,
-    workers: int | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
-    progress: bool = False,
-) -> dict:
-    """Tokenize the corpus into `out_dir` (see the module docstring); returns the manifest."""
+    shard_tokens: int,
+    tokenizer: Path | None,
+    train_bpe_vocab: int | None,
+) -> tuple[list[Path], Path]:
+    """The corpus files and the output directory, or a DataError before anything is written."""
     if shard_tokens < 1:
         raise DataError(f"shard_tokens must be positive (got {shard_tokens})")
     if tokenizer is not None and train_bpe_vocab is not None:
@@ -269,24 +264,42 @@ def prepare(
             raise DataError(
                 f"--tokenizer {tokenizer} is the tokenizer of the output directory; copy it elsewhere first"
             )
-    spec = (
+    return paths, out
+
+
+def _tokenizer_spec(tokenizer: Path | None, train_bpe_vocab: int | None, eos: str | None) -> str:
+    """The tokenizer setting as the settings key records it (a given file by its content)."""
+    return (
         f"file:{hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()}:{eos}"
         if tokenizer
         else f"bpe:{train_bpe_vocab}"
         if train_bpe_vocab
         else "bytes"
     )
-    key = _settings_key(paths, spec, shard_tokens, chunk_bytes)
-    if _read_json(out / MANIFEST).get("prepare_key") == key:
-        return _read_json(out / MANIFEST)  # already prepared from these inputs with these settings
+
+
+def _journal(out: Path, key: str) -> dict:
+    """Where an interrupted prepare with the same settings stopped; with other settings, a fresh
+    journal and the earlier run's files removed."""
     out.mkdir(parents=True, exist_ok=True)
     journal = _read_json(out / JOURNAL)
     if journal.get("key") != key:
         _start_over(out)
         journal = {"key": key, "shards": [], "chunk": 0, "skip": 0, "documents": 0}
+    return journal
 
-    tok = _tokenizer(paths, out, tokenizer, train_bpe_vocab, eos, journal)
-    work = chunks(paths, chunk_bytes)
+
+def _write_shards(
+    out: Path,
+    work: list[Chunk],
+    tok: Tokenizer,
+    journal: dict,
+    shard_tokens: int,
+    workers: int | None,
+    progress: bool,
+) -> tuple[list[dict], int]:
+    """Tokenize the chunks from where the journal resumes into shards, journalled after each; the
+    shards and the count of documents."""
     cursor = {"chunk": journal["chunk"], "skip": journal["skip"], "documents": journal["documents"]}
 
     def record() -> None:  # after each shard: where the input resumes (a chunk, tokens of it to skip)
@@ -307,6 +320,29 @@ def prepare(
             documents += docs
             bar.advance(nbytes, ids.size - skip)
         shards = writer.close()
+    return shards, documents
+
+
+def prepare(
+    corpus_paths: Sequence[str | Path],
+    out_dir: str | Path,
+    shard_tokens: int = 1 << 27,
+    *,
+    tokenizer: Path | None = None,
+    train_bpe_vocab: int | None = None,
+    eos: str | None = None,
+    workers: int | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    progress: bool = False,
+) -> dict:
+    """Tokenize the corpus into `out_dir` (see the module docstring); returns the manifest."""
+    paths, out = _checked_inputs(corpus_paths, out_dir, shard_tokens, tokenizer, train_bpe_vocab)
+    key = _settings_key(paths, _tokenizer_spec(tokenizer, train_bpe_vocab, eos), shard_tokens, chunk_bytes)
+    if _read_json(out / MANIFEST).get("prepare_key") == key:
+        return _read_json(out / MANIFEST)  # already prepared from these inputs with these settings
+    journal = _journal(out, key)
+    tok = _tokenizer(paths, out, tokenizer, train_bpe_vocab, eos, journal)
+    shards, documents = _write_shards(out, chunks(paths, chunk_bytes), tok, journal, shard_tokens, workers, progress)
     manifest = {
         "format": FORMAT,
         "tokenizer": tok.describe(),

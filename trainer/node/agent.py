@@ -444,7 +444,7 @@ def configmap_ref(flag: str) -> Callable[[str], tuple[str, str]]:
     return parse
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m supernode.trainer.node.agent", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("watch", help="check this node every --interval-s and act (the DaemonSet)")
@@ -475,55 +475,70 @@ def main(argv: list[str] | None = None) -> int:
         help="hold: admit or release a node only on rounds in which every check ran; admit: on the checks that ran",
     )
     w.add_argument("--once", action="store_true", help="one round, then exit")
+    return p
+
+
+def checked_tracker(args: argparse.Namespace) -> health.Tracker:
+    """The flags checked (a BadInput otherwise); the quarantine tracker they configure."""
+    if args.instance_type is not None:  # a fallback that could never judge a node is a typo: say so now
+        try:
+            instance = lookup(args.instance_type)
+        except KeyError as e:
+            raise BadInput(f"--instance-type: {e.args[0]}") from None
+        if not instance.vendor_row.node_agent:
+            raise BadInput(f"--instance-type: {instance.name} is not an NVIDIA GPU instance")
+    if args.interval_s < 30:
+        raise BadInput(f"--interval-s must be at least 30, got {args.interval_s}")
+    if (args.fabric_verdict is None) != (args.fabric_max_age_s is None):
+        raise BadInput("--fabric-verdict and --fabric-max-age-s go together: give both or neither")
+    if args.fabric_max_age_s is not None and args.fabric_max_age_s <= 0:
+        raise BadInput(f"--fabric-max-age-s must be positive, got {args.fabric_max_age_s:g}")
     try:
-        args = p.parse_args(argv)
+        return health.Tracker(args.release_after, args.replace_after, args.window_s)
+    except ValueError as e:
+        raise BadInput(f"--{str(e).replace('_', '-')}") from None
+
+
+def watch_node(args: argparse.Namespace, tracker: health.Tracker) -> int:
+    """Check and act on this node every --interval-s (one round with --once). A BadInput (the pod
+    lacks what the DaemonSet gives it: NODE_NAME, the Kubernetes API) ends it; other errors of a
+    round are printed and the next round retries."""
+    node_name = os.environ.get("NODE_NAME") or ""
+    if not node_name:
+        raise BadInput("NODE_NAME is not set (the DaemonSet sets it from spec.nodeName)")
+    kube = Kube()
+    import boto3  # the trainer image has it; a failing import is a broken image, not bad input
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    autoscaling = boto3.client("autoscaling")
+    watch = Watch(
+        node_name,
+        args.instance_type,
+        args.evict_namespace,
+        tracker,
+        args.fabric_verdict,
+        args.fabric_max_age_s or 0.0,
+        unchecked=args.unchecked_nodes,
+    )
+    exit_on_sigterm()
+    while True:
+        try:
+            line = watch.round(kube, autoscaling, gather, deep_check, time.time())
+            print(json.dumps(line, sort_keys=True), flush=True)
+        except (OSError, ValueError, KeyError, BotoCoreError, ClientError) as e:  # next round retries
+            print(json.dumps({"node": node_name, "agent": "error", "error": str(e)}), flush=True)
+        if args.once:
+            return EXIT_OK
+        time.sleep(args.interval_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
     except SystemExit as e:
         return EXIT_BAD_INPUT if e.code else EXIT_OK
     try:
-        if args.instance_type is not None:  # a fallback that could never judge a node is a typo: say so now
-            try:
-                instance = lookup(args.instance_type)
-            except KeyError as e:
-                raise BadInput(f"--instance-type: {e.args[0]}") from None
-            if not instance.vendor_row.node_agent:
-                raise BadInput(f"--instance-type: {instance.name} is not an NVIDIA GPU instance")
-        if args.interval_s < 30:
-            raise BadInput(f"--interval-s must be at least 30, got {args.interval_s}")
-        if (args.fabric_verdict is None) != (args.fabric_max_age_s is None):
-            raise BadInput("--fabric-verdict and --fabric-max-age-s go together: give both or neither")
-        if args.fabric_max_age_s is not None and args.fabric_max_age_s <= 0:
-            raise BadInput(f"--fabric-max-age-s must be positive, got {args.fabric_max_age_s:g}")
-        try:
-            tracker = health.Tracker(args.release_after, args.replace_after, args.window_s)
-        except ValueError as e:
-            raise BadInput(f"--{str(e).replace('_', '-')}") from None
-        node_name = os.environ.get("NODE_NAME") or ""
-        if not node_name:
-            raise BadInput("NODE_NAME is not set (the DaemonSet sets it from spec.nodeName)")
-        kube = Kube()
-        import boto3  # the trainer image has it; a failing import is a broken image, not bad input
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        autoscaling = boto3.client("autoscaling")
-        watch = Watch(
-            node_name,
-            args.instance_type,
-            args.evict_namespace,
-            tracker,
-            args.fabric_verdict,
-            args.fabric_max_age_s or 0.0,
-            unchecked=args.unchecked_nodes,
-        )
-        exit_on_sigterm()
-        while True:
-            try:
-                line = watch.round(kube, autoscaling, gather, deep_check, time.time())
-                print(json.dumps(line, sort_keys=True), flush=True)
-            except (OSError, ValueError, KeyError, BotoCoreError, ClientError) as e:  # next round retries
-                print(json.dumps({"node": node_name, "agent": "error", "error": str(e)}), flush=True)
-            if args.once:
-                return EXIT_OK
-            time.sleep(args.interval_s)
+        return watch_node(args, checked_tracker(args))
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -48,6 +48,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -464,32 +465,136 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def checked_inputs(args: argparse.Namespace) -> tuple[float, int, dict | None]:
+    """The gate floor, the ranks per node and the baseline report (None when there is none yet); a
+    BadInput before any rank joins a collective."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    floor = plan_floor(args.plan) if args.plan is not None else args.min_busbw_gbytes_s
+    if floor < 0 or args.iters < 1 or args.warmup < 0:
+        raise BadInput("the bus-bandwidth floor must be >= 0, --iters >= 1, --warmup >= 0")
+    if not 0 < args.regression < 1:
+        raise BadInput(f"--regression {args.regression}: give a fraction between 0 and 1, e.g. 0.2")
+    if per_node < 1 or world % per_node:
+        raise BadInput(f"--ranks-per-node {per_node}: must divide the world size {world}")
+    baseline = read_report(args.baseline, "--baseline") if args.baseline and args.baseline.exists() else None
+    missing = [v for v in TORCHRUN_ENV if v not in os.environ]
+    if missing:  # else init_process_group's env:// rendezvous fails with a traceback
+        raise BadInput(
+            f"supernode.trainer.node.fabric runs under torchrun ({', '.join(missing)} not set): "
+            "torchrun --nproc-per-node N -m supernode.trainer.node.fabric ..."
+        )
+    return floor, per_node, baseline
+
+
+def measure_collectives(
+    sizes: list[int], device: torch.device, warmup: int, iters: int, say: Callable[[dict], None]
+) -> tuple[float, list[dict], dict]:
+    """Every rank: all_reduce and all_to_all over `sizes`, then the latency; the best all_reduce
+    bus bandwidth (what the gate compares with the floor), the points and the latency line."""
+    best, points = 0.0, []
+    for op in ("all_reduce", "all_to_all"):
+        for size in sizes:
+            points.append(measure(op, size, device, warmup, iters))
+            if op == "all_reduce":
+                best = max(best, points[-1]["busbw_gb_s"])
+            say(points[-1])
+    lat = latency(device, warmup, iters)
+    say(lat)
+    return best, points, lat
+
+
+def write_reports(
+    args: argparse.Namespace,
+    report: dict,
+    baseline: dict | None,
+    matrix: dict,
+    found: dict,
+    say: Callable[[dict], None],
+) -> bool:
+    """Rank 0: this run's report, the baseline recorded (none yet) or extended (a new node); False
+    when a file could not be written."""
+    extended = extend_baseline(baseline, matrix, found, report["time"]) if baseline else None
+    try:
+        if args.report:
+            write_report(args.report, report)
+        if args.baseline and baseline is None:
+            write_report(args.baseline, report)
+            say({"fabric_baseline": "recorded", "path": str(args.baseline), "nodes": len(matrix["nodes"])})
+        if extended is not None:
+            write_report(args.baseline, extended)
+            say({"fabric_baseline": "extended", "path": str(args.baseline), **extended["rebaselined"][-1]})
+    except OSError as e:  # a lost report is a failed check, said once; the peers still exit
+        print(f"error: report not written: {e.filename}: {e.strerror}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def record_verdict(
+    configmap: tuple[str, str], matrix: dict, found: dict, when: float, say: Callable[[dict], None]
+) -> bool:
+    """Rank 0: the verdict on each measured node, patched into `configmap`; False when it was not."""
+    try:
+        body = verdict_patch(*configmap, matrix, found, when)
+        Kube().patch_configmap(body)
+        say({"fabric_verdict": "recorded", "configmap": "/".join(configmap), "nodes": len(body["data"])})
+    except (BadInput, OSError, ValueError) as e:  # the nodes' agents would act on an old verdict
+        print(f"error: verdict not recorded in {'/'.join(configmap)}: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def judge(
+    args: argparse.Namespace,
+    floor: float,
+    per_node: int,
+    baseline: dict | None,
+    measured: tuple[float, list[dict], dict],
+    matrix: dict,
+    say: Callable[[dict], None],
+) -> bool:
+    """Rank 0: compare the pair matrix, write the reports and the verdict, print the gate line;
+    whether the check passed."""
+    best, points, lat = measured
+    for p in matrix["pairs"]:
+        say(p)
+    found = compare(matrix["pairs"], args.regression, baseline["pairs"] if baseline else None)
+    say({"fabric_check": "pairs", "rounds": matrix["rounds"], "pairs": len(matrix["pairs"]), **found})
+    passed = best >= floor and not found["suspect_nodes"]
+    report = {
+        "time": time.time(),
+        "world_size": dist.get_world_size(),
+        "ranks_per_node": per_node,
+        "collectives": points,
+        "latency": lat,
+        **matrix,
+        "compare": found,
+    }
+    written = write_reports(args, report, baseline, matrix, found, say)
+    recorded = args.verdict_configmap is None or record_verdict(
+        args.verdict_configmap, matrix, found, report["time"], say
+    )
+    passed = passed and written and recorded
+    say(
+        {
+            "gate": "all_reduce_busbw",
+            "best_busbw_gb_s": best,
+            "min_busbw_gb_s": floor,
+            "suspect_nodes": found["suspect_nodes"],
+            "passed": passed,
+        }
+    )
+    return passed
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse already printed the problem
         return EXIT_BAD_INPUT if e.code else 0
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     try:
-        floor = plan_floor(args.plan) if args.plan is not None else args.min_busbw_gbytes_s
-        if floor < 0 or args.iters < 1 or args.warmup < 0:
-            raise BadInput("the bus-bandwidth floor must be >= 0, --iters >= 1, --warmup >= 0")
-        if not 0 < args.regression < 1:
-            raise BadInput(f"--regression {args.regression}: give a fraction between 0 and 1, e.g. 0.2")
-        if per_node < 1 or world % per_node:
-            raise BadInput(f"--ranks-per-node {per_node}: must divide the world size {world}")
-        baseline = read_report(args.baseline, "--baseline") if args.baseline and args.baseline.exists() else None
-        missing = [v for v in TORCHRUN_ENV if v not in os.environ]
-        if missing:  # else init_process_group's env:// rendezvous fails with a traceback
-            raise BadInput(
-                f"supernode.trainer.node.fabric runs under torchrun ({', '.join(missing)} not set): "
-                "torchrun --nproc-per-node N -m supernode.trainer.node.fabric ..."
-            )
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:  # the plan's accelerator (a manual run without --plan: a GPU if there is one)
+        floor, per_node, baseline = checked_inputs(args)
+        # the plan's accelerator (a manual run without --plan: a GPU if there is one)
         choice = choose(Plan.read(args.plan).hardware.torch_device if args.plan is not None else None)
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
@@ -500,73 +605,13 @@ def main(argv: list[str] | None = None) -> int:
     # The device's own collectives (NCCL, or Neuron's over NeuronLink and EFA): what the gate measures.
     dist.init_process_group(choice.device_backend, timeout=timedelta(seconds=args.timeout_s))
     try:
-        rank, best, points = dist.get_rank(), 0.0, []
+        rank = dist.get_rank()
         say = (lambda doc: print(json.dumps(doc), flush=True)) if rank == 0 else (lambda doc: None)
-        for op in ("all_reduce", "all_to_all"):
-            for size in sizes:
-                points.append(measure(op, size, device, args.warmup, args.iters))
-                if op == "all_reduce":
-                    best = max(best, points[-1]["busbw_gb_s"])
-                say(points[-1])
-        lat = latency(device, args.warmup, args.iters)
-        say(lat)
+        measured = measure_collectives(sizes, device, args.warmup, args.iters, say)
         matrix = measure_pairs(per_node, pair_bytes, device, args.warmup, args.iters)
-        passed = best >= floor
+        passed = measured[0] >= floor  # the best all_reduce bus bandwidth
         if rank == 0:
-            for p in matrix["pairs"]:
-                say(p)
-            found = compare(matrix["pairs"], args.regression, baseline["pairs"] if baseline else None)
-            say({"fabric_check": "pairs", "rounds": matrix["rounds"], "pairs": len(matrix["pairs"]), **found})
-            passed = passed and not found["suspect_nodes"]
-            report = {
-                "time": time.time(),
-                "world_size": dist.get_world_size(),
-                "ranks_per_node": per_node,
-                "collectives": points,
-                "latency": lat,
-                **matrix,
-                "compare": found,
-            }
-            extended = extend_baseline(baseline, matrix, found, report["time"]) if baseline else None
-            try:
-                if args.report:
-                    write_report(args.report, report)
-                if args.baseline and baseline is None:
-                    write_report(args.baseline, report)
-                    say({"fabric_baseline": "recorded", "path": str(args.baseline), "nodes": len(matrix["nodes"])})
-                if extended is not None:
-                    write_report(args.baseline, extended)
-                    say({"fabric_baseline": "extended", "path": str(args.baseline), **extended["rebaselined"][-1]})
-            except OSError as e:  # a lost report is a failed check, said once; the peers still exit
-                print(f"error: report not written: {e.filename}: {e.strerror}", file=sys.stderr, flush=True)
-                passed = False
-            if args.verdict_configmap is not None:
-                try:
-                    body = verdict_patch(*args.verdict_configmap, matrix, found, report["time"])
-                    Kube().patch_configmap(body)
-                    say(
-                        {
-                            "fabric_verdict": "recorded",
-                            "configmap": "/".join(args.verdict_configmap),
-                            "nodes": len(body["data"]),
-                        }
-                    )
-                except (BadInput, OSError, ValueError) as e:  # the nodes' agents would act on an old verdict
-                    print(
-                        f"error: verdict not recorded in {'/'.join(args.verdict_configmap)}: {e}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    passed = False
-            say(
-                {
-                    "gate": "all_reduce_busbw",
-                    "best_busbw_gb_s": best,
-                    "min_busbw_gb_s": floor,
-                    "suspect_nodes": found["suspect_nodes"],
-                    "passed": passed,
-                }
-            )
+            passed = judge(args, floor, per_node, baseline, measured, matrix, say)
         verdict = torch.tensor([int(passed)], device=device)
         dist.broadcast(verdict, src=0)  # every rank exits as rank 0 judged
         return 0 if verdict.item() else 1
