@@ -57,9 +57,9 @@ import torch
 import torch.distributed as dist
 
 from supernode.core.errors import EXIT_BAD_INPUT, BadInput
+from supernode.core.faults import inject
 from supernode.core.plan import Plan
 
-from ..checkpoint import inject
 from ..device import choose, synchronize
 from . import health
 from .agent import Kube, configmap_ref
