@@ -79,6 +79,20 @@ def meta(
     return m
 
 
+def pod_security_namespace(
+    resource: str, name: str, enforce: str, warn: str, opts: pulumi.ResourceOptions
+) -> k8s.core.v1.Namespace:
+    """A namespace whose pods Pod Security admission holds to `enforce` (and warns above `warn`)."""
+    return k8s.core.v1.Namespace(
+        resource,
+        metadata=meta(
+            name,
+            labels={"pod-security.kubernetes.io/enforce": enforce, "pod-security.kubernetes.io/warn": warn},
+        ),
+        opts=opts,
+    )
+
+
 def irsa(role_arn: pulumi.Input[str]) -> dict[str, pulumi.Input[str]]:
     """A service account's annotations for its IAM role (IRSA), through the regional STS endpoint."""
     return {"eks.amazonaws.com/role-arn": role_arn, "eks.amazonaws.com/sts-regional-endpoints": "true"}

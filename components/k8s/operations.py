@@ -59,7 +59,7 @@ from supernode.core.observability import (
 from supernode.core.vendors import VENDORS
 
 from .addons import SYSTEM_NAMESPACE, addon_resource, with_config_hash, with_images
-from .common import MESH_LABEL, GpuNodes, bound_role, cron_job, dns_name, irsa, load_addon, meta
+from .common import MESH_LABEL, GpuNodes, bound_role, cron_job, dns_name, irsa, load_addon, meta, pod_security_namespace
 from .jobs import (
     BASELINE_MOUNT,
     FABRIC_BASELINE,
@@ -461,17 +461,7 @@ class Operations(pulumi.ComponentResource):
     def _inventory(self, name: str, image: str, gpu: GpuNodes, wl: WorkloadConfig) -> k8s.apps.v1.DaemonSet:
         """Own namespace: the training namespace's quota counts one job's pods, and PSA baseline suffices."""
         child = self._child
-        ns = k8s.core.v1.Namespace(
-            f"{name}-ops-ns",
-            metadata=meta(
-                OPS_NAMESPACE,
-                labels={
-                    "pod-security.kubernetes.io/enforce": "baseline",
-                    "pod-security.kubernetes.io/warn": "restricted",
-                },
-            ),
-            opts=child,
-        ).metadata.name
+        ns = pod_security_namespace(f"{name}-ops-ns", OPS_NAMESPACE, "baseline", "restricted", child).metadata.name
         sa = k8s.core.v1.ServiceAccount(f"{name}-inventory", metadata=meta(INVENTORY_SA, ns), opts=child)
         # Create (keep the first record) and read the baselines: no update, so a baseline is never rewritten.
         role, _ = bound_role(
@@ -521,16 +511,8 @@ class Operations(pulumi.ComponentResource):
         With it, the (empty) fabric verdict ConfigMap the fabric re-check fills and the agents read."""
         max_age_s = fabric_verdict_max_age_s(wl.fabric_check_schedule)
         child = self._child
-        ns = k8s.core.v1.Namespace(
-            f"{name}-node-health-ns",
-            metadata=meta(
-                NODE_HEALTH_NAMESPACE,
-                labels={
-                    "pod-security.kubernetes.io/enforce": "privileged",
-                    "pod-security.kubernetes.io/warn": "baseline",
-                },
-            ),
-            opts=child,
+        ns = pod_security_namespace(
+            f"{name}-node-health-ns", NODE_HEALTH_NAMESPACE, "privileged", "baseline", child
         ).metadata.name
         sa = k8s.core.v1.ServiceAccount(
             f"{name}-node-health",

@@ -48,7 +48,7 @@ from supernode.core.pools import ROLE_LABEL
 from supernode.core.pools import Pool as PoolFigures
 
 from .addons import addon_resource, with_config_hash, with_images
-from .common import crd_kind, dns_name, load_addon, meta, pod_resources, shipped_crd
+from .common import crd_kind, dns_name, load_addon, meta, pod_resources, pod_security_namespace, shipped_crd
 
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -249,17 +249,7 @@ class KueueController(pulumi.ComponentResource):
             kind: shipped_crd(f"{name}-{kind.lower()}-crd", filename, child)
             for kind, filename in ((crd_kind(f), f) for f in CRD_FILES)
         }
-        self.namespace = k8s.core.v1.Namespace(
-            f"{name}-ns",
-            metadata=meta(
-                CONTROLLER_NAMESPACE,
-                labels={
-                    "pod-security.kubernetes.io/enforce": "restricted",
-                    "pod-security.kubernetes.io/warn": "restricted",
-                },
-            ),
-            opts=child,
-        )
+        self.namespace = pod_security_namespace(f"{name}-ns", CONTROLLER_NAMESPACE, "restricted", "restricted", child)
         ns = self.namespace.metadata.name
         objs = load_addon(CONTROLLER_FILE)
 

@@ -54,7 +54,7 @@ from supernode.core.pools import ROLE_LABEL
 from supernode.core.serving import BACKEND, MODELS_DIR, VERIFY_CONTAINER, ServerSpec
 
 from .addons import addon_resource, load_addon_objects, with_config_hash, with_images
-from .common import GpuNodes, dns_name, fsx_claim, gib, meta, shipped_crd
+from .common import GpuNodes, dns_name, fsx_claim, gib, meta, pod_security_namespace, shipped_crd
 
 PORT = 8000
 PRIORITY_CLASS = "supernode-serving"
@@ -204,21 +204,6 @@ SECURE_CONTAINER = {
 }
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 API_VERSIONS = {"Deployment": "apps/v1", "LeaderWorkerSet": LWS_API}  # by InferencePlan.workload_kind
-
-
-def restricted_namespace(resource: str, name: str, opts: pulumi.ResourceOptions) -> k8s.core.v1.Namespace:
-    """A namespace whose pods Pod Security holds to `restricted`."""
-    return k8s.core.v1.Namespace(
-        resource,
-        metadata=meta(
-            name,
-            labels={
-                "pod-security.kubernetes.io/enforce": "restricted",
-                "pod-security.kubernetes.io/warn": "restricted",
-            },
-        ),
-        opts=opts,
-    )
 
 
 def serving_priority_class(resource: str, opts: pulumi.ResourceOptions) -> k8s.scheduling.v1.PriorityClass:
@@ -591,7 +576,7 @@ class ServingWorkload(pulumi.ComponentResource):
         labels = {"app.kubernetes.io/name": app, "app.kubernetes.io/component": "serving"}
         pod_labels = {**labels, **(args.queue_labels or {})}
 
-        self.namespace = restricted_namespace(f"{name}-ns", inf.namespace, child)
+        self.namespace = pod_security_namespace(f"{name}-ns", inf.namespace, "restricted", "restricted", child)
         ns = self.namespace.metadata.name
         self.priority_class = serving_priority_class(f"{name}-priority", child)
         self.quota = gpu_quota(f"{name}-quota", ns, inf.gpu_quota or ip.replicas_max * ip.gpus_per_replica, child)
@@ -649,7 +634,9 @@ class ServingWorkload(pulumi.ComponentResource):
         each object's references pointed at the created objects (so Pulumi orders them), the images of
         supernode:images.addons, and each Deployment's ConfigMap built here. Returns the APIService."""
         child = pulumi.ResourceOptions(parent=self)
-        mon = restricted_namespace(f"{name}-monitoring-ns", MONITORING_NAMESPACE, child).metadata.name
+        mon = pod_security_namespace(
+            f"{name}-monitoring-ns", MONITORING_NAMESPACE, "restricted", "restricted", child
+        ).metadata.name
         addons = _AddonFiles(name, self, mon, serving_ns, args.addon_images)
         scrape = serving_scrape_config(args.inference.namespace, pod_labels)
         prometheus = addons.install(PROMETHEUS_FILE, PROMETHEUS_CONFIG, yaml.safe_dump(scrape, sort_keys=False))
