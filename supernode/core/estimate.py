@@ -118,9 +118,12 @@ def cost(
     nodes: int,
     domain: int,
     calibration: cap.Calibration | None = None,
+    fitting_only: bool = False,
 ) -> Layout:
     """The layout `q` (its world: q.world_size on `nodes` nodes) on NVLink domains of `domain` ranks,
-    checked by the layout validator and costed: the one place a layout's figures are computed."""
+    checked by the layout validator and costed: the one place a layout's figures are computed.
+    `fitting_only` (the layout search): a layout over the usable HBM is returned with its memory and
+    reason but no step time, which only a layout that fits needs there."""
     world = q.world_size
     padded = padded_training(t, q.dp)
     if q.pp > 1 and padded.global_batch != t.global_batch:
@@ -136,11 +139,16 @@ def cost(
         return Layout(nodes=nodes, world_size=world, parallel=q, reason=str(issues[0]))
     pipe = cap.pipeline(m, q, padded)
     mem = cap.memory(m, q, padded, pc, pipe)
+    usable = cap.usable_hbm_bytes(q, hw)
+    fits = mem.total <= usable
+    over = f"{mem.total_gib:.1f} GiB per rank > the usable {usable / GIB:.1f} GiB of {hw.hbm_gib:.0f} GiB HBM"
+    if fitting_only and not fits:
+        return Layout(
+            nodes=nodes, world_size=world, parallel=q, memory=mem, memory_per_rank_gib=mem.total_gib, reason=over
+        )
     st = cap.step_time(m, q, padded, hw, pc, pipe, domain, calibration)
     # The padded micro-batches are computed but teach nothing: MFU counts the global batch's work only.
     st = st.model_copy(update={"mfu": st.mfu * t.global_batch / padded.global_batch})
-    usable = cap.usable_hbm_bytes(q, hw)
-    fits = mem.total <= usable
     shard_group = q.shard_group
     return Layout(
         nodes=nodes,
@@ -160,9 +168,7 @@ def cost(
         domains=-(-world // domain),
         replica_domains=-(-shard_group // domain),
         replica_fits=cap.ADAM_STATE_BYTES * pc.total <= shard_group * usable,
-        reason=None
-        if fits
-        else f"{mem.total_gib:.1f} GiB per rank > the usable {usable / GIB:.1f} GiB of {hw.hbm_gib:.0f} GiB HBM",
+        reason=None if fits else over,
     )
 
 

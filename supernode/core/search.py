@@ -68,9 +68,8 @@ def fitting_layouts(
             cand = p.model_copy(
                 update=mesh.model_dump() | options | dict(pp_first_stage_fewer_layers=0, pp_last_stage_fewer_layers=0)
             )
-            layout = cost(
-                m, cand, t.model_copy(update={"micro_batch": mb}), hw, pc, world // hw.accelerators, domain, calibration
-            )
+            train = t.model_copy(update={"micro_batch": mb})
+            layout = cost(m, cand, train, hw, pc, world // hw.accelerators, domain, calibration, fitting_only=True)
             if layout.fits and not layout.padded_micro_batches:
                 out.append(
                     Suggestion(
