@@ -61,6 +61,17 @@ EXAMPLES = {
         "supernode job plan --stack prod jobs/moe-lr-sweep.yaml",
         "supernode job plan --stack dev job.yaml --json",
     ],
+    "job submit": [
+        "supernode job submit --stack prod jobs/moe-lr-sweep.yaml",
+        "supernode job submit --stack dev --local jobs/demo-low.yaml",
+        "supernode job submit --stack prod jobs/moe-lr-sweep.yaml --dry-run out/manifests",
+    ],
+    "job list": ["supernode job list --stack prod --team research", "supernode job list --local --json"],
+    "job describe": ["supernode job describe --stack prod moe-lr-sweep", "supernode job describe --local demo-low"],
+    "job logs": ["supernode job logs --stack prod moe-lr-sweep --follow", "supernode job logs --local demo-low"],
+    "job cancel": ["supernode job cancel --stack prod moe-lr-sweep", "supernode job cancel --local demo-low"],
+    "job wait": ["supernode job wait --local demo-low --state running --step 20", "supernode job wait --local a b"],
+    "job runner": ["supernode job runner --home out/jobs (started by `job submit --local`)"],
     "plan": ["supernode plan --stack prod", "supernode plan --config Pulumi.p4d.yaml --json"],
     "policy check": [
         "supernode preview --stack prod --json > preview.json",

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from .config import StackConfig, from_mapping
 from .config.schema import ModelOverride, ParallelOverride, TrainingOverride, _Base, issues_from_validation
@@ -170,3 +170,39 @@ def refusals(plan: Plan) -> list[str]:
             f"{plan.checkpoint.write_seconds:.0f} s and a margin)"
         )
     return out
+
+
+# A job's states, both backends alike (the local store's and the PyTorchJob's with its Kueue Workload):
+# queued (waiting for quota), running (admitted: holds its nodes), preempting (asked to stop for a higher
+# priority job: it checkpoints, then is queued again), cancelling (asked to stop for good: it checkpoints,
+# then is cancelled), and the three ends.
+STATES = ("queued", "running", "preempting", "cancelling", "succeeded", "failed", "cancelled")
+FINAL_STATES = ("succeeded", "failed", "cancelled")
+
+
+class JobStatus(BaseModel):
+    """One job as `supernode job list | describe` (and the management page) show it, from either
+    backend: where it stands in the queue, what it holds, how far it is against its plan."""
+
+    name: str
+    team: str
+    priority: str
+    state: Literal["queued", "running", "preempting", "cancelling", "succeeded", "failed", "cancelled"]
+    backend: Literal["local", "cluster"]
+    submitted_at: float  # unix seconds
+    queue_position: int | None = None  # 1 = admitted next; None once admitted or ended
+    waited_s: float | None = None  # submitted (or last requeued) -> admitted, or -> now while queued
+    nodes: int = 0  # nodes (local: processes) it holds now
+    steps: int  # the plan's last step
+    step: int | None = None  # the newest step in its metrics
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    plan_tokens_per_s: float | None = None
+    last_checkpoint: int | None = None  # the step of its newest complete checkpoint
+    run: str | None = None  # its run id (runs/<id>/run.json)
+    parent: dict[str, Any] | None = None  # the run and step it branched from (run.json)
+    preemptions: int = 0
+    attempts: int = 0  # times it was admitted
+    cost_usd: float | None = None  # nodes x hours held x the plan's hourly price (cluster)
+    exit_code: int | None = None
+    message: str = ""  # why it is where it is (refused, preempted by X, failed: ...)
