@@ -42,6 +42,13 @@ demo: $(STAMP)
 	echo; echo "== export: the step-200 checkpoint as a Hugging Face model (Glm4MoeForCausalLM) with a sha256 manifest =="; \
 	$(BIN)/supernode export --stack dev --local --checkpoint out/demo --data out/demo/data --out out/demo/model; \
 	$(call PHASE,export); \
+	echo; echo "== the local job queue: a low-priority job, then a high-priority one that preempts it (SIGTERM: it checkpoints), runs, and lets it resume =="; \
+	rm -rf out/jobs; \
+	$(BIN)/supernode job submit --stack dev --local jobs/demo-low.yaml; \
+	$(BIN)/supernode job wait --local demo-low --state running --step 20; \
+	$(BIN)/supernode job submit --stack dev --local jobs/demo-high.yaml; \
+	$(BIN)/supernode job wait --local demo-high demo-low; \
+	$(BIN)/supernode job list --local; $(call PHASE,jobs); \
 	wait $$serve_env; if [ "$$(cat out/serve-env.rc)" != 0 ]; then cat out/serve-env.log; exit 1; fi; \
 	$(call PHASE,serve-env); \
 	echo; echo "== serve: vLLM (CPU) on the export, after verifying every file's sha256; sampled completions (temperature 0.8, top-p 0.95) and their latency =="; \

@@ -49,6 +49,7 @@ def register(sub) -> None:
         run_plan,
     )
     p.add_argument("job_file", type=Path, metavar="JOB_FILE", help="the job file (YAML: name, team, priority, ...)")
+    p.add_argument("--local", action="store_true", help="the job's local run (the stack's local section) instead")
 
     p = command("submit", "plan a job file and queue it (refused, exit 1, when its plan is)", run_submit)
     p.add_argument("job_file", type=Path, metavar="JOB_FILE")
@@ -100,7 +101,7 @@ def register(sub) -> None:
 def run_plan(args) -> int:
     stack, cfg = stack_from_args(args)
     job = read_job(args.job_file)
-    plan = job_plan(stack, cfg, job, root=args.root)
+    plan = _job_plan(args, stack, cfg, job)
     refused = refusals(plan)
     if args.json:
         print(
@@ -128,6 +129,14 @@ def run_plan(args) -> int:
     return EXIT_FAILED if refused else 0
 
 
+def _job_plan(args, stack: str, cfg, job):
+    if args.local:
+        from ...tools.jobs_local import local_job_plan
+
+        return local_job_plan(stack, cfg, job)
+    return job_plan(stack, cfg, job, root=args.root)
+
+
 def _print_refusals(refused: list[str], console) -> None:
     for line in refused:
         console.print(f"[red]refused: {line}[/]", markup=True, highlight=False)
@@ -149,20 +158,18 @@ def _backend(args):
 def run_submit(args) -> int:
     stack, cfg = stack_from_args(args)
     job = read_job(args.job_file)
+    if args.local and args.dry_run is not None:
+        raise BadInput("--dry-run writes a cluster's manifests; the local queue has none (drop --local)")
+    plan = _job_plan(args, stack, cfg, job)
+    refused = refusals(plan)
     if args.local:
-        from ...tools.jobs_local import LocalBackend, local_job_plan
+        from ...tools.jobs_local import LocalBackend
 
-        if args.dry_run is not None:
-            raise BadInput("--dry-run writes a cluster's manifests; the local queue has none (drop --local)")
-        plan = local_job_plan(stack, cfg, job)
-        refused = refusals(plan)
         if not refused:
             status = LocalBackend(args.home).submit(job, plan, args.job_file, stack_args(args))
     else:
         from ...tools.jobs_cluster import ClusterBackend
 
-        plan = job_plan(stack, cfg, job, root=args.root)
-        refused = refusals(plan)
         if not refused:
             backend = ClusterBackend(stack, cfg, kubeconfig=args.kubeconfig, context=args.context)
             status = backend.submit(job, plan, dry_run=args.dry_run)
@@ -219,7 +226,7 @@ def print_table(statuses: list[JobStatus]) -> None:
             "" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}",
             "" if s.last_checkpoint is None else str(s.last_checkpoint),
         )
-    plain_console().print(table)
+    plain_console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def describe_lines(s: JobStatus) -> list[str]:

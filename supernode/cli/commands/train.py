@@ -46,6 +46,13 @@ def register(sub) -> None:
         "--from-run", default=None, help="start the new run from this run's --step (weights, optimizer, data)"
     )
     p.add_argument("--step", type=int, default=None, help="with --from-run: the step to start from")
+    p.add_argument(
+        "--job",
+        type=Path,
+        default=None,
+        metavar="JOB_FILE",
+        help="train a job file's run (its training keys over the local run's; `job submit --local` queues one)",
+    )
     p.set_defaults(func=run)
 
 
@@ -60,7 +67,13 @@ def run(args) -> int:
         if value is not None and value < 1:
             raise BadInput(f"--{flag.replace('_', '-')} must be at least 1 (got {value})")
     stack, cfg = stack_from_args(args)
-    plan = build_local_plan(stack, cfg, args.nproc)
+    if args.job is not None:
+        from ...core.jobs import read_job
+        from ...tools.jobs_local import local_job_plan
+
+        plan = local_job_plan(stack, cfg, read_job(args.job), args.nproc)
+    else:
+        plan = build_local_plan(stack, cfg, args.nproc)
     steps = args.steps or plan.training.steps
     out = args.out or Path("out") / f"train-{stack}"
     if out.exists() and not out.is_dir():
