@@ -45,8 +45,9 @@ demo: $(STAMP)
 	echo; echo "== the local job queue: a low-priority job, then a high-priority one that preempts it (SIGTERM: it checkpoints), runs, and lets it resume =="; \
 	rm -rf out/jobs; \
 	$(BIN)/supernode job submit --stack dev --local jobs/demo-low.yaml; \
-	$(BIN)/supernode job wait --local demo-low --state running --step 20; \
+	$(BIN)/supernode job wait --local demo-low --state running --step 10; \
 	$(BIN)/supernode job submit --stack dev --local jobs/demo-high.yaml; \
+	$(BIN)/supernode job wait --local demo-high --state running; $(BIN)/supernode job list --local; \
 	$(BIN)/supernode job wait --local demo-high demo-low; \
 	$(BIN)/supernode job list --local; $(call PHASE,jobs); \
 	wait $$serve_env; if [ "$$(cat out/serve-env.rc)" != 0 ]; then cat out/serve-env.log; exit 1; fi; \
