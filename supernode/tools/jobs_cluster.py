@@ -44,6 +44,7 @@ from supernode.components.aws.accelerators import node_labels, node_taints
 from supernode.components.aws.storage import CHECKPOINT_DIR, DATASET_DIR
 from supernode.components.k8s.common import GpuNodes
 from supernode.components.k8s.jobs import (
+    CHECKPOINT_PATH,
     JobArgs,
     TrainerArgs,
     mesh_policy_name,
@@ -56,9 +57,10 @@ from supernode.components.k8s.namespace import PRIORITY_CLASS, PVC_NAME
 from supernode.components.k8s.queues import PRIORITY_LABEL, QUEUE_LABEL, job_labels
 from supernode.core.config import StackConfig
 from supernode.core.errors import BadInput
-from supernode.core.jobs import JobSpec, JobStatus
+from supernode.core.jobs import NAME, JobSpec, JobStatus
 from supernode.core.observability import TrainerLine
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
+from supernode.core.runs import RUNS
 from supernode.core.teams import NAMESPACE_PREFIX, WORKLOAD_PRIORITY, namespace
 
 from .manifests import Manifest
@@ -141,6 +143,7 @@ def render(stack: str, cfg: StackConfig, job: JobSpec, plan: Plan) -> list[Manif
     trainer_args[trainer_args.index("--run-id") + 1] = run_id(job)
     if job.branch is not None:
         trainer_args += ["--from-run", job.branch.from_run, "--step", str(job.branch.step)]
+        container["volumeMounts"] = [*container["volumeMounts"], parent_run_mount(ns, job.branch.from_run)]
     container["args"] = trainer_args
     plan_json = plan.to_json()
     config_map = {
@@ -176,6 +179,18 @@ def render(stack: str, cfg: StackConfig, job: JobSpec, plan: Plan) -> list[Manif
     out = [config_map, policy, pytorch_job]
     pytorch_job["metadata"]["annotations"][SPEC_SHA] = spec_sha(out)
     return out
+
+
+def parent_run_mount(ns: str, from_run: str) -> dict[str, Any]:
+    """A branch's parent run inside the job's out directory, read-only: the trainer finds `--from-run R`
+    in OUT/runs/R. R is an earlier job of the same team (whose run is its name, `run_id`), kept in its
+    own out directory CHECKPOINT_DIR/<namespace>/R."""
+    return {
+        "name": "fsx",
+        "mountPath": f"{CHECKPOINT_PATH}/{RUNS}/{from_run}",
+        "subPath": f"{CHECKPOINT_DIR.strip('/')}/{ns}/{from_run}/{RUNS}/{from_run}",
+        "readOnly": True,
+    }
 
 
 def spec_sha(manifests: list[Manifest]) -> str:
@@ -536,8 +551,30 @@ class ClusterBackend:
         )
         return text.splitlines() if isinstance(text, str) else None
 
+    def _jobs_of_teams(self, selector: str) -> list[dict]:
+        """The stack's jobs matching `selector` in every team's namespace: cluster-wide where the config
+        names no teams; else each team's, skipping those this user may not read (a team's people see
+        their own namespace only), refused only when none may be read."""
+        spaces = self._team_namespaces()
+        if spaces is None:
+            return self._jobs(None, selector)
+        jobs, forbidden = [], []
+        for ns in spaces:
+            try:
+                jobs += self._jobs(ns, selector)
+            except BadInput as e:
+                if "(403)" not in str(e):
+                    raise
+                forbidden.append(ns)
+        if len(forbidden) == len(spaces):
+            raise BadInput(
+                f"forbidden (403) to list jobs in every team namespace ({', '.join(forbidden)}); give --team"
+            )
+        return jobs
+
     def _find(self, name: str, team: str | None) -> dict:
         """The job's PyTorchJob: in --team's namespace, or the one team that has a job of this name."""
+        check_names(name, team)
         if team is not None:
             ns = namespace(team)
             job = self._call(
@@ -550,7 +587,7 @@ class ClusterBackend:
                 raise BadInput(f"no job {name} in team {team} (namespace {ns}) on stack {self.stack}")
             return job
         selector = f"{JOB_LABEL}={name},{STACK_LABEL}={self.stack}"
-        found = [j for ns in self._team_namespaces() or [None] for j in self._jobs(ns, selector)]
+        found = self._jobs_of_teams(selector)
         if not found:
             raise BadInput(
                 f"no job {name} in any team's namespace on stack {self.stack} (supernode job list shows them)"
@@ -632,21 +669,9 @@ class ClusterBackend:
     def list(self, team: str | None = None) -> list[JobStatus]:
         selector = f"{STACK_LABEL}={self.stack}"
         if team is not None:
+            check_names(None, team)
             return self._observe(self._jobs(namespace(team), selector), logs=False)
-        spaces = self._team_namespaces()
-        if spaces is None:
-            return self._observe(self._jobs(None, selector), logs=False)
-        jobs, forbidden = [], []
-        for ns in spaces:  # a team's people see their own namespace only: skip the others
-            try:
-                jobs += self._jobs(ns, selector)
-            except BadInput as e:
-                if "(403)" not in str(e):
-                    raise
-                forbidden.append(ns)
-        if forbidden and len(forbidden) == len(spaces):
-            raise BadInput(f"forbidden (403) to list jobs in every team namespace ({', '.join(forbidden)})")
-        return self._observe(jobs, logs=False)
+        return self._observe(self._jobs_of_teams(selector), logs=False)
 
     def describe(self, name: str, team: str | None = None) -> JobStatus:
         return self._observe([self._find(name, team)], logs=True)[0]
@@ -751,6 +776,14 @@ class ClusterBackend:
             status.state, status.nodes = "cancelled", 0
             status.message = "cancelled: it had no pods (nothing to checkpoint); deleted"
         return status
+
+
+def check_names(name: str | None, team: str | None) -> None:
+    """A job or team name as the job file allows it (supernode.core.jobs NAME): it goes into URLs and
+    label selectors, so anything else is refused before a request is made."""
+    for flag, value in (("NAME", name), ("--team", team)):
+        if value is not None and not re.fullmatch(NAME, value):
+            raise BadInput(f"{flag} {value!r}: not a job or team name (lowercase letters, digits and '-', at most 40)")
 
 
 def _owned_by(obj: dict, uid: str | None) -> bool:

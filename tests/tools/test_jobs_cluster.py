@@ -194,6 +194,17 @@ def test_branching_passes_from_run_and_step_to_the_trainer(api, backend, cfg):
     args = worker_args(api.get("pytorchjobs", NS, "lr-branch"))
     assert args[args.index("--run-id") + 1] == "lr-branch"
     assert args[args.index("--from-run") + 1 :][:3] == ["moe-lr-sweep", "--step", "1200"]
+    # the parent job's run, read-only, where the trainer looks for --from-run: OUT/runs/<run>
+    mounts = api.get("pytorchjobs", NS, "lr-branch")["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    mounts = {m["mountPath"]: m for m in mounts["containers"][0]["volumeMounts"]}
+    assert mounts["/checkpoints"]["subPath"] == "checkpoints/team-research/lr-branch"
+    assert mounts["/checkpoints/runs/moe-lr-sweep"] == {
+        "name": "fsx",
+        "mountPath": "/checkpoints/runs/moe-lr-sweep",
+        "subPath": "checkpoints/team-research/moe-lr-sweep/runs/moe-lr-sweep",
+        "readOnly": True,
+    }
+    assert api.rejected == []
     s = backend.describe("lr-branch")
     assert (s.run, s.parent) == ("lr-branch", {"run": "moe-lr-sweep", "step": 1200})
 
@@ -402,6 +413,30 @@ def test_not_found_and_a_name_in_two_teams(api, backend, cfg):
     assert backend.describe("moe-lr-sweep", team="beta").team == "beta"
 
 
+def test_with_teams_in_the_config_each_teams_namespace_is_read_and_forbidden_ones_skipped(api, backend, cfg):
+    submitted(backend, cfg, team="alpha")
+    submitted(backend, cfg, team="beta", name="other")
+    backend._team_namespaces = lambda: ["team-alpha", "team-beta"]
+    api.forbidden.add("team-beta")  # a member of alpha
+    assert [(s.team, s.name) for s in backend.list()] == [("alpha", "moe-lr-sweep")]
+    assert backend.describe("moe-lr-sweep").team == "alpha"
+    assert not [s for s in api.seen if s.path == "/apis/kubeflow.org/v1/pytorchjobs"]  # never cluster-wide
+    api.forbidden.add("team-alpha")
+    with pytest.raises(
+        BadInput, match=r"forbidden \(403\) to list jobs in every team namespace \(team-alpha, team-beta\)"
+    ):
+        backend.list()
+
+
+def test_names_that_are_not_job_names_are_refused_before_any_request(api, backend):
+    for name, team in (("../../api/v1/secrets", None), ("ok", "a,b"), ("UPPER", "research")):
+        with pytest.raises(BadInput, match="not a job or team name"):
+            backend.describe(name, team=team)
+    with pytest.raises(BadInput, match="--team 'x/y'"):
+        backend.list(team="x/y")
+    assert api.seen == []
+
+
 def test_no_cluster_reachable(cfg, tmp_path):
     dead = KubeApi()
     kubeconfig = dead.kubeconfig(tmp_path / "kubeconfig")
@@ -420,7 +455,8 @@ def test_wrong_credentials(api, cfg, tmp_path):
 
 
 # -- the CLI end to end ------------------------------------------------------------------------------
-def test_cli_submit_list_describe_logs_cancel(api, tmp_path, capsys):
+def test_cli_submit_list_describe_logs_cancel(api, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the table's columns, unwrapped
     kc = str(api.kubeconfig(tmp_path / "kubeconfig"))
     common = ["--stack", "prod", "--root", str(ROOT), "--kubeconfig", kc]
     assert main(["job", "submit", str(JOB_FILE), *common, "--json"]) == 0
@@ -432,6 +468,9 @@ def test_cli_submit_list_describe_logs_cancel(api, tmp_path, capsys):
     assert main(["job", "list", *common, "--json"]) == 0
     [row] = json.loads(capsys.readouterr().out)
     assert (row["name"], row["state"], row["step"], row["nodes"]) == ("moe-lr-sweep", "running", 12, 1)
+    assert main(["job", "list", *common]) == 0
+    table = capsys.readouterr().out
+    assert "moe-lr-sweep" in table and "running" in table and "12/100000" in table
     assert main(["job", "describe", "moe-lr-sweep", *common]) == 0
     out = capsys.readouterr().out
     assert "state      running" in out and "step       12 of 100000, loss 4.5000" in out
