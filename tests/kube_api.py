@@ -108,7 +108,8 @@ class Seen:
 
 @dataclass
 class KubeApi:
-    forbidden: set[str] = field(default_factory=set)  # namespaces this user may not read or write
+    # namespaces this user may not read or write ("visibility": Kueue's visibility API, in every namespace)
+    forbidden: set[str] = field(default_factory=set)
     forbid_cluster_list: bool = False  # a LIST across all namespaces is 403
     objects: dict[tuple[str, str, str], dict] = field(default_factory=dict)  # (plural, ns, name)
     logs: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (ns, pod) -> lines
@@ -322,7 +323,7 @@ class KubeApi:
         if m := _LOG.match(path):
             return self._log(m["ns"], m["name"], query)
         if m := _PENDING.match(path):
-            if m["ns"] in self.forbidden:
+            if m["ns"] in self.forbidden or "visibility" in self.forbidden:
                 return self._forbidden("list", "pendingworkloads", m["ns"])
             return 200, {
                 "kind": "PendingWorkloadsSummary",

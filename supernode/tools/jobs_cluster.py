@@ -57,7 +57,7 @@ from supernode.components.k8s.namespace import PRIORITY_CLASS, PVC_NAME
 from supernode.components.k8s.queues import PRIORITY_LABEL, QUEUE_LABEL, job_labels
 from supernode.core.config import StackConfig
 from supernode.core.errors import BadInput
-from supernode.core.jobs import NAME, JobSpec, JobStatus
+from supernode.core.jobs import FINAL_STATES, NAME, JobSpec, JobStatus
 from supernode.core.observability import TrainerLine
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
 from supernode.core.runs import RUNS
@@ -407,9 +407,10 @@ class ClusterBackend:
         content_type: str | None = None,
         stream: bool = False,
         missing_ok: bool = False,
+        absent: tuple[int, ...] = (),
     ) -> Any:
-        """One request; every API or connection error is BadInput naming `what` (None for a 404 with
-        `missing_ok`)."""
+        """One request; every API or connection error is BadInput naming `what` (None instead for a 404
+        with `missing_ok`, and for the statuses in `absent`)."""
         client = self.client
         headers = {"Accept": "application/json"}
         if content_type:
@@ -428,7 +429,7 @@ class ClusterBackend:
                 _request_timeout=None if stream else TIMEOUT_S,
             )
         except ApiException as e:
-            if e.status == 404 and missing_ok:
+            if (e.status == 404 and missing_ok) or e.status in absent:
                 return None
             raise BadInput(self._api_error(e, what)) from None
         except TRANSPORT_ERRORS as e:
@@ -519,13 +520,13 @@ class ClusterBackend:
 
     def _pending(self, ns: str, local_queue: str) -> list[dict]:
         """Kueue's pending workloads of a LocalQueue (the visibility API; each with its position in the
-        ClusterQueue). The namespaced endpoint, which a team's RoleBinding can grant; empty where the
-        API is not served."""
+        ClusterQueue). The namespaced endpoint, which a team's RoleBinding can grant. Empty where the
+        API is not served (404, 503) or not granted (403): the jobs are listed without a position."""
         got = self._call(
             "GET",
             f"{VISIBILITY_API}/namespaces/{ns}/localqueues/{local_queue}/pendingworkloads",
             f"reading the queue of LocalQueue {ns}/{local_queue} (Kueue's visibility API)",
-            missing_ok=True,
+            absent=(403, 404, 503),
         )
         return (got or {}).get("items") or []
 
@@ -734,6 +735,17 @@ class ClusterBackend:
             status = self._observe([job], logs=False)[0]
             status.message = f"already being cancelled. {status.message}".strip()
             return status
+        ended = job_status(Observed(job))
+        if ended.state in FINAL_STATES:  # nothing runs: nothing to checkpoint
+            self._call(
+                "DELETE",
+                f"{PYTORCHJOB_API}/namespaces/{ns}/pytorchjobs/{name}",
+                f"deleting job {name} in {ns}",
+                body={"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"},
+                missing_ok=True,
+            )
+            ended.message = f"deleted; it had already {ended.state}"
+            return ended
         pods = (
             self._call(
                 "GET",

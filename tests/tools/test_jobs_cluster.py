@@ -389,6 +389,25 @@ def test_cancel_of_a_queued_job_deletes_it_at_once(api, backend, cfg):
     assert s.state == "cancelled" and len(api.requests("DELETE")) == 1
 
 
+def test_cancel_of_a_finished_job_just_deletes_it(api, backend, cfg):
+    submitted(backend, cfg)
+    pj = api.get("pytorchjobs", NS, "moe-lr-sweep")
+    pj["status"] = {"conditions": [{"type": "Succeeded", "status": "True", "reason": "PyTorchJobSucceeded"}]}
+    api.add_pod(NS, "moe-lr-sweep", 0, phase="Succeeded")
+    s = backend.cancel("moe-lr-sweep")
+    [delete] = api.requests("DELETE")
+    assert delete.body["propagationPolicy"] == "Background" and s.message == "deleted; it had already succeeded"
+    assert api.get("pytorchjobs", NS, "moe-lr-sweep") is None
+
+
+def test_without_the_visibility_api_jobs_are_listed_without_a_position(api, backend, cfg):
+    submitted(backend, cfg)
+    api.add_workload(NS, "moe-lr-sweep", created=time.time() - 10)
+    api.forbidden.add("visibility")  # the double's switch: pendingworkloads answers 403
+    [s] = backend.list(team="research")
+    assert s.state == "queued" and s.queue_position is None and s.waited_s is not None
+
+
 # -- errors ------------------------------------------------------------------------------------------
 def test_forbidden_namespace_is_a_clear_message(api, backend):
     api.forbidden.add(NS)
