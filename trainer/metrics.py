@@ -110,6 +110,8 @@ class Metrics:
         self.plan, self.world, self.rank = plan, world_size, rank
         self.peak = plan.hardware.peak_flops if device_type != "cpu" else None  # MFU on any accelerator
         self.records: list[StepRecord] = []
+        self.checkpoint_step: int | None = None  # the newest complete checkpoint's (_checkpoint_gauges)
+        self._line_at = time.monotonic()  # the last metrics line on stdout (one per METRICS_LINE_EVERY_S)
         self._progress = self._task = None
         self.http = None
         self._write_failed = False
@@ -208,13 +210,18 @@ class Metrics:
             skipped=skipped,
         )
         self.records.append(rec)
-        line = json.dumps({k: _finite_or_none(v) for k, v in asdict(rec).items()}, allow_nan=False) + "\n"
+        record = {k: _finite_or_none(v) for k, v in asdict(rec).items()}
+        line = json.dumps(record, allow_nan=False) + "\n"
         try:
             with (self.out / JSONL).open("a", encoding="utf-8") as f:
                 f.write(line)
             self._prometheus(rec)
         except OSError as e:
             self._write_error(e)
+        if time.monotonic() - self._line_at >= obs.METRICS_LINE_EVERY_S:
+            self._line_at = time.monotonic()
+            extra = {"checkpoint_step": self.checkpoint_step}
+            LOG.info(obs.TrainerLine.METRICS + json.dumps(record | extra, allow_nan=False))
         if self._progress is not None:
             self._progress.update(self._task, completed=step, status=f"loss {loss:.3f}  {tps:,.0f} tok/s")
         return rec
@@ -270,6 +277,7 @@ class Metrics:
             step, path = found[-1]
             self.gauges[obs.CHECKPOINT_TIME].set((path / COMPLETE).stat().st_mtime)
             self.gauges[obs.CHECKPOINT_STEP].set(step)
+            self.checkpoint_step = step
 
     def close(self, plots: bool = False) -> None:
         if self.rank != 0:

@@ -60,6 +60,13 @@ def node_labels(group: AcceleratorNodeGroup) -> dict[str, str]:
     return labels
 
 
+def node_taints(group: AcceleratorNodeGroup) -> list[Taint]:
+    """The group's vendor taint, and for a vendor with the node health agent the unchecked taint a node
+    joins with (until the agent's deep check passes)."""
+    hw = CATALOG[group.instance_type]
+    return [ACCELERATOR_TAINTS[hw.vendor], *([UNCHECKED] if hw.vendor_row.node_agent else [])]
+
+
 def ami_parameter(kubernetes_version: str, release: str, arch: str = "x86_64", vendor: str = "nvidia") -> str:
     """SSM parameter of the EKS-optimised AL2023 accelerated AMI for one release (1.33.5-20251120), CPU
     architecture (x86_64, or arm64 for the Grace CPUs of p6e-gb200; docs/hardware.md "EKS") and
@@ -173,10 +180,7 @@ class GpuNodeGroup(pulumi.ComponentResource):
     ):
         super().__init__("supernode:accelerators:GpuNodeGroup", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        hw = CATALOG[group.instance_type]
-        self.labels, self.taints = node_labels(group), [ACCELERATOR_TAINTS[hw.vendor]]
-        if hw.vendor_row.node_agent:  # joins unchecked until the node health agent's deep check passes
-            self.taints.append(UNCHECKED)
+        self.labels, self.taints = node_labels(group), node_taints(group)
 
         self.launch_template = _launch_template(
             name, group, args, efa_security_group_id, self.labels, self.taints, child

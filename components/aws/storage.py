@@ -23,6 +23,9 @@ AUTO_EVENTS = ["NEW", "CHANGED", "DELETED"]
 # delete S3's copy, which is the history (supernode/tools/checkpoints.py), and a lifecycle expiry in S3
 # must not delete a checkpoint a run still has on FSx.
 CHECKPOINT_EVENTS = ["NEW", "CHANGED"]
+# Paths inside the file system: datasets flow in from S3, checkpoints both ways (a submitted job's too,
+# supernode.tools.jobs_cluster, under CHECKPOINT_DIR/<its namespace>/<its name>).
+DATASET_DIR, CHECKPOINT_DIR = "/datasets", "/checkpoints"
 BASELINE_PREFIX = "baselines/"  # fabric baseline (operations): kept, unlike checkpoints/ which expire
 
 
@@ -138,7 +141,7 @@ class Storage(pulumi.ComponentResource):
         self.fsx_capacity_gib = args.plan.checkpoint.fsx_capacity_gib
         # Datasets flow in from S3; checkpoints flow both ways (written on FSx, exported to S3); so do the
         # operations baselines (fabric matrix), under a prefix of their own that no lifecycle rule expires.
-        self.dataset_dir, self.checkpoint_dir = "/datasets", "/checkpoints"  # paths inside the file system
+        self.dataset_dir, self.checkpoint_dir = DATASET_DIR, CHECKPOINT_DIR
         self.baseline_dir = "/baselines"
         links = [
             (self.dataset_dir, s.dataset_prefix, AUTO_EVENTS, None),

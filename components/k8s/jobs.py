@@ -266,18 +266,24 @@ def mesh_policy(
 ) -> k8s.networking.v1.NetworkPolicy:
     """Pods of one job may reach each other (rendezvous, NCCL bootstrap and socket traffic) and nothing
     else may reach them. All TCP ports: NCCL listens on ephemeral ports; EFA/SRD bypasses the pod network."""
-    peers = [{"podSelector": {"matchLabels": {MESH_LABEL: mesh}}}]
     return k8s.networking.v1.NetworkPolicy(
-        name,
-        metadata=meta(f"allow-mesh-{mesh}", namespace),
-        spec={
-            "podSelector": {"matchLabels": {MESH_LABEL: mesh}},
-            "policyTypes": ["Ingress", "Egress"],
-            "ingress": [{"from": peers, "ports": [{"protocol": "TCP"}]}],
-            "egress": [{"to": peers, "ports": [{"protocol": "TCP"}]}],
-        },
-        opts=opts,
+        name, metadata=meta(mesh_policy_name(mesh), namespace), spec=mesh_policy_spec(mesh), opts=opts
     )
+
+
+def mesh_policy_name(mesh: str) -> str:
+    return f"allow-mesh-{mesh}"
+
+
+def mesh_policy_spec(mesh: str) -> dict[str, Any]:
+    """The mesh NetworkPolicy's spec (also a submitted job's, supernode.tools.jobs_cluster)."""
+    peers = [{"podSelector": {"matchLabels": {MESH_LABEL: mesh}}}]
+    return {
+        "podSelector": {"matchLabels": {MESH_LABEL: mesh}},
+        "policyTypes": ["Ingress", "Egress"],
+        "ingress": [{"from": peers, "ports": [{"protocol": "TCP"}]}],
+        "egress": [{"to": peers, "ports": [{"protocol": "TCP"}]}],
+    }
 
 
 def headless_service(

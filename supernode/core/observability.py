@@ -268,3 +268,9 @@ class TrainerLine:
     CHECKPOINT = "; checkpoint "  # "step N: loss L; checkpoint written|started (async), ..."
     RESUMED = "resumed from checkpoint at step"  # "... at step N; training to step M ..."
     STARTED = "starting at step 0"
+    # "metrics {JSON}": a step's record (loss, tokens_per_s, ...) and the newest checkpoint's step, once a
+    # METRICS_LINE_EVERY_S at most: what `supernode job list | describe` reads from rank 0's log tail.
+    METRICS = "metrics "
+
+
+METRICS_LINE_EVERY_S = 60.0
