@@ -707,6 +707,15 @@ class ClusterBackend:
         finally:
             resp.release_conn()
 
+    def _delete_job(self, ns: str, name: str, **options) -> Any:
+        return self._call(
+            "DELETE",
+            f"{PYTORCHJOB_API}/namespaces/{ns}/pytorchjobs/{name}",
+            f"deleting job {name} in {ns}",
+            body={"apiVersion": "v1", "kind": "DeleteOptions", **options},
+            missing_ok=True,
+        )
+
     def cancel(self, name: str, team: str | None = None) -> JobStatus:
         """Stop the job for good, letting it checkpoint first. The sequence:
 
@@ -737,13 +746,7 @@ class ClusterBackend:
             return status
         ended = job_status(Observed(job))
         if ended.state in FINAL_STATES:  # nothing runs: nothing to checkpoint
-            self._call(
-                "DELETE",
-                f"{PYTORCHJOB_API}/namespaces/{ns}/pytorchjobs/{name}",
-                f"deleting job {name} in {ns}",
-                body={"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"},
-                missing_ok=True,
-            )
+            self._delete_job(ns, name, propagationPolicy="Background")
             ended.message = f"deleted; it had already {ended.state}"
             return ended
         pods = (
@@ -755,18 +758,7 @@ class ClusterBackend:
             ).get("items")
             or []
         )
-        deleted = self._call(
-            "DELETE",
-            f"{PYTORCHJOB_API}/namespaces/{ns}/pytorchjobs/{name}",
-            f"deleting job {name} in {ns}",
-            body={
-                "apiVersion": "v1",
-                "kind": "DeleteOptions",
-                "propagationPolicy": "Foreground",
-                "gracePeriodSeconds": grace,
-            },
-            missing_ok=True,
-        )
+        deleted = self._delete_job(ns, name, propagationPolicy="Foreground", gracePeriodSeconds=grace)
         for pod in pods:
             self._call(
                 "DELETE",
