@@ -47,6 +47,7 @@ from supernode.core.outdir import OutDirLock
 from supernode.core.plan import Plan, build_local_plan
 from supernode.core.processes import die_with_parent
 from supernode.core.runs import run_dir
+from supernode.trainer.data.manifest import DataError
 
 DB = "jobs.db"
 TICK_S = 0.2
@@ -150,6 +151,8 @@ class LocalBackend:
                 con.execute("ROLLBACK")
                 raise
             con.execute("COMMIT")
+        except sqlite3.OperationalError as e:  # locked past the timeout, or the disk is full: nothing is lost
+            raise BadInput(f"{self.home / DB}: {e}; nothing was changed, try again") from None
         except sqlite3.DatabaseError as e:
             raise BadInput(
                 f"{self.home / DB}: not a usable job store ({e}); move it away to start an empty one"
@@ -421,18 +424,22 @@ class LocalBackend:
         name = row["name"]
         where = job_dir(self.home, name)
         data = self.home / "data"
-        _prepare_data(data)
-        log = (where / "log").open("a", encoding="utf-8")
         attempt = row["attempts"] + 1
-        log.write(f"== attempt {attempt}: admitted at {time.strftime('%H:%M:%S')} ==\n")
-        log.flush()
         command = [
             sys.executable, "-m", "supernode", "train", *json.loads(row["stack_args"]), "--local",
             "--job", str(where / "job.yaml"), "--out", str(where), "--data", str(data), "--run", name,
         ]  # fmt: skip
-        proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
-        )
+        try:  # a full disk or a removed job directory fails this job, not the runner and its other jobs
+            _prepare_data(data)
+            log = (where / "log").open("a", encoding="utf-8")
+            log.write(f"== attempt {attempt}: admitted at {time.strftime('%H:%M:%S')} ==\n")
+            log.flush()
+            proc = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            )
+        except (OSError, DataError) as e:
+            self._end(con, name, "failed", f"could not start: {e}")
+            return
         self.children[name] = Child(proc, log)
         now = time.time()
         con.execute(

@@ -271,3 +271,19 @@ def test_a_killed_runner_loses_no_job_and_cancel_checkpoints_first(tmp_path):
     s = status(home, "first")
     assert s["state"] == "cancelled" and s["step"] < 400
     assert s["last_checkpoint"] == s["step"]  # it checkpointed the step it stopped at
+
+
+def test_a_job_that_cannot_start_fails_alone_and_the_runner_goes_on(tmp_path, dev):
+    b = LocalBackend(tmp_path / "home", slots=4, start_runner=False)
+    submit(b, dev, job("broken"), tmp_path)
+    (b.home / "data").mkdir()
+    (b.home / "data" / "manifest.json").write_text("{}")  # prepared: nothing to tokenize here
+    where = b.home / "jobs" / "broken"
+    for f in where.iterdir():
+        f.unlink()
+    where.rmdir()
+    where.write_text("a file where the job's directory was")
+    assert b.tick() is True
+    s = b.describe("broken")
+    assert s.state == "failed" and s.message.startswith("could not start:") and "Not a directory" in s.message
+    assert b.tick() is False and not b.children  # nothing left to run, nothing started
