@@ -26,10 +26,9 @@ from .errors import ConfigError, Issue
 from .inputs import MIB, InputError, load_yaml, read_bounded
 from .layout import P
 from .plan import Plan, build_plan
+from .teams import NAME  # a job's name and its team's: one pattern (supernode.core.teams)
 
 MAX_JOB_FILE_BYTES = MIB
-# A Kubernetes object name (RFC 1123 label) short enough for the job's derived names (pods, ConfigMap).
-NAME = r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"
 PRIORITIES = ("low", "normal", "high")
 
 
