@@ -364,7 +364,7 @@ def _imds_hop_limit(res: Res, _conf: None, report: Report) -> None:
 def _access_entry(res: Res, _conf: None, report: Report) -> None:
     """A team's access entry gives its role exactly the RBAC bound to its group (its own namespace): type
     STANDARD with groups, never a system: group (system:masters is cluster-admin, bypassing RBAC)."""
-    groups = [str(g) for g in as_list(res.get("kubernetesGroups"))]
+    groups = [str(g) for g in items(res.get("kubernetesGroups"))]
     system = [g for g in groups if g.startswith("system:")]
     if system:
         report(
