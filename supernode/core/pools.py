@@ -244,7 +244,9 @@ class TeamPool(BaseModel):
     lending_total: int
     training_lending_limit: int  # Pool.training_lending_limit
     stack_job_team: str  # the first team: its queue admits the stack's own job
-    stack_job_devices: int  # the stack's job's devices (Pool.training_max)
+    # The plan's job's devices in this pool (Pool.training_max): the stack's own job's, or in a job's plan
+    # (supernode.core.jobs.job_plan) that job's, which its team's nominal + borrowing limit must cover.
+    stack_job_devices: int
     teams: list[TeamShare]
     adds_up: bool
     reason: str
