@@ -188,3 +188,16 @@ def test_every_team_object_validates_and_the_schemas_catch_a_bad_one(prod, manif
     cq["spec"]["fairSharing"]["wieght"] = cq["spec"]["fairSharing"].pop("weight")
     problems = mf.validate([*crds, cq], prod.cfg.cluster.kubernetes_version)
     assert [p.path for p in problems] == ["spec.fairSharing"]
+
+
+def test_fair_sharing_is_on_only_where_teams_share_the_pool():
+    assert "fairSharing" not in q.controller_configuration(["training"])  # a stack without teams: as shipped
+    on = q.controller_configuration(["training", "team-a"], fair_sharing=True)
+    assert on["fairSharing"] == {
+        "enable": True,
+        "preemptionStrategies": ["LessThanOrEqualToFinalShare", "LessThanInitialShare"],
+    }
+    dev = preview("dev")  # and dev, without teams, has no team object and no high priority class
+    assert not dev.all(T.ACCESS_ENTRY)
+    classes = {r.inputs["metadata"]["name"] for r in dev.all("kubernetes:kueue.x-k8s.io/v1beta1:WorkloadPriorityClass")}
+    assert names.WORKLOAD_PRIORITY["high"] not in classes
