@@ -17,7 +17,15 @@ import pulumi
 import pulumi_aws as aws
 
 from supernode.components.aws.accelerators import Accelerators, AcceleratorsArgs
-from supernode.components.aws.cluster import NODE_ADDONS, SERVICE_CIDR, WORKLOAD_ADDONS, Cluster, ClusterArgs
+from supernode.components.aws.cluster import (
+    NODE_ADDONS,
+    SERVICE_CIDR,
+    WORKLOAD_ADDONS,
+    Cluster,
+    ClusterArgs,
+    TeamAccess,
+    TeamAccessArgs,
+)
 from supernode.components.aws.identity import (
     Keys,
     KeysArgs,
@@ -66,6 +74,7 @@ from supernode.components.k8s.queues import (
     job_labels,
 )
 from supernode.components.k8s.serving import ServingArgs, ServingWorkload
+from supernode.components.k8s.teams import TeamAdmin, TeamAdminArgs, TeamNamespace, team_namespaces
 from supernode.components.k8s.workload import TrainingWorkload
 from supernode.components.stack_config import stack_config
 from supernode.core.config import StackConfig
@@ -109,6 +118,8 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
         else None
     )
     retention_role = _retention_role(ctx, cfg, cluster, storage, keys)
+    if cfg.teams:  # each team's IAM role reaches the cluster as its Kubernetes group, nothing more
+        TeamAccess("team-access", TeamAccessArgs(ctx=ctx, cluster_name=cluster.cluster.name, teams=cfg.teams))
     _export_stack_outputs(keys, network, cluster, accelerators, storage, trainer_role, registry, monitoring)
 
     # The Kubernetes side, on the cluster once its GPU nodes, its workload add-ons and the CloudWatch add-on
@@ -394,9 +405,14 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
     workload = TrainingWorkload("workload", from_aws.kubeconfig, from_aws.after)
     addons = _cluster_addons(ctx, cfg, plan, from_aws, workload.child())
     serving_namespace = [] if cfg.inference is None else [cfg.inference.namespace]
+    teams = _team_namespaces(cfg, plan, workload.child())
     kueue = KueueController(
         "workload-kueue",
-        KueueArgs(namespaces=[wl.namespace, *serving_namespace], images=cfg.images.addons),
+        KueueArgs(
+            namespaces=[wl.namespace, *serving_namespace, *(t.name for t in teams)],
+            images=cfg.images.addons,
+            fair_sharing=bool(teams),
+        ),
         workload.child(),
     )
     training = _training_namespace(cfg, plan, from_aws, workload.child())
@@ -421,7 +437,7 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
         baseline=store,
     )
     serving = _serving(cfg, plan, from_aws, workload.child(after=[*addons.ready, *kueue.ready]))
-    queues = _queues(cfg, plan, kueue, training, serving, workload.child())
+    queues = _queues(cfg, plan, kueue, training, serving, teams, workload.child())
     trainer = _trainer_job(
         cfg, plan, from_aws, job, training, [gate.job, *addons.ready, *queues.ready], workload.child()
     )
@@ -462,6 +478,18 @@ def _cluster_addons(
         ),
         opts,
     )
+
+
+def _team_namespaces(cfg: StackConfig, plan: Plan, opts: pulumi.ResourceOptions) -> list[TeamNamespace]:
+    """Each team's namespace, quota and Role (none without supernode:teams), and the admin group's read of them."""
+    if not plan.teams:
+        return []
+    [shares] = plan.teams  # the config rules allow teams on one training pool
+    namespaces = team_namespaces(
+        shares.teams, plan.pod, cfg.cluster.kubernetes_version, cfg.identity.pod_identity == "pod-identity", opts
+    )
+    TeamAdmin("workload-team-admin", TeamAdminArgs(namespaces=[t.namespace for t in namespaces]), opts)
+    return namespaces
 
 
 def _training_namespace(
@@ -510,16 +538,20 @@ def _queues(
     kueue: KueueController,
     training: TrainingNamespace,
     serving: ServingWorkload | None,
+    teams: Sequence[TeamNamespace],
     opts: pulumi.ResourceOptions,
 ) -> Queues:
-    """A ClusterQueue per GPU pool; the trainer is admitted through its LocalQueue, all workers or none."""
+    """A ClusterQueue per GPU pool (with teams, one per team); the trainer is admitted through its
+    LocalQueue, all workers or none."""
     return Queues(
         "workload-queues",
         QueuesArgs(
             pools=gpu_pools(cfg.accelerator_node_groups, plan),
             kueue=kueue,
-            after=[training.namespace, *([serving.namespace] if serving else [])],
+            after=[training.namespace, *([serving.namespace] if serving else []), *(t.namespace for t in teams)],
             serving_namespace=cfg.inference.namespace if cfg.inference else None,
+            teams=plan.teams,
+            team_namespaces={t.team: t.name for t in teams},
         ),
         opts,
     )

@@ -15,8 +15,9 @@ from pydantic import Field
 
 from supernode.core.catalog import CATALOG, EFA_INTERFACE_TYPES, gate_floor_gbytes_s
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, PLAN_MOUNT_DIR, PLAN_MOUNT_PATH
-from supernode.core.pools import ROLE_LABEL
+from supernode.core.pools import ROLE_LABEL, TeamPool
 from supernode.core.resource_types import (
+    CLUSTER_QUEUE,
     COMPUTE_DOMAIN,
     PLACEMENT_GROUP,
     SECURITY_GROUP,
@@ -24,6 +25,7 @@ from supernode.core.resource_types import (
     SG_INGRESS,
     SG_RULE,
 )
+from supernode.core.teams import cluster_queue as team_cluster_queue
 from supernode.core.vendors import VENDORS
 
 from .base import Registry, Report
@@ -125,7 +127,7 @@ def _world_size(stack: Stack, _conf: None, report: Report) -> None:
     "accelerators-pools-add-up",
     1,
     "Training's and serving's minimum accelerators fit their pool together; serving scales out only on "
-    "its share and what training lends.",
+    "its share and what training lends; the teams' quotas add up to training's share.",
 )
 def _pools(stack: Stack, _conf: None, report: Report) -> None:
     """Training and serving share the accelerators without stranding either (supernode.core.pools):
@@ -156,6 +158,52 @@ def _pools(stack: Stack, _conf: None, report: Report) -> None:
                 f"a node group with role: serving of at least {pool.serving_min} {pool.noun} "
                 f"(supernode:acceleratorNodeGroups[].role), or lower supernode:inference.replicasMin.",
             )
+    for teams in plan.teams:
+        _teams_add_up(stack, teams, cm, report)
+
+
+def _teams_add_up(stack: Stack, teams: TeamPool, cm: Res, report: Report) -> None:
+    """The teams split training's share exactly (supernode.core.pools.TeamPool, the plan's verdict), and
+    the teams' ClusterQueues deployed hold exactly those quotas: their nominal devices add up to
+    training's share, so the cohort never admits more than the nodes nor leaves a device no team owns."""
+    if not teams.adds_up:
+        report(
+            cm,
+            f"{teams.reason}. The teams' quotas must be training's share of the pool exactly, lend no more than "
+            f"training may, and the first team's queue must reach the stack's own job. Fix: set "
+            f"supernode:teams[].nominalQuota to add up to {teams.training_devices} {teams.noun} (and "
+            "lendingLimit, borrowingLimit), or size the training node groups to the quotas.",
+        )
+    queues = {str(q.get("metadata", "name")): q for q in stack.of(CLUSTER_QUEUE)}
+    deployed, parts = 0, []
+    for t in teams.teams:
+        name = team_cluster_queue(t.name, teams.accelerator)
+        q = queues.get(name)
+        if q is None:
+            report(
+                cm,
+                f"team {t.name} has a quota of {t.nominal} {teams.noun} in the plan in {cm.label} but no "
+                f"ClusterQueue {name} is deployed. Fix: deploy the teams' queues (components/k8s/queues.py).",
+            )
+            continue
+        nominal = sum(
+            int(get(r, "nominalQuota", default=0))
+            for g in items(q.get("spec", "resourceGroups"))
+            for f in items(get(g, "flavors"))
+            for r in items(get(f, "resources"))
+            if get(r, "name") == teams.device_resource
+        )
+        deployed += nominal
+        parts.append(f"{name} {nominal}")
+    if parts and deployed != teams.training_devices:
+        report(
+            cm,
+            f"pool {teams.accelerator}: the teams' ClusterQueues hold {' + '.join(parts)} = {deployed} "
+            f"{teams.noun} of {teams.device_resource}, but training's share is {teams.training_devices}: the "
+            "cohort would admit "
+            + ("more than the nodes" if deployed > teams.training_devices else "less than the nodes, some idle")
+            + ". Fix: deploy the plan's team quotas (Plan.teams) as the queues' nominalQuota.",
+        )
 
 
 @POLICIES.stack(

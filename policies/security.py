@@ -19,6 +19,7 @@ from supernode.core import resource_types
 from supernode.core.config import DIGEST_RE
 from supernode.core.config.schema import PLACEHOLDER_DIGEST
 from supernode.core.resource_types import (
+    ACCESS_ENTRY,
     BUCKET,
     BUCKET_ACL,
     BUCKET_ACL_V2,
@@ -351,6 +352,37 @@ def _imds_hop_limit(res: Res, _conf: None, report: Report) -> None:
             f"hops, so a pod in its own network namespace can take the node role's credentials. Fix: "
             f"metadataOptions.httpPutResponseHopLimit 1, and give pods that call AWS an IRSA or Pod Identity "
             f"role.",
+        )
+
+
+@POLICIES.resource(
+    "eks-access-entries",
+    10,
+    "EKS access entries map a role to Kubernetes groups only: no access policy, no system: group.",
+    (ACCESS_ENTRY,),
+)
+def _access_entry(res: Res, _conf: None, report: Report) -> None:
+    """A team's access entry gives its role exactly the RBAC bound to its group (its own namespace): type
+    STANDARD with groups, never a system: group (system:masters is cluster-admin, bypassing RBAC)."""
+    groups = [str(g) for g in items(res.get("kubernetesGroups"))]
+    system = [g for g in groups if g.startswith("system:")]
+    if system:
+        report(
+            res,
+            f"{res.label} maps {res.get('principalArn')} to {system}: a system: group is granted by Kubernetes "
+            "itself (system:masters bypasses RBAC). Fix: map it to the team's group (supernode:team:<name>).",
+        )
+    if res.get("type", default="STANDARD") != "STANDARD":
+        report(
+            res,
+            f"{res.label} is of type {res.get('type')!r}: only a STANDARD entry takes its rights from RBAC alone. "
+            "Fix: type STANDARD.",
+        )
+    if not groups:
+        report(
+            res,
+            f"{res.label} names no Kubernetes group: its role would reach the cluster with nothing bound, or "
+            "through an access policy nothing here reads. Fix: kubernetesGroups [supernode:team:<name>].",
         )
 
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
+from supernode.core import teams as team_names
 from supernode.core.catalog import EKS_ADDON_VERSIONS
-from supernode.core.config import ClusterConfig
+from supernode.core.config import ClusterConfig, Team
 
 from ..context import StackContext
 from .identity import assume_role_policy, managed_policy_arn
@@ -167,3 +168,33 @@ class Cluster(pulumi.ComponentResource):
             resolve_conflicts_on_update="PRESERVE",
             opts=pulumi.ResourceOptions(parent=parent or self, depends_on=list(depends_on)),
         )
+
+
+@dataclass
+class TeamAccessArgs:
+    ctx: StackContext
+    cluster_name: pulumi.Input[str]
+    teams: Sequence[Team]  # supernode:teams: each one's IAM role (principal)
+
+
+class TeamAccess(pulumi.ComponentResource):
+    """Each team's IAM role reaches the cluster as the team's Kubernetes group (supernode.core.teams.group)
+    and nothing more: an EKS access entry of type STANDARD with that group and no access policy, so what
+    the group may do is exactly the RBAC bound to it (components/k8s/teams.py: its own namespace only)."""
+
+    def __init__(self, name: str, args: TeamAccessArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("supernode:cluster:TeamAccess", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        self.entries = [
+            aws.eks.AccessEntry(
+                f"{name}-{t.name}",
+                cluster_name=args.cluster_name,
+                principal_arn=t.principal,
+                kubernetes_groups=[team_names.group(t.name)],
+                type="STANDARD",
+                tags=args.ctx.tagged(),
+                opts=child,
+            )
+            for t in args.teams
+        ]
+        self.register_outputs({"groups": {t.principal: team_names.group(t.name) for t in args.teams}})

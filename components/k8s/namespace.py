@@ -88,11 +88,17 @@ def training_namespace(
 
 
 def training_quota(
-    resource: str, namespace: pulumi.Input[str], nodes: int, pod: PodShape, opts: pulumi.ResourceOptions
+    resource: str,
+    namespace: pulumi.Input[str],
+    nodes: int,
+    pod: PodShape,
+    opts: pulumi.ResourceOptions,
+    quota_name: str = "training-quota",
 ) -> k8s.core.v1.ResourceQuota:
+    """`nodes` whole-node pods' worth of the scarce resources, and headroom for small pods beside them."""
     return k8s.core.v1.ResourceQuota(
         resource,
-        metadata=meta("training-quota", namespace),
+        metadata=meta(quota_name, namespace),
         spec={
             "hard": {
                 # The scarce resources are capped at exactly one job's worth: the GPU fleet.
@@ -139,10 +145,11 @@ class TrainingNamespace(pulumi.ComponentResource):
         self.namespace = training_namespace(f"{name}-ns", args.namespace, args.cluster_version, child)
         ns = self.namespace.metadata.name
         self.name = ns
-        self._admission_policy(name, args.namespace, child)
+        pod_guard(name, args.namespace, child)
         self.quota = training_quota(f"{name}-quota", ns, nodes, pod, child)
         self.limits = container_limits(f"{name}-limits", ns, pod, child)
-        self._network_policies(name, ns, args.pod_identity, child)
+        policies = network_policies(name, ns, args.pod_identity, child)
+        self.default_deny, self.allow_dns, self.allow_aws = policies.values()
 
         annotations = {} if args.pod_identity else irsa(args.trainer_role_arn)
         # The trainer never calls the Kubernetes API: no API token in its pods (IRSA mounts its own).
@@ -190,112 +197,113 @@ class TrainingNamespace(pulumi.ComponentResource):
             }
         )
 
-    def _network_policies(
-        self, name: str, ns: pulumi.Output[str], pod_identity: bool, child: pulumi.ResourceOptions
-    ) -> None:
-        """Default deny, then DNS for every pod and AWS APIs over HTTPS for job pods only. The job's
-        pod-to-pod mesh is allowed per job (see workload_jobs.mesh_policy)."""
 
-        def policy(suffix: str, spec: dict[str, Any]) -> k8s.networking.v1.NetworkPolicy:
-            return k8s.networking.v1.NetworkPolicy(f"{name}-{suffix}", metadata=meta(suffix, ns), spec=spec, opts=child)
+def network_policies(
+    name: str, ns: pulumi.Input[str], pod_identity: bool, child: pulumi.ResourceOptions
+) -> dict[str, k8s.networking.v1.NetworkPolicy]:
+    """Default deny, then DNS for every pod and AWS APIs over HTTPS for job pods only. The job's
+    pod-to-pod mesh is allowed per job (see workload_jobs.mesh_policy)."""
 
-        self.default_deny = policy("default-deny", {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]})
-        self.allow_dns = policy(
-            "allow-dns",
-            {
-                "podSelector": {},
-                "policyTypes": ["Egress"],
-                "egress": [
-                    {
-                        "to": [
-                            {
-                                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
-                                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
-                            }
-                        ],
-                        "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
-                    }
-                ],
-            },
-        )
-        # S3 (gateway endpoint: public S3 ranges) and STS are reachable only by IP, and NetworkPolicy
-        # cannot match names or prefix lists: allow HTTPS alone, and never the instance metadata service.
-        egress: list[dict[str, Any]] = [
-            {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": [IMDS]}}], "ports": [{"protocol": "TCP", "port": 443}]}
-        ]
-        if pod_identity:
-            egress.append(
-                {"to": [{"ipBlock": {"cidr": POD_IDENTITY_AGENT}}], "ports": [{"protocol": "TCP", "port": 80}]}
-            )
-        self.allow_aws = policy(
-            "allow-aws-apis",
-            {
-                "podSelector": {"matchExpressions": [{"key": MESH_LABEL, "operator": "Exists"}]},
-                "policyTypes": ["Egress"],
-                "egress": egress,
-            },
-        )
+    def policy(suffix: str, spec: dict[str, Any]) -> k8s.networking.v1.NetworkPolicy:
+        return k8s.networking.v1.NetworkPolicy(f"{name}-{suffix}", metadata=meta(suffix, ns), spec=spec, opts=child)
 
-    def _admission_policy(self, name: str, namespace: str, child: pulumi.ResourceOptions) -> None:
-        """Pod Security baseline for this namespace, plus exactly the capabilities EFA needs."""
-        allowed = "[" + ", ".join(f"'{c}'" for c in BASELINE_CAPABILITIES + EFA_CAPABILITIES) + "]"
-        each = "variables.containers.all(c, {})"
-        checks = [
-            ("!has(object.spec.hostNetwork) || !object.spec.hostNetwork", "hostNetwork is not allowed"),
-            ("!has(object.spec.hostPID) || !object.spec.hostPID", "hostPID is not allowed"),
-            ("!has(object.spec.hostIPC) || !object.spec.hostIPC", "hostIPC is not allowed"),
-            (
-                "!has(object.spec.volumes) || object.spec.volumes.all(v, !has(v.hostPath))",
-                "hostPath volumes are not allowed",
-            ),
-            (
-                each.format(
-                    "!has(c.securityContext) || !has(c.securityContext.privileged) || !c.securityContext.privileged"
-                ),
-                "privileged containers are not allowed",
-            ),
-            (
-                each.format(
-                    "!has(c.securityContext) || !has(c.securityContext.capabilities) || "
-                    f"!has(c.securityContext.capabilities.add) || c.securityContext.capabilities.add.all(a, a in {allowed})"  # noqa: E501
-                ),
-                f"added capabilities must be among {allowed}",
-            ),
-        ]
-        policy = k8s.admissionregistration.v1.ValidatingAdmissionPolicy(
-            f"{name}-pod-guard",
-            metadata=meta(f"{namespace}-baseline-plus-efa"),
-            spec={
-                "failurePolicy": "Fail",
-                "matchConstraints": {
-                    "resourceRules": [
+    default_deny = policy("default-deny", {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]})
+    allow_dns = policy(
+        "allow-dns",
+        {
+            "podSelector": {},
+            "policyTypes": ["Egress"],
+            "egress": [
+                {
+                    "to": [
                         {
-                            "apiGroups": [""],
-                            "apiVersions": ["v1"],
-                            "operations": ["CREATE", "UPDATE"],
-                            "resources": ["pods", "pods/ephemeralcontainers"],
+                            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
                         }
-                    ]
-                },
-                "variables": [
+                    ],
+                    "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+                }
+            ],
+        },
+    )
+    # S3 (gateway endpoint: public S3 ranges) and STS are reachable only by IP, and NetworkPolicy
+    # cannot match names or prefix lists: allow HTTPS alone, and never the instance metadata service.
+    egress: list[dict[str, Any]] = [
+        {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": [IMDS]}}], "ports": [{"protocol": "TCP", "port": 443}]}
+    ]
+    if pod_identity:
+        egress.append({"to": [{"ipBlock": {"cidr": POD_IDENTITY_AGENT}}], "ports": [{"protocol": "TCP", "port": 80}]})
+    allow_aws = policy(
+        "allow-aws-apis",
+        {
+            "podSelector": {"matchExpressions": [{"key": MESH_LABEL, "operator": "Exists"}]},
+            "policyTypes": ["Egress"],
+            "egress": egress,
+        },
+    )
+    return {"default-deny": default_deny, "allow-dns": allow_dns, "allow-aws-apis": allow_aws}
+
+
+def pod_guard(name: str, namespace: str, child: pulumi.ResourceOptions) -> None:
+    """Pod Security baseline for this namespace, plus exactly the capabilities EFA needs."""
+    allowed = "[" + ", ".join(f"'{c}'" for c in BASELINE_CAPABILITIES + EFA_CAPABILITIES) + "]"
+    each = "variables.containers.all(c, {})"
+    checks = [
+        ("!has(object.spec.hostNetwork) || !object.spec.hostNetwork", "hostNetwork is not allowed"),
+        ("!has(object.spec.hostPID) || !object.spec.hostPID", "hostPID is not allowed"),
+        ("!has(object.spec.hostIPC) || !object.spec.hostIPC", "hostIPC is not allowed"),
+        (
+            "!has(object.spec.volumes) || object.spec.volumes.all(v, !has(v.hostPath))",
+            "hostPath volumes are not allowed",
+        ),
+        (
+            each.format(
+                "!has(c.securityContext) || !has(c.securityContext.privileged) || !c.securityContext.privileged"
+            ),
+            "privileged containers are not allowed",
+        ),
+        (
+            each.format(
+                "!has(c.securityContext) || !has(c.securityContext.capabilities) || "
+                f"!has(c.securityContext.capabilities.add) || c.securityContext.capabilities.add.all(a, a in {allowed})"  # noqa: E501
+            ),
+            f"added capabilities must be among {allowed}",
+        ),
+    ]
+    policy = k8s.admissionregistration.v1.ValidatingAdmissionPolicy(
+        f"{name}-pod-guard",
+        metadata=meta(f"{namespace}-baseline-plus-efa"),
+        spec={
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
                     {
-                        "name": "containers",
-                        "expression": "object.spec.containers"
-                        " + (has(object.spec.initContainers) ? object.spec.initContainers : [])"
-                        " + (has(object.spec.ephemeralContainers) ? object.spec.ephemeralContainers : [])",
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE", "UPDATE"],
+                        "resources": ["pods", "pods/ephemeralcontainers"],
                     }
-                ],
-                "validations": [{"expression": e, "message": m} for e, m in checks],
+                ]
             },
-            opts=child,
-        )
-        k8s.admissionregistration.v1.ValidatingAdmissionPolicyBinding(
-            f"{name}-pod-guard",
-            metadata=meta(f"{namespace}-baseline-plus-efa"),
-            spec={
-                "policyName": policy.metadata.name,
-                "validationActions": ["Deny"],
-                "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}},
-            },
-            opts=child,
-        )
+            "variables": [
+                {
+                    "name": "containers",
+                    "expression": "object.spec.containers"
+                    " + (has(object.spec.initContainers) ? object.spec.initContainers : [])"
+                    " + (has(object.spec.ephemeralContainers) ? object.spec.ephemeralContainers : [])",
+                }
+            ],
+            "validations": [{"expression": e, "message": m} for e, m in checks],
+        },
+        opts=child,
+    )
+    k8s.admissionregistration.v1.ValidatingAdmissionPolicyBinding(
+        f"{name}-pod-guard",
+        metadata=meta(f"{namespace}-baseline-plus-efa"),
+        spec={
+            "policyName": policy.metadata.name,
+            "validationActions": ["Deny"],
+            "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}},
+        },
+        opts=child,
+    )

@@ -44,8 +44,10 @@ from supernode.core.capacity import PodShape
 from supernode.core.catalog import CATALOG
 from supernode.core.config import AcceleratorNodeGroup
 from supernode.core.plan import Plan
-from supernode.core.pools import ROLE_LABEL
+from supernode.core.pools import ROLE_LABEL, TeamPool, TeamShare
 from supernode.core.pools import Pool as PoolFigures
+from supernode.core.teams import WORKLOAD_PRIORITY
+from supernode.core.teams import cluster_queue as team_cluster_queue
 
 from .addons import addon_resource, with_config_hash, with_images
 from .common import crd_kind, dns_name, load_addon, meta, pod_resources, pod_security_namespace, shipped_crd
@@ -77,6 +79,15 @@ PRIORITIES = {
     "supernode-experiments": (100, "experiments and scheduled checks: run on free GPU nodes only"),
 }
 TRAINING, SERVING, EXPERIMENTS = "supernode-training", "supernode-serving", "supernode-experiments"
+# With teams (supernode:teams), a job file's `priority: high` (supernode.core.teams.WORKLOAD_PRIORITY):
+# above training's, below serving's.
+TRAINING_HIGH = WORKLOAD_PRIORITY["high"]
+TEAM_PRIORITIES = {
+    TRAINING_HIGH: (750, "a team's urgent training jobs: preempt its normal and low ones; below serving"),
+}
+# Kueue's fair sharing among the teams' ClusterQueues (each with its weight): a queue is preempted only
+# while its share stays at or above the preemptor's after the preemption, else while below it before.
+FAIR_SHARING = {"enable": True, "preemptionStrategies": ["LessThanOrEqualToFinalShare", "LessThanInitialShare"]}
 
 
 @dataclass(frozen=True)
@@ -104,9 +115,11 @@ class Pool:
         """Serving has a queue in this pool: its reserved nodes, or replicas to run."""
         return bool(self.figures.serving_nodes or self.figures.serving_max)
 
-    def quota(self, role: str = "training") -> dict[str, str]:
-        """Nominal quota of a role's flavor: its nodes x its node's pod shape (Kubernetes quantities)."""
-        nodes = self.figures.training_nodes if role == "training" else self.figures.serving_nodes
+    def quota(self, role: str = "training", nodes: int | None = None) -> dict[str, str]:
+        """Nominal quota of a role's flavor: its nodes (or `nodes`) x its node's pod shape (Kubernetes
+        quantities)."""
+        if nodes is None:
+            nodes = self.figures.training_nodes if role == "training" else self.figures.serving_nodes
         shape = self.shapes.get(role, self.shapes["training"])  # no serving nodes: a quota of 0 of its kind
         return pod_resources(shape.times(nodes))["requests"]
 
@@ -202,6 +215,29 @@ def serving_cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[st
     }
 
 
+def team_cluster_queue_spec(pool: Pool, teams: TeamPool, team: TeamShare, namespaces: Sequence[str]) -> dict[str, Any]:
+    """A team's ClusterQueue in the pool's cohort, on training's flavor: its nominal quota, borrowing
+    and lending limits (the Plan's, in whole nodes x the node's pod shape for every covered resource)
+    and its fair-sharing weight. Fair sharing decides what borrowed quota is taken back (Kueue ignores
+    borrowWithinCohort under it); lent quota comes back when the team needs it."""
+    per_node = teams.devices_per_node
+    quota = pool.quota("training", team.nodes)
+    limits = {
+        "borrowingLimit": pool.quota("training", team.borrowing_limit // per_node),
+        "lendingLimit": pool.quota("training", team.lending_limit // per_node),
+    }
+    return {
+        "cohort": COHORT,
+        "namespaceSelector": namespace_selector(namespaces),
+        "queueingStrategy": "BestEffortFIFO",
+        "resourceGroups": [
+            {"coveredResources": list(quota), "flavors": [{"name": pool.name, "resources": _resources(quota, limits)}]}
+        ],
+        "preemption": {"withinClusterQueue": "LowerPriority", "reclaimWithinCohort": "Any"},
+        "fairSharing": {"weight": f"{team.weight:g}"},
+    }
+
+
 class TopLevelResource(pulumi.CustomResource):
     """A custom resource with its fields at the top level, which k8s.apiextensions.CustomResource
     (metadata and spec only) cannot send: a WorkloadPriorityClass has `value` and `description`."""
@@ -217,10 +253,13 @@ class TopLevelResource(pulumi.CustomResource):
         )
 
 
-def controller_configuration(namespaces: Sequence[str]) -> dict[str, Any]:
-    """The controller's Configuration as shipped, managing the jobs of the queued namespaces only."""
+def controller_configuration(namespaces: Sequence[str], fair_sharing: bool = False) -> dict[str, Any]:
+    """The controller's Configuration as shipped, managing the jobs of the queued namespaces only;
+    with `fair_sharing` (the stack has teams) Kueue's fair sharing on, by the ClusterQueues' weights."""
     config = yaml.safe_load(load_addon(CONTROLLER_FILE)["ConfigMap"]["data"][CONFIG_KEY])
     config["managedJobsNamespaceSelector"] = namespace_selector(namespaces)
+    if fair_sharing:
+        config["fairSharing"] = dict(FAIR_SHARING)
     return config
 
 
@@ -234,6 +273,7 @@ class KueueArgs:
     namespaces: Sequence[str]  # the queued namespaces: training; serving when it exists
     # images.addons: the `kueue` entry pins the controller by digest; without it, the file's tag.
     images: Mapping[str, str] = field(default_factory=dict)
+    fair_sharing: bool = False  # the stack has teams: their ClusterQueues share by weight
 
 
 class KueueController(pulumi.ComponentResource):
@@ -278,7 +318,7 @@ class KueueController(pulumi.ComponentResource):
         # configurations: Pulumi must not fight over either.
         cert = create("webhook-cert", objs["Secret"], ignore_changes=["data"])
         service = create("webhook", objs["Service"])
-        config = yaml.safe_dump(controller_configuration(self.namespaces), sort_keys=False)
+        config = yaml.safe_dump(controller_configuration(self.namespaces, args.fair_sharing), sort_keys=False)
         config_map = create("config", {**objs["ConfigMap"], "data": {CONFIG_KEY: config}})
         webhooks = []
         for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
@@ -318,6 +358,11 @@ class QueuesArgs:
     kueue: KueueController  # its CRDs, the namespaces it queues (a LocalQueue per pool in each), its readiness
     after: Sequence[pulumi.Resource] = ()  # the queued namespaces themselves
     serving_namespace: str | None = None  # its LocalQueues feed serving's ClusterQueues; the others training's
+    # The Plan's team shares (Plan.teams) and each team's namespace: where a pool has them, training's
+    # share is the teams' ClusterQueues (no gpu-<acc> ClusterQueue of its own), each team's namespace
+    # queues in its own, and the other training namespaces (the stack's own job) in the first team's.
+    teams: Sequence[TeamPool] = ()
+    team_namespaces: Mapping[str, str] = field(default_factory=dict)  # team -> its namespace
 
 
 class Queues(pulumi.ComponentResource):
@@ -336,19 +381,31 @@ class Queues(pulumi.ComponentResource):
                 )
             return TopLevelResource(resource, KUEUE_API, kind, metadata, body, opts)
 
+        priorities = {**PRIORITIES, **(TEAM_PRIORITIES if args.teams else {})}
         self.priority_classes = [
             custom(f"{name}-{p}", "WorkloadPriorityClass", meta(p), value=value, description=text)
-            for p, (value, text) in PRIORITIES.items()
+            for p, (value, text) in priorities.items()
         ]
+        team_ns = set(args.team_namespaces.values())
         serving_ns = [ns for ns in kueue.namespaces if ns == args.serving_namespace]
-        training_ns = [ns for ns in kueue.namespaces if ns != args.serving_namespace]
+        training_ns = [ns for ns in kueue.namespaces if ns != args.serving_namespace and ns not in team_ns]
+        teams = {t.accelerator: t for t in args.teams}
         self.local_queues = []
         self.cluster_queues = []
         for pool in args.pools:
             flavor = custom(
                 f"{name}-{pool.name}-flavor", "ResourceFlavor", meta(pool.name), spec=flavor_spec(pool, "training")
             )
-            queues = [(pool.name, cluster_queue_spec(pool, training_ns), training_ns, [flavor])]
+            shares = teams.get(pool.accelerator)
+            if shares is None:
+                queues = [(pool.name, cluster_queue_spec(pool, training_ns), training_ns, [flavor])]
+            else:
+                queues = []
+                for i, team in enumerate(shares.teams):
+                    # the first team's queue also admits the stack's own job (its training namespace)
+                    served = [args.team_namespaces[team.name], *(training_ns if i == 0 else [])]
+                    spec = team_cluster_queue_spec(pool, shares, team, served)
+                    queues.append((team_cluster_queue(team.name, pool.accelerator), spec, served, [flavor]))
             if serving_ns and pool.serves:
                 serving_flavor = custom(
                     f"{name}-{pool.serving_name}-flavor",
@@ -373,4 +430,9 @@ class Queues(pulumi.ComponentResource):
                     )
         # What a queued job waits for: its LocalQueue and the priority classes it names.
         self.ready: list[pulumi.Resource] = [*self.local_queues, *self.priority_classes]
-        self.register_outputs({"cluster_queues": [p.name for p in args.pools]})
+        training_queues = [
+            team_cluster_queue(t.name, p.accelerator) if p.accelerator in teams else p.name
+            for p in args.pools
+            for t in (teams[p.accelerator].teams if p.accelerator in teams else [None])
+        ]
+        self.register_outputs({"cluster_queues": training_queues})

@@ -9,7 +9,8 @@ keys, every problem reported at once with the job file's path (`model.dim`, `nod
 no layout, or a grace period shorter than a step and a checkpoint write.
 
 Jobs run on the stack's training node groups (the plan's instance type); a job asks for at most the
-stack's training nodes. Per-team quotas (issue 36, item 4) are not in the stack config yet.
+stack's training nodes. Where the stack declares teams (supernode:teams) the job's team is one of them
+and the job asks at most what its team may ever get (its nominal quota + borrowing limit).
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from .errors import ConfigError, Issue
 from .inputs import MIB, InputError, load_yaml, read_bounded
 from .layout import P
 from .plan import Plan, build_plan
+from .teams import NAME  # a job's name and its team's: one pattern (supernode.core.teams)
 
 MAX_JOB_FILE_BYTES = MIB
-# A Kubernetes object name (RFC 1123 label) short enough for the job's derived names (pods, ConfigMap).
-NAME = r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"
 PRIORITIES = ("low", "normal", "high")
 
 
@@ -89,6 +89,12 @@ def job_from_mapping(data: Any, source: str = "") -> JobSpec:
 def job_config(cfg: StackConfig, job: JobSpec, source: str = "") -> StackConfig:
     """The stack as the job runs it: its sections overridden by the job's keys and its training nodes
     the job's; validated by the stack's schema and rules, every problem named by its job-file key."""
+    teams = [t.name for t in cfg.teams]
+    if teams and job.team not in teams:  # a stack without teams takes any team name (no quota to check)
+        raise ConfigError(
+            [Issue(path="team", value=job.team, message=f"not one of the stack's teams ({', '.join(teams)})")],
+            source,
+        )
     data = cfg.to_mapping()
     for section in ("model", "parallel", "training"):
         data[section].update(getattr(job, section).model_dump(by_alias=True, exclude_none=True))
@@ -146,8 +152,9 @@ def _job_issue(issue: Issue) -> Issue:
 
 
 def job_plan(stack: str, cfg: StackConfig, job: JobSpec, root: str | Path = ".") -> Plan:
-    """The job's Plan: the stack's planner on the job's config (`job_config`)."""
-    return build_plan(stack, job_config(cfg, job, f"job {job.name}"), root=root)
+    """The job's Plan: the stack's planner on the job's config (`job_config`), as its team's (Plan.team)."""
+    plan = build_plan(stack, job_config(cfg, job, f"job {job.name}"), root=root)
+    return plan.model_copy(update={"team": job.team}) if cfg.teams else plan
 
 
 def refusals(plan: Plan) -> list[str]:
@@ -163,6 +170,14 @@ def refusals(plan: Plan) -> list[str]:
         for e in plan.layouts
         if not e.fits and e.world_size != plan.world_size
     ]
+    for pool in plan.teams:  # the job's devices in the pool against what its team may ever hold
+        team = pool.team(plan.team or "")
+        if team is not None and pool.stack_job_devices > team.max_devices:
+            out.append(
+                f"team quota: the job asks {pool.stack_job_devices} {pool.noun} ({plan.nodes} nodes), more than team "
+                f"{team.name} may ever get: its nominal {team.nominal} + borrowing limit {team.borrowing_limit} = "
+                f"{team.max_devices} {pool.noun} ({team.max_nodes} nodes)"
+            )
     if plan.termination_grace_s < plan.termination_grace_needed_s:
         out.append(
             f"grace period: workload.terminationGraceS {plan.termination_grace_s} s is below the "

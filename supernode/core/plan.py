@@ -19,7 +19,7 @@ from .estimate import Layout, estimate, local_worlds, planned_worlds
 from .inference import InferencePlan, build_inference_plan
 from .layout import domain_rules
 from .mesh import Mesh
-from .pools import Pool, build_pools, termination_grace_needed_s
+from .pools import Pool, TeamPool, build_pools, build_team_pools, termination_grace_needed_s
 from .search import Suggestion, suggest
 
 # In the cluster the Plan travels as this ConfigMap key, mounted read-only in this directory: the
@@ -91,6 +91,11 @@ class Plan(BaseModel):
     # How training and serving share the accelerators, per pool (supernode.core.pools): the Kueue
     # quotas and the pools-add-up policy read these figures. Empty for a local (CPU) plan.
     pools: list[Pool] = []
+    # How the teams (supernode:teams) split each pool's training share (supernode.core.pools): their
+    # ClusterQueues, ResourceQuotas and the pools-add-up policy read these. Empty without teams.
+    teams: list[TeamPool] = []
+    # A job's plan (supernode.core.jobs.job_plan): the team it is submitted as; None for the stack's own.
+    team: str | None = None
     # The trainer pod's grace period (workload.terminationGraceS) and the least it may be: one step
     # (the slowest of the elastic layouts that fit), one checkpoint write and a margin
     # (supernode.core.pools), so a preempted, drained or terminated pod checkpoints before it is killed
@@ -181,7 +186,9 @@ class Plan(BaseModel):
         return CATALOG[self.instance_type]
 
     def to_json(self) -> str:
-        return self.model_dump_json(indent=2)
+        # A stack without teams serialises as it did before teams existed (its ConfigMap and hashes unchanged).
+        empty = {k for k in ("teams", "team") if not getattr(self, k)}
+        return self.model_dump_json(indent=2, exclude=empty or None)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -283,6 +290,13 @@ def _plan(
         raise BadInput(f"{NAMESPACE}:parallel: {planned.reason}")
     ckpt = cap.checkpoint_io(params, t, cfg.storage.fsx)
     serving = None if local else build_inference_plan(cfg, params, hw)
+    pools = (
+        []
+        if local
+        else build_pools(
+            cfg, world // hw.ranks_per_chip, layouts[0].world_size // hw.ranks_per_chip, hw.accelerator, serving
+        )
+    )
     return Plan(
         stack=stack,
         local=local,
@@ -315,11 +329,8 @@ def _plan(
         spare_accelerators=sum(g.spares * CATALOG[g.instance_type].accelerators for g in cfg.training_node_groups),
         spare_cost_per_hour_usd=cap.cost_per_hour(_nodes(cfg, spares_only=True), CATALOG),
         inference=serving,
-        pools=[]
-        if local
-        else build_pools(
-            cfg, world // hw.ranks_per_chip, layouts[0].world_size // hw.ranks_per_chip, hw.accelerator, serving
-        ),
+        pools=pools,
+        teams=[] if local else build_team_pools(cfg, pools),
         termination_grace_s=cfg.workload.termination_grace_s,
         # the slowest step the job may run: an elastic job preempted at a smaller world finishes that step
         termination_grace_needed_s=termination_grace_needed_s(

@@ -206,3 +206,125 @@ def termination_grace_needed_s(step_s: float, checkpoint_write_s: float) -> int:
     """The least terminationGracePeriodSeconds that loses at most one checkpoint interval on preemption,
     drain or termination: one step + one checkpoint write (the plan's estimates) + GRACE_MARGIN_S."""
     return math.ceil(step_s + checkpoint_write_s) + GRACE_MARGIN_S
+
+
+class TeamShare(BaseModel):
+    """One team's part of a pool's training share (supernode:teams): its ClusterQueue's figures, in
+    devices, as Kueue and the team's ResourceQuota take them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    nominal: int  # its guaranteed devices (nominalQuota)
+    borrowing_limit: int
+    lending_limit: int
+    weight: float  # its fair-sharing weight
+    max_devices: int  # the most it may ever hold: nominal + borrowing limit (its ResourceQuota; a job's ceiling)
+    nodes: int  # nominal in whole nodes
+    max_nodes: int  # max_devices in whole nodes
+    pool_percent: float  # nominal of the whole pool (training's and serving's devices), in %
+    training_percent: float  # nominal of training's share, in %
+
+
+class TeamPool(BaseModel):
+    """How the teams split one pool's training share, and whether it adds up: the teams' quotas are
+    exactly training's share (nothing double-counted, nothing idle), together they lend at most what
+    training may lend (its share less its spares and the stack's job's minimum: serving's borrowing
+    stays as the pool arithmetic has it, a spare is never lent; where the pool serves), and the first
+    team, whose queue admits the stack's own job, may reach that job's devices (its nominal + borrowing
+    limit >= training max)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    accelerator: str
+    device_resource: str
+    devices_per_node: int
+    training_devices: int  # training's share (Pool.training_devices)
+    nominal_total: int
+    lending_total: int
+    training_lending_limit: int  # Pool.training_lending_limit
+    stack_job_team: str  # the first team: its queue admits the stack's own job
+    # The plan's job's devices in this pool (Pool.training_max): the stack's own job's, or in a job's plan
+    # (supernode.core.jobs.job_plan) that job's, which its team's nominal + borrowing limit must cover.
+    stack_job_devices: int
+    teams: list[TeamShare]
+    adds_up: bool
+    reason: str
+
+    @property
+    def noun(self) -> str:
+        return device_noun(self.device_resource)
+
+    def team(self, name: str) -> TeamShare | None:
+        return next((t for t in self.teams if t.name == name), None)
+
+
+def build_team_pools(cfg: StackConfig, pools: list[Pool]) -> list[TeamPool]:
+    """The teams' shares of each pool with training nodes (the config rules allow one); empty without teams."""
+    if not cfg.teams:
+        return []
+    per_node = {CATALOG[g.instance_type].accelerator: CATALOG[g.instance_type].chips for g in cfg.training_node_groups}
+    return [_team_pool(cfg, p, per_node[p.accelerator]) for p in pools if p.accelerator in per_node]
+
+
+def _team_pool(cfg: StackConfig, pool: Pool, per_node: int) -> TeamPool:
+    noun = device_noun(pool.device_resource)
+    shares = [
+        TeamShare(
+            name=t.name,
+            nominal=t.nominal_quota,
+            borrowing_limit=t.borrowing_limit,
+            lending_limit=t.lending_limit,
+            weight=t.weight,
+            max_devices=t.nominal_quota + t.borrowing_limit,
+            nodes=t.nominal_quota // per_node,
+            max_nodes=(t.nominal_quota + t.borrowing_limit) // per_node,
+            pool_percent=round(100 * t.nominal_quota / pool.devices, 1) if pool.devices else 0.0,
+            training_percent=round(100 * t.nominal_quota / pool.training_devices, 1) if pool.training_devices else 0.0,
+        )
+        for t in cfg.teams
+    ]
+    nominal = sum(t.nominal for t in shares)
+    lending = sum(t.lending_limit for t in shares)
+    first = shares[0]
+    terms = " + ".join(f"{t.name} {t.nominal}" for t in shares)
+    problems = []
+    if nominal != pool.training_devices:
+        problems.append(
+            f"teams' quotas {terms} = {nominal} != training's share {pool.training_devices} {noun}"
+            + (": the cohort would admit more than the nodes" if nominal > pool.training_devices else ": some idle")
+        )
+    serves = bool(pool.serving_nodes or pool.serving_max)  # what is lent, serving may borrow
+    if serves and lending > pool.training_lending_limit:
+        problems.append(
+            f"teams lend {lending} > the {pool.training_lending_limit} training may lend (its share less "
+            f"{pool.spare_devices} spare and the stack's job's minimum {pool.training_min})"
+        )
+    if first.max_devices < pool.training_max:
+        problems.append(
+            f"the stack's own job asks {pool.training_max} {noun} > team {first.name}'s nominal {first.nominal} + "
+            f"borrowing {first.borrowing_limit} = {first.max_devices} (its queue admits the stack's job)"
+        )
+    head = f"teams in pool {pool.accelerator}: {terms} = {nominal}"
+    if problems:
+        reason = f"{head}; " + "; ".join(problems)
+    else:
+        lent = f"; lend {lending} <= {pool.training_lending_limit}" if serves else f"; lend {lending}"
+        reason = (
+            f"{head} = training's share {pool.training_devices} {noun}{lent}; the stack's job "
+            f"({pool.training_max}) fits team {first.name}'s {first.max_devices}"
+        )
+    return TeamPool(
+        accelerator=pool.accelerator,
+        device_resource=pool.device_resource,
+        devices_per_node=per_node,
+        training_devices=pool.training_devices,
+        nominal_total=nominal,
+        lending_total=lending,
+        training_lending_limit=pool.training_lending_limit,
+        stack_job_team=first.name,
+        stack_job_devices=pool.training_max,
+        teams=shares,
+        adds_up=not problems,
+        reason=reason,
+    )

@@ -34,6 +34,8 @@ NODE_GROUP = "aws:eks/nodeGroup:NodeGroup"
 ASG_SCHEDULE = "aws:autoscaling/schedule:Schedule"
 EKS_ADDON = "aws:eks/addon:Addon"
 POD_IDENTITY_ASSOCIATION = "aws:eks/podIdentityAssociation:PodIdentityAssociation"
+# A team's IAM role -> its Kubernetes group (components/aws/cluster.py TeamAccess); read by eks-access-entries.
+ACCESS_ENTRY = "aws:eks/accessEntry:AccessEntry"
 
 # -- AWS: storage ---------------------------------------------------------------------------------
 BUCKET = "aws:s3/bucket:Bucket"
@@ -84,6 +86,7 @@ DEPLOYMENT = "kubernetes:apps/v1:Deployment"
 STATEFUL_SET = "kubernetes:apps/v1:StatefulSet"
 CRD = "kubernetes:apiextensions.k8s.io/v1:CustomResourceDefinition"
 PYTORCH_JOB = "kubernetes:kubeflow.org/v1:PyTorchJob"
+CLUSTER_QUEUE = "kubernetes:kueue.x-k8s.io/v1beta1:ClusterQueue"
 
 # The engine's own resources.
 STACK = "pulumi:pulumi:Stack"

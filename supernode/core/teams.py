@@ -12,6 +12,9 @@ A job's priority (low | normal | high, supernode.core.jobs) is one of Kueue's Wo
 
 from __future__ import annotations
 
+# A team's (and a job's) name: a Kubernetes object name (RFC 1123 label) short enough for the names
+# derived from it (the namespace team-<name>, the ClusterQueue gpu-<accelerator>-<name>, a job's pods).
+NAME = r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"
 NAMESPACE_PREFIX = "team-"
 ADMIN_GROUP = "supernode:admins"
 # The job file's priority -> the WorkloadPriorityClass its PyTorchJob names (components/k8s/queues.py
@@ -28,7 +31,9 @@ def namespace(team: str) -> str:
 
 
 def cluster_queue(team: str, accelerator: str) -> str:
-    return f"gpu-{accelerator}-{team}"
+    """The team's ClusterQueue in a pool: the pool's queue name (supernode.components.k8s.queues.queue_name,
+    gpu-<accelerator> lower-cased: gpu-h100) and the team's name."""
+    return f"gpu-{accelerator.lower()}-{team}"
 
 
 def group(team: str) -> str:

@@ -38,12 +38,23 @@ def test_prod_node_groups_boot_the_spare_beside_the_world():
     assert scaling == {"minSize": 9, "desiredSize": 9, "maxSize": 9}
 
 
+def _gpu_quotas(stack, names: set[str]) -> list[dict]:
+    cqs = [m for m in mf.from_resources(stack.result.resources) if m["kind"] == "ClusterQueue"]
+    return [
+        next(r for r in cq["spec"]["resourceGroups"][0]["flavors"][0]["resources"] if r["name"] == "nvidia.com/gpu")
+        for cq in cqs
+        if cq["metadata"]["name"] in names
+    ]
+
+
 def test_prod_training_quota_holds_the_spare_and_lends_only_what_the_job_gives_up():
-    stack = preview("prod")
-    [cq] = [m for m in manifests("ClusterQueue") if m["metadata"]["name"] == "gpu-h100"]
-    [flavor] = cq["spec"]["resourceGroups"][0]["flavors"]
-    gpus = next(r for r in flavor["resources"] if r["name"] == "nvidia.com/gpu")
+    # prod as it was before its teams: training's one ClusterQueue holds its whole share
+    stack = preview("prod", "no-teams", lambda d: d.pop("teams"))
+    [gpus] = _gpu_quotas(stack, {"gpu-h100"})
     # 17 training nodes x 8 = 136 GPUs of quota; lends (136 - 8 spare) - 8 x 8 minimum = 64
     assert int(gpus["nominalQuota"]) == 136 and gpus["lendingLimit"] == 64
+    # with its teams the two teams' queues hold the same share, spare included, and lend no more together
+    teams = _gpu_quotas(preview("prod"), {"gpu-h100-research", "gpu-h100-platform"})
+    assert sum(int(g["nominalQuota"]) for g in teams) == 136 and sum(int(g["lendingLimit"]) for g in teams) == 64
     plan = build_plan("prod", stack.cfg)
     assert (plan.spare_nodes, plan.spare_accelerators) == (1, 8)

@@ -127,7 +127,7 @@ PER_STACK = {
     "stack", "local", "device", "instance_type", "accelerators_per_node", "model", "training", "params", "flops_per_token",
     "hbm_gib", "usable_hbm_gib", "calibration", "topology", "checkpoint", "gate_floor_gbytes_s", "pod",
     "cost_per_hour_usd", "spare_nodes", "spare_accelerators", "spare_cost_per_hour_usd", "inference", "pools",
-    "termination_grace_s", "termination_grace_needed_s", "layouts",
+    "teams", "team", "termination_grace_s", "termination_grace_needed_s", "layouts",
 }  # fmt: skip
 FROM_THE_LAYOUT = (
     "nodes", "parallel", "degrees", "micro_batches_per_step", "padded_micro_batches", "pipeline", "memory",

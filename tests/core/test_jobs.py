@@ -37,8 +37,9 @@ def test_the_shipped_job_plans_on_prods_hardware_with_its_overrides(prod):
     assert plan.training.lr == 0.0006 != prod.training.lr  # the job's key; the rest the stack's
     assert plan.training.global_batch == prod.training.global_batch and plan.model == prod.model
     assert plan.fits and refusals(plan) == []
-    # the same planner: the job's plan is the stack's plan of the job's config
-    assert plan == build_plan("prod", job_config(prod, spec), root=ROOT)
+    # the same planner: the job's plan is the stack's plan of the job's config, marked with its team
+    assert plan.team == "research"
+    assert plan == build_plan("prod", job_config(prod, spec), root=ROOT).model_copy(update={"team": "research"})
     # fewer ranks, the same global batch: each rank holds more and the step is longer
     full = build_plan("prod", prod, root=ROOT)
     assert plan.memory.params_per_rank > full.memory.params_per_rank and plan.step.step_s > full.step.step_s

@@ -138,6 +138,10 @@ def _prod_file(tmp_path, name: str, instance_type: str, parallel: dict | None = 
     # prod's elastic minimum (8 nodes) is sized for H100; fewer A100s hold more each, which
     # memory-fit-elastic checks (tests/policies/test_elastic_policy.py): here the job is not elastic.
     conf["supernode:training"].pop("minNodes")
+    # a job that is not elastic gives nothing up, so training lends nothing: nor may prod's teams
+    # (accelerators-pools-add-up)
+    for team in conf["supernode:teams"]:
+        team["lendingLimit"] = 0
     if parallel:  # the local CPU run keeps its own mesh (it does not inherit the cluster's degrees)
         conf["supernode:parallel"].update(parallel)
     path = tmp_path / f"Pulumi.{name}.yaml"

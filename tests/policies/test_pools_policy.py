@@ -104,3 +104,52 @@ def test_a_grace_period_below_the_checkpoint_write_fails_naming_the_key_and_both
     assert "terminationGracePeriodSeconds 40 s" in message
     assert f"Fix: supernode:workload.terminationGraceS >= {plan.termination_grace_needed_s}" in message
     assert f"writing a checkpoint ({plan.checkpoint.write_seconds:.0f} s)" in message
+
+
+# -- teams (issue 36, item 4): the teams' quotas add up to training's share ----------------------------
+
+
+def test_prods_teams_quotas_that_leave_the_spare_to_no_team_fail_with_the_numbers():
+    """platform 32 instead of 40: 96 + 32 = 128 of training's 136 (16 nodes + the spare), 8 GPUs no team owns."""
+    cfg = built_images(variant("prod", lambda d: d["teams"][1].update(nominalQuota=32)))
+    found, _ = findings("prod", cfg)
+    # the plan's verdict, and the deployed queues (the plan's quotas as written) against training's share
+    message, deployed = found[POOLS]
+    assert "gpu-h100-platform 32 = 128 GPUs" in deployed and "less than the nodes, some idle" in deployed
+    assert "teams in pool H100: research 96 + platform 32 = 128" in message
+    assert "!= training's share 136 GPUs" in message
+    assert "Fix: set supernode:teams[].nominalQuota to add up to 136 GPUs" in message
+    assert set(found) == {POOLS}, found  # nothing else in the stack is wrong
+
+
+def test_deployed_team_queues_that_do_not_hold_the_plans_quotas_are_named():
+    """The plan adds up, but a team's ClusterQueue in the stack holds another quota: the pack reads the
+    queues themselves, so the cohort cannot admit more than the nodes behind the plan's back."""
+    cfg = built_images(load_stack("prod", ROOT))
+    resources = [r.to_json() for r in run_program("prod", cfg).resources]
+    assert POOLS not in {v.policy for v in check(resources, config_from_stack(cfg)).mandatory}
+    [cq] = [
+        r for r in resources if r["type"] == T.CLUSTER_QUEUE and r["inputs"]["metadata"]["name"] == "gpu-h100-platform"
+    ]
+    for r in cq["inputs"]["spec"]["resourceGroups"][0]["flavors"][0]["resources"]:
+        if r["name"] == "nvidia.com/gpu":
+            r["nominalQuota"] = "48"
+    [message] = [v.message for v in check(resources, config_from_stack(cfg)).mandatory if v.policy == POOLS]
+    assert "the teams' ClusterQueues hold gpu-h100-research 96 + gpu-h100-platform 48 = 144 GPUs" in message
+    assert "the cohort would admit more than the nodes" in message
+    # a team queue missing altogether is named too (and the deployed quotas then fall short)
+    resources = [r for r in resources if r is not cq]
+    found = [v.message for v in check(resources, config_from_stack(cfg)).mandatory if v.policy == POOLS]
+    assert any("no ClusterQueue gpu-h100-platform is deployed" in m for m in found), found
+    assert any("gpu-h100-research 96 = 96 GPUs" in m and "less than the nodes" in m for m in found), found
+
+
+def test_an_access_entry_to_a_system_group_is_refused():
+    cfg = built_images(load_stack("prod", ROOT))
+    resources = [r.to_json() for r in run_program("prod", cfg).resources]
+    entries = [r for r in resources if r["type"] == T.ACCESS_ENTRY]
+    assert len(entries) == 2
+    assert "eks-access-entries" not in {v.policy for v in check(resources, config_from_stack(cfg)).mandatory}
+    entries[0]["inputs"]["kubernetesGroups"] = ["system:masters"]
+    found = [v.message for v in check(resources, config_from_stack(cfg)).mandatory if v.policy == "eks-access-entries"]
+    assert len(found) == 1 and "['system:masters']" in found[0] and "supernode:team:<name>" in found[0]

@@ -13,6 +13,8 @@ from ...core.catalog import GIB
 from ...core.errors import EXIT_FAILED
 from ...core.estimate import Layout
 from ...core.plan import Plan, build_plan
+from ...core.teams import cluster_queue as team_queue
+from ...core.teams import namespace as team_namespace
 from ...core.topology import scale_up_link
 from ..args import add_stack_args, plain_console, stack_from_args
 from .data import add_data_arg, check_plan_data
@@ -57,6 +59,8 @@ def plan_json(plan: Plan) -> dict:
     }
     layout_fields = {"nodes", "memory", "over_by_gib", "step", "pipeline", "placement", "domains"}
     layout_fields |= {"replica_domains", "replica_fits"}
+    if plan.teams:  # a stack without teams prints what it printed before they existed
+        stack_fields.add("teams")
     return (
         plan.summary()
         | json.loads(plan.model_dump_json(include=stack_fields))
@@ -305,6 +309,7 @@ def _operations_rows(plan: Plan) -> list[Row]:
                 + (f", never its {pool.spare_devices} spare {pool.noun}" if pool.spare_devices else ""),
             )
         )
+    rows += _team_rows(plan)
     spares = (
         f"; of it {plan.spare_nodes} spare node(s) ${plan.spare_cost_per_hour_usd:,.2f}/h" if plan.spare_nodes else ""
     )
@@ -315,6 +320,32 @@ def _operations_rows(plan: Plan) -> list[Row]:
             f"{plan.training.steps} steps ~ {duration(plan.run_hours)} ~ {money(plan.run_cost_usd)} on demand{spares}",
         )
     )
+    return rows
+
+
+def _team_rows(plan: Plan) -> list[Row]:
+    """Each team's share of each pool (supernode:teams), and whether the quotas add up."""
+    rows: list[Row] = []
+    for tp in plan.teams:
+        rows.append(
+            (
+                f"teams {tp.accelerator}",
+                f"{tp.nominal_total} {tp.noun}",
+                f"{'[green]adds up[/]' if tp.adds_up else '[red]does not add up[/]'}: {tp.reason}",
+            )
+        )
+        for t in tp.teams:
+            rows.append(
+                (
+                    f"  team {t.name}",
+                    f"{t.nominal} {tp.noun}",
+                    f"{t.training_percent:g}% of training's share ({t.pool_percent:g}% of the pool), {t.nodes} "
+                    f"nodes; borrows up to {t.borrowing_limit}, lends up to {t.lending_limit}, weight {t.weight:g}; "
+                    f"holds at most {t.max_devices} {tp.noun} ({t.max_nodes} nodes) in {team_namespace(t.name)}, "
+                    f"queue {team_queue(t.name, tp.accelerator)}"
+                    + (" (also the stack's own job)" if t.name == tp.stack_job_team else ""),
+                )
+            )
     return rows
 
 

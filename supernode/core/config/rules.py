@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from ..catalog import CATALOG, EKS_ADDON_VERSIONS, LOCAL_ZONES, REGION_AZS, ULTRASERVERS, ultraserver_only
 from ..errors import Issue
 from ..layout import P, layout_rules
+from ..teams import namespace as team_namespace
 from .schema import StackConfig, issues_from_validation
 
 
@@ -535,6 +536,73 @@ def _local(c: StackConfig) -> list[Issue]:
     )
 
 
+def _teams(c: StackConfig) -> list[Issue]:
+    """Teams share one training pool (their quotas are in its devices): names and IAM roles unique, each
+    team's namespace none of the stack's own, quotas and limits in whole nodes (a job's pods are whole
+    nodes), and a team lends at most its quota. That the quotas add up to training's share is the
+    accelerators-pools-add-up policy's (a job's plan runs on part of the share, and must still validate)."""
+    if not c.teams:
+        return []
+    issues: list[Issue] = []
+    pools = {CATALOG[g.instance_type].accelerator: CATALOG[g.instance_type].chips for g in c.training_node_groups}
+    if len(pools) > 1:
+        issues.append(
+            Issue(
+                path=P + "teams",
+                value=[t.name for t in c.teams],
+                message=f"teams' quotas are in the devices of one training pool; the training groups span "
+                f"{len(pools)} accelerators ({', '.join(pools)}): give them one accelerator, or no teams",
+            )
+        )
+    per_node = min(pools.values(), default=1)
+    names = [t.name for t in c.teams]
+    principals = [t.principal for t in c.teams]
+    own = {c.workload.namespace} | ({c.inference.namespace} if c.inference else set())
+    for i, t in enumerate(c.teams):
+        tp = f"{P}teams[{i}]"
+        if names.count(t.name) > 1:
+            issues.append(Issue(path=tp + ".name", value=t.name, message="team names must be unique"))
+        if team_namespace(t.name) in own:
+            issues.append(
+                Issue(
+                    path=tp + ".name",
+                    value=t.name,
+                    message=f"its namespace {team_namespace(t.name)} is the stack's own (workload.namespace or "
+                    "inference.namespace); rename the team",
+                )
+            )
+        if principals.count(t.principal) > 1:
+            issues.append(
+                Issue(
+                    path=tp + ".principal",
+                    value=t.principal,
+                    message="each team has its own IAM role: one role maps to one Kubernetes group",
+                )
+            )
+        if t.lending_limit > t.nominal_quota:
+            issues.append(
+                Issue(
+                    path=tp + ".lendingLimit",
+                    value=t.lending_limit,
+                    message=f"must be at most the team's nominalQuota ({t.nominal_quota}): a team lends only its own",
+                )
+            )
+        for key, value in (
+            ("nominalQuota", t.nominal_quota),
+            ("borrowingLimit", t.borrowing_limit),
+            ("lendingLimit", t.lending_limit),
+        ):
+            if value % per_node:
+                issues.append(
+                    Issue(
+                        path=f"{tp}.{key}",
+                        value=value,
+                        message=f"must be whole nodes: a multiple of a training node's {per_node} devices",
+                    )
+                )
+    return issues
+
+
 # Each rule with the top-level sections it reads: when some sections fail the schema, the rules
 # over the valid ones still run, so a stack file's problems are reported in one round.
 RULES = (
@@ -548,6 +616,7 @@ RULES = (
     (("training", "accelerator_node_groups"), _elastic),
     (("training",), _stall),
     (("accelerator_node_groups",), _spares),
+    (("teams", "accelerator_node_groups", "workload", "inference"), _teams),
     (tuple(StackConfig.model_fields), _local),
 )
 

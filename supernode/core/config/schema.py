@@ -27,6 +27,7 @@ from ..catalog import CATALOG, SYSTEM_INSTANCE_TYPES, ULTRASERVERS, nvlink_domai
 from ..errors import Issue
 from ..mesh import Mesh
 from ..runs import NEW, RUN_ID
+from ..teams import NAME as TEAM_NAME
 
 NAMESPACE = "supernode"
 DIGEST_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}$")
@@ -941,6 +942,49 @@ class Local(_Base):
     )
 
 
+class Team(_Base):
+    """A team that shares the training pool (issue 36, item 4): its own namespace, LocalQueue,
+    ClusterQueue in the pool's cohort and ResourceQuota, and an IAM role whose members are the team
+    on the cluster (supernode.core.teams names them). Quotas are in devices of the training pool (the
+    accelerator device resource the pods request: GPUs; Neuron devices on Trainium), whole nodes."""
+
+    name: str = Field(
+        pattern=TEAM_NAME,
+        description="the team's name (a job file's `team`): its namespace is team-<name>, its ClusterQueue "
+        "gpu-<accelerator>-<name>, its Kubernetes group supernode:team:<name>",
+    )
+    nominal_quota: int = Field(
+        ge=0,
+        description="devices of the training pool guaranteed to the team (its ClusterQueue's nominalQuota); "
+        "the teams' quotas add up to training's share of the pool (the accelerators-pools-add-up policy)",
+    )
+    borrowing_limit: int = Field(
+        default=0,
+        ge=0,
+        description="devices the team may borrow beyond its quota from what the other teams lend; its "
+        "ResourceQuota and the most a job of it may ask are nominalQuota + borrowingLimit",
+    )
+    lending_limit: int = Field(
+        default=0,
+        ge=0,
+        description="devices of its quota the team lends to the cohort while it does not use them (at most "
+        "nominalQuota); together the teams lend at most what training may lend (its share less its spares "
+        "and the stack's job's minimum)",
+    )
+    weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=1000,
+        description="the team's fair-sharing weight (its ClusterQueue's fairSharing.weight): a higher one "
+        "gets more of what is lent and is preempted later",
+    )
+    principal: str = Field(
+        pattern=r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$",
+        description="the IAM role whose members are the team: its EKS access entry maps it to the team's "
+        "Kubernetes group, bound to the team's namespace only",
+    )
+
+
 class StackConfig(_Base):
     region: str = Field(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$", description="the AWS region (equals aws:region)")
     availability_zone: str = Field(description="the AZ (or a Local Zone) of the GPU nodes and their subnet")
@@ -970,6 +1014,12 @@ class StackConfig(_Base):
         json_schema_extra=when_unset("nothing is served"),
     )
     local: Local = Field(default=Local(), description="the scaled-down CPU run (`supernode train --local`)")
+    teams: list[Team] = Field(
+        default=[],
+        description="the teams that share the training pool, each with its quota, namespace, queue and IAM "
+        "role; the first team's queue also admits the stack's own job (the training namespace's)",
+        json_schema_extra=when_unset("no teams: training's one ClusterQueue holds its whole share"),
+    )
     calibration: str | None = Field(
         default=None,
         min_length=1,
@@ -997,8 +1047,13 @@ class StackConfig(_Base):
 
     def to_mapping(self) -> dict[str, Any]:
         """The `supernode:` keys as Pulumi config holds them (camelCase, defaults included; an absent
-        optional section, e.g. `inference`, stays absent: Pulumi config has no null)."""
-        return {k: v for k, v in self.model_dump(by_alias=True, mode="json").items() if v is not None}
+        optional section, e.g. `inference`, stays absent: Pulumi config has no null; so does an empty
+        `teams`)."""
+        return {
+            k: v
+            for k, v in self.model_dump(by_alias=True, mode="json").items()
+            if v is not None and not (k == "teams" and not v)
+        }
 
     def local_config(self) -> StackConfig:
         """This stack with the `local` overrides applied; the layout then has world size nproc.
