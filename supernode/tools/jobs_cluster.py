@@ -473,7 +473,7 @@ class ClusterBackend:
     # -- reading jobs -----------------------------------------------------------------------------
     def _team_namespaces(self) -> list[str] | None:
         """The stack's team namespaces, where its config names teams; None: find the jobs cluster-wide."""
-        teams = getattr(self.cfg, "teams", None) or []
+        teams = self.cfg.teams
         return [namespace(t.name) for t in teams] or None
 
     def _jobs(self, ns: str | None, selector: str) -> list[dict]:
