@@ -55,6 +55,7 @@ from supernode.components.k8s.operations import (
     OperationsArgs,
     stack_file,
 )
+from supernode.components.k8s.queue_metrics import QueueMetrics, QueueMetricsArgs
 from supernode.components.k8s.queues import (
     SERVING,
     TRAINING,
@@ -399,6 +400,8 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
         KueueArgs(namespaces=[wl.namespace, *serving_namespace], images=cfg.images.addons),
         workload.child(),
     )
+    # Its metrics Service and reader role, the visibility APIService (issue 36, item 5).
+    QueueMetrics("workload-queue-metrics", QueueMetricsArgs(kueue=kueue), workload.child())
     training = _training_namespace(cfg, plan, from_aws, workload.child())
     job = JobArgs(
         namespace=training.name,

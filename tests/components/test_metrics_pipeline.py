@@ -117,7 +117,8 @@ def test_agent_reads_pods_only_in_the_namespaces_it_scrapes(dev, objs):
         the(objs, "ConfigMap", SCRAPE_CONFIGMAP, METRICS_SCRAPER_NAMESPACE)["data"]["prometheus.yaml"]
     )
     namespaces = scraped_namespaces(scrape)
-    assert dev.cfg.workload.namespace in namespaces and len(namespaces) == 2  # the trainer's and DCGM's
+    # the trainer's, DCGM's and the training operator's, Kueue's
+    assert namespaces == sorted({dev.cfg.workload.namespace, "supernode-system", "kueue-system"})
     role = the(objs, "ClusterRole", "cwagent-prometheus-pods")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     bindings = [m for (k, _, n), m in objs.items() if m.get("roleRef", {}).get("name") == "cwagent-prometheus-pods"]
