@@ -172,10 +172,16 @@ def neuron_dimensions(cluster_name: Any, **label: str) -> dict[str, Any]:
 # own state is the job API's (`supernode job describe`), not a CloudWatch series per job.
 KUEUE_SCRAPE_JOB = "kueue"
 TRAINING_OPERATOR_SCRAPE_JOB = "training-operator"
-# Kueue v0.11.9 (pkg/metrics/metrics.go). kueue_admission_wait_time_seconds, the wait histogram, is
-# not here: the CloudWatch agent drops every histogram series (buckets, _sum and _count: it types a
-# series by its family's TYPE before any relabelling; plugins/inputs/prometheus/metrics_filter.go), so
-# the queue-wait alarm estimates the wait from these instead (components/aws/monitoring.py).
+# Kueue v0.11.9 (pkg/metrics/metrics.go). Its wait histogram, KUEUE_ADMISSION_WAIT (by cluster_queue),
+# cannot go to CloudWatch as it is: the CloudWatch agent drops every histogram series (buckets, _sum
+# and _count: it types a series by its family's TYPE, looked up by the name before any relabelling;
+# amazon-cloudwatch-agent plugins/inputs/prometheus/metrics_type_handler.go, metrics_filter.go). The
+# relay supernode.trainer.queue_wait reads it from Kueue and exports QUEUE_WAIT_P95 per queue, a
+# gauge, which the agent scrapes as QUEUE_WAIT_SCRAPE_JOB.
+KUEUE_ADMISSION_WAIT = "kueue_admission_wait_time_seconds"  # histogram, by cluster_queue
+QUEUE_WAIT_SCRAPE_JOB = "supernode-queue-wait"
+QUEUE_WAIT_P95 = "supernode_queue_wait_p95_seconds"  # gauge, by cluster_queue: the window's p95
+QUEUE_ADMITTED_IN_WINDOW = "supernode_queue_admitted_in_window"  # gauge, by cluster_queue
 KUEUE_PENDING = "kueue_pending_workloads"  # gauge, by cluster_queue and status (active | inadmissible)
 KUEUE_ADMITTED = "kueue_admitted_workloads_total"  # counter, by cluster_queue
 KUEUE_EVICTED = "kueue_evicted_workloads_total"  # counter, by cluster_queue and reason
@@ -266,6 +272,9 @@ def _metric_declarations() -> list[dict[str, Any]]:
     by_queue = [(*QUEUE_DIMENSIONS, KUEUE_QUEUE_LABEL)]
     queues = [
         _declaration(KUEUE_SCRAPE_JOB, by_queue, _matching((KUEUE_ADMITTED,), "")),
+        _declaration(
+            QUEUE_WAIT_SCRAPE_JOB, by_queue, _matching((QUEUE_WAIT_P95, QUEUE_ADMITTED_IN_WINDOW), "supernode_queue_")
+        ),
         _declaration(KUEUE_SCRAPE_JOB, [(*by_queue[0], "status")], _matching((KUEUE_PENDING,), "")),
         _declaration(KUEUE_SCRAPE_JOB, [*by_queue, (*by_queue[0], "reason")], _matching((KUEUE_EVICTED,), "")),
         _declaration(

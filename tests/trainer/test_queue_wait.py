@@ -1,0 +1,94 @@
+"""The queue-wait relay (supernode.trainer.queue_wait): Kueue's wait histogram -> a p95 gauge per
+ClusterQueue over the trailing window, from Kueue's real exposition format."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from supernode.trainer import queue_wait as qw
+
+# Kueue v0.11.9's buckets (pkg/metrics: 1, then 2.5 doubling, 14 in all) and +Inf.
+BOUNDS = [1.0] + [2.5 * 2**i for i in range(13)] + [math.inf]
+
+
+def exposition(waits: dict[str, list[float]], pending: dict[str, tuple[int, int]]) -> str:
+    """Kueue's /metrics as the leader writes it: the histogram's buckets, _sum and _count per
+    cluster_queue, and the pending gauge per cluster_queue and status."""
+    lines = [
+        "# HELP kueue_admission_wait_time_seconds The time between a workload was created or requeued until admission",
+        "# TYPE kueue_admission_wait_time_seconds histogram",
+    ]
+    for cq, xs in waits.items():
+        for le in BOUNDS:
+            label = "+Inf" if le == math.inf else repr(le).removesuffix(".0")
+            lines.append(
+                f'kueue_admission_wait_time_seconds_bucket{{cluster_queue="{cq}",le="{label}"}} '
+                f"{sum(1 for x in xs if x <= le)}"
+            )
+        lines.append(f'kueue_admission_wait_time_seconds_sum{{cluster_queue="{cq}"}} {sum(xs)}')
+        lines.append(f'kueue_admission_wait_time_seconds_count{{cluster_queue="{cq}"}} {len(xs)}')
+    lines += ["# HELP kueue_pending_workloads The number of pending workloads", "# TYPE kueue_pending_workloads gauge"]
+    for cq, (active, inadmissible) in pending.items():
+        lines.append(f'kueue_pending_workloads{{cluster_queue="{cq}",status="active"}} {active}')
+        lines.append(f'kueue_pending_workloads{{cluster_queue="{cq}",status="inadmissible"}} {inadmissible}')
+    lines += ["# HELP go_goroutines Number of goroutines", "# TYPE go_goroutines gauge", "go_goroutines 212"]
+    return "\n".join(lines) + "\n"
+
+
+def test_quantile_interpolates_inside_the_rank_bucket_as_histogram_quantile():
+    # 10 waits in (1, 2.5], 10 in (2.5, 5]: rank 19 of 20 is 9/10 into the second bucket
+    assert qw.quantile(0.95, {1.0: 0, 2.5: 10, 5.0: 20, math.inf: 20}) == pytest.approx(2.5 + 2.5 * 0.9)
+    # in the first bucket: from 0
+    assert qw.quantile(0.5, {1.0: 4, 2.5: 4, math.inf: 4}) == pytest.approx(0.5)
+    # beyond the last finite bound: that bound (Prometheus does the same)
+    assert qw.quantile(0.95, {1.0: 0, 2.5: 0, math.inf: 3}) == 2.5
+    assert qw.quantile(0.95, {1.0: 0, math.inf: 0}) is None  # nothing observed
+
+
+def test_parse_reads_the_leader_and_skips_the_other_replica():
+    snap = qw.parse(exposition({"gpu-h100": [0.5, 3.0, 700.0]}, {"gpu-h100": (2, 1)}), at=10.0)
+    assert snap is not None and snap.pending == {"gpu-h100": 3}  # active + inadmissible
+    buckets = snap.buckets["gpu-h100"]
+    assert buckets[1.0] == 1 and buckets[5.0] == 2 and buckets[math.inf] == 3 and len(buckets) == len(BOUNDS)
+    # the replica that is not the leader exports no queue series
+    assert qw.parse(exposition({}, {}), at=10.0) is None
+
+
+def test_the_p95_is_of_the_window_not_of_all_time():
+    """300 quick admissions an hour ago, then 10 that waited ~10 min: the window's p95 is the slow ones';
+    the histogram's all-time p95 would say a few seconds."""
+    window = qw.Window(3600.0)
+    quick = [0.5] * 300
+    slow = quick + [600.0] * 10
+    window.add(qw.parse(exposition({"gpu-h100": quick}, {"gpu-h100": (0, 0)}), at=0.0))
+    window.add(qw.parse(exposition({"gpu-h100": slow}, {"gpu-h100": (0, 0)}), at=3600.0))
+    p95, admitted = window.queues()["gpu-h100"]
+    assert admitted == 10 and 320.0 <= p95 <= 640.0  # inside the bucket that holds 600 s
+    all_time = qw.quantile(0.95, qw.parse(exposition({"gpu-h100": slow}, {}), at=0).buckets["gpu-h100"])
+    assert all_time < 10 < p95
+
+
+def test_work_pending_for_a_whole_window_with_nothing_admitted_waits_the_window():
+    window = qw.Window(600.0)
+    for t in range(0, 601, 60):
+        window.add(qw.parse(exposition({"gpu-h100": [1.0]}, {"gpu-h100": (1, 0), "gpu-h100-research": (0, 0)}), t))
+    queues = window.queues()
+    assert queues["gpu-h100"] == (600.0, 0)  # at least the window, though Kueue recorded no wait
+    assert queues["gpu-h100-research"] == (0.0, 0)  # idle: nobody waited
+
+    fresh = qw.Window(600.0)  # a window not yet covered says nothing
+    fresh.add(qw.parse(exposition({}, {"gpu-h100": (1, 0)}), 0))
+    fresh.add(qw.parse(exposition({}, {"gpu-h100": (1, 0)}), 300))
+    assert fresh.queues()["gpu-h100"] == (0.0, 0)
+
+
+def test_a_new_leaders_counters_start_the_window_again():
+    window = qw.Window(3600.0)
+    window.add(qw.parse(exposition({"gpu-h100": [600.0] * 50}, {"gpu-h100": (0, 0)}), 0))
+    window.add(qw.parse(exposition({"gpu-h100": [2.0]}, {"gpu-h100": (0, 0)}), 60))  # counters went down
+    assert len(window.snapshots) == 1
+    window.add(qw.parse(exposition({"gpu-h100": [2.0, 2.0]}, {"gpu-h100": (0, 0)}), 120))
+    p95, admitted = window.queues()["gpu-h100"]
+    assert admitted == 1 and p95 <= 2.5  # the old leader's slow waits are gone, not negative counts
