@@ -56,6 +56,7 @@ from supernode.core.observability import (
     METRIC_DECLARATIONS,
     PROMETHEUS_AGENT,
     PROMETHEUS_NAMESPACE,
+    QUEUE_WAIT_SCRAPE_JOB,
     SERVICE_ACCOUNT_TOKEN,
     TRAINER_SCRAPE_JOB,
     TRAINING_OPERATOR_SCRAPE_JOB,
@@ -233,6 +234,8 @@ def prometheus_scrape_config(training_namespace: str, exporter_job: str = DCGM_S
             pods(TRAINER_SCRAPE_JOB, training_namespace, [annotated]),
             pods(exporter_job, DCGM_NAMESPACE, [dcgm, annotated]),
             controller_scrape_job(KUEUE_SCRAPE_JOB, KUEUE_NAMESPACE, "kueue", KUEUE_SCRAPE_AUTH),
+            # the queue-wait relay's gauges (components/k8s/queue_metrics.py), plain http
+            controller_scrape_job(QUEUE_WAIT_SCRAPE_JOB, KUEUE_NAMESPACE, QUEUE_WAIT_SCRAPE_JOB),
             # plain http, no authentication (controller-runtime's metrics server as the operator starts it)
             controller_scrape_job(TRAINING_OPERATOR_SCRAPE_JOB, DCGM_NAMESPACE, "training-operator"),
         ],

@@ -8,6 +8,11 @@ https port 8443 behind the API server's authentication and authorisation, the vi
 (VisibilityOnDemand). What the scrape does with the metrics (the `kueue` job, keeping the `metrics`
 port, the agent's token) is components/k8s/operations.py; the alarms and dashboard that read them are
 components/aws/monitoring.py.
+
+The CloudWatch agent drops histograms, Kueue's admission wait among them, so this component also runs
+the queue-wait relay (supernode.trainer.queue_wait, from the trainer image) in the Kueue namespace: it
+reads Kueue's metrics with its own token (bound to the same reader role) and exports each ClusterQueue's
+wait p95 over the alarm's window as a gauge, which the agent scrapes (the `supernode-queue-wait` job).
 """
 
 from __future__ import annotations
@@ -16,19 +21,54 @@ from dataclasses import dataclass
 from typing import Any
 
 import pulumi
+import pulumi_kubernetes as k8s
 
-from supernode.core.observability import KUEUE_METRICS_READER, PROMETHEUS_AGENT
+from supernode.core.observability import KUEUE_METRICS_READER, PROMETHEUS_AGENT, QUEUE_WAIT_SCRAPE_JOB
 
 from .addons import addon_resource, load_addon_objects
+from .common import meta
 from .queues import CONTROLLER_NAMESPACE, KueueController
 
 OBSERVABILITY_FILE = "kueue-observability.yaml"
 CONTROLLER_ACCOUNT = "kueue-controller-manager"  # the controller's service account (kueue.yaml)
+METRICS_SERVICE, METRICS_PORT = "kueue-controller-manager-metrics-service", 8443
+RELAY = QUEUE_WAIT_SCRAPE_JOB  # the relay's Deployment, service account and pod label: supernode-queue-wait
+RELAY_PORT = 9400
+RELAY_INTERVAL_S = 30  # two reads a scrape minute: one of Kueue's two replicas (the leader) answers each
 
 
 @dataclass(frozen=True)
 class QueueMetricsArgs:
     kueue: KueueController  # its namespace (the namespaced objects go there) and its readiness
+    image: str  # the trainer image: the relay is supernode.trainer.queue_wait
+    window_s: int  # the relay's window: the queue-wait alarm's (monitoring.queueWaitP95Minutes)
+
+
+def relay_container(image: str, source: pulumi.Input[str], window_s: int) -> dict[str, Any]:
+    """`supernode.trainer.queue_wait watch` on Kueue's metrics `source`, serving its gauges on RELAY_PORT."""
+    return {
+        "name": RELAY,
+        "image": image,
+        "command": ["python", "-m", "supernode.trainer.queue_wait", "watch"],
+        "args": [
+            "--source",
+            source,
+            "--window-s",
+            str(window_s),
+            "--interval-s",
+            str(RELAY_INTERVAL_S),
+            "--port",
+            str(RELAY_PORT),
+        ],
+        "ports": [{"name": "metrics", "containerPort": RELAY_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"cpu": "500m", "memory": "512Mi"}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,  # the image's USER 10001
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
 
 
 class QueueMetrics(pulumi.ComponentResource):
@@ -59,10 +99,11 @@ class QueueMetrics(pulumi.ComponentResource):
             if kind == "ClusterRoleBinding":
                 ref = obj["roleRef"]
                 ref["name"] = created["ClusterRole", ref["name"]].metadata.name
-                [subject] = obj["subjects"]
+                agent, relay = obj["subjects"]
                 # the agent's account, as the scrape runs it (operations.py renames the file's to this)
-                assert (subject["namespace"], subject["name"]) == PROMETHEUS_AGENT, subject
-                assert obj["metadata"]["name"] == KUEUE_METRICS_READER
+                assert (agent["namespace"], agent["name"]) == PROMETHEUS_AGENT, agent
+                assert relay["name"] == RELAY and obj["metadata"]["name"] == KUEUE_METRICS_READER
+                relay["namespace"] = ns
             elif kind == "RoleBinding":  # in kube-system: the controller's account reads the auth config
                 for subject in obj["subjects"]:
                     assert subject["name"] == CONTROLLER_ACCOUNT
@@ -74,6 +115,35 @@ class QueueMetrics(pulumi.ComponentResource):
                 self.api_service = create(obj, depends_on=kueue.ready)
                 continue
             create(obj)
-        self.metrics_service = created["Service", "kueue-controller-manager-metrics-service"]
+        self.metrics_service = created["Service", METRICS_SERVICE]
         self.visibility_service = created["Service", "kueue-visibility-server"]
+        self.relay = self._relay(name, args, ns, created["ClusterRoleBinding", KUEUE_METRICS_READER])
         self.register_outputs({})
+
+    def _relay(
+        self, name: str, args: QueueMetricsArgs, ns: pulumi.Input[str], binding: pulumi.Resource
+    ) -> k8s.apps.v1.Deployment:
+        """One replica (two would export the same gauges twice), after its right to read the metrics."""
+        labels = {"app.kubernetes.io/name": RELAY}
+        sa = k8s.core.v1.ServiceAccount(
+            f"{name}-relay", metadata=meta(RELAY, ns, labels), opts=pulumi.ResourceOptions(parent=self)
+        )
+        svc = self.metrics_service.metadata
+        source = pulumi.Output.concat("https://", svc.name, ".", svc.namespace, f".svc:{METRICS_PORT}/metrics")
+        return k8s.apps.v1.Deployment(
+            f"{name}-relay",
+            metadata=meta(RELAY, ns, labels),
+            spec={
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "serviceAccountName": sa.metadata.name,
+                        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                        "containers": [relay_container(args.image, source, args.window_s)],
+                    },
+                },
+            },
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[binding]),
+        )

@@ -14,6 +14,7 @@ phrases that the log alarms match. Plain strings, so the core stays free of pulu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -217,13 +218,19 @@ def team_queues(accelerators: Sequence[str], training_namespace: str, teams: Seq
     """The training queues the queue alarms watch: per pool (accelerator), the stack's own ClusterQueue
     gpu-<acc> fed from the training namespace, and each team's gpu-<acc>-<team> fed from team-<team>
     (supernode.core.teams). Serving's queues are not here: no training job waits in them."""
-    queues = [TeamQueue(None, f"gpu-{acc}", training_namespace) for acc in accelerators]
+    queues = [TeamQueue(None, _object_name(f"gpu-{acc}"), training_namespace) for acc in accelerators]
     queues += [
-        TeamQueue(team, team_names.cluster_queue(team, acc), team_names.namespace(team))
+        TeamQueue(team, _object_name(team_names.cluster_queue(team, acc)), team_names.namespace(team))
         for team in teams
         for acc in accelerators
     ]
     return queues
+
+
+def _object_name(name: str) -> str:
+    """A ClusterQueue's name as the stack writes it (components/k8s/common.py dns_name): gpu-H100 is
+    gpu-h100 on the cluster."""
+    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:63].rstrip("-")
 
 
 def queue_dimensions(cluster_name: Any, job: str, **label: str) -> dict[str, Any]:
