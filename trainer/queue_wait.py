@@ -9,10 +9,13 @@ histogram never reaches CloudWatch by itself. This relay reads Kueue's metrics e
 
 - supernode_queue_wait_p95_seconds: the 95th percentile of the waits of the workloads admitted within
   the window (from the buckets' growth, interpolated inside a bucket as Prometheus' histogram_quantile
-  does); the whole window when work was pending at every snapshot of a full window and nothing was
-  admitted (the wait is at least that; Kueue records a wait only at admission, so a queue that admits
-  nothing would otherwise look idle); 0 when nothing was pending or admitted;
-- supernode_queue_admitted_in_window: how many workloads were admitted within the window.
+  does); 0 when nothing was admitted;
+- supernode_queue_admitted_in_window: how many workloads were admitted within the window;
+- supernode_queue_oldest_pending_seconds: the age of the oldest workload still pending at or above
+  `--min-priority` (Kueue's visibility API, clusterqueues/<cq>/pendingworkloads), 0 when none is. Kueue
+  records a wait only at admission, so a queue that admits nothing would otherwise look idle; and work
+  below the floor (experiments, the scheduled fabric check) waits for free nodes by design, so it is not
+  counted here (the histogram has no priority: its p95 counts such work when it is admitted).
 
 Only the leader of Kueue's two replicas reports queue series (its reconcilers update them); a scrape
 that reached the other replica (the Service picks either) carries none and is skipped. A counter that
@@ -24,14 +27,17 @@ Exit codes: 0 (stopped), 2 bad input.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import ssl
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from prometheus_client import Gauge, start_http_server
@@ -42,11 +48,14 @@ from supernode.core.observability import (
     KUEUE_PENDING,
     KUEUE_QUEUE_LABEL,
     QUEUE_ADMITTED_IN_WINDOW,
+    QUEUE_OLDEST_PENDING,
     QUEUE_WAIT_P95,
     SERVICE_ACCOUNT_TOKEN,
 )
 
 QUANTILE = 0.95
+SERVICE_ACCOUNT_CA = str(Path(SERVICE_ACCOUNT_TOKEN).with_name("ca.crt"))
+PENDING_PATH = "/apis/visibility.kueue.x-k8s.io/v1beta1/clusterqueues/{}/pendingworkloads"
 Buckets = dict[float, float]  # upper bound (le) -> cumulative count
 
 
@@ -125,10 +134,6 @@ class Window:
         while len(self.snapshots) > 1 and self.snapshots[1].at <= snap.at - self.seconds:
             self.snapshots.popleft()
 
-    def full(self) -> bool:
-        """The snapshots cover the whole window."""
-        return len(self.snapshots) > 1 and self.snapshots[-1].at - self.snapshots[0].at >= self.seconds
-
     def queues(self) -> dict[str, tuple[float, float]]:
         """ClusterQueue -> (the wait p95 in seconds, the workloads admitted within the window). A single
         snapshot says nothing about when its observations were made: nothing admitted yet."""
@@ -140,21 +145,31 @@ class Window:
             grown = (growth(last.buckets.get(cq, {}), first.buckets.get(cq)) or {}) if first is not last else {}
             admitted = grown.get(math.inf, 0.0)
             p95 = quantile(QUANTILE, grown) if admitted > 0 else None
-            if p95 is None:
-                stuck = self.full() and all(s.pending.get(cq, 0.0) > 0 for s in self.snapshots)
-                p95 = self.seconds if stuck else 0.0
-            out[cq] = (p95, admitted)
+            out[cq] = (0.0 if p95 is None else p95, admitted)
         return out
 
 
-def fetch(url: str, token_file: Path | None, timeout_s: float) -> str:
-    """Kueue's metrics with the pod's token; its certificate is self-signed (not verified, as upstream's
-    ServiceMonitor), and the API server authenticates and authorises the token."""
+def oldest_pending_s(summary: Mapping, now: float, min_priority: int) -> float:
+    """The age of the oldest pending workload at or above `min_priority` in a visibility API
+    PendingWorkloadsSummary (its creation: a requeued workload counts from its first queueing), 0: none."""
+    ages = [
+        now - datetime.fromisoformat(item["metadata"]["creationTimestamp"].replace("Z", "+00:00")).timestamp()
+        for item in summary.get("items") or []
+        if item.get("priority", 0) >= min_priority
+    ]
+    return max([0.0, *ages])
+
+
+def fetch(url: str, token_file: Path | None, timeout_s: float, ca_file: str | None = None) -> str:
+    """`url` with the pod's token. Kueue's metrics certificate is self-signed (`ca_file` None: not verified,
+    as upstream's ServiceMonitor; the API server authenticates and authorises the token); the API server's
+    is verified against the cluster's CA (`ca_file`)."""
     request = urllib.request.Request(url)
     if token_file is not None:
         request.add_header("Authorization", f"Bearer {token_file.read_text(encoding='utf-8').strip()}")
-    context = ssl.create_default_context()
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context = ssl.create_default_context(cafile=ca_file)
+    if ca_file is None:
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     with urllib.request.urlopen(request, timeout=timeout_s, context=context) as r:  # noqa: S310 (https only)
         return r.read().decode("utf-8")
 
@@ -162,6 +177,9 @@ def fetch(url: str, token_file: Path | None, timeout_s: float) -> str:
 def watch(args: argparse.Namespace) -> int:
     wait = Gauge(QUEUE_WAIT_P95, "queue wait p95 over the window, per ClusterQueue", [KUEUE_QUEUE_LABEL])
     admitted = Gauge(QUEUE_ADMITTED_IN_WINDOW, "workloads admitted within the window", [KUEUE_QUEUE_LABEL])
+    oldest = Gauge(
+        QUEUE_OLDEST_PENDING, "age of the oldest pending workload at or above the floor", [KUEUE_QUEUE_LABEL]
+    )
     start_http_server(args.port)
     window = Window(args.window_s)
     token = None if args.token_file == "" else Path(args.token_file)
@@ -176,6 +194,12 @@ def watch(args: argparse.Namespace) -> int:
             for cq, (p95, n) in window.queues().items():
                 wait.labels(cq).set(p95)
                 admitted.labels(cq).set(n)
+                url = args.api.rstrip("/") + PENDING_PATH.format(urllib.parse.quote(cq, safe=""))
+                try:
+                    summary = json.loads(fetch(url, token, args.timeout_s, args.ca_file or None))
+                    oldest.labels(cq).set(oldest_pending_s(summary, time.time(), args.min_priority))
+                except (OSError, ValueError, KeyError) as e:
+                    print(f"queue_wait: {url}: {e}", file=sys.stderr, flush=True)
         time.sleep(args.interval_s)
 
 
@@ -189,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("--interval-s", type=float, default=30.0)
     w.add_argument("--timeout-s", type=float, default=10.0)
     w.add_argument("--port", type=int, default=9400)
+    w.add_argument("--api", default="https://kubernetes.default.svc", help="the API server (the visibility API)")
+    w.add_argument("--ca-file", default=SERVICE_ACCOUNT_CA, help="the API server's CA ('' not to verify)")
+    w.add_argument("--min-priority", type=int, default=0, help="oldest pending: workloads at or above this only")
     args = p.parse_args(argv)
     if args.window_s <= 0 or args.interval_s <= 0:
         p.error("--window-s and --interval-s must be positive")

@@ -274,16 +274,15 @@ class Monitoring(pulumi.ComponentResource):
             self._alarm(
                 name,
                 obs.queue_wait_alarm(q.cluster_queue),
-                f"{_whose(q)}: admission wait p95 in ClusterQueue {q.cluster_queue} reached "
-                f"{m.queue_wait_p95_minutes} min (the waits of the last {m.queue_wait_p95_minutes} min's "
-                "admissions; the whole window when work pended throughout and nothing was admitted)",
-                namespace=obs.PROMETHEUS_NAMESPACE,
-                metric_name=obs.QUEUE_WAIT_P95,
-                dimensions=obs.queue_dimensions(cluster, obs.QUEUE_WAIT_SCRAPE_JOB, cluster_queue=q.cluster_queue),
-                statistic="Maximum",
+                f"{_whose(q)}: work waits {m.queue_wait_p95_minutes} min or more in ClusterQueue "
+                f"{q.cluster_queue}: the admission wait p95 of the last {m.queue_wait_p95_minutes} min's "
+                "admissions, or the oldest workload still pending at training priority or above",
                 threshold=wait_s,
                 comparison="GreaterThanOrEqualToThreshold",
                 periods=QUEUE_WAIT_PERIODS,
+                metric_queries=queue_wait_queries(
+                    obs.queue_dimensions(cluster, obs.QUEUE_WAIT_SCRAPE_JOB, cluster_queue=q.cluster_queue)
+                ),
             )
             for q in args.queues
         ]
@@ -832,6 +831,22 @@ def checkpoint_stale_queries(dimensions: Mapping, window_s: int, namespace: str)
     ]
 
 
+def queue_wait_queries(dimensions: Mapping) -> list:
+    """The longer of the relay's two waits: the window's admission p95 (which a queue that admits nothing
+    never raises) and the oldest pending workload's age at training priority or above."""
+    gauge = dict(period=PERIOD_S, namespace=obs.PROMETHEUS_NAMESPACE, stat="Maximum", dimensions=dimensions)
+    return [
+        _query("p95", metric_name=obs.QUEUE_WAIT_P95, **gauge),
+        _query("oldest", metric_name=obs.QUEUE_OLDEST_PENDING, **gauge),
+        aws.cloudwatch.MetricAlarmMetricQueryArgs(
+            id="wait",
+            return_data=True,
+            label="queue wait (s)",
+            expression="MAX([FILL(p95, 0), FILL(oldest, 0)])",
+        ),
+    ]
+
+
 def failure_rate_queries(dimensions: Mapping, window_s: int) -> list:
     """failed / (failed + succeeded) of the jobs that finished within one `window_s` window (the training
     operator's counters, whose per-scrape growth the agent sends), 0 when none finished."""
@@ -1023,13 +1038,12 @@ def _queue_widgets(region: str, cluster_name: str, m: MonitoringConfig, queues: 
     return [
         _widget(
             region,
-            "Queue wait p95 (s)",
+            "Queue wait (s): admission p95, oldest pending",
             [
-                _series(
-                    obs.QUEUE_WAIT_P95, obs.queue_dimensions(cluster_name, obs.QUEUE_WAIT_SCRAPE_JOB, cluster_queue=q)
-                )
-                + [{"stat": "Maximum", "label": q}]
+                _series(metric, obs.queue_dimensions(cluster_name, obs.QUEUE_WAIT_SCRAPE_JOB, cluster_queue=q))
+                + [{"stat": "Maximum", "label": f"{q} {what}"}]
                 for q in dict.fromkeys(q.cluster_queue for q in queues)
+                for metric, what in ((obs.QUEUE_WAIT_P95, "p95"), (obs.QUEUE_OLDEST_PENDING, "oldest pending"))
             ],
             m.queue_wait_p95_minutes * 60,
             "queue-wait alarm",

@@ -12,7 +12,8 @@ components/aws/monitoring.py.
 The CloudWatch agent drops histograms, Kueue's admission wait among them, so this component also runs
 the queue-wait relay (supernode.trainer.queue_wait, from the trainer image) in the Kueue namespace: it
 reads Kueue's metrics with its own token (bound to the same reader role) and exports each ClusterQueue's
-wait p95 over the alarm's window as a gauge, which the agent scrapes (the `supernode-queue-wait` job).
+wait p95 over the alarm's window, and the age of its oldest pending workload at training priority or above
+(the visibility API), as gauges, which the agent scrapes (the `supernode-queue-wait` job).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from supernode.core.observability import KUEUE_METRICS_READER, PROMETHEUS_AGENT,
 
 from .addons import addon_resource, load_addon_objects
 from .common import meta
-from .queues import CONTROLLER_NAMESPACE, KueueController
+from .queues import CONTROLLER_NAMESPACE, PRIORITIES, TRAINING, KueueController
 
 OBSERVABILITY_FILE = "kueue-observability.yaml"
 CONTROLLER_ACCOUNT = "kueue-controller-manager"  # the controller's service account (kueue.yaml)
@@ -35,6 +36,10 @@ METRICS_SERVICE, METRICS_PORT = "kueue-controller-manager-metrics-service", 8443
 RELAY = QUEUE_WAIT_SCRAPE_JOB  # the relay's Deployment, service account and pod label: supernode-queue-wait
 RELAY_PORT = 9400
 RELAY_INTERVAL_S = 30  # two reads a scrape minute: one of Kueue's two replicas (the leader) answers each
+PENDING_VIEWER = "kueue-pending-workloads-cq-viewer"  # the relay reads each ClusterQueue's pending workloads
+# The oldest-pending gauge counts work at training priority or above: experiments (and the scheduled fabric
+# check) wait for free nodes by design.
+MIN_PRIORITY = PRIORITIES[TRAINING][0]
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ def relay_container(image: str, source: pulumi.Input[str], window_s: int) -> dic
             str(RELAY_INTERVAL_S),
             "--port",
             str(RELAY_PORT),
+            "--min-priority",
+            str(MIN_PRIORITY),
         ],
         "ports": [{"name": "metrics", "containerPort": RELAY_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"cpu": "500m", "memory": "512Mi"}},
@@ -99,11 +106,12 @@ class QueueMetrics(pulumi.ComponentResource):
             if kind == "ClusterRoleBinding":
                 ref = obj["roleRef"]
                 ref["name"] = created["ClusterRole", ref["name"]].metadata.name
-                agent, relay = obj["subjects"]
-                # the agent's account, as the scrape runs it (operations.py renames the file's to this)
-                assert (agent["namespace"], agent["name"]) == PROMETHEUS_AGENT, agent
-                assert relay["name"] == RELAY and obj["metadata"]["name"] == KUEUE_METRICS_READER
-                relay["namespace"] = ns
+                for subject in obj["subjects"]:
+                    if subject["namespace"] == CONTROLLER_NAMESPACE:  # the relay's account, created below
+                        assert subject["name"] == RELAY, subject
+                        subject["namespace"] = ns
+                    else:  # the agent's, as the scrape runs it (operations.py renames the file's to this)
+                        assert (subject["namespace"], subject["name"]) == PROMETHEUS_AGENT, subject
             elif kind == "RoleBinding":  # in kube-system: the controller's account reads the auth config
                 for subject in obj["subjects"]:
                     assert subject["name"] == CONTROLLER_ACCOUNT
@@ -117,11 +125,16 @@ class QueueMetrics(pulumi.ComponentResource):
             create(obj)
         self.metrics_service = created["Service", METRICS_SERVICE]
         self.visibility_service = created["Service", "kueue-visibility-server"]
-        self.relay = self._relay(name, args, ns, created["ClusterRoleBinding", KUEUE_METRICS_READER])
+        self.relay = self._relay(
+            name,
+            args,
+            ns,
+            [created["ClusterRoleBinding", KUEUE_METRICS_READER], created["ClusterRoleBinding", PENDING_VIEWER]],
+        )
         self.register_outputs({})
 
     def _relay(
-        self, name: str, args: QueueMetricsArgs, ns: pulumi.Input[str], binding: pulumi.Resource
+        self, name: str, args: QueueMetricsArgs, ns: pulumi.Input[str], bindings: list[pulumi.Resource]
     ) -> k8s.apps.v1.Deployment:
         """One replica (two would export the same gauges twice), after its right to read the metrics."""
         labels = {"app.kubernetes.io/name": RELAY}
@@ -145,5 +158,5 @@ class QueueMetrics(pulumi.ComponentResource):
                     },
                 },
             },
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[binding]),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=bindings),
         )

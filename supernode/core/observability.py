@@ -183,6 +183,7 @@ KUEUE_ADMISSION_WAIT = "kueue_admission_wait_time_seconds"  # histogram, by clus
 QUEUE_WAIT_SCRAPE_JOB = "supernode-queue-wait"
 QUEUE_WAIT_P95 = "supernode_queue_wait_p95_seconds"  # gauge, by cluster_queue: the window's p95
 QUEUE_ADMITTED_IN_WINDOW = "supernode_queue_admitted_in_window"  # gauge, by cluster_queue
+QUEUE_OLDEST_PENDING = "supernode_queue_oldest_pending_seconds"  # gauge, by cluster_queue (visibility API)
 KUEUE_PENDING = "kueue_pending_workloads"  # gauge, by cluster_queue and status (active | inadmissible)
 KUEUE_ADMITTED = "kueue_admitted_workloads_total"  # counter, by cluster_queue
 KUEUE_EVICTED = "kueue_evicted_workloads_total"  # counter, by cluster_queue and reason
@@ -280,7 +281,9 @@ def _metric_declarations() -> list[dict[str, Any]]:
     queues = [
         _declaration(KUEUE_SCRAPE_JOB, by_queue, _matching((KUEUE_ADMITTED,), "")),
         _declaration(
-            QUEUE_WAIT_SCRAPE_JOB, by_queue, _matching((QUEUE_WAIT_P95, QUEUE_ADMITTED_IN_WINDOW), "supernode_queue_")
+            QUEUE_WAIT_SCRAPE_JOB,
+            by_queue,
+            _matching((QUEUE_WAIT_P95, QUEUE_ADMITTED_IN_WINDOW, QUEUE_OLDEST_PENDING), "supernode_queue_"),
         ),
         _declaration(KUEUE_SCRAPE_JOB, [(*by_queue[0], "status")], _matching((KUEUE_PENDING,), "")),
         _declaration(KUEUE_SCRAPE_JOB, [*by_queue, (*by_queue[0], "reason")], _matching((KUEUE_EVICTED,), "")),

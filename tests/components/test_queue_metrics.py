@@ -125,6 +125,8 @@ def test_every_queue_observability_object_validates(stack, manifests, objs):
             "Service",
             "ClusterRole",
             "ClusterRole",
+            "ClusterRole",
+            "ClusterRoleBinding",
             "ClusterRoleBinding",
             "RoleBinding",
             "APIService",
@@ -327,28 +329,6 @@ def test_every_queue_alarm_and_widget_reads_a_series_the_agent_emits(stack, objs
 # -- the alarms -----------------------------------------------------------------------------------------
 
 
-def test_a_wait_alarm_per_training_queue_on_the_relays_window(stack, objs):
-    m = stack.cfg.monitoring
-    training = {cq for cq in cluster_queues(stack) if obs.is_training_queue(cq)}
-    assert training and (stack.cfg.inference is None or cluster_queues(stack) - training)  # prod serves
-    found = alarms(stack)
-    waits = {n.removeprefix("queue-wait-"): a for n, a in found.items() if n.startswith("queue-wait-")}
-    assert set(waits) == training  # the ClusterQueues' real names (gpu-h100, not gpu-H100), serving's not
-    [relay] = pod(the(objs, "Deployment", qm.RELAY, q.CONTROLLER_NAMESPACE))["containers"]
-    window_s = float(relay["args"][relay["args"].index("--window-s") + 1])
-    for cq, a in waits.items():
-        assert a["dimensions"] == {
-            "ClusterName": stack.outputs["cluster_name"],
-            "job": obs.QUEUE_WAIT_SCRAPE_JOB,
-            "cluster_queue": cq,
-        }
-        assert (a["metricName"], a["statistic"]) == (obs.QUEUE_WAIT_P95, "Maximum")
-        assert a["threshold"] == m.queue_wait_p95_minutes * 60 == window_s
-        # a stuck queue reads as the window: it must reach the threshold
-        assert a["comparisonOperator"] == "GreaterThanOrEqualToThreshold"
-        assert a["evaluationPeriods"] == a["datapointsToAlarm"] >= 2
-
-
 class _Series(float):
     """A datapoint in CloudWatch's metric math: division by zero gives no value instead of raising."""
 
@@ -368,7 +348,74 @@ def _evaluate(expression: str, **values: float | None) -> float:
     def if_(condition, then, otherwise):
         return then if condition else otherwise
 
-    return float(eval(expression.replace("IF(", "if_(").replace("FILL(", "fill("), {"if_": if_, "fill": fill}, values))
+    def max_(series):
+        return max(series)
+
+    python = expression.replace("IF(", "if_(").replace("FILL(", "fill(").replace("MAX(", "max_(")
+    return float(eval(python, {"if_": if_, "fill": fill, "max_": max_}, values))
+
+
+def test_a_wait_alarm_per_training_queue_on_the_relays_window(stack, objs):
+    m = stack.cfg.monitoring
+    training = {cq for cq in cluster_queues(stack) if obs.is_training_queue(cq)}
+    assert training and (stack.cfg.inference is None or cluster_queues(stack) - training)  # prod serves
+    found = alarms(stack)
+    waits = {n.removeprefix("queue-wait-"): a for n, a in found.items() if n.startswith("queue-wait-")}
+    assert set(waits) == training  # the ClusterQueues' real names (gpu-h100, not gpu-H100), serving's not
+    [relay] = pod(the(objs, "Deployment", qm.RELAY, q.CONTROLLER_NAMESPACE))["containers"]
+    window_s = float(relay["args"][relay["args"].index("--window-s") + 1])
+    # the oldest-pending floor is training's priority: experiments (the fabric check) wait by design
+    floor = int(relay["args"][relay["args"].index("--min-priority") + 1])
+    assert floor == q.PRIORITIES[q.TRAINING][0] > q.PRIORITIES[q.EXPERIMENTS][0]
+    threshold = m.queue_wait_p95_minutes * 60
+    for cq, a in waits.items():
+        queries = {x["id"]: x for x in a["metricQueries"]}
+        for qid, metric in (("p95", obs.QUEUE_WAIT_P95), ("oldest", obs.QUEUE_OLDEST_PENDING)):
+            got = queries[qid]["metric"]
+            assert (got["metricName"], got["stat"]) == (metric, "Maximum")
+            assert got["dimensions"] == {
+                "ClusterName": stack.outputs["cluster_name"],
+                "job": obs.QUEUE_WAIT_SCRAPE_JOB,
+                "cluster_queue": cq,
+            }
+        [out] = [x for x in a["metricQueries"] if x.get("returnData")]
+        assert a["threshold"] == threshold == window_s
+        assert a["comparisonOperator"] == "GreaterThanOrEqualToThreshold"
+        assert a["evaluationPeriods"] == a["datapointsToAlarm"] >= 2
+        wait = out["expression"]
+        # a queue that admits nothing: p95 0, its oldest pending job past the threshold alarms
+        assert _evaluate(wait, p95=0, oldest=threshold + 60) >= threshold
+        assert _evaluate(wait, p95=threshold * 2, oldest=None) == threshold * 2  # slow admissions
+        assert _evaluate(wait, p95=None, oldest=None) == 0  # the relay away: no wait, no alarm
+        assert _evaluate(wait, p95=30, oldest=10) < threshold
+
+
+def test_the_relay_reads_pending_workloads_and_nothing_else(objs):
+    relay = the(objs, "Deployment", qm.RELAY, q.CONTROLLER_NAMESPACE)
+    sa = pod(relay)["serviceAccountName"]
+    granted = [
+        the(objs, "ClusterRole", b["roleRef"]["name"])["rules"]
+        for (k, _, _), b in objs.items()
+        if k in ("ClusterRoleBinding", "RoleBinding")
+        and any(s["name"] == sa and s.get("namespace") == q.CONTROLLER_NAMESPACE for s in b["subjects"])
+    ]
+    assert sorted(granted, key=str) == sorted(
+        [
+            [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}],
+            [
+                {
+                    "apiGroups": ["visibility.kueue.x-k8s.io"],
+                    "resources": ["clusterqueues/pendingworkloads"],
+                    "verbs": ["get"],
+                }
+            ],
+        ],
+        key=str,
+    )
+    [c] = pod(relay)["containers"]
+    assert c["command"] == ["python", "-m", "supernode.trainer.queue_wait", "watch"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert relay["spec"]["replicas"] == 1  # two would export every gauge twice
 
 
 def test_failure_rate_alarm_per_served_namespace_in_metric_math(stack):
@@ -413,12 +460,12 @@ def test_dashboard_shows_wait_pending_evictions_and_outcomes(stack):
     def dims(metrics: list) -> list[dict]:
         return [dict(zip(m[2:-1:2], m[3:-1:2])) | {"metric": m[1]} for m in metrics]
 
-    wait = dims(by_title["Queue wait p95 (s)"]["metrics"])
-    assert sorted(d["cluster_queue"] for d in wait) == training
-    assert (
-        by_title["Queue wait p95 (s)"]["annotations"]["horizontal"][0]["value"]
-        == stack.cfg.monitoring.queue_wait_p95_minutes * 60
-    )
+    title = "Queue wait (s): admission p95, oldest pending"
+    wait = dims(by_title[title]["metrics"])
+    assert sorted((d["cluster_queue"], d["metric"]) for d in wait) == [
+        (cq, metric) for cq in training for metric in sorted((obs.QUEUE_OLDEST_PENDING, obs.QUEUE_WAIT_P95))
+    ]
+    assert by_title[title]["annotations"]["horizontal"][0]["value"] == stack.cfg.monitoring.queue_wait_p95_minutes * 60
     pending = dims(by_title["Pending workloads"]["metrics"])
     assert sorted((d["cluster_queue"], d["status"]) for d in pending) == [
         (cq, s) for cq in training for s in ("active", "inadmissible")

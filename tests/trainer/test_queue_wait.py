@@ -4,6 +4,7 @@ ClusterQueue over the trailing window, from Kueue's real exposition format."""
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
 
 import pytest
 
@@ -70,18 +71,37 @@ def test_the_p95_is_of_the_window_not_of_all_time():
     assert all_time < 10 < p95
 
 
-def test_work_pending_for_a_whole_window_with_nothing_admitted_waits_the_window():
+def test_a_queue_that_admits_nothing_shows_its_oldest_pending_work_above_the_floor():
+    """Kueue records a wait only at admission: the window's p95 of a stuck queue is 0, its oldest pending
+    workload (the visibility API's summary) is what shows it; experiments below the floor wait by design."""
     window = qw.Window(600.0)
     for t in range(0, 601, 60):
-        window.add(qw.parse(exposition({"gpu-h100": [1.0]}, {"gpu-h100": (1, 0), "gpu-h100-research": (0, 0)}), t))
-    queues = window.queues()
-    assert queues["gpu-h100"] == (600.0, 0)  # at least the window, though Kueue recorded no wait
-    assert queues["gpu-h100-research"] == (0.0, 0)  # idle: nobody waited
-
-    fresh = qw.Window(600.0)  # a window not yet covered says nothing
-    fresh.add(qw.parse(exposition({}, {"gpu-h100": (1, 0)}), 0))
-    fresh.add(qw.parse(exposition({}, {"gpu-h100": (1, 0)}), 300))
-    assert fresh.queues()["gpu-h100"] == (0.0, 0)
+        window.add(qw.parse(exposition({"gpu-h100": [1.0]}, {"gpu-h100": (2, 0)}), t))
+    assert window.queues()["gpu-h100"] == (0.0, 0)
+    now = 1_750_000_000.0
+    summary = {  # PendingWorkloadsSummary as Kueue v0.11's visibility API returns it
+        "kind": "PendingWorkloadsSummary",
+        "apiVersion": "visibility.kueue.x-k8s.io/v1beta1",
+        "metadata": {"creationTimestamp": None},
+        "items": [
+            {
+                "metadata": {"name": "pytorchjob-a", "namespace": "team-research", "creationTimestamp": stamp},
+                "priority": priority,
+                "localQueueName": "gpu-h100",
+                "positionInClusterQueue": i,
+                "positionInLocalQueue": i,
+            }
+            for i, (stamp, priority) in enumerate(
+                [
+                    (datetime.fromtimestamp(now - 7200, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), 500),
+                    (datetime.fromtimestamp(now - 86400, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), 100),
+                ]
+            )
+        ],
+    }
+    assert qw.oldest_pending_s(summary, now, min_priority=500) == pytest.approx(7200)  # not the fabric check's day
+    assert qw.oldest_pending_s(summary, now, min_priority=0) == pytest.approx(86400)
+    assert qw.oldest_pending_s({"items": []}, now, min_priority=0) == 0.0
 
 
 def test_a_new_leaders_counters_start_the_window_again():

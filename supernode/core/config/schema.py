@@ -447,8 +447,8 @@ class MonitoringConfig(_Base):
     # An hour: longer than Kueue's pods-ready timeout (45 min, components/addons/kueue.yaml), after which
     # a job that did not start is requeued, and than its first requeue backoffs, so one slow start or one
     # eviction does not page; work that waits an hour for quota is a queue short of it. It is also the
-    # window the p95 is taken over (the relay supernode.trainer.queue_wait), so a queue that admitted
-    # nothing while work pended the whole window reads as the window and alarms too.
+    # window the p95 is taken over (the relay supernode.trainer.queue_wait); a queue that admits nothing
+    # alarms through its oldest pending workload at training priority or above reaching it.
     queue_wait_p95_minutes: int = Field(
         default=60,
         ge=5,
