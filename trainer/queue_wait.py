@@ -17,8 +17,10 @@ histogram never reaches CloudWatch by itself. This relay reads Kueue's metrics e
   below the floor (experiments, the scheduled fabric check) waits for free nodes by design, so it is not
   counted here (the histogram has no priority: its p95 counts such work when it is admitted).
 
-Only the leader of Kueue's two replicas reports queue series (its reconcilers update them); a scrape
-that reached the other replica (the Service picks either) carries none and is skipped. A counter that
+Only the leader of Kueue's two replicas observes admissions (its scheduler records the waits), while
+both report pending workloads (every replica keeps the queues); a scrape that reached the other replica
+(the Service picks either) is skipped: controller-runtime's leader_election_master_status says which
+answered (without it, a scrape with no wait histogram is taken for the other replica's). A counter that
 went down (a new leader) starts the window again.
 
 Exit codes: 0 (stopped), 2 bad input.
@@ -68,12 +70,18 @@ class Snapshot:
     pending: Mapping[str, float]
 
 
+LEADER = "leader_election_master_status"  # controller-runtime's: 1 on the replica that holds the lease
+
+
 def parse(text: str, at: float) -> Snapshot | None:
-    """A scrape's queue series; None when it carries none (the replica that is not the leader)."""
+    """A scrape's queue series; None when it is not the leader's."""
     buckets: dict[str, Buckets] = {}
     pending: dict[str, float] = {}
+    leader: bool | None = None
     for family in text_string_to_metric_families(text):
-        if family.name == KUEUE_ADMISSION_WAIT:
+        if family.name == LEADER:
+            leader = any(s.value == 1 for s in family.samples)
+        elif family.name == KUEUE_ADMISSION_WAIT:
             for s in family.samples:
                 if s.name.endswith("_bucket"):
                     buckets.setdefault(s.labels[KUEUE_QUEUE_LABEL], {})[float(s.labels["le"])] = s.value
@@ -81,7 +89,7 @@ def parse(text: str, at: float) -> Snapshot | None:
             for s in family.samples:
                 cq = s.labels[KUEUE_QUEUE_LABEL]
                 pending[cq] = pending.get(cq, 0.0) + s.value  # active + inadmissible
-    if not buckets and not pending:
+    if not (buckets if leader is None else leader):
         return None
     return Snapshot(at, buckets, pending)
 

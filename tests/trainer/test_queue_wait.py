@@ -14,9 +14,10 @@ from supernode.trainer import queue_wait as qw
 BOUNDS = [1.0] + [2.5 * 2**i for i in range(13)] + [math.inf]
 
 
-def exposition(waits: dict[str, list[float]], pending: dict[str, tuple[int, int]]) -> str:
-    """Kueue's /metrics as the leader writes it: the histogram's buckets, _sum and _count per
-    cluster_queue, and the pending gauge per cluster_queue and status."""
+def exposition(waits: dict[str, list[float]], pending: dict[str, tuple[int, int]], leader: bool | None = True) -> str:
+    """Kueue's /metrics: the histogram's buckets, _sum and _count per cluster_queue (the leader's
+    scheduler records them), the pending gauge per cluster_queue and status (every replica), and
+    controller-runtime's leader election status (None: left out)."""
     lines = [
         "# HELP kueue_admission_wait_time_seconds The time between a workload was created or requeued until admission",
         "# TYPE kueue_admission_wait_time_seconds histogram",
@@ -35,6 +36,12 @@ def exposition(waits: dict[str, list[float]], pending: dict[str, tuple[int, int]
         lines.append(f'kueue_pending_workloads{{cluster_queue="{cq}",status="active"}} {active}')
         lines.append(f'kueue_pending_workloads{{cluster_queue="{cq}",status="inadmissible"}} {inadmissible}')
     lines += ["# HELP go_goroutines Number of goroutines", "# TYPE go_goroutines gauge", "go_goroutines 212"]
+    if leader is not None:
+        lines += [
+            "# HELP leader_election_master_status Gauge of if the reporting system is master of the relevant lease",
+            "# TYPE leader_election_master_status gauge",
+            f'leader_election_master_status{{name="c1f6bfd2.kueue.x-k8s.io"}} {int(leader)}',
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -53,8 +60,25 @@ def test_parse_reads_the_leader_and_skips_the_other_replica():
     assert snap is not None and snap.pending == {"gpu-h100": 3}  # active + inadmissible
     buckets = snap.buckets["gpu-h100"]
     assert buckets[1.0] == 1 and buckets[5.0] == 2 and buckets[math.inf] == 3 and len(buckets) == len(BOUNDS)
-    # the replica that is not the leader exports no queue series
-    assert qw.parse(exposition({}, {}), at=10.0) is None
+    # the replica that is not the leader: pending workloads (it keeps the queues too) but no waits
+    assert qw.parse(exposition({}, {"gpu-h100": (2, 1)}, leader=False), at=10.0) is None
+    # the leader before its first admission: no waits yet, still the leader's snapshot
+    assert qw.parse(exposition({}, {"gpu-h100": (2, 1)}), at=10.0) is not None
+    # without the leader gauge, the histogram tells the leader
+    assert qw.parse(exposition({}, {"gpu-h100": (2, 1)}, leader=None), at=10.0) is None
+    assert qw.parse(exposition({"gpu-h100": [1.0]}, {}, leader=None), at=10.0) is not None
+
+
+def test_the_other_replicas_scrapes_do_not_reset_the_p95():
+    """The Service answers from either replica: one that is not the leader must not read as 'no waits'."""
+    window = qw.Window(3600.0)
+    slow = {"gpu-h100": [600.0] * 10}
+    for t, waits, leader in [(0, {}, True), (30, {}, False), (60, slow, True), (90, {}, False)]:
+        snap = qw.parse(exposition(waits, {"gpu-h100": (1, 0)}, leader=leader), t)
+        if snap is not None:
+            window.add(snap)
+    p95, admitted = window.queues()["gpu-h100"]
+    assert admitted == 10 and p95 > 300
 
 
 def test_the_p95_is_of_the_window_not_of_all_time():
