@@ -63,6 +63,7 @@ from supernode.components.k8s.operations import (
     OperationsArgs,
     stack_file,
 )
+from supernode.components.k8s.queue_metrics import QueueMetrics, QueueMetricsArgs
 from supernode.components.k8s.queues import (
     SERVING,
     TRAINING,
@@ -79,7 +80,7 @@ from supernode.components.k8s.workload import TrainingWorkload
 from supernode.components.stack_config import stack_config
 from supernode.core.config import StackConfig
 from supernode.core.contract import CONTRACT_VERSION
-from supernode.core.observability import PROMETHEUS_AGENT
+from supernode.core.observability import PROMETHEUS_AGENT, team_queues
 from supernode.core.plan import Plan, build_plan
 
 
@@ -273,6 +274,9 @@ def _monitoring(
             node_groups=accelerators.node_groups,
             plan=plan,
             training_namespace=cfg.workload.namespace,
+            # The training queues the queue alarms watch. Teams plug in here: team_queues(..., teams=[the
+            # stack's team names]) adds each team's gpu-<acc>-<team> and team-<name>.
+            queues=team_queues([p.accelerator for p in plan.pools], cfg.workload.namespace),
         ),
     )
 
@@ -413,6 +417,12 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
             images=cfg.images.addons,
             fair_sharing=bool(teams),
         ),
+        workload.child(),
+    )
+    # Its metrics Service and reader role, the visibility APIService (issue 36, item 5).
+    QueueMetrics(
+        "workload-queue-metrics",
+        QueueMetricsArgs(kueue=kueue, image=cfg.images.trainer, window_s=cfg.monitoring.queue_wait_p95_minutes * 60),
         workload.child(),
     )
     training = _training_namespace(cfg, plan, from_aws, workload.child())

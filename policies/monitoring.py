@@ -1,13 +1,22 @@
 """Deployment checklist item 9: monitoring. The checklist's alarms exist by name (core.observability) and
-notify SNS, log groups keep logs for a finite time, and the accelerators' exporter runs for the trainer."""
+notify SNS, every training queue has its wait alarm and every namespace it serves its job-failure-rate
+alarm, log groups keep logs for a finite time, and the accelerators' exporter runs for the trainer."""
 
 from __future__ import annotations
 
 from pulumi_policy import EnforcementLevel
 from pydantic import Field
 
-from supernode.core.observability import CHECKLIST_ALARMS, checklist_alarm
+from supernode.core.observability import (
+    CHECKLIST_ALARMS,
+    checklist_alarm,
+    is_training_queue,
+    job_failure_alarm,
+    queue_wait_alarm,
+)
 from supernode.core.resource_types import (
+    CLUSTER_QUEUE,
+    LOCAL_QUEUE,
     LOG_GROUP,
     METRIC_ALARM,
 )
@@ -41,12 +50,50 @@ def _alarm_named(alarms: list[Res], short: str) -> bool:
     return any(n == short or n.endswith(f"-{short}") for n in names)
 
 
-@POLICIES.stack("monitoring-alarms", 9, "Accelerator-utilisation and node-not-ready alarms exist and notify SNS.")
+def _queue_alarms(stack: Stack, alarms: list[Res], report: Report) -> None:
+    """Every training ClusterQueue (serving's excepted) has its wait alarm, and every namespace with a
+    LocalQueue into one its job-failure-rate alarm: a team whose work waits or fails unseen."""
+    training = {
+        str(q.get("metadata", "name")): q
+        for q in stack.of(CLUSTER_QUEUE)
+        if is_training_queue(str(q.get("metadata", "name")))
+    }
+    for name, q in training.items():
+        short = queue_wait_alarm(name)
+        if not _alarm_named(alarms, short):
+            report(
+                q,
+                f"no CloudWatch alarm watches how long work waits in ClusterQueue {name!r}: none is named "
+                f"{short!r}. Fix: add the aws.cloudwatch.MetricAlarm '<prefix>-{short}' on the queue's wait p95 "
+                f"(supernode:monitoring.queueWaitP95Minutes; the team's queue in observability.team_queues).",
+            )
+    served: dict[str, Res] = {}
+    for lq in stack.of(LOCAL_QUEUE):
+        if lq.get("spec", "clusterQueue") in training:
+            served.setdefault(str(lq.get("metadata", "namespace")), lq)
+    for namespace, lq in sorted(served.items()):
+        short = job_failure_alarm(namespace)
+        if not _alarm_named(alarms, short):
+            report(
+                lq,
+                f"no CloudWatch alarm watches the failure rate of the jobs queued from namespace {namespace!r}: "
+                f"none is named {short!r}. Fix: add the aws.cloudwatch.MetricAlarm '<prefix>-{short}' "
+                f"(supernode:monitoring.jobFailureRateMax; the team's namespace in observability.team_queues).",
+            )
+
+
+@POLICIES.stack(
+    "monitoring-alarms",
+    9,
+    "Accelerator-utilisation, node-not-ready and each training queue's wait and job-failure-rate alarms exist "
+    "and notify SNS.",
+)
 def _alarms(stack: Stack, _conf: None, report: Report) -> None:
+    alarms = stack.of(METRIC_ALARM)
+    _queue_alarms(stack, alarms, report)
     groups = stack.gpu_node_groups()
     if not groups:
         return
-    alarms = stack.of(METRIC_ALARM)
     vendor = hardware(stack).vendor
     for purpose, what in CHECKLIST_ALARMS.items():
         short = checklist_alarm(purpose, vendor)

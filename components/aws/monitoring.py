@@ -15,6 +15,14 @@ CloudWatch to one SNS topic: one alerting path, no workspace or alert manager to
 trainer, the fabric check, the inventory and the restore drill say as log lines (non-finite steps,
 checkpoints, starts, `fabric_regressed_node_count`, `inventory_drift_count`, `restore_drill`)
 becomes metrics through log metric filters on the application log group.
+
+Queues and job outcomes (issue 36, item 5), per team: for each training ClusterQueue (`queues`, the
+core's observability.team_queues: the stack's own gpu-<acc> today, each team's gpu-<acc>-<team> once
+the stack has teams) an alarm on its admission wait p95 (the relay supernode.trainer.queue_wait turns
+Kueue's wait histogram, which the CloudWatch agent drops, into a gauge), and for each namespace those
+queues serve an alarm on its jobs' failure rate (the training operator's failed / (failed + succeeded)
+over a window, in metric math). The dashboard shows each queue's wait and pending workloads, Kueue's
+evictions and preemptions, and each namespace's job outcomes.
 """
 
 from __future__ import annotations
@@ -65,6 +73,21 @@ NODE_DIMENSION = "Hostname"
 PER_NODE_NOTE = f"each node alarms on its own and is named by its {NODE_DIMENSION} contributor"
 PCIE_REPLAYS_PER_MIN = 8  # `dcgmi health -c` warns above 8 PCIe replays a minute
 EXPORTER_ABSENT_MINUTES = 5  # no series from the accelerator exporter for this long: the alarms above are blind
+# The relay's p95 gauge at or above the threshold for this many minutes in a row: one relay read of a
+# window edge does not page.
+QUEUE_WAIT_PERIODS = 3
+
+
+def _whose(q: obs.TeamQueue) -> str:
+    return f"team {q.team}" if q.team else "the stack's training queue"
+
+
+def _by_namespace(queues: Sequence[obs.TeamQueue]) -> list[obs.TeamQueue]:
+    """The first queue of each namespace (a namespace's jobs queue in one ClusterQueue per pool)."""
+    first: dict[str, obs.TeamQueue] = {}
+    for q in queues:
+        first.setdefault(q.namespace, q)
+    return list(first.values())
 
 
 class LogPattern:
@@ -99,6 +122,9 @@ class MonitoringArgs:
     node_groups: Sequence[pulumi.Resource]  # the add-on's agents run on them
     plan: Plan  # the throughput estimate, the checkpoint interval and step time the training alarms use
     training_namespace: str
+    # The training queues and the namespaces they serve (obs.team_queues): a wait alarm for each queue,
+    # a failure-rate alarm for each namespace.
+    queues: Sequence[obs.TeamQueue] = ()
 
 
 class Monitoring(pulumi.ComponentResource):
@@ -127,6 +153,7 @@ class Monitoring(pulumi.ComponentResource):
             *self._training_alarms(name, args, floor, checkpoint_window_s),
             *self._operations_alarms(name),
             *self._accelerator_alarms(name, args.plan.hardware.vendor, args.cluster.name, m),
+            *self._queue_alarms(name, args),
         ]
         self.alarm_names = [a.name for a in self.alarms]
         self.dashboard = stack_dashboard(name, args, self.namespace, floor, checkpoint_window_s, self)
@@ -238,6 +265,44 @@ class Monitoring(pulumi.ComponentResource):
                 period=3600,
             ),
         ]
+
+    def _queue_alarms(self, name: str, args: MonitoringArgs) -> list[aws.cloudwatch.MetricAlarm]:
+        """Per training ClusterQueue its wait p95, per namespace it serves its jobs' failure rate."""
+        m, cluster = args.monitoring, args.cluster.name
+        wait_s, window_s = m.queue_wait_p95_minutes * 60, m.job_failure_window_hours * 3600
+        alarms = [
+            self._alarm(
+                name,
+                obs.queue_wait_alarm(q.cluster_queue),
+                f"{_whose(q)}: work waits {m.queue_wait_p95_minutes} min or more in ClusterQueue "
+                f"{q.cluster_queue}: the admission wait p95 of the last {m.queue_wait_p95_minutes} min's "
+                "admissions, or the oldest workload still pending at training priority or above",
+                threshold=wait_s,
+                comparison="GreaterThanOrEqualToThreshold",
+                periods=QUEUE_WAIT_PERIODS,
+                metric_queries=queue_wait_queries(
+                    obs.queue_dimensions(cluster, obs.QUEUE_WAIT_SCRAPE_JOB, cluster_queue=q.cluster_queue)
+                ),
+            )
+            for q in args.queues
+        ]
+        for q in _by_namespace(args.queues):
+            alarms.append(
+                self._alarm(
+                    name,
+                    obs.job_failure_alarm(q.namespace),
+                    f"{_whose(q)}: more than {m.job_failure_rate_max:.0%} of the jobs that finished in namespace "
+                    f"{q.namespace} within {m.job_failure_window_hours} h failed (training operator counts)",
+                    threshold=m.job_failure_rate_max,
+                    comparison="GreaterThanThreshold",
+                    periods=1,
+                    metric_queries=failure_rate_queries(
+                        obs.queue_dimensions(cluster, obs.TRAINING_OPERATOR_SCRAPE_JOB, job_namespace=q.namespace),
+                        window_s,
+                    ),
+                )
+            )
+        return alarms
 
     def _operations_alarms(self, name: str) -> list[aws.cloudwatch.MetricAlarm]:
         """The scheduled operations' findings (components/k8s/operations.py)."""
@@ -661,6 +726,7 @@ def stack_dashboard(
                     throughput_floor,
                     checkpoint_window_s,
                     args.plan.hardware.vendor,
+                    args.queues,
                 )
             )
         ),
@@ -765,6 +831,39 @@ def checkpoint_stale_queries(dimensions: Mapping, window_s: int, namespace: str)
     ]
 
 
+def queue_wait_queries(dimensions: Mapping) -> list:
+    """The longer of the relay's two waits: the window's admission p95 (which a queue that admits nothing
+    never raises) and the oldest pending workload's age at training priority or above."""
+    gauge = dict(period=PERIOD_S, namespace=obs.PROMETHEUS_NAMESPACE, stat="Maximum", dimensions=dimensions)
+    return [
+        _query("p95", metric_name=obs.QUEUE_WAIT_P95, **gauge),
+        _query("oldest", metric_name=obs.QUEUE_OLDEST_PENDING, **gauge),
+        aws.cloudwatch.MetricAlarmMetricQueryArgs(
+            id="wait",
+            return_data=True,
+            label="queue wait (s)",
+            expression="MAX([FILL(p95, 0), FILL(oldest, 0)])",
+        ),
+    ]
+
+
+def failure_rate_queries(dimensions: Mapping, window_s: int) -> list:
+    """failed / (failed + succeeded) of the jobs that finished within one `window_s` window (the training
+    operator's counters, whose per-scrape growth the agent sends), 0 when none finished."""
+    counts = dict(period=window_s, namespace=obs.PROMETHEUS_NAMESPACE, stat="Sum", dimensions=dimensions)
+    return [
+        _query("failed", metric_name=obs.JOBS_FAILED, **counts),
+        _query("succeeded", metric_name=obs.JOBS_SUCCEEDED, **counts),
+        aws.cloudwatch.MetricAlarmMetricQueryArgs(
+            id="failure_rate",
+            return_data=True,
+            label="failed / finished jobs",
+            expression="IF(FILL(failed, 0) + FILL(succeeded, 0) > 0, "
+            "FILL(failed, 0) / (FILL(failed, 0) + FILL(succeeded, 0)), 0)",
+        ),
+    ]
+
+
 def pcie_replay_queries(gpus: Mapping) -> list:
     """PCIe replays a minute: the growth rate of DCGM's cumulative replay counter."""
     return [
@@ -799,8 +898,9 @@ def dashboard(
     throughput_floor: float,
     checkpoint_window_s: int,
     vendor: str,
+    queues: Sequence[obs.TeamQueue] = (),
 ) -> dict:
-    """The dashboard's body: the accelerators, failures, training, then operations and FSx."""
+    """The dashboard's body: the accelerators, failures, training, the queues, then operations and FSx."""
     if vendor == "neuron":
         accelerators, hardware_errors = _neuron_widgets(region, cluster_name, m), []
     else:
@@ -811,6 +911,7 @@ def dashboard(
             *accelerators,
             *_failure_widgets(region, cluster_name, namespace, hardware_errors),
             *_training_widgets(region, trainer, throughput_floor, checkpoint_window_s),
+            *_queue_widgets(region, cluster_name, m, queues),
             *_operations_widgets(region, namespace, fsx_id),
         ]
     }
@@ -920,6 +1021,63 @@ def _training_widgets(region: str, trainer: Mapping, throughput_floor: float, ch
             ],
             checkpoint_window_s,
             "checkpoint-stale alarm",
+        ),
+    ]
+
+
+def _queue_widgets(region: str, cluster_name: str, m: MonitoringConfig, queues: Sequence[obs.TeamQueue]) -> list[dict]:
+    """Per training ClusterQueue its wait p95 and pending workloads, Kueue's evictions and preemptions by
+    queue, and per namespace its jobs' outcomes (counts a minute: the counters' growth, summed)."""
+    if not queues:
+        return []
+    total = {"stat": "Sum"}
+
+    def kueue(metric: str, **label: str) -> list:
+        return _series(metric, obs.queue_dimensions(cluster_name, obs.KUEUE_SCRAPE_JOB, **label))
+
+    return [
+        _widget(
+            region,
+            "Queue wait (s): admission p95, oldest pending",
+            [
+                _series(metric, obs.queue_dimensions(cluster_name, obs.QUEUE_WAIT_SCRAPE_JOB, cluster_queue=q))
+                + [{"stat": "Maximum", "label": f"{q} {what}"}]
+                for q in dict.fromkeys(q.cluster_queue for q in queues)
+                for metric, what in ((obs.QUEUE_WAIT_P95, "p95"), (obs.QUEUE_OLDEST_PENDING, "oldest pending"))
+            ],
+            m.queue_wait_p95_minutes * 60,
+            "queue-wait alarm",
+        ),
+        _widget(
+            region,
+            "Pending workloads",
+            [
+                kueue(obs.KUEUE_PENDING, cluster_queue=q.cluster_queue, status=status)
+                + [{"stat": "Maximum", "label": f"{q.cluster_queue} {status}"}]
+                for q in queues
+                for status in obs.KUEUE_PENDING_STATUSES
+            ],
+        ),
+        _widget(
+            region,
+            "Evictions and preemptions",
+            [
+                *(kueue(obs.KUEUE_EVICTED, cluster_queue=q.cluster_queue) + [total] for q in queues),
+                *(kueue(obs.KUEUE_PREEMPTED, preempting_cluster_queue=q.cluster_queue) + [total] for q in queues),
+            ],
+        ),
+        _widget(
+            region,
+            "Job outcomes",
+            [
+                _series(
+                    metric,
+                    obs.queue_dimensions(cluster_name, obs.TRAINING_OPERATOR_SCRAPE_JOB, job_namespace=q.namespace),
+                )
+                + [{**total, "label": f"{q.namespace} {metric.removeprefix('training_operator_jobs_')}"}]
+                for q in _by_namespace(queues)
+                for metric in obs.JOB_OUTCOMES
+            ],
         ),
     ]
 

@@ -69,6 +69,7 @@ KINDS = {
     "MutatingWebhookConfiguration": k8s.admissionregistration.v1.MutatingWebhookConfiguration,
     "DeviceClass": k8s.resource.v1beta1.DeviceClass,  # resource.k8s.io/v1beta1: Kubernetes 1.33 and 1.34
     "APIService": k8s.apiregistration.v1.APIService,
+    "NetworkPolicy": k8s.networking.v1.NetworkPolicy,
 }
 
 

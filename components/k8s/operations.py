@@ -26,7 +26,9 @@ and validates it.
   nothing else (identity.checkpoint_retention_policy).
 - **Training-health scrape**: AWS's "CloudWatch agent with Prometheus monitoring" for EKS
   (components/addons/cwagent-prometheus.yaml) and its two ConfigMaps: the trainer pods (by their
-  prometheus.io annotations) and our DCGM exporter, as embedded-metric-format metrics in
+  prometheus.io annotations), our DCGM exporter, and the controllers of the queue and the jobs (Kueue's
+  https metrics with the agent's token, the training operator's job outcomes; issue 36 item 5,
+  components/k8s/queue_metrics.py), as embedded-metric-format metrics in
   ContainerInsights/Prometheus with the dimensions the alarms and dashboard use. The agent lists pods
   only in the namespaces its scrape configuration names and writes only to the Prometheus log group
   (IRSA: identity.metrics_agent_policy). Jobs, namespaces, service account and metric names are the
@@ -50,10 +52,14 @@ from supernode.core.config import Workload as WorkloadConfig
 from supernode.core.cron import longest_gap_s
 from supernode.core.observability import (
     DCGM_SCRAPE_JOB,
+    KUEUE_SCRAPE_JOB,
     METRIC_DECLARATIONS,
     PROMETHEUS_AGENT,
     PROMETHEUS_NAMESPACE,
+    QUEUE_WAIT_SCRAPE_JOB,
+    SERVICE_ACCOUNT_TOKEN,
     TRAINER_SCRAPE_JOB,
+    TRAINING_OPERATOR_SCRAPE_JOB,
     insights_log_group,
 )
 from supernode.core.vendors import VENDORS
@@ -69,6 +75,7 @@ from .jobs import (
     fabric_mesh,
     fabric_pod_template,
 )
+from .queues import CONTROLLER_NAMESPACE as KUEUE_NAMESPACE
 from .queues import EXPERIMENTS, job_labels
 
 OPS_NAMESPACE = "supernode-ops"
@@ -148,10 +155,49 @@ def scraped_namespaces(scrape: dict[str, Any]) -> list[str]:
     )
 
 
+# The port each controller serves its metrics on, by the name its container gives it (kueue.yaml,
+# training-operator.yaml); the scrape keeps that port of the controller's pods, one target per pod.
+METRICS_PORT_NAME = "metrics"
+# Kueue's metrics are https behind the API server's authentication and authorisation: the agent sends its
+# own service account token (bound to kueue-metrics-reader, kueue-observability.yaml) and does not verify
+# the certificate the controller generates for itself (no certificate manager in this stack, as
+# upstream's ServiceMonitor: insecureSkipVerify).
+KUEUE_SCRAPE_AUTH = {
+    "scheme": "https",
+    "authorization": {"type": "Bearer", "credentials_file": SERVICE_ACCOUNT_TOKEN},
+    "tls_config": {"insecure_skip_verify": True},
+}
+
+
+def controller_scrape_job(job: str, namespace: str, app: str, http: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A controller's metrics: the pods labelled app.kubernetes.io/name=`app` in `namespace`, on their
+    container port named METRICS_PORT_NAME (no annotation: the pinned files' pods carry none)."""
+    return {
+        "job_name": job,
+        **(http or {}),
+        "kubernetes_sd_configs": [{"role": "pod", "namespaces": {"names": [namespace]}}],
+        "relabel_configs": [
+            {
+                "source_labels": ["__meta_kubernetes_pod_label_app_kubernetes_io_name"],
+                "action": "keep",
+                "regex": app,
+            },
+            {
+                "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+                "action": "keep",
+                "regex": METRICS_PORT_NAME,
+            },
+            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "Namespace"},
+            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod_name"},
+        ],
+    }
+
+
 def prometheus_scrape_config(training_namespace: str, exporter_job: str = DCGM_SCRAPE_JOB) -> dict[str, Any]:
-    """Prometheus scrape jobs: pods that ask for it by annotation in the training namespace, and the
-    accelerator exporter's pods (`exporter_job`: DCGM's, or neuron-monitor's). Namespace and Hostname
-    become labels (the metrics' dimensions)."""
+    """Prometheus scrape jobs: pods that ask for it by annotation in the training namespace, the
+    accelerator exporter's pods (`exporter_job`: DCGM's, or neuron-monitor's), and the queue's and the
+    jobs' controllers (Kueue, the training operator). Namespace and Hostname become labels (the
+    metrics' dimensions)."""
 
     def pods(job: str, namespace: str, keep: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -187,6 +233,11 @@ def prometheus_scrape_config(training_namespace: str, exporter_job: str = DCGM_S
         "scrape_configs": [
             pods(TRAINER_SCRAPE_JOB, training_namespace, [annotated]),
             pods(exporter_job, DCGM_NAMESPACE, [dcgm, annotated]),
+            controller_scrape_job(KUEUE_SCRAPE_JOB, KUEUE_NAMESPACE, "kueue", KUEUE_SCRAPE_AUTH),
+            # the queue-wait relay's gauges (components/k8s/queue_metrics.py), plain http
+            controller_scrape_job(QUEUE_WAIT_SCRAPE_JOB, KUEUE_NAMESPACE, QUEUE_WAIT_SCRAPE_JOB),
+            # plain http, no authentication (controller-runtime's metrics server as the operator starts it)
+            controller_scrape_job(TRAINING_OPERATOR_SCRAPE_JOB, DCGM_NAMESPACE, "training-operator"),
         ],
     }
 

@@ -14,8 +14,11 @@ phrases that the log alarms match. Plain strings, so the core stays free of pulu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+from supernode.core import teams as team_names
 
 
 class ServiceAccount(NamedTuple):
@@ -161,6 +164,81 @@ def neuron_dimensions(cluster_name: Any, **label: str) -> dict[str, Any]:
     return {"ClusterName": cluster_name, "job": NEURON_SCRAPE_JOB, **label}
 
 
+# -- queues and job outcomes (issue 36, item 5) ----------------------------------------------------------
+# Kueue's controller (components/addons/kueue.yaml, metrics on its https port, behind the API server's
+# authentication and authorisation) and the training operator (components/addons/training-operator.yaml,
+# plain http) are scraped as these jobs. Their series carry the queue (Kueue: `cluster_queue`, which is
+# the team's ClusterQueue gpu-<acc>-<team>) or the namespace (the operator: `job_namespace`, the team's
+# team-<name>) as a label, which becomes the metric's dimension. Neither carries the job's name: a job's
+# own state is the job API's (`supernode job describe`), not a CloudWatch series per job.
+KUEUE_SCRAPE_JOB = "kueue"
+TRAINING_OPERATOR_SCRAPE_JOB = "training-operator"
+# Kueue v0.11.9 (pkg/metrics/metrics.go). Its wait histogram, KUEUE_ADMISSION_WAIT (by cluster_queue),
+# cannot go to CloudWatch as it is: the CloudWatch agent drops every histogram series (buckets, _sum
+# and _count: it types a series by its family's TYPE, looked up by the name before any relabelling;
+# amazon-cloudwatch-agent plugins/inputs/prometheus/metrics_type_handler.go, metrics_filter.go). The
+# relay supernode.trainer.queue_wait reads it from Kueue and exports QUEUE_WAIT_P95 per queue, a
+# gauge, which the agent scrapes as QUEUE_WAIT_SCRAPE_JOB.
+KUEUE_ADMISSION_WAIT = "kueue_admission_wait_time_seconds"  # histogram, by cluster_queue
+QUEUE_WAIT_SCRAPE_JOB = "supernode-queue-wait"
+QUEUE_WAIT_P95 = "supernode_queue_wait_p95_seconds"  # gauge, by cluster_queue: the window's p95
+QUEUE_ADMITTED_IN_WINDOW = "supernode_queue_admitted_in_window"  # gauge, by cluster_queue
+QUEUE_OLDEST_PENDING = "supernode_queue_oldest_pending_seconds"  # gauge, by cluster_queue (visibility API)
+KUEUE_PENDING = "kueue_pending_workloads"  # gauge, by cluster_queue and status (active | inadmissible)
+KUEUE_ADMITTED = "kueue_admitted_workloads_total"  # counter, by cluster_queue
+KUEUE_EVICTED = "kueue_evicted_workloads_total"  # counter, by cluster_queue and reason
+KUEUE_PREEMPTED = "kueue_preempted_workloads_total"  # counter, by preempting_cluster_queue and reason
+KUEUE_QUEUE_LABEL, KUEUE_PREEMPTING_LABEL = "cluster_queue", "preempting_cluster_queue"
+KUEUE_PENDING_STATUSES = ("active", "inadmissible")
+# The training operator v1.8.1 (pkg/common/metrics.go): counters by job_namespace and framework.
+JOBS_CREATED, JOBS_SUCCEEDED, JOBS_FAILED, JOBS_RESTARTED = (
+    "training_operator_jobs_created_total",
+    "training_operator_jobs_successful_total",
+    "training_operator_jobs_failed_total",
+    "training_operator_jobs_restarted_total",
+)
+JOB_OUTCOMES = (JOBS_CREATED, JOBS_SUCCEEDED, JOBS_FAILED, JOBS_RESTARTED)
+JOB_NAMESPACE_LABEL = "job_namespace"
+QUEUE_DIMENSIONS = ("ClusterName", "job")  # and the series' queue or namespace label
+# The agent's service account reads Kueue's /metrics with its own token: the ClusterRole that grants
+# it (components/addons/kueue-observability.yaml), and where the token is in its pod.
+KUEUE_METRICS_READER = "kueue-metrics-reader"
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+class TeamQueue(NamedTuple):
+    """Whose work waits where: a team (None: the stack's own training queue), its ClusterQueue (the
+    `cluster_queue` of Kueue's series) and the namespace its jobs run in (the operator's `job_namespace`)."""
+
+    team: str | None
+    cluster_queue: str
+    namespace: str
+
+
+def team_queues(accelerators: Sequence[str], training_namespace: str, teams: Sequence[str] = ()) -> list[TeamQueue]:
+    """The training queues the queue alarms watch: per pool (accelerator), the stack's own ClusterQueue
+    gpu-<acc> fed from the training namespace, and each team's gpu-<acc>-<team> fed from team-<team>
+    (supernode.core.teams). Serving's queues are not here: no training job waits in them."""
+    queues = [TeamQueue(None, _object_name(f"gpu-{acc}"), training_namespace) for acc in accelerators]
+    queues += [
+        TeamQueue(team, _object_name(team_names.cluster_queue(team, acc)), team_names.namespace(team))
+        for team in teams
+        for acc in accelerators
+    ]
+    return queues
+
+
+def _object_name(name: str) -> str:
+    """A ClusterQueue's name as the stack writes it (components/k8s/common.py dns_name): gpu-H100 is
+    gpu-h100 on the cluster."""
+    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:63].rstrip("-")
+
+
+def queue_dimensions(cluster_name: Any, job: str, **label: str) -> dict[str, Any]:
+    """A queue series' dimensions: the cluster, the scrape job, the queue's or namespace's label."""
+    return {"ClusterName": cluster_name, "job": job, **label}
+
+
 def _matching(names: Sequence[str], prefix: str) -> str:
     """An anchored regular expression for exactly `names`, the shared prefix written once."""
     if len(names) == 1:
@@ -197,10 +275,34 @@ def _metric_declarations() -> list[dict[str, Any]]:
             for metric, label in NEURON_LABELS.items()
         ),
     ]
+    # Kueue's series by queue (pending ones by status too, so each status is one series; evictions by
+    # reason too); preemptions by the preempting queue; the operator's outcomes by namespace.
+    by_queue = [(*QUEUE_DIMENSIONS, KUEUE_QUEUE_LABEL)]
+    queues = [
+        _declaration(KUEUE_SCRAPE_JOB, by_queue, _matching((KUEUE_ADMITTED,), "")),
+        _declaration(
+            QUEUE_WAIT_SCRAPE_JOB,
+            by_queue,
+            _matching((QUEUE_WAIT_P95, QUEUE_ADMITTED_IN_WINDOW, QUEUE_OLDEST_PENDING), "supernode_queue_"),
+        ),
+        _declaration(KUEUE_SCRAPE_JOB, [(*by_queue[0], "status")], _matching((KUEUE_PENDING,), "")),
+        _declaration(KUEUE_SCRAPE_JOB, [*by_queue, (*by_queue[0], "reason")], _matching((KUEUE_EVICTED,), "")),
+        _declaration(
+            KUEUE_SCRAPE_JOB,
+            [(*QUEUE_DIMENSIONS, KUEUE_PREEMPTING_LABEL), (*QUEUE_DIMENSIONS, KUEUE_PREEMPTING_LABEL, "reason")],
+            _matching((KUEUE_PREEMPTED,), ""),
+        ),
+        _declaration(
+            TRAINING_OPERATOR_SCRAPE_JOB,
+            [(*QUEUE_DIMENSIONS, JOB_NAMESPACE_LABEL)],
+            _matching(JOB_OUTCOMES, "training_operator_jobs_"),
+        ),
+    ]
     return [
         *trainer,
         _declaration(DCGM_SCRAPE_JOB, DCGM_DIMENSIONS, _matching(DCGM_METRICS, "DCGM_FI_DEV_")),
         *neuron,
+        *queues,
     ]
 
 
@@ -249,6 +351,23 @@ def accelerator_alarm(purpose: str, vendor: str) -> str:
     """The short name of the alarm of `purpose` on `vendor`'s stacks (KeyError: the vendor has none, see
     NO_EQUIVALENT)."""
     return ACCELERATOR_ALARMS[purpose][vendor]
+
+
+# The queue alarms, one per training ClusterQueue and one per namespace whose jobs it queues (TeamQueue):
+# the policy pack (monitoring-alarms) requires them for every such queue and namespace of the stack.
+def queue_wait_alarm(cluster_queue: str) -> str:
+    return f"queue-wait-{cluster_queue}"
+
+
+def job_failure_alarm(namespace: str) -> str:
+    return f"job-failure-rate-{namespace}"
+
+
+SERVING_QUEUE_SUFFIX = "-serving"  # serving's ClusterQueues (components/k8s/queues.py): no training job waits there
+
+
+def is_training_queue(cluster_queue: str) -> bool:
+    return not cluster_queue.endswith(SERVING_QUEUE_SUFFIX)
 
 
 # The deployment checklist's item 9 on an accelerator stack: the alarms it must have, by what they watch.

@@ -99,3 +99,7 @@ K8S_SERVICE = "kubernetes:core/v1:Service"
 PDB = "kubernetes:policy/v1:PodDisruptionBudget"
 HPA = "kubernetes:autoscaling/v2:HorizontalPodAutoscaler"
 NETWORK_POLICY = "kubernetes:networking.k8s.io/v1:NetworkPolicy"
+
+# Kueue's queues (components/k8s/queues.py): the queue alarms (policies/monitoring.py) follow them.
+CLUSTER_QUEUE = "kubernetes:kueue.x-k8s.io/v1beta1:ClusterQueue"
+LOCAL_QUEUE = "kubernetes:kueue.x-k8s.io/v1beta1:LocalQueue"

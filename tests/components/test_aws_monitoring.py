@@ -21,6 +21,11 @@ def alarms(stack: Stack) -> dict[str, dict]:
     return {r.inputs["name"].removeprefix(f"supernode-{stack.result.stack}-"): r.inputs for r in stack.all(ALARM)}
 
 
+def training_queues(stack: Stack) -> list[str]:
+    names = [r.inputs["metadata"]["name"] for r in stack.all(T.CLUSTER_QUEUE)]
+    return [n for n in names if obs.is_training_queue(n)]
+
+
 def test_every_alarm_notifies_the_topic(stack: Stack):
     topic = stack.outputs["sns_topic_arn"]
     found = alarms(stack)
@@ -50,6 +55,9 @@ def test_every_alarm_notifies_the_topic(stack: Stack):
         "gpu-pcie-replays",
         # the accelerator exporter itself (issue 27; tests/components/test_trn2_monitoring.py)
         "gpu-exporter-absent",
+        # each training queue's wait and its namespace's job failures (issue 36; test_queue_metrics.py)
+        *(obs.queue_wait_alarm(cq) for cq in training_queues(stack)),
+        obs.job_failure_alarm(stack.cfg.workload.namespace),
     }
     for a in found.values():
         assert a["alarmActions"] == [topic] and a["okActions"] == [topic]

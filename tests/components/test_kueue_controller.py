@@ -92,8 +92,9 @@ def test_configuration_gangs_admission_and_manages_only_the_queued_namespaces():
     (expr,) = config["managedJobsNamespaceSelector"]["matchExpressions"]
     assert expr["operator"] == "In" and not {"kube-system", q.CONTROLLER_NAMESPACE} & set(expr["values"])
     assert config["namespace"] == q.CONTROLLER_NAMESPACE
-    # Kueue's feature gates that would need CRDs or APIs the stack does not ship are off.
-    assert config["featureGates"] == {"MultiKueue": False, "ProvisioningACC": False, "VisibilityOnDemand": False}
+    # Kueue's feature gates that would need CRDs or APIs the stack does not ship are off; the visibility
+    # API (pending workloads' positions, served through kueue-observability.yaml's APIService) is on.
+    assert config["featureGates"] == {"MultiKueue": False, "ProvisioningACC": False, "VisibilityOnDemand": True}
 
 
 @pytest.mark.slow  # previews the stack under the mock engine (seconds)

@@ -117,7 +117,8 @@ def test_agent_reads_pods_only_in_the_namespaces_it_scrapes(dev, objs):
         the(objs, "ConfigMap", SCRAPE_CONFIGMAP, METRICS_SCRAPER_NAMESPACE)["data"]["prometheus.yaml"]
     )
     namespaces = scraped_namespaces(scrape)
-    assert dev.cfg.workload.namespace in namespaces and len(namespaces) == 2  # the trainer's and DCGM's
+    # the trainer's, DCGM's and the training operator's, Kueue's
+    assert namespaces == sorted({dev.cfg.workload.namespace, "supernode-system", "kueue-system"})
     role = the(objs, "ClusterRole", "cwagent-prometheus-pods")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     bindings = [m for (k, _, n), m in objs.items() if m.get("roleRef", {}).get("name") == "cwagent-prometheus-pods"]
@@ -270,7 +271,7 @@ def test_no_prometheus_or_adapter_without_inference():
     assert not [
         key
         for key in objs
-        if key[0] == "APIService"
+        if (key[0] == "APIService" and key[2] != "v1beta1.visibility.kueue.x-k8s.io")  # Kueue's is not serving's
         or key[1] == serving.MONITORING_NAMESPACE
         or key[2] in ("prometheus", "prometheus-adapter", serving.MONITORING_NAMESPACE)
     ]

@@ -257,7 +257,22 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
         for name, metric in (
             ("gpu-util-low", "DCGM_FI_DEV_GPU_UTIL"),
             ("node-not-ready", "node_status_condition_ready"),
+            # the training queue's wait and its namespace's job failure rate (issue 36, item 5)
+            ("queue-wait-gpu-h100", "supernode_queue_wait_p95_seconds"),
+            ("job-failure-rate-training", "training_operator_jobs_failed_total"),
         )
+    ]
+    # Kueue's queues: training's ClusterQueue and serving's (which needs no wait alarm), a LocalQueue into each.
+    queues = [
+        res(T.CLUSTER_QUEUE, cq, {"metadata": {"name": cq}, "spec": {"cohort": "supernode-gpu"}})
+        for cq in ("gpu-h100", "gpu-h100-serving")
+    ] + [
+        res(
+            T.LOCAL_QUEUE,
+            f"{ns}-gpu-h100",
+            {"metadata": {"name": "gpu-h100", "namespace": ns}, "spec": {"clusterQueue": cq}},
+        )
+        for ns, cq in (("training", "gpu-h100"), ("serving", "gpu-h100-serving"))
     ]
     log_group = res(T.LOG_GROUP, "training", {"retentionInDays": cfg.monitoring.log_retention_days})
     cm = res(
@@ -390,6 +405,7 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
         role,
         role_policy,
         *alarms,
+        *queues,
         log_group,
         cm,
         gate,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from policy_resources import doc, find, mutate, without
+from policy_resources import doc, find, mutate, res, without
 
 from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
@@ -246,6 +247,36 @@ CASES: list[tuple[str, Callable, str, str]] = [
         "monitoring-alarms",
         "mandatory",
     ),
+    # a training queue whose wait nobody watches; a namespace whose jobs fail unseen (issue 36, item 5)
+    (
+        "no queue-wait alarm",
+        lambda s, c: without(s, T.METRIC_ALARM, "queue-wait-gpu-h100"),
+        "monitoring-alarms",
+        "mandatory",
+    ),
+    (
+        "no job-failure-rate alarm",
+        lambda s, c: without(s, T.METRIC_ALARM, "job-failure-rate-training"),
+        "monitoring-alarms",
+        "mandatory",
+    ),
+    (
+        "a team's queue without its alarms",
+        lambda s, c: [
+            *s,
+            res(T.CLUSTER_QUEUE, "gpu-h100-research", {"metadata": {"name": "gpu-h100-research"}}),
+            res(
+                T.LOCAL_QUEUE,
+                "team-research-gpu-h100",
+                {
+                    "metadata": {"name": "gpu-h100", "namespace": "team-research"},
+                    "spec": {"clusterQueue": "gpu-h100-research"},
+                },
+            ),
+        ],
+        "monitoring-alarms",
+        "mandatory",
+    ),
     ("no DCGM exporter", lambda s, c: without(s, T.DAEMON_SET), "monitoring-dcgm", "mandatory"),
     # 10. access control and keys
     (
@@ -456,3 +487,24 @@ def test_pinned_init_from_passes_the_weights_policy(stack, dev_cfg):
     assert "weights-verified" not in by_policy(with_plan(stack, pinned))
     message = by_policy(with_plan(stack, _weights_unverified(dev_cfg)))["weights-verified"][0].message
     assert "s3://b/models/base/" in message and "supernode:training.initFromSha256" in message
+
+
+def test_queue_alarms_follow_every_training_queue_and_the_namespaces_it_serves(stack):
+    """A team's ClusterQueue and namespace need their own alarms (the stack's do not cover them); serving's
+    queue needs none (the compliant stack has one, unwatched, and passes)."""
+    team = [
+        res(T.CLUSTER_QUEUE, "gpu-h100-research", {"metadata": {"name": "gpu-h100-research"}}),
+        res(
+            T.LOCAL_QUEUE,
+            "team-research-gpu-h100",
+            {
+                "metadata": {"name": "gpu-h100", "namespace": "team-research"},
+                "spec": {"clusterQueue": "gpu-h100-research"},
+            },
+        ),
+    ]
+    found = by_policy([*stack, *team])
+    assert set(found) == {"monitoring-alarms"}
+    missing = sorted(re.search(r"none is named '([^']+)'", v.message)[1] for v in found["monitoring-alarms"])
+    assert missing == ["job-failure-rate-team-research", "queue-wait-gpu-h100-research"]
+    assert any(r["type"] == T.CLUSTER_QUEUE and r["name"] == "gpu-h100-serving" for r in stack)

@@ -445,6 +445,32 @@ class MonitoringConfig(_Base):
         description="alarm when the trainer starts more often "
         "than this within an hour (each restart resumes from a checkpoint)",
     )
+    # An hour: longer than Kueue's pods-ready timeout (45 min, components/addons/kueue.yaml), after which
+    # a job that did not start is requeued, and than its first requeue backoffs, so one slow start or one
+    # eviction does not page; work that waits an hour for quota is a queue short of it. It is also the
+    # window the p95 is taken over (the relay supernode.trainer.queue_wait); a queue that admits nothing
+    # alarms through its oldest pending workload at training priority or above reaching it.
+    queue_wait_p95_minutes: int = Field(
+        default=60,
+        ge=5,
+        le=1440,
+        description="alarm when a training ClusterQueue's admission wait p95, over a window this long, "
+        "reaches this many minutes (per team's queue)",
+    )
+    # One job in four: a team's jobs failing that often is a broken image, config or node, not bad luck;
+    # a lone failure in a quiet window (one of one) alarms too, which is meant: it is that team's whole work.
+    job_failure_rate_max: float = Field(
+        default=0.25,
+        gt=0,
+        lt=1,
+        description="alarm when more than this fraction of a team's finished jobs failed within "
+        "jobFailureWindowHours (failed / (failed + succeeded), the training operator's counts)",
+    )
+    # Six hours: long enough to hold several of a team's jobs' ends, short enough that the alarm clears
+    # the same working day once jobs succeed again. CloudWatch caps an alarm's period at a day.
+    job_failure_window_hours: int = Field(
+        default=6, ge=1, le=24, description="the window of the job failure rate alarm, in hours"
+    )
 
     @field_validator("log_retention_days")
     @classmethod
