@@ -75,9 +75,10 @@ from supernode.components.k8s.queues import (
     job_labels,
 )
 from supernode.components.k8s.serving import ServingArgs, ServingWorkload
-from supernode.components.k8s.teams import TeamAdmin, TeamAdminArgs, TeamNamespace, team_namespaces
+from supernode.components.k8s.teams import TeamAdmin, TeamAdminArgs, TeamNamespace, TeamNamespaceArgs, team_namespaces
 from supernode.components.k8s.workload import TrainingWorkload
 from supernode.components.stack_config import stack_config
+from supernode.core import teams as team_names
 from supernode.core.config import StackConfig
 from supernode.core.contract import CONTRACT_VERSION
 from supernode.core.observability import PROMETHEUS_AGENT, team_queues
@@ -249,6 +250,7 @@ def _trainer_role(ctx: StackContext, cfg: StackConfig, cluster: Cluster, storage
             bucket_arn=storage.bucket_arn,
             data_key_arn=keys.data_key_arn,
             init_from=cfg.training.init_from,
+            team_namespaces=[team_names.namespace(t.name) for t in cfg.teams],
         ),
     )
 
@@ -274,9 +276,10 @@ def _monitoring(
             node_groups=accelerators.node_groups,
             plan=plan,
             training_namespace=cfg.workload.namespace,
-            # The training queues the queue alarms watch. Teams plug in here: team_queues(..., teams=[the
-            # stack's team names]) adds each team's gpu-<acc>-<team> and team-<name>.
-            queues=team_queues([p.accelerator for p in plan.pools], cfg.workload.namespace),
+            # The training queues the queue alarms watch: the stack's, or each team's.
+            queues=team_queues(
+                [p.accelerator for p in plan.pools], cfg.workload.namespace, [t.name for t in cfg.teams]
+            ),
         ),
     )
 
@@ -409,7 +412,7 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
     workload = TrainingWorkload("workload", from_aws.kubeconfig, from_aws.after)
     addons = _cluster_addons(ctx, cfg, plan, from_aws, workload.child())
     serving_namespace = [] if cfg.inference is None else [cfg.inference.namespace]
-    teams = _team_namespaces(cfg, plan, workload.child())
+    teams = _team_namespaces(cfg, plan, from_aws, workload.child())
     kueue = KueueController(
         "workload-kueue",
         KueueArgs(
@@ -490,14 +493,23 @@ def _cluster_addons(
     )
 
 
-def _team_namespaces(cfg: StackConfig, plan: Plan, opts: pulumi.ResourceOptions) -> list[TeamNamespace]:
+def _team_namespaces(
+    cfg: StackConfig, plan: Plan, from_aws: AwsOutputs, opts: pulumi.ResourceOptions
+) -> list[TeamNamespace]:
     """Each team's namespace, quota and Role (none without supernode:teams), and the admin group's read of them."""
     if not plan.teams:
         return []
     [shares] = plan.teams  # the config rules allow teams on one training pool
-    namespaces = team_namespaces(
-        shares.teams, plan.pod, cfg.cluster.kubernetes_version, cfg.identity.pod_identity == "pod-identity", opts
+    shared = TeamNamespaceArgs(
+        team=shares.teams[0],
+        pod=plan.pod,
+        cluster_version=cfg.cluster.kubernetes_version,
+        pod_identity=cfg.identity.pod_identity == "pod-identity",
+        service_account=cfg.workload.service_account,
+        trainer_role_arn=from_aws.trainer_role_arn,
+        fsx=from_aws.fsx,
     )
+    namespaces = team_namespaces(shares.teams, shared, opts)
     TeamAdmin("workload-team-admin", TeamAdminArgs(namespaces=[t.namespace for t in namespaces]), opts)
     return namespaces
 

@@ -10,7 +10,7 @@ policies, where AWS requires it (it means "this key").
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,9 +86,15 @@ def assume_role_policy(service: str) -> str:
 
 
 def irsa_trust_policy(
-    provider_arn: pulumi.Input[str], issuer_url: pulumi.Input[str], namespace: str, service_account: str
+    provider_arn: pulumi.Input[str],
+    issuer_url: pulumi.Input[str],
+    namespace: str | Sequence[str],
+    service_account: str,
 ) -> pulumi.Output[str]:
-    """Trust for one Kubernetes service account through the cluster's OIDC provider (IRSA)."""
+    """Trust for one Kubernetes service account through the cluster's OIDC provider (IRSA); several
+    namespaces: the account of that name in each (the trainer's, in the training and team namespaces)."""
+    namespaces = [namespace] if isinstance(namespace, str) else namespace
+    subjects = [f"system:serviceaccount:{ns}:{service_account}" for ns in namespaces]
 
     def doc(arn: str, issuer: str) -> str:
         host = issuer.removeprefix("https://")
@@ -100,7 +106,7 @@ def irsa_trust_policy(
                     "Action": "sts:AssumeRoleWithWebIdentity",
                     "Condition": {
                         "StringEquals": {
-                            f"{host}:sub": f"system:serviceaccount:{namespace}:{service_account}",
+                            f"{host}:sub": subjects[0] if len(subjects) == 1 else subjects,
                             f"{host}:aud": "sts.amazonaws.com",
                         }
                     },
@@ -359,6 +365,8 @@ class TrainerRoleArgs:
     bucket_arn: pulumi.Input[str]
     data_key_arn: pulumi.Input[str]
     init_from: str | None = None  # training.initFrom: an s3:// one is read by the pods' init container
+    # The teams' namespaces (supernode:teams): their jobs' pods run as the same account there.
+    team_namespaces: Sequence[str] = ()
 
 
 class TrainerRole(pulumi.ComponentResource):
@@ -371,7 +379,12 @@ class TrainerRole(pulumi.ComponentResource):
         trust = (
             POD_IDENTITY_TRUST
             if pod_identity
-            else irsa_trust_policy(args.oidc_provider_arn, args.oidc_issuer_url, args.namespace, args.service_account)
+            else irsa_trust_policy(
+                args.oidc_provider_arn,
+                args.oidc_issuer_url,
+                [args.namespace, *args.team_namespaces],
+                args.service_account,
+            )
         )
         self.role = aws.iam.Role(
             name,
@@ -385,15 +398,16 @@ class TrainerRole(pulumi.ComponentResource):
         )
         aws.iam.RolePolicy(f"{name}-data", role=self.role.id, policy=self.policy, opts=child)
         if pod_identity:
-            aws.eks.PodIdentityAssociation(
-                name,
-                cluster_name=args.cluster_name,
-                namespace=args.namespace,
-                service_account=args.service_account,
-                role_arn=self.role.arn,
-                tags=args.ctx.tagged(),
-                opts=child,
-            )
+            for namespace in (args.namespace, *args.team_namespaces):
+                aws.eks.PodIdentityAssociation(
+                    name if namespace == args.namespace else f"{name}-{namespace}",
+                    cluster_name=args.cluster_name,
+                    namespace=namespace,
+                    service_account=args.service_account,
+                    role_arn=self.role.arn,
+                    tags=args.ctx.tagged(),
+                    opts=child,
+                )
         self.arn = self.role.arn
         self.register_outputs({"arn": self.arn})
 

@@ -82,12 +82,21 @@ def _whose(q: obs.TeamQueue) -> str:
     return f"team {q.team}" if q.team else "the stack's training queue"
 
 
-def _by_namespace(queues: Sequence[obs.TeamQueue]) -> list[obs.TeamQueue]:
-    """The first queue of each namespace (a namespace's jobs queue in one ClusterQueue per pool)."""
+def _first_of_each(queues: Sequence[obs.TeamQueue], key: str) -> list[obs.TeamQueue]:
     first: dict[str, obs.TeamQueue] = {}
     for q in queues:
-        first.setdefault(q.namespace, q)
+        first.setdefault(getattr(q, key), q)
     return list(first.values())
+
+
+def _by_queue(queues: Sequence[obs.TeamQueue]) -> list[obs.TeamQueue]:
+    """The first entry of each ClusterQueue (with teams, the first team's serves the training namespace too)."""
+    return _first_of_each(queues, "cluster_queue")
+
+
+def _by_namespace(queues: Sequence[obs.TeamQueue]) -> list[obs.TeamQueue]:
+    """The first queue of each namespace (a namespace's jobs queue in one ClusterQueue per pool)."""
+    return _first_of_each(queues, "namespace")
 
 
 class LogPattern:
@@ -284,7 +293,7 @@ class Monitoring(pulumi.ComponentResource):
                     obs.queue_dimensions(cluster, obs.QUEUE_WAIT_SCRAPE_JOB, cluster_queue=q.cluster_queue)
                 ),
             )
-            for q in args.queues
+            for q in _by_queue(args.queues)
         ]
         for q in _by_namespace(args.queues):
             alarms.append(
@@ -1042,7 +1051,7 @@ def _queue_widgets(region: str, cluster_name: str, m: MonitoringConfig, queues: 
             [
                 _series(metric, obs.queue_dimensions(cluster_name, obs.QUEUE_WAIT_SCRAPE_JOB, cluster_queue=q))
                 + [{"stat": "Maximum", "label": f"{q} {what}"}]
-                for q in dict.fromkeys(q.cluster_queue for q in queues)
+                for q in (q.cluster_queue for q in _by_queue(queues))
                 for metric, what in ((obs.QUEUE_WAIT_P95, "p95"), (obs.QUEUE_OLDEST_PENDING, "oldest pending"))
             ],
             m.queue_wait_p95_minutes * 60,
@@ -1054,7 +1063,7 @@ def _queue_widgets(region: str, cluster_name: str, m: MonitoringConfig, queues: 
             [
                 kueue(obs.KUEUE_PENDING, cluster_queue=q.cluster_queue, status=status)
                 + [{"stat": "Maximum", "label": f"{q.cluster_queue} {status}"}]
-                for q in queues
+                for q in _by_queue(queues)
                 for status in obs.KUEUE_PENDING_STATUSES
             ],
         ),
@@ -1062,8 +1071,11 @@ def _queue_widgets(region: str, cluster_name: str, m: MonitoringConfig, queues: 
             region,
             "Evictions and preemptions",
             [
-                *(kueue(obs.KUEUE_EVICTED, cluster_queue=q.cluster_queue) + [total] for q in queues),
-                *(kueue(obs.KUEUE_PREEMPTED, preempting_cluster_queue=q.cluster_queue) + [total] for q in queues),
+                *(kueue(obs.KUEUE_EVICTED, cluster_queue=q.cluster_queue) + [total] for q in _by_queue(queues)),
+                *(
+                    kueue(obs.KUEUE_PREEMPTED, preempting_cluster_queue=q.cluster_queue) + [total]
+                    for q in _by_queue(queues)
+                ),
             ],
         ),
         _widget(

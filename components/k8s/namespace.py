@@ -137,6 +137,30 @@ def container_limits(
     )
 
 
+def trainer_service_account(
+    name: str,
+    account: str,
+    namespace: pulumi.Input[str],
+    role_arn: pulumi.Input[str],
+    pod_identity: bool,
+    opts: pulumi.ResourceOptions,
+) -> k8s.core.v1.ServiceAccount:
+    """The trainer pods' account (the training namespace's and each team's): the trainer role through IRSA
+    or Pod Identity. The trainer never calls the Kubernetes API: no API token in its pods (IRSA mounts its own)."""
+    return k8s.core.v1.ServiceAccount(
+        name,
+        metadata=meta(account, namespace, annotations={} if pod_identity else irsa(role_arn)),
+        automount_service_account_token=False,
+        opts=opts,
+    )
+
+
+def trainer_claim(name: str, fsx: FsxVolume, namespace: str, opts: pulumi.ResourceOptions):
+    """The FSx file system as the trainer pods' claim PVC_NAME in `namespace` (a static volume of its own)."""
+    size = pulumi.Output.from_input(fsx.size_gib).apply(gib)
+    return fsx_claim(name, fsx.id, fsx.dns_name, fsx.mount_name, namespace, PVC_NAME, size, read_only=False, opts=opts)
+
+
 class TrainingNamespace(pulumi.ComponentResource):
     def __init__(self, name: str, args: NamespaceArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("supernode:workload:TrainingNamespace", name, None, opts)
@@ -151,13 +175,8 @@ class TrainingNamespace(pulumi.ComponentResource):
         policies = network_policies(name, ns, args.pod_identity, child)
         self.default_deny, self.allow_dns, self.allow_aws = policies.values()
 
-        annotations = {} if args.pod_identity else irsa(args.trainer_role_arn)
-        # The trainer never calls the Kubernetes API: no API token in its pods (IRSA mounts its own).
-        self.service_account = k8s.core.v1.ServiceAccount(
-            f"{name}-sa",
-            metadata=meta(args.service_account, ns, annotations=annotations),
-            automount_service_account_token=False,
-            opts=child,
+        self.service_account = trainer_service_account(
+            f"{name}-sa", args.service_account, ns, args.trainer_role_arn, args.pod_identity, child
         )
         self.priority_class = k8s.scheduling.v1.PriorityClass(
             f"{name}-priority",
@@ -169,17 +188,8 @@ class TrainingNamespace(pulumi.ComponentResource):
             opts=child,
         )
 
-        self.claim = fsx_claim(
-            name,
-            args.fsx.id,
-            args.fsx.dns_name,
-            args.fsx.mount_name,
-            args.namespace,
-            PVC_NAME,
-            pulumi.Output.from_input(args.fsx.size_gib).apply(gib),
-            read_only=False,
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.namespace]),
-        )
+        after_namespace = pulumi.ResourceOptions(parent=self, depends_on=[self.namespace])
+        self.claim = trainer_claim(name, args.fsx, args.namespace, after_namespace)
 
         # The plan exactly as the core serialises it: the trainer reads this file.
         self.plan_config_map = k8s.core.v1.ConfigMap(

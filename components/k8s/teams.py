@@ -12,18 +12,29 @@ is mapped to its group by an EKS access entry (components/aws/cluster.py, TeamAc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pulumi
+import pulumi_kubernetes as k8s
 
 from supernode.core import teams as names
 from supernode.core.capacity import PodShape
 from supernode.core.pools import TeamShare
 
-from .common import bound_role
-from .namespace import container_limits, network_policies, pod_guard, training_namespace, training_quota
+from .common import bound_role, meta
+from .namespace import (
+    FsxVolume,
+    container_limits,
+    network_policies,
+    pod_guard,
+    trainer_claim,
+    trainer_service_account,
+    training_namespace,
+    training_quota,
+)
 
+QUEUE_VIEWER_ROLE = "kueue-pending-workloads-lq-viewer"  # components/addons/kueue-observability.yaml
 TEAM_ROLE = "supernode-team"  # the Role in each team's namespace, bound to that team's group
 ADMIN_ROLE = "supernode-team-admin"  # the ClusterRole bound to the admin group
 JOBS_API = "kubeflow.org"
@@ -62,6 +73,11 @@ class TeamNamespaceArgs:
     pod: PodShape  # the whole-node pod its jobs request (Plan.pod)
     cluster_version: str
     pod_identity: bool  # True: EKS Pod Identity (the agent's address is reachable); False: IRSA
+    # What a submitted job's pods need in the namespace (supernode.tools.jobs_cluster renders them as the
+    # stack's own job): the trainer's service account (the trainer role) and the FSx claim.
+    service_account: str
+    trainer_role_arn: pulumi.Input[str]
+    fsx: FsxVolume
 
 
 class TeamNamespace(pulumi.ComponentResource):
@@ -85,6 +101,19 @@ class TeamNamespace(pulumi.ComponentResource):
         self.role, self.binding = bound_role(
             f"{name}-role", TEAM_ROLE, ns, TEAM_RULES, [group_subject(self.group)], child
         )
+        # Where its jobs wait: the visibility API's pending workloads of its LocalQueue (Kueue's viewer role).
+        self.queue_viewer = k8s.rbac.v1.RoleBinding(
+            f"{name}-queue-viewer",
+            metadata=meta("supernode-team-queue-viewer", ns),
+            role_ref={"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": QUEUE_VIEWER_ROLE},
+            subjects=[group_subject(self.group)],
+            opts=child,
+        )
+        self.service_account = trainer_service_account(
+            f"{name}-sa", args.service_account, ns, args.trainer_role_arn, args.pod_identity, child
+        )
+        after_namespace = pulumi.ResourceOptions(parent=self, depends_on=[self.namespace])
+        self.claim = trainer_claim(name, args.fsx, namespace, after_namespace)
         self.register_outputs({"namespace": ns, "group": self.group})
 
 
@@ -107,14 +136,8 @@ class TeamAdmin(pulumi.ComponentResource):
 
 
 def team_namespaces(
-    teams: Sequence[TeamShare], pod: PodShape, cluster_version: str, pod_identity: bool, opts: pulumi.ResourceOptions
+    teams: Sequence[TeamShare], shared: TeamNamespaceArgs, opts: pulumi.ResourceOptions
 ) -> list[TeamNamespace]:
-    """Every team's namespace (one set of team figures: the config rules allow one training pool)."""
-    return [
-        TeamNamespace(
-            f"workload-team-{t.name}",
-            TeamNamespaceArgs(team=t, pod=pod, cluster_version=cluster_version, pod_identity=pod_identity),
-            opts,
-        )
-        for t in teams
-    ]
+    """Every team's namespace (one set of team figures: the config rules allow one training pool);
+    `shared`: the arguments all teams have alike (its `team` is replaced by each team's)."""
+    return [TeamNamespace(f"workload-team-{t.name}", replace(shared, team=t), opts) for t in teams]

@@ -217,15 +217,22 @@ class TeamQueue(NamedTuple):
 
 def team_queues(accelerators: Sequence[str], training_namespace: str, teams: Sequence[str] = ()) -> list[TeamQueue]:
     """The training queues the queue alarms watch: per pool (accelerator), the stack's own ClusterQueue
-    gpu-<acc> fed from the training namespace, and each team's gpu-<acc>-<team> fed from team-<team>
-    (supernode.core.teams). Serving's queues are not here: no training job waits in them."""
-    queues = [TeamQueue(None, _object_name(f"gpu-{acc}"), training_namespace) for acc in accelerators]
-    queues += [
+    gpu-<acc> fed from the training namespace, or, with teams, each team's gpu-<acc>-<team> fed from
+    team-<team> (supernode.core.teams) and the first team's from the training namespace too. A queue may
+    appear once per namespace it serves. Serving's queues are not here: no training job waits in them."""
+    if not teams:
+        return [TeamQueue(None, _object_name(f"gpu-{acc}"), training_namespace) for acc in accelerators]
+    queues = [
         TeamQueue(team, _object_name(team_names.cluster_queue(team, acc)), team_names.namespace(team))
         for team in teams
         for acc in accelerators
     ]
-    return queues
+    # With teams there is no gpu-<acc> training queue: the stack's own job queues in the first team's
+    # (components/k8s/queues.py), so the training namespace's outcomes are that team's.
+    return queues + [
+        TeamQueue(teams[0], _object_name(team_names.cluster_queue(teams[0], acc)), training_namespace)
+        for acc in accelerators
+    ]
 
 
 def _object_name(name: str) -> str:

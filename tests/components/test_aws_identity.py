@@ -10,6 +10,7 @@ from aws_preview import Stack, as_list, policy, preview, statements
 
 from supernode.components.aws.identity import NODE_MANAGED_POLICIES
 from supernode.core import resource_types as T
+from supernode.core import teams as team_names
 
 ROLE = T.IAM_ROLE
 ROLE_POLICY = T.IAM_ROLE_POLICY
@@ -111,17 +112,23 @@ def test_trainer_role_reaches_only_its_prefixes(stack: Stack):
     )
 
 
-def test_trainer_irsa_trust_is_one_service_account(stack: Stack):
+def test_trainer_irsa_trust_is_the_trainer_account_only(stack: Stack):
     role = stack.one(ROLE, "trainer-role")
     (trust,) = statements(policy(role, "assumeRolePolicy"))
     host = stack.outputs["oidc_issuer_url"].removeprefix("https://")
     w = stack.cfg.workload
     assert trust["Principal"] == {"Federated": stack.outputs["oidc_provider_arn"]}
     assert trust["Action"] == "sts:AssumeRoleWithWebIdentity"
+    # the trainer's account in the training namespace and, with teams, in each team's (their jobs' pods)
+    accounts = [
+        f"system:serviceaccount:{ns}:{w.service_account}"
+        for ns in (w.namespace, *(team_names.namespace(t.name) for t in stack.cfg.teams))
+    ]
     assert trust["Condition"]["StringEquals"] == {
-        f"{host}:sub": f"system:serviceaccount:{w.namespace}:{w.service_account}",
+        f"{host}:sub": accounts[0] if len(accounts) == 1 else accounts,
         f"{host}:aud": "sts.amazonaws.com",
     }
+    assert len(accounts) == 1 + len(stack.cfg.teams)
     assert stack.outputs["trainer_role_arn"] == role.outputs["arn"]
 
 

@@ -10,6 +10,7 @@ from aws_preview import Stack, insights_query
 
 from supernode.core import observability as obs
 from supernode.core import resource_types as T
+from supernode.core import teams as team_names
 from supernode.core.catalog import GIB
 from supernode.core.plan import build_plan
 
@@ -24,6 +25,11 @@ def alarms(stack: Stack) -> dict[str, dict]:
 def training_queues(stack: Stack) -> list[str]:
     names = [r.inputs["metadata"]["name"] for r in stack.all(T.CLUSTER_QUEUE)]
     return [n for n in names if obs.is_training_queue(n)]
+
+
+def served_namespaces(stack: Stack) -> list[str]:
+    """The namespaces whose jobs queue for training: the stack's, and each team's (prod has two)."""
+    return [stack.cfg.workload.namespace, *(team_names.namespace(t.name) for t in stack.cfg.teams)]
 
 
 def test_every_alarm_notifies_the_topic(stack: Stack):
@@ -57,7 +63,7 @@ def test_every_alarm_notifies_the_topic(stack: Stack):
         "gpu-exporter-absent",
         # each training queue's wait and its namespace's job failures (issue 36; test_queue_metrics.py)
         *(obs.queue_wait_alarm(cq) for cq in training_queues(stack)),
-        obs.job_failure_alarm(stack.cfg.workload.namespace),
+        *(obs.job_failure_alarm(ns) for ns in served_namespaces(stack)),
     }
     for a in found.values():
         assert a["alarmActions"] == [topic] and a["okActions"] == [topic]

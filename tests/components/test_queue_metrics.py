@@ -19,6 +19,7 @@ from supernode.components.k8s import queues as q
 from supernode.components.k8s.operations import AGENT_CONFIGMAP, SCRAPE_CONFIGMAP
 from supernode.core import observability as obs
 from supernode.core import resource_types as T
+from supernode.core import teams as team_names
 from supernode.tools import manifests as mf
 
 pytestmark = pytest.mark.slow  # previews of the program under the mock engine
@@ -427,7 +428,10 @@ def test_failure_rate_alarm_per_served_namespace_in_metric_math(stack):
     }
     found = alarms(stack)
     rates = {n.removeprefix("job-failure-rate-"): a for n, a in found.items() if n.startswith("job-failure-rate-")}
-    assert set(rates) == served == {stack.cfg.workload.namespace}
+    # the training namespace's, and each team's (prod has two)
+    assert (
+        set(rates) == served == {stack.cfg.workload.namespace, *(team_names.namespace(t.name) for t in stack.cfg.teams)}
+    )
     for namespace, a in rates.items():
         queries = {x["id"]: x for x in a["metricQueries"]}
         [out] = [x for x in a["metricQueries"] if x.get("returnData")]
@@ -445,10 +449,12 @@ def test_failure_rate_alarm_per_served_namespace_in_metric_math(stack):
 
 
 def test_team_queues_name_the_teams_queues_as_the_cluster_does():
-    queues = obs.team_queues(["H100"], "training", teams=["research"])
-    assert queues == [
-        obs.TeamQueue(None, q.queue_name("H100"), "training"),
+    assert obs.team_queues(["H100"], "training") == [obs.TeamQueue(None, q.queue_name("H100"), "training")]
+    # With teams there is no gpu-h100 training queue: the stack's own job waits in the first team's.
+    assert obs.team_queues(["H100"], "training", teams=["research", "platform"]) == [
         obs.TeamQueue("research", "gpu-h100-research", "team-research"),
+        obs.TeamQueue("platform", "gpu-h100-platform", "team-platform"),
+        obs.TeamQueue("research", "gpu-h100-research", "training"),
     ]
 
 
@@ -475,7 +481,8 @@ def test_dashboard_shows_wait_pending_evictions_and_outcomes(stack):
         (metric, cq) for cq in training for metric in (obs.KUEUE_EVICTED, obs.KUEUE_PREEMPTED)
     }
     outcomes = dims(by_title["Job outcomes"]["metrics"])
+    served = [stack.cfg.workload.namespace, *(team_names.namespace(t.name) for t in stack.cfg.teams)]
     assert {(d["metric"], d["job_namespace"]) for d in outcomes} == {
-        (metric, stack.cfg.workload.namespace) for metric in obs.JOB_OUTCOMES
+        (metric, ns) for metric in obs.JOB_OUTCOMES for ns in served
     }
     assert all(m[-1]["stat"] == "Sum" for m in by_title["Job outcomes"]["metrics"])  # counts, not means

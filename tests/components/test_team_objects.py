@@ -53,11 +53,17 @@ def test_a_teams_group_is_bound_in_its_own_namespace_only(manifests):
     for team in TEAMS:
         group = names.group(team)
         bound = [b for b in bindings if any(s["name"] == group for s in b.get("subjects", []))]
-        # exactly one binding names the team's group: a RoleBinding in its namespace, of the team Role there
-        assert [(b["kind"], b["metadata"].get("namespace")) for b in bound] == [("RoleBinding", names.namespace(team))]
-        [binding] = bound
-        assert binding["subjects"] == [{"kind": "Group", "apiGroup": "rbac.authorization.k8s.io", "name": group}]
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": kt.TEAM_ROLE}
+        # two bindings name the team's group, both RoleBindings in its namespace: the team Role there, and
+        # Kueue's viewer of its LocalQueue's pending workloads (the visibility API: where its jobs wait)
+        assert [(b["kind"], b["metadata"].get("namespace")) for b in bound] == [
+            ("RoleBinding", names.namespace(team))
+        ] * 2
+        for binding in bound:
+            assert binding["subjects"] == [{"kind": "Group", "apiGroup": "rbac.authorization.k8s.io", "name": group}]
+        assert sorted((b["roleRef"]["kind"], b["roleRef"]["name"]) for b in bound) == [
+            ("ClusterRole", kt.QUEUE_VIEWER_ROLE),
+            ("Role", kt.TEAM_ROLE),
+        ]
         role = named(manifests, "Role", kt.TEAM_ROLE, names.namespace(team))
         for verb in ("create", "get", "list", "watch", "delete"):
             assert allows(role["rules"], "kubeflow.org", "pytorchjobs", verb), verb
@@ -201,3 +207,23 @@ def test_fair_sharing_is_on_only_where_teams_share_the_pool():
     assert not dev.all(T.ACCESS_ENTRY)
     classes = {r.inputs["metadata"]["name"] for r in dev.all("kubernetes:kueue.x-k8s.io/v1beta1:WorkloadPriorityClass")}
     assert names.WORKLOAD_PRIORITY["high"] not in classes
+
+
+def test_a_teams_namespace_holds_what_a_submitted_job_needs(prod, manifests):
+    """The cluster backend renders a team's job as the stack's own (supernode.tools.jobs_cluster): the
+    trainer's service account (the trainer role, IRSA) and the FSx claim must be there, by those names."""
+    from supernode.components.k8s.namespace import PVC_NAME
+
+    w = prod.cfg.workload
+    training_account = named(manifests, "ServiceAccount", w.service_account, w.namespace)
+    training_volume = named(manifests, "PersistentVolume", f"{w.namespace}-fsx", None)
+    for team in TEAMS:
+        ns = names.namespace(team)
+        account = named(manifests, "ServiceAccount", w.service_account, ns)
+        assert account["metadata"]["annotations"] == training_account["metadata"]["annotations"]  # the trainer role
+        assert account["automountServiceAccountToken"] is False
+        claim = named(manifests, "PersistentVolumeClaim", PVC_NAME, ns)
+        volume = named(manifests, "PersistentVolume", claim["spec"]["volumeName"], None)
+        assert volume["metadata"]["name"] == f"{ns}-fsx" != training_volume["metadata"]["name"]  # a PV binds one claim
+        assert volume["spec"]["csi"] == training_volume["spec"]["csi"]  # the same file system
+        assert volume["spec"]["claimRef"] == {"namespace": ns, "name": PVC_NAME}

@@ -73,6 +73,16 @@ def test_a_team_namespace_cannot_be_the_stacks_own():
     assert issue.path == "supernode:teams[0].name" and "team-ml is the stack's own" in issue.message
 
 
+@pytest.mark.parametrize("name", ["serving", "llm-serving"])
+def test_a_team_whose_queue_would_read_as_servings_is_refused(name):
+    data = copy.deepcopy(load_stack("dev", ROOT).to_mapping())
+    data["teams"] = [team(name, 16)]
+    with pytest.raises(ConfigError) as e:
+        from_mapping(data, "dev")
+    [issue] = e.value.issues
+    assert issue.path == "supernode:teams[0].name" and "would end like serving's queue" in issue.message
+
+
 def test_a_stack_without_teams_plans_and_serialises_as_before(prod):
     dev = load_stack("dev", ROOT)
     assert dev.teams == [] and "teams" not in dev.to_mapping()  # the ops ConfigMap's stack file unchanged

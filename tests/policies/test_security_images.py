@@ -82,7 +82,7 @@ def test_the_repositorys_stacks_warn_in_dev_and_fail_in_prod(stack_name, level):
     # the CloudWatch agent's Prometheus scrape, and serving's Prometheus and adapter
     assert len(by_policy["image-digests"]) == 8
     # every workload of the trainer image (job, gate, scheduled fabric check, restore drill, checkpoint
-    # retention, inventory, node health agent) and
+    # retention, inventory, node health agent, the queue-wait relay) and
     # vLLM's server and weight check: CronJobs and init containers included
     assert {v.urn.rsplit("::", 1)[-1] for v in by_policy["image-placeholder"]} == {
         "workload-trainer-job",
@@ -90,6 +90,7 @@ def test_the_repositorys_stacks_warn_in_dev_and_fail_in_prod(stack_name, level):
         "workload-ops-fabric-check",
         "workload-ops-restore-drill",
         "workload-ops-checkpoint-retention",
+        "workload-queue-metrics-relay",
         "workload-ops-inventory",
         "workload-ops-node-health",
         "workload-serving-server",

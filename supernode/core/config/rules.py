@@ -571,6 +571,15 @@ def _teams(c: StackConfig) -> list[Issue]:
                     "inference.namespace); rename the team",
                 )
             )
+        if t.name == "serving" or t.name.endswith("-serving"):  # gpu-<acc>-<team> would read as serving's queue
+            issues.append(
+                Issue(
+                    path=tp + ".name",
+                    value=t.name,
+                    message="its ClusterQueue gpu-<accelerator>-<name> would end like serving's queue "
+                    "(gpu-<accelerator>-serving); rename the team",
+                )
+            )
         if principals.count(t.principal) > 1:
             issues.append(
                 Issue(
