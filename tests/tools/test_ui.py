@@ -28,11 +28,15 @@ TOKEN = re.compile(r'name="csrf" value="([0-9a-f]+)"')
 TOO_BIG = "name: huge\nteam: research\ntraining: {microBatch: 65536, globalBatch: 131072}\n"
 
 
-@pytest.fixture(scope="module")
-def dev():
+def dev_config():
     data = load_stack("dev", ROOT).to_mapping()
     data["local"]["model"]["seqLen"] = 2048  # so that a big micro-batch is over the local plan's memory
     return from_mapping(data)
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return dev_config()
 
 
 def spec(name: str, team: str = "research", priority: str = "normal", steps: int = 20):
