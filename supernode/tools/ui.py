@@ -170,8 +170,11 @@ def fmt_s(seconds: float | None) -> str:
 def tokens_vs_plan(s: JobStatus) -> str:
     if s.tokens_per_s is None:
         return ""
-    ratio = f" (x{s.tokens_per_s / s.plan_tokens_per_s:.3g} of plan)" if s.plan_tokens_per_s else ""
-    return f"{s.tokens_per_s:,.0f}{ratio}"
+    if not s.plan_tokens_per_s:
+        return f"{s.tokens_per_s:,.0f}"
+    ratio = s.tokens_per_s / s.plan_tokens_per_s
+    # A local run on CPU is far below its plan's accelerators: say so rather than print x0.00.
+    return f"{s.tokens_per_s:,.0f} / {s.plan_tokens_per_s:,.0f} (" + (f"x{ratio:.2f})" if ratio >= 0.01 else "<x0.01)")
 
 
 def plan_figures(plan: Plan) -> list[tuple[str, str]]:
@@ -265,7 +268,13 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
         fresh = not sid
         sid = sid or secrets.token_urlsafe(32)
         body = env.get_template(template).render(request=request, csrf=token(sid), url_for=url_for, **values)
+        # The refresh asks every 2 s: an unchanged page is answered 304 without its body (the browser
+        # revalidates its copy: no-cache), so a long job list costs its bytes only when it changes.
+        etag = '"' + hashlib.sha256(body.encode()).hexdigest()[:32] + '"'
+        if status == 200 and not fresh and request.headers.get("if-none-match") == etag:
+            return Response(status_code=304, headers={"ETag": etag, "Cache-Control": "no-cache"})
         response = HTMLResponse(body, status_code=status)
+        response.headers["ETag"], response.headers["Cache-Control"] = etag, "no-cache"
         if fresh:
             response.set_cookie(SESSION_COOKIE, sid, httponly=True, samesite="strict", path="/")
         response.headers["Content-Security-Policy"] = (
@@ -299,9 +308,10 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
         team = _name(request.query_params.get("team"), "team", optional=True)
         state = _state(request.query_params.get("state"))
         teams = ctx.viewer_teams(request)
-        jobs = [s for s in ctx.backend.list(team=team) if s.team in teams and (state is None or s.state == state)]
-        all_teams = sorted({s.team for s in ctx.backend.list() if s.team in teams}) if teams is ALL_TEAMS else teams
-        return jobs, {"team": team or "", "state": state or "", "teams": sorted(all_teams)}
+        everything = [s for s in ctx.backend.list() if s.team in teams]  # one listing: the filter's teams too
+        jobs = [s for s in everything if (team is None or s.team == team) and (state is None or s.state == state)]
+        shown = {s.team for s in everything} | (set() if teams is ALL_TEAMS else set(teams))
+        return jobs, {"team": team or "", "state": state or "", "teams": sorted(shown)}
 
     async def jobs_page(request: Request) -> Response:
         jobs, filters = list_jobs(request)
@@ -439,17 +449,18 @@ def serve(ctx: UiContext, port: int = 8080, ready: Callable[[str], None] | None 
 
     import uvicorn
 
-    import supernode.trainer.metrics  # noqa: F401  (its torch import paid at start, not by the first job page)
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(("127.0.0.1", port))
     except OSError as e:
         raise BadInput(f"--port {port}: cannot listen on 127.0.0.1:{port} ({e.strerror})") from None
+    sock.listen(128)  # from here a browser's connection waits in the backlog until the server takes it
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
-    config = uvicorn.Config(create_app(ctx), log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
     if ready is not None:
         ready(url)
+    import supernode.trainer.metrics  # noqa: F401  (its torch import paid at start, not by the first job page)
+
+    config = uvicorn.Config(create_app(ctx), log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
     asyncio.run(server.serve(sockets=[sock]))

@@ -9,6 +9,7 @@ submit shows the CLI's field-named config errors and refusals.
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from pathlib import Path
@@ -18,10 +19,10 @@ from starlette.testclient import TestClient
 
 from supernode.core.checkpoints import COMPLETE, step_dir
 from supernode.core.config import from_mapping, load_stack
-from supernode.core.jobs import job_from_mapping
+from supernode.core.jobs import JobStatus, job_from_mapping
 from supernode.core.runs import run_dir
 from supernode.tools.jobs_local import job_dir, local_job_plan
-from supernode.tools.ui import ALL_TEAMS, create_app, local_context, loss_svg
+from supernode.tools.ui import ALL_TEAMS, create_app, local_context, loss_svg, tokens_vs_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = re.compile(r'name="csrf" value="([0-9a-f]+)"')
@@ -84,16 +85,30 @@ def test_the_job_list_shows_every_column_and_filters(ui):
     r = client.get("/")
     assert r.status_code == 200 and "text/html" in r.headers["content-type"]
     row = re.search(r'<tr data-job="alpha">(.*?)</tr>', r.text, re.S).group(1)
-    cells = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+    cells = [html.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
     assert cells[:4] == ["alpha", "research", "normal", "running"]
     assert cells[5] == "1.5 s" and cells[6] == "2" and cells[7] == "12/20" and cells[8] == "4.800"
-    assert cells[9].startswith("2,000 (x") and cells[9].endswith("of plan)") and cells[10] == "step 10"
+    assert re.fullmatch(r"2,000 / [\d,]+ \((x\d\.\d\d|<x0\.01)\)", cells[9]) and cells[10] == "step 10"
     beta = re.search(r'<tr data-job="beta">(.*?)</tr>', r.text, re.S).group(1)
     assert ">#1<" in beta  # queued first
     assert re.findall(r'data-job="([^"]+)"', client.get("/?team=vision").text) == ["gamma"]
     assert re.findall(r'data-job="([^"]+)"', client.get("/?state=queued").text) == ["beta", "gamma"]
     fragment = client.get("/?fragment=1&state=running")  # what ui.js fetches to refresh the list
     assert fragment.text.startswith("<table") and re.findall(r'data-job="([^"]+)"', fragment.text) == ["alpha"]
+
+
+def test_an_unchanged_page_is_revalidated_without_its_body(ui):
+    client, ctx = ui
+    with ctx.backend.db(write=True) as con:  # no queued job: nothing on the list moves by itself
+        con.execute("UPDATE jobs SET state = 'succeeded' WHERE state = 'queued'")
+    first = client.get("/?fragment=1")
+    etag = first.headers["etag"]
+    again = client.get("/?fragment=1", headers={"If-None-Match": etag})
+    assert again.status_code == 304 and again.content == b""
+    ctx.backend.describe("alpha")
+    metrics(ctx.backend.home, "alpha", 13)  # the running job logs a step: the list changes
+    changed = client.get("/?fragment=1", headers={"If-None-Match": etag})
+    assert changed.status_code == 200 and changed.headers["etag"] != etag and "13/20" in changed.text
 
 
 def test_the_job_list_follows_the_backend(ui):
@@ -118,6 +133,19 @@ def test_a_job_page_shows_plan_loss_checkpoints_log_and_cancel(ui):
     assert 'href="/jobs/alpha/plots/loss.png"' in r.text
     png = client.get("/jobs/alpha/plots/loss.png")
     assert png.status_code == 200 and png.headers["content-type"] == "image/png" and png.content.startswith(b"\x89PNG")
+
+
+def test_tokens_per_s_against_the_plan():
+    s = JobStatus(name="a", team="t", priority="low", state="running", backend="local", submitted_at=0, steps=9)
+    assert tokens_vs_plan(s) == ""
+    assert tokens_vs_plan(s.model_copy(update={"tokens_per_s": 950.0})) == "950"
+    assert (
+        tokens_vs_plan(s.model_copy(update={"tokens_per_s": 950.0, "plan_tokens_per_s": 1000.0}))
+        == "950 / 1,000 (x0.95)"
+    )
+    assert (
+        tokens_vs_plan(s.model_copy(update={"tokens_per_s": 1.0, "plan_tokens_per_s": 1e6})) == "1 / 1,000,000 (<x0.01)"
+    )
 
 
 def test_loss_svg_needs_two_finite_points():
