@@ -417,6 +417,10 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
     async def field_error(request: Request, exc: FieldError) -> Response:
         return page(request, "error.html", status=exc.status, field=exc.field, message=exc.message)
 
+    async def backend_error(request: Request, exc: BadInput) -> Response:
+        # The job API refused (an unusable store, a cluster that does not answer): its message, not a 500.
+        return page(request, "error.html", status=503, field="backend", message=str(exc))
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return page(request, "error.html", status=exc.status_code, field="path", message=exc.detail)
 
@@ -433,7 +437,7 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
     app = Starlette(
         routes=routes,
         middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)],
-        exception_handlers={FieldError: field_error, HTTPException: http_error},
+        exception_handlers={FieldError: field_error, BadInput: backend_error, HTTPException: http_error},
     )
     return app
 

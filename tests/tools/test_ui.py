@@ -212,6 +212,15 @@ def test_unknown_jobs_and_routes_are_404_not_500(ui):
     assert client.delete("/jobs/alpha").status_code == 405
 
 
+def test_an_unusable_store_is_named_not_a_500(ui):
+    client, ctx = ui
+    for f in ctx.backend.home.glob("jobs.db*"):
+        f.unlink()
+    (ctx.backend.home / "jobs.db").write_bytes(b"not a database" * 100)
+    r = client.get("/")
+    assert r.status_code == 503 and field_of(r) == "backend" and "not a usable job store" in r.text
+
+
 @pytest.mark.parametrize(
     ("form", "field"),
     [
@@ -310,3 +319,43 @@ def test_static_files_are_served_by_the_app(ui):
         assert client.get(asset).status_code == 200
     assert "http" not in "".join(re.findall(r'(?:href|src)="([^"]+)"', page))  # no CDN: nothing external
     assert "default-src 'self'" in client.get("/").headers["content-security-policy"]
+
+
+# -- the command ------------------------------------------------------------------------------------
+
+
+def test_the_command_serves_only_the_local_page_and_checks_its_port(capsys):
+    from supernode.cli import main
+
+    assert main(["ui"]) == 2
+    assert "--local" in capsys.readouterr().err
+    assert main(["ui", "--local", "--port", "70000"]) == 2
+    assert "--port 70000" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_command_prints_its_url_serves_and_stops(tmp_path):
+    """What `make demo` does: start it on a free port, read the URL it prints, open it, stop it."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supernode", "ui", "--local", "--home", str(tmp_path / "jobs"), "--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"http://127\.0\.0\.1:\d+/", line).group(0)
+        with urllib.request.urlopen(url, timeout=60) as r:
+            assert r.status == 200 and "0 job(s)" in r.read().decode()
+        with urllib.request.urlopen(url + "submit", timeout=60) as r:
+            assert 'name="csrf"' in r.read().decode()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, proc.stdout.read()
