@@ -32,6 +32,7 @@ import hmac
 import math
 import re
 import secrets
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
@@ -208,13 +209,9 @@ def plan_figures(plan: Plan) -> list[tuple[str, str]]:
     ]
 
 
-def loss_svg(records: Iterable[dict], width: int = 640, height: int = 240) -> str | None:
-    """The loss curve as an inline SVG polyline (None without two points with a finite loss)."""
-    pts = [
-        (r["step"], float(r["loss"]))
-        for r in records
-        if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])
-    ]
+def curve_svg(points: list[tuple[int, float]], what: str, css: str, width: int = 640, height: int = 240) -> str | None:
+    """A series against the step as an inline SVG polyline (None without two points)."""
+    pts = [(x, y) for x, y in points if math.isfinite(y)]
     if len(pts) < 2:
         return None
     pad_l, pad_b, pad_t, pad_r = 56, 28, 12, 12
@@ -222,17 +219,17 @@ def loss_svg(records: Iterable[dict], width: int = 640, height: int = 240) -> st
     lo, hi = min(p[1] for p in pts), max(p[1] for p in pts)
     hi = hi if hi > lo else lo + 1
 
-    def xy(step: float, loss: float) -> str:
+    def xy(step: float, value: float) -> str:
         x = pad_l + (step - x0) / (x1 - x0) * (width - pad_l - pad_r)
-        y = pad_t + (hi - loss) / (hi - lo) * (height - pad_t - pad_b)
+        y = pad_t + (hi - value) / (hi - lo) * (height - pad_t - pad_b)
         return f"{x:.1f},{y:.1f}"
 
     line = " ".join(xy(*p) for p in pts)
     bottom, right = height - pad_b, width - pad_r
     return (
-        f'<svg class="loss" role="img" aria-labelledby="loss-title" viewBox="0 0 {width} {height}" '
+        f'<svg class="curve {css}" role="img" aria-labelledby="{css}-title" viewBox="0 0 {width} {height}" '
         f'width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">'
-        f'<title id="loss-title">loss from {pts[0][1]:.3f} at step {pts[0][0]} to {pts[-1][1]:.3f} '
+        f'<title id="{css}-title">{what} from {pts[0][1]:.3f} at step {pts[0][0]} to {pts[-1][1]:.3f} '
         f"at step {pts[-1][0]}</title>"
         f'<line x1="{pad_l}" y1="{bottom}" x2="{right}" y2="{bottom}" class="axis"/>'
         f'<line x1="{pad_l}" y1="{pad_t}" x2="{pad_l}" y2="{bottom}" class="axis"/>'
@@ -240,8 +237,50 @@ def loss_svg(records: Iterable[dict], width: int = 640, height: int = 240) -> st
         f'<text x="{pad_l - 4}" y="{bottom}" text-anchor="end">{lo:.2f}</text>'
         f'<text x="{pad_l}" y="{height - 8}">step {x0}</text>'
         f'<text x="{right}" y="{height - 8}" text-anchor="end">step {x1}</text>'
-        f'<polyline points="{line}" class="curve"/></svg>'
+        f'<polyline points="{line}" class="line"/></svg>'
     )
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def loss_svg(records: Iterable[dict]) -> str | None:
+    """The loss curve of a run's metrics records."""
+    points = [(r["step"], v) for r in records if (v := _number(r.get("loss"))) is not None]
+    return curve_svg(points, "loss", "loss")
+
+
+def expert_load_svg(records: Iterable[dict]) -> str | None:
+    """The most loaded expert's share over the mean (the worst MoE layer) per logged step; 1.0 is balanced."""
+    points = []
+    for r in records:
+        loads = [v for v in (r.get("expert_load_max_over_mean") or []) if _number(v) is not None]
+        if loads:
+            points.append((r["step"], float(max(loads))))
+    return curve_svg(points, "expert load (max over mean, worst layer)", "expert-load")
+
+
+MEMORY_LINE = "memory per rank, measured / plan: "
+
+
+def measured_figures(records: list[dict], plan: Plan | None, log: str) -> list[tuple[str, str]]:
+    """Measured against planned: the step time (median of the last logged steps), tokens/s, and rank 0's
+    memory by term (the trainer's log line)."""
+    out = []
+    recent = [v for r in records[-20:] if (v := _number(r.get("step_s"))) is not None]
+    if recent:
+        measured = statistics.median(recent)
+        planned = f" / plan {plan.step.step_s:.3g} s (x{measured / plan.step.step_s:.3g})" if plan else ""
+        out.append(("step time", f"{measured:.3g} s (median of the last {len(recent)} logged){planned}"))
+    tps = [v for r in records[-20:] if (v := _number(r.get("tokens_per_s"))) is not None]
+    if tps:
+        planned = f" / plan {plan.layout.tokens_per_s:,.0f}" if plan else ""
+        out.append(("tokens/s", f"{statistics.median(tps):,.0f}{planned}"))
+    lines = [line for line in log.splitlines() if MEMORY_LINE in line]
+    if lines:
+        out.append(("memory per rank (MiB, measured / plan)", lines[-1].split(MEMORY_LINE, 1)[1]))
+    return out
 
 
 # -- the app -----------------------------------------------------------------------------------------
@@ -321,19 +360,24 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
     def job_values(request: Request, name: str) -> dict:
         status = visible(request, name)
         files = ctx.files(name)
-        values: dict[str, Any] = {"job": status, "figures": None, "svg": None, "plots": [], "checkpoints": []}
+        values: dict[str, Any] = {"job": status, "figures": None, "svgs": [], "plots": [], "checkpoints": []}
+        values["log"] = "".join(deque(ctx.backend.logs(name, follow=False), maxlen=LOG_LINES))
+        values["measured"] = []
         if files is not None:
+            plan = None
             if files.plan.is_file():
                 try:
-                    values["figures"] = plan_figures(Plan.from_json(files.plan.read_text(encoding="utf-8")))
+                    plan = Plan.from_json(files.plan.read_text(encoding="utf-8"))
                 except ValueError:
-                    values["figures"] = None
+                    plan = None
+            values["figures"] = plan_figures(plan) if plan else None
             from supernode.trainer.metrics import JSONL, read_records
 
-            values["svg"] = loss_svg(read_records(files.run / JSONL))
+            records = read_records(files.run / JSONL)
+            values["svgs"] = [svg for svg in (loss_svg(records), expert_load_svg(records)) if svg]
+            values["measured"] = measured_figures(records, plan, values["log"])
             values["plots"] = [p for p in PLOTS if (files.run / p).is_file()]
             values["checkpoints"] = [step for step, _ in complete_checkpoints(files.run / "checkpoints")]
-        values["log"] = "".join(deque(ctx.backend.logs(name, follow=False), maxlen=LOG_LINES))
         return values
 
     async def job_page(request: Request) -> Response:

@@ -22,7 +22,7 @@ from supernode.core.config import from_mapping, load_stack
 from supernode.core.jobs import JobStatus, job_from_mapping
 from supernode.core.runs import run_dir
 from supernode.tools.jobs_local import job_dir, local_job_plan
-from supernode.tools.ui import ALL_TEAMS, create_app, local_context, loss_svg, tokens_vs_plan
+from supernode.tools.ui import ALL_TEAMS, create_app, expert_load_svg, local_context, loss_svg, tokens_vs_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = re.compile(r'name="csrf" value="([0-9a-f]+)"')
@@ -47,7 +47,18 @@ def spec(name: str, team: str = "research", priority: str = "normal", steps: int
 def metrics(home: Path, name: str, steps: int, checkpoints: tuple[int, ...] = ()) -> Path:
     run = run_dir(job_dir(home, name), name)
     run.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"step": i, "loss": 6.0 - 0.1 * i, "tokens_per_s": 2000.0}) for i in range(1, steps + 1)]
+    lines = [
+        json.dumps(
+            {
+                "step": i,
+                "loss": 6.0 - 0.1 * i,
+                "tokens_per_s": 2000.0,
+                "step_s": 0.5,
+                "expert_load_max_over_mean": [1.5, 1.2 + i / 100],
+            }
+        )
+        for i in range(1, steps + 1)
+    ]
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     for step in checkpoints:
         step_dir(run / "checkpoints", step).mkdir(parents=True)
@@ -66,7 +77,9 @@ def ui(tmp_path, dev):
     with b.db(write=True) as con:
         con.execute("UPDATE jobs SET state = 'running', attempts = 1, waited_s = 1.5 WHERE name = 'alpha'")
     metrics(b.home, "alpha", 12, checkpoints=(10,))
-    (job_dir(b.home, "alpha") / "log").write_text("".join(f"rank0 step {i}\n" for i in range(1, 500)))
+    log = "".join(f"rank0 step {i}\n" for i in range(1, 500))
+    log += "memory per rank, measured / plan: parameters 1.0 / 1.0 MiB, peak 372.1 / 10.5 MiB\n"
+    (job_dir(b.home, "alpha") / "log").write_text(log)
     client = TestClient(create_app(ctx, allowed_hosts=["testserver"]))
     return client, ctx
 
@@ -124,6 +137,9 @@ def test_a_job_page_shows_plan_loss_checkpoints_log_and_cancel(ui):
     assert "<polyline" in r.text and "loss from 5.900 at step 1 to 4.800 at step 12" in r.text
     for figure in ("layout", "memory per rank", "step time", "dp_shard 2", "GiB of 72.0 GiB usable"):
         assert figure in r.text
+    assert "expert load (max over mean, worst layer) from 1.500 at step 1 to 1.500 at step 12" in r.text
+    assert "0.5 s (median of the last 12 logged) / plan" in r.text
+    assert "parameters 1.0 / 1.0 MiB, peak 372.1 / 10.5 MiB" in r.text  # rank 0's memory, measured / plan
     assert "the newest is step 10" in r.text
     assert "rank0 step 499" in r.text and "rank0 step 299\n" not in r.text  # the last 200 lines
     assert 'id="cancel"' in r.text and 'action="/jobs/alpha/cancel"' in r.text
@@ -153,6 +169,9 @@ def test_loss_svg_needs_two_finite_points():
     assert loss_svg([{"step": 1, "loss": 2.0}, {"step": 2, "loss": float("nan")}]) is None
     svg = loss_svg([{"step": 1, "loss": 2.0}, {"step": 5, "loss": 1.0}, {"step": 6}])
     assert svg.count("<polyline") == 1 and "step 5" in svg
+    assert expert_load_svg([{"step": 1, "expert_load_max_over_mean": [1.1, 1.9]}, {"step": 2}]) is None
+    svg = expert_load_svg([{"step": s, "expert_load_max_over_mean": [1.1, 1.0 + s]} for s in (1, 2)])
+    assert "from 2.000 at step 1 to 3.000 at step 2" in svg
 
 
 def test_cancel_needs_the_sessions_csrf_token(ui):
