@@ -374,7 +374,11 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
             from supernode.trainer.metrics import JSONL, read_records
 
             records = read_records(files.run / JSONL)
-            values["svgs"] = [svg for svg in (loss_svg(records), expert_load_svg(records)) if svg]
+            curves = (
+                ("loss", loss_svg(records)),
+                ("expert load: max over mean, worst layer", expert_load_svg(records)),
+            )
+            values["svgs"] = [(caption, svg) for caption, svg in curves if svg]
             values["measured"] = measured_figures(records, plan, values["log"])
             values["plots"] = [p for p in PLOTS if (files.run / p).is_file()]
             values["checkpoints"] = [step for step, _ in complete_checkpoints(files.run / "checkpoints")]

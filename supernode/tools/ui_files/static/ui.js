@@ -12,10 +12,16 @@
         const focused = document.activeElement && el.contains(document.activeElement) ? document.activeElement.id : null;
         el.innerHTML = html;
         if (focused) { const again = document.getElementById(focused); if (again) again.focus(); }
+        tailLogs(el);
       })
       .catch(() => {});
   }
+  // A log shows its newest lines: scrolled to its end.
+  function tailLogs(root) {
+    root.querySelectorAll("pre.log").forEach((pre) => { pre.scrollTop = pre.scrollHeight; });
+  }
   document.addEventListener("DOMContentLoaded", () => {
+    tailLogs(document);
     const els = document.querySelectorAll("[data-refresh]");
     if (els.length) setInterval(() => els.forEach(refresh), PERIOD_MS);
   });
