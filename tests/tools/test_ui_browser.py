@@ -167,3 +167,41 @@ def test_cancel_by_keyboard(served, page):
     page.keyboard.press("Enter")
     page.wait_for_url(url + "/jobs/beta?notice=*")
     assert ctx.backend.describe("beta").state == "cancelled"
+
+
+def test_the_list_follows_a_real_local_job_from_queued_to_succeeded(tmp_path, browser):
+    """The runner and the trainer for real (the dev stack's local run): a job submitted on the page is
+    watched on the list, refreshed in place, through running (with its step) to succeeded."""
+    import uvicorn
+
+    from supernode.core.config import load_stack
+    from supernode.tools.ui import create_app, local_context
+
+    ctx = local_context(tmp_path / "jobs", "dev", load_stack("dev", ROOT), ["--stack", "dev", "--root", str(ROOT)])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(ctx), log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        page.goto(url + "/submit")
+        page.get_by_label("Job file (YAML)").fill(
+            "name: live\nteam: research\ntraining: {steps: 12, checkpointInterval: 6, warmupSteps: 2}\n"
+        )
+        page.get_by_role("button", name="Submit").click()
+        page.wait_for_url(url + "/jobs/live?*")
+        page.goto(url + "/")
+        cell = "document.querySelector('tr[data-job=\"live\"] td:nth-child(%d)').textContent.trim()"
+        page.wait_for_function(f"() => {cell % 4} === 'running'", timeout=120_000)
+        page.wait_for_function(f"() => {cell % 4} === 'succeeded'", timeout=180_000)
+        assert page.locator('tr[data-job="live"] td').nth(7).inner_text() == "12/12"
+        assert page.url == url + "/"
+    finally:
+        context.close()
+        if ctx.backend.describe("live").state not in ("succeeded", "failed", "cancelled"):
+            ctx.backend.cancel("live")
+        server.should_exit = True
+        thread.join(10)
