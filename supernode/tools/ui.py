@@ -35,7 +35,7 @@ import secrets
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import URL
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -65,25 +66,21 @@ MAX_JOB_BYTES = MIB
 LOG_LINES = 200
 PLOTS = ("loss.png", "expert_load.png")
 NAME_RE = re.compile(NAME)
+JOB_KEYS = {f.alias or name for name, f in JobSpec.model_fields.items()}  # a job file's top-level keys
 
 
-class _AllTeams(Collection[str]):
-    """Every team: the local page's viewer (no login on 127.0.0.1)."""
+class _AllTeams(Container[str]):
+    """Every team: the local page's viewer (no login on 127.0.0.1). It only answers `in`: it names no
+    team, so the page's team filter lists the teams its jobs have."""
 
     def __contains__(self, team: object) -> bool:
         return isinstance(team, str)
-
-    def __iter__(self):
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
 
     def __repr__(self) -> str:
         return "ALL_TEAMS"
 
 
-ALL_TEAMS: Collection[str] = _AllTeams()
+ALL_TEAMS: Container[str] = _AllTeams()
 
 
 @dataclass
@@ -104,7 +101,7 @@ class UiContext:
     submit_job: Callable[[JobSpec, Plan, str], JobStatus]  # (job, plan, where its file came from) -> queued
     stack: str
     files: Callable[[str], JobFiles | None] = lambda name: None  # a job's plan and run, where readable
-    viewer_teams: Callable[[Request], Collection[str]] = lambda request: ALL_TEAMS
+    viewer_teams: Callable[[Request], Container[str]] = lambda request: ALL_TEAMS
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     mode: str = "local"
 
@@ -349,10 +346,10 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
         teams = ctx.viewer_teams(request)
         everything = [s for s in ctx.backend.list() if s.team in teams]  # one listing: the filter's teams too
         jobs = [s for s in everything if (team is None or s.team == team) and (state is None or s.state == state)]
-        shown = {s.team for s in everything} | (set() if teams is ALL_TEAMS else set(teams))
+        shown = {s.team for s in everything} | (set(teams) if isinstance(teams, Collection) else set())
         return jobs, {"team": team or "", "state": state or "", "teams": sorted(shown)}
 
-    async def jobs_page(request: Request) -> Response:
+    def jobs_page(request: Request) -> Response:
         jobs, filters = list_jobs(request)
         template = "jobs_table.html" if request.query_params.get("fragment") == "1" else "jobs.html"
         return page(request, template, jobs=jobs, filters=filters, now=time.time())
@@ -384,14 +381,14 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
             values["checkpoints"] = [step for step, _ in complete_checkpoints(files.run / "checkpoints")]
         return values
 
-    async def job_page(request: Request) -> Response:
+    def job_page(request: Request) -> Response:
         name = _name(request.path_params["name"], "name")
         values = job_values(request, name)
         values["notice"] = request.query_params.get("notice", "")[:300]
         template = "job_live.html" if request.query_params.get("fragment") == "1" else "job.html"
         return page(request, template, **values)
 
-    async def plot(request: Request) -> Response:
+    def plot(request: Request) -> Response:
         name = _name(request.path_params["name"], "name")
         which = request.path_params["plot"]
         if which not in PLOTS:
@@ -402,18 +399,21 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
             raise FieldError("plot", f"job {name!r} has no {which} yet (written when its run ends)", status=404)
         return FileResponse(files.run / which, media_type="image/png")
 
+    def cancel_job(request: Request, name: str) -> JobStatus:
+        visible(request, name)
+        try:
+            return ctx.backend.cancel(name)
+        except BadInput as e:
+            raise FieldError("name", str(e), status=409) from None
+
     async def cancel(request: Request) -> Response:
         name = _name(request.path_params["name"], "name")
         await checked_form(request)
-        visible(request, name)
-        try:
-            status = ctx.backend.cancel(name)
-        except BadInput as e:
-            raise FieldError("name", str(e), status=409) from None
+        status = await run_in_threadpool(cancel_job, request, name)
         notice = f"{status.state}: {status.message}"
         return RedirectResponse(url_for("job", name=name).include_query_params(notice=notice), status_code=303)
 
-    async def submit_page(request: Request) -> Response:
+    def submit_page(request: Request) -> Response:
         return page(request, "submit.html", text="", result=None)
 
     async def submit(request: Request) -> Response:
@@ -433,6 +433,11 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
                 raise FieldError("file", "not UTF-8 text (a YAML job file)") from None
         if not isinstance(text, str) or not text.strip():
             raise FieldError("text", "paste a job file (YAML: name, team, priority, training, ...) or upload one")
+        return await run_in_threadpool(plan_or_submit, request, action, text, source)
+
+    def plan_or_submit(request: Request, action: str, text: str, source: str) -> Response:
+        """The job file planned as `supernode job plan` does, and with action=submit queued as `job submit`
+        does unless refused: 400 with each problem under its key, 409 refused (nothing queued), else 303."""
         values: dict[str, Any] = {"text": text, "result": None, "issues": [], "refusals": [], "figures": None}
         try:
             job = job_from_mapping(load_yaml(text, "job file"), "job file")
@@ -445,8 +450,9 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
         except ConfigError as e:
             values["issues"] = [(i.path, i.message) for i in e.issues]
             return page(request, "submit.html", status=400, **values)
-        except BadInput as e:
-            values["issues"] = [("job file", str(e))]
+        except BadInput as e:  # the backend's own refusal of a key (a local job's branch)
+            key, _, rest = str(e).partition(": ")
+            values["issues"] = [(key, rest) if key in JOB_KEYS else ("job file", str(e))]
             return page(request, "submit.html", status=400, **values)
         values.update(job=job, figures=plan_figures(plan), refusals=refusals(plan))
         if action == "plan" or values["refusals"]:

@@ -253,7 +253,7 @@ def test_an_unusable_store_is_named_not_a_500(ui):
         ({"action": "plan", "text": "name: Bad\nteam: research\n"}, "name"),
         ({"action": "submit", "text": "name: a\nteam: research\ntraining: {steps: -1}\n"}, "training.steps"),
         ({"action": "plan", "text": "name: a\nteam: research\nnodes: {max: 99}\n"}, "nodes.max"),
-        ({"action": "plan", "text": "name: a\nteam: research\nbranch: {fromRun: r, step: 3}\n"}, "job file"),
+        ({"action": "plan", "text": "name: a\nteam: research\nbranch: {fromRun: r, step: 3}\n"}, "branch"),
     ],
 )
 def test_bad_input_in_a_submit_is_400_naming_the_field(ui, form, field):
