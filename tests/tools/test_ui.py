@@ -272,6 +272,11 @@ def test_a_bad_upload_is_400_naming_the_file_field(ui):
         files={"file": ("job.yaml", b"\xff\xfe", "text/yaml")},
     )
     assert r.status_code == 400 and field_of(r) == "file"
+    big = b"name: a\n" + b"#" * (1 << 21)
+    r = client.post("/submit", data={"csrf": token(client), "action": "plan"}, files={"file": ("big.yaml", big)})
+    assert r.status_code == 400 and field_of(r) == "file" and "at most 1048576 bytes" in r.text
+    r = client.post("/submit", data={"csrf": token(client), "action": "plan", "text": big.decode()})
+    assert r.status_code == 400 and field_of(r) == "body" and "maximum size" in r.text  # over 1 MiB: not parsed
     r = client.post("/submit", content=b"not a form", headers={"content-type": "multipart/form-data; boundary=x"})
     assert r.status_code in (400, 403)
 
