@@ -6,10 +6,10 @@ The real server (uvicorn on a free 127.0.0.1 port, in a thread) over a local sto
 mix of supernode.bench.jobs: mostly ended, a tenth queued, one running with metrics); each page is
 fetched --repeats times over HTTP after one warm-up: time to first byte (request sent -> status line
 and headers read; the page is rendered whole before its first byte), total time, and the payload's
-bytes. Pages: the job list (`/`), its refresh fragment (`/?fragment=1`, what the page fetches every
-2 s), the same fragment revalidated (If-None-Match: 304 without a body where nothing changed; a
-queued job's wait grows, so a waiting queue changes it), and the running job's page. Ratios are
-against the smallest N.
+bytes. Pages: the job list (`/`: every job under way and the 50 newest ended ones), every job
+(`/?all=1`), the list's refresh fragment (`/?fragment=1`, what the page fetches every 2 s), the same
+fragment revalidated (If-None-Match: 304 without a body where nothing changed; a queued job's wait
+grows, so a waiting queue changes it), and the running job's page. Ratios are against the smallest N.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from supernode.tools.jobs_local import job_dir, local_job_plan
 from supernode.tools.ui import create_app, local_context
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = {"list": "/", "fragment": "/?fragment=1", "job": "/jobs/job-00009"}
+PAGES = {"list": "/", "list_all": "/?all=1", "fragment": "/?fragment=1", "job": "/jobs/job-00009"}
 
 
 class Served:

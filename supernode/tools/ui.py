@@ -56,7 +56,7 @@ from starlette.staticfiles import StaticFiles
 from supernode.core.checkpoints import complete_checkpoints
 from supernode.core.errors import BadInput, ConfigError
 from supernode.core.inputs import MIB, InputError, load_yaml
-from supernode.core.jobs import NAME, STATES, JobSpec, JobStatus, job_from_mapping, refusals
+from supernode.core.jobs import FINAL_STATES, NAME, STATES, JobSpec, JobStatus, job_from_mapping, refusals
 from supernode.core.plan import Plan
 from supernode.core.runs import run_dir
 
@@ -64,6 +64,7 @@ HERE = Path(__file__).parent / "ui_files"
 SESSION_COOKIE = "supernode_session"
 MAX_JOB_BYTES = MIB
 LOG_LINES = 200
+ENDED_SHOWN = 50  # the job list's newest ended jobs (all=1: every one)
 PLOTS = ("loss.png", "expert_load.png")
 NAME_RE = re.compile(NAME)
 JOB_KEYS = {f.alias or name for name, f in JobSpec.model_fields.items()}  # a job file's top-level keys
@@ -343,11 +344,21 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
     def list_jobs(request: Request) -> tuple[list[JobStatus], dict]:
         team = _name(request.query_params.get("team"), "team", optional=True)
         state = _state(request.query_params.get("state"))
+        every = request.query_params.get("all", "")
+        if every not in ("", "1"):
+            raise FieldError("all", f"{every!r}: expected 1 (every ended job) or nothing")
         teams = ctx.viewer_teams(request)
         everything = [s for s in ctx.backend.list() if s.team in teams]  # one listing: the filter's teams too
         jobs = [s for s in everything if (team is None or s.team == team) and (state is None or s.state == state)]
+        # Every job under way, and the newest ended ones (all of them with all=1 or a state filter).
+        ended = [s for s in jobs if s.state in FINAL_STATES]
+        hidden = 0 if every or state else max(0, len(ended) - ENDED_SHOWN)
+        if hidden:
+            drop = {id(s) for s in ended[:hidden]}  # oldest first (the list is in submission order)
+            jobs = [s for s in jobs if id(s) not in drop]
         shown = {s.team for s in everything} | (set(teams) if isinstance(teams, Collection) else set())
-        return jobs, {"team": team or "", "state": state or "", "teams": sorted(shown)}
+        filters = {"team": team or "", "state": state or "", "all": every, "teams": sorted(shown), "hidden": hidden}
+        return jobs, filters
 
     def jobs_page(request: Request) -> Response:
         jobs, filters = list_jobs(request)

@@ -12,7 +12,7 @@ def test_bench_ui_prints_each_page_at_each_size(capsys):
     assert BENCHES["ui"] == "supernode.bench.ui"
     assert ui.main(["--jobs", "10,20", "--repeats", "1"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    pages = {"list", "fragment", "fragment_revalidated", "job"}
+    pages = {"list", "list_all", "fragment", "fragment_revalidated", "job"}
     assert {(r["page"], r["jobs"]) for r in lines} == {(p, n) for p in pages for n in (10, 20)}
     for r in lines:
         assert r["bench"] == "ui" and r["ttfb_ms"] > 0 and r["total_ms"] >= r["ttfb_ms"]

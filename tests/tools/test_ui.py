@@ -124,6 +124,24 @@ def test_an_unchanged_page_is_revalidated_without_its_body(ui):
     assert changed.status_code == 200 and changed.headers["etag"] != etag and "13/20" in changed.text
 
 
+def test_the_list_shows_the_newest_ended_jobs_and_every_one_on_demand(tmp_path, dev, monkeypatch):
+    import supernode.tools.ui as ui_module
+
+    monkeypatch.setattr(ui_module, "ENDED_SHOWN", 2)
+    ctx = local_context(tmp_path / "jobs", "dev", dev, ["--stack", "dev"], start_runner=False)
+    for i in range(5):
+        s = spec(f"j{i}")
+        ctx.backend.submit(s, local_job_plan("dev", dev, s), Path("j.yaml"), [])
+    with ctx.backend.db(write=True) as con:
+        con.execute("UPDATE jobs SET state = 'succeeded' WHERE name != 'j0'")
+    client = TestClient(create_app(ctx, allowed_hosts=["testserver"]))
+    r = client.get("/")
+    assert re.findall(r'data-job="([^"]+)"', r.text) == ["j0", "j3", "j4"]  # under way, then the newest ended
+    assert "2 older ended job(s) not shown" in r.text and 'href="/?team=&amp;all=1"' in r.text
+    assert re.findall(r'data-job="([^"]+)"', client.get("/?all=1").text) == [f"j{i}" for i in range(5)]
+    assert len(re.findall(r"data-job=", client.get("/?state=succeeded").text)) == 4  # a state filter: all
+
+
 def test_the_job_list_follows_the_backend(ui):
     client, ctx = ui
     ctx.backend.cancel("beta")
@@ -208,6 +226,7 @@ def test_submit_needs_the_csrf_token(ui):
     [
         ("/?state=bogus", "state"),
         ("/?team=Not_A_Team", "team"),
+        ("/?all=yes", "all"),
         ("/jobs/Bad_Name", "name"),
         ("/jobs/" + "x" * 60, "name"),
         ("/jobs/alpha/plots/secrets.txt", "plot"),
