@@ -76,7 +76,8 @@ serve-env: $(SERVE_STAMP)
 # drives this binary; it never downloads a browser of its own). Installed when absent: CI is a fresh machine.
 CHROMIUM := /usr/bin/chromium
 chromium:
-	@test -x $(CHROMIUM) || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	@test -x $(CHROMIUM) || { sudo=$$(test "$$(id -u)" = 0 || echo sudo); echo "installing Debian's chromium (browser tests)"; \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq \
 	  --no-install-recommends chromium chromium-driver > /dev/null; }
 
 # The serving environment too: the vLLM equality and serving tests run in CI, not skipped.
