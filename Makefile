@@ -13,7 +13,7 @@ SERVE_STAMP := $(SERVE_VENV)/.installed
 # Test workers: CI machines have 2 cores.
 WORKERS ?= 2
 
-.PHONY: demo test test-fast bench docs image addon-digests clean serve-env
+.PHONY: demo test test-fast bench docs image addon-digests clean serve-env chromium
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,13 +43,17 @@ demo: $(STAMP)
 	$(BIN)/supernode export --stack dev --local --checkpoint out/demo --data out/demo/data --out out/demo/model; \
 	$(call PHASE,export); \
 	echo; echo "== the local job queue: a low-priority job, then a high-priority one that preempts it (SIGTERM: it checkpoints), runs, and lets it resume =="; \
-	rm -rf out/jobs; \
+	rm -rf out/jobs; mkdir -p out/jobs; \
+	$(BIN)/supernode ui --local --home out/jobs --stack dev --port 0 > out/ui.log 2>&1 & ui=$$!; \
+	trap 'kill $$ui 2>/dev/null || true' EXIT; \
+	for i in $$(seq 100); do grep -q http out/ui.log && break; sleep 0.1; done; \
+	echo "   watch them on the management page: $$(grep -o 'http://[^ ]*' out/ui.log || echo '(not started: see out/ui.log)')"; \
 	$(BIN)/supernode job submit --stack dev --local jobs/demo-low.yaml; \
 	$(BIN)/supernode job wait --local demo-low --state running --step 10; \
 	$(BIN)/supernode job submit --stack dev --local jobs/demo-high.yaml; \
 	$(BIN)/supernode job wait --local demo-high --state running; $(BIN)/supernode job list --local; \
 	$(BIN)/supernode job wait --local demo-high demo-low; \
-	$(BIN)/supernode job list --local; $(call PHASE,jobs); \
+	$(BIN)/supernode job list --local; kill $$ui 2>/dev/null; wait $$ui 2>/dev/null || true; $(call PHASE,jobs); \
 	wait $$serve_env; if [ "$$(cat out/serve-env.rc)" != 0 ]; then cat out/serve-env.log; exit 1; fi; \
 	$(call PHASE,serve-env); \
 	echo; echo "== serve: vLLM (CPU) on the export, after verifying every file's sha256; sampled completions (temperature 0.8, top-p 0.95) and their latency =="; \
@@ -68,8 +72,16 @@ $(SERVE_STAMP): supernode/tools/requirements-serve.txt | $(STAMP)
 
 serve-env: $(SERVE_STAMP)
 
+# Debian's Chromium for the management page's browser tests (tests/tools/test_ui_browser.py: Playwright
+# drives this binary; it never downloads a browser of its own). Installed when absent: CI is a fresh machine.
+CHROMIUM := /usr/bin/chromium
+chromium:
+	@test -x $(CHROMIUM) || { sudo=$$(test "$$(id -u)" = 0 || echo sudo); echo "installing Debian's chromium (browser tests)"; \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq \
+	  --no-install-recommends chromium chromium-driver > /dev/null; }
+
 # The serving environment too: the vLLM equality and serving tests run in CI, not skipped.
-test: $(STAMP) $(SERVE_STAMP)
+test: $(STAMP) $(SERVE_STAMP) chromium
 	$(BIN)/python -m pytest -n $(WORKERS) -q --durations=25
 
 test-fast: $(STAMP)

@@ -79,6 +79,13 @@ def test_the_wheel_puts_only_supernode_in_site_packages(wheel):
     assert record.startswith("supernode-") and not any(e.startswith("tests/") for e in entries)
 
 
+def test_the_wheel_carries_the_management_pages_templates_and_assets(wheel):
+    shipped = {p.relative_to(ROOT / "supernode") for p in (ROOT / "supernode/tools/ui_files").rglob("*") if p.is_file()}
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    assert shipped and {f"supernode/{p}" for p in shipped} <= names, sorted(shipped)
+
+
 def test_the_installed_wheel_is_what_runs(installed, tmp_path):
     code = (
         "import supernode, supernode.components.k8s.common as w, supernode.trainer.data.prepare as d, "

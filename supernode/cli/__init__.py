@@ -93,6 +93,7 @@ EXAMPLES = {
         "supernode train --stack dev --local --steps 40",
         "supernode train --stack dev --local --steps 80 --run new --from-run RUN --step 40",
     ],
+    "ui": ["supernode ui --local", "supernode ui --local --home out/jobs --port 0 --stack dev"],
     "verify": [
         "pulumi stack output --json --show-secrets > out.json",
         "supernode verify --stack prod --outputs out.json",

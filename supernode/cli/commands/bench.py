@@ -17,6 +17,7 @@ BENCHES = {
     "profiler": "supernode.bench.profiler",  # a trainer step under torch.profiler vs not: the sampled-profiling cost
     "pipeline": "supernode.bench.pipeline",  # 1F1B vs interleaved 1F1B on CPU: step time, measured vs planned bubble
     "jobs": "supernode.bench.jobs",  # local job queue: submit -> admitted latency; job list at 1,000 vs 10 jobs
+    "ui": "supernode.bench.ui",  # the management page: time to first byte and payload of the job list, 1,000 vs 10 jobs
     "serve": "supernode.bench.serve",  # vLLM continuous batching vs sequential: TTFT, inter-token latency, tokens/s
 }
 
