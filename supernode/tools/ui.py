@@ -284,27 +284,52 @@ def measured_figures(records: list[dict], plan: Plan | None, log: str) -> list[t
 # -- the app -----------------------------------------------------------------------------------------
 
 
-def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starlette:
-    env = Environment(loader=FileSystemLoader(HERE), autoescape=select_autoescape(["html"]))
-    env.filters["secs"] = fmt_s
-    env.globals.update(tokens_vs_plan=tokens_vs_plan, states=STATES, mode=ctx.mode, stack=ctx.stack)
+class UiApp:
+    """The application over one UiContext: each page a method; `app` the Starlette application."""
 
-    def url_for(route: str, /, **params: Any) -> URL:
+    def __init__(self, ctx: UiContext, allowed_hosts: list[str] | None = None):
+        self.ctx = ctx
+        self.env = Environment(loader=FileSystemLoader(HERE), autoescape=select_autoescape(["html"]))
+        self.env.filters["secs"] = fmt_s
+        self.env.globals.update(tokens_vs_plan=tokens_vs_plan, states=STATES, mode=self.ctx.mode, stack=self.ctx.stack)
+        routes = [
+            Route("/", self.jobs_page, name="jobs"),
+            Route("/jobs/{name}", self.job_page, name="job"),
+            Route("/jobs/{name}/plots/{plot}", self.plot, name="plot"),
+            Route("/jobs/{name}/cancel", self.cancel, methods=["POST"], name="cancel"),
+            Route("/submit", self.submit_page, name="submit_page"),
+            Route("/submit", self.submit, methods=["POST"], name="submit"),
+            Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+        ]
+        hosts = allowed_hosts or ["127.0.0.1", "localhost"]  # a DNS-rebinding page is refused by its Host
+        self.app = Starlette(
+            routes=routes,
+            middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)],
+            exception_handlers={
+                FieldError: self.field_error,
+                BadInput: self.backend_error,
+                HTTPException: self.http_error,
+            },
+        )
+
+    def url_for(self, route: str, /, **params: Any) -> URL:
         """A route's path (relative: the page works behind any host name or proxy)."""
-        return URL(str(app.url_path_for(route, **params)))
+        return URL(str(self.app.url_path_for(route, **params)))
 
-    def session(request: Request) -> str:
+    def session(self, request: Request) -> str:
         sid = request.cookies.get(SESSION_COOKIE, "")
         return sid if re.fullmatch(r"[A-Za-z0-9_-]{43}", sid) else ""
 
-    def token(sid: str) -> str:
-        return hmac.new(ctx.secret, sid.encode(), hashlib.sha256).hexdigest()
+    def token(self, sid: str) -> str:
+        return hmac.new(self.ctx.secret, sid.encode(), hashlib.sha256).hexdigest()
 
-    def page(request: Request, template: str, status: int = 200, **values) -> HTMLResponse:
-        sid = session(request)
+    def page(self, request: Request, template: str, status: int = 200, **values) -> HTMLResponse:
+        sid = self.session(request)
         fresh = not sid
         sid = sid or secrets.token_urlsafe(32)
-        body = env.get_template(template).render(request=request, csrf=token(sid), url_for=url_for, **values)
+        body = self.env.get_template(template).render(
+            request=request, csrf=self.token(sid), url_for=self.url_for, **values
+        )
         # The refresh asks every 2 s: an unchanged page is answered 304 without its body (the browser
         # revalidates its copy: no-cache), so a long job list costs its bytes only when it changes.
         etag = '"' + hashlib.sha256(body.encode()).hexdigest()[:32] + '"'
@@ -320,35 +345,35 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
         response.headers["X-Content-Type-Options"] = "nosniff"
         return response
 
-    async def checked_form(request: Request) -> Any:
+    async def checked_form(self, request: Request) -> Any:
         try:
             form = await request.form(max_files=1, max_fields=20, max_part_size=MAX_JOB_BYTES)
         except Exception as e:  # a malformed or oversized body: bad input, not a server error
             raise FieldError("body", f"not a readable form ({e})") from None
-        sid = session(request)
+        sid = self.session(request)
         sent = form.get("csrf")
-        if not sid or not isinstance(sent, str) or not hmac.compare_digest(sent, token(sid)):
+        if not sid or not isinstance(sent, str) or not hmac.compare_digest(sent, self.token(sid)):
             raise FieldError("csrf", "missing or wrong CSRF token: reload the page and try again", status=403)
         return form
 
-    def visible(request: Request, name: str) -> JobStatus:
+    def visible(self, request: Request, name: str) -> JobStatus:
         """The job, if the viewer's teams include its team; else unknown (404), as for a job that is not."""
         try:
-            status = ctx.backend.describe(name)
+            status = self.ctx.backend.describe(name)
         except BadInput as e:
             raise FieldError("name", str(e), status=404) from None
-        if status.team not in ctx.viewer_teams(request):
+        if status.team not in self.ctx.viewer_teams(request):
             raise FieldError("name", f"no job {name!r} among your teams' jobs", status=404)
         return status
 
-    def list_jobs(request: Request) -> tuple[list[JobStatus], dict]:
+    def list_jobs(self, request: Request) -> tuple[list[JobStatus], dict]:
         team = _name(request.query_params.get("team"), "team", optional=True)
         state = _state(request.query_params.get("state"))
         every = request.query_params.get("all", "")
         if every not in ("", "1"):
             raise FieldError("all", f"{every!r}: expected 1 (every ended job) or nothing")
-        teams = ctx.viewer_teams(request)
-        everything = [s for s in ctx.backend.list() if s.team in teams]  # one listing: the filter's teams too
+        teams = self.ctx.viewer_teams(request)
+        everything = [s for s in self.ctx.backend.list() if s.team in teams]  # one listing: the filter's teams too
         jobs = [s for s in everything if (team is None or s.team == team) and (state is None or s.state == state)]
         # Every job under way, and the newest ended ones (all of them with all=1 or a state filter).
         ended = [s for s in jobs if s.state in FINAL_STATES]
@@ -360,16 +385,16 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
         filters = {"team": team or "", "state": state or "", "all": every, "teams": sorted(shown), "hidden": hidden}
         return jobs, filters
 
-    def jobs_page(request: Request) -> Response:
-        jobs, filters = list_jobs(request)
+    def jobs_page(self, request: Request) -> Response:
+        jobs, filters = self.list_jobs(request)
         template = "jobs_table.html" if request.query_params.get("fragment") == "1" else "jobs.html"
-        return page(request, template, jobs=jobs, filters=filters, now=time.time())
+        return self.page(request, template, jobs=jobs, filters=filters, now=time.time())
 
-    def job_values(request: Request, name: str) -> dict:
-        status = visible(request, name)
-        files = ctx.files(name)
+    def job_values(self, request: Request, name: str) -> dict:
+        status = self.visible(request, name)
+        files = self.ctx.files(name)
         values: dict[str, Any] = {"job": status, "figures": None, "svgs": [], "plots": [], "checkpoints": []}
-        values["log"] = "".join(deque(ctx.backend.logs(name, follow=False), maxlen=LOG_LINES))
+        values["log"] = "".join(deque(self.ctx.backend.logs(name, follow=False), maxlen=LOG_LINES))
         values["measured"] = []
         if files is not None:
             plan = None
@@ -392,43 +417,43 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
             values["checkpoints"] = [step for step, _ in complete_checkpoints(files.run / "checkpoints")]
         return values
 
-    def job_page(request: Request) -> Response:
+    def job_page(self, request: Request) -> Response:
         name = _name(request.path_params["name"], "name")
-        values = job_values(request, name)
+        values = self.job_values(request, name)
         values["notice"] = request.query_params.get("notice", "")[:300]
         template = "job_live.html" if request.query_params.get("fragment") == "1" else "job.html"
-        return page(request, template, **values)
+        return self.page(request, template, **values)
 
-    def plot(request: Request) -> Response:
+    def plot(self, request: Request) -> Response:
         name = _name(request.path_params["name"], "name")
         which = request.path_params["plot"]
         if which not in PLOTS:
             raise FieldError("plot", f"{which!r}: expected one of {', '.join(PLOTS)}")
-        visible(request, name)
-        files = ctx.files(name)
+        self.visible(request, name)
+        files = self.ctx.files(name)
         if files is None or not (files.run / which).is_file():
             raise FieldError("plot", f"job {name!r} has no {which} yet (written when its run ends)", status=404)
         return FileResponse(files.run / which, media_type="image/png")
 
-    def cancel_job(request: Request, name: str) -> JobStatus:
-        visible(request, name)
+    def cancel_job(self, request: Request, name: str) -> JobStatus:
+        self.visible(request, name)
         try:
-            return ctx.backend.cancel(name)
+            return self.ctx.backend.cancel(name)
         except BadInput as e:
             raise FieldError("name", str(e), status=409) from None
 
-    async def cancel(request: Request) -> Response:
+    async def cancel(self, request: Request) -> Response:
         name = _name(request.path_params["name"], "name")
-        await checked_form(request)
-        status = await run_in_threadpool(cancel_job, request, name)
+        await self.checked_form(request)
+        status = await run_in_threadpool(self.cancel_job, request, name)
         notice = f"{status.state}: {status.message}"
-        return RedirectResponse(url_for("job", name=name).include_query_params(notice=notice), status_code=303)
+        return RedirectResponse(self.url_for("job", name=name).include_query_params(notice=notice), status_code=303)
 
-    def submit_page(request: Request) -> Response:
-        return page(request, "submit.html", text="", result=None)
+    def submit_page(self, request: Request) -> Response:
+        return self.page(request, "submit.html", text="", result=None)
 
-    async def submit(request: Request) -> Response:
-        form = await checked_form(request)
+    async def submit(self, request: Request) -> Response:
+        form = await self.checked_form(request)
         action = form.get("action")
         if action not in ("plan", "submit"):
             raise FieldError("action", f"{action!r}: expected plan or submit")
@@ -444,67 +469,54 @@ def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starle
                 raise FieldError("file", "not UTF-8 text (a YAML job file)") from None
         if not isinstance(text, str) or not text.strip():
             raise FieldError("text", "paste a job file (YAML: name, team, priority, training, ...) or upload one")
-        return await run_in_threadpool(plan_or_submit, request, action, text, source)
+        return await run_in_threadpool(self.plan_or_submit, request, action, text, source)
 
-    def plan_or_submit(request: Request, action: str, text: str, source: str) -> Response:
+    def plan_or_submit(self, request: Request, action: str, text: str, source: str) -> Response:
         """The job file planned as `supernode job plan` does, and with action=submit queued as `job submit`
         does unless refused: 400 with each problem under its key, 409 refused (nothing queued), else 303."""
         values: dict[str, Any] = {"text": text, "result": None, "issues": [], "refusals": [], "figures": None}
         try:
             job = job_from_mapping(load_yaml(text, "job file"), "job file")
-            if job.team not in ctx.viewer_teams(request):
+            if job.team not in self.ctx.viewer_teams(request):
                 raise FieldError("team", f"{job.team!r} is not one of your teams", status=403)
-            plan = ctx.plan_job(job)
+            plan = self.ctx.plan_job(job)
         except InputError as e:
             values["issues"] = [("job file", str(e).removeprefix("job file: "))]
-            return page(request, "submit.html", status=400, **values)
+            return self.page(request, "submit.html", status=400, **values)
         except ConfigError as e:
             values["issues"] = [(i.path, i.message) for i in e.issues]
-            return page(request, "submit.html", status=400, **values)
+            return self.page(request, "submit.html", status=400, **values)
         except BadInput as e:  # the backend's own refusal of a key (a local job's branch)
             key, _, rest = str(e).partition(": ")
             values["issues"] = [(key, rest) if key in JOB_KEYS else ("job file", str(e))]
-            return page(request, "submit.html", status=400, **values)
+            return self.page(request, "submit.html", status=400, **values)
         values.update(job=job, figures=plan_figures(plan), refusals=refusals(plan))
         if action == "plan" or values["refusals"]:
             status = 409 if action == "submit" else 200  # submit refused: the same refusals as the CLI's exit 1
-            return page(request, "submit.html", status=status, **values)
+            return self.page(request, "submit.html", status=status, **values)
         try:
-            result = ctx.submit_job(job, plan, source)
+            result = self.ctx.submit_job(job, plan, source)
         except BadInput as e:
             values["issues"] = [("name", str(e))]
-            return page(request, "submit.html", status=409, **values)
+            return self.page(request, "submit.html", status=409, **values)
         return RedirectResponse(
-            url_for("job", name=result.name).include_query_params(notice=f"{result.state}: {result.message}"),
+            self.url_for("job", name=result.name).include_query_params(notice=f"{result.state}: {result.message}"),
             status_code=303,
         )
 
-    async def field_error(request: Request, exc: FieldError) -> Response:
-        return page(request, "error.html", status=exc.status, field=exc.field, message=exc.message)
+    async def field_error(self, request: Request, exc: FieldError) -> Response:
+        return self.page(request, "error.html", status=exc.status, field=exc.field, message=exc.message)
 
-    async def backend_error(request: Request, exc: BadInput) -> Response:
+    async def backend_error(self, request: Request, exc: BadInput) -> Response:
         # The job API refused (an unusable store, a cluster that does not answer): its message, not a 500.
-        return page(request, "error.html", status=503, field="backend", message=str(exc))
+        return self.page(request, "error.html", status=503, field="backend", message=str(exc))
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        return page(request, "error.html", status=exc.status_code, field="path", message=exc.detail)
+    async def http_error(self, request: Request, exc: HTTPException) -> Response:
+        return self.page(request, "error.html", status=exc.status_code, field="path", message=exc.detail)
 
-    routes = [
-        Route("/", jobs_page, name="jobs"),
-        Route("/jobs/{name}", job_page, name="job"),
-        Route("/jobs/{name}/plots/{plot}", plot, name="plot"),
-        Route("/jobs/{name}/cancel", cancel, methods=["POST"], name="cancel"),
-        Route("/submit", submit_page, name="submit_page"),
-        Route("/submit", submit, methods=["POST"], name="submit"),
-        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
-    ]
-    hosts = allowed_hosts or ["127.0.0.1", "localhost"]  # a DNS-rebinding page is refused by its Host
-    app = Starlette(
-        routes=routes,
-        middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)],
-        exception_handlers={FieldError: field_error, BadInput: backend_error, HTTPException: http_error},
-    )
-    return app
+
+def create_app(ctx: UiContext, allowed_hosts: list[str] | None = None) -> Starlette:
+    return UiApp(ctx, allowed_hosts).app
 
 
 def job_yaml(job: JobSpec) -> str:
