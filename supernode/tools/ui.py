@@ -140,7 +140,7 @@ class FieldError(Exception):
 def _name(value: str | None, field: str, optional: bool = False) -> str | None:
     if value in (None, "") and optional:
         return None
-    if not isinstance(value, str) or not NAME_RE.match(value):
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise FieldError(field, f"{value!r} is not a job or team name (lowercase letters, digits and '-')")
     return value
 

@@ -30,7 +30,9 @@ NS = "team-research"
 
 @pytest.fixture(scope="module")
 def cfg():
-    return load_stack("prod", ROOT)
+    """prod without its teams: the backend's cluster-wide path, and jobs of any team name (alpha, beta);
+    prod's own teams are tests/tools/test_jobs_prod_teams.py's."""
+    return load_stack("prod", ROOT).model_copy(update={"teams": []})
 
 
 @pytest.fixture
