@@ -34,9 +34,9 @@ from __future__ import annotations
 import signal
 
 if __name__ == "__main__":
-    # A worker. torchrun forwards SIGINT/SIGTERM when it stops the run, and torch's import takes
-    # seconds: until StopRequest takes over, either signal ends this worker quietly by its default
-    # action (nothing to save yet), not in a KeyboardInterrupt traceback.
+    # A worker. torchrun forwards SIGINT/SIGTERM when it stops the run: until StopRequest is armed
+    # at the first step, either signal ends this worker quietly by its default action (nothing
+    # trained yet to save), not in a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import argparse
@@ -83,13 +83,26 @@ def sampled(step: int, start: int, steps: int, log_every: int, profile_every: in
 
 
 class StopRequest:
-    """SIGTERM and SIGINT set a flag; the loop acts on it at a step boundary, agreed by all ranks
-    (no KeyboardInterrupt: Ctrl-C must not tear a step or a save apart)."""
+    """From the first step, SIGTERM and SIGINT set a flag; the loop acts on it at a step boundary,
+    agreed by all ranks (no KeyboardInterrupt: Ctrl-C must not tear a step or a save apart).
+
+    Before `arm()` the signals keep their default action, which the kernel carries out even while
+    this rank waits in C++ (the process group's rendezvous, a restore's reads): a flag would only
+    be read once that returns, and a peer the same signal ended while still importing torch never
+    comes, so the rank would wait out the collective timeout (or torchrun's shutdown timeout) for
+    a stop that has nothing to save."""
 
     def __init__(self) -> None:
         self.term = self.interrupt = False
+
+    def arm(self) -> None:
         signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._handler)
+
+    @property
+    def requested(self) -> int | None:
+        """The signal asked for, if any (SIGINT over SIGTERM, as the loop reads them)."""
+        return signal.SIGINT if self.interrupt else signal.SIGTERM if self.term else None
 
     def _handler(self, signum: int, frame) -> None:
         if signum == signal.SIGINT:
@@ -356,6 +369,7 @@ def _run(
             return EXIT_OK
         metrics = _open_metrics(args, plan, run, trainer, steps, start)
         loop = _Steps(args, trainer, metrics, stop, heartbeat, start, steps)
+        stop.arm()
         for step in range(start + 1, steps + 1):
             code = loop.step(step)
             if code is not None:
@@ -527,7 +541,7 @@ def _init_from(trainer: Trainer, plan: Plan, local_copy: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
-    stop = StopRequest()  # first: a Ctrl-C during start-up must not become a KeyboardInterrupt traceback
+    stop = StopRequest()
     args = build_parser().parse_args(argv)
     earlier = _recorded(args.out)
     if earlier is not None and earlier.get("code"):  # torchrun restarted us into a run that already ended
@@ -540,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
             earlier = _recorded(args.out)
             if earlier is not None and earlier.get("code"):  # a peer stopped the run; this rank saw only
                 return _exit_code(int(earlier["code"]))  # the broken connection
+            if stop.requested is not None:  # a peer the same stop ended before it armed its StopRequest
+                name = signal.Signals(stop.requested).name
+                print(f"{name}: stopped before the ranks could agree on a step to checkpoint", file=sys.stderr)
+                return 128 + stop.requested
             raise  # transient (a lost peer, a timeout): torchrun restarts the workers
         _report(args.out, *outcome)
         return _exit_code(outcome[0])
