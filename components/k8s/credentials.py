@@ -23,65 +23,13 @@ import pulumi
 import pulumi.dynamic as dynamic
 import pulumi_kubernetes as k8s
 
+from supernode.core.credentials import generate
+
 from .common import meta
 
 VALID_DAYS = 397  # the CA/Browser Forum's ceiling for a server certificate, kept here too
 TLS_SECRET, API_KEY_SECRET, CA_CONFIGMAP = "serving-tls", "serving-api-key", "serving-ca"
 OUTPUTS = ("ca_pem", "cert_pem", "key_pem", "api_key")
-
-
-def generate(dns_names: list[str], valid_days: int = VALID_DAYS) -> dict[str, str]:
-    """A CA, a server certificate for `dns_names` signed by it (ECDSA P-256) and a 256-bit API key."""
-    import datetime
-    import secrets
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-    until = now + datetime.timedelta(days=valid_days)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(name("supernode serving CA"))
-        .issuer_name(name("supernode serving CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(until)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-        )  # keyCertSign, cRLSign
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name(dns_names[0]))
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(until)
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    return {
-        "ca_pem": ca.public_bytes(pem).decode(),
-        "cert_pem": cert.public_bytes(pem).decode(),
-        "key_pem": key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode(),
-        "api_key": secrets.token_urlsafe(32),
-    }
 
 
 class _Provider(dynamic.ResourceProvider):

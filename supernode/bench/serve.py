@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=32, help="requests per level")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--root", type=Path, default=Path("."))
+    p.add_argument(
+        "--tls", action="store_true", help="the started server over HTTPS with an API key (as in the cluster)"
+    )
     args = p.parse_args(argv)
     try:
         levels = sorted({int(c) for c in args.concurrency.split(",")})
@@ -80,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url
     if url is None:
         verify_export(args.model)
-        server = LocalServer(args.model.resolve(), serve_python(args.root), max_num_seqs=max(levels), name=args.name)
+        server = LocalServer(
+            args.model.resolve(), serve_python(args.root), max_num_seqs=max(levels), name=args.name, tls=args.tls
+        )
     try:
         if server is not None:  # inside the try: interrupted while it starts, it is stopped too
             url = server.start().url
