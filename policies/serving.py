@@ -16,6 +16,7 @@ POLICIES = Registry()
 
 COMPONENT = "app.kubernetes.io/component"
 OPEN_CIDRS = ("0.0.0.0/0", "::/0")
+LWS_LABEL_PREFIX = "leaderworkerset.sigs.k8s.io/"
 
 
 def serving_workloads(stack: Stack) -> list[Res]:
@@ -85,7 +86,13 @@ def _not_public(stack: Stack, _conf: None, report: Report) -> None:
     workloads = serving_workloads(stack)
     labels = [_pod_labels(r) for r in workloads]
     for svc in stack.of(K8S_SERVICE):
-        if any(_selects({"matchLabels": svc.get("spec", "selector")}, lab) for lab in labels) and svc.get(
+        # A LeaderWorkerSet's leaders are selected by a label its controller adds (not in the template).
+        selector = {
+            k: v
+            for k, v in dict(svc.get("spec", "selector", default={}) or {}).items()
+            if not k.startswith(LWS_LABEL_PREFIX)
+        }
+        if any(_selects({"matchLabels": selector}, lab) for lab in labels) and svc.get(
             "spec", "type", default="ClusterIP"
         ) in ("LoadBalancer", "NodePort"):
             report(

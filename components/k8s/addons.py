@@ -39,7 +39,8 @@ ADDON_FILES = (
     "neuron-monitor.yaml",
     "training-operator.yaml",
     "kueue.yaml",
-)  # kueue.yaml: installed by components/k8s/queues.py
+    "lws.yaml",
+)  # kueue.yaml: installed by components/k8s/queues.py; lws.yaml by components/k8s/lws.py (multi-node serving)
 # Per accelerator vendor (InstanceType.vendor): the device plugin and the metrics exporter the stack installs.
 # The metrics pipelines: the CloudWatch agent's Prometheus scrape (components/k8s/operations.py) and, with
 # serving, the Prometheus and adapter behind the serving HPA (components/k8s/serving.py).

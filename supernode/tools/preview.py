@@ -30,6 +30,7 @@ from ..core.plan import PLAN_CONFIGMAP_KEY, Plan, build_plan
 # A Pulumi program: declares the stack's resources (and exports its outputs) from its config and plan.
 Program = Callable[[str, StackConfig, Plan], None]
 ACCOUNT = "123456789012"
+DYNAMIC = "pulumi-python:dynamic:Resource"  # a Pulumi dynamic resource: its provider runs only under the engine
 
 
 @dataclass
@@ -56,8 +57,14 @@ class Resource:
         }
 
 
+# How the engine protocol marks a secret value: {SIG: SECRET, "value": ...} (pulumi.runtime.rpc).
+_SECRET_SIG, _SECRET_VALUE = "4dabf18193072939515e22adb298388d", "1b47061264138c4ac30d75fd1eb44270"
+
+
 def _plain(value: Any) -> Any:
-    """Engine values as JSON: unknowns become None, resource references their URN."""
+    """Engine values as JSON: unknowns become None, resource references their URN, a secret its value."""
+    if isinstance(value, dict) and value.get(_SECRET_SIG) == _SECRET_VALUE:
+        return _plain(value.get("value"))
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -155,6 +162,8 @@ _ID_PREFIX = {
 def _computed(typ: str, rid: str, inputs: dict, region: str) -> dict[str, Any]:
     """Plausible computed outputs so dependent resources resolve."""
     name = inputs.get("name") or rid
+    if typ == DYNAMIC and "dns_names" in inputs:  # components/k8s/credentials.py: generated at create only
+        return {k: f"<{k} generated at create>" for k in ("ca_pem", "cert_pem", "key_pem", "api_key")}
     if typ == T.EKS_CLUSTER:
         return {
             "endpoint": f"https://{rid}.gr7.{region}.eks.amazonaws.com",

@@ -24,14 +24,17 @@ import math
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ..core.credentials import generate
 from ..core.errors import BadInput
 from ..core.files import plain_name, sha256_file
 from ..core.processes import die_with_parent
@@ -246,16 +249,39 @@ class LocalServer:
     name: str = "supernode"
     log: Path | None = None
     ready_timeout_s: float = 300.0
+    # HTTPS with a self-signed certificate made for this server (a CA of its own, 127.0.0.1 and localhost),
+    # and an API key every API request must present (the cluster's setup, components/k8s/credentials.py).
+    tls: bool = False
     proc: subprocess.Popen | None = field(default=None, init=False)
     watchdog: subprocess.Popen | None = field(default=None, init=False)
+    api_key: str | None = field(default=None, init=False)
+    ca_pem: str | None = field(default=None, init=False)
+    _creds_dir: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def _credentials(self) -> tuple[str, str] | None:
+        """The key and certificate files for a TLS server (made once, in a private directory removed at
+        stop), the key registered for this process's client calls to the server's URL."""
+        if not self.tls:
+            return None
+        if self._creds_dir is None:
+            made = generate(["localhost"], valid_days=2, ip_addresses=("127.0.0.1",))
+            self._creds_dir = tempfile.TemporaryDirectory(prefix="supernode-tls-")
+            d = Path(self._creds_dir.name)
+            for name in ("key_pem", "cert_pem"):
+                (d / name).write_text(made[name], encoding="utf-8")
+                (d / name).chmod(0o600)
+            self.api_key, self.ca_pem = made["api_key"], made["ca_pem"]
+        d = Path(self._creds_dir.name)
+        return str(d / "key_pem"), str(d / "cert_pem")
 
     def command(self) -> list[str]:
         config = json.loads((self.model_dir / "config.json").read_text(encoding="utf-8"))
         manifest = json.loads((self.model_dir / MANIFEST).read_text(encoding="utf-8"))
+        key, cert = self._credentials() or (None, None)
         spec = ServerSpec(
             model_dir=str(self.model_dir),
             name=self.name,
@@ -268,6 +294,8 @@ class LocalServer:
             eager=True,
             access_log=False,
             tokenizer=(self.model_dir / "tokenizer.json").is_file(),
+            ssl_keyfile=key,
+            ssl_certfile=cert,
         )
         return BACKEND.command(str(self.python)) + BACKEND.flags(spec)
 
@@ -281,15 +309,20 @@ class LocalServer:
             )
         self.port = self.port or free_port()
         self.log = self.log or self.model_dir.parent / f"{BACKEND.name}-{self.port}.log"
+        command = self.command()  # the credentials first, when TLS
+        env = {**os.environ, **BACKEND.cpu_env}
+        if self.tls:  # the key in the server's env, not on its command line
+            env[BACKEND.api_key_env] = self.api_key
+            trust(self.url, self.ca_pem, self.api_key)
         with self.log.open("wb") as log:
             # Its own session, so that stop() and the watchdog signal all of it (the engine core and its
             # workers are its children); killed by the kernel the moment this process dies.
             self.proc = subprocess.Popen(
-                self.command(),
+                command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.log.parent,
-                env={**os.environ, **BACKEND.cpu_env},
+                env=env,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
@@ -343,6 +376,10 @@ class LocalServer:
             self.watchdog.stdin.close()
             self.watchdog.wait()
             self.watchdog = None
+        if self._creds_dir is not None:
+            _TRUSTED.pop(self.url, None)
+            self._creds_dir.cleanup()
+            self._creds_dir = None
 
     def __enter__(self) -> LocalServer:
         return self.start()
@@ -354,15 +391,33 @@ class LocalServer:
 # -- client ---------------------------------------------------------------------------------------
 
 
-def _request(method: str, url: str, body: dict | None = None, timeout: float = 60):
+# The TLS servers this process started: base URL -> (an SSL context trusting their CA, their API key).
+_TRUSTED: dict[str, tuple[ssl.SSLContext, str]] = {}
+
+
+def trust(base_url: str, ca_pem: str, api_key: str) -> None:
+    """Client calls to `base_url` verify its certificate against `ca_pem` and present `api_key`."""
+    _TRUSTED[base_url.rstrip("/")] = (ssl.create_default_context(cadata=ca_pem), api_key)
+
+
+def _connection(url: str, timeout: float, key: bool = True) -> tuple[http.client.HTTPConnection, dict[str, str]]:
+    """A connection to `url`'s server and the headers a request to it carries: over HTTPS (verified
+    against the server's CA) with its API key as a bearer token, where it is a TLS server of ours;
+    `key=False` leaves the key out."""
     u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    conn.request(
-        method,
-        u.path or "/",
-        body=json.dumps(body) if body is not None else None,
-        headers={"Content-Type": "application/json"},
-    )
+    headers = {"Content-Type": "application/json"}
+    if u.scheme == "https":
+        context, api_key = _TRUSTED.get(f"https://{u.netloc}", (ssl.create_default_context(), None))
+        if key and api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        return http.client.HTTPSConnection(u.hostname, u.port, timeout=timeout, context=context), headers
+    return http.client.HTTPConnection(u.hostname, u.port, timeout=timeout), headers
+
+
+def _request(method: str, url: str, body: dict | None = None, timeout: float = 60, key: bool = True):
+    conn, headers = _connection(url, timeout, key)
+    u = urlsplit(url)
+    conn.request(method, u.path or "/", body=json.dumps(body) if body is not None else None, headers=headers)
     resp = conn.getresponse()
     return resp.status, resp.read()
 
@@ -422,10 +477,9 @@ def complete(
         "stream_options": {"include_usage": True},
         "ignore_eos": ignore_eos,
     }
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    conn, headers = _connection(url, timeout)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
     resp = conn.getresponse()
     if resp.status != 200:
         raise ServerFailed(f"POST /v1/completions: HTTP {resp.status}: {resp.read()[:500]!r}")

@@ -252,13 +252,16 @@ def test_pods_ready_timeout_covers_the_slowest_legitimate_start():
     objs = controller_objects(mf.from_resources(stack.result.resources))
     timeout_s = seconds(configuration(objs)["waitForPodsReady"]["timeout"])
     plan = build_plan("prod", stack.cfg)
+    # prod's replicas span nodes: a LeaderWorkerSet, whose leader carries the probes
     [server] = [
         r
-        for r in stack.all(T.DEPLOYMENT)
+        for r in stack.all(T.DEPLOYMENT) + stack.all(T.LEADER_WORKER_SET)
         if r.inputs["metadata"].get("namespace") == stack.cfg.inference.namespace
         and "vllm" in r.inputs["metadata"]["name"]
     ]
-    [vllm] = [c for c in server.inputs["spec"]["template"]["spec"]["containers"] if "startupProbe" in c]
+    spec = server.inputs["spec"]
+    template = spec["leaderWorkerTemplate"]["leaderTemplate"] if "leaderWorkerTemplate" in spec else spec["template"]
+    [vllm] = [c for c in template["spec"]["containers"] if "startupProbe" in c]
     probe = vllm["startupProbe"]
     startup_s = probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"]
     copy_s = plan.inference.weights_gib * 2**30 / (plan.checkpoint.fsx_throughput_mb_s * 1e6)

@@ -71,13 +71,13 @@ def test_dev_without_its_serving_group_fails_with_the_numbers():
 
 
 def test_prod_serving_more_than_its_share_fails_with_the_numbers():
-    cfg = built_images(variant("prod", lambda d: d["inference"].update(replicasMin=5, replicasMax=5)))
+    cfg = built_images(variant("prod", lambda d: d["inference"].update(replicasMin=3, replicasMax=3)))
     found, _ = findings("prod", cfg)
     [message] = found[POOLS]
-    # 16 training nodes (+ 1 spare) and 2 serving nodes of 8 H100; serving 5 replicas x tp 4. Training's
-    # elastic minimum (8 nodes: 64) + 20 fits the pool, but serving's minimum does not fit its own share.
-    assert "pool H100: 152 GPUs (16 training + 1 spare + 2 serving nodes); serving min 5 x 4" in message
-    assert "serving min 5 x 4 = 20 > serving's reserved share 16 (2 serving nodes)" in message
+    # 16 training nodes (+ 1 spare) and 4 serving nodes of 8 H100; serving 3 replicas x 16 GPUs. Training's
+    # elastic minimum (8 nodes: 64) + 48 fits the pool, but serving's minimum does not fit its own share.
+    assert "pool H100: 168 GPUs (16 training + 1 spare + 4 serving nodes); serving min 3 x 16" in message
+    assert "serving min 3 x 16 = 48 > serving's reserved share 32 (4 serving nodes)" in message
 
 
 def test_a_serving_group_the_plan_did_not_count_is_named():

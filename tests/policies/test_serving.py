@@ -47,14 +47,18 @@ def _serving_findings(resources: list[dict], cfg) -> dict[str, list[str]]:
 
 
 def test_prod_serving_workload_passes_the_serving_policies(prod):
+    """prod serves 16-GPU replicas (dp 2 x tp 8 + ep 16, two nodes): a LeaderWorkerSet of 2 groups of 2."""
     cfg, resources = prod
-    dep = _find(resources, T.DEPLOYMENT)
-    spec = dep["inputs"]["spec"]["template"]["spec"]
-    assert [c["name"] for c in spec["initContainers"]] == ["verify-weights"]
-    server = spec["containers"][0]
-    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(server)
-    assert server["resources"]["requests"]["nvidia.com/gpu"] == "4"  # tp 4 from the inference plan
-    assert dep["inputs"]["spec"]["replicas"] == 2
+    lws = _find(resources, T.LEADER_WORKER_SET)
+    group = lws["inputs"]["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and lws["inputs"]["spec"]["replicas"] == 2
+    for role in ("leaderTemplate", "workerTemplate"):
+        spec = group[role]["spec"]
+        assert [c["name"] for c in spec["initContainers"]] == ["verify-weights"]
+        assert spec["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "8"  # a whole node each
+    leader, worker = (group[r]["spec"]["containers"][0] for r in ("leaderTemplate", "workerTemplate"))
+    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(leader)
+    assert not {"startupProbe", "readinessProbe", "livenessProbe", "ports"} & set(worker)  # headless: no HTTP
     assert _serving_findings(resources, cfg) == {}
 
 
@@ -65,7 +69,7 @@ def _mutated(resources: list[dict], typ: str, change: Callable[[dict], None]) ->
 
 
 def _drop_init(r: dict) -> None:
-    r["inputs"]["spec"]["template"]["spec"].pop("initContainers")
+    r["inputs"]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"].pop("initContainers")
 
 
 def _one_replica(r: dict) -> None:
@@ -83,8 +87,8 @@ def _open_ingress(r: dict) -> None:
 @pytest.mark.parametrize(
     "typ,change,policy,needle",
     [
-        (T.DEPLOYMENT, _drop_init, "serving-weights-verified", "without weights verified by digest"),
-        (T.DEPLOYMENT, _one_replica, "serving-availability", "1 replica(s) in prod"),
+        (T.LEADER_WORKER_SET, _drop_init, "serving-weights-verified", "without weights verified by digest"),
+        (T.LEADER_WORKER_SET, _one_replica, "serving-availability", "1 replica(s) in prod"),
         (T.K8S_SERVICE, _public_service, "serving-not-public", "LoadBalancer"),
         (T.NETWORK_POLICY, _open_ingress, "serving-not-public", "open to the world"),
     ],
@@ -105,7 +109,9 @@ def test_inference_plan_that_does_not_fit_is_reported(prod):
     cfg, resources = prod
     from supernode.core.plan import PLAN_CONFIGMAP_KEY, build_plan
 
-    tp1 = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"tp": 1})})
+    tp1 = cfg.model_copy(
+        update={"inference": cfg.inference.model_copy(update={"tp": 1, "pp": 1, "max_concurrency": 64, "layout": "tp"})}
+    )
     plan_json = build_plan("prod", tp1).to_json()
     out = copy.deepcopy(resources)
     for r in out:

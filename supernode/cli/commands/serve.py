@@ -34,6 +34,12 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default 1)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed, for repeatable sampled completions")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server (default 300)")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="serve over HTTPS with a self-signed certificate made for this server, and require an API key "
+        "(printed; as the cluster's server does)",
+    )
     p.set_defaults(func=run)
 
 
@@ -67,12 +73,17 @@ def run(args) -> int:
         port=args.port,
         ready_timeout_s=args.ready_timeout,
         max_num_seqs=min(inf.max_concurrency, 16) if inf else 16,
+        tls=args.tls,
     )
     # SIGTERM as Ctrl-C, from before the server starts: either way the finally below stops its session.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.start()
         print(f"serving {manifest['architecture']} at {server.url}/v1 (log {server.log})", flush=True)
+        if server.tls:
+            print(
+                f"API key (Authorization: Bearer ...): {server.api_key}\nthe server's CA:\n{server.ca_pem}", flush=True
+            )
         if not args.prompt:
             print("Ctrl-C stops it", flush=True)
             rc = server.proc.wait()

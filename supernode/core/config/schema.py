@@ -490,6 +490,7 @@ AddonImage = Literal[
     "cloudwatch-agent",
     "dcgm-exporter",
     "kueue",
+    "lws",
     "neuron-device-plugin",
     "neuron-monitor",
     "nvidia-device-plugin",
@@ -882,6 +883,12 @@ class Inference(_Base):
     )
     tp: int = Field(default=1, ge=1, description="tensor-parallel degree of one replica")
     pp: int = Field(default=1, ge=1, description="pipeline stages of one replica (> 1 node: a LeaderWorkerSet)")
+    layout: Literal["auto", "tp", "ep"] = Field(
+        default="auto",
+        description="how a replica's tp x pp GPUs are laid out: tp (tensor x pipeline parallel), ep (data "
+        "parallel attention + expert parallel MoE, vLLM --enable-expert-parallel), or auto: the inference "
+        "planner's choice by its memory and ITL/TTFT estimates",
+    )
     dtype: Literal["bf16", "fp16", "fp32"] = Field(
         default="bf16", description="the served weights' dtype (vLLM --dtype)"
     )
