@@ -79,8 +79,11 @@ def test_the_repositorys_stacks_warn_in_dev_and_fail_in_prod(stack_name, level):
     assert set(by_policy) == set(IMAGE_POLICIES)
     assert {v.enforcement for vs in by_policy.values() for v in vs} == {level}
     # the add-on workloads, by tag: both device plugins, DCGM, the training operator, the Kueue controller,
-    # the CloudWatch agent's Prometheus scrape, and serving's Prometheus and adapter
-    assert len(by_policy["image-digests"]) == 8
+    # the CloudWatch agent's Prometheus scrape, serving's Prometheus and adapter; and in prod, whose serving
+    # replicas span two nodes, the LeaderWorkerSet controller
+    spans_nodes = stack_name == "prod"
+    assert len(by_policy["image-digests"]) == 8 + spans_nodes
+    assert any("lws" in v.urn for v in by_policy["image-digests"]) is spans_nodes
     # every workload of the trainer image (job, gate, scheduled fabric check, restore drill, checkpoint
     # retention, inventory, node health agent, the queue-wait relay) and
     # vLLM's server and weight check: CronJobs and init containers included
