@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ import yaml
 from supernode.core.catalog import CATALOG
 from supernode.core.vendors import VENDORS
 
-from .common import ADDON_DIR, GpuNodes, load_addon, meta, shipped_crd
+from .common import ADDON_DIR, GpuNodes, load_addon, meta, namespace_selector, shipped_crd
 
 SYSTEM_NAMESPACE = "supernode-system"  # where the add-on files place their namespaced objects
 OPERATOR = "training-operator"
@@ -177,6 +177,78 @@ def addon_resource(
         opts=opts,
         **body,
     )
+
+
+def webhook_controller(
+    name: str,
+    objs: Mapping[str, dict[str, Any]],
+    namespace: pulumi.Input[str],
+    opts: pulumi.ResourceOptions,
+    *,
+    role: str,
+    config: tuple[str, str],
+    scoped: Callable[[dict[str, Any]], bool],
+    namespaces: Sequence[str],
+    images: Mapping[str, str],
+    after: Sequence[pulumi.Resource],
+) -> tuple[pulumi.CustomResource, str]:
+    """A kubebuilder controller-manager from its pinned release file (Kueue's, the LeaderWorkerSet's),
+    one object of each kind in `objs`, in `namespace`: its service account bound to its ClusterRole and
+    to its namespace's Role (resources named `role`), the webhook certificate's Secret and Service, its
+    configuration (`config`: key, text), both webhook configurations with the hooks `scoped` picks
+    limited to `namespaces` (they fail closed: nowhere else), and the Deployment after `after` (its
+    CRDs), its rights and its webhooks: it reports ready once it has put its CA into them, so what they
+    intercept may be created from then on. The Deployment and the controller's version (its image tag)."""
+
+    def create(suffix: str, obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
+        where = namespace if "namespace" in obj["metadata"] else None
+        return addon_resource(
+            f"{name}-{suffix}", obj, pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(**options)), where
+        )
+
+    account = create("sa", objs["ServiceAccount"])
+
+    def bind(binding: dict[str, Any], granted: pulumi.CustomResource) -> dict[str, Any]:
+        binding["roleRef"]["name"] = granted.metadata.name
+        for subject in binding["subjects"]:
+            subject.update(name=account.metadata.name, namespace=namespace)
+        return binding
+
+    bindings = [
+        create("manager", bind(objs["ClusterRoleBinding"], create("manager", objs["ClusterRole"]))),
+        create(role, bind(objs["RoleBinding"], create(role, objs["Role"]))),
+    ]
+    # The controller writes and rotates the certificate in this Secret and injects its CA into both
+    # webhook configurations: Pulumi must not fight over either. Their names are the controller's own.
+    cert = create("webhook-cert", objs["Secret"], ignore_changes=["data"])
+    service = create("webhook", objs["Service"])
+    key, text = config
+    config_map = create("config", {**objs["ConfigMap"], "data": {key: text}})
+    webhooks = []
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for hook in objs[kind]["webhooks"]:
+            hook["clientConfig"]["service"].update(name=service.metadata.name, namespace=namespace)
+            if scoped(hook):
+                hook["namespaceSelector"] = namespace_selector(namespaces)
+        webhooks.append(
+            create(
+                kind.removesuffix("Configuration").lower(),
+                objs[kind],
+                ignore_changes=["webhooks[*].clientConfig.caBundle"],
+            )
+        )
+    # Its pods restart with a changed configuration (read once at start).
+    deployment = with_config_hash(with_images(objs["Deployment"], images), text)
+    pod = deployment["spec"]["template"]["spec"]
+    pod["serviceAccountName"] = account.metadata.name
+    for volume in pod["volumes"]:
+        if "configMap" in volume:
+            volume["configMap"]["name"] = config_map.metadata.name
+        if "secret" in volume:
+            volume["secret"]["secretName"] = cert.metadata.name
+    (container,) = pod["containers"]
+    version = container["image"].split("@", 1)[0].rsplit(":", 1)[1]
+    return create("controller", deployment, depends_on=[*after, *bindings, *webhooks]), version
 
 
 class ClusterAddons(pulumi.ComponentResource):

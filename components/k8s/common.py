@@ -255,3 +255,10 @@ def fsx_claim(
         },
         opts=opts,
     )
+
+
+def namespace_selector(namespaces: Sequence[str]) -> dict[str, Any]:
+    """Namespaces by name: whom a ClusterQueue serves, whose jobs a controller manages, where its webhooks act."""
+    return {
+        "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(namespaces)}]
+    }

@@ -17,7 +17,7 @@ from typing import Any
 
 import pulumi
 
-from .addons import addon_resource, with_config_hash, with_images
+from .addons import webhook_controller
 from .common import load_addon, pod_security_namespace, shipped_crd
 
 CONTROLLER_FILE = "lws.yaml"  # its container `lws` is its images.addons entry
@@ -44,63 +44,18 @@ class LwsController(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         self.crd = shipped_crd(f"{name}-crd", CRD_FILE, child)
         self.namespace = pod_security_namespace(f"{name}-ns", CONTROLLER_NAMESPACE, "restricted", "restricted", child)
-        ns = self.namespace.metadata.name
         objs = load_addon(CONTROLLER_FILE)
-
-        def create(suffix: str, obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
-            namespace = ns if "namespace" in obj["metadata"] else None
-            return addon_resource(
-                f"{name}-{suffix}",
-                obj,
-                pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(**options)),
-                namespace,
-            )
-
-        account = create("sa", objs["ServiceAccount"])
-
-        def bind(binding: dict[str, Any], role: pulumi.CustomResource) -> dict[str, Any]:
-            binding["roleRef"]["name"] = role.metadata.name
-            for subject in binding["subjects"]:
-                subject.update(name=account.metadata.name, namespace=ns)
-            return binding
-
-        bindings = [
-            create("manager", bind(objs["ClusterRoleBinding"], create("manager", objs["ClusterRole"]))),
-            create("leader-election", bind(objs["RoleBinding"], create("leader-election", objs["Role"]))),
-        ]
-        # The controller writes and rotates the certificate in this Secret and injects its CA into both
-        # webhook configurations: Pulumi must not fight over either. Their names are the controller's own.
-        cert = create("webhook-cert", objs["Secret"], ignore_changes=["data"])
-        service = create("webhook", objs["Service"])
-        config = objs["ConfigMap"]["data"][CONFIG_KEY]
-        config_map = create("config", objs["ConfigMap"])
-        webhooks = []
-        for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
-            for hook in objs[kind]["webhooks"]:
-                hook["clientConfig"]["service"].update(name=service.metadata.name, namespace=ns)
-                if _intercepts_pods(hook):  # fails closed: only where LeaderWorkerSets run
-                    hook["namespaceSelector"] = {
-                        "matchExpressions": [
-                            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(pod_namespaces)}
-                        ]
-                    }
-            webhooks.append(
-                create(
-                    kind.removesuffix("Configuration").lower(),
-                    objs[kind],
-                    ignore_changes=["webhooks[*].clientConfig.caBundle"],
-                )
-            )
-        deployment = with_config_hash(with_images(objs["Deployment"], images), config)
-        pod = deployment["spec"]["template"]["spec"]
-        pod["serviceAccountName"] = account.metadata.name
-        for volume in pod["volumes"]:
-            if "configMap" in volume:
-                volume["configMap"]["name"] = config_map.metadata.name
-            if "secret" in volume:
-                volume["secret"]["secretName"] = cert.metadata.name
-        (container,) = pod["containers"]
-        self.version = container["image"].split("@", 1)[0].rsplit(":", 1)[1]
-        self.deployment = create("controller", deployment, depends_on=[self.crd, *bindings, *webhooks])
+        self.deployment, self.version = webhook_controller(
+            name,
+            objs,
+            self.namespace.metadata.name,
+            child,
+            role="leader-election",
+            config=(CONFIG_KEY, objs["ConfigMap"]["data"][CONFIG_KEY]),
+            scoped=_intercepts_pods,  # only where LeaderWorkerSets run
+            namespaces=pod_namespaces,
+            images=images,
+            after=[self.crd],
+        )
         self.ready: list[pulumi.Resource] = [self.crd, self.deployment]
         self.register_outputs({"version": self.version})

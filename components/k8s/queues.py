@@ -49,8 +49,17 @@ from supernode.core.pools import Pool as PoolFigures
 from supernode.core.teams import WORKLOAD_PRIORITY
 from supernode.core.teams import cluster_queue as team_cluster_queue
 
-from .addons import addon_resource, with_config_hash, with_images
-from .common import crd_kind, dns_name, load_addon, meta, pod_resources, pod_security_namespace, shipped_crd
+from .addons import webhook_controller
+from .common import (
+    crd_kind,
+    dns_name,
+    load_addon,
+    meta,
+    namespace_selector,
+    pod_resources,
+    pod_security_namespace,
+    shipped_crd,
+)
 
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -148,13 +157,6 @@ def queue_name(accelerator: str) -> str:
 def job_labels(plan: Plan, priority: str) -> dict[str, str]:
     """The labels that put a job in its pool's LocalQueue at a priority."""
     return {QUEUE_LABEL: queue_name(plan.hardware.accelerator), PRIORITY_LABEL: priority}
-
-
-def namespace_selector(namespaces: Sequence[str]) -> dict[str, Any]:
-    """The queued namespaces, by name: whom a ClusterQueue serves and whose jobs the controller manages."""
-    return {
-        "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(namespaces)}]
-    }
 
 
 def flavor_spec(pool: Pool, role: str) -> dict[str, Any]:
@@ -290,64 +292,19 @@ class KueueController(pulumi.ComponentResource):
             for kind, filename in ((crd_kind(f), f) for f in CRD_FILES)
         }
         self.namespace = pod_security_namespace(f"{name}-ns", CONTROLLER_NAMESPACE, "restricted", "restricted", child)
-        ns = self.namespace.metadata.name
-        objs = load_addon(CONTROLLER_FILE)
-
-        def create(suffix: str, obj: dict[str, Any], **options: Any) -> pulumi.CustomResource:
-            namespace = ns if "namespace" in obj["metadata"] else None
-            return addon_resource(
-                f"{name}-{suffix}",
-                obj,
-                pulumi.ResourceOptions.merge(child, pulumi.ResourceOptions(**options)),
-                namespace,
-            )
-
-        account = create("sa", objs["ServiceAccount"])
-
-        def bind(binding: dict[str, Any], role: pulumi.CustomResource) -> dict[str, Any]:
-            binding["roleRef"]["name"] = role.metadata.name
-            for subject in binding["subjects"]:
-                subject.update(name=account.metadata.name, namespace=ns)
-            return binding
-
-        bindings = [
-            create("manager", bind(objs["ClusterRoleBinding"], create("manager", objs["ClusterRole"]))),
-            create("namespace", bind(objs["RoleBinding"], create("namespace", objs["Role"]))),
-        ]
-        # Kueue writes and rotates the certificate in this Secret, and injects its CA into both webhook
-        # configurations: Pulumi must not fight over either.
-        cert = create("webhook-cert", objs["Secret"], ignore_changes=["data"])
-        service = create("webhook", objs["Service"])
         config = yaml.safe_dump(controller_configuration(self.namespaces, args.fair_sharing), sort_keys=False)
-        config_map = create("config", {**objs["ConfigMap"], "data": {CONFIG_KEY: config}})
-        webhooks = []
-        for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
-            for hook in objs[kind]["webhooks"]:
-                hook["clientConfig"]["service"].update(name=service.metadata.name, namespace=ns)
-                if _intercepts_jobs(hook):  # fails closed: only where jobs are queued
-                    hook["namespaceSelector"] = namespace_selector(self.namespaces)
-            webhooks.append(
-                create(
-                    kind.removesuffix("Configuration").lower(),
-                    objs[kind],
-                    ignore_changes=["webhooks[*].clientConfig.caBundle"],
-                )
-            )
-
-        # Its pods restart with a changed configuration (read once at start).
-        deployment = with_config_hash(with_images(objs["Deployment"], args.images), config)
-        pod = deployment["spec"]["template"]["spec"]
-        pod["serviceAccountName"] = account.metadata.name
-        for volume in pod["volumes"]:
-            if "configMap" in volume:
-                volume["configMap"]["name"] = config_map.metadata.name
-            if "secret" in volume:
-                volume["secret"]["secretName"] = cert.metadata.name
-        (container,) = pod["containers"]
-        self.version = container["image"].split("@", 1)[0].rsplit(":", 1)[1]
-        # After its CRDs, its rights and its webhook configurations: it reports ready once it has put its CA
-        # into them, so what their webhooks intercept may be created from then on.
-        self.deployment = create("controller", deployment, depends_on=[*self.crds.values(), *bindings, *webhooks])
+        self.deployment, self.version = webhook_controller(
+            name,
+            load_addon(CONTROLLER_FILE),
+            self.namespace.metadata.name,
+            child,
+            role="namespace",
+            config=(CONFIG_KEY, config),
+            scoped=_intercepts_jobs,  # only where jobs are queued
+            namespaces=self.namespaces,
+            images=args.images,
+            after=list(self.crds.values()),
+        )
         self.ready: list[pulumi.Resource] = [self.deployment]
         self.register_outputs({"namespaces": self.namespaces, "version": self.version})
 
