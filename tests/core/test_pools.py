@@ -84,8 +84,8 @@ def test_a_serving_share_below_replicas_max_says_which_replicas_wait():
 
     cfg = variant("prod", not_elastic_serving_6)
     [pool] = build_plan("prod", cfg).pools
-    assert pool.adds_up and pool.serving_max == 24 and pool.serving_reachable_max == 16
-    assert "serving max 6 x 4 = 24, reachable 16 (its share 16 + lent 0: replicas above 4 wait)" in pool.reason
+    assert pool.adds_up and pool.serving_max == 96 and pool.serving_reachable_max == 32
+    assert "serving max 6 x 16 = 96, reachable 32 (its share 32 + lent 0: replicas above 2 wait)" in pool.reason
 
 
 def test_a_stack_without_inference_has_no_serving_share():
@@ -116,8 +116,9 @@ def test_plan_prints_the_pool_arithmetic_and_the_grace_period(capsys):
     assert main(["plan", "--stack", "prod", "--root", str(ROOT), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     [pool] = out["pools"]
-    # 16 training + 1 spare + 2 serving p5; training elastic down to minNodes 8
-    assert (pool["devices"], pool["training_min"], pool["serving_min"], pool["adds_up"]) == (152, 64, 8, True)
+    # 16 training + 1 spare + 4 serving p5; training elastic down to minNodes 8; serving 2 replicas x 16
+    assert (pool["devices"], pool["training_min"], pool["serving_min"], pool["adds_up"]) == (168, 64, 32, True)
+    assert (pool["stranded"], pool["training_borrowing_limit"]) == (0, 0)
     assert out["termination_grace_needed_s"] <= out["termination_grace_s"]
 
 
