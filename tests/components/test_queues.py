@@ -13,7 +13,7 @@ from supernode.components.k8s import queues as q
 from supernode.components.k8s.common import pod_resources
 from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
-from supernode.core.config import load_stack
+from supernode.core.config import from_mapping, load_stack
 from supernode.core.plan import build_plan
 from supernode.tools import manifests as mf
 
@@ -204,3 +204,21 @@ def test_kueue_objects_in_the_preview_are_wired_and_valid():
     crds = [m for m in manifests if m["kind"] == "CustomResourceDefinition"]
     problems = mf.validate([*crds, broken], stack.cfg.cluster.kubernetes_version)
     assert {p.path for p in problems} == {"spec", "spec.preemption.withinClusterQueue"}
+
+
+def test_serving_borrows_what_training_lends_on_training_s_flavor():
+    """prod with 3 replicas of 16 GPUs: 16 beyond serving's 32, lent by the elastic job (64), reached only
+    through training's flavor in serving's queue (Kueue borrows per flavor); and serving's queue takes
+    its own share back (reclaimWithinCohort) from a training job borrowing it."""
+    data = copy.deepcopy(load_stack("prod", ROOT).to_mapping())
+    data["inference"].update(replicasMax=3)
+    cfg = from_mapping(data, "prod variant")
+    [pool] = q.gpu_pools(cfg.accelerator_node_groups, build_plan("prod", cfg))
+    spec = q.serving_cluster_queue_spec(pool, ["serving"])
+    [group] = spec["resourceGroups"]
+    assert [f["name"] for f in group["flavors"]] == ["gpu-h100-serving", "gpu-h100"]
+    for f in group["flavors"]:  # every flavor lists the covered resources, in their order (Kueue's rule)
+        assert [r["name"] for r in f["resources"]] == group["coveredResources"]
+    gpu = {r["name"]: r for r in group["flavors"][1]["resources"]}["nvidia.com/gpu"]
+    assert (gpu["nominalQuota"], gpu["borrowingLimit"]) == ("0", 16) and pool.figures.training_lending_limit == 64
+    assert spec["preemption"]["reclaimWithinCohort"] == "Any"
