@@ -127,7 +127,7 @@ def _world_size(stack: Stack, _conf: None, report: Report) -> None:
     "accelerators-pools-add-up",
     1,
     "Training's and serving's minimum accelerators fit their pool together; serving scales out only on "
-    "its share and what training lends; the teams' quotas add up to training's share.",
+    "its share and what training lends; no accelerator is unreachable; the teams' quotas add up to training's share.",
 )
 def _pools(stack: Stack, _conf: None, report: Report) -> None:
     """Training and serving share the accelerators without stranding either (supernode.core.pools):
@@ -150,7 +150,16 @@ def _pools(stack: Stack, _conf: None, report: Report) -> None:
                 f"{cm.label} counted {pool.serving_devices} for serving's share. Fix: deploy the plan's node "
                 f"groups (supernode:acceleratorNodeGroups[].nodes with role: serving).",
             )
-        if not pool.adds_up:
+        if pool.stranded:
+            report(
+                cm,
+                f"pool {pool.accelerator}: {pool.stranded_reason}. Such {pool.noun} are bought but no workload "
+                "can ever run on them: neither serving at its maximum nor a training pod (a whole node) borrowing "
+                "serving's idle share. Fix: size the serving node groups by serving's maximum replicas "
+                "(supernode:acceleratorNodeGroups[].nodes with role: serving), or raise "
+                "supernode:inference.replicasMax to fill them.",
+            )
+        if not pool.fits:
             report(
                 cm,
                 f"{pool.reason}. Training's minimum and serving's minimum must fit the pool together, or "

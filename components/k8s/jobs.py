@@ -220,10 +220,15 @@ def nvlink_domain_affinity(plan: Plan, mesh: str) -> dict[str, Any]:
 
 
 def gpu_pod_spec(
-    args: JobArgs, mesh: str, container: dict[str, Any], volumes: Sequence[dict[str, Any]] = (), **spec: Any
+    args: JobArgs,
+    mesh: str,
+    container: dict[str, Any],
+    volumes: Sequence[dict[str, Any]] = (),
+    roles: Sequence[str] = ("training",),
+    **spec: Any,
 ) -> dict[str, Any]:
-    """A pod owning one whole GPU node: all its GPUs and EFA devices, one pod of the mesh per node,
-    and on UltraServers the IMEX channel of the job's ComputeDomain."""
+    """A pod owning one whole GPU node of `roles` (ROLE_LABEL): all its GPUs and EFA devices, one pod
+    of the mesh per node, and on UltraServers the IMEX channel of the job's ComputeDomain."""
     imex = spans_nodes_over_nvlink(args.plan)
     resources = pod_resources(args.plan.pod)
     if imex:
@@ -240,8 +245,9 @@ def gpu_pod_spec(
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}},
         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}] + container.get("volumeMounts", []),
     }
-    # Training's nodes only (the gate too, which no queue places): serving's reserved share is not the world.
-    affinity = args.gpu_nodes.affinity([{"key": ROLE_LABEL, "operator": "In", "values": ["training"]}])
+    # Training's nodes only unless queued (the gate, which no queue places, is the world's check); a queued
+    # job may also land on serving's nodes, where Kueue admits it on serving's lent flavor (its labels).
+    affinity = args.gpu_nodes.affinity([{"key": ROLE_LABEL, "operator": "In", "values": list(roles)}])
     affinity["podAntiAffinity"] = {
         "requiredDuringSchedulingIgnoredDuringExecution": [
             {"labelSelector": {"matchLabels": {MESH_LABEL: mesh}}, "topologyKey": "kubernetes.io/hostname"}
@@ -487,6 +493,8 @@ def trainer_pod_template(args: TrainerArgs, mesh: str) -> dict[str, Any]:
             mesh,
             container,
             volumes,
+            # queued: Kueue places it on training's flavor, or on serving's idle share it borrows
+            roles=("training", "serving") if args.queue_labels else ("training",),
             serviceAccountName=args.service_account,
             # the trainer writes a checkpoint on SIGTERM before exiting
             terminationGracePeriodSeconds=args.termination_grace_s,

@@ -169,75 +169,94 @@ def _resources(quota: Mapping[str, str], limits: Mapping[str, Mapping[str, int]]
     return [{"name": r, "nominalQuota": q, **{k: v[r] for k, v in limits.items() if r in v}} for r, q in quota.items()]
 
 
-def cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
-    """Training's ClusterQueue: the training nodes' quota, lending what training can give up."""
-    quota = pool.quota("training")
-    device = pool.figures.device_resource
-    limits = {"lendingLimit": {device: pool.figures.training_lending_limit}} if pool.serves else {}
+def _flavors(
+    pool: Pool, role: str, quota: Mapping[str, str], limits: Mapping[str, Mapping[str, int]], borrowed: int | None
+) -> list[dict[str, Any]]:
+    """A role's ClusterQueue's flavors: its own (its nominal quota and limits), and with `borrowed` the
+    other role's flavor at nominal 0, borrowing up to that many devices. Kueue borrows per flavor, so a
+    queue reaches the other role's nodes only through that flavor (whose node labels it then puts on the
+    admitted pods); training's queues borrow serving's flavor, serving's queue training's."""
+    own, other = (pool.name, pool.serving_name) if role == "training" else (pool.serving_name, pool.name)
+    flavors = [{"name": own, "resources": _resources(quota, limits)}]
+    if borrowed is not None:
+        device = {"borrowingLimit": {pool.figures.device_resource: borrowed}}
+        flavors.append({"name": other, "resources": _resources(dict.fromkeys(quota, "0"), device)})
+    return flavors
+
+
+def _cluster_queue(
+    namespaces: Sequence[str], flavors: list[dict[str, Any]], preemption: dict[str, Any], **extra: Any
+) -> dict[str, Any]:
+    """A ClusterQueue of the cohort serving `namespaces`: one resource group over its flavors."""
     return {
         "cohort": COHORT,
         "namespaceSelector": namespace_selector(namespaces),
         # A big job at the head does not block smaller ones that fit (they cannot starve it: it keeps
         # its place, and preemption below frees nodes for higher priorities).
         "queueingStrategy": "BestEffortFIFO",
-        "resourceGroups": [
-            {"coveredResources": list(quota), "flavors": [{"name": pool.name, "resources": _resources(quota, limits)}]}
-        ],
-        "preemption": {
-            "withinClusterQueue": "LowerPriority",
-            # Quota lent to serving comes back when training needs it: a training job waiting behind
-            # borrowed quota is re-admitted without a person.
-            "reclaimWithinCohort": "Any",
-            # Borrowed quota may be taken back only from experiments, never from training or serving.
-            "borrowWithinCohort": {"policy": "LowerPriority", "maxPriorityThreshold": PRIORITIES[EXPERIMENTS][0]},
-        },
+        "resourceGroups": [{"coveredResources": [r["name"] for r in flavors[0]["resources"]], "flavors": flavors}],
+        "preemption": preemption,
+        **extra,
     }
+
+
+def _borrows_serving(pool: Pool) -> int | None:
+    """What a training queue may borrow of serving's idle share (preemptibly), where the pool serves."""
+    return pool.figures.training_borrowing_limit if pool.serves else None
+
+
+def cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
+    """Training's ClusterQueue: the training nodes' quota, lending what training can give up, and
+    borrowing serving's idle share."""
+    quota = pool.quota("training")
+    device = pool.figures.device_resource
+    limits = {"lendingLimit": {device: pool.figures.training_lending_limit}} if pool.serves else {}
+    preemption = {
+        "withinClusterQueue": "LowerPriority",
+        # Quota lent to serving comes back when training needs it: a training job waiting behind
+        # borrowed quota is re-admitted without a person.
+        "reclaimWithinCohort": "Any",
+        # Borrowed quota may be taken back only from experiments, never from training or serving.
+        "borrowWithinCohort": {"policy": "LowerPriority", "maxPriorityThreshold": PRIORITIES[EXPERIMENTS][0]},
+    }
+    return _cluster_queue(namespaces, _flavors(pool, "training", quota, limits, _borrows_serving(pool)), preemption)
 
 
 def serving_cluster_queue_spec(pool: Pool, namespaces: Sequence[str]) -> dict[str, Any]:
-    """Serving's ClusterQueue: its reserved nodes' quota. Beyond it serving may only borrow what
-    training lends (training's lendingLimit: its share less its spares and its minimum, 0 when the
+    """Serving's ClusterQueue: its reserved nodes' quota, lending what is idle above its minimum (which
+    training's queues borrow, preemptibly). Beyond its share serving borrows only what training lends, on
+    training's flavor (training's lendingLimit: its share less its spares and its minimum, 0 when the
     job is not elastic, so serving then scales out within its share)."""
     quota = pool.quota("serving")
-    return {
-        "cohort": COHORT,
-        "namespaceSelector": namespace_selector(namespaces),
-        "queueingStrategy": "BestEffortFIFO",
-        "resourceGroups": [
-            {
-                "coveredResources": list(quota),
-                "flavors": [{"name": pool.serving_name, "resources": _resources(quota, {})}],
-            }
-        ],
-        "preemption": {
-            "withinClusterQueue": "LowerPriority",
-            "reclaimWithinCohort": "Any",  # its reserved share, should another queue ever borrow it
-            "borrowWithinCohort": {"policy": "Never"},  # scale-out never evicts training to borrow
-        },
+    limits = {"lendingLimit": {pool.figures.device_resource: pool.figures.serving_lending_limit}}
+    preemption = {
+        "withinClusterQueue": "LowerPriority",
+        "reclaimWithinCohort": "Any",  # its reserved share back from training when it scales out
+        "borrowWithinCohort": {"policy": "Never"},  # scale-out never evicts training to borrow
     }
+    return _cluster_queue(
+        namespaces, _flavors(pool, "serving", quota, limits, pool.figures.serving_borrowing_limit), preemption
+    )
 
 
 def team_cluster_queue_spec(pool: Pool, teams: TeamPool, team: TeamShare, namespaces: Sequence[str]) -> dict[str, Any]:
     """A team's ClusterQueue in the pool's cohort, on training's flavor: its nominal quota, borrowing
     and lending limits (the Plan's, in whole nodes x the node's pod shape for every covered resource)
-    and its fair-sharing weight. Fair sharing decides what borrowed quota is taken back (Kueue ignores
-    borrowWithinCohort under it); lent quota comes back when the team needs it."""
+    and its fair-sharing weight; like training's, it may borrow serving's idle share. Fair sharing
+    decides what borrowed quota is taken back (Kueue ignores borrowWithinCohort under it); lent quota
+    comes back when the team needs it."""
     per_node = teams.devices_per_node
     quota = pool.quota("training", team.nodes)
     limits = {
         "borrowingLimit": pool.quota("training", team.borrowing_limit // per_node),
         "lendingLimit": pool.quota("training", team.lending_limit // per_node),
     }
-    return {
-        "cohort": COHORT,
-        "namespaceSelector": namespace_selector(namespaces),
-        "queueingStrategy": "BestEffortFIFO",
-        "resourceGroups": [
-            {"coveredResources": list(quota), "flavors": [{"name": pool.name, "resources": _resources(quota, limits)}]}
-        ],
-        "preemption": {"withinClusterQueue": "LowerPriority", "reclaimWithinCohort": "Any"},
-        "fairSharing": {"weight": f"{team.weight:g}"},
-    }
+    return _cluster_queue(
+        namespaces,
+        _flavors(pool, "training", quota, limits, _borrows_serving(pool)),
+        {"withinClusterQueue": "LowerPriority", "reclaimWithinCohort": "Any"},
+        fairSharing={"weight": f"{team.weight:g}"},
+    )
 
 
 class TopLevelResource(pulumi.CustomResource):
@@ -350,29 +369,24 @@ class Queues(pulumi.ComponentResource):
         self.local_queues = []
         self.cluster_queues = []
         for pool in args.pools:
-            flavor = custom(
-                f"{name}-{pool.name}-flavor", "ResourceFlavor", meta(pool.name), spec=flavor_spec(pool, "training")
-            )
+            flavors = [
+                custom(f"{name}-{flavor}-flavor", "ResourceFlavor", meta(flavor), spec=flavor_spec(pool, role))
+                for flavor, role in ((pool.name, "training"), (pool.serving_name, "serving"))
+                if role == "training" or pool.serves  # every queue lists both where the pool serves
+            ]
             shares = teams.get(pool.accelerator)
             if shares is None:
-                queues = [(pool.name, cluster_queue_spec(pool, training_ns), training_ns, [flavor])]
+                queues = [(pool.name, cluster_queue_spec(pool, training_ns), training_ns)]
             else:
                 queues = []
                 for i, team in enumerate(shares.teams):
                     # the first team's queue also admits the stack's own job (its training namespace)
                     served = [args.team_namespaces[team.name], *(training_ns if i == 0 else [])]
                     spec = team_cluster_queue_spec(pool, shares, team, served)
-                    queues.append((team_cluster_queue(team.name, pool.accelerator), spec, served, [flavor]))
+                    queues.append((team_cluster_queue(team.name, pool.accelerator), spec, served))
             if serving_ns and pool.serves:
-                serving_flavor = custom(
-                    f"{name}-{pool.serving_name}-flavor",
-                    "ResourceFlavor",
-                    meta(pool.serving_name),
-                    spec=flavor_spec(pool, "serving"),
-                )
-                spec = serving_cluster_queue_spec(pool, serving_ns)
-                queues.append((pool.serving_name, spec, serving_ns, [serving_flavor, flavor]))
-            for cq_name, spec, namespaces, flavors in queues:
+                queues.append((pool.serving_name, serving_cluster_queue_spec(pool, serving_ns), serving_ns))
+            for cq_name, spec, namespaces in queues:
                 cq = custom(f"{name}-{cq_name}", "ClusterQueue", meta(cq_name), after=flavors, spec=spec)
                 self.cluster_queues.append(cq)
                 for ns in namespaces:

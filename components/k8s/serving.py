@@ -26,7 +26,9 @@ export, sized by the Plan's inference plan.
 - **Sharing the GPU pool with training** (the rule, docs/architecture.md "How training and serving
   share the accelerators"): serving runs on its reserved share of the pool (the `role: serving` node
   groups), admitted by its own Kueue ClusterQueue (components/k8s/queues.py, from the Plan's
-  pool arithmetic); beyond that share it borrows only what training lends, which training reclaims.
+  pool arithmetic); beyond that share it borrows only what training lends, on training's flavor
+  (its pods may run on either role's nodes; the admitted flavor's node labels place them), which
+  training reclaims.
   Its PriorityClass never preempts (`preemptionPolicy: Never`): the kube-scheduler must not evict a
   training pod to place a serving pod, only Kueue's quota decides. A ResourceQuota caps serving at
   `gpuQuota` GPUs (default replicasMax x GPUs per replica).
@@ -359,8 +361,18 @@ def pod_template(
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
             "tolerations": args.gpu_nodes.tolerations(),
-            # Serving's reserved share only (Kueue's flavor says the same once admitted).
-            "affinity": args.gpu_nodes.affinity([{"key": ROLE_LABEL, "operator": "In", "values": ["serving"]}]),
+            # Queued, either role's nodes: Kueue puts the admitted flavor's node labels (serving's share,
+            # or training's where it borrows what training lends) into the pod's node selector. Unqueued,
+            # serving's reserved share only.
+            "affinity": args.gpu_nodes.affinity(
+                [
+                    {
+                        "key": ROLE_LABEL,
+                        "operator": "In",
+                        "values": ["serving", "training"] if args.queue_labels else ["serving"],
+                    }
+                ]
+            ),
             "volumes": pod_volumes(weights_disk_gib(ip)),
         },
     }

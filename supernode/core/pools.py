@@ -10,7 +10,13 @@ neither starves the other (docs/architecture.md, "How training and serving share
   share, so serving's `replicasMin` never needs a device training runs on;
 - serving's scale-out beyond its share borrows only what training lends: its share less its
   spares and its minimum (`training_lending_limit`), which Kueue's reclaimWithinCohort takes back
-  when training needs it, so a preempted or waiting training job is re-admitted without a person.
+  when training needs it, so a preempted or waiting training job is re-admitted without a person;
+- training borrows serving's idle share, preemptibly: serving lends its share less its minimum
+  (`serving_lending_limit`) and takes it back the same way when it scales out;
+- no device is unreachable (`stranded` 0, issue 38): training's queue admits any job of whole nodes,
+  so its share is always reachable; every device of serving's share is serving's at its maximum or on
+  a whole serving node that training's whole-node pods may borrow. A serving share beyond serving's
+  maximum by less than a node (one p5 for 2 replicas x tp 1: 6 GPUs) is stranded.
 
 Training's maximum is the plan's world; its minimum the world at `training.minNodes` (the elastic
 job's minReplicas, supernode.core.estimate), equal to the maximum when the job is not elastic. Spare
@@ -64,7 +70,15 @@ class Pool(BaseModel):
     training_lending_limit: int
     serving_borrowing_limit: int
     serving_reachable_max: int
-    adds_up: bool
+    # And the other way (preemptible: serving reclaims it): serving lends its share less its minimum,
+    # which training's queue may borrow (in whole serving nodes, as its pods are whole nodes).
+    serving_lending_limit: int
+    training_borrowing_limit: int
+    # Devices no workload can ever use at once (see the module's docstring); stranded_reason says which.
+    stranded: int
+    stranded_reason: str
+    fits: bool  # the minimums and training's maximum fit their shares
+    adds_up: bool  # fits, and nothing stranded
     reason: str  # the arithmetic in one line, with the numbers; on failure what does not fit
 
     @property
@@ -93,7 +107,9 @@ def _pool(
     lend = max(0, training_devices - spares - t_min)
     borrow = min(max(0, s_max - serving_devices), lend)
     reachable = min(s_max, serving_devices + borrow)
+    serving_lend = max(0, serving_devices - s_min)
     noun = device_noun(device_resource)
+    stranded, stranded_reason = _stranded(nodes, shares, (r_max, per_replica), noun)
     sums = f"training min {t_min} + serving min {s_min} = {t_min + s_min}"
     problems = []
     if t_min + s_min > devices:
@@ -114,7 +130,9 @@ def _pool(
         f"{nodes['serving']} serving nodes)"
     )
     if problems:
-        reason = f"{head}; " + "; ".join(problems)
+        reason = f"{head}; " + "; ".join(problems + ([stranded_reason] if stranded else []))
+    elif stranded:
+        reason = f"{head}; {sums} <= {devices}; {stranded_reason}"
     else:
         reason = f"{head}; {sums} <= {devices}"
         if lend:
@@ -125,6 +143,9 @@ def _pool(
                 reason += (
                     f" (its share {serving_devices} + lent {borrow}: replicas above {reachable // per_replica} wait)"
                 )
+        if serving_lend and nodes["serving"]:
+            reason += f"; serving lends {serving_devices} - {s_min} = {serving_lend} (preemptible)"
+        reason += f"; every one of the {devices} {noun} reachable"
     return Pool(
         accelerator=accelerator,
         device_resource=device_resource,
@@ -144,8 +165,40 @@ def _pool(
         training_lending_limit=lend,
         serving_borrowing_limit=borrow,
         serving_reachable_max=reachable,
-        adds_up=not problems,
+        serving_lending_limit=serving_lend,
+        training_borrowing_limit=serving_lend,
+        stranded=stranded,
+        stranded_reason=stranded_reason,
+        fits=not problems,
+        adds_up=not problems and not stranded,
         reason=reason,
+    )
+
+
+def _stranded(
+    nodes: dict[str, int], shares: dict[str, int], serving_max: tuple[int, int], noun: str
+) -> tuple[int, str]:
+    """The devices no workload can ever use, and why: those of serving's share beyond serving's maximum
+    that are not whole serving nodes a training pod (one whole training node) could borrow. Training's
+    share has none: its queue admits any job of whole nodes, the stack's world is the share (the
+    accelerators-match-world-size policy) and its spares stand by."""
+    r_max, per_replica = serving_max
+    s_max = r_max * per_replica
+    t_per_node = shares["training"] // nodes["training"]
+    s_per_node = shares["serving"] // nodes["serving"] if nodes["serving"] else 0
+    idle = max(0, shares["serving"] - s_max)
+    lendable_nodes = idle // s_per_node if s_per_node == t_per_node else 0
+    stranded = idle - lendable_nodes * s_per_node
+    if not stranded:
+        return 0, ""
+    need = math.ceil(s_max / s_per_node)
+    fixes = [f"{need} serving nodes"] if need < nodes["serving"] else []
+    fixes += [f"supernode:inference.replicasMax {shares['serving'] // per_replica}"] if per_replica else []
+    return stranded, (
+        f"{stranded} {noun} unreachable: {stranded} of serving's share {shares['serving']} ({nodes['serving']} "
+        f"serving nodes of {s_per_node}): serving max {r_max} x {per_replica} = {s_max}, and what is left is "
+        + ("less than a whole node" if s_per_node == t_per_node else "on nodes unlike training's")
+        + f" training could borrow (size it: {' or '.join(fixes) or 'fewer serving nodes'})"
     )
 
 

@@ -32,8 +32,8 @@ def test_prod_node_groups_boot_the_spare_beside_the_world():
         g.name: stack.one(NODE_GROUP, g.name).inputs["scalingConfig"]["desiredSize"]
         for g in stack.cfg.accelerator_node_groups
     }
-    # gpu-p5-a: 8 nodes + 1 spare; gpu-p5-b 8; serving 2
-    assert sizes == {"gpu-p5-a": 9, "gpu-p5-b": 8, "gpu-p5-serve": 2}
+    # gpu-p5-a: 8 nodes + 1 spare; gpu-p5-b 8; serving 4 (2 replicas of two nodes)
+    assert sizes == {"gpu-p5-a": 9, "gpu-p5-b": 8, "gpu-p5-serve": 4}
     scaling = stack.one(NODE_GROUP, "gpu-p5-a").inputs["scalingConfig"]
     assert scaling == {"minSize": 9, "desiredSize": 9, "maxSize": 9}
 

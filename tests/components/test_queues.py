@@ -13,7 +13,7 @@ from supernode.components.k8s import queues as q
 from supernode.components.k8s.common import pod_resources
 from supernode.core import resource_types as T
 from supernode.core.catalog import CATALOG
-from supernode.core.config import load_stack
+from supernode.core.config import from_mapping, load_stack
 from supernode.core.plan import build_plan
 from supernode.tools import manifests as mf
 
@@ -50,16 +50,29 @@ def test_each_roles_quota_is_the_plans_pool_and_its_node_groups_hardware(stack):
         assert _quantity(serving[resource]) == serving_nodes * _quantity(amount)
     # Training lends what the plan says it can give up (its share less its spares and its minimum), no
     # more: dev is not elastic, prod runs down to training.minNodes 8 of 16 nodes.
-    [flavor] = spec["resourceGroups"][0]["flavors"]
+    flavor, borrowed = spec["resourceGroups"][0]["flavors"]
     lending = {r["name"]: r.get("lendingLimit") for r in flavor["resources"]}
     assert lending["nvidia.com/gpu"] == figures.training_lending_limit == {"dev": 0, "prod": 64}[stack]
     assert spec["preemption"]["reclaimWithinCohort"] == "Any"  # lent quota comes back without a person
-    # Serving: its own flavor only, and it never evicts training to borrow.
+    # ... and it may borrow serving's idle share (its share less its minimum: dev 8 - 1, prod 32 - 32) on
+    # serving's flavor, nominal 0: Kueue borrows per flavor, so without it training never reaches serving's nodes.
+    assert borrowed["name"] == pool.serving_name
+    assert {r["name"]: r["nominalQuota"] for r in borrowed["resources"]} == dict.fromkeys(training, "0")
+    limits = {r["name"]: r.get("borrowingLimit") for r in borrowed["resources"]}
+    assert limits == {**dict.fromkeys(training), "nvidia.com/gpu": {"dev": 7, "prod": 0}[stack]}
+    # Serving: its own flavor (lending its idle share above its minimum), training's to borrow what
+    # training lends, and it never evicts training to borrow.
     sspec = q.serving_cluster_queue_spec(pool, [cfg.inference.namespace])
-    [sflavor] = sspec["resourceGroups"][0]["flavors"]
-    assert sflavor["name"] == pool.serving_name != pool.name
+    sflavor, sborrowed = sspec["resourceGroups"][0]["flavors"]
+    assert sflavor["name"] == pool.serving_name != pool.name == sborrowed["name"]
     assert {r["name"]: r["nominalQuota"] for r in sflavor["resources"]} == serving
+    assert {r["name"]: r.get("lendingLimit") for r in sflavor["resources"]}["nvidia.com/gpu"] == {"dev": 7, "prod": 0}[
+        stack
+    ]
+    gpu = {r["name"]: r for r in sborrowed["resources"]}["nvidia.com/gpu"]
+    assert (gpu["nominalQuota"], gpu["borrowingLimit"]) == ("0", figures.serving_borrowing_limit)
     assert sspec["preemption"]["borrowWithinCohort"] == {"policy": "Never"}
+    assert sspec["preemption"]["reclaimWithinCohort"] == "Any"  # its idle share back when it scales out
     # Serving's minimum fits its share, and so does its maximum here: it scales out without borrowing.
     assert figures.serving_min <= figures.serving_max <= figures.serving_devices
 
@@ -98,6 +111,16 @@ def test_priorities_order_serving_training_experiments():
     assert pre["borrowWithinCohort"]["maxPriorityThreshold"] == v[q.EXPERIMENTS]
 
 
+def role_affinity(pod: dict) -> list[str]:
+    """The node roles (ROLE_LABEL) a pod's required node affinity admits (all its expressions on it)."""
+    [term] = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    roles = {"training", "serving"}
+    for e in term["matchExpressions"]:
+        if e["key"] == q.ROLE_LABEL:
+            roles &= set(e["values"])
+    return sorted(roles)
+
+
 @pytest.mark.slow
 def test_kueue_objects_in_the_preview_are_wired_and_valid():
     stack = preview("dev")
@@ -126,14 +149,23 @@ def test_kueue_objects_in_the_preview_are_wired_and_valid():
     assert lqs[serving_ns]["spec"]["clusterQueue"] == serving_cq["metadata"]["name"]
     # the quotas in the manifests are the plan's figures
     gpus = {
-        name: {r["name"]: r for f in c["spec"]["resourceGroups"][0]["flavors"] for r in f["resources"]}[
-            "nvidia.com/gpu"
-        ]
+        (name, f["name"]): {r["name"]: r for r in f["resources"]}["nvidia.com/gpu"]
         for name, c in (("training", cq), ("serving", serving_cq))
+        for f in c["spec"]["resourceGroups"][0]["flavors"]
     }
-    assert int(gpus["training"]["nominalQuota"]) == plan_pool.training_devices
-    assert gpus["training"]["lendingLimit"] == plan_pool.training_lending_limit
-    assert int(gpus["serving"]["nominalQuota"]) == plan_pool.serving_devices
+    assert int(gpus["training", "gpu-h100"]["nominalQuota"]) == plan_pool.training_devices
+    assert gpus["training", "gpu-h100"]["lendingLimit"] == plan_pool.training_lending_limit
+    assert int(gpus["serving", "gpu-h100-serving"]["nominalQuota"]) == plan_pool.serving_devices
+    # each queue reaches the other role's nodes on that role's flavor, nominal 0: training borrows serving's
+    # idle share (8 GPUs less its minimum replica), serving borrows what training lends (dev: nothing)
+    assert gpus["serving", "gpu-h100-serving"]["lendingLimit"] == plan_pool.serving_lending_limit == 7
+    assert gpus["training", "gpu-h100-serving"] == {"name": "nvidia.com/gpu", "nominalQuota": "0", "borrowingLimit": 7}
+    assert gpus["serving", "gpu-h100"]["nominalQuota"] == "0"
+    assert gpus["serving", "gpu-h100"]["borrowingLimit"] == plan_pool.serving_borrowing_limit
+    # ... and their pods may land there: Kueue puts the admitted flavor's node labels into their node
+    # selector, so neither's own affinity may rule the other role's nodes out
+    flavors = {m["metadata"]["name"]: m["spec"]["nodeLabels"][q.ROLE_LABEL] for m in kinds["ResourceFlavor"]}
+    assert flavors == {"gpu-h100": "training", "gpu-h100-serving": "serving"}
     # serving's pods queue in serving's LocalQueue, and their PriorityClass never evicts a training pod
     [deployment] = [
         m
@@ -143,6 +175,11 @@ def test_kueue_objects_in_the_preview_are_wired_and_valid():
         and m["spec"]["template"]["metadata"]["labels"].get(q.QUEUE_LABEL)
     ]
     assert deployment["spec"]["template"]["metadata"]["labels"][q.QUEUE_LABEL] == lqs[serving_ns]["metadata"]["name"]
+    assert role_affinity(deployment["spec"]["template"]["spec"]) == ["serving", "training"]
+    assert role_affinity(job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]) == ["serving", "training"]
+    # the gate, which no queue places, stays on training's nodes (the world it checks)
+    [gate] = [m for m in manifests if m["kind"] == "Job" and q.QUEUE_LABEL not in m["metadata"].get("labels", {})]
+    assert role_affinity(gate["spec"]["template"]["spec"]) == ["training"]
     [serving_pc] = [m for m in kinds["PriorityClass"] if m["metadata"]["name"] == "supernode-serving"]
     assert serving_pc["preemptionPolicy"] == "Never"
     assert labels[q.PRIORITY_LABEL] == q.TRAINING in {p["metadata"]["name"] for p in kinds["WorkloadPriorityClass"]}
@@ -167,3 +204,21 @@ def test_kueue_objects_in_the_preview_are_wired_and_valid():
     crds = [m for m in manifests if m["kind"] == "CustomResourceDefinition"]
     problems = mf.validate([*crds, broken], stack.cfg.cluster.kubernetes_version)
     assert {p.path for p in problems} == {"spec", "spec.preemption.withinClusterQueue"}
+
+
+def test_serving_borrows_what_training_lends_on_training_s_flavor():
+    """prod with 3 replicas of 16 GPUs: 16 beyond serving's 32, lent by the elastic job (64), reached only
+    through training's flavor in serving's queue (Kueue borrows per flavor); and serving's queue takes
+    its own share back (reclaimWithinCohort) from a training job borrowing it."""
+    data = copy.deepcopy(load_stack("prod", ROOT).to_mapping())
+    data["inference"].update(replicasMax=3)
+    cfg = from_mapping(data, "prod variant")
+    [pool] = q.gpu_pools(cfg.accelerator_node_groups, build_plan("prod", cfg))
+    spec = q.serving_cluster_queue_spec(pool, ["serving"])
+    [group] = spec["resourceGroups"]
+    assert [f["name"] for f in group["flavors"]] == ["gpu-h100-serving", "gpu-h100"]
+    for f in group["flavors"]:  # every flavor lists the covered resources, in their order (Kueue's rule)
+        assert [r["name"] for r in f["resources"]] == group["coveredResources"]
+    gpu = {r["name"]: r for r in group["flavors"][1]["resources"]}["nvidia.com/gpu"]
+    assert (gpu["nominalQuota"], gpu["borrowingLimit"]) == ("0", 16) and pool.figures.training_lending_limit == 64
+    assert spec["preemption"]["reclaimWithinCohort"] == "Any"

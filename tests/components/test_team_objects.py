@@ -125,8 +125,13 @@ def test_each_team_queues_in_its_own_cluster_queue_in_the_one_cohort(prod, manif
     for i, t in enumerate(shares.teams):
         cq = cqs[names.cluster_queue(t.name, "H100")]["spec"]
         assert cq["cohort"] == q.COHORT and cq["fairSharing"] == {"weight": f"{t.weight:g}"}
-        [flavor] = cq["resourceGroups"][0]["flavors"]
+        flavor, borrowed = cq["resourceGroups"][0]["flavors"]
         assert flavor["name"] == "gpu-h100"  # training's nodes
+        # and, like training's queue, serving's idle share at nominal 0 (prod's serving runs its whole share)
+        borrowed_gpu = {r["name"]: r for r in borrowed["resources"]}["nvidia.com/gpu"]
+        assert borrowed["name"] == "gpu-h100-serving"
+        assert (borrowed_gpu["nominalQuota"], borrowed_gpu["borrowingLimit"]) == ("0", 0)
+        assert plan.pools[0].training_borrowing_limit == 0
         gpu = {r["name"]: r for r in flavor["resources"]}["nvidia.com/gpu"]
         assert (gpu["nominalQuota"], gpu["borrowingLimit"], gpu["lendingLimit"]) == (
             str(t.nominal),
@@ -148,8 +153,11 @@ def test_each_team_queues_in_its_own_cluster_queue_in_the_one_cohort(prod, manif
     )
     assert nominal == plan.pools[0].training_devices  # the cohort holds exactly the nodes
     # fair sharing on in the controller's configuration; the jobs of the teams' namespaces are managed
+    # Kueue's (the LeaderWorkerSet controller's ConfigMap has the same key)
     [config_map] = [
-        m for m in kind(manifests, "ConfigMap") if q.CONFIG_KEY in m.get("data", {}) and "kueue" in m["metadata"]["name"]
+        m
+        for m in kind(manifests, "ConfigMap")
+        if q.CONFIG_KEY in m.get("data", {}) and m["metadata"].get("namespace") == q.CONTROLLER_NAMESPACE
     ]
     config = yaml.safe_load(config_map["data"][q.CONFIG_KEY])
     assert config["fairSharing"]["enable"] is True

@@ -84,8 +84,8 @@ def test_a_serving_share_below_replicas_max_says_which_replicas_wait():
 
     cfg = variant("prod", not_elastic_serving_6)
     [pool] = build_plan("prod", cfg).pools
-    assert pool.adds_up and pool.serving_max == 24 and pool.serving_reachable_max == 16
-    assert "serving max 6 x 4 = 24, reachable 16 (its share 16 + lent 0: replicas above 4 wait)" in pool.reason
+    assert pool.adds_up and pool.serving_max == 96 and pool.serving_reachable_max == 32
+    assert "serving max 6 x 16 = 96, reachable 32 (its share 32 + lent 0: replicas above 2 wait)" in pool.reason
 
 
 def test_a_stack_without_inference_has_no_serving_share():
@@ -116,8 +116,9 @@ def test_plan_prints_the_pool_arithmetic_and_the_grace_period(capsys):
     assert main(["plan", "--stack", "prod", "--root", str(ROOT), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     [pool] = out["pools"]
-    # 16 training + 1 spare + 2 serving p5; training elastic down to minNodes 8
-    assert (pool["devices"], pool["training_min"], pool["serving_min"], pool["adds_up"]) == (152, 64, 8, True)
+    # 16 training + 1 spare + 4 serving p5; training elastic down to minNodes 8; serving 2 replicas x 16
+    assert (pool["devices"], pool["training_min"], pool["serving_min"], pool["adds_up"]) == (168, 64, 32, True)
+    assert (pool["stranded"], pool["training_borrowing_limit"]) == (0, 0)
     assert out["termination_grace_needed_s"] <= out["termination_grace_s"]
 
 
@@ -128,3 +129,67 @@ def test_a_stack_whose_groups_all_serve_is_refused_naming_the_key(tmp_path, caps
     err = capsys.readouterr().err
     assert "supernode:acceleratorNodeGroups[].role: no group has role: training" in err
     assert "Traceback" not in err
+
+
+# -- right-sized pools (issue 38, item 5): no shipped stack strands a GPU --------------------------------
+
+# The arithmetic per shipped stack: (training nodes incl. spares, serving nodes), (training's share, spares,
+# serving's share) in GPUs, serving's max and the most it reaches, what training lends and serving lends.
+SHIPPED = {
+    "dev": ((2, 1), (16, 0, 8), (8, 8), (0, 7)),
+    "prod": ((17, 4), (136, 8, 32), (32, 32), (64, 0)),
+    "gb200": ((36, 0), (144, 0, 0), (0, 0), (0, 0)),
+    "b300": ((4, 0), (32, 0, 0), (0, 0), (0, 0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_no_shipped_stack_strands_a_gpu(name):
+    [pool] = build_plan(name, load_stack(name, ROOT)).pools
+    nodes, shares, serving, lends = SHIPPED[name]
+    assert (pool.training_nodes, pool.serving_nodes) == nodes
+    assert (pool.training_devices, pool.spare_devices, pool.serving_devices) == shares
+    assert (pool.serving_max, pool.serving_reachable_max) == serving
+    assert (pool.training_lending_limit, pool.serving_lending_limit) == lends
+    assert pool.training_borrowing_limit == pool.serving_lending_limit  # what serving lends, training may borrow
+    assert pool.stranded == 0 and pool.stranded_reason == "" and pool.adds_up, pool.reason
+    assert f"every one of the {pool.devices} GPUs reachable" in pool.reason
+
+
+def test_a_serving_node_its_maximum_cannot_fill_strands_its_gpus_naming_how_many():
+    """dev as it shipped before issue 38: one p5 (8 H100) for 2 replicas x tp 1; the other 6 are less
+    than a whole node, so no training pod can borrow them either."""
+    [pool] = build_plan("dev", variant("dev", lambda d: d["inference"].update(replicasMax=2))).pools
+    assert pool.fits and not pool.adds_up and pool.stranded == 6
+    assert pool.stranded_reason == (
+        "6 GPUs unreachable: 6 of serving's share 8 (1 serving nodes of 8): serving max 2 x 1 = 2, and what is "
+        "left is less than a whole node training could borrow (size it: supernode:inference.replicasMax 8)"
+    )
+    assert pool.stranded_reason in pool.reason
+
+
+def test_a_whole_idle_serving_node_is_training_s_to_borrow_not_stranded():
+    """A second serving node beyond serving's maximum: a training pod (a whole node) may borrow it,
+    preemptibly; with a maximum of 12, its last 4 GPUs are less than a node and stranded."""
+
+    def serving_nodes(n: int, replicas_max: int):
+        def change(d: dict) -> None:
+            [g for g in d["acceleratorNodeGroups"] if g["role"] == "serving"][0]["nodes"] = n
+            d["inference"].update(replicasMax=replicas_max)
+
+        return variant("dev", change)
+
+    [pool] = build_plan("dev", serving_nodes(2, 8)).pools
+    assert (pool.serving_devices, pool.serving_max, pool.stranded) == (16, 8, 0) and pool.adds_up
+    assert pool.training_borrowing_limit == 16 - 1  # serving's share less its minimum replica
+    [pool] = build_plan("dev", serving_nodes(2, 12)).pools
+    assert pool.stranded == 4 and "(size it: supernode:inference.replicasMax 16)" in pool.reason
+    [pool] = build_plan("dev", serving_nodes(3, 2)).pools  # two whole nodes training may borrow, 6 stranded
+    assert pool.stranded == 6 and "(size it: 1 serving nodes or supernode:inference.replicasMax 24)" in pool.reason
+
+
+def test_serving_borrows_what_elastic_training_lends_beyond_its_share():
+    """prod with 3 replicas of 16: 48 > serving's 32, and the elastic job lends 64 (16 - 8 nodes)."""
+    [pool] = build_plan("prod", variant("prod", lambda d: d["inference"].update(replicasMax=3))).pools
+    assert (pool.serving_max, pool.serving_borrowing_limit, pool.serving_reachable_max) == (48, 16, 48)
+    assert pool.stranded == 0 and pool.adds_up, pool.reason

@@ -153,3 +153,19 @@ def test_an_access_entry_to_a_system_group_is_refused():
     entries[0]["inputs"]["kubernetesGroups"] = ["system:masters"]
     found = [v.message for v in check(resources, config_from_stack(cfg)).mandatory if v.policy == "eks-access-entries"]
     assert len(found) == 1 and "['system:masters']" in found[0] and "supernode:team:<name>" in found[0]
+
+
+# -- right-sized pools (issue 38, item 5): a stack that strands GPUs fails, naming how many --------------
+
+
+def test_a_serving_node_its_maximum_cannot_fill_fails_naming_the_stranded_gpus():
+    """dev as it shipped before: one p5 (8 H100) for serving's 2 replicas x tp 1. The minimums fit, but 6
+    GPUs can never be used: no replica beyond 2, and less than the whole node a training pod needs."""
+    cfg = variant("dev", lambda d: d["inference"].update(replicasMax=2))
+    found, _ = findings("dev", cfg)
+    [message] = found[POOLS]
+    assert "pool H100: 6 GPUs unreachable: 6 of serving's share 8 (1 serving nodes of 8)" in message
+    assert "serving max 2 x 1 = 2" in message and "supernode:inference.replicasMax 8" in message
+    assert "Fix: size the serving node groups by serving's maximum replicas" in message
+    assert "serving's first replica evicts" not in message  # the minimums fit: not the other finding
+    assert set(found) == {POOLS}, found  # nothing else in the stack is wrong

@@ -306,7 +306,12 @@ def _operations_rows(plan: Plan) -> list[Row]:
                 f"{'[green]adds up[/]' if pool.adds_up else '[red]does not add up[/]'}: {pool.reason}; training "
                 f"runs on {pool.training_min} to {pool.training_max} {pool.noun} (training.minNodes "
                 f"{plan.min_nodes} to {plan.nodes} nodes), lends {pool.training_lending_limit}"
-                + (f", never its {pool.spare_devices} spare {pool.noun}" if pool.spare_devices else ""),
+                + (f", never its {pool.spare_devices} spare {pool.noun}" if pool.spare_devices else "")
+                + (
+                    f", borrows up to {pool.training_borrowing_limit} of serving's idle share (preemptible)"
+                    if pool.training_borrowing_limit
+                    else ""
+                ),
             )
         )
     rows += _team_rows(plan)
