@@ -267,12 +267,12 @@ def test_plan_prints_and_serialises_the_elastic_layouts(capsys):
 
 def test_prod_pool_counts_the_spare_and_lends_what_the_elastic_job_gives_up(prod):
     [pool] = prod.pools
-    # 16 training + 1 spare + 2 serving p5 nodes of 8 H100
-    assert (pool.devices, pool.training_devices, pool.spare_devices, pool.serving_devices) == (152, 136, 8, 16)
+    # 16 training + 1 spare + 4 serving p5 nodes of 8 H100 (two replicas of 16 GPUs)
+    assert (pool.devices, pool.training_devices, pool.spare_devices, pool.serving_devices) == (168, 136, 8, 32)
     assert (pool.training_min, pool.training_max) == (64, 128)  # minNodes 8 to 16 nodes
     assert pool.training_lending_limit == 136 - 8 - 64 == 64  # never the spare
-    assert pool.adds_up and "pool H100: 152 GPUs (16 training + 1 spare + 2 serving nodes)" in pool.reason
-    assert "training min 64 + serving min 8 = 72 <= 152; training lends 128 - 64 = 64" in pool.reason
+    assert pool.adds_up and "pool H100: 168 GPUs (16 training + 1 spare + 4 serving nodes)" in pool.reason
+    assert "training min 64 + serving min 32 = 96 <= 168; training lends 128 - 64 = 64" in pool.reason
 
 
 def test_more_spares_are_never_lent():
@@ -280,16 +280,16 @@ def test_more_spares_are_never_lent():
         data["acceleratorNodeGroups"][0]["spares"] = 3
 
     [pool] = build_plan("prod", variant("prod", three_spares)).pools
-    assert (pool.devices, pool.spare_devices, pool.training_max) == (168, 24, 128)
+    assert (pool.devices, pool.spare_devices, pool.training_max) == (184, 24, 128)
     assert pool.training_lending_limit == 64
 
 
 def test_serving_beyond_its_share_borrows_what_training_lends():
     cfg = variant("prod", lambda d: d["inference"].update(replicasMax=6))
     [pool] = build_plan("prod", cfg).pools
-    # serving max 6 x tp 4 = 24, its share 16: it borrows 8 of the 64 training lends, so no replica waits
-    assert (pool.serving_borrowing_limit, pool.serving_reachable_max) == (8, 24)
-    assert "reachable 24" in pool.reason and "wait" not in pool.reason
+    # serving max 6 x 16 = 96, its share 32: it borrows the 64 training lends, so no replica waits
+    assert (pool.serving_borrowing_limit, pool.serving_reachable_max) == (64, 96)
+    assert "reachable 96" in pool.reason and "wait" not in pool.reason
 
 
 def test_an_elastic_minimum_does_not_let_serving_start_on_training_nodes():
@@ -307,7 +307,7 @@ def test_the_cost_counts_the_spare():
     cfg = load_stack("prod", ROOT)
     plan = build_plan("prod", cfg)
     price = plan.hardware.price_per_hour
-    assert plan.cost_per_hour_usd == pytest.approx((16 + 1 + 2) * price)
+    assert plan.cost_per_hour_usd == pytest.approx((16 + 1 + 4) * price)
     assert plan.spare_cost_per_hour_usd == pytest.approx(price) and plan.spare_nodes == 1
     assert plan.run_cost_usd == pytest.approx(plan.cost_per_hour_usd * plan.run_hours)
     # the spare is outside the world: layout and elastic range as without it
@@ -336,7 +336,7 @@ def test_spares_only_on_plain_training_groups(stack, group, why):
 def test_plan_prints_the_spare_cost(capsys):
     assert main(["plan", "--stack", "prod", "--root", str(ROOT)]) == 0
     text = " ".join(capsys.readouterr().out.replace("│", " ").split())
-    assert "cost $1,045.76/h" in text and "of it 1 spare node(s) $55.04/h" in text
+    assert "cost $1,155.84/h" in text and "of it 1 spare node(s) $55.04/h" in text
     assert "lends 64, never its 8 spare GPUs" in text
 
 

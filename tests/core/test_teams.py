@@ -101,7 +101,7 @@ def test_prods_teams_split_training_share_exactly(prod):
     assert (research.name, research.nominal, research.max_devices, research.nodes) == ("research", 96, 136, 12)
     assert (platform.name, platform.nominal, platform.max_devices, platform.max_nodes) == ("platform", 40, 72, 9)
     assert research.nominal + platform.nominal == pool.training_devices
-    assert research.training_percent == round(100 * 96 / 136, 1) and research.pool_percent == round(100 * 96 / 152, 1)
+    assert research.training_percent == round(100 * 96 / 136, 1) and research.pool_percent == round(100 * 96 / 168, 1)
     # together they lend what training may (its share less its spare and the job's 8-node minimum)
     assert teams.lending_total == pool.training_lending_limit == 64
     # research's queue admits the stack's own 128-GPU job: 96 + 40 reaches it
