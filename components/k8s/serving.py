@@ -128,6 +128,11 @@ class ServingArgs:
     addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
 
 
+def serving_app(stack: str) -> str:
+    """The serving workload's name: its Deployment / LeaderWorkerSet, Service and the model name it serves."""
+    return dns_name(stack, BACKEND.name)
+
+
 def server_spec(ip: InferencePlan, name: str, rank: str = "0", tls: bool = True) -> ServerSpec:
     """The server the inference plan sizes, on the verified weights (`supernode serve --local` fills the
     same fields for this machine, supernode/tools/serve.py). A replica over several nodes (a
@@ -625,7 +630,7 @@ class ServingWorkload(pulumi.ComponentResource):
         plan, inf, ip = args.plan, args.inference, args.plan.inference
         if ip is None:
             raise ValueError("the plan has no inference plan (no inference section)")
-        app = dns_name(plan.stack, BACKEND.name)
+        app = serving_app(plan.stack)
         labels = {"app.kubernetes.io/name": app, "app.kubernetes.io/component": "serving"}
         pod_labels = {**labels, **(args.queue_labels or {})}
 
