@@ -1,13 +1,14 @@
 """Serving SLOs per served model, as gauges the CloudWatch agent can carry (issue 38, item 4).
 
-    python -m supernode.trainer.serving_slo watch --source https://127.0.0.1:8000/metrics --ca-file CA
+    python -m supernode.trainer.serving_slo watch --source 'http://127.0.0.1:9090/federate?match[]=...'
 
 vLLM measures each request's time to first token and each gap between its output tokens in histograms
 (vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, by model_name and engine). The
 CloudWatch agent's Prometheus scrape drops every histogram series (supernode/core/observability.py), so
-no percentile reaches CloudWatch from the agent alone. This relay, a sidecar of each serving leader pod,
-reads its server's metrics once an `--interval-s`, keeps the snapshots of the trailing `--window-s`, and
-exports per model (summed over the replica's data-parallel engines):
+no percentile reaches CloudWatch from the agent alone. This relay, beside the serving Prometheus (which
+scrapes every serving pod), reads vLLM's series from its federation endpoint once an `--interval-s`
+(or one server's /metrics directly, over TLS verified against `--ca-file`), keeps the snapshots of the
+trailing `--window-s`, and exports per model (summed over its replicas and their data-parallel engines):
 
 - supernode_serving_ttft_p99_seconds, supernode_serving_itl_p99_seconds: the 99th percentile of the
   observations within the window (from the buckets' growth, as Prometheus' histogram_quantile; the
@@ -16,7 +17,10 @@ exports per model (summed over the replica's data-parallel engines):
 - supernode_serving_error_ratio: of those, the share vLLM finished with reason "error" (a 500); 0 when none;
 - supernode_serving_requests_waiting / _running: the queue depth and the requests decoding, now.
 
-A counter that went down (the server restarted) starts the window again. Exit codes: 0 (stopped), 2 bad input.
+A counter that went down or a series that went away (a server restarted, or a replica scaled away, whose
+share leaves the sums) starts the window again: the figures then cover the time since.
+
+Exit codes: 0 (stopped), 2 bad input.
 """
 
 from __future__ import annotations
@@ -58,19 +62,21 @@ def _add(into: dict, key: Key, le: float, value: float) -> None:
 def parse(text: str, at: float) -> Snapshot:
     counts: dict[Key, Buckets] = {}
     gauges: dict[Key, float] = {}
+    histograms = {f"{h}_bucket": h for h in (obs.VLLM_TTFT, obs.VLLM_ITL)}
     for family in text_string_to_metric_families(text):
+        # by the sample's name: Prometheus' federation types every series untyped, under its own name
         for s in family.samples:
             model = s.labels.get(obs.VLLM_MODEL_LABEL)
             if model is None:
                 continue
-            if family.name in (obs.VLLM_TTFT, obs.VLLM_ITL) and s.name.endswith("_bucket"):
-                _add(counts, (family.name, model), float(s.labels["le"]), s.value)
-            elif family.name == obs.VLLM_REQUEST_SUCCESS and s.name.endswith("_total"):
+            if s.name in histograms:
+                _add(counts, (histograms[s.name], model), float(s.labels["le"]), s.value)
+            elif s.name == f"{obs.VLLM_REQUEST_SUCCESS}_total":
                 _add(counts, (FINISHED, model), math.inf, s.value)
                 if s.labels.get(obs.VLLM_FINISHED_REASON_LABEL) == obs.VLLM_ERROR_REASON:
                     _add(counts, (ERRORS, model), math.inf, s.value)
-            elif family.name in (obs.VLLM_REQUESTS_WAITING, obs.VLLM_REQUESTS_RUNNING):
-                gauges[family.name, model] = gauges.get((family.name, model), 0.0) + s.value
+            elif s.name in (obs.VLLM_REQUESTS_WAITING, obs.VLLM_REQUESTS_RUNNING):
+                gauges[s.name, model] = gauges.get((s.name, model), 0.0) + s.value
     return Snapshot(at, counts, gauges)
 
 
@@ -132,9 +138,9 @@ class Window:
 
 
 def fetch(url: str, ca_file: str | None, timeout_s: float) -> str:
-    """The pod's own server over TLS: the chain is verified against the serving CA, not the host name
-    (the certificate names the Service, and the sidecar reaches its server at 127.0.0.1 inside the pod);
-    the metrics path needs no API key (vLLM guards only its API)."""
+    """The metrics at `url`: the serving Prometheus over the pod's loopback (plain HTTP), or a server over
+    TLS with the chain verified against the serving CA but not the host name (the certificate names the
+    Service, not the pod's address); the metrics path needs no API key (vLLM guards only its API)."""
     context = None
     if url.startswith("https://"):
         context = ssl.create_default_context(cafile=ca_file)

@@ -251,8 +251,9 @@ def queue_dimensions(cluster_name: Any, job: str, **label: str) -> dict[str, Any
 # model, the serving workload's app name) and engine (a data-parallel rank of the replica). Its latencies
 # are histograms, which the CloudWatch agent drops (see KUEUE_ADMISSION_WAIT above; AWS's "Prometheus
 # metric type conversion by the CloudWatch agent": histograms are not supported), so the relay
-# supernode.trainer.serving_slo, a sidecar of each serving leader pod, reads them with the request counter
-# and the queue gauges and exports per model gauges over monitoring.servingSloWindowMinutes, which the
+# supernode.trainer.serving_slo, a container beside the serving Prometheus (which scrapes every serving
+# pod, components/k8s/serving.py), reads them with the request counter and the queue gauges from its
+# federation endpoint and exports per model gauges over monitoring.servingSloWindowMinutes, which the
 # agent scrapes as SERVING_SLO_SCRAPE_JOB.
 VLLM_TTFT = "vllm:time_to_first_token_seconds"  # histogram
 VLLM_ITL = "vllm:inter_token_latency_seconds"  # histogram, each gap between a request's output tokens
@@ -274,14 +275,16 @@ SERVING_SLO_METRICS = (
     SERVING_REQUESTS_WAITING,
     SERVING_REQUESTS_RUNNING,
 )
-# Every serving pod's relay writes the same metric (no pod dimension): an alarm's Maximum is the worst
-# replica's figure.
+# One relay (beside the one serving Prometheus) sums every replica's series per model: no pod dimension.
 SERVING_DIMENSIONS = ("ClusterName", "Namespace", "job", VLLM_MODEL_LABEL)
+# Where the relay runs (its pod's namespace is the Namespace dimension): beside the serving Prometheus.
+SERVING_MONITORING_NAMESPACE = "monitoring"
 SERVING_SLO_ALARMS = {"ttft": "p99 time to first token", "itl": "p99 inter-token latency", "errors": "error rate"}
 
 
-def serving_dimensions(cluster_name: Any, namespace: str, model: str) -> dict[str, Any]:
-    return dict(zip(SERVING_DIMENSIONS, (cluster_name, namespace, SERVING_SLO_SCRAPE_JOB, model)))
+def serving_dimensions(cluster_name: Any, model: str) -> dict[str, Any]:
+    """A served model's SLO series: its cluster (the stack), the relay's namespace and job, the model."""
+    return dict(zip(SERVING_DIMENSIONS, (cluster_name, SERVING_MONITORING_NAMESPACE, SERVING_SLO_SCRAPE_JOB, model)))
 
 
 def serving_slo_alarm(purpose: str, model: str) -> str:
