@@ -149,7 +149,9 @@ def test_each_team_queues_in_its_own_cluster_queue_in_the_one_cohort(prod, manif
     assert nominal == plan.pools[0].training_devices  # the cohort holds exactly the nodes
     # fair sharing on in the controller's configuration; the jobs of the teams' namespaces are managed
     [config_map] = [
-        m for m in kind(manifests, "ConfigMap") if q.CONFIG_KEY in m.get("data", {}) and "kueue" in m["metadata"]["name"]
+        m
+        for m in kind(manifests, "ConfigMap")
+        if q.CONFIG_KEY in m.get("data", {}) and "kueue" in m["metadata"]["name"]
     ]
     config = yaml.safe_load(config_map["data"][q.CONFIG_KEY])
     assert config["fairSharing"]["enable"] is True
