@@ -148,3 +148,26 @@ def test_the_relay_reads_its_tls_server_and_serves_the_gauges(tmp_path):
         err = relay.communicate(timeout=10)[1].decode()
         server.shutdown()
     assert "CERTIFICATE_VERIFY_FAILED" not in err
+
+
+def test_federated_series_of_two_pods_are_summed_per_model():
+    """Prometheus' /federate writes each series untyped under its own name, with the scrape's labels and a
+    timestamp (web/federate.go); two replicas' series of one model sum."""
+    lines = []
+    for name in (f"{obs.VLLM_TTFT}_bucket", f"{obs.VLLM_REQUEST_SUCCESS}_total", obs.VLLM_REQUESTS_WAITING):
+        lines.append(f"# TYPE {name} untyped")
+        for pod_name, n in (("a", 3), ("b", 5)):
+            labels = f'engine="0",instance="10.0.0.{n}:8000",job="vllm",model_name="prod-vllm",pod="{pod_name}"'
+            if name.endswith("_bucket"):
+                lines += [
+                    f'{name}{{{labels},le="0.1"}} {n} 1700000000000',
+                    f'{name}{{{labels},le="+Inf"}} {n} 1700000000000',
+                ]
+            elif name.endswith("_total"):
+                lines.append(f'{name}{{{labels},finished_reason="error"}} {n} 1700000000000')
+            else:
+                lines.append(f"{name}{{{labels}}} {n} 1700000000000")
+    snap = slo.parse("\n".join(lines) + "\n", at=0.0)
+    assert snap.counts[obs.VLLM_TTFT, "prod-vllm"] == {0.1: 8, math.inf: 8}
+    assert snap.counts[slo.ERRORS, "prod-vllm"] == {math.inf: 8}
+    assert snap.gauges[obs.VLLM_REQUESTS_WAITING, "prod-vllm"] == 8
