@@ -74,7 +74,7 @@ from supernode.components.k8s.queues import (
     gpu_pools,
     job_labels,
 )
-from supernode.components.k8s.serving import ServingArgs, ServingWorkload
+from supernode.components.k8s.serving import ServingArgs, ServingWorkload, serving_app
 from supernode.components.k8s.teams import TeamAdmin, TeamAdminArgs, TeamNamespace, TeamNamespaceArgs, team_namespaces
 from supernode.components.k8s.workload import TrainingWorkload
 from supernode.components.stack_config import stack_config
@@ -280,6 +280,7 @@ def _monitoring(
             queues=team_queues(
                 [p.accelerator for p in plan.pools], cfg.workload.namespace, [t.name for t in cfg.teams]
             ),
+            serving_model=serving_app(ctx.stack) if cfg.inference else None,
         ),
     )
 
@@ -461,7 +462,8 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
         fabric,
         store,
         training,
-        workload.child(after=[*queues.ready, addons.namespace]),  # the agent reads pods there (DCGM)
+        # the agent reads pods there (DCGM) and in serving's monitoring namespace (the SLO relay)
+        workload.child(after=[*queues.ready, addons.namespace, *([serving.monitoring_namespace] if serving else [])]),
     )
     workload.register_outputs(
         {
@@ -549,6 +551,8 @@ def _serving(
             fsx_mount_name=from_aws.fsx.mount_name,
             queue_labels=job_labels(plan, SERVING),
             addon_images=cfg.images.addons,
+            relay_image=cfg.images.trainer,
+            slo_window_s=cfg.monitoring.serving_slo_window_minutes * 60,
         ),
         opts,
     )
@@ -633,6 +637,7 @@ def _operations(
             node_health_role_arn=from_aws.node_health_role_arn,
             retention_role_arn=from_aws.retention_role_arn,
             addon_images=cfg.images.addons,
+            serving=cfg.inference is not None,
         ),
         opts,
     )

@@ -145,3 +145,39 @@ def _fits(stack: Stack, _conf: None, report: Report) -> None:
             f"{ip.weights_per_gpu_gib:.1f} + KV cache {ip.kv_per_gpu_gib:.1f} + runtime {ip.overhead_per_gpu_gib:.1f}), "  # noqa: E501
             f"over the usable {ip.usable_hbm_gib:.1f} GiB by {ip.over_by_gib:.1f} GiB. Fix: {hint}.",
         )
+
+
+@POLICIES.stack(
+    "serving-plan-meets-targets",
+    2,
+    "The inference plan's estimates meet the stack's p99 TTFT and ITL targets (inference.ttftTargetMs, itlTargetMs).",
+)
+def _meets_targets(stack: Stack, _conf: None, report: Report) -> None:
+    """The Plan's figures (supernode/core/inference.py) judged against its targets; a target left unset
+    judges nothing. Memory is serving-plan-fits' finding, so a layout that misses both is named twice."""
+    plan = stack.plan()
+    ip = plan.inference if plan else None
+    if ip is None:
+        return
+    missed = [
+        f"{what} estimate {estimate:.1f} ms over the {target:g} ms target (inference.{key})"
+        for what, estimate, target, meets, key in (
+            ("TTFT", ip.ttft_ms, ip.ttft_target_ms, ip.meets_ttft_target, "ttftTargetMs"),
+            ("ITL", ip.itl_ms, ip.itl_target_ms, ip.meets_itl_target, "itlTargetMs"),
+        )
+        if meets is False
+    ]
+    if missed:
+        better = [a.label for a in ip.alternatives if a.meets_targets]
+        hint = (
+            f"a layout that meets them: {', '.join(better)} (inference.layout / tp / pp)"
+            if better
+            else "no layout the planner weighed meets them: lower maxSeqLen or maxConcurrency, or relax the target"
+        )
+        report(
+            stack.plan_config_map(),
+            f"the inference plan ({ip.layout}: tp {ip.tp} x pp {ip.pp} x dp {ip.dp}, {ip.max_concurrency} "
+            f"sequences at {ip.max_seq_len} tokens on {ip.instance_type}) misses its latency targets: "
+            + "; ".join(missed)
+            + f". Fix: {hint}.",
+        )

@@ -23,6 +23,12 @@ Kueue's wait histogram, which the CloudWatch agent drops, into a gauge), and for
 queues serve an alarm on its jobs' failure rate (the training operator's failed / (failed + succeeded)
 over a window, in metric math). The dashboard shows each queue's wait and pending workloads, Kueue's
 evictions and preemptions, and each namespace's job outcomes.
+
+Serving SLOs (issue 38, item 4), per served model: alarms on its p99 time to first token and p99
+inter-token latency against the Plan's targets (inference.ttftTargetMs / itlTargetMs, as the inference
+plan carries them; a target left unset has no alarm), and on its error rate above
+monitoring.servingErrorRateMax. The p99s come from the relay supernode.trainer.serving_slo (vLLM's
+latencies are histograms, which the CloudWatch agent drops), over monitoring.servingSloWindowMinutes.
 """
 
 from __future__ import annotations
@@ -76,6 +82,9 @@ EXPORTER_ABSENT_MINUTES = 5  # no series from the accelerator exporter for this 
 # The relay's p95 gauge at or above the threshold for this many minutes in a row: one relay read of a
 # window edge does not page.
 QUEUE_WAIT_PERIODS = 3
+# A serving figure over its threshold for this many relay minutes in a row: one read at a window's edge
+# (a burst of long prompts) does not page.
+SERVING_SLO_PERIODS = 3
 
 
 def _whose(q: obs.TeamQueue) -> str:
@@ -134,6 +143,7 @@ class MonitoringArgs:
     # The training queues and the namespaces they serve (obs.team_queues): a wait alarm for each queue,
     # a failure-rate alarm for each namespace.
     queues: Sequence[obs.TeamQueue] = ()
+    serving_model: str | None = None  # the served model's name (model_name): its SLO alarms; None: no serving
 
 
 class Monitoring(pulumi.ComponentResource):
@@ -163,6 +173,7 @@ class Monitoring(pulumi.ComponentResource):
             *self._operations_alarms(name),
             *self._accelerator_alarms(name, args.plan.hardware.vendor, args.cluster.name, m),
             *self._queue_alarms(name, args),
+            *self._serving_alarms(name, args),
         ]
         self.alarm_names = [a.name for a in self.alarms]
         self.dashboard = stack_dashboard(name, args, self.namespace, floor, checkpoint_window_s, self)
@@ -311,6 +322,52 @@ class Monitoring(pulumi.ComponentResource):
                     ),
                 )
             )
+        return alarms
+
+    def _serving_alarms(self, name: str, args: MonitoringArgs) -> list[aws.cloudwatch.MetricAlarm]:
+        """The served model's p99 TTFT and ITL against the Plan's targets, and its error rate (the one
+        relay sums every replica's series, so each figure is the model's)."""
+        ip, model, m = args.plan.inference, args.serving_model, args.monitoring
+        if ip is None or model is None:
+            return []
+        dims = obs.serving_dimensions(args.cluster.name, model)
+        window = f"over the last {m.serving_slo_window_minutes} min"
+        latencies = (
+            ("ttft", obs.SERVING_TTFT_P99, ip.ttft_target_ms, ip.ttft_ms, "ttftTargetMs"),
+            ("itl", obs.SERVING_ITL_P99, ip.itl_target_ms, ip.itl_ms, "itlTargetMs"),
+        )
+        alarms = [
+            self._alarm(
+                name,
+                obs.serving_slo_alarm(purpose, model),
+                f"{model}: the {obs.SERVING_SLO_ALARMS[purpose]} {window} is above the {target_ms:g} ms target "
+                f"(inference.{key}; the plan estimates {estimate_ms:.1f} ms)",
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=metric,
+                statistic="Maximum",
+                dimensions=dims,
+                threshold=target_ms / 1e3,  # the relay's gauges are in seconds
+                comparison="GreaterThanThreshold",
+                periods=SERVING_SLO_PERIODS,
+            )
+            for purpose, metric, target_ms, estimate_ms, key in latencies
+            if target_ms is not None
+        ]
+        alarms.append(
+            self._alarm(
+                name,
+                obs.serving_slo_alarm("errors", model),
+                f"{model}: more than {m.serving_error_rate_max:.1%} of the requests finished {window} failed in "
+                "the server (monitoring.servingErrorRateMax; vLLM's finished_reason error)",
+                namespace=obs.PROMETHEUS_NAMESPACE,
+                metric_name=obs.SERVING_ERROR_RATIO,
+                statistic="Maximum",
+                dimensions=dims,
+                threshold=m.serving_error_rate_max,
+                comparison="GreaterThanThreshold",
+                periods=SERVING_SLO_PERIODS,
+            )
+        )
         return alarms
 
     def _operations_alarms(self, name: str) -> list[aws.cloudwatch.MetricAlarm]:

@@ -58,6 +58,8 @@ from supernode.core.observability import (
     PROMETHEUS_NAMESPACE,
     QUEUE_WAIT_SCRAPE_JOB,
     SERVICE_ACCOUNT_TOKEN,
+    SERVING_MONITORING_NAMESPACE,
+    SERVING_SLO_SCRAPE_JOB,
     TRAINER_SCRAPE_JOB,
     TRAINING_OPERATOR_SCRAPE_JOB,
     insights_log_group,
@@ -77,6 +79,7 @@ from .jobs import (
 )
 from .queues import CONTROLLER_NAMESPACE as KUEUE_NAMESPACE
 from .queues import EXPERIMENTS, job_labels
+from .serving import PROMETHEUS_APP as SERVING_PROMETHEUS
 
 OPS_NAMESPACE = "supernode-ops"
 INVENTORY_SA = "inventory"
@@ -136,6 +139,7 @@ class OperationsArgs:
     # IRSA of the checkpoint retention CronJob (identity.checkpoint_retention_policy)
     retention_role_arn: pulumi.Input[str]
     addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
+    serving: bool = False  # the stack serves: scrape the serving SLO relay (components/k8s/serving.py)
 
 
 def stack_file(cfg: StackConfig) -> str:
@@ -193,11 +197,13 @@ def controller_scrape_job(job: str, namespace: str, app: str, http: dict[str, An
     }
 
 
-def prometheus_scrape_config(training_namespace: str, exporter_job: str = DCGM_SCRAPE_JOB) -> dict[str, Any]:
+def prometheus_scrape_config(
+    training_namespace: str, exporter_job: str = DCGM_SCRAPE_JOB, serving: bool = False
+) -> dict[str, Any]:
     """Prometheus scrape jobs: pods that ask for it by annotation in the training namespace, the
-    accelerator exporter's pods (`exporter_job`: DCGM's, or neuron-monitor's), and the queue's and the
-    jobs' controllers (Kueue, the training operator). Namespace and Hostname become labels (the
-    metrics' dimensions)."""
+    accelerator exporter's pods (`exporter_job`: DCGM's, or neuron-monitor's), the queue's and the
+    jobs' controllers (Kueue, the training operator), and with `serving` the SLO relay beside the
+    serving Prometheus. Namespace and Hostname become labels (the metrics' dimensions)."""
 
     def pods(job: str, namespace: str, keep: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -238,6 +244,12 @@ def prometheus_scrape_config(training_namespace: str, exporter_job: str = DCGM_S
             controller_scrape_job(QUEUE_WAIT_SCRAPE_JOB, KUEUE_NAMESPACE, QUEUE_WAIT_SCRAPE_JOB),
             # plain http, no authentication (controller-runtime's metrics server as the operator starts it)
             controller_scrape_job(TRAINING_OPERATOR_SCRAPE_JOB, DCGM_NAMESPACE, "training-operator"),
+            # the serving SLO relay's gauges (a container of the serving Prometheus' pod), plain http
+            *(
+                [controller_scrape_job(SERVING_SLO_SCRAPE_JOB, SERVING_MONITORING_NAMESPACE, SERVING_PROMETHEUS)]
+                if serving
+                else []
+            ),
         ],
     }
 
@@ -415,7 +427,7 @@ class Operations(pulumi.ComponentResource):
         )
         self.restore_drill = self._restore_drill(name, job, wl, args, stack, stack_cm, filename)
         self.checkpoint_retention = self._checkpoint_retention(name, job, wl, args, stack, stack_cm, filename)
-        scrape = prometheus_scrape_config(wl.namespace, VENDORS[job.plan.hardware.vendor].scrape_job)
+        scrape = prometheus_scrape_config(wl.namespace, VENDORS[job.plan.hardware.vendor].scrape_job, args.serving)
         scrape_yaml = yaml.safe_dump(scrape, sort_keys=False)
         agent_json = json.dumps(cloudwatch_agent_config(args.cluster_name, args.region), indent=1)
         self.scrape_config = [

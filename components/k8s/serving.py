@@ -32,6 +32,12 @@ export, sized by the Plan's inference plan.
   Its PriorityClass never preempts (`preemptionPolicy: Never`): the kube-scheduler must not evict a
   training pod to place a serving pod, only Kueue's quota decides. A ResourceQuota caps serving at
   `gpuQuota` GPUs (default replicasMax x GPUs per replica).
+- **SLOs in CloudWatch** (issue 38 item 4). The serving Prometheus also keeps vLLM's TTFT and ITL
+  histograms, its request counter and queue gauges (`SLO_SERIES`); a second container in its pod, the
+  relay supernode.trainer.serving_slo (trainer image), reads them from Prometheus' federation endpoint
+  (every serving pod's, summed per model) and exports the p99s, request rate, error ratio and queue
+  depth over `monitoring.servingSloWindowMinutes` as gauges, which the CloudWatch agent scrapes (the
+  agent drops histograms); the alarms on them are components/aws/monitoring.py's.
 - **Access.** A NetworkPolicy admits only pods of `allowedClientNamespaces` (and the metrics
   scraper) to the server port; egress is DNS and the replica's own pods only. A PodDisruptionBudget
   keeps all but one replica up through node drains.
@@ -40,6 +46,7 @@ export, sized by the Plan's inference plan.
 from __future__ import annotations
 
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +55,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 import yaml
 
+from supernode.core import observability as obs
 from supernode.core.config.schema import Inference
 from supernode.core.inference import InferencePlan
 from supernode.core.observability import METRICS_SCRAPER_NAMESPACE
@@ -69,9 +77,10 @@ PRIORITY_CLASS = "supernode-serving"
 PRIORITY_VALUE = 200000  # above supernode-training (100000, namespace.py)
 FSX_MOUNT = "/fsx"
 VERIFY_CONFIGMAP = "weights-verify"
-MONITORING_NAMESPACE = "monitoring"  # the serving Prometheus and the adapter behind the HPA
+MONITORING_NAMESPACE = obs.SERVING_MONITORING_NAMESPACE  # the serving Prometheus, the adapter behind the HPA
 METRICS_NAMESPACES = (METRICS_SCRAPER_NAMESPACE, MONITORING_NAMESPACE)  # scrapers of /metrics
 PROMETHEUS_FILE, ADAPTER_FILE = "prometheus.yaml", "prometheus-adapter.yaml"
+PROMETHEUS_APP = "prometheus"  # the serving Prometheus pod's app.kubernetes.io/name (prometheus.yaml)
 PROMETHEUS_CONFIG, ADAPTER_CONFIG = "prometheus.yaml", "config.yaml"  # the files their Deployments read
 # The prometheus-adapter rule behind the HPA's metric: the backend's in-flight gauges, summed per pod.
 _IN_FLIGHT = " + ".join(f"{series}{{<<.LabelMatchers>>}}" for series in BACKEND.in_flight_series)
@@ -128,6 +137,13 @@ class ServingArgs:
     fsx_mount_name: pulumi.Input[str]
     queue_labels: dict[str, str] | None = None  # Kueue LocalQueue and priority (components/k8s/queues.py)
     addon_images: Mapping[str, str] = field(default_factory=dict)  # supernode:images.addons
+    relay_image: str = ""  # the trainer image: the SLO relay supernode.trainer.serving_slo ("" : no relay)
+    slo_window_s: int = 300  # the relay's window (monitoring.servingSloWindowMinutes)
+
+
+def serving_app(stack: str) -> str:
+    """The serving workload's name: its Deployment / LeaderWorkerSet, Service and the model name it serves."""
+    return dns_name(stack, BACKEND.name)
 
 
 def server_spec(ip: InferencePlan, name: str, rank: str = "0", tls: bool = True) -> ServerSpec:
@@ -198,11 +214,48 @@ def serving_scrape_config(namespace: str, pod_labels: Mapping[str, str], server_
                     {
                         "source_labels": ["__name__"],
                         "action": "keep",
-                        "regex": "|".join(map(re.escape, BACKEND.in_flight_series)),
+                        "regex": "|".join(map(re.escape, dict.fromkeys((*BACKEND.in_flight_series, *SLO_SERIES)))),
                     }
                 ],
             }
         ],
+    }
+
+
+# The series the SLO relay reads, as the scrape stores them (a histogram as its buckets): a few dozen per
+# engine, beside the in-flight gauges.
+SLO_SERIES = (
+    f"{obs.VLLM_TTFT}_bucket",
+    f"{obs.VLLM_ITL}_bucket",
+    f"{obs.VLLM_REQUEST_SUCCESS}_total",
+    obs.VLLM_REQUESTS_WAITING,
+    obs.VLLM_REQUESTS_RUNNING,
+)
+SLO_RELAY_PORT = 9401
+SLO_RELAY_INTERVAL_S = 15  # the serving Prometheus' scrape interval: each read sees a new scrape
+
+
+def slo_relay_container(image: str, prometheus_port: int, window_s: int) -> dict[str, Any]:
+    """The relay beside the serving Prometheus, reading its federation endpoint on the pod's loopback
+    (plain HTTP inside the pod; the scrape behind it verified each server's certificate)."""
+    match = urllib.parse.quote('{__name__=~"' + "|".join(SLO_SERIES) + '"}', safe="")  # names: no regex syntax
+    return {
+        "name": obs.SERVING_SLO_SCRAPE_JOB,
+        "image": image,
+        "command": ["python", "-m", "supernode.trainer.serving_slo", "watch"],
+        "args": [
+            "--source",
+            f"http://127.0.0.1:{prometheus_port}/federate?match[]={match}",
+            "--window-s",
+            str(window_s),
+            "--interval-s",
+            str(SLO_RELAY_INTERVAL_S),
+            "--port",
+            str(SLO_RELAY_PORT),
+        ],
+        "ports": [{"name": "metrics", "containerPort": SLO_RELAY_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"cpu": "500m", "memory": "512Mi"}},
+        "securityContext": SECURE_CONTAINER,
     }
 
 
@@ -612,7 +665,9 @@ def prometheus_policy(
     port: int,
     opts: pulumi.ResourceOptions,
 ) -> k8s.networking.v1.NetworkPolicy:
-    """Only the adapter reads Prometheus. (The API server reaches the adapter from the control plane.)"""
+    """Only the adapter reads Prometheus, and only the CloudWatch agent's scrape the SLO relay beside it.
+    (The API server reaches the adapter from the control plane.)"""
+    scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": METRICS_SCRAPER_NAMESPACE}}}
     return k8s.networking.v1.NetworkPolicy(
         resource,
         metadata=meta("prometheus", namespace),
@@ -623,7 +678,8 @@ def prometheus_policy(
                 {
                     "from": [{"podSelector": {"matchLabels": adapter["spec"]["selector"]["matchLabels"]}}],
                     "ports": [{"protocol": "TCP", "port": port}],
-                }
+                },
+                {"from": [scraper], "ports": [{"protocol": "TCP", "port": SLO_RELAY_PORT}]},
             ],
         },
         opts=opts,
@@ -637,7 +693,7 @@ class ServingWorkload(pulumi.ComponentResource):
         plan, inf, ip = args.plan, args.inference, args.plan.inference
         if ip is None:
             raise ValueError("the plan has no inference plan (no inference section)")
-        app = dns_name(plan.stack, BACKEND.name)
+        app = serving_app(plan.stack)
         labels = {"app.kubernetes.io/name": app, "app.kubernetes.io/component": "serving"}
         pod_labels = {**labels, **(args.queue_labels or {})}
 
@@ -707,9 +763,10 @@ class ServingWorkload(pulumi.ComponentResource):
         each object's references pointed at the created objects (so Pulumi orders them), the images of
         supernode:images.addons, and each Deployment's ConfigMap built here. Returns the APIService."""
         child = pulumi.ResourceOptions(parent=self)
-        mon = pod_security_namespace(
+        self.monitoring_namespace = pod_security_namespace(
             f"{name}-monitoring-ns", MONITORING_NAMESPACE, "restricted", "restricted", child
-        ).metadata.name
+        )
+        mon = self.monitoring_namespace.metadata.name
         addons = _AddonFiles(name, self, mon, serving_ns, args.addon_images)
         server_name = f"{dns_name(args.plan.stack, BACKEND.name)}.{args.inference.namespace}.svc"
         scrape = serving_scrape_config(args.inference.namespace, pod_labels, server_name)
@@ -726,8 +783,11 @@ class ServingWorkload(pulumi.ComponentResource):
             c.setdefault("volumeMounts", []).append(
                 {"name": "serving-ca", "mountPath": SCRAPE_CA_MOUNT, "readOnly": True}
             )
+        port = prometheus["Service"]["spec"]["ports"][0]["port"]
+        if args.relay_image:
+            pod["containers"].append(slo_relay_container(args.relay_image, port, args.slo_window_s))
         self.prometheus = addons.create(prometheus["Deployment"])
-        svc, port = addons.create(prometheus["Service"]), prometheus["Service"]["spec"]["ports"][0]["port"]
+        svc = addons.create(prometheus["Service"])
 
         adapter = addons.install(ADAPTER_FILE, ADAPTER_CONFIG, yaml.safe_dump(adapter_config(), sort_keys=False))
         point_at_prometheus(adapter["Deployment"], svc.metadata.name, mon, port)

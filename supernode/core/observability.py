@@ -246,6 +246,53 @@ def queue_dimensions(cluster_name: Any, job: str, **label: str) -> dict[str, Any
     return {"ClusterName": cluster_name, "job": job, **label}
 
 
+# -- serving SLOs (issue 38, item 4) ----------------------------------------------------------------------
+# vLLM's own series (the pinned vLLM's vllm/v1/metrics/loggers.py), each labelled model_name (the served
+# model, the serving workload's app name) and engine (a data-parallel rank of the replica). Its latencies
+# are histograms, which the CloudWatch agent drops (see KUEUE_ADMISSION_WAIT above; AWS's "Prometheus
+# metric type conversion by the CloudWatch agent": histograms are not supported), so the relay
+# supernode.trainer.serving_slo, a container beside the serving Prometheus (which scrapes every serving
+# pod, components/k8s/serving.py), reads them with the request counter and the queue gauges from its
+# federation endpoint and exports per model gauges over monitoring.servingSloWindowMinutes, which the
+# agent scrapes as SERVING_SLO_SCRAPE_JOB.
+VLLM_TTFT = "vllm:time_to_first_token_seconds"  # histogram
+VLLM_ITL = "vllm:inter_token_latency_seconds"  # histogram, each gap between a request's output tokens
+VLLM_REQUEST_SUCCESS = "vllm:request_success"  # counter (exposed as _total), by finished_reason
+VLLM_REQUESTS_WAITING, VLLM_REQUESTS_RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
+VLLM_MODEL_LABEL, VLLM_FINISHED_REASON_LABEL, VLLM_ERROR_REASON = "model_name", "finished_reason", "error"
+SERVING_SLO_SCRAPE_JOB = "supernode-serving-slo"
+SERVING_TTFT_P99 = "supernode_serving_ttft_p99_seconds"  # gauge, by model_name: the window's p99
+SERVING_ITL_P99 = "supernode_serving_itl_p99_seconds"  # gauge, by model_name: the window's p99
+SERVING_REQUESTS_PER_S = "supernode_serving_requests_per_s"  # gauge: requests finished per second in the window
+SERVING_ERROR_RATIO = "supernode_serving_error_ratio"  # gauge: errors / finished requests in the window
+SERVING_REQUESTS_WAITING = "supernode_serving_requests_waiting"  # gauge: the queue depth now
+SERVING_REQUESTS_RUNNING = "supernode_serving_requests_running"  # gauge: requests being decoded now
+SERVING_SLO_METRICS = (
+    SERVING_TTFT_P99,
+    SERVING_ITL_P99,
+    SERVING_REQUESTS_PER_S,
+    SERVING_ERROR_RATIO,
+    SERVING_REQUESTS_WAITING,
+    SERVING_REQUESTS_RUNNING,
+)
+# One relay (beside the one serving Prometheus) sums every replica's series per model: no pod dimension.
+SERVING_DIMENSIONS = ("ClusterName", "Namespace", "job", VLLM_MODEL_LABEL)
+# Where the relay runs (its pod's namespace is the Namespace dimension): beside the serving Prometheus.
+SERVING_MONITORING_NAMESPACE = "monitoring"
+SERVING_SLO_ALARMS = {"ttft": "p99 time to first token", "itl": "p99 inter-token latency", "errors": "error rate"}
+
+
+def serving_dimensions(cluster_name: Any, model: str) -> dict[str, Any]:
+    """A served model's SLO series: its cluster (the stack), the relay's namespace and job, the model."""
+    return dict(zip(SERVING_DIMENSIONS, (cluster_name, SERVING_MONITORING_NAMESPACE, SERVING_SLO_SCRAPE_JOB, model)))
+
+
+def serving_slo_alarm(purpose: str, model: str) -> str:
+    """The short name of the serving alarm of `purpose` (a SERVING_SLO_ALARMS key) for the served `model`."""
+    assert purpose in SERVING_SLO_ALARMS, purpose
+    return f"serving-{purpose}-{model}"
+
+
 def _matching(names: Sequence[str], prefix: str) -> str:
     """An anchored regular expression for exactly `names`, the shared prefix written once."""
     if len(names) == 1:
@@ -305,11 +352,15 @@ def _metric_declarations() -> list[dict[str, Any]]:
             _matching(JOB_OUTCOMES, "training_operator_jobs_"),
         ),
     ]
+    serving = _declaration(
+        SERVING_SLO_SCRAPE_JOB, [SERVING_DIMENSIONS], _matching(SERVING_SLO_METRICS, "supernode_serving_")
+    )
     return [
         *trainer,
         _declaration(DCGM_SCRAPE_JOB, DCGM_DIMENSIONS, _matching(DCGM_METRICS, "DCGM_FI_DEV_")),
         *neuron,
         *queues,
+        serving,
     ]
 
 

@@ -395,8 +395,9 @@ class LocalServer:
 _TRUSTED: dict[str, tuple[ssl.SSLContext, str]] = {}
 
 
-def trust(base_url: str, ca_pem: str, api_key: str) -> None:
-    """Client calls to `base_url` verify its certificate against `ca_pem` and present `api_key`."""
+def trust(base_url: str, ca_pem: str | None, api_key: str | None) -> None:
+    """Client calls to `base_url` verify its certificate against `ca_pem` (None: the system's CAs) and
+    present `api_key` (None: none)."""
     _TRUSTED[base_url.rstrip("/")] = (ssl.create_default_context(cadata=ca_pem), api_key)
 
 

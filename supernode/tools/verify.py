@@ -8,8 +8,10 @@ Reads the stack outputs (the contract in `supernode.core.contract.StackOutputs`,
 from __future__ import annotations
 
 import json
+import ssl
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -20,8 +22,10 @@ from pydantic import ValidationError
 from ..core.catalog import CATALOG, ULTRASERVERS
 from ..core.config import Lifecycle, StackConfig
 from ..core.contract import CONTRACT_VERSION, StackOutputs
+from ..core.inference import InferencePlan
 from ..core.plan import Plan
 from .awscheck import Aws, Check, Step, error_code, failed, passed, run_checks, warned
+from .serve import ServerFailed, complete, trust
 
 PULUMI_UP = "run `pulumi up` to converge the stack"
 
@@ -382,7 +386,77 @@ def check_subscription(aws: Aws, topic_arn: str, email: str) -> Check:
     return passed(check, listed)
 
 
-def verify_steps(cfg: StackConfig, plan: Plan, outs: StackOutputs, aws: Aws) -> list[Step]:
+@dataclass(frozen=True)
+class ServingProbe:
+    """One request through the serving service: `url` is where the client reaches it (in an allowed
+    namespace https://<app>.<namespace>.svc:8000; from outside, a `kubectl port-forward` to a name the
+    certificate holds), `ca_pem` the `serving_ca` stack output (None: plain HTTP or a public CA),
+    `api_key` the `serving_api_key` one."""
+
+    url: str
+    model: str  # the served model name (the serving workload's app name)
+    prompt: str = "The capital of France is"
+    expect: str | None = None  # text the answer must contain; None: any non-empty answer
+    max_tokens: int = 16
+    api_key: str | None = None
+    ca_pem: str | None = None
+    timeout_s: float = 60.0
+
+
+SERVING_FIX = "check the serving pods (`kubectl -n NAMESPACE get pods`), the URL and the serving_ca / serving_api_key"
+
+
+def _latency_misses(name: str, measured_ms: float, target_ms: float | None, estimate_ms: float) -> list[str]:
+    if target_ms is None or measured_ms <= target_ms:
+        return []
+    return [f"{name} {measured_ms:.0f} ms over the {target_ms:g} ms target (the plan estimates {estimate_ms:.0f} ms)"]
+
+
+def check_serving(probe: ServingProbe, ip: InferencePlan) -> Check:
+    """A streamed completion: it must answer (HTTP 200, tokens, `expect` in its text), and its TTFT and
+    ITL must be within inference.ttftTargetMs / itlTargetMs. One short request on a server otherwise
+    idle is the best case the p99 targets are for, so over a target here the SLO is missed for sure;
+    within it says nothing of the p99 under load (the ttft/itl alarms watch that)."""
+    check = "serving request"
+    if probe.ca_pem is not None or probe.api_key is not None:
+        try:
+            trust(probe.url, probe.ca_pem, probe.api_key)
+        except (ssl.SSLError, ValueError) as e:
+            return failed(check, f"the serving CA is not a PEM certificate ({e})", "pass the serving_ca stack output")
+    try:
+        done = complete(probe.url, probe.prompt, probe.max_tokens, probe.model, timeout=probe.timeout_s)
+    except ServerFailed as e:
+        refused = "HTTP 401" in str(e)
+        return failed(
+            check,
+            f"{probe.url}: {'the API key was refused: ' if refused else ''}{e}",
+            "pass the serving_api_key stack output" if refused else SERVING_FIX,
+        )
+    except (OSError, ValueError) as e:  # refused, unresolved, TLS verification, timeout, not the API's JSON
+        return failed(check, f"{probe.url}: {type(e).__name__}: {e}", SERVING_FIX)
+    ttft_ms, itl_ms = done.ttft_s * 1e3, done.itl_s * 1e3
+    figures = f"{done.tokens} tokens, TTFT {ttft_ms:.0f} ms, ITL {itl_ms:.1f} ms"
+    if done.tokens < 1 or not done.text.strip() or (probe.expect is not None and probe.expect not in done.text):
+        wanted = f"an answer containing {probe.expect!r}" if probe.expect is not None else "a non-empty answer"
+        return failed(check, f"{probe.url}: expected {wanted}, got {done.text!r} ({figures})", SERVING_FIX)
+    misses = _latency_misses("TTFT", ttft_ms, ip.ttft_target_ms, ip.ttft_ms) + _latency_misses(
+        "ITL", itl_ms, ip.itl_target_ms, ip.itl_ms
+    )
+    if misses:
+        return failed(
+            check,
+            f"{probe.url}: " + "; ".join(misses) + f" ({figures})",
+            "the server is slower than the plan: see its ttft/itl alarms and `supernode plan` (inference)",
+        )
+    targets = ", ".join(
+        f"{n} target {t:g} ms" for n, t in (("TTFT", ip.ttft_target_ms), ("ITL", ip.itl_target_ms)) if t is not None
+    )
+    return passed(check, f"{figures}; answer {done.text.strip()[:40]!r}" + (f"; within {targets}" if targets else ""))
+
+
+def verify_steps(
+    cfg: StackConfig, plan: Plan, outs: StackOutputs, aws: Aws, serving: ServingProbe | None = None
+) -> list[Step]:
     cluster = outs.cluster_name
     steps = [
         Step("eks cluster", partial(check_cluster, aws, cluster, cfg.cluster.kubernetes_version)),
@@ -444,8 +518,12 @@ def verify_steps(cfg: StackConfig, plan: Plan, outs: StackOutputs, aws: Aws) -> 
             "sns subscription", partial(check_subscription, aws, outs.sns_topic_arn, cfg.monitoring.notification_email)
         )
     )
+    if serving is not None and plan.inference is not None:
+        steps.append(Step("serving request", partial(check_serving, serving, plan.inference)))
     return steps
 
 
-def run_verify(cfg: StackConfig, plan: Plan, outs: StackOutputs, aws: Aws | None = None) -> list[Check]:
-    return run_checks(verify_steps(cfg, plan, outs, aws or Aws(cfg.region)))
+def run_verify(
+    cfg: StackConfig, plan: Plan, outs: StackOutputs, aws: Aws | None = None, serving: ServingProbe | None = None
+) -> list[Check]:
+    return run_checks(verify_steps(cfg, plan, outs, aws or Aws(cfg.region), serving))

@@ -32,6 +32,19 @@ def served_namespaces(stack: Stack) -> list[str]:
     return [stack.cfg.workload.namespace, *(team_names.namespace(t.name) for t in stack.cfg.teams)]
 
 
+def serving_alarms(stack: Stack) -> list[str]:
+    ip = build_plan(stack.result.stack, stack.cfg).inference
+    if ip is None:
+        return []
+    model = f"{stack.result.stack}-vllm"  # the served model's name (components/k8s/serving.py serving_app)
+    targets = {
+        "ttft": ip.ttft_target_ms,
+        "itl": ip.itl_target_ms,
+        "errors": stack.cfg.monitoring.serving_error_rate_max,
+    }
+    return [obs.serving_slo_alarm(purpose, model) for purpose, target in targets.items() if target is not None]
+
+
 def test_every_alarm_notifies_the_topic(stack: Stack):
     topic = stack.outputs["sns_topic_arn"]
     found = alarms(stack)
@@ -64,6 +77,9 @@ def test_every_alarm_notifies_the_topic(stack: Stack):
         # each training queue's wait and its namespace's job failures (issue 36; test_queue_metrics.py)
         *(obs.queue_wait_alarm(cq) for cq in training_queues(stack)),
         *(obs.job_failure_alarm(ns) for ns in served_namespaces(stack)),
+        # the served model's SLOs: a latency alarm per target the stack sets, and its error rate (issue 38
+        # item 4; tests/components/test_serving_slo_metrics.py)
+        *serving_alarms(stack),
     }
     for a in found.values():
         assert a["alarmActions"] == [topic] and a["okActions"] == [topic]

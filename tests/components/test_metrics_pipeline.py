@@ -15,6 +15,7 @@ from aws_preview import Stack, policy, preview, statements
 from supernode.components.k8s import serving
 from supernode.components.k8s.addons import CONFIG_HASH, addon_images
 from supernode.components.k8s.operations import AGENT_CONFIGMAP, SCRAPE_CONFIGMAP, scraped_namespaces
+from supernode.core import observability as obs
 from supernode.core import resource_types as T
 from supernode.core.observability import METRICS_SCRAPER_NAMESPACE
 from supernode.core.serving import BACKEND
@@ -56,7 +57,9 @@ def the(objs: Objects, kind: str, name: str, namespace: str = "") -> dict:
 def mounted_configmap(pod: dict, name: str) -> str:
     """The mount path of the ConfigMap volume `name` refers to."""
     [volume] = [v for v in pod["volumes"] if v.get("configMap", {}).get("name") == name]
-    [path] = [m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"] if m["name"] == volume["name"]]
+    [path] = [
+        m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", []) if m["name"] == volume["name"]
+    ]
     return path
 
 
@@ -117,8 +120,10 @@ def test_agent_reads_pods_only_in_the_namespaces_it_scrapes(dev, objs):
         the(objs, "ConfigMap", SCRAPE_CONFIGMAP, METRICS_SCRAPER_NAMESPACE)["data"]["prometheus.yaml"]
     )
     namespaces = scraped_namespaces(scrape)
-    # the trainer's, DCGM's and the training operator's, Kueue's
-    assert namespaces == sorted({dev.cfg.workload.namespace, "supernode-system", "kueue-system"})
+    # the trainer's, DCGM's and the training operator's, Kueue's, and (dev serves) the serving SLO relay's
+    assert namespaces == sorted(
+        {dev.cfg.workload.namespace, "supernode-system", "kueue-system", serving.MONITORING_NAMESPACE}
+    )
     role = the(objs, "ClusterRole", "cwagent-prometheus-pods")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     bindings = [m for (k, _, n), m in objs.items() if m.get("roleRef", {}).get("name") == "cwagent-prometheus-pods"]
@@ -208,7 +213,7 @@ def test_prometheus_scrapes_the_serving_pods_on_vllms_port_and_keeps_what_the_ru
     ns = dev.cfg.inference.namespace
     prometheus = the(objs, "Deployment", "prometheus", serving.MONITORING_NAMESPACE)
     pod = pod_spec(prometheus)
-    [c] = pod["containers"]
+    [c] = [c for c in pod["containers"] if c["name"] == "prometheus"]  # beside it: the SLO relay
     cm_name = next(v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v)
     assert flag(c["args"], "--config.file") == f"{mounted_configmap(pod, cm_name)}/{serving.PROMETHEUS_CONFIG}"
     [job] = yaml.safe_load(
@@ -261,8 +266,10 @@ def test_serving_network_policy_admits_this_prometheus_to_the_metrics_port(dev, 
     # and only the adapter may query Prometheus
     prom = the(objs, "NetworkPolicy", "prometheus", serving.MONITORING_NAMESPACE)
     adapter = the(objs, "Deployment", "prometheus-adapter", serving.MONITORING_NAMESPACE)
-    [rule] = prom["spec"]["ingress"]
+    rule, relay = prom["spec"]["ingress"]
     assert rule["from"] == [{"podSelector": {"matchLabels": adapter["spec"]["selector"]["matchLabels"]}}]
+    # the other rule: the CloudWatch agent to the SLO relay's port, not Prometheus' (test_serving_slo_metrics.py)
+    assert relay["ports"] == [{"protocol": "TCP", "port": serving.SLO_RELAY_PORT}] != rule["ports"]
 
 
 def test_no_prometheus_or_adapter_without_inference():
@@ -296,4 +303,7 @@ def test_every_metrics_object_validates_and_prod_pins_the_images_by_digest(name)
         ]
         for c in pod_spec(objs[key])["containers"]
     }
-    assert images == {n: stack.cfg.images.addons[n] for n in ("cloudwatch-agent", "prometheus", "prometheus-adapter")}
+    assert images == {
+        **{n: stack.cfg.images.addons[n] for n in ("cloudwatch-agent", "prometheus", "prometheus-adapter")},
+        obs.SERVING_SLO_SCRAPE_JOB: stack.cfg.images.trainer,  # the SLO relay: the trainer image, pinned as it is
+    }

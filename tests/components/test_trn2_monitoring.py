@@ -103,6 +103,11 @@ def test_every_gpu_alarm_has_a_trainium_alarm_of_its_purpose_or_a_reason(gpu_sta
     per_queue = ("queue-wait-", "job-failure-rate-")
     assert all(any(n.startswith(p) for n in names) for p in per_queue for names in (gpu, neuron))
     gpu, neuron = {n for n in gpu if not n.startswith(per_queue)}, {n for n in neuron if not n.startswith(per_queue)}
+    # The serving SLO alarms exist where a stack serves, on any vendor (trn2 has no inference section;
+    # tests/components/test_serving_slo_metrics.py holds each serving stack to its model's alarms).
+    serves = [n for n in gpu if n.startswith("serving-")]
+    assert bool(serves) == (preview(gpu_stack).cfg.inference is not None)
+    gpu -= set(serves)
     nvidia_names = {names["nvidia"] for names in ACCELERATOR_ALARMS.values()}
     # Every accelerator alarm of a GPU stack is in the table (a new one cannot be forgotten on Trainium) ...
     assert nvidia_names <= gpu

@@ -85,7 +85,7 @@ def test_the_repositorys_stacks_warn_in_dev_and_fail_in_prod(stack_name, level):
     assert len(by_policy["image-digests"]) == 8 + spans_nodes
     assert any("lws" in v.urn for v in by_policy["image-digests"]) is spans_nodes
     # every workload of the trainer image (job, gate, scheduled fabric check, restore drill, checkpoint
-    # retention, inventory, node health agent, the queue-wait relay) and
+    # retention, inventory, node health agent, the queue-wait and serving SLO relays) and
     # vLLM's server and weight check: CronJobs and init containers included
     assert {v.urn.rsplit("::", 1)[-1] for v in by_policy["image-placeholder"]} == {
         "workload-trainer-job",
@@ -94,6 +94,7 @@ def test_the_repositorys_stacks_warn_in_dev_and_fail_in_prod(stack_name, level):
         "workload-ops-restore-drill",
         "workload-ops-checkpoint-retention",
         "workload-queue-metrics-relay",
+        "workload-serving-deployment-prometheus",  # the serving SLO relay beside serving's Prometheus
         "workload-ops-inventory",
         "workload-ops-node-health",
         "workload-serving-server",

@@ -18,7 +18,13 @@ from supernode.tools.policycheck import check, config_from_stack
 from supernode.tools.preview import run_program
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVING_POLICIES = {"serving-weights-verified", "serving-availability", "serving-not-public", "serving-plan-fits"}
+SERVING_POLICIES = {
+    "serving-weights-verified",
+    "serving-availability",
+    "serving-not-public",
+    "serving-plan-fits",
+    "serving-plan-meets-targets",
+}
 
 
 @pytest.fixture(scope="module")
@@ -105,20 +111,44 @@ def test_missing_pdb_is_reported(prod):
     assert any("no PodDisruptionBudget" in m for m in _serving_findings(without, cfg)["serving-availability"])
 
 
-def test_inference_plan_that_does_not_fit_is_reported(prod):
-    cfg, resources = prod
+def _with_inference(resources: list[dict], cfg, **inference) -> list[dict]:
+    """The preview's resources with the plan ConfigMap holding the plan of `cfg` with `inference` changed."""
     from supernode.core.plan import PLAN_CONFIGMAP_KEY, build_plan
 
-    tp1 = cfg.model_copy(
-        update={"inference": cfg.inference.model_copy(update={"tp": 1, "pp": 1, "max_concurrency": 64, "layout": "tp"})}
-    )
-    plan_json = build_plan("prod", tp1).to_json()
+    changed = cfg.model_copy(update={"inference": cfg.inference.model_copy(update=inference)})
+    plan_json = build_plan("prod", changed).to_json()
     out = copy.deepcopy(resources)
     for r in out:
         if r["type"] == T.CONFIG_MAP and PLAN_CONFIGMAP_KEY in (r["inputs"].get("data") or {}):
             r["inputs"]["data"][PLAN_CONFIGMAP_KEY] = plan_json
+    return out
+
+
+def test_inference_plan_that_does_not_fit_is_reported(prod):
+    cfg, resources = prod
+    out = _with_inference(resources, cfg, tp=1, pp=1, max_concurrency=64, layout="tp")
     findings = _serving_findings(out, cfg)
     assert any("Fix: use inference.tp 4" in m for m in findings["serving-plan-fits"])
+
+
+def test_inference_plan_that_misses_its_latency_targets_is_reported(prod):
+    """prod's chosen layout meets ttftTargetMs 2000 and itlTargetMs 50; a 1 ms ITL target no layout meets
+    is refused, with the estimate and the target named; the TTFT target still met is not named."""
+    cfg, resources = prod
+    from supernode.core.plan import build_plan
+
+    ip = build_plan("prod", cfg).inference
+    assert ip.meets_ttft_target and ip.meets_itl_target  # what the passing test relies on
+    findings = _serving_findings(_with_inference(resources, cfg, itl_target_ms=1.0), cfg)
+    [message] = findings["serving-plan-meets-targets"]
+    assert f"ITL estimate {ip.itl_ms:.1f} ms over the 1 ms target (inference.itlTargetMs)" in message
+    assert "TTFT estimate" not in message and "no layout the planner weighed meets them" in message
+    # a TTFT target below the estimate: the layouts that meet it (none at this prompt length) are the fix
+    tight = ip.ttft_ms * 0.5
+    findings = _serving_findings(_with_inference(resources, cfg, ttft_target_ms=tight), cfg)
+    [message] = findings["serving-plan-meets-targets"]
+    assert f"TTFT estimate {ip.ttft_ms:.1f} ms over the {tight:g} ms target (inference.ttftTargetMs)" in message
+    assert "serving-plan-meets-targets" not in _serving_findings(resources, cfg)
 
 
 def test_verify_script_blocks_a_corrupted_file(tmp_path):

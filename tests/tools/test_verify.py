@@ -276,6 +276,30 @@ def test_stack_as_configured_passes_every_check(moto_aws, dev, deployed, tmp_pat
         assert name in out
 
 
+def test_a_serving_request_joins_the_checks(moto_aws, dev, deployed, tmp_path, capsys, monkeypatch):
+    """--serving-url: one completion through a real TLS server that wants the API key, the key read from
+    the environment and the CA from the serving_ca file; the stack's served model name is asked for."""
+    from supernode.core.credentials import generate
+    from tests.tools.completions_server import Behaviour, completions_server
+
+    monkeypatch.setenv("COLUMNS", "250")
+    tls = generate(["localhost"], valid_days=1, ip_addresses=("127.0.0.1",))
+    (tmp_path / "ca.pem").write_text(tls["ca_pem"], encoding="utf-8")
+    monkeypatch.setenv("SUPERNODE_SERVING_API_KEY", tls["api_key"])
+    with_lifecycle(moto_aws, "AVAILABLE")
+    args = ["verify", "--stack", "dev", "--root", str(ROOT), "--outputs", str(write(tmp_path, deployed))]
+    with completions_server(Behaviour(api_key=tls["api_key"]), tls) as (url, requests):
+        serving = ["--serving-url", url, "--serving-ca", str(tmp_path / "ca.pem"), "--serving-expect", "Paris"]
+        assert main([*args, *serving]) == 0
+    out = capsys.readouterr().out
+    assert "15 checks: 15 pass, 0 fail, 0 warn" in out and "serving request" in out
+    assert [r["body"]["model"] for r in requests] == ["dev-vllm"]
+    with completions_server(Behaviour(tokens=(" London",), api_key=tls["api_key"]), tls) as (url, _):
+        serving = ["--serving-url", url, "--serving-ca", str(tmp_path / "ca.pem"), "--serving-expect", "Paris"]
+        assert main([*args, *serving]) == 1
+    assert "15 checks: 14 pass, 1 fail, 0 warn" in capsys.readouterr().out
+
+
 def test_details_say_what_was_found(moto_aws, dev, deployed):
     outputs = deployed
     checks = verify(dev, outputs)

@@ -471,6 +471,25 @@ class MonitoringConfig(_Base):
     job_failure_window_hours: int = Field(
         default=6, ge=1, le=24, description="the window of the job failure rate alarm, in hours"
     )
+    # Serving SLOs (issue 38 item 4): the relay supernode.trainer.serving_slo takes vLLM's TTFT and ITL
+    # p99 over this window (the targets are inference.ttftTargetMs / itlTargetMs); five minutes hold
+    # enough requests for a p99 to mean something at serving rates and still page within minutes.
+    serving_slo_window_minutes: int = Field(
+        default=5,
+        ge=1,
+        le=60,
+        description="the window the serving TTFT / ITL p99, request rate and error rate are taken over "
+        "(the alarms compare them with inference.ttftTargetMs, itlTargetMs and servingErrorRateMax)",
+    )
+    # One request in a hundred failing inside the server (vLLM's finished_reason "error": a 500) is an
+    # engine in trouble, not a client's bad request (those are refused before the engine counts them).
+    serving_error_rate_max: float = Field(
+        default=0.01,
+        gt=0,
+        lt=1,
+        description="alarm when more than this fraction of the requests a model finished within "
+        "servingSloWindowMinutes failed in the server (vLLM's request_success, finished_reason error)",
+    )
 
     @field_validator("log_retention_days")
     @classmethod
