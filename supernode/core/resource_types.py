@@ -109,3 +109,7 @@ LOAD_BALANCER = "aws:lb/loadBalancer:LoadBalancer"
 LB_LISTENER = "aws:lb/listener:Listener"
 LB_TARGET_GROUP = "aws:lb/targetGroup:TargetGroup"
 ASG_ATTACHMENT = "aws:autoscaling/attachment:Attachment"
+# RBAC (policies/management.py reads the management page's).
+CLUSTER_ROLE = "kubernetes:rbac.authorization.k8s.io/v1:ClusterRole"
+ROLE_BINDING = "kubernetes:rbac.authorization.k8s.io/v1:RoleBinding"
+CLUSTER_ROLE_BINDING = "kubernetes:rbac.authorization.k8s.io/v1:ClusterRoleBinding"
