@@ -160,7 +160,7 @@ def _rbac_problems(stack: Stack) -> list[tuple[Res, str]]:
     out = []
     for role in (r for r in stack.of(CLUSTER_ROLE) if r.get("metadata", "name") == UI_CLUSTER_ROLE):
         for rule in items(role.get("rules")):
-            verbs, resources = as_list(get(rule, "verbs")), as_list(get(rule, "resources"))
+            verbs, resources = items(get(rule, "verbs")), items(get(rule, "resources"))
             if "*" in verbs or "*" in resources or "secrets" in resources:
                 out.append((role, f"{role.label} grants {verbs} on {resources}: a wildcard or secrets"))
     for b in stack.of(ROLE_BINDING, CLUSTER_ROLE_BINDING):
