@@ -457,7 +457,10 @@ class UiApp:
         status = self.visible(request, name)
         files = self.ctx.files(name)
         values: dict[str, Any] = {"job": status, "figures": None, "svgs": [], "plots": [], "checkpoints": []}
-        values["log"] = "".join(deque(self.ctx.backend.logs(name, follow=False), maxlen=LOG_LINES))
+        try:
+            values["log"] = "".join(deque(self.ctx.backend.logs(name, follow=False), maxlen=LOG_LINES))
+        except BadInput as e:  # the cluster's queued job has no pod, so no log yet: say so on its page
+            values["log"] = f"({e})"
         values["measured"] = []
         if files is not None:
             plan = None
