@@ -69,10 +69,12 @@ ENV PATH=/opt/venv/bin:${PATH} \
     PYTHONUNBUFFERED=1
 COPY requirements.txt /tmp/requirements.txt
 # torch from its CUDA index; the trainer's other dependencies at requirements.txt's exact pins (the
-# pulumi/boto3/test half of the project is not needed in the cluster).
+# pulumi/test half of the project is not needed in the cluster). The management page (`supernode ui
+# --cluster`, components/k8s/management_ui.py) runs this image too: its server, the Kubernetes client,
+# boto3 for its audit records and cryptography for the load balancer's signed identity.
 RUN python3 -m venv /opt/venv \
  && pip install --no-cache-dir --index-url "https://download.pytorch.org/whl/${TORCH_CUDA}" "torch==${TORCH_VERSION}" \
- && grep -E '^(numpy|pydantic|pyyaml|prometheus-client|matplotlib|rich)==' /tmp/requirements.txt > /tmp/trainer.txt \
+ && grep -E '^(numpy|pydantic|pyyaml|prometheus-client|matplotlib|rich|starlette|uvicorn|jinja2|python-multipart|kubernetes|boto3|botocore|cryptography)==' /tmp/requirements.txt > /tmp/trainer.txt \
  && pip install --no-cache-dir -r /tmp/trainer.txt \
  && rm /tmp/requirements.txt /tmp/trainer.txt
 COPY --from=plugin /opt/aws-ofi-nccl /opt/aws-ofi-nccl

@@ -38,6 +38,7 @@ from supernode.components.aws.identity import (
     metrics_agent_policy,
     node_health_agent_policy,
 )
+from supernode.components.aws.management import ManagementLb, ManagementLbArgs, audit_writer_policy
 from supernode.components.aws.monitoring import Monitoring, MonitoringArgs
 from supernode.components.aws.network import Network, NetworkArgs
 from supernode.components.aws.outputs import export_stack_outputs
@@ -54,6 +55,9 @@ from supernode.components.k8s.jobs import (
     TrainerJob,
     spans_nodes_over_nvlink,
 )
+from supernode.components.k8s.management_ui import NAME as MANAGEMENT_UI_SA
+from supernode.components.k8s.management_ui import NAMESPACE as MANAGEMENT_NAMESPACE
+from supernode.components.k8s.management_ui import ManagementUi, ManagementUiArgs
 from supernode.components.k8s.namespace import PRIORITY_CLASS, FsxVolume, NamespaceArgs, TrainingNamespace
 from supernode.components.k8s.operations import (
     NODE_HEALTH_NAMESPACE,
@@ -122,6 +126,7 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
     retention_role = _retention_role(ctx, cfg, cluster, storage, keys)
     if cfg.teams:  # each team's IAM role reaches the cluster as its Kubernetes group, nothing more
         TeamAccess("team-access", TeamAccessArgs(ctx=ctx, cluster_name=cluster.cluster.name, teams=cfg.teams))
+    management = _management(ctx, cfg, cluster, network, accelerators, keys)
     _export_stack_outputs(keys, network, cluster, accelerators, storage, trainer_role, registry, monitoring)
 
     # The Kubernetes side, on the cluster once its GPU nodes, its workload add-ons and the CloudWatch add-on
@@ -148,9 +153,55 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
             retention_role_arn=retention_role.arn,
             gpu_nodes=GpuNodes.for_groups(accelerators.labels, accelerators.taints),
             cluster_name=cluster_name,
+            management=management,
             after=[*accelerators.node_groups, *workload_addons, monitoring.agent_addon],
         ),
     )
+
+
+@dataclass(frozen=True)
+class ManagementOutputs:
+    """The management page's AWS side, what its Deployment reads."""
+
+    lb_arn: pulumi.Input[str]  # the signer of the identity header the page trusts
+    audit_log_group: pulumi.Input[str]
+    role_arn: pulumi.Input[str]
+
+
+def _management(
+    ctx: StackContext, cfg: StackConfig, cluster: Cluster, network: Network, accelerators: Accelerators, keys: Keys
+) -> ManagementOutputs | None:
+    """The page's internal load balancer, audit log group and IRSA role; None without management.ui."""
+    if cfg.management.ui is None:
+        return None
+    lb = ManagementLb(
+        "management",
+        ManagementLbArgs(
+            ctx=ctx,
+            management=cfg.management,
+            vpc_id=network.vpc_id,
+            subnet_ids=network.private_subnet_ids,
+            node_security_group_id=cluster.security_group_id,
+            node_autoscaling_group=accelerators.system_node_group.resources.apply(
+                lambda r: r[0].autoscaling_groups[0].name
+            ),
+            logs_kms_key_arn=keys.ops.arn,
+        ),
+    )
+    role = ServiceAccountRole(
+        "management-ui-role",
+        ServiceAccountRoleArgs(
+            ctx=ctx,
+            namespace=MANAGEMENT_NAMESPACE,
+            service_account=MANAGEMENT_UI_SA,
+            oidc_provider_arn=cluster.oidc_provider_arn,
+            oidc_issuer_url=cluster.oidc_issuer_url,
+            policy=lb.audit_log_group.arn.apply(lambda arn: json.dumps(audit_writer_policy(arn))),
+            description=f"supernode {ctx.stack}: the management page writes its audit records",
+        ),
+    )
+    pulumi.export("management_ui", {"load_balancer_dns_name": lb.dns_name, "audit_log_group": lb.audit_log_group.name})
+    return ManagementOutputs(lb_arn=lb.arn, audit_log_group=lb.audit_log_group.name, role_arn=role.arn)
 
 
 def _network(ctx: StackContext, cfg: StackConfig, cluster_name: str, keys: Keys) -> Network:
@@ -400,6 +451,7 @@ class AwsOutputs:
     retention_role_arn: pulumi.Input[str]  # the checkpoint retention CronJob's
     gpu_nodes: GpuNodes
     cluster_name: str
+    management: ManagementOutputs | None = None  # the management page's load balancer (management.ui)
     # What the cluster needs before any workload object: the Kubernetes provider waits for it.
     after: Sequence[pulumi.Resource] = ()
 
@@ -414,6 +466,8 @@ def kubernetes(ctx: StackContext, cfg: StackConfig, plan: Plan, from_aws: AwsOut
     addons = _cluster_addons(ctx, cfg, plan, from_aws, workload.child())
     serving_namespace = [] if cfg.inference is None else [cfg.inference.namespace]
     teams = _team_namespaces(cfg, plan, from_aws, workload.child())
+    if from_aws.management is not None:
+        _management_ui(cfg, plan, from_aws.management, teams, workload.child())
     kueue = KueueController(
         "workload-kueue",
         KueueArgs(
@@ -514,6 +568,31 @@ def _team_namespaces(
     namespaces = team_namespaces(shares.teams, shared, opts)
     TeamAdmin("workload-team-admin", TeamAdminArgs(namespaces=[t.namespace for t in namespaces]), opts)
     return namespaces
+
+
+def _management_ui(
+    cfg: StackConfig,
+    plan: Plan,
+    aws_side: ManagementOutputs,
+    teams: Sequence[TeamNamespace],
+    opts: pulumi.ResourceOptions,
+) -> ManagementUi:
+    """`supernode ui --cluster` behind the load balancer, with rights in the teams' namespaces only."""
+    return ManagementUi(
+        "workload-management-ui",
+        ManagementUiArgs(
+            stack=plan.stack,
+            cfg=cfg,
+            image=cfg.images.trainer,
+            role_arn=aws_side.role_arn,
+            signer=aws_side.lb_arn,
+            audit_log_group=aws_side.audit_log_group,
+            team_namespaces=[t.name for t in teams],
+            lb_cidrs=cfg.network.private_subnet_cidrs or [cfg.network.vpc_cidr],
+            after=[t.namespace for t in teams],
+        ),
+        opts,
+    )
 
 
 def _training_namespace(

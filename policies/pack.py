@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from . import accelerators, monitoring, readiness, security, serving, storage
+from . import accelerators, management, monitoring, readiness, security, serving, storage
 from .base import ChecklistPolicy
 
 PACK_NAME = "supernode-checklist"
@@ -14,6 +14,7 @@ POLICIES: list[ChecklistPolicy] = [
     *storage.POLICIES,
     *monitoring.POLICIES,
     *security.POLICIES,
+    *management.POLICIES,
     *serving.POLICIES,
 ]
 

@@ -103,3 +103,13 @@ NETWORK_POLICY = "kubernetes:networking.k8s.io/v1:NetworkPolicy"
 # Kueue's queues (components/k8s/queues.py): the queue alarms (policies/monitoring.py) follow them.
 CLUSTER_QUEUE = "kubernetes:kueue.x-k8s.io/v1beta1:ClusterQueue"
 LOCAL_QUEUE = "kubernetes:kueue.x-k8s.io/v1beta1:LocalQueue"
+
+# The management page's load balancer (components/aws/management.py; policies/management.py reads them).
+LOAD_BALANCER = "aws:lb/loadBalancer:LoadBalancer"
+LB_LISTENER = "aws:lb/listener:Listener"
+LB_TARGET_GROUP = "aws:lb/targetGroup:TargetGroup"
+ASG_ATTACHMENT = "aws:autoscaling/attachment:Attachment"
+# RBAC (policies/management.py reads the management page's).
+CLUSTER_ROLE = "kubernetes:rbac.authorization.k8s.io/v1:ClusterRole"
+ROLE_BINDING = "kubernetes:rbac.authorization.k8s.io/v1:RoleBinding"
+CLUSTER_ROLE_BINDING = "kubernetes:rbac.authorization.k8s.io/v1:ClusterRoleBinding"

@@ -373,13 +373,33 @@ def _container_args(job: dict) -> list[str]:
 class ClusterBackend:
     """`supernode job` on the stack's cluster (the kubeconfig's context, or --context)."""
 
-    def __init__(self, stack: str, cfg: StackConfig, kubeconfig: Path | None = None, context: str | None = None):
+    def __init__(
+        self,
+        stack: str,
+        cfg: StackConfig,
+        kubeconfig: Path | None = None,
+        context: str | None = None,
+        in_cluster: bool = False,
+    ):
+        """`in_cluster`: as the pod's service account (the management page's), not a kubeconfig's user."""
         self.stack, self.cfg, self.kubeconfig, self.context = stack, cfg, kubeconfig, context
+        self.in_cluster = in_cluster
         self._client = None
 
     # -- talking to the API server ----------------------------------------------------------------
     @property
     def client(self):
+        if self._client is None and self.in_cluster:
+            from kubernetes.client import ApiClient, Configuration
+            from kubernetes.config import load_incluster_config
+
+            configuration = Configuration()
+            try:
+                load_incluster_config(client_configuration=configuration)
+            except ConfigException as e:
+                raise BadInput(f"no in-cluster service account to talk to the API server with ({e})") from None
+            self._client = ApiClient(configuration)
+            self._client.configuration.retries = False
         if self._client is None:
             from kubernetes.config import new_client_from_config
 

@@ -198,6 +198,7 @@ def config_from_stack(cfg: StackConfig) -> dict[str, Any]:
     return {
         "data-ready": {"datasetPrefix": cfg.storage.dataset_prefix},
         "checkpoint-lifecycle": {"checkpointPrefix": cfg.storage.checkpoint_prefix},
+        "lb-ingress-allowed-cidrs": {"allowedCidrs": list(cfg.management.allowed_cidrs)},
         **{name: {"enforcementLevel": images} for name in IMAGE_POLICIES},
         **{name: {"enforcementLevel": "mandatory"} for name in REMEDIATING_POLICIES},
     }

@@ -17,7 +17,11 @@ server; Jinja2 (already installed with torch) autoescapes every value. A few lin
 - Who: every request has a viewer, `viewer_teams(request)`, the teams whose jobs it may see, cancel
   and submit for; a job of another team is answered as unknown (404), a submit for it 403 naming
   `team`. The local page has no login (it listens on 127.0.0.1 only) and sees every team
-  (`ALL_TEAMS`); the cluster's deployment (issue 37 item 2, not here yet) plugs in the person's team.
+  (`ALL_TEAMS`). In the cluster (issue 37 item 2, `cluster_context`) every request but the load
+  balancer's health check is authenticated first (`UiContext.authenticate`: the ALB's signed identity
+  header, supernode.tools.ui_auth; 401 without one) and the person's team groups decide what they see
+  (`viewer_teams`) and what they may submit and cancel for (`acting_teams`); each submit and cancel is
+  recorded in the audit log (`UiContext.audit`).
 - State-changing requests (submit, cancel) are POSTs carrying the session's CSRF token: a random
   session id in an HttpOnly SameSite=Strict cookie, and the token HMAC(the app's secret, that id) in
   each form, recomputed and compared server-side; a missing or wrong one is 403.
@@ -47,9 +51,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import URL
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+from starlette.responses import FileResponse, HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -66,6 +71,7 @@ MAX_JOB_BYTES = MIB
 LOG_LINES = 200
 ENDED_SHOWN = 50  # the job list's newest ended jobs (all=1: every one)
 PLOTS = ("loss.png", "expert_load.png")
+HEALTH_PATH = "/healthz"  # the load balancer's health check: answered without an identity
 NAME_RE = re.compile(NAME)
 JOB_KEYS = {f.alias or name for name, f in JobSpec.model_fields.items()}  # a job file's top-level keys
 
@@ -105,6 +111,34 @@ class UiContext:
     viewer_teams: Callable[[Request], Container[str]] = lambda request: ALL_TEAMS
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     mode: str = "local"
+    # The cluster's page: who is asking (raises Unauthenticated: 401), the teams they may change jobs of
+    # (None: those they see), and the audit record of each submit and cancel (who, team, job, action, result).
+    authenticate: Callable[[Request], Any] | None = None
+    acting_teams: Callable[[Request], Container[str]] | None = None
+    audit: Callable[..., Any] | None = None
+
+
+def cluster_context(
+    stack: str, cfg, identity, audit, backend: Any | None = None, root: Path | None = None
+) -> UiContext:
+    """The page in the cluster: the cluster backend (in-cluster service account), plans as `supernode job
+    plan` makes them, the person from `identity` (ui_auth.AlbIdentity), `audit` (ui_auth.AuditLog)."""
+    from supernode.core.jobs import job_plan
+    from supernode.tools.jobs_cluster import ClusterBackend
+    from supernode.tools.ui_auth import IDENTITY_HEADER
+
+    backend = backend or ClusterBackend(stack, cfg, in_cluster=True)
+    return UiContext(
+        backend=backend,
+        plan_job=lambda job: job_plan(stack, cfg, job, root=root or "."),
+        submit_job=lambda job, plan, source: backend.submit(job, plan),
+        stack=stack,
+        viewer_teams=lambda request: request.state.viewer.sees,
+        acting_teams=lambda request: request.state.viewer.acts,
+        authenticate=lambda request: identity.viewer(request.headers.get(IDENTITY_HEADER)),
+        audit=audit.record,
+        mode="cluster",
+    )
 
 
 def local_context(home: Path, stack: str, cfg, stack_args: list[str], start_runner: bool = True) -> UiContext:
@@ -294,6 +328,7 @@ class UiApp:
         self.env.globals.update(tokens_vs_plan=tokens_vs_plan, states=STATES, mode=self.ctx.mode, stack=self.ctx.stack)
         routes = [
             Route("/", self.jobs_page, name="jobs"),
+            Route(HEALTH_PATH, self.health, name="health"),
             Route("/jobs/{name}", self.job_page, name="job"),
             Route("/jobs/{name}/plots/{plot}", self.plot, name="plot"),
             Route("/jobs/{name}/cancel", self.cancel, methods=["POST"], name="cancel"),
@@ -304,13 +339,41 @@ class UiApp:
         hosts = allowed_hosts or ["127.0.0.1", "localhost"]  # a DNS-rebinding page is refused by its Host
         self.app = Starlette(
             routes=routes,
-            middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)],
+            # Outermost first: in the cluster the load balancer's health check (Host: a node's address) is
+            # answered before the host check; every other request is authenticated, then host-checked.
+            middleware=[
+                *([Middleware(BaseHTTPMiddleware, dispatch=self.authenticated)] if ctx.authenticate else []),
+                Middleware(TrustedHostMiddleware, allowed_hosts=hosts),
+            ],
             exception_handlers={
                 FieldError: self.field_error,
                 BadInput: self.backend_error,
                 HTTPException: self.http_error,
             },
         )
+
+    async def authenticated(self, request: Request, call_next: Callable) -> Response:
+        """Every request but the health check names its person (request.state.viewer), or is 401."""
+        from supernode.tools.ui_auth import Unauthenticated
+
+        if request.url.path == HEALTH_PATH:
+            return await self.health(request)
+        try:
+            request.state.viewer = self.ctx.authenticate(request)
+        except Unauthenticated as e:
+            return PlainTextResponse(f"401 Unauthorized: {e}\n", status_code=401)
+        return await call_next(request)
+
+    async def health(self, request: Request) -> Response:
+        return PlainTextResponse("ok\n")
+
+    def acting(self, request: Request) -> Container[str]:
+        return (self.ctx.acting_teams or self.ctx.viewer_teams)(request)
+
+    def audited(self, request: Request, team: str, job: str, action: str, result: str, message: str) -> None:
+        if self.ctx.audit is not None:
+            viewer = getattr(request.state, "viewer", None)
+            self.ctx.audit(getattr(viewer, "who", "local"), team, job, action, result, message)
 
     def url_for(self, route: str, /, **params: Any) -> URL:
         """A route's path (relative: the page works behind any host name or proxy)."""
@@ -394,7 +457,10 @@ class UiApp:
         status = self.visible(request, name)
         files = self.ctx.files(name)
         values: dict[str, Any] = {"job": status, "figures": None, "svgs": [], "plots": [], "checkpoints": []}
-        values["log"] = "".join(deque(self.ctx.backend.logs(name, follow=False), maxlen=LOG_LINES))
+        try:
+            values["log"] = "".join(deque(self.ctx.backend.logs(name, follow=False), maxlen=LOG_LINES))
+        except BadInput as e:  # the cluster's queued job has no pod, so no log yet: say so on its page
+            values["log"] = f"({e})"
         values["measured"] = []
         if files is not None:
             plan = None
@@ -436,11 +502,17 @@ class UiApp:
         return FileResponse(files.run / which, media_type="image/png")
 
     def cancel_job(self, request: Request, name: str) -> JobStatus:
-        self.visible(request, name)
+        team = self.visible(request, name).team
+        if team not in self.acting(request):
+            self.audited(request, team, name, "cancel", "forbidden", "not one of the person's teams")
+            raise FieldError("name", f"job {name!r} is team {team}'s: you may read it, not cancel it", status=403)
         try:
-            return self.ctx.backend.cancel(name)
+            status = self.ctx.backend.cancel(name)
         except BadInput as e:
+            self.audited(request, team, name, "cancel", "refused", str(e))
             raise FieldError("name", str(e), status=409) from None
+        self.audited(request, team, name, "cancel", status.state, status.message)
+        return status
 
     async def cancel(self, request: Request) -> Response:
         name = _name(request.path_params["name"], "name")
@@ -477,7 +549,7 @@ class UiApp:
         values: dict[str, Any] = {"text": text, "result": None, "issues": [], "refusals": [], "figures": None}
         try:
             job = job_from_mapping(load_yaml(text, "job file"), "job file")
-            if job.team not in self.ctx.viewer_teams(request):
+            if job.team not in self.acting(request):
                 raise FieldError("team", f"{job.team!r} is not one of your teams", status=403)
             plan = self.ctx.plan_job(job)
         except InputError as e:
@@ -493,12 +565,16 @@ class UiApp:
         values.update(job=job, figures=plan_figures(plan), refusals=refusals(plan))
         if action == "plan" or values["refusals"]:
             status = 409 if action == "submit" else 200  # submit refused: the same refusals as the CLI's exit 1
+            if action == "submit":
+                self.audited(request, job.team, job.name, "submit", "refused", "; ".join(values["refusals"]))
             return self.page(request, "submit.html", status=status, **values)
         try:
             result = self.ctx.submit_job(job, plan, source)
         except BadInput as e:
+            self.audited(request, job.team, job.name, "submit", "refused", str(e))
             values["issues"] = [("name", str(e))]
             return self.page(request, "submit.html", status=409, **values)
+        self.audited(request, job.team, job.name, "submit", result.state, result.message)
         return RedirectResponse(
             self.url_for("job", name=result.name).include_query_params(notice=f"{result.state}: {result.message}"),
             status_code=303,
@@ -523,8 +599,15 @@ def job_yaml(job: JobSpec) -> str:
     return yaml.safe_dump(job.model_dump(by_alias=True, mode="json", exclude_defaults=True), sort_keys=False)
 
 
-def serve(ctx: UiContext, port: int = 8080, ready: Callable[[str], None] | None = None) -> None:
-    """Serve the page on 127.0.0.1:port (0: a free one) until interrupted; `ready(url)` once listening."""
+def serve(
+    ctx: UiContext,
+    port: int = 8080,
+    ready: Callable[[str], None] | None = None,
+    host: str = "127.0.0.1",
+    allowed_hosts: list[str] | None = None,
+) -> None:
+    """Serve the page on host:port (0: a free one) until interrupted; `ready(url)` once listening. The
+    cluster's page listens on every address of its pod (its NetworkPolicy admits the load balancer only)."""
     import asyncio
     import socket
 
@@ -533,15 +616,15 @@ def serve(ctx: UiContext, port: int = 8080, ready: Callable[[str], None] | None 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(("127.0.0.1", port))
+        sock.bind((host, port))
     except OSError as e:
-        raise BadInput(f"--port {port}: cannot listen on 127.0.0.1:{port} ({e.strerror})") from None
+        raise BadInput(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
     sock.listen(128)  # from here a browser's connection waits in the backlog until the server takes it
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
+    url = f"http://{host}:{sock.getsockname()[1]}/"
     if ready is not None:
         ready(url)
     import supernode.trainer.metrics  # noqa: F401  (its torch import paid at start, not by the first job page)
 
-    config = uvicorn.Config(create_app(ctx), log_level="warning", access_log=False)
+    config = uvicorn.Config(create_app(ctx, allowed_hosts), log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     asyncio.run(server.serve(sockets=[sock]))

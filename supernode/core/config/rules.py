@@ -612,6 +612,31 @@ def _teams(c: StackConfig) -> list[Issue]:
     return issues
 
 
+def _management(c: StackConfig) -> list[Issue]:
+    """The management page is deployed only with ranges to admit (never an empty list, which an open
+    listener would read as everyone) and teams to map people to (its authorisation is theirs)."""
+    if c.management.ui is None:
+        return []
+    issues: list[Issue] = []
+    if not c.management.allowed_cidrs:
+        issues.append(
+            Issue(
+                path=P + "management.allowedCidrs",
+                value=[],
+                message="management.ui needs the networks its load balancer admits (e.g. the VPN's 10.8.0.0/16)",
+            )
+        )
+    if not c.teams:
+        issues.append(
+            Issue(
+                path=P + "teams",
+                value=[],
+                message="management.ui maps a person to a team by the team's group: give supernode:teams",
+            )
+        )
+    return issues
+
+
 # Each rule with the top-level sections it reads: when some sections fail the schema, the rules
 # over the valid ones still run, so a stack file's problems are reported in one round.
 RULES = (
@@ -626,6 +651,7 @@ RULES = (
     (("training",), _stall),
     (("accelerator_node_groups",), _spares),
     (("teams", "accelerator_node_groups", "workload", "inference"), _teams),
+    (("management", "teams"), _management),
     (tuple(StackConfig.model_fields), _local),
 )
 

@@ -1037,6 +1037,83 @@ class Team(_Base):
     )
 
 
+def _management_cidr(value: str) -> str:
+    """A range the management interface admits: a valid network, never the whole internet."""
+    import ipaddress
+
+    try:
+        net = ipaddress.ip_network(value, strict=True)
+    except ValueError as e:
+        raise ValueError(f"not a valid CIDR ({e}); e.g. 10.20.0.0/16") from None
+    if net.prefixlen == 0:
+        raise ValueError("the whole internet is not a management range: list the organisation's networks")
+    return value
+
+
+class Oidc(_Base):
+    """The identity provider the load balancer authenticates people with (an ALB authenticate-oidc
+    action): its endpoints, the client the stack registered there, and the claim naming a person's groups."""
+
+    issuer: str = Field(pattern=r"^https://[^\s]+$", description="the provider's issuer URL")
+    authorization_endpoint: str = Field(pattern=r"^https://[^\s]+$", description="its authorization endpoint")
+    token_endpoint: str = Field(pattern=r"^https://[^\s]+$", description="its token endpoint")
+    user_info_endpoint: str = Field(pattern=r"^https://[^\s]+$", description="its user info endpoint")
+    client_id: str = Field(min_length=1, description="the client registered for the management page")
+    client_secret_parameter: str = Field(
+        pattern=r"^/[\w./-]+$",
+        description="the SSM SecureString parameter holding the client's secret (never in the stack file)",
+    )
+    groups_claim: str = Field(
+        default="groups",
+        min_length=1,
+        description="the claim listing a person's groups; supernode:team:<name> and supernode:admins are "
+        "the same groups the CLI's access entries map to",
+    )
+    scope: str = Field(
+        default="openid email groups",
+        pattern=r"^openid( [\w:.-]+)*$",
+        description="the scopes the load balancer asks for: openid and those releasing the groups claim",
+    )
+
+
+class ManagementUi(_Base):
+    """The management page in the cluster (issue 37, item 2): behind an internal ALB with TLS and OIDC."""
+
+    certificate_arn: str = Field(
+        pattern=r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:\d{12}:certificate/[\w-]+$",
+        description="the ACM certificate of hostName: the load balancer's HTTPS listener presents it",
+    )
+    host_name: str = Field(
+        pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$", description="the page's DNS name (the certificate's)"
+    )
+    oidc: Oidc = Field(description="the identity provider people log in with")
+    audit_retention_days: int = Field(
+        default=365, description="days the audit log group (every submit and cancel) keeps its records"
+    )
+
+    @field_validator("audit_retention_days")
+    @classmethod
+    def _retention(cls, v: int) -> int:
+        if v not in CW_RETENTION_DAYS:
+            raise ValueError(f"CloudWatch accepts retention of {', '.join(map(str, CW_RETENTION_DAYS))} days")
+        return v
+
+
+class ManagementConfig(_Base):
+    """Who reaches the stack's management interfaces: the ranges its load balancer admits."""
+
+    allowed_cidrs: list[Annotated[str, AfterValidator(_management_cidr)]] = Field(
+        default=[],
+        description="the networks (the organisation's, a VPN's) admitted to the management page's load "
+        "balancer; never 0.0.0.0/0 or ::/0",
+    )
+    ui: ManagementUi | None = Field(
+        default=None,
+        description="the management page in the cluster",
+        json_schema_extra=when_unset("the page is not deployed (`supernode ui --local` still serves it)"),
+    )
+
+
 class StackConfig(_Base):
     region: str = Field(pattern=r"^[a-z]{2}(-gov)?-[a-z]+-\d$", description="the AWS region (equals aws:region)")
     availability_zone: str = Field(description="the AZ (or a Local Zone) of the GPU nodes and their subnet")
@@ -1071,6 +1148,9 @@ class StackConfig(_Base):
         description="the teams that share the training pool, each with its quota, namespace, queue and IAM "
         "role; the first team's queue also admits the stack's own job (the training namespace's)",
         json_schema_extra=when_unset("no teams: training's one ClusterQueue holds its whole share"),
+    )
+    management: ManagementConfig = Field(
+        default=ManagementConfig(), description="the management page in the cluster and who may reach it"
     )
     calibration: str | None = Field(
         default=None,
