@@ -25,6 +25,9 @@ server; Jinja2 (already installed with torch) autoescapes every value. A few lin
 - State-changing requests (submit, cancel) are POSTs carrying the session's CSRF token: a random
   session id in an HttpOnly SameSite=Strict cookie, and the token HMAC(the app's secret, that id) in
   each form, recomputed and compared server-side; a missing or wrong one is 403.
+- `/teams`: the stack's Plan's team quotas (`UiContext.stack_plan`, plan.teams: never recomputed) beside
+  what the viewer's teams' jobs hold now (`team_rows`); `/nodes`: the cluster's Nodes (ClusterBackend.nodes:
+  role, the node agent's health and reason, its taints) and the plan's spares; the local page has none.
 - Bad input (a query value, a path's job name, a form field, a job file) is 400 naming the field,
   never a 500: the same field-named ConfigError issues and refusals as the CLI.
 """
