@@ -281,3 +281,11 @@ def test_the_nodes_page_shows_health_roles_and_the_plans_spares(page, api):
     assert re.findall(r'data-node="([^"]+)"', serving.text) == ["ip-10-0-0-3"]
     bad = client.get("/nodes?role=gpu", headers={IDENTITY_HEADER: identity_header([RESEARCH])})
     assert bad.status_code == 400 and '<code class="field">role</code>' in bad.text
+
+
+def test_a_nodes_list_the_cluster_refuses_is_a_503_naming_the_backend(page, api):
+    client, *_ = page
+    api.forbid_cluster_list = True  # as without the nodes role's ClusterRoleBinding
+    r = client.get("/nodes", headers={IDENTITY_HEADER: identity_header([RESEARCH])})
+    assert r.status_code == 503 and '<code class="field">backend</code>' in r.text
+    assert "listing the cluster&#39;s nodes: forbidden (403)" in r.text
