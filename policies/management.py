@@ -47,6 +47,8 @@ AUTHENTICATE = ("authenticate-oidc", "authenticate-cognito")
 UI_SUBJECT = "system:serviceaccount:supernode-management:management-ui"  # components/k8s/management_ui.py
 UI_ACTIONS = {"logs:CreateLogStream", "logs:PutLogEvents"}
 UI_CLUSTER_ROLE = "supernode-management-ui"
+UI_NODES_ROLE = "supernode-management-ui-nodes"  # its nodes page: exactly `list nodes`, cluster-wide
+UI_NODES_GRANT = {("", "nodes", "list")}
 # One named log group, or its streams: never a wildcard in the group's name.
 AUDIT_RESOURCE = re.compile(r"^arn:aws[a-z-]*:logs:[a-z0-9-]+:\d{12}:log-group:[^*:]+(:log-stream:\*)?$")
 
@@ -169,6 +171,22 @@ def _rbac_problems(stack: Stack) -> list[tuple[Res, str]]:
         ns = str(b.get("metadata", "namespace", default=""))
         if b.type == CLUSTER_ROLE_BINDING or not ns.startswith(TEAM_PREFIX):
             out.append((b, f"{b.label} binds {UI_CLUSTER_ROLE} beyond the team namespaces ({ns or 'cluster-wide'})"))
+    return out + _nodes_role_problems(stack)
+
+
+def _nodes_role_problems(stack: Stack) -> list[tuple[Res, str]]:
+    """The nodes page's ClusterRole grants `list nodes` and nothing else (it is bound cluster-wide)."""
+    out = []
+    for role in (r for r in stack.of(CLUSTER_ROLE) if r.get("metadata", "name") == UI_NODES_ROLE):
+        granted = {
+            (g, r, v)
+            for rule in items(role.get("rules"))
+            for g in items(get(rule, "apiGroups"))
+            for r in items(get(rule, "resources"))
+            for v in items(get(rule, "verbs"))
+        }
+        if granted - UI_NODES_GRANT:
+            out.append((role, f"{role.label} grants {sorted(granted - UI_NODES_GRANT)}: more than listing the nodes"))
     return out
 
 
@@ -176,7 +194,7 @@ def _rbac_problems(stack: Stack) -> list[tuple[Res, str]]:
     "management-ui-least-privilege",
     10,
     "The management page's IAM role only writes its audit log group; its Kubernetes role reaches only the "
-    "teams' namespaces, without wildcards or secrets.",
+    "teams' namespaces, without wildcards or secrets; its nodes role only lists the nodes.",
 )
 def _ui_role(stack: Stack, _conf: None, report: Report) -> None:
     for role in (r for r in stack.of(IAM_ROLE) if _is_ui_role(r)):
@@ -195,4 +213,5 @@ def _ui_role(stack: Stack, _conf: None, report: Report) -> None:
                         "and its streams (components/aws/management.py).",
                     )
     for res, problem in _rbac_problems(stack):
-        report(res, f"{problem}. Fix: the verbs ClusterBackend calls (components/k8s/management_ui.py UI_RULES).")
+        fix = "the verbs ClusterBackend calls (components/k8s/management_ui.py UI_RULES, NODE_RULES)"
+        report(res, f"{problem}. Fix: {fix}.")

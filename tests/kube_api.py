@@ -13,7 +13,7 @@ checks every request the way the API server would before accepting it:
 - DELETE: the body must be a valid meta/v1 DeleteOptions; Foreground propagation keeps the object
   (deletionTimestamp, the foregroundDeletion finalizer) until the test calls `finish_deletions`, and a
   pod deleted with a grace period stays Terminating with it;
-- GET and LIST (label selectors k=v and k), pod logs (container, tailLines), Kueue's Workloads and the
+- GET and LIST (label selectors k=v and k; Nodes, cluster-scoped, by `add_node`), pod logs (container, tailLines), Kueue's Workloads and the
   visibility API's pending workloads of a LocalQueue;
 - 401 without the kubeconfig's bearer token, 403 for the namespaces a test forbids, 404 as a Status.
 
@@ -49,6 +49,7 @@ KUBERNETES_VERSION = "1.33"
 # plural -> (API prefix, apiVersion, kind) of what the double serves
 KINDS = {
     "configmaps": ("/api/v1", "v1", "ConfigMap"),
+    "nodes": ("/api/v1", "v1", "Node"),  # cluster-scoped: stored under namespace None
     "pods": ("/api/v1", "v1", "Pod"),
     "networkpolicies": ("/apis/networking.k8s.io/v1", "networking.k8s.io/v1", "NetworkPolicy"),
     "pytorchjobs": ("/apis/kubeflow.org/v1", "kubeflow.org/v1", "PyTorchJob"),
@@ -195,8 +196,23 @@ class KubeApi:
         md.setdefault("uid", str(uuid.uuid4()))
         md.setdefault("creationTimestamp", _now())
         plural = next(p for p, (_, v, k) in KINDS.items() if (v, k) == (obj["apiVersion"], obj["kind"]))
-        self.objects[(plural, md["namespace"], md["name"])] = obj
+        self.objects[(plural, md.get("namespace"), md["name"])] = obj
         return obj
+
+    def add_node(
+        self,
+        name: str,
+        labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+        taints: list[dict] | None = None,
+        unschedulable: bool = False,
+    ) -> dict:
+        """A Node as the kubelet registers it and the node agent labels, annotates and taints it."""
+        spec: dict[str, Any] = {"taints": list(taints or [])}
+        if unschedulable:
+            spec["unschedulable"] = True
+        md = {"name": name, "labels": dict(labels or {}), "annotations": dict(annotations or {})}
+        return self._store({"apiVersion": "v1", "kind": "Node", "metadata": md, "spec": spec})
 
     def add_workload(
         self,

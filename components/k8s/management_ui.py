@@ -10,7 +10,9 @@ on the system nodes, behind the internal load balancer of components/aws/managem
   interfaces are); out, DNS and HTTPS (the API server, CloudWatch Logs, the ALB's key endpoint).
 - ServiceAccount with its IRSA role (the audit log group only), and RBAC: one ClusterRole with exactly
   what supernode.tools.jobs_cluster.ClusterBackend calls, bound by a RoleBinding in each team's
-  namespace only (never cluster-wide): the page reaches no namespace but the teams'.
+  namespace only (never cluster-wide): the page reaches no namespace but the teams'. Its nodes page
+  (ClusterBackend.nodes) lists the Nodes, which are cluster-scoped: a second ClusterRole granting
+  exactly `list nodes`, bound cluster-wide by a ClusterRoleBinding (nothing else is cluster-wide).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ UI_RULES: list[dict[str, Any]] = [
     {"apiGroups": [KUEUE_API], "resources": ["workloads"], "verbs": ["list"]},
     {"apiGroups": ["visibility.kueue.x-k8s.io"], "resources": ["localqueues/pendingworkloads"], "verbs": ["get"]},
 ]
+NODES_ROLE = f"supernode-{NAME}-nodes"
+NODE_RULES: list[dict[str, Any]] = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,21 @@ class ManagementUi(pulumi.ComponentResource):
         self.role = k8s.rbac.v1.ClusterRole(
             f"{name}-role", metadata=meta(f"supernode-{NAME}"), rules=UI_RULES, opts=child
         )
+        subject = {"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}
+        self.nodes_role = k8s.rbac.v1.ClusterRole(
+            f"{name}-nodes-role", metadata=meta(NODES_ROLE), rules=NODE_RULES, opts=child
+        )
+        self.nodes_binding = k8s.rbac.v1.ClusterRoleBinding(
+            f"{name}-nodes",
+            metadata=meta(NODES_ROLE),
+            role_ref={
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": self.nodes_role.metadata.name,
+            },
+            subjects=[subject],
+            opts=child,
+        )
         after_teams = pulumi.ResourceOptions(parent=self, depends_on=list(args.after))
         self.bindings = [
             k8s.rbac.v1.RoleBinding(
@@ -120,7 +139,7 @@ class ManagementUi(pulumi.ComponentResource):
                     "kind": "ClusterRole",
                     "name": self.role.metadata.name,
                 },
-                subjects=[{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}],
+                subjects=[subject],
                 opts=after_teams,
             )
             for ns in args.team_namespaces

@@ -60,8 +60,16 @@ from supernode.core.errors import BadInput
 from supernode.core.jobs import FINAL_STATES, NAME, JobSpec, JobStatus
 from supernode.core.observability import TrainerLine
 from supernode.core.plan import PLAN_CONFIGMAP_KEY, Plan
+from supernode.core.pools import ROLE_LABEL
 from supernode.core.runs import RUNS
 from supernode.core.teams import NAMESPACE_PREFIX, WORKLOAD_PRIORITY, namespace
+from supernode.trainer.node.agent import (
+    HEALTH_LABEL,
+    INSTANCE_TYPE_LABEL,
+    REASON_ANNOTATION,
+    UNCHECKED_TAINT,
+    UNHEALTHY_TAINT,
+)
 
 from .manifests import Manifest
 from .manifests import write as write_manifests
@@ -360,6 +368,37 @@ def _false_reason(obj: dict, kind: str) -> str:
         if c.get("type") == kind and c.get("status") == "False" and c.get("message"):
             return c["message"]
     return ""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One Node as the management page's nodes page shows it: what the node agent (supernode.trainer.node.agent)
+    wrote on it (its health label and reason annotation, its unchecked / unhealthy taints) and its role."""
+
+    name: str
+    instance_type: str
+    role: str  # supernode.io/gpu-role (training | serving); "" on a node without one (the system nodes)
+    health: str  # the agent's supernode.io/health (ok, quarantined, replacing); "" before its first round
+    reason: str  # the agent's finding (supernode.io/health-reason)
+    unchecked: bool
+    unhealthy: bool
+    schedulable: bool  # not cordoned (spec.unschedulable)
+
+
+def node_info(node: dict) -> NodeInfo:
+    md, spec = node.get("metadata") or {}, node.get("spec") or {}
+    labels, notes = md.get("labels") or {}, md.get("annotations") or {}
+    keys = {t.get("key") for t in spec.get("taints") or []}
+    return NodeInfo(
+        name=md.get("name", ""),
+        instance_type=labels.get(INSTANCE_TYPE_LABEL, ""),
+        role=labels.get(ROLE_LABEL, ""),
+        health=labels.get(HEALTH_LABEL, ""),
+        reason=notes.get(REASON_ANNOTATION, ""),
+        unchecked=UNCHECKED_TAINT in keys,
+        unhealthy=UNHEALTHY_TAINT in keys,
+        schedulable=not spec.get("unschedulable", False),
+    )
 
 
 def _container_args(job: dict) -> list[str]:
@@ -693,6 +732,11 @@ class ClusterBackend:
             check_names(None, team)
             return self._observe(self._jobs(namespace(team), selector), logs=False)
         return self._observe(self._jobs_of_teams(selector), logs=False)
+
+    def nodes(self) -> list[NodeInfo]:
+        """The cluster's Nodes (a cluster-wide `list nodes`), by name."""
+        got = self._call("GET", "/api/v1/nodes", "listing the cluster's nodes")
+        return sorted((node_info(n) for n in got.get("items") or []), key=lambda n: n.name)
 
     def describe(self, name: str, team: str | None = None) -> JobStatus:
         return self._observe([self._find(name, team)], logs=True)[0]

@@ -25,6 +25,9 @@ server; Jinja2 (already installed with torch) autoescapes every value. A few lin
 - State-changing requests (submit, cancel) are POSTs carrying the session's CSRF token: a random
   session id in an HttpOnly SameSite=Strict cookie, and the token HMAC(the app's secret, that id) in
   each form, recomputed and compared server-side; a missing or wrong one is 403.
+- `/teams`: the stack's Plan's team quotas (`UiContext.stack_plan`, plan.teams: never recomputed) beside
+  what the viewer's teams' jobs hold now (`team_rows`); `/nodes`: the cluster's Nodes (ClusterBackend.nodes:
+  role, the node agent's health and reason, its taints) and the plan's spares; the local page has none.
 - Bad input (a query value, a path's job name, a form field, a job file) is 400 naming the field,
   never a 500: the same field-named ConfigError issues and refusals as the CLI.
 """
@@ -116,6 +119,16 @@ class UiContext:
     authenticate: Callable[[Request], Any] | None = None
     acting_teams: Callable[[Request], Container[str]] | None = None
     audit: Callable[..., Any] | None = None
+    stack_plan: Callable[[], Plan | None] = lambda: None  # the stack's Plan: its teams' quotas and spares
+
+
+def _stack_plan(stack: str, cfg, root: Path | str = ".") -> Callable[[], Plan]:
+    """The stack's Plan (build_plan, as `supernode plan`), built once on the first page that needs it."""
+    from functools import cache
+
+    from supernode.core.plan import build_plan
+
+    return cache(lambda: build_plan(stack, cfg, root=root))
 
 
 def cluster_context(
@@ -138,6 +151,7 @@ def cluster_context(
         authenticate=lambda request: identity.viewer(request.headers.get(IDENTITY_HEADER)),
         audit=audit.record,
         mode="cluster",
+        stack_plan=_stack_plan(stack, cfg, root or "."),
     )
 
 
@@ -157,6 +171,7 @@ def local_context(home: Path, stack: str, cfg, stack_args: list[str], start_runn
         submit_job=lambda job, plan, source: backend.submit(job, plan, Path(source), stack_args),
         stack=stack,
         files=files,
+        stack_plan=_stack_plan(stack, cfg),
     )
 
 
@@ -293,6 +308,55 @@ def expert_load_svg(records: Iterable[dict]) -> str | None:
     return curve_svg(points, "expert load (max over mean, worst layer)", "expert-load")
 
 
+HOLDING = tuple(s for s in STATES if s not in FINAL_STATES and s != "queued")  # the states that hold nodes
+ROLES = ("training", "serving")  # supernode.io/gpu-role's values (supernode.core.pools)
+
+
+@dataclass(frozen=True)
+class TeamRow:
+    """One team in one pool on the teams page: its quotas as the Plan has them (devices), and what its
+    jobs hold now (None where the jobs' holdings are not the pool's devices: the local backend)."""
+
+    team: str
+    accelerator: str
+    nominal: int
+    borrowing_limit: int
+    lending_limit: int
+    used: int | None
+    borrowed: int | None  # used beyond nominal
+    lendable: int | None  # idle it may lend: min(lending limit, nominal - used), not negative
+
+
+def team_rows(plan: Plan, jobs: Iterable[JobStatus], teams: Container[str], cluster: bool) -> list[TeamRow]:
+    """The Plan's teams (plan.teams: never recomputed) the viewer may see, with their jobs' holdings: a
+    cluster job's nodes x the pool's devices per node. A job does not say which pool it runs in, so the
+    holdings are counted only where the stack has one pool."""
+    held: dict[str, int] = {}
+    for s in jobs:
+        if s.state in HOLDING:
+            held[s.team] = held.get(s.team, 0) + s.nodes
+    counted = cluster and len(plan.teams) == 1
+    rows = []
+    for pool in plan.teams:
+        for t in pool.teams:
+            if t.name not in teams:
+                continue
+            used = held.get(t.name, 0) * pool.devices_per_node if counted else None
+            rows.append(
+                TeamRow(
+                    team=t.name,
+                    accelerator=pool.accelerator,
+                    nominal=t.nominal,
+                    borrowing_limit=t.borrowing_limit,
+                    lending_limit=t.lending_limit,
+                    used=used,
+                    borrowed=None if used is None else max(0, used - t.nominal),
+                    lendable=None if used is None else max(0, min(t.lending_limit, t.nominal - used)),
+                )
+            )
+    return rows
+
+
 MEMORY_LINE = "memory per rank, measured / plan: "
 
 
@@ -332,6 +396,8 @@ class UiApp:
             Route("/jobs/{name}", self.job_page, name="job"),
             Route("/jobs/{name}/plots/{plot}", self.plot, name="plot"),
             Route("/jobs/{name}/cancel", self.cancel, methods=["POST"], name="cancel"),
+            Route("/teams", self.teams_page, name="teams"),
+            Route("/nodes", self.nodes_page, name="nodes"),
             Route("/submit", self.submit_page, name="submit_page"),
             Route("/submit", self.submit, methods=["POST"], name="submit"),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
@@ -452,6 +518,35 @@ class UiApp:
         jobs, filters = self.list_jobs(request)
         template = "jobs_table.html" if request.query_params.get("fragment") == "1" else "jobs.html"
         return self.page(request, template, jobs=jobs, filters=filters, now=time.time())
+
+    def teams_page(self, request: Request) -> Response:
+        team = _name(request.query_params.get("team"), "team", optional=True)
+        plan = self.ctx.stack_plan()
+        teams = self.ctx.viewer_teams(request)
+        wanted = teams if team is None else ({team} if team in teams else set())
+        jobs = self.ctx.backend.list() if plan is not None and plan.teams else []
+        rows = team_rows(plan, jobs, wanted, self.ctx.mode == "cluster") if plan is not None else []
+        has_teams = bool(plan is not None and plan.teams)
+        pools = len(plan.teams) if has_teams else 0
+        return self.page(request, "teams.html", rows=rows, has_teams=has_teams, pools=pools, team=team or "")
+
+    def nodes_page(self, request: Request) -> Response:
+        role = request.query_params.get("role", "")
+        if role not in ("", *ROLES):
+            raise FieldError("role", f"{role!r}: expected one of {', '.join(ROLES)} or nothing")
+        if self.ctx.mode != "cluster":
+            return self.page(request, "nodes.html", nodes=None, role=role)
+        every = self.ctx.backend.nodes()
+        plan = self.ctx.stack_plan()
+        summary = {
+            "per_role": {r: sum(n.role == r for n in every) for r in ROLES},
+            "other": sum(n.role not in ROLES for n in every),
+            "quarantined": sum(n.health == "quarantined" for n in every),
+            "unchecked": sum(n.unchecked for n in every),
+            "spares": plan.spare_nodes if plan is not None else None,
+        }
+        nodes = [n for n in every if not role or n.role == role]
+        return self.page(request, "nodes.html", nodes=nodes, summary=summary, role=role)
 
     def job_values(self, request: Request, name: str) -> dict:
         status = self.visible(request, name)

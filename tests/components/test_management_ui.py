@@ -31,7 +31,11 @@ def objects(prod):
 
 def _is_ui(m: dict) -> bool:
     md = m["metadata"]
-    return md.get("namespace") == mui.NAMESPACE or md["name"] in (mui.NAMESPACE, f"supernode-{mui.NAME}")
+    return md.get("namespace") == mui.NAMESPACE or md["name"] in (
+        mui.NAMESPACE,
+        f"supernode-{mui.NAME}",
+        mui.NODES_ROLE,
+    )
 
 
 def one(objects: list[dict], kind: str) -> dict:
@@ -43,6 +47,7 @@ def test_the_page_objects_validate_and_a_bad_one_is_caught(prod, objects):
     kinds = sorted({m["kind"] for m in objects})
     assert kinds == [
         "ClusterRole",
+        "ClusterRoleBinding",
         "ConfigMap",
         "Deployment",
         "Namespace",
@@ -59,7 +64,7 @@ def test_the_page_objects_validate_and_a_bad_one_is_caught(prod, objects):
 
 
 def test_rbac_is_the_cluster_backends_requests_in_the_team_namespaces_only(objects):
-    role = one(objects, "ClusterRole")
+    [role] = [m for m in objects if m["kind"] == "ClusterRole" and m["metadata"]["name"] == f"supernode-{mui.NAME}"]
     granted = {
         (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
     }
@@ -79,13 +84,19 @@ def test_rbac_is_the_cluster_backends_requests_in_the_team_namespaces_only(objec
         ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads", "get"),
     }
     bindings = [m for m in objects if m["kind"].endswith("Binding")]
-    assert sorted((b["kind"], b["metadata"]["namespace"]) for b in bindings) == [
+    assert sorted((b["kind"], b["metadata"].get("namespace", "")) for b in bindings) == [
+        ("ClusterRoleBinding", ""),  # the nodes page's role only (below)
         ("RoleBinding", "team-platform"),
         ("RoleBinding", "team-research"),
     ]
     assert all(
         b["subjects"] == [{"kind": "ServiceAccount", "name": mui.NAME, "namespace": mui.NAMESPACE}] for b in bindings
     )
+    # Nodes are cluster-scoped (ClusterBackend.nodes lists them): a role granting exactly that, bound cluster-wide
+    [wide] = [b for b in bindings if b["kind"] == "ClusterRoleBinding"]
+    assert wide["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": mui.NODES_ROLE}
+    [nodes] = [m for m in objects if m["kind"] == "ClusterRole" and m["metadata"]["name"] == mui.NODES_ROLE]
+    assert nodes["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
 
 
 def test_the_service_and_network_policy_admit_only_the_load_balancer(prod, objects):

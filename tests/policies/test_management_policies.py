@@ -138,6 +138,16 @@ def test_a_cluster_wide_binding_or_a_wildcard_in_the_ui_role_fails(prod):
     assert [(p, n) for p, n, _ in found(wildcard, cfg)] == [
         ("management-ui-least-privilege", "workload-management-ui-role")
     ]
+    # the nodes page's cluster-wide role lists the nodes and nothing more: a get of the pods everywhere fails
+    wider = mutate(
+        resources,
+        T.CLUSTER_ROLE,
+        lambda i: i["rules"].append({"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}),
+        "workload-management-ui-nodes-role",
+    )
+    assert [(p, n, "more than listing the nodes" in m) for p, n, m in found(wider, cfg)] == [
+        ("management-ui-least-privilege", "workload-management-ui-nodes-role", True)
+    ]
 
 
 @pytest.mark.parametrize(

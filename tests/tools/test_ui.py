@@ -402,3 +402,33 @@ def test_the_command_prints_its_url_serves_and_stops(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     assert proc.returncode == 0, proc.stdout.read()
+
+
+def test_the_local_teams_and_nodes_pages_say_what_there_is_and_show_no_made_up_figures(ui, tmp_path):
+    client, _ = ui
+    teams = client.get("/teams")
+    assert teams.status_code == 200 and 'id="no-teams"' in teams.text and "declares no teams" in teams.text
+    assert "<table" not in teams.text  # dev has no teams: a sentence, not an empty table
+    nodes = client.get("/nodes")
+    assert nodes.status_code == 200 and "processes on this machine: there are no cluster nodes" in nodes.text
+    assert "data-node" not in nodes.text and "data-count" not in nodes.text
+    assert client.get("/nodes?role=gpu").status_code == 400 and field_of(client.get("/nodes?role=gpu")) == "role"
+    assert field_of(client.get("/teams?team=BAD")) == "team"
+    # A local queue over a stack with teams (prod): the Plan's quotas, and no GPUs counted as used (its
+    # jobs' nodes are local processes)
+    prod = load_stack("prod", ROOT)
+    ctx = local_context(tmp_path / "prod-jobs", "prod", prod, ["--stack", "prod"], start_runner=False)
+    page = TestClient(create_app(ctx, allowed_hosts=["testserver"])).get("/teams")
+    (pool,) = ctx.stack_plan().teams
+    research = next(t for t in pool.teams if t.name == "research")
+    row = re.search(r'<tr data-team="research"[^>]*>(.*?)</tr>', page.text, re.S).group(1)
+    cells = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+    assert cells[2:] == [
+        str(research.nominal),
+        str(research.borrowing_limit),
+        str(research.lending_limit),
+        "-",
+        "-",
+        "-",
+    ]
+    assert "Local jobs run as processes on this machine" in page.text

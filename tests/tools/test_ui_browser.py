@@ -169,6 +169,20 @@ def test_cancel_by_keyboard(served, page):
     assert ctx.backend.describe("beta").state == "cancelled"
 
 
+def test_the_teams_link_is_reached_and_followed_by_keyboard(served, page):
+    url, _ = served
+    page.goto(url + "/")
+    for _ in range(10):  # the skip link, then the nav's links
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.id") == "nav-teams":
+            break
+    else:
+        pytest.fail("Tab never reached the Teams link")
+    page.keyboard.press("Enter")
+    page.wait_for_url(url + "/teams")
+    assert "declares no teams" in page.locator("#no-teams").inner_text()
+
+
 def test_the_list_follows_a_real_local_job_from_queued_to_succeeded(tmp_path, browser):
     """The runner and the trainer for real (the dev stack's local run): a job submitted on the page is
     watched on the list, refreshed in place, through running (with its step) to succeeded."""

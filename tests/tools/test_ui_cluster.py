@@ -207,3 +207,85 @@ def test_groups_map_to_teams_the_clis_way():
         AlbIdentity("us-east-1", SIGNER, "groups", ["research"], fetch=lambda r, k: b"junk").viewer(
             identity_header([RESEARCH])
         )
+
+
+def cells_of(text: str, attr: str, value: str) -> list[str]:
+    row = re.search(rf'<tr {attr}="{value}"[^>]*>(.*?)</tr>', text, re.S)
+    assert row, f"no row {attr}={value}"
+    return [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row.group(1), re.S)]
+
+
+def test_the_teams_page_shows_the_plans_quotas_and_what_the_running_job_holds(page, api):
+    client, backend, *_ = page
+    api.add_workload("team-research", "sweep", created=time.time() - 60, admitted_at=time.time() - 30, nodes=10)
+    for i in range(10):  # one worker pod per node: JobStatus.nodes counts the running ones
+        api.add_pod("team-research", "sweep", i)
+    assert {s.name: (s.state, s.nodes) for s in backend.list()}["sweep"] == ("running", 10)
+    plan = ui._stack_plan("prod", load_stack("prod", ROOT), ROOT)()
+    (pool,) = plan.teams  # prod: one H100 pool, two teams
+    share = {t.name: t for t in pool.teams}
+    admin = client.get("/teams", headers={IDENTITY_HEADER: identity_header(["supernode:admins"])})
+    assert admin.status_code == 200
+    r, p = share["research"], share["platform"]
+    used = 10 * pool.devices_per_node  # 80 of its nominal 96: nothing borrowed, 16 idle (under its lending limit 32)
+    lend = min(r.lending_limit, r.nominal - used)
+    assert (r.nominal, r.lending_limit, lend) == (96, 32, 16)
+    research = cells_of(admin.text, "data-team", "research")
+    assert research == ["research", pool.accelerator, "96", str(r.borrowing_limit), "32", str(used), "0", "16"]
+    platform = cells_of(admin.text, "data-team", "platform")  # the queued job holds nothing
+    assert platform == ["platform", pool.accelerator, str(p.nominal), str(p.borrowing_limit), str(p.lending_limit)] + [
+        "0",
+        "0",
+        str(min(p.lending_limit, p.nominal)),
+    ]
+    mine = client.get("/teams", headers={IDENTITY_HEADER: identity_header([RESEARCH])})
+    assert re.findall(r'data-team="([^"]+)"', mine.text) == ["research"]  # team A does not see team B's row
+    other = client.get("/teams?team=platform", headers={IDENTITY_HEADER: identity_header([RESEARCH])})
+    assert re.findall(r'data-team="([^"]+)"', other.text) == []
+    bad = client.get("/teams?team=Not_A_Team", headers={IDENTITY_HEADER: identity_header([RESEARCH])})
+    assert bad.status_code == 400 and '<code class="field">team</code>' in bad.text
+
+
+def test_the_nodes_page_shows_health_roles_and_the_plans_spares(page, api):
+    from supernode.core.pools import ROLE_LABEL
+    from supernode.trainer.node import agent
+
+    client, *_ = page
+    h100 = {agent.INSTANCE_TYPE_LABEL: "p5.48xlarge"}
+    api.add_node("ip-10-0-0-1", labels=h100 | {ROLE_LABEL: "training", agent.HEALTH_LABEL: "ok"})
+    finding = "EFA bandwidth 120 GB/s under the 160 GB/s expected"
+    api.add_node(
+        "ip-10-0-0-2",
+        labels=h100 | {ROLE_LABEL: "training", agent.HEALTH_LABEL: "quarantined"},
+        annotations={agent.REASON_ANNOTATION: finding},
+        taints=[{"key": agent.UNHEALTHY_TAINT, "value": "slow-efa", "effect": "NoSchedule"}],
+    )
+    api.add_node(
+        "ip-10-0-0-3",
+        labels=h100 | {ROLE_LABEL: "serving"},
+        taints=[{"key": agent.UNCHECKED_TAINT, "effect": "NoSchedule"}],
+    )
+    assert not api.rejected
+    r = client.get("/nodes", headers={IDENTITY_HEADER: identity_header([RESEARCH])})
+    assert r.status_code == 200, r.text
+    assert cells_of(r.text, "data-node", "ip-10-0-0-1") == [
+        "ip-10-0-0-1", "p5.48xlarge", "training", "ok", "", "", "yes"
+    ]  # fmt: skip
+    quarantined = cells_of(r.text, "data-node", "ip-10-0-0-2")
+    assert quarantined[3:6] == ["quarantined", finding, "unhealthy"]
+    assert cells_of(r.text, "data-node", "ip-10-0-0-3")[2:6] == ["serving", "not checked yet", "", "unchecked"]
+    counts = dict(re.findall(r'data-count="([a-z]+)">(\d+)<', r.text))
+    spares = ui._stack_plan("prod", load_stack("prod", ROOT), ROOT)().spare_nodes
+    assert counts == {"training": "2", "serving": "1", "quarantined": "1", "unchecked": "1", "spares": str(spares)}
+    serving = client.get("/nodes?role=serving", headers={IDENTITY_HEADER: identity_header([RESEARCH])})
+    assert re.findall(r'data-node="([^"]+)"', serving.text) == ["ip-10-0-0-3"]
+    bad = client.get("/nodes?role=gpu", headers={IDENTITY_HEADER: identity_header([RESEARCH])})
+    assert bad.status_code == 400 and '<code class="field">role</code>' in bad.text
+
+
+def test_a_nodes_list_the_cluster_refuses_is_a_503_naming_the_backend(page, api):
+    client, *_ = page
+    api.forbid_cluster_list = True  # as without the nodes role's ClusterRoleBinding
+    r = client.get("/nodes", headers={IDENTITY_HEADER: identity_header([RESEARCH])})
+    assert r.status_code == 503 and '<code class="field">backend</code>' in r.text
+    assert "listing the cluster&#39;s nodes: forbidden (403)" in r.text
