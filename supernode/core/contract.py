@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-CONTRACT_VERSION = "1.1"  # 1.1: trainer_repository_url
+CONTRACT_VERSION = "1.2"  # 1.1: trainer_repository_url; 1.2: management_ui
+
+
+class ManagementUiOutputs(BaseModel):
+    """Where the management page is reached (an internal load balancer) and where its audit log goes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    load_balancer_dns_name: str | None  # None until the load balancer exists (a preview)
+    audit_log_group: str
 
 
 class StackOutputs(BaseModel):
@@ -41,3 +50,4 @@ class StackOutputs(BaseModel):
     alarm_names: list[str]
     kubeconfig: str  # exported as a secret
     trainer_repository_url: str | None = None  # 1.1: the ECR repository `make image` pushes to
+    management_ui: ManagementUiOutputs | None = None  # 1.2: where the stack deploys the page

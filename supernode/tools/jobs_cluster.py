@@ -143,6 +143,8 @@ def render(stack: str, cfg: StackConfig, job: JobSpec, plan: Plan) -> list[Manif
         # One run per out directory (the trainer's lock): each job its own, under its namespace.
         checkpoint_subpath=f"{CHECKPOINT_DIR.strip('/')}/{ns}/{job.name}",
         termination_grace_s=plan.termination_grace_s,
+        # queued, as the stack's own job: Kueue may place it on serving's idle share it borrows
+        queue_labels=job_labels(plan, WORKLOAD_PRIORITY[job.priority]),
     )
     template = trainer_pod_template(args, job.name)
     template["metadata"]["labels"] = {**template["metadata"]["labels"], JOB_LABEL: job.name, TEAM_LABEL: job.team}

@@ -155,11 +155,17 @@ def test_topic_encrypted_and_subscribed(stack: Stack):
 
 
 def test_log_groups_retained_and_encrypted(stack: Stack):
-    groups = stack.all(LOG_GROUP)
+    ui = stack.cfg.management.ui
+    audit = stack.outputs.get("management_ui", {}).get("audit_log_group")  # the page's own: its own retention
+    groups = [g for g in stack.all(LOG_GROUP) if g.inputs["name"] != audit]
     assert sorted(g.inputs["name"] for g in groups) == sorted(stack.outputs["log_group_names"])
     for g in groups:
         assert g.inputs["retentionInDays"] == stack.cfg.monitoring.log_retention_days
         assert g.inputs["kmsKeyId"] == stack.outputs["kms_key_arns"]["ops"]
+    [audit_group] = [g for g in stack.all(LOG_GROUP) if g.inputs["name"] == audit] if ui else [None]
+    if ui:
+        assert audit_group.inputs["retentionInDays"] == ui.audit_retention_days
+        assert audit_group.inputs["kmsKeyId"] == stack.outputs["kms_key_arns"]["ops"]
 
 
 def test_observability_addon_and_dashboard(stack: Stack):

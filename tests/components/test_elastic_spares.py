@@ -49,7 +49,7 @@ def _gpu_quotas(stack, names: set[str]) -> list[dict]:
 
 def test_prod_training_quota_holds_the_spare_and_lends_only_what_the_job_gives_up():
     # prod as it was before its teams: training's one ClusterQueue holds its whole share
-    stack = preview("prod", "no-teams", lambda d: d.pop("teams"))
+    stack = preview("prod", "no-teams", lambda d: (d.pop("teams"), d.pop("management")))
     [gpus] = _gpu_quotas(stack, {"gpu-h100"})
     # 17 training nodes x 8 = 136 GPUs of quota; lends (136 - 8 spare) - 8 x 8 minimum = 64
     assert int(gpus["nominalQuota"]) == 136 and gpus["lendingLimit"] == 64

@@ -30,9 +30,11 @@ NS = "team-research"
 
 @pytest.fixture(scope="module")
 def cfg():
-    """prod without its teams: the backend's cluster-wide path, and jobs of any team name (alpha, beta);
-    prod's own teams are tests/tools/test_jobs_prod_teams.py's."""
-    return load_stack("prod", ROOT).model_copy(update={"teams": []})
+    """prod without its teams (and so without its management page, which maps people to teams): the
+    backend's cluster-wide path, and jobs of any team name (alpha, beta); prod's own teams are
+    tests/tools/test_jobs_prod_teams.py's."""
+    prod = load_stack("prod", ROOT)
+    return prod.model_copy(update={"teams": [], "management": prod.management.model_copy(update={"ui": None})})
 
 
 @pytest.fixture

@@ -520,7 +520,7 @@ def test_json_is_stable(moto_aws, dev, deployed, tmp_path, capsys):
         ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object of stack outputs, got list"),
         ({"contract_version": "1.0", "cluster_name": "x"}, "cluster_endpoint: required output is missing"),
-        ("BAD_VERSION", "contract_version '2.0' is not compatible with 1.1"),
+        ("BAD_VERSION", "contract_version '2.0' is not compatible with 1.2"),
         ("BAD_TYPE", "node_group_names: Input should be a valid list (got 'gpu')"),
     ],
 )
