@@ -127,7 +127,7 @@ def program(stack: str, cfg: StackConfig, plan: Plan) -> None:
     if cfg.teams:  # each team's IAM role reaches the cluster as its Kubernetes group, nothing more
         TeamAccess("team-access", TeamAccessArgs(ctx=ctx, cluster_name=cluster.cluster.name, teams=cfg.teams))
     management = _management(ctx, cfg, cluster, network, accelerators, keys)
-    _export_stack_outputs(keys, network, cluster, accelerators, storage, trainer_role, registry, monitoring)
+    _export_stack_outputs(keys, network, cluster, accelerators, storage, trainer_role, registry, monitoring, management)
 
     # The Kubernetes side, on the cluster once its GPU nodes, its workload add-ons and the CloudWatch add-on
     # (which creates amazon-cloudwatch, where the scrape configuration goes) are up.
@@ -166,6 +166,7 @@ class ManagementOutputs:
     lb_arn: pulumi.Input[str]  # the signer of the identity header the page trusts
     audit_log_group: pulumi.Input[str]
     role_arn: pulumi.Input[str]
+    dns_name: pulumi.Input[str]  # the internal load balancer's
 
 
 def _management(
@@ -200,8 +201,9 @@ def _management(
             description=f"supernode {ctx.stack}: the management page writes its audit records",
         ),
     )
-    pulumi.export("management_ui", {"load_balancer_dns_name": lb.dns_name, "audit_log_group": lb.audit_log_group.name})
-    return ManagementOutputs(lb_arn=lb.arn, audit_log_group=lb.audit_log_group.name, role_arn=role.arn)
+    return ManagementOutputs(
+        lb_arn=lb.arn, audit_log_group=lb.audit_log_group.name, role_arn=role.arn, dns_name=lb.dns_name
+    )
 
 
 def _network(ctx: StackContext, cfg: StackConfig, cluster_name: str, keys: Keys) -> Network:
@@ -401,6 +403,7 @@ def _export_stack_outputs(
     trainer_role: TrainerRole,
     registry: Registry,
     monitoring: Monitoring,
+    management: ManagementOutputs | None,
 ) -> None:
     """The contract's stack outputs (supernode.core.contract), from the AWS components."""
     log_groups = [cluster.log_group_name, storage.fsx_log_group_name, *monitoring.log_group_names]
@@ -433,6 +436,9 @@ def _export_stack_outputs(
             "alarm_names": monitoring.alarm_names,
             "kubeconfig": cluster.kubeconfig,
             "trainer_repository_url": registry.url,
+            "management_ui": None
+            if management is None
+            else {"load_balancer_dns_name": management.dns_name, "audit_log_group": management.audit_log_group},
         }
     )
 

@@ -18,7 +18,7 @@ class ManagementUiOutputs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    load_balancer_dns_name: str | None  # None until the load balancer exists (a preview)
+    load_balancer_dns_name: str | None = None  # None until the load balancer exists (a preview)
     audit_log_group: str
 
 
