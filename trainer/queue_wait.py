@@ -127,20 +127,33 @@ def growth(new: Buckets, old: Buckets | None) -> Buckets | None:
 
 
 @dataclass
-class Window:
-    """The snapshots of the trailing `seconds` and what they say per ClusterQueue."""
+class TrailingSnapshots:
+    """Scrapes of cumulative counters over the trailing `seconds` (each with its time `at`), kept so that
+    one at or before the window's start stays: the base the growth is measured from. A restart of the
+    counters' source (said by the caller, which knows its series) starts the window again."""
 
     seconds: float
-    snapshots: deque[Snapshot] = field(default_factory=deque)
+    snapshots: deque = field(default_factory=deque)
 
-    def add(self, snap: Snapshot) -> None:
-        last = self.snapshots[-1] if self.snapshots else None
-        if last is not None and any(growth(b, last.buckets.get(cq)) is None for cq, b in snap.buckets.items()):
-            self.snapshots.clear()  # a new leader's counters
+    @property
+    def last(self):
+        return self.snapshots[-1] if self.snapshots else None
+
+    def add(self, snap, restarted: bool) -> None:
+        if restarted:
+            self.snapshots.clear()
         self.snapshots.append(snap)
-        # keep one snapshot at or before the window's start: the base the growth is measured from
         while len(self.snapshots) > 1 and self.snapshots[1].at <= snap.at - self.seconds:
             self.snapshots.popleft()
+
+
+class Window(TrailingSnapshots):
+    """The snapshots of the trailing `seconds` and what they say per ClusterQueue."""
+
+    def add(self, snap: Snapshot) -> None:
+        last = self.last  # a new leader's counters: lower
+        lower = last is not None and any(growth(b, last.buckets.get(cq)) is None for cq, b in snap.buckets.items())
+        super().add(snap, restarted=lower)
 
     def queues(self) -> dict[str, tuple[float, float]]:
         """ClusterQueue -> (the wait p95 in seconds, the workloads admitted within the window). A single

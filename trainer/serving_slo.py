@@ -31,16 +31,15 @@ import ssl
 import sys
 import time
 import urllib.request
-from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import Gauge, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from supernode.core import observability as obs
 
-from .queue_wait import Buckets, growth, quantile
+from .queue_wait import Buckets, TrailingSnapshots, growth, quantile
 
 QUANTILE = 0.99  # the targets' percentile (inference.ttftTargetMs / itlTargetMs are p99)
 FINISHED, ERRORS = "finished", "errors"  # the request counter's two sums, kept as one-bucket "histograms"
@@ -90,22 +89,15 @@ class Slo:
     running: float
 
 
-@dataclass
-class Window:
-    seconds: float
-    snapshots: deque[Snapshot] = field(default_factory=deque)
-
+class Window(TrailingSnapshots):
     def add(self, snap: Snapshot) -> None:
-        last = self.snapshots[-1] if self.snapshots else None
+        last = self.last
         # A restarted server's counters: lower, or gone until its first request (a labelled series exists
         # only once observed).
-        if last is not None and any(
+        restarted = last is not None and any(
             key not in snap.counts or growth(snap.counts[key], old) is None for key, old in last.counts.items()
-        ):
-            self.snapshots.clear()
-        self.snapshots.append(snap)
-        while len(self.snapshots) > 1 and self.snapshots[1].at <= snap.at - self.seconds:
-            self.snapshots.popleft()  # one snapshot at or before the window's start stays: the base
+        )
+        super().add(snap, restarted)
 
     def models(self) -> dict[str, Slo]:
         """Model -> its SLO figures. A single snapshot says nothing about when its requests were made."""
