@@ -43,7 +43,7 @@ import pulumi_aws as aws
 from supernode.core import observability as obs
 from supernode.core.catalog import GIB
 from supernode.core.config import MonitoringConfig
-from supernode.core.plan import Plan
+from supernode.core.plan import InferencePlan, Plan
 
 from ..context import StackContext
 from .cluster import Cluster
@@ -793,6 +793,7 @@ def stack_dashboard(
                     checkpoint_window_s,
                     args.plan.hardware.vendor,
                     args.queues,
+                    _served(args),
                 )
             )
         ),
@@ -965,8 +966,10 @@ def dashboard(
     checkpoint_window_s: int,
     vendor: str,
     queues: Sequence[obs.TeamQueue] = (),
+    served: tuple[str, InferencePlan] | None = None,
 ) -> dict:
-    """The dashboard's body: the accelerators, failures, training, the queues, then operations and FSx."""
+    """The dashboard's body: the accelerators, failures, training, the queues, the served model (`served`:
+    its name and inference plan), then operations and FSx."""
     if vendor == "neuron":
         accelerators, hardware_errors = _neuron_widgets(region, cluster_name, m), []
     else:
@@ -978,9 +981,51 @@ def dashboard(
             *_failure_widgets(region, cluster_name, namespace, hardware_errors),
             *_training_widgets(region, trainer, throughput_floor, checkpoint_window_s),
             *_queue_widgets(region, cluster_name, m, queues),
+            *(_serving_widgets(region, cluster_name, m, *served) if served else ()),
             *_operations_widgets(region, namespace, fsx_id),
         ]
     }
+
+
+def _served(args: MonitoringArgs) -> tuple[str, InferencePlan] | None:
+    """The served model's name and inference plan, where the stack serves one."""
+    ip, model = args.plan.inference, args.serving_model
+    return None if ip is None or model is None else (model, ip)
+
+
+def _serving_widgets(region: str, cluster_name: str, m: MonitoringConfig, model: str, ip: InferencePlan) -> list[dict]:
+    """The SLO relay's gauges of the served model: p99 TTFT and ITL with their alarms' targets (the plan's
+    estimate in the title), requests and errors, and the queue of requests now."""
+    dims = obs.serving_dimensions(cluster_name, model)
+
+    def latency(what: str, metric: str, target_ms: float | None, estimate_ms: float) -> dict:
+        title = f"{model}: p99 {what} (s; plan estimates {estimate_ms / 1e3:.3g})"
+        target = None if target_ms is None else target_ms / 1e3
+        return _widget(region, title, [_series(metric, dims) + [{"stat": "Maximum"}]], target, f"{what} alarm")
+
+    return [
+        latency("TTFT", obs.SERVING_TTFT_P99, ip.ttft_target_ms, ip.ttft_ms),
+        latency("ITL", obs.SERVING_ITL_P99, ip.itl_target_ms, ip.itl_ms),
+        _widget(
+            region,
+            f"{model}: error ratio (requests finished in error)",
+            [_series(obs.SERVING_ERROR_RATIO, dims) + [{"stat": "Maximum"}]],
+            m.serving_error_rate_max,
+            "errors alarm",
+        ),
+        _widget(
+            region,
+            f"{model}: requests/s finished, requests waiting and running",
+            [
+                _series(metric, dims) + [{"stat": "Maximum", "label": label}]
+                for metric, label in (
+                    (obs.SERVING_REQUESTS_PER_S, "finished/s"),
+                    (obs.SERVING_REQUESTS_WAITING, "waiting"),
+                    (obs.SERVING_REQUESTS_RUNNING, "running"),
+                )
+            ],
+        ),
+    ]
 
 
 def _widget(region: str, title: str, metrics: list, annotation: float | None = None, label: str = "floor") -> dict:

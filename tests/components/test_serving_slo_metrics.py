@@ -161,3 +161,22 @@ def test_a_changed_target_moves_its_alarm_and_an_unset_one_has_none():
     assert set(found) == {obs.serving_slo_alarm("ttft", model), obs.serving_slo_alarm("errors", model)}
     assert found[obs.serving_slo_alarm("ttft", model)]["threshold"] == pytest.approx(1.5)
     assert found[obs.serving_slo_alarm("errors", model)]["threshold"] == pytest.approx(0.05)
+
+
+def test_the_dashboard_shows_the_models_slo_gauges_with_the_alarms_targets(stack, objs):
+    ip = build_plan(stack.result.stack, stack.cfg).inference
+    model = sv.serving_app(stack.result.stack)
+    dims = obs.serving_dimensions(stack.outputs["cluster_name"], model)
+    body = json.loads(stack.one("aws:cloudwatch/dashboard:Dashboard").inputs["dashboardBody"])
+    serving = [w["properties"] for w in body["widgets"] if w["properties"]["title"].startswith(f"{model}: ")]
+    series = [m for w in serving for m in w["metrics"]]
+    decls = declarations(objs)
+    # every relay gauge is shown, and each series is one the agent emits with the model's dimensions
+    assert {m[1] for m in series} == set(obs.SERVING_SLO_METRICS)
+    for m in series:
+        assert m[0] == obs.PROMETHEUS_NAMESPACE and dict(zip(m[2:-1:2], m[3:-1:2])) == dims, m
+        assert frozenset(dims) in _declared(decls, dims["job"], m[1])
+    lines = {w["metrics"][0][1]: w.get("annotations", {}).get("horizontal", [{}])[0].get("value") for w in serving}
+    assert lines[obs.SERVING_TTFT_P99] == (ip.ttft_target_ms and pytest.approx(ip.ttft_target_ms / 1e3))
+    assert lines[obs.SERVING_ITL_P99] == (ip.itl_target_ms and pytest.approx(ip.itl_target_ms / 1e3))
+    assert lines[obs.SERVING_ERROR_RATIO] == pytest.approx(stack.cfg.monitoring.serving_error_rate_max)
