@@ -9,6 +9,7 @@ from pydantic import Field
 
 from supernode.core.observability import (
     CHECKLIST_ALARMS,
+    SERVING_SLO_ALARMS,
     checklist_alarm,
     is_training_queue,
     job_failure_alarm,
@@ -82,15 +83,38 @@ def _queue_alarms(stack: Stack, alarms: list[Res], report: Report) -> None:
             )
 
 
+def _serving_alarms(stack: Stack, alarms: list[Res], report: Report) -> None:
+    """A stack that serves has its model's error-rate alarm, and a latency alarm for each target it sets:
+    a target nothing watches is a promise nobody checks."""
+    plan = stack.plan()
+    ip = plan.inference if plan else None
+    if ip is None:
+        return
+    wanted = {"ttft": ip.ttft_target_ms, "itl": ip.itl_target_ms, "errors": 0.0}  # errors: always watched
+    names = [str(a.get("name") or a.name) for a in alarms]
+    for purpose, target in wanted.items():
+        prefix = f"serving-{purpose}-"  # core.observability.serving_slo_alarm(purpose, <model>)
+        if target is not None and not any(n.startswith(prefix) or f"-{prefix}" in n for n in names):
+            key = {"ttft": "inference.ttftTargetMs", "itl": "inference.itlTargetMs"}.get(purpose)
+            report(
+                stack.plan_config_map(),
+                f"the stack serves a model but no CloudWatch alarm watches its {SERVING_SLO_ALARMS[purpose]}"
+                + (f" (target {target:g} ms, {key})" if key else "")
+                + f": none is named '<prefix>-{prefix}<model>'. Fix: keep the serving SLO alarms "
+                "(components/aws/monitoring.py, fed by supernode.trainer.serving_slo).",
+            )
+
+
 @POLICIES.stack(
     "monitoring-alarms",
     9,
-    "Accelerator-utilisation, node-not-ready and each training queue's wait and job-failure-rate alarms exist "
-    "and notify SNS.",
+    "Accelerator-utilisation, node-not-ready, each training queue's wait and job-failure-rate alarms and the "
+    "served model's latency and error alarms exist and notify SNS.",
 )
 def _alarms(stack: Stack, _conf: None, report: Report) -> None:
     alarms = stack.of(METRIC_ALARM)
     _queue_alarms(stack, alarms, report)
+    _serving_alarms(stack, alarms, report)
     groups = stack.gpu_node_groups()
     if not groups:
         return

@@ -260,6 +260,10 @@ def compliant_stack(cfg: StackConfig, plan: Plan) -> list[dict[str, Any]]:
             # the training queue's wait and its namespace's job failure rate (issue 36, item 5)
             ("queue-wait-gpu-h100", "supernode_queue_wait_p95_seconds"),
             ("job-failure-rate-training", "training_operator_jobs_failed_total"),
+            # the served model's SLO alarms (issue 38, item 4): p99 TTFT and ITL, error ratio
+            ("serving-ttft-test-vllm", "supernode_serving_ttft_p99_seconds"),
+            ("serving-itl-test-vllm", "supernode_serving_itl_p99_seconds"),
+            ("serving-errors-test-vllm", "supernode_serving_error_ratio"),
         )
     ]
     # Kueue's queues: training's ClusterQueue and serving's (which needs no wait alarm), a LocalQueue into each.

@@ -260,6 +260,19 @@ CASES: list[tuple[str, Callable, str, str]] = [
         "monitoring-alarms",
         "mandatory",
     ),
+    # a served model whose latency target or errors nobody watches (issue 38, item 4)
+    (
+        "no serving ITL alarm",
+        lambda s, c: without(s, T.METRIC_ALARM, "serving-itl-test-vllm"),
+        "monitoring-alarms",
+        "mandatory",
+    ),
+    (
+        "no serving error-rate alarm",
+        lambda s, c: without(s, T.METRIC_ALARM, "serving-errors-test-vllm"),
+        "monitoring-alarms",
+        "mandatory",
+    ),
     (
         "a team's queue without its alarms",
         lambda s, c: [
