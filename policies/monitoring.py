@@ -45,10 +45,14 @@ class LogRetention(PolicySettings):
 # -- 9. monitoring --------------------------------------------------------------------------------
 
 
+def _alarm_names(alarms: list[Res]) -> list[str]:
+    """The alarms' names: "<prefix>-<short>" on the stack's alarms (core.observability)."""
+    return [str(a.get("name") or a.name) for a in alarms]
+
+
 def _alarm_named(alarms: list[Res], short: str) -> bool:
-    """An alarm of this short name (the stack's alarms are "<prefix>-<short>", core.observability)."""
-    names = [str(a.get("name") or a.name) for a in alarms]
-    return any(n == short or n.endswith(f"-{short}") for n in names)
+    """An alarm of this short name."""
+    return any(n == short or n.endswith(f"-{short}") for n in _alarm_names(alarms))
 
 
 def _queue_alarms(stack: Stack, alarms: list[Res], report: Report) -> None:
@@ -90,17 +94,23 @@ def _serving_alarms(stack: Stack, alarms: list[Res], report: Report) -> None:
     ip = plan.inference if plan else None
     if ip is None:
         return
-    wanted = {"ttft": ip.ttft_target_ms, "itl": ip.itl_target_ms, "errors": 0.0}  # errors: always watched
-    names = [str(a.get("name") or a.name) for a in alarms]
-    for purpose, target in wanted.items():
+    required = [("errors", "")] + [  # errors always; a latency where its target is set
+        (purpose, f" (target {target:g} ms, inference.{key})")
+        for purpose, target, key in (
+            ("ttft", ip.ttft_target_ms, "ttftTargetMs"),
+            ("itl", ip.itl_target_ms, "itlTargetMs"),
+        )
+        if target is not None
+    ]
+    names = _alarm_names(alarms)
+    for purpose, target_text in required:
         prefix = f"serving-{purpose}-"  # core.observability.serving_slo_alarm(purpose, <model>)
-        if target is not None and not any(n.startswith(prefix) or f"-{prefix}" in n for n in names):
-            key = {"ttft": "inference.ttftTargetMs", "itl": "inference.itlTargetMs"}.get(purpose)
+        if not any(n.startswith(prefix) or f"-{prefix}" in n for n in names):
             report(
                 stack.plan_config_map(),
-                f"the stack serves a model but no CloudWatch alarm watches its {SERVING_SLO_ALARMS[purpose]}"
-                + (f" (target {target:g} ms, {key})" if key else "")
-                + f": none is named '<prefix>-{prefix}<model>'. Fix: keep the serving SLO alarms "
+                f"the stack serves a model but no CloudWatch alarm watches its "
+                f"{SERVING_SLO_ALARMS[purpose]}{target_text}: none is named '<prefix>-{prefix}<model>'. "
+                "Fix: keep the serving SLO alarms "
                 "(components/aws/monitoring.py, fed by supernode.trainer.serving_slo).",
             )
 
