@@ -72,9 +72,11 @@ class ServingBackend:
     # The environment variable the server reads its API key from (the cluster sets it from a Secret, so
     # the key is never in the pod's command line); requests to the API without it are refused.
     api_key_env: str = ""
-    # The local CPU build (supernode serve --local): its environment and memory fraction.
+    # The local CPU build (supernode serve --local): its environment and memory fraction, and the
+    # environment that gives each of a tensor-parallel server's ranks its own CPUs (a list per rank).
     cpu_env: Mapping[str, str] = field(default_factory=dict)
     cpu_memory_fraction: float = 1.0
+    cpu_ranks_env: Callable[[list[list[int]]], dict[str, str]] = lambda cpus: {}
 
     def command(self, python: str = "python3") -> list[str]:
         return [python, "-m", self.module]
@@ -143,6 +145,16 @@ def _vllm_flags(s: ServerSpec) -> list[str]:
     ]
 
 
+def _vllm_cpu_ranks_env(cpus: list[list[int]]) -> dict[str, str]:
+    """vLLM's CPU workers bind their OpenMP threads to one NUMA node each by default, so tp 2 on a machine
+    with one node fails ("Not enough allowed NUMA nodes"); an explicit list per rank works. None is held
+    back for the scheduler: on 2 cores each rank needs its own (measured, issue 38's note)."""
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, rank)) for rank in cpus),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+
+
 VLLM = ServingBackend(
     name="vllm",
     # vllm-cpu's `vllm` console script does not start: the module does, in either build.
@@ -163,6 +175,7 @@ VLLM = ServingBackend(
     # memory; 1 GiB of KV cache and 0.3 of "device" memory fit and are plenty for the demo model.
     cpu_env={"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"},
     cpu_memory_fraction=0.3,
+    cpu_ranks_env=_vllm_cpu_ranks_env,
 )
 
 BACKEND = VLLM  # what every serving path runs

@@ -238,6 +238,15 @@ class ServerFailed(Exception):
     """The server exited or never became healthy; the message carries its log's tail."""
 
 
+def rank_cpus(ranks: int) -> list[list[int]]:
+    """This process's CPUs split into `ranks` contiguous lists of equal size (a remainder left unused)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        raise BadInput(f"tensor parallel {ranks} on the CPU needs a core per rank; this machine gives {len(cpus)}")
+    per = len(cpus) // ranks
+    return [cpus[i * per : (i + 1) * per] for i in range(ranks)]
+
+
 @dataclass
 class LocalServer:
     """The backend's server on this machine for one exported model: `with LocalServer(...) as s: s.url`."""
@@ -252,6 +261,7 @@ class LocalServer:
     # HTTPS with a self-signed certificate made for this server (a CA of its own, 127.0.0.1 and localhost),
     # and an API key every API request must present (the cluster's setup, components/k8s/credentials.py).
     tls: bool = False
+    tp: int = 1  # tensor-parallel ranks, the machine's CPUs split evenly among them
     proc: subprocess.Popen | None = field(default=None, init=False)
     watchdog: subprocess.Popen | None = field(default=None, init=False)
     api_key: str | None = field(default=None, init=False)
@@ -296,6 +306,7 @@ class LocalServer:
             tokenizer=(self.model_dir / "tokenizer.json").is_file(),
             ssl_keyfile=key,
             ssl_certfile=cert,
+            tp=self.tp,
         )
         return BACKEND.command(str(self.python)) + BACKEND.flags(spec)
 
@@ -310,7 +321,7 @@ class LocalServer:
         self.port = self.port or free_port()
         self.log = self.log or self.model_dir.parent / f"{BACKEND.name}-{self.port}.log"
         command = self.command()  # the credentials first, when TLS
-        env = {**os.environ, **BACKEND.cpu_env}
+        env = {**os.environ, **BACKEND.cpu_env, **(BACKEND.cpu_ranks_env(rank_cpus(self.tp)) if self.tp > 1 else {})}
         if self.tls:  # the key in the server's env, not on its command line
             env[BACKEND.api_key_env] = self.api_key
             trust(self.url, self.ca_pem, self.api_key)
