@@ -30,11 +30,12 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server, write
 from supernode.core import observability as obs
 from supernode.core.checkpoints import COMPLETE, complete_checkpoints
 from supernode.core.errors import BadInput
+from supernode.core.observability import JSONL, read_records
 from supernode.core.plan import Plan
 
 from .log import LOG, write_through
 
-JSONL, PROM, LOSS_PNG, LOAD_PNG = "metrics.jsonl", "metrics.prom", "loss.png", "expert_load.png"
+PROM, LOSS_PNG, LOAD_PNG = "metrics.prom", "loss.png", "expert_load.png"
 
 
 def _finite_or_none(value):
@@ -44,23 +45,6 @@ def _finite_or_none(value):
     if isinstance(value, list):
         return [_finite_or_none(v) for v in value]
     return value
-
-
-def read_records(path: str | Path) -> list[dict]:
-    """Every parseable record of a metrics file. A torn line (a kill or a full disk mid-append) is
-    skipped, not fatal: it must never block a resume or a summary."""
-    recs = []
-    p = Path(path)
-    if not p.exists():
-        return recs
-    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            recs.append(rec)
-    return recs
 
 
 def load_imbalance(expert_load: torch.Tensor) -> list[float]:

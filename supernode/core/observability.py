@@ -14,8 +14,10 @@ phrases that the log alarms match. Plain strings, so the core stays free of pulu
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from supernode.core import teams as team_names
@@ -451,3 +453,25 @@ class TrainerLine:
 
 
 METRICS_LINE_EVERY_S = 60.0
+
+
+# A run's metrics file: one JSON record per logged step (supernode.trainer.metrics writes it). Read here, in
+# the core, so that what only reads it (the CLI's summary, the management page) imports no torch.
+JSONL = "metrics.jsonl"
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Every parseable record of a metrics file. A torn line (a kill or a full disk mid-append) is
+    skipped, not fatal: it must never block a resume or a summary."""
+    recs = []
+    p = Path(path)
+    if not p.exists():
+        return recs
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            recs.append(rec)
+    return recs

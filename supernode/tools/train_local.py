@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from supernode.core.errors import EXIT_FAILED, EXIT_INTERRUPTED
+from supernode.core.observability import read_records  # a torn last line must not break the summary
 from supernode.core.plan import Plan
 from supernode.core.processes import die_with_parent
 from supernode.core.runs import RunChoice
@@ -132,7 +133,6 @@ def launch(
 
 def summary(out: Path, plan: Plan, checkpoints: Path | None = None) -> None:
     """`out`: the run's directory (its metrics and plots); `checkpoints`: its checkpoints."""
-    from supernode.trainer.metrics import read_records  # a torn last line must not break the summary
 
     records = read_records(out / "metrics.jsonl")
     recs = [r for r in records if isinstance(r.get("loss"), (int, float))]

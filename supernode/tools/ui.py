@@ -565,7 +565,7 @@ class UiApp:
                 except ValueError:
                     plan = None
             values["figures"] = plan_figures(plan) if plan else None
-            from supernode.trainer.metrics import JSONL, read_records
+            from supernode.core.observability import JSONL, read_records
 
             records = read_records(files.run / JSONL)
             curves = (
