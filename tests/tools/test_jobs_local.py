@@ -194,7 +194,8 @@ def losses(home: Path, name: str) -> dict[int, float]:
 @pytest.mark.slow
 def test_a_high_priority_job_preempts_a_low_one_which_resumes_to_the_uninterrupted_loss(tmp_path):
     home, alone = tmp_path / "home", tmp_path / "alone"
-    low, high = job_file(tmp_path, "low", "low", 60), job_file(tmp_path, "high", "high", 20)
+    # 40 steps: preempted at step 5 or soon after, low has 35 left to spare
+    low, high = job_file(tmp_path, "low", "low", 40), job_file(tmp_path, "high", "high", 20)
     # The reference: the same job file, never interrupted.
     cli("submit", "--stack", "dev", "--local", str(low), home=alone)
     cli("wait", "low", "--local", home=alone)
@@ -213,12 +214,12 @@ def test_a_high_priority_job_preempts_a_low_one_which_resumes_to_the_uninterrupt
     log = (home / "jobs" / "low" / "log").read_text()
     stopped = int(log.split("SIGTERM: stopped after step ")[1].split(" ")[0])
     assert f"SIGTERM: stopped after step {stopped} with a checkpoint" in log
-    assert 5 <= stopped < 60 and f"resumed from checkpoint at step {stopped}" in log
+    assert 5 <= stopped < 40 and f"resumed from checkpoint at step {stopped}" in log
     # high ran while low waited: it started after low stopped and ended before low resumed
     hi_log = (home / "jobs" / "high" / "log").read_text()
     assert "attempt 1" in hi_log and "attempt 2" in log
-    assert losses(home, "low")[60] == pytest.approx(losses(alone, "low")[60], rel=1e-5)
-    assert (lo["step"], lo["last_checkpoint"], lo["queue_position"]) == (60, 60, None)
+    assert losses(home, "low")[40] == pytest.approx(losses(alone, "low")[40], rel=1e-5)
+    assert (lo["step"], lo["last_checkpoint"], lo["queue_position"]) == (40, 40, None)
 
     listed = json.loads(cli("list", "--local", "--json", home=home).stdout)
     assert [j["name"] for j in listed] == ["low", "high"]
