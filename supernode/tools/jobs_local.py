@@ -43,6 +43,7 @@ from supernode.core.config.schema import TrainingOverride
 from supernode.core.errors import EXIT_INTERRUPTED, BadInput, ConfigError
 from supernode.core.jobs import FINAL_STATES, PRIORITIES, JobSpec, JobStatus, job_config
 from supernode.core.layout import P
+from supernode.core.observability import JSONL
 from supernode.core.outdir import OutDirLock
 from supernode.core.plan import Plan, build_local_plan
 from supernode.core.processes import die_with_parent
@@ -510,7 +511,7 @@ def _progress(home: Path, name: str, known: tuple) -> tuple:
     """(step, loss, tokens/s, newest complete checkpoint step) of the job's run; `known` where none."""
     run = run_dir(job_dir(home, name), name)
     step, loss, tps, ckpt = known
-    last = _last_record(run / "metrics.jsonl")
+    last = _last_record(run / JSONL)
     if last is not None:
         step, loss, tps = last.get("step", step), last.get("loss", loss), last.get("tokens_per_s", tps)
     done = complete_checkpoints(run / "checkpoints") if (run / "checkpoints").is_dir() else []

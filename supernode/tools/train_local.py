@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from supernode.core.errors import EXIT_FAILED, EXIT_INTERRUPTED
-from supernode.core.observability import read_records  # a torn last line must not break the summary
+from supernode.core.observability import JSONL, read_records  # a torn last line must not break the summary
 from supernode.core.plan import Plan
 from supernode.core.processes import die_with_parent
 from supernode.core.runs import RunChoice
@@ -133,8 +133,7 @@ def launch(
 
 def summary(out: Path, plan: Plan, checkpoints: Path | None = None) -> None:
     """`out`: the run's directory (its metrics and plots); `checkpoints`: its checkpoints."""
-
-    records = read_records(out / "metrics.jsonl")
+    records = read_records(out / JSONL)
     recs = [r for r in records if isinstance(r.get("loss"), (int, float))]
     # A step whose update was skipped (non-finite) has no loss: the summary must not hide it.
     skipped = sum(1 for r in records if r.get("skipped"))
@@ -143,7 +142,7 @@ def summary(out: Path, plan: Plan, checkpoints: Path | None = None) -> None:
         first, last = recs[0], recs[-1]
         print(
             f"loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}); {note}"
-            f"{last['tokens_per_s']:,.0f} tokens/s; metrics {out / 'metrics.jsonl'}, plots {out}/loss.png, "
+            f"{last['tokens_per_s']:,.0f} tokens/s; metrics {out / JSONL}, plots {out}/loss.png, "
             f"{out}/expert_load.png; checkpoints {checkpoints or out / 'checkpoints'}"
         )
         # The median step (the first one compiles and warms up) next to the plan's estimate: the same
